@@ -1,0 +1,1 @@
+"""Consort engine: a paged-KV continuous-batching LLM engine (one per specialist)."""

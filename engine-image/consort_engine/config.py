@@ -1,0 +1,26 @@
+"""Engine configuration: one specialist's engine, fixed at start-up."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EngineConfig:
+    model: str                          # checkpoint dir: config.json, *.safetensors, tokenizer.json
+    name: str = "default"               # specialist name: stamped on responses, part of the prefix-cache key
+    device: str = "cpu"                 # cpu | cuda
+    dtype: str = "auto"                 # auto (fp32 on cpu, bf16 on cuda) | float32 | bfloat16 | float16
+    block_size: int = 16                # tokens per KV block (8 for prefix-heavy specialists)
+    num_blocks: int | None = None       # None: size the pool from free memory after weights + reserve
+    kv_memory_fraction: float = 0.5     # share of free memory (after weights) the pool may take when sizing
+    max_model_len: int | None = None    # None: the checkpoint's max_position_embeddings
+    max_num_seqs: int = 128             # running sequences per step
+    max_num_batched_tokens: int = 2048  # per-step token budget (decode tokens + prefill chunks)
+    preempt_watermark: float = 0.05     # preempt until this fraction of the pool is free, never just one block
+    max_waiting: int = 1024             # waiting-queue bound: beyond it, 429 queue_full
+    enable_prefix_caching: bool = True
+    speculative: str = "off"            # off | ngram | mtp  (next issue)
+    num_speculative_tokens: int = 3
+    adapters: dict[str, str] = field(default_factory=dict)  # name -> PEFT dir (next issue)
+    max_adapters: int = 4
+    seed: int = 0

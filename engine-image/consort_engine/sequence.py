@@ -1,0 +1,109 @@
+"""A request's life inside one engine: tokens, KV bookkeeping and sampling parameters.
+
+The scheduler and block manager mutate these; the model runner only reads them.
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+_ids = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"      # queued (new, or preempted and waiting to recompute)
+    RUNNING = "running"      # holds KV blocks, scheduled every step
+    FINISHED = "finished"    # stopped (eos, length, stop string, abort); blocks released
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                 # 0 = off
+    typical_p: float = 1.0         # 1.0 = off
+    seed: int | None = None
+    max_tokens: int = 16
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None    # None = no logprobs; k = chosen token + top-k
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class Sequence:
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    priority: int = 0                       # higher runs first
+    arrival: float = field(default_factory=time.monotonic)
+    deadline: float | None = None           # monotonic seconds by which the first token must be out
+    adapter: str | None = None              # LoRA adapter name; part of the prefix-cache key and batch grouping
+    seq_id: int = field(default_factory=lambda: next(_ids))
+
+    token_ids: list[int] = field(init=False)          # prompt + generated
+    num_computed_tokens: int = 0                       # tokens whose K/V sit in the pool
+    num_cached_tokens: int = 0                         # of those, reused from the prefix cache at admission
+    block_table: list[int] = field(default_factory=list)  # logical block i -> physical block id
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None                   # stop | length | abort
+    num_preemptions: int = 0
+    output_logprobs: list = field(default_factory=list)  # per generated token, when requested
+    first_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens still to run through the model before the next one can be sampled."""
+        return self.num_tokens - self.num_computed_tokens
+
+
+@dataclass
+class ScheduledBatch:
+    """One engine step: the scheduler's output and the model runner's input.
+
+    For each sequence, `num_new_tokens[i]` tokens starting at `seqs[i].num_computed_tokens`
+    are run through the model this step (a prefill chunk, or 1 for decode; 1 + K for
+    spec_verify). Blocks covering them are already allocated in `seq.block_table`.
+    `sample[i]` says whether the step ends at the sequence's last token (a token is sampled);
+    a non-final prefill chunk is computed but not sampled.
+    """
+    seqs: list[Sequence]
+    num_new_tokens: list[int]
+    sample: list[bool]
+    mode: str = "decode"                       # prefill | decode | mixed | spec_verify
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def __len__(self) -> int:
+        return len(self.seqs)

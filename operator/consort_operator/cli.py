@@ -1,0 +1,43 @@
+"""The `consort` command: one entry point, each subcommand owned by the package that implements it.
+
+Subcommands are imported lazily so `consort router` never pays for torch and `consort crds`
+never pays for either.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+
+# subcommand -> (module exposing `main(argv: list[str]) -> int`, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "engine": ("consort_engine.server", "run one specialist's paged-KV engine (OpenAI-compatible HTTP)"),
+    "router": ("consort_router.server", "run the ensemble router (OpenAI-compatible HTTP)"),
+    "operator": ("consort_operator.main", "run the Kopf operator against the current kubeconfig"),
+    "up": ("consort_operator.local", "run Specialists and an EnsembleRouter from manifests as local processes"),
+    "crds": ("consort_operator.api.crds", "print the CRD YAML generated from the pydantic models"),
+    "demo-model": ("consort_engine.demo_model", "write a small Llama-family checkpoint + tokenizer"),
+    "bench": ("consort_engine.bench", "benchmarks: `offline` (engine vs transformers), `serve` (HTTP latency)"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: consort <command> [args...]", "", "commands:"]
+    lines += [f"  {name:<11} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in SUBCOMMANDS:
+        print(f"consort: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(SUBCOMMANDS[name][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
