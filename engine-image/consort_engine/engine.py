@@ -1,0 +1,200 @@
+"""LLMEngine: the single-threaded step loop tying scheduler, model runner and sampler together.
+
+No asyncio here: the server runs the engine in one dedicated thread and funnels add/abort into
+it between steps. Step times are measured and smoothed (EWMA) so admission can estimate
+time-to-first-token from live state.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .admission import StepEstimates
+from .block_manager import BlockManager, blocks_for
+from .config import EngineConfig
+from .scheduler import Scheduler, StepOutput
+from .sequence import SamplingParams, ScheduledBatch, Sequence
+
+__all__ = ["AdmissionRejected", "LLMEngine", "StepOutput"]
+
+PREEMPTING_WINDOW_S = 10.0   # `preempting` in stats: a preemption happened this recently
+EWMA_ALPHA = 0.2
+
+
+class AdmissionRejected(Exception):
+    """A request the engine will not queue now. `permanent`: retrying cannot help."""
+
+    def __init__(self, code: str, retry_after_ms: int, message: str, permanent: bool = False) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.retry_after_ms = retry_after_ms
+        self.message = message
+        self.permanent = permanent
+
+
+@dataclass
+class Ewma:
+    alpha: float = EWMA_ALPHA
+    value: float = 0.0
+    count: int = 0
+
+    def update(self, x: float) -> None:
+        self.value = x if self.count == 0 else self.value + self.alpha * (x - self.value)
+        self.count += 1
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, runner=None, sampler=None) -> None:
+        if runner is None:
+            from .model_runner import ModelRunner
+            runner = ModelRunner(config)
+        if sampler is None:
+            from .sampler import Sampler
+            sampler = Sampler()
+        self.config = config
+        self.runner = runner
+        self.sampler = sampler
+        self.max_model_len: int = runner.max_model_len
+        self.block_manager = BlockManager(runner.num_blocks, runner.block_size, namespace=config.name,
+                                          enable_caching=config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.block_manager, eos_token_ids=runner.eos_token_ids,
+                                   max_model_len=self.max_model_len)
+        self.warm = False
+        self.warmup_s: float | None = None
+        self._warmup_started: float | None = None
+
+        self.num_steps = 0
+        self.last_batch: ScheduledBatch | None = None
+        self._step_time = Ewma()
+        self._decode_step = Ewma()
+        self._prefill_tokens = Ewma()     # ratio of EWMAs = prefill throughput
+        self._prefill_time = Ewma()
+        self._sched_overhead = Ewma()     # schedule + postprocess, per step
+
+    # ------------------------------------------------------------------ lifecycle
+    def warmup(self) -> None:
+        """Run the model's warm-up shapes; add_request rejects with `warming` until done."""
+        self._warmup_started = time.monotonic()
+        self.runner.warmup()
+        self.warmup_s = time.monotonic() - self._warmup_started
+        self.warm = True
+
+    # ------------------------------------------------------------------ requests
+    def validate(self, seq: Sequence) -> None:
+        """Requests that can never run: ValueError (bad input) or a permanent AdmissionRejected."""
+        if seq.num_prompt_tokens == 0:
+            raise ValueError("prompt is empty")
+        if seq.sampling.max_tokens <= 0:
+            raise ValueError("max_tokens must be positive")
+        if seq.num_tokens >= self.max_model_len:
+            raise ValueError(f"prompt has {seq.num_tokens} tokens; the context is {self.max_model_len} "
+                             f"and at least one token must be generated")
+        need = blocks_for(seq.num_tokens + self.scheduler.num_lookahead, self.block_manager.block_size)
+        if need > self.block_manager.num_blocks:
+            raise AdmissionRejected("kv_capacity", 0, f"prompt needs {need} KV blocks, the pool has "
+                                    f"{self.block_manager.num_blocks}", permanent=True)
+
+    def estimates(self) -> StepEstimates:
+        tps = self._prefill_tokens.value / self._prefill_time.value if self._prefill_time.value > 0 else 0.0
+        decode = self._decode_step.value if self._decode_step.count else self._step_time.value
+        return StepEstimates(decode_step_s=decode, prefill_tokens_per_s=tps)
+
+    def add_request(self, seq: Sequence) -> None:
+        """Queue a request, or raise ValueError (bad input) / AdmissionRejected (overload)."""
+        self.validate(seq)
+        elapsed = time.monotonic() - self._warmup_started if self._warmup_started else 0.0
+        rejection = self.scheduler.check_admission(seq, self.estimates(), warm=self.warm,
+                                                   warming_elapsed_s=elapsed)
+        if rejection is not None:
+            raise AdmissionRejected(rejection.code, rejection.retry_after_ms, rejection.message,
+                                    rejection.permanent)
+        self.scheduler.add(seq)
+
+    def abort(self, seq_id: int, reason: str = "abort") -> None:
+        """Cancel a request (client gone, stop string matched): its KV blocks are free at once."""
+        seq = self.scheduler.abort(seq_id)
+        if seq is not None:
+            seq.finish_reason = reason
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------ the loop
+    def step(self) -> list[StepOutput]:
+        t0 = time.perf_counter()
+        batch = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        if not batch.seqs:
+            self.last_batch = batch
+            return []
+        logits = self.runner.execute(batch)
+        sampled_seqs = [s for s, flag in zip(batch.seqs, batch.sample) if flag]
+        if sampled_seqs:
+            token_ids, logprobs = self.sampler.sample(logits, sampled_seqs)
+            if isinstance(token_ids, torch.Tensor):
+                token_ids = token_ids.tolist()
+        else:
+            token_ids, logprobs = [], None
+        t2 = time.perf_counter()
+        outputs = self.scheduler.postprocess(batch, token_ids, logprobs)
+        t3 = time.perf_counter()
+        self.last_batch = batch
+        self._record(batch, t3 - t0, (t1 - t0) + (t3 - t2))
+        return outputs
+
+    def _record(self, batch: ScheduledBatch, step_s: float, overhead_s: float) -> None:
+        self.num_steps += 1
+        self._step_time.update(step_s)
+        self._sched_overhead.update(overhead_s)
+        if batch.mode == "decode":
+            self._decode_step.update(step_s)
+        else:
+            prefill_tokens = sum(n for n, flag in zip(batch.num_new_tokens, batch.sample) if n > 1 or not flag)
+            if prefill_tokens:
+                self._prefill_tokens.update(prefill_tokens)
+                self._prefill_time.update(step_s)
+
+    # ------------------------------------------------------------------ offline API
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+        """Run a batch of token-id prompts to completion; generated token ids, in prompt order."""
+        if not self.warm:
+            self.warmup()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        seqs = [Sequence(list(p), sp) for p, sp in zip(prompts, params, strict=True)]
+        for seq in seqs:
+            self.validate(seq)
+        for seq in seqs:       # offline: no queue bound, no deadline; the loop drains it
+            self.scheduler.add(seq)
+        while any(not s.is_finished for s in seqs):
+            self.step()
+            if not self.last_batch.seqs:
+                raise RuntimeError("scheduler made no progress with unfinished requests")
+        return [s.output_token_ids for s in seqs]
+
+    # ------------------------------------------------------------------ observability
+    def stats(self) -> dict:
+        bm = self.block_manager
+        sched = self.scheduler
+        last = sched.last_preemption_time
+        est = self.estimates()
+        return {
+            "running": sched.num_running,
+            "waiting": sched.num_waiting,
+            "kv_total_blocks": bm.num_blocks,
+            "kv_free_blocks": bm.num_free_blocks,
+            "kv_cached_blocks": bm.num_cached_blocks,
+            "kv_usage": bm.num_used_blocks / bm.num_blocks,
+            "preempting": last is not None and time.monotonic() - last < PREEMPTING_WINDOW_S,
+            "num_preemptions": sched.num_preemptions,
+            "prefix_cache_queries": bm.prefix_queries,
+            "prefix_cache_hits": bm.prefix_hits,
+            "step_time_ewma_s": self._step_time.value,
+            "prefill_tokens_per_s": est.prefill_tokens_per_s,
+            "decode_step_s": est.decode_step_s,
+            "scheduler_overhead_s": self._sched_overhead.value,
+            "num_steps": self.num_steps,
+            "warm": self.warm,
+        }

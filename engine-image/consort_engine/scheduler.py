@@ -1,0 +1,349 @@
+"""Continuous-batching scheduler: admit, batch, preempt, commit. One per engine.
+
+Each step: (0) a strictly higher-priority waiter that cannot get in preempts lower-priority
+runners down to a free-pool watermark; (1) running decodes, highest priority first, growing
+their block tables (a decode that finds no block preempts the lowest-priority, latest runner,
+possibly itself); (2) running chunked prefills; (3) admission from the waiting heap in
+(priority DESC, arrival ASC) order while the token budget, the seat limit and the pool allow.
+Preemption is recompute: blocks are freed (their full blocks stay in the prefix cache, so the
+recompute mostly hits), generated tokens are kept and recomputed with the prompt.
+"""
+from __future__ import annotations
+
+import bisect
+import heapq
+import sys
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from .admission import (AdmissionRequest, QueueSnapshot, Rejection, StepEstimates,
+                        decide_admission)
+from .block_manager import BlockManager, blocks_for
+from .config import EngineConfig
+from .sequence import ScheduledBatch, Sequence, SequenceStatus
+
+_RUNNING = SequenceStatus.RUNNING
+_WAITING = SequenceStatus.WAITING
+_FINISHED = SequenceStatus.FINISHED
+
+
+@dataclass
+class StepOutput:
+    seq_id: int
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    logprobs: list | None = None     # per new token, whatever the sampler returned
+
+
+def run_order(seq: Sequence) -> tuple[int, float, int]:
+    """Running and waiting order: priority DESC, arrival ASC (seq_id breaks exact ties)."""
+    return (-seq.priority, seq.arrival, seq.seq_id)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager,
+                 eos_token_ids: Iterable[int] = (), max_model_len: int | None = None) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.eos_token_ids: set[int] = set(eos_token_ids)
+        self.max_model_len = max_model_len or sys.maxsize
+        # Tokens one decode step may add: 1, or 1 + K when speculating (verify the draft window).
+        spec = config.speculative != "off"
+        self.decode_span = 1 + (config.num_speculative_tokens if spec else 0)
+        self.num_lookahead = self.decode_span
+        self.watermark_blocks = max(1, int(config.preempt_watermark * block_manager.num_blocks + 0.999999))
+
+        self.running: list[Sequence] = []          # kept sorted by run_order: victims at the tail
+        self._heap: list[tuple[int, float, int, Sequence]] = []
+        self._waiting: dict[int, Sequence] = {}     # heap entries not in here are stale (aborted)
+        self._waiting_load: dict[int, list[int]] = {}  # priority -> [prefill tokens, blocks needed]
+
+        self.num_preemptions = 0
+        self.last_preemption_time: float | None = None
+
+    # ------------------------------------------------------------------ queue
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running or self._waiting)
+
+    def waiting_in_order(self) -> list[Sequence]:
+        return sorted(self._waiting.values(), key=run_order)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = _WAITING
+        self._push_waiting(seq)
+
+    def _waiting_cost(self, seq: Sequence) -> tuple[int, int]:
+        return seq.num_tokens, blocks_for(seq.num_tokens + self.num_lookahead, self.block_manager.block_size)
+
+    def _push_waiting(self, seq: Sequence) -> None:
+        heapq.heappush(self._heap, (-seq.priority, seq.arrival, seq.seq_id, seq))
+        self._waiting[seq.seq_id] = seq
+        tokens, blocks = self._waiting_cost(seq)
+        load = self._waiting_load.setdefault(seq.priority, [0, 0])
+        load[0] += tokens
+        load[1] += blocks
+
+    def _remove_waiting(self, seq: Sequence) -> None:
+        del self._waiting[seq.seq_id]
+        tokens, blocks = self._waiting_cost(seq)
+        load = self._waiting_load[seq.priority]
+        load[0] -= tokens
+        load[1] -= blocks
+        if load[1] == 0:
+            del self._waiting_load[seq.priority]
+
+    def _peek_waiting(self) -> Sequence | None:
+        heap = self._heap
+        while heap and heap[0][2] not in self._waiting:
+            heapq.heappop(heap)
+        return heap[0][3] if heap else None
+
+    def _pop_waiting(self) -> Sequence:
+        seq = heapq.heappop(self._heap)[3]
+        self._remove_waiting(seq)
+        return seq
+
+    # ------------------------------------------------------------------ cancel / finish
+    def abort(self, seq_id: int) -> Sequence | None:
+        """Cancel a request; its blocks go back to the pool at once."""
+        seq = self._waiting.get(seq_id)
+        if seq is not None:
+            self._remove_waiting(seq)
+            if len(self._heap) > 2 * len(self._waiting) + 64:   # drop stale heap entries
+                self._heap = [e for e in self._heap if e[2] in self._waiting]
+                heapq.heapify(self._heap)
+        else:
+            seq = next((s for s in self.running if s.seq_id == seq_id), None)
+            if seq is None:
+                return None
+            self.running.remove(seq)
+            self.block_manager.free(seq)
+        seq.status = _FINISHED
+        seq.finish_reason = "abort"
+        return seq
+
+    def _preempt(self, seq: Sequence, preempted: list[Sequence]) -> None:
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_cached_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = _WAITING
+        self._push_waiting(seq)
+        preempted.append(seq)
+        self.num_preemptions += 1
+        self.last_preemption_time = time.monotonic()
+
+    # ------------------------------------------------------------------ schedule
+    def schedule(self) -> ScheduledBatch:
+        bm = self.block_manager
+        running = self.running
+        budget = self.config.max_num_batched_tokens
+        span = self.decode_span
+        seqs: list[Sequence] = []
+        nums: list[int] = []
+        sample: list[bool] = []
+        preempted: list[Sequence] = []
+
+        # (0) priority preemption for the head of the queue.
+        head = self._peek_waiting()
+        if head is not None and running and head.priority > running[-1].priority:
+            self._preempt_for(head, preempted)
+
+        # (1) decodes, highest priority first; victims are always later in this order.
+        prefilling: list[Sequence] = []
+        decode_preempted = False
+        i = 0
+        while i < len(running):
+            seq = running[i]
+            i += 1
+            n = seq.num_tokens - seq.num_computed_tokens
+            if n > span:
+                prefilling.append(seq)
+                continue
+            if n > budget:
+                continue
+            need = bm.slots_needed(seq, n)
+            if need > bm.num_free_blocks:
+                decode_preempted = True
+                if not self._preempt_for_decode(seq, need, preempted):
+                    break          # seq itself was the last victim; everything after it is gone too
+            if need:
+                bm.append_slots(seq, n)
+            seqs.append(seq)
+            nums.append(n)
+            sample.append(True)
+            budget -= n
+        num_decodes = len(seqs)
+
+        # (2) chunked prefills of running seqs (blocks were allocated at admission).
+        for seq in prefilling:
+            if budget <= 0:
+                break
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            n = remaining if remaining <= budget else budget
+            seqs.append(seq)
+            nums.append(n)
+            sample.append(n == remaining)
+            budget -= n
+
+        # (3) admission. Not in a step where decodes had to be preempted for memory.
+        # Seqs preempted for a higher-priority waiter are not readmitted in the same step.
+        if not decode_preempted:
+            max_seqs = self.config.max_num_seqs
+            floor = max(v.priority for v in preempted) if preempted else None
+            while budget > 0 and len(running) < max_seqs:
+                head = self._peek_waiting()
+                if head is None or (floor is not None and head.priority <= floor):
+                    break
+                if not bm.try_allocate(head, self.num_lookahead):
+                    break
+                self._pop_waiting()
+                head.status = _RUNNING
+                bisect.insort(running, head, key=run_order)
+                remaining = head.num_tokens - head.num_computed_tokens
+                n = remaining if remaining <= budget else budget
+                seqs.append(head)
+                nums.append(n)
+                sample.append(n == remaining)
+                budget -= n
+
+        num_prefills = len(seqs) - num_decodes
+        mode = "mixed" if num_decodes and num_prefills else ("prefill" if num_prefills else "decode")
+        if len(seqs) > 1 and any(s.adapter is not None for s in seqs):
+            # Group by adapter (stable: decodes stay ahead of prefills inside each group).
+            order = sorted(range(len(seqs)), key=lambda k: seqs[k].adapter or "")
+            seqs = [seqs[k] for k in order]
+            nums = [nums[k] for k in order]
+            sample = [sample[k] for k in order]
+        return ScheduledBatch(seqs=seqs, num_new_tokens=nums, sample=sample, mode=mode, preempted=preempted)
+
+    def _preempt_for_decode(self, seq: Sequence, need: int, preempted: list[Sequence]) -> bool:
+        """Free blocks for a decode by preempting from the tail (lowest priority, latest arrival)
+        until the watermark is free. False when seq itself had to go."""
+        bm = self.block_manager
+        running = self.running
+        target = need + self.watermark_blocks
+        while bm.num_free_blocks < target and running[-1] is not seq:
+            self._preempt(running.pop(), preempted)
+        if need <= bm.num_free_blocks:
+            return True
+        assert running[-1] is seq
+        self._preempt(running.pop(), preempted)
+        return False
+
+    def _preempt_for(self, head: Sequence, preempted: list[Sequence]) -> None:
+        """A strictly higher-priority waiter that cannot be admitted preempts lower-priority
+        runners until it fits with a watermark of free blocks to spare (never just one block,
+        or the next decode step would preempt again)."""
+        bm = self.block_manager
+        running = self.running
+        need = bm.blocks_needed_to_allocate(head, self.num_lookahead)
+        seats_full = len(running) >= self.config.max_num_seqs
+        if need <= bm.num_free_blocks and not seats_full:
+            return
+        victims = [s for s in running if s.priority < head.priority]
+        freeable = sum(1 for s in victims for b in s.block_table if bm.ref_count[b] == 1)
+        if need > bm.num_free_blocks + freeable:
+            return     # even preempting every lower-priority runner would not admit it
+        target = need + self.watermark_blocks
+        while (running and running[-1].priority < head.priority
+               and (bm.num_free_blocks < target or len(running) >= self.config.max_num_seqs)):
+            self._preempt(running.pop(), preempted)
+
+    # ------------------------------------------------------------------ commit
+    def postprocess(self, batch: ScheduledBatch, sampled_token_ids: list[int],
+                    logprobs: list | None = None) -> list[StepOutput]:
+        """Commit one step: advance computed tokens, append sampled tokens (one per row with
+        batch.sample[i], in batch order), finish and free what stopped."""
+        bm = self.block_manager
+        eos = self.eos_token_ids
+        max_len = self.max_model_len
+        outputs: list[StepOutput] = []
+        now = time.monotonic()
+        finished_any = False
+        j = 0
+        for seq, n, sampled in zip(batch.seqs, batch.num_new_tokens, batch.sample):
+            if seq.status is not _RUNNING:      # aborted between schedule and commit
+                j += sampled
+                continue
+            seq.num_computed_tokens += n
+            if not sampled:
+                bm.cache_computed_blocks(seq)
+                continue
+            token = sampled_token_ids[j]
+            lp = logprobs[j] if logprobs is not None else None
+            j += 1
+            seq.token_ids.append(token)
+            if lp is not None:
+                seq.output_logprobs.append(lp)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            sp = seq.sampling
+            if token in eos and not sp.ignore_eos:
+                reason = "stop"
+            elif sp.stop_token_ids and token in sp.stop_token_ids:
+                reason = "stop"
+            elif seq.num_tokens - seq.num_prompt_tokens >= sp.max_tokens or seq.num_tokens >= max_len:
+                reason = "length"
+            else:
+                reason = None
+            if reason is None:
+                bm.cache_computed_blocks(seq)
+            else:
+                seq.status = _FINISHED
+                seq.finish_reason = reason
+                bm.free(seq)
+                finished_any = True
+            outputs.append(StepOutput(seq.seq_id, [token], reason is not None, reason,
+                                      [lp] if lp is not None else None))
+        if finished_any:
+            self.running = [s for s in self.running if s.status is _RUNNING]
+        return outputs
+
+    # ------------------------------------------------------------------ admission
+    def queue_snapshot(self, seq: Sequence, warm: bool = True, warming_elapsed_s: float = 0.0) -> QueueSnapshot:
+        """Live queue state as seen by `seq`: what is ahead of it, what it could preempt."""
+        bm = self.block_manager
+        tokens_ahead = blocks_ahead = 0
+        for prio, (tokens, blocks) in self._waiting_load.items():
+            if prio >= seq.priority:
+                tokens_ahead += tokens
+                blocks_ahead += blocks
+        preemptible = 0
+        release: list[tuple[int, int]] = []
+        for s in self.running:
+            pending = s.num_tokens - s.num_computed_tokens
+            if pending > self.decode_span:      # mid-prefill: its chunks share the token budget
+                tokens_ahead += pending
+            if s.priority < seq.priority:
+                preemptible += len(s.block_table)
+            else:
+                left = min(s.sampling.max_tokens - s.num_output_tokens, self.max_model_len - s.num_tokens)
+                release.append((max(1, left), len(s.block_table)))
+        return QueueSnapshot(num_blocks=bm.num_blocks, free_blocks=bm.num_free_blocks,
+                             num_waiting=len(self._waiting), max_waiting=self.config.max_waiting,
+                             tokens_ahead=tokens_ahead, blocks_ahead=blocks_ahead,
+                             preemptible_blocks=preemptible, running_release=tuple(release),
+                             warm=warm, warming_elapsed_s=warming_elapsed_s)
+
+    def check_admission(self, seq: Sequence, estimates: StepEstimates = StepEstimates(),
+                        warm: bool = True, warming_elapsed_s: float = 0.0,
+                        now: float | None = None) -> Rejection | None:
+        """Would `seq` be admitted to the queue? None, or a typed rejection with retry-after."""
+        now = time.monotonic() if now is None else now
+        req = AdmissionRequest(
+            num_tokens=seq.num_tokens,
+            blocks_needed=blocks_for(seq.num_tokens + self.num_lookahead, self.block_manager.block_size),
+            priority=seq.priority,
+            deadline_in_s=None if seq.deadline is None else seq.deadline - now)
+        return decide_admission(req, self.queue_snapshot(seq, warm, warming_elapsed_s), estimates)
