@@ -1,0 +1,116 @@
+"""Prometheus metrics with vLLM's names (dashboards and benchmark tools work unchanged), consort_* for the rest.
+
+Each app gets its own registry. Engine-wide gauges and counters are read from the engine thread's
+latest stats snapshot at scrape time; per-request histograms are observed by the server.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+# vLLM's buckets, so histograms line up with existing dashboards.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0)
+
+REQUEST_LABELS = ("model_name", "specialist", "adapter")
+ENGINE_LABELS = ("model_name", "specialist")
+
+
+class _EngineStatsCollector:
+    """Gauges and cumulative counters taken from the engine's stats snapshot when scraped."""
+
+    def __init__(self, stats: Callable[[], dict], labels: tuple[str, str]):
+        self.stats = stats
+        self.labels = list(labels)
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        s = self.stats()
+        gauges = (("vllm:num_requests_running", "Running sequences (hold KV blocks)", s.get("running", 0)),
+                  ("vllm:num_requests_waiting", "Waiting sequences", s.get("waiting", 0)),
+                  ("vllm:kv_cache_usage_perc", "KV-cache usage, 1 = full", s.get("kv_usage", 0.0)),
+                  ("consort_kv_free_blocks", "Free KV blocks (including evictable cached blocks)",
+                   s.get("kv_free_blocks", 0)),
+                  ("consort_kv_cached_blocks", "KV blocks holding reusable prefix-cache content",
+                   s.get("kv_cached_blocks", 0)),
+                  ("consort_preempting", "1 while the scheduler is preempting", int(bool(s.get("preempting")))),
+                  ("consort_warm", "1 once warmup finished and the engine serves", int(bool(s.get("warm")))))
+        for name, doc, value in gauges:
+            g = GaugeMetricFamily(name, doc, labels=ENGINE_LABELS)
+            g.add_metric(self.labels, float(value or 0))
+            yield g
+        counters = (("vllm:num_preemptions", "Cumulative preemptions", s.get("num_preemptions", 0)),
+                    ("vllm:prefix_cache_queries", "Prefix-cache queries, in tokens", s.get("prefix_cache_queries", 0)),
+                    ("vllm:prefix_cache_hits", "Prefix-cache hits, in tokens", s.get("prefix_cache_hits", 0)))
+        for name, doc, value in counters:
+            c = CounterMetricFamily(name, doc, labels=ENGINE_LABELS)
+            c.add_metric(self.labels, float(value or 0))
+            yield c
+
+
+class EngineMetrics:
+    def __init__(self, model_name: str, specialist: str, stats: Callable[[], dict]):
+        self.model_name = model_name
+        self.specialist = specialist
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        L = REQUEST_LABELS
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Request arrival to first output token",
+                              L, buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between output tokens",
+                             L, buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Request arrival to last output token",
+                             L, buckets=E2E_BUCKETS, registry=r)
+        self.admission_ttft = Histogram("consort_admission_to_first_token_seconds",
+                                        "Admission by the scheduler to first output token",
+                                        L, buckets=TTFT_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens processed", L, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens", L, registry=r)
+        self.request_success = Counter("vllm:request_success", "Finished requests by finish reason",
+                                       L + ("finished_reason",), registry=r)
+        self.preempted_once = Counter("consort_requests_preempted_once",
+                                      "Requests preempted at least once before finishing", L, registry=r)
+        self.rejected = Counter("consort_admission_rejected", "Requests refused at admission (429)",
+                                L + ("code",), registry=r)
+        self.bad_requests = Counter("consort_invalid_requests", "Requests refused as invalid (4xx)",
+                                    ENGINE_LABELS + ("code",), registry=r)
+        r.register(_EngineStatsCollector(stats, (model_name, specialist)))
+
+    def labels(self, adapter: str | None) -> tuple[str, str, str]:
+        return (self.model_name, self.specialist, adapter or "none")
+
+    def observe_rejected(self, adapter: str | None, code: str) -> None:
+        self.rejected.labels(*self.labels(adapter), code).inc()
+
+    def observe_invalid(self, code: str) -> None:
+        self.bad_requests.labels(self.model_name, self.specialist, code).inc()
+
+    def observe_finished(self, adapter: str | None, *, prompt_tokens: int, output_tokens: int,
+                         ttft: float | None, admission_ttft: float | None, itls: list[float], e2e: float,
+                         finish_reason: str, preempted: bool) -> None:
+        lab = self.labels(adapter)
+        self.prompt_tokens.labels(*lab).inc(prompt_tokens)
+        self.generation_tokens.labels(*lab).inc(output_tokens)
+        if ttft is not None:
+            self.ttft.labels(*lab).observe(ttft)
+        if admission_ttft is not None:
+            self.admission_ttft.labels(*lab).observe(admission_ttft)
+        h = self.itl.labels(*lab)
+        for x in itls:
+            h.observe(x)
+        self.e2e.labels(*lab).observe(e2e)
+        self.request_success.labels(*lab, finish_reason).inc()
+        if preempted:
+            self.preempted_once.labels(*lab).inc()
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

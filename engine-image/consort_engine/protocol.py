@@ -1,0 +1,434 @@
+"""OpenAI-compatible request parsing and response shapes, as pure functions.
+
+`parse_completion` / `parse_chat` turn a decoded JSON body into a `GenerationRequest` or raise
+`ApiError` (a typed 4xx). The aiohttp handlers in server.py only glue these to the engine.
+"""
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from .sequence import SamplingParams
+
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class ApiError(Exception):
+    status: int
+    code: str
+    message: str
+    param: str | None = None
+    type: str = "invalid_request_error"
+    retry_after_ms: int | None = None
+
+    def __post_init__(self) -> None:
+        super().__init__(self.message)
+
+    def body(self) -> dict:
+        err: dict[str, Any] = {"type": self.type, "code": self.code, "message": self.message, "param": self.param}
+        if self.retry_after_ms is not None:
+            err["retry_after_ms"] = self.retry_after_ms
+        return {"error": err}
+
+    def headers(self) -> dict[str, str]:
+        if self.retry_after_ms is None:
+            return {}
+        return {"Retry-After": str(retry_after_seconds(self.retry_after_ms))}
+
+
+def retry_after_seconds(retry_after_ms: int) -> int:
+    return max(1, math.ceil(retry_after_ms / 1000))
+
+
+def admission_error(code: str, retry_after_ms: float, message: str) -> ApiError:
+    ms = max(1, int(math.ceil(retry_after_ms)))
+    return ApiError(429, code, message or f"admission rejected: {code}", type="admission_rejected", retry_after_ms=ms)
+
+
+def bad(code: str, message: str, param: str | None = None, status: int = 400) -> ApiError:
+    return ApiError(status, code, message, param)
+
+
+@dataclass
+class GenerationRequest:
+    """One validated request, before tokenization."""
+    kind: str                                   # completion | chat
+    model: str | None
+    sampling: SamplingParams
+    prompt: str | None = None                   # text prompt (completions)
+    prompt_token_ids: list[int] | None = None   # token-id prompt (completions)
+    messages: list[dict] | None = None          # chat
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    max_tokens: int | None = None               # None: fill the context (chat default)
+    stream: bool = False
+    include_usage: bool = False
+    continuous_usage: bool = False
+    priority: int = 0
+    deadline_ms: float | None = None
+    adapter: str | None = None
+    return_token_ids: bool = False
+    logprobs: int | None = None                 # top-k alternatives per token (0 = chosen only)
+    skip_special_tokens: bool = True
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+
+# ---------------------------------------------------------------------------------------------
+# field checks
+
+_MISSING = object()
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+
+
+def _int(body: dict, key: str, default: Any = None, lo: int | None = None, hi: int | None = None) -> Any:
+    v = body.get(key)
+    if v is None:
+        return default
+    if not _is_int(v):
+        raise bad("invalid_type", f"'{key}' must be an integer", key)
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        rng = f">= {lo}" if hi is None else f"between {lo} and {hi}"
+        raise bad("invalid_value", f"'{key}' must be {rng}, got {v}", key)
+    return v
+
+
+def _num(body: dict, key: str, default: float, lo: float, hi: float | None = None, lo_open: bool = False) -> float:
+    v = body.get(key)
+    if v is None:
+        return default
+    if not _is_num(v):
+        raise bad("invalid_type", f"'{key}' must be a number", key)
+    if (v <= lo if lo_open else v < lo) or (hi is not None and v > hi):
+        rng = f"{'>' if lo_open else '>='} {lo}" + (f" and <= {hi}" if hi is not None else "")
+        raise bad("invalid_value", f"'{key}' must be {rng}, got {v}", key)
+    return float(v)
+
+
+def _bool(body: dict, key: str, default: bool = False) -> bool:
+    v = body.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise bad("invalid_type", f"'{key}' must be a boolean", key)
+    return v
+
+
+def _str(body: dict, key: str) -> str | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, str):
+        raise bad("invalid_type", f"'{key}' must be a string", key)
+    return v
+
+
+def _require_neutral(body: dict, key: str, neutral: Any) -> None:
+    """Fields we accept only at their no-op value (anything else would silently change semantics)."""
+    v = body.get(key)
+    if v is None or v == neutral or (isinstance(neutral, dict) and v in ({}, neutral)):
+        return
+    raise bad("unsupported_value", f"'{key}' is only supported at its default ({neutral!r})", key)
+
+
+def _check_fields(body: dict, allowed: frozenset[str]) -> None:
+    for key in body:
+        if key not in allowed:
+            raise bad("unknown_field", f"unknown field '{key}'", key)
+
+
+# Fields shared by both endpoints. OpenAI fields without an effect here are accepted only when neutral.
+_COMMON = frozenset({
+    "model", "max_tokens", "temperature", "top_p", "top_k", "typical_p", "seed", "stop", "stop_token_ids",
+    "n", "stream", "stream_options", "ignore_eos", "user", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "logit_bias", "min_p", "skip_special_tokens",
+    # Consort extensions
+    "priority", "deadline_ms", "adapter", "return_token_ids",
+})
+COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo", "suffix", "best_of"}
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format",
+                         "tools", "tool_choice", "parallel_tool_calls", "store", "metadata", "service_tier",
+                         "add_generation_prompt", "continue_final_message"}
+
+
+def _sampling(body: dict) -> SamplingParams:
+    n = body.get("n")
+    if n is not None and not (_is_int(n) and n == 1):
+        raise bad("unsupported_value", f"only n=1 is supported, got {n!r}", "n")
+    for key, neutral in (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1),
+                         ("min_p", 0), ("logit_bias", {})):
+        _require_neutral(body, key, neutral)
+    top_k = _int(body, "top_k", 0, lo=-1)
+    stop = body.get("stop")
+    if stop is None:
+        stops: list[str] = []
+    elif isinstance(stop, str):
+        stops = [stop]
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        stops = list(stop)
+    else:
+        raise bad("invalid_type", "'stop' must be a string or a list of strings", "stop")
+    if any(s == "" for s in stops):
+        raise bad("invalid_value", "'stop' strings must not be empty", "stop")
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is not None and not (isinstance(stop_ids, list) and all(_is_int(t) for t in stop_ids)):
+        raise bad("invalid_type", "'stop_token_ids' must be a list of integers", "stop_token_ids")
+    return SamplingParams(
+        temperature=_num(body, "temperature", 1.0, 0.0),
+        top_p=_num(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+        top_k=0 if top_k == -1 else top_k,
+        typical_p=_num(body, "typical_p", 1.0, 0.0, 1.0, lo_open=True),
+        seed=_int(body, "seed"),
+        stop=stops,
+        stop_token_ids=list(stop_ids or []),
+        ignore_eos=_bool(body, "ignore_eos"),
+    )
+
+
+def _max_tokens(body: dict, keys: tuple[str, ...]) -> int | None:
+    value = None
+    for key in keys:
+        v = _int(body, key, lo=None)
+        if v is not None:
+            if v <= 0:
+                raise bad("invalid_value", f"'{key}' must be at least 1, got {v}", key)
+            value = v
+    return value
+
+
+def _common(body: dict, req: GenerationRequest) -> GenerationRequest:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad("invalid_type", "'model' must be a string", "model")
+    req.model = model
+    req.stream = _bool(body, "stream")
+    opts = body.get("stream_options")
+    if opts is not None:
+        if not isinstance(opts, dict):
+            raise bad("invalid_type", "'stream_options' must be an object", "stream_options")
+        for key in opts:
+            if key not in ("include_usage", "continuous_usage_stats"):
+                raise bad("unknown_field", f"unknown field 'stream_options.{key}'", f"stream_options.{key}")
+        req.include_usage = _bool(opts, "include_usage")
+        req.continuous_usage = _bool(opts, "continuous_usage_stats")
+    req.priority = _int(body, "priority", 0)
+    dl = body.get("deadline_ms")
+    if dl is not None:
+        if not _is_num(dl):
+            raise bad("invalid_type", "'deadline_ms' must be a number", "deadline_ms")
+        if dl <= 0:
+            raise bad("invalid_value", "'deadline_ms' must be > 0", "deadline_ms")
+        req.deadline_ms = float(dl)
+    req.adapter = _str(body, "adapter") or None
+    req.return_token_ids = _bool(body, "return_token_ids")
+    req.skip_special_tokens = _bool(body, "skip_special_tokens", True)
+    _str(body, "user")
+    return req
+
+
+def _as_dict(body: Any) -> dict:
+    if not isinstance(body, dict):
+        raise bad("invalid_json", "request body must be a JSON object")
+    return body
+
+
+def parse_completion(body: Any) -> GenerationRequest:
+    body = _as_dict(body)
+    _check_fields(body, COMPLETION_FIELDS)
+    _require_neutral(body, "echo", False)
+    _require_neutral(body, "suffix", "")
+    _require_neutral(body, "best_of", 1)
+    req = GenerationRequest(kind="completion", model=None, sampling=_sampling(body))
+    prompt = body.get("prompt", _MISSING)
+    if prompt is _MISSING or prompt is None:
+        raise bad("missing_field", "'prompt' is required", "prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) != 1:
+            raise bad("multiple_prompts_unsupported",
+                      f"one prompt per request is supported, got {len(prompt)}; send them as separate requests",
+                      "prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad("empty_prompt", "'prompt' must not be empty", "prompt")
+        req.prompt = prompt
+    elif isinstance(prompt, list):
+        if not prompt:
+            raise bad("empty_prompt", "'prompt' must not be empty", "prompt")
+        if not all(_is_int(t) for t in prompt):
+            raise bad("invalid_type", "'prompt' must be a string or a list of token ids", "prompt")
+        req.prompt_token_ids = list(prompt)
+    else:
+        raise bad("invalid_type", "'prompt' must be a string or a list of token ids", "prompt")
+    req.max_tokens = _max_tokens(body, ("max_tokens",))
+    if req.max_tokens is None:
+        req.max_tokens = 16   # the OpenAI completions default
+    lp = _int(body, "logprobs", None, lo=0, hi=MAX_LOGPROBS)
+    req.logprobs = lp
+    return _common(body, req)
+
+
+_ROLES = {"system", "user", "assistant", "tool", "developer"}
+
+
+def _message(i: int, m: Any) -> dict:
+    param = f"messages[{i}]"
+    if not isinstance(m, dict):
+        raise bad("invalid_type", f"'{param}' must be an object", param)
+    role = m.get("role")
+    if not isinstance(role, str) or role not in _ROLES:
+        raise bad("invalid_value", f"'{param}.role' must be one of {sorted(_ROLES)}", f"{param}.role")
+    content = m.get("content")
+    if isinstance(content, list):   # content parts: text only
+        texts = []
+        for j, part in enumerate(content):
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise bad("unsupported_content", f"'{param}.content[{j}]': only text parts are supported",
+                          f"{param}.content")
+            texts.append(part["text"])
+        content = "".join(texts)
+    elif content is None:
+        if role != "assistant":
+            raise bad("missing_field", f"'{param}.content' is required", f"{param}.content")
+        content = ""
+    elif not isinstance(content, str):
+        raise bad("invalid_type", f"'{param}.content' must be a string or a list of text parts", f"{param}.content")
+    out = {k: v for k, v in m.items() if k not in ("role", "content")}
+    out.update(role=role, content=content)
+    return out
+
+
+def parse_chat(body: Any) -> GenerationRequest:
+    body = _as_dict(body)
+    _check_fields(body, CHAT_FIELDS)
+    _require_neutral(body, "response_format", {"type": "text"})
+    if body.get("tools"):
+        raise bad("unsupported_value", "'tools' are not supported by this engine", "tools")
+    _require_neutral(body, "tool_choice", "none")
+    req = GenerationRequest(kind="chat", model=None, sampling=_sampling(body))
+    messages = body.get("messages")
+    if messages is None:
+        raise bad("missing_field", "'messages' is required", "messages")
+    if not isinstance(messages, list):
+        raise bad("invalid_type", "'messages' must be a list", "messages")
+    if not messages:
+        raise bad("empty_prompt", "'messages' must not be empty", "messages")
+    req.messages = [_message(i, m) for i, m in enumerate(messages)]
+    req.add_generation_prompt = _bool(body, "add_generation_prompt", True)
+    req.continue_final_message = _bool(body, "continue_final_message", False)
+    req.max_tokens = _max_tokens(body, ("max_tokens", "max_completion_tokens"))
+    want = _bool(body, "logprobs")
+    top = _int(body, "top_logprobs", None, lo=0, hi=MAX_LOGPROBS)
+    if top is not None and not want and top > 0:
+        raise bad("invalid_value", "'top_logprobs' requires 'logprobs': true", "top_logprobs")
+    req.logprobs = (top or 0) if want else None
+    return _common(body, req)
+
+
+def resolve_max_tokens(req: GenerationRequest, num_prompt_tokens: int, max_model_len: int) -> int:
+    """Check the context window; returns the max_tokens to generate."""
+    if num_prompt_tokens >= max_model_len:
+        raise bad("context_length_exceeded",
+                  f"the prompt has {num_prompt_tokens} tokens; this model's context is {max_model_len} tokens",
+                  "messages" if req.kind == "chat" else "prompt")
+    if req.max_tokens is None:
+        return max_model_len - num_prompt_tokens
+    if num_prompt_tokens + req.max_tokens > max_model_len:
+        raise bad("context_length_exceeded",
+                  f"prompt ({num_prompt_tokens} tokens) + max_tokens ({req.max_tokens}) exceeds this model's "
+                  f"context of {max_model_len} tokens", "max_tokens")
+    return req.max_tokens
+
+
+def check_token_ids(ids: list[int], vocab_size: int) -> None:
+    for t in ids:
+        if t < 0 or t >= vocab_size:
+            raise bad("invalid_token_id", f"token id {t} is outside the vocabulary [0, {vocab_size})", "prompt")
+
+
+# ---------------------------------------------------------------------------------------------
+# response shapes
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)   # (token_id, logprob), best first
+
+
+def _lp(x: float) -> float:
+    return x if math.isfinite(x) else -9999.0
+
+
+def completion_logprobs(items: list[TokenLogprob], token_text, text_offset: int) -> dict:
+    tokens, token_lps, tops, offsets = [], [], [], []
+    off = text_offset
+    for it in items:
+        s = token_text(it.token_id)
+        tokens.append(s)
+        token_lps.append(_lp(it.logprob))
+        tops.append({token_text(t): _lp(lp) for t, lp in it.top})
+        offsets.append(off)
+        off += len(s)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(items: list[TokenLogprob], token_text) -> dict:
+    def entry(tid: int, lp: float) -> dict:
+        s = token_text(tid)
+        return {"token": s, "logprob": _lp(lp), "bytes": list(s.encode("utf-8"))}
+    return {"content": [{**entry(it.token_id, it.logprob),
+                         "top_logprobs": [entry(t, lp) for t, lp in it.top]} for it in items]}
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    u: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                         "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        u["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return u
+
+
+def response_id(req: GenerationRequest) -> str:
+    return ("chatcmpl-" if req.kind == "chat" else "cmpl-") + req.request_id
+
+
+def envelope(req: GenerationRequest, model: str, chunk: bool) -> dict:
+    if req.kind == "chat":
+        obj = "chat.completion.chunk" if chunk else "chat.completion"
+    else:
+        obj = "text_completion"
+    return {"id": response_id(req), "object": obj, "created": int(time.time()), "model": model}
+
+
+def choice(req: GenerationRequest, text: str, finish_reason: str | None, *, chunk: bool, first: bool = False,
+           logprobs: dict | None = None, token_ids: list[int] | None = None, stop_reason: Any = None) -> dict:
+    if req.kind == "chat":
+        if chunk:
+            delta: dict[str, Any] = {}
+            if first:
+                delta["role"] = "assistant"
+            if text or first:
+                delta["content"] = text
+            c: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        else:
+            c = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                 "finish_reason": finish_reason}
+    else:
+        c = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    if finish_reason is not None and stop_reason is not None:
+        c["stop_reason"] = stop_reason
+    if token_ids is not None:
+        c["token_ids"] = token_ids
+    return c

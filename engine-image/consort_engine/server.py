@@ -1,0 +1,584 @@
+"""`consort engine`: one specialist's engine behind an OpenAI-compatible aiohttp server.
+
+Handlers are thin: protocol.py parses and validates, async_engine.py runs the engine on its own
+thread, generate() below turns engine outputs into text deltas (incremental detokenizer + stop
+strings) that the completion/chat handlers shape into JSON or SSE.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+from aiohttp import web
+
+from . import protocol as P
+from .async_engine import AsyncEngine, EngineFailed, EngineNotReady
+from .config import EngineConfig
+from .metrics import EngineMetrics
+from .sequence import Sequence
+from .tokenizer import ChatTemplateError, IncrementalDetokenizer, StopStringMatcher, Tokenizer
+
+log = logging.getLogger("consort.server")
+
+CTX = web.AppKey("consort_ctx", object)
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started (Linux /proc), so start-up time includes interpreter and imports."""
+    try:
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+@dataclass
+class ServerContext:
+    config: EngineConfig
+    tokenizer: Tokenizer
+    engine: AsyncEngine
+    served_name: str
+    aliases: frozenset[str]
+    max_model_len: int
+    vocab_size: int
+    metrics: EngineMetrics = field(init=False)
+    started: float = field(default_factory=time.monotonic)
+    startup_s: float | None = None
+    in_flight: int = 0
+
+    def __post_init__(self) -> None:
+        self.metrics = EngineMetrics(self.served_name, self.config.name, self.status)
+
+    def speculation_state(self) -> str:
+        if self.config.speculative == "off":
+            return "off"
+        state = self.engine.stats().get("speculation")
+        if isinstance(state, dict):
+            state = state.get("state")
+        return state if state in ("on", "off", "fallback") else "on"
+
+    def adapters_state(self) -> dict[str, str]:
+        reported = self.engine.stats().get("adapters")
+        if isinstance(reported, dict):
+            return {str(k): str(v) for k, v in reported.items()}
+        loaded = "loaded" if self.engine.ready else "pending"
+        return {name: loaded for name in self.config.adapters}
+
+    def status(self) -> dict:
+        s = self.engine.stats()
+        runner = getattr(self.engine.engine, "runner", None)
+        return {
+            "specialist": self.config.name,
+            "model": self.served_name,
+            "model_path": self.config.model,
+            "state": self.engine.state,
+            "warm": self.engine.ready,
+            "error": self.engine.error,
+            "adapters": self.adapters_state(),
+            "queue_depth": s.get("waiting", 0),
+            "running": s.get("running", 0),
+            "waiting": s.get("waiting", 0),
+            "in_flight_requests": self.in_flight,
+            "kv_total_blocks": s.get("kv_total_blocks"),
+            "kv_free_blocks": s.get("kv_free_blocks"),
+            "kv_cached_blocks": s.get("kv_cached_blocks"),
+            "kv_usage": s.get("kv_usage"),
+            "block_size": self.config.block_size,
+            "preempting": bool(s.get("preempting", False)),
+            "num_preemptions": s.get("num_preemptions", 0),
+            "prefix_cache_queries": s.get("prefix_cache_queries", 0),
+            "prefix_cache_hits": s.get("prefix_cache_hits", 0),
+            "step_time_ewma_s": s.get("step_time_ewma_s"),
+            "speculation": {"mode": self.config.speculative, "state": self.speculation_state(),
+                            "num_speculative_tokens": self.config.num_speculative_tokens},
+            "max_model_len": getattr(runner, "max_model_len", self.max_model_len),
+            "device": self.config.device,
+            "dtype": self.config.dtype,
+            "load_s": self.engine.load_s,
+            "warmup_s": self.engine.warmup_s,
+            "startup_s": self.startup_s,
+            "engine": {k: v for k, v in s.items() if isinstance(v, (int, float, str, bool)) or v is None},
+        }
+
+
+# ---------------------------------------------------------------------------------------------
+# generation: engine outputs -> text deltas
+
+
+@dataclass
+class Delta:
+    text: str
+    token_ids: list[int]
+    logprobs: list[P.TokenLogprob]
+    finish_reason: str | None = None
+    stop_reason: Any = None
+    num_output_tokens: int = 0      # all tokens generated so far (set on every delta)
+
+
+@dataclass
+class RequestTimes:
+    arrival: float
+    admitted: float | None = None
+    first: float | None = None
+    last: float | None = None
+    itls: list[float] = field(default_factory=list)
+
+    def on_tokens(self, now: float, n: int) -> None:
+        if n <= 0:
+            return
+        if self.first is None:
+            self.first = now
+        elif self.last is not None:
+            gap = (now - self.last) / n
+            self.itls.extend([gap] * n)
+        self.last = now
+
+
+def _token_logprobs(ids: list[int], raw: Any) -> list[P.TokenLogprob]:
+    """Normalize the engine's per-token logprobs (one entry per new token) into TokenLogprob."""
+    if not raw:
+        return []
+    out = []
+    for tid, entry in zip(ids, raw):
+        if isinstance(entry, P.TokenLogprob):
+            out.append(entry)
+            continue
+        if isinstance(entry, dict):            # {token_id: logprob} incl. the chosen token
+            chosen = float(entry.get(tid, float("-inf")))
+            top = sorted(((int(k), float(v)) for k, v in entry.items()), key=lambda kv: -kv[1])
+        else:                                  # (chosen_logprob, [(token_id, logprob), ...])
+            chosen, top_raw = entry[0], entry[1] if len(entry) > 1 else []
+            if isinstance(top_raw, dict):
+                top_raw = top_raw.items()
+            top = sorted(((int(k), float(v)) for k, v in top_raw), key=lambda kv: -kv[1])
+            chosen = float(chosen)
+        out.append(P.TokenLogprob(int(tid), chosen, top))
+    return out
+
+
+async def generate(ctx: ServerContext, req: P.GenerationRequest, seq: Sequence, times: RequestTimes,
+                   stream) -> AsyncIterator[Delta]:
+    """Yield text deltas for an admitted sequence; stops the sequence in the engine on a stop string."""
+    detok = IncrementalDetokenizer(ctx.tokenizer, seq.prompt_token_ids, req.skip_special_tokens)
+    matcher = StopStringMatcher(req.sampling.stop)
+    k = req.logprobs
+    total = 0
+    async for out in stream:
+        ids = list(out.new_token_ids or [])
+        total += len(ids)
+        times.on_tokens(time.monotonic(), len(ids))
+        lps = _token_logprobs(ids, out.logprobs) if k is not None else []
+        if k is not None:
+            lps = [P.TokenLogprob(lp.token_id, lp.logprob, lp.top[:k]) for lp in lps]
+        text, stopped = matcher.feed(detok.step(ids) if ids else "")
+        if stopped:
+            ctx.engine.abort(seq.seq_id, "stop")
+            yield Delta(text, ids, lps, "stop", matcher.matched, total)
+            return
+        if out.finished:
+            tail, stopped = matcher.feed(detok.flush())
+            text += tail
+            if not stopped:
+                text += matcher.flush()
+            reason = "stop" if stopped else (out.finish_reason or "stop")
+            stop_reason = matcher.matched if stopped else None
+            if reason == "stop" and stop_reason is None and ids and ids[-1] in req.sampling.stop_token_ids:
+                stop_reason = ids[-1]
+            yield Delta(text, ids, lps, reason, stop_reason, total)
+            return
+        yield Delta(text, ids, lps, num_output_tokens=total)
+
+
+# ---------------------------------------------------------------------------------------------
+# handlers
+
+
+def _json_error(err: P.ApiError) -> web.Response:
+    return web.json_response(err.body(), status=err.status, headers=err.headers())
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except P.ApiError as err:
+        ctx: ServerContext = request.app[CTX]
+        if err.status == 429:
+            ctx.metrics.observe_rejected(request.get("consort_adapter"), err.code)
+        else:
+            ctx.metrics.observe_invalid(err.code)
+        return _json_error(err)
+    except web.HTTPException as exc:
+        if exc.status >= 400 and exc.content_type != "application/json":
+            code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status, "http_error")
+            return _json_error(P.ApiError(exc.status, code, exc.reason))
+        raise
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - a bug must never take the server down
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return _json_error(P.ApiError(500, "internal_error", f"{type(exc).__name__}: {exc}", type="server_error"))
+
+
+async def stamp_headers(request: web.Request, response: web.StreamResponse) -> None:
+    ctx: ServerContext = request.app[CTX]
+    h = response.headers
+    h["x-request-id"] = request.get("request_id") or request.headers.get("x-request-id") or uuid.uuid4().hex
+    h["x-consort-specialist"] = ctx.config.name
+    h["x-consort-adapter"] = request.get("consort_adapter") or "none"
+    h["x-consort-speculation"] = ctx.speculation_state()
+
+
+async def read_json(request: web.Request) -> Any:
+    raw = await request.read()
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise P.bad("invalid_json", f"request body is not valid JSON: {e}")
+
+
+def build_prompt(ctx: ServerContext, req: P.GenerationRequest) -> list[int]:
+    if req.kind == "chat":
+        try:
+            text = ctx.tokenizer.apply_chat_template(req.messages, add_generation_prompt=req.add_generation_prompt,
+                                                     continue_final_message=req.continue_final_message)
+        except ChatTemplateError as e:
+            raise P.bad("chat_template_error", str(e), "messages")
+        ids = ctx.tokenizer.encode_chat(text)
+    elif req.prompt_token_ids is not None:
+        ids = req.prompt_token_ids
+        P.check_token_ids(ids, ctx.vocab_size)
+    else:
+        ids = ctx.tokenizer.encode(req.prompt)
+    if not ids:
+        raise P.bad("empty_prompt", "the prompt encodes to zero tokens", "prompt")
+    return ids
+
+
+def check_target(ctx: ServerContext, req: P.GenerationRequest) -> None:
+    if req.model is not None and req.model not in ctx.aliases:
+        raise P.ApiError(404, "model_not_found", f"model '{req.model}' is not served here; this engine serves "
+                         f"'{ctx.served_name}'", "model")
+    if req.adapter is not None and req.adapter not in ctx.adapters_state():
+        raise P.ApiError(404, "adapter_not_found", f"adapter '{req.adapter}' is not loaded on this engine",
+                         "adapter")
+
+
+async def admit(ctx: ServerContext, seq: Sequence):
+    try:
+        return await ctx.engine.add(seq)
+    except EngineNotReady as e:
+        raise P.admission_error("warming", e.retry_after_ms, f"the engine is {e.state}; retry when /ready is 200")
+    except EngineFailed as e:
+        raise P.ApiError(503, "engine_failed", str(e), type="server_error")
+    except Exception as e:
+        if type(e).__name__ == "AdmissionRejected":
+            raise P.admission_error(getattr(e, "code", "queue_full"), getattr(e, "retry_after_ms", 1000),
+                                    getattr(e, "message", "") or str(e))
+        if isinstance(e, ValueError):   # the engine refused the request itself (e.g. exceeds the pool)
+            raise P.bad("invalid_request", str(e))
+        raise
+
+
+async def handle_generation(request: web.Request, kind: str) -> web.StreamResponse:
+    ctx: ServerContext = request.app[CTX]
+    times = RequestTimes(arrival=time.monotonic())
+    request["request_id"] = request.headers.get("x-request-id") or uuid.uuid4().hex
+    body = await read_json(request)
+    req = P.parse_completion(body) if kind == "completion" else P.parse_chat(body)
+    req.request_id = request["request_id"]
+    request["consort_adapter"] = req.adapter
+    check_target(ctx, req)
+    prompt_ids = build_prompt(ctx, req)
+    max_len = ctx.max_model_len
+    req.sampling.max_tokens = P.resolve_max_tokens(req, len(prompt_ids), max_len)
+    req.sampling.logprobs = req.logprobs
+    deadline = times.arrival + req.deadline_ms / 1000.0 if req.deadline_ms is not None else None
+    seq = Sequence(prompt_token_ids=prompt_ids, sampling=req.sampling, priority=req.priority,
+                   arrival=times.arrival, deadline=deadline, adapter=req.adapter)
+    ctx.in_flight += 1
+    finished: Delta | None = None
+    try:
+        stream = await admit(ctx, seq)
+        times.admitted = stream.admitted_at
+        deltas = generate(ctx, req, seq, times, stream)
+        if req.stream:
+            response, finished = await stream_response(request, ctx, req, seq, deltas)
+        else:
+            response, finished = await full_response(ctx, req, seq, deltas)
+        return response
+    except EngineFailed as e:
+        raise P.ApiError(500, "engine_failed", str(e), type="server_error")
+    finally:
+        ctx.in_flight -= 1
+        if finished is None:
+            ctx.engine.abort(seq.seq_id, "abort")   # client gone or error: free the blocks now
+        else:
+            ctx.metrics.observe_finished(
+                req.adapter, prompt_tokens=len(prompt_ids), output_tokens=finished.num_output_tokens,
+                ttft=None if times.first is None else times.first - times.arrival,
+                admission_ttft=None if times.first is None or times.admitted is None else times.first - times.admitted,
+                itls=times.itls, e2e=time.monotonic() - times.arrival,
+                finish_reason=finished.finish_reason or "stop", preempted=seq.num_preemptions > 0)
+
+
+async def full_response(ctx: ServerContext, req: P.GenerationRequest, seq: Sequence, deltas):
+    text, ids, lps, last = [], [], [], None
+    async for d in deltas:
+        text.append(d.text)
+        ids.extend(d.token_ids)
+        lps.extend(d.logprobs)
+        last = d
+    assert last is not None and last.finish_reason is not None
+    full = "".join(text)
+    logprobs = None
+    if req.logprobs is not None:
+        logprobs = (P.chat_logprobs(lps, ctx.tokenizer.id_to_token) if req.kind == "chat"
+                    else P.completion_logprobs(lps, ctx.tokenizer.id_to_token, 0))
+    body = P.envelope(req, ctx.served_name, chunk=False)
+    body["choices"] = [P.choice(req, full, last.finish_reason, chunk=False, logprobs=logprobs,
+                                token_ids=ids if req.return_token_ids else None, stop_reason=last.stop_reason)]
+    body["usage"] = P.usage(len(seq.prompt_token_ids), len(ids), seq.num_cached_tokens)
+    if req.return_token_ids:
+        body["prompt_token_ids"] = list(seq.prompt_token_ids)
+    return web.json_response(body), last
+
+
+def _sse(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def stream_response(request: web.Request, ctx: ServerContext, req: P.GenerationRequest, seq: Sequence, deltas):
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    base = P.envelope(req, ctx.served_name, chunk=True)
+    n_out, text_offset, last = 0, 0, None
+    first = True
+    if req.kind == "chat":   # OpenAI sends the role first
+        chunk = dict(base, choices=[P.choice(req, "", None, chunk=True, first=True)])
+        if req.return_token_ids:
+            chunk["prompt_token_ids"] = list(seq.prompt_token_ids)
+        await resp.write(_sse(chunk))
+        first = False
+    async for d in deltas:
+        n_out += len(d.token_ids)
+        last = d
+        if not (d.text or d.finish_reason or (req.return_token_ids and d.token_ids) or d.logprobs):
+            continue
+        logprobs = None
+        if req.logprobs is not None:
+            if req.kind == "chat":
+                logprobs = P.chat_logprobs(d.logprobs, ctx.tokenizer.id_to_token)
+            else:
+                logprobs = P.completion_logprobs(d.logprobs, ctx.tokenizer.id_to_token, text_offset)
+        text_offset += len(d.text)
+        chunk = dict(base, choices=[P.choice(req, d.text, d.finish_reason, chunk=True, logprobs=logprobs,
+                                             token_ids=d.token_ids if req.return_token_ids else None,
+                                             stop_reason=d.stop_reason)])
+        if first and req.return_token_ids:
+            chunk["prompt_token_ids"] = list(seq.prompt_token_ids)
+        first = False
+        if req.include_usage and req.continuous_usage:
+            chunk["usage"] = P.usage(len(seq.prompt_token_ids), n_out)
+        await resp.write(_sse(chunk))
+    assert last is not None and last.finish_reason is not None
+    if req.include_usage:
+        await resp.write(_sse(dict(base, choices=[], usage=P.usage(len(seq.prompt_token_ids), n_out,
+                                                                    seq.num_cached_tokens))))
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp, last
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await handle_generation(request, "completion")
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await handle_generation(request, "chat")
+
+
+async def health(request: web.Request) -> web.Response:
+    ctx: ServerContext = request.app[CTX]
+    return web.json_response({"status": "alive", "state": ctx.engine.state})
+
+
+async def ready(request: web.Request) -> web.Response:
+    ctx: ServerContext = request.app[CTX]
+    state = ctx.engine.state
+    adapters = ctx.adapters_state()
+    pending = sorted(n for n, s in adapters.items() if s not in ("loaded", "active", "ready"))
+    if state == "ready" and not pending:
+        return web.json_response({"status": "ready", "specialist": ctx.config.name, "startup_s": ctx.startup_s})
+    reason = {"starting": "engine starting", "loading": "loading the model", "warming": "warming up",
+              "failed": f"engine failed: {ctx.engine.error}", "stopped": "engine stopped"}.get(state, state)
+    if state == "ready":
+        reason = f"adapters not loaded: {', '.join(pending)}"
+    return web.json_response({"status": "not_ready", "state": state, "reason": reason, "adapters": adapters},
+                             status=503)
+
+
+async def status(request: web.Request) -> web.Response:
+    return web.json_response(request.app[CTX].status())
+
+
+async def models(request: web.Request) -> web.Response:
+    ctx: ServerContext = request.app[CTX]
+    created = int(time.time() - (time.monotonic() - ctx.started))
+    data = [{"id": ctx.served_name, "object": "model", "created": created, "owned_by": "consort",
+             "root": ctx.config.model, "parent": None, "max_model_len": ctx.max_model_len,
+             "specialist": ctx.config.name}]
+    data += [{"id": f"{ctx.served_name}:{name}", "object": "model", "created": created, "owned_by": "consort",
+              "root": path, "parent": ctx.served_name, "adapter": name}
+             for name, path in ctx.config.adapters.items()]
+    return web.json_response({"object": "list", "data": data})
+
+
+async def adapters_not_implemented(request: web.Request) -> web.Response:
+    raise P.ApiError(501, "not_implemented", "adapter hot-load/unload arrives with LoRA support (next issue); "
+                     "adapters given with --adapter at start-up are the only ones served for now",
+                     type="not_implemented_error")
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body, content_type = request.app[CTX].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": content_type})
+
+
+def build_app(ctx: ServerContext) -> web.Application:
+    app = web.Application(middlewares=[error_middleware], client_max_size=64 * 1024 * 1024)
+    app[CTX] = ctx
+    app.on_response_prepare.append(stamp_headers)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
+    app.router.add_get("/v1/status", status)
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/adapters", adapters_not_implemented)
+    app.router.add_delete("/v1/adapters/{name}", adapters_not_implemented)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="consort engine", description="Serve one specialist's paged-KV engine.")
+    p.add_argument("--model", required=True, help="checkpoint dir (config.json, *.safetensors, tokenizer.json)")
+    p.add_argument("--port", type=int, required=True, help="port (0 = any free port, printed at start)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--name", default=None, help="specialist name (default: the checkpoint dir's name)")
+    p.add_argument("--served-model-name", default=None, help="model id in responses (default: --name)")
+    p.add_argument("--num-blocks", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
+    p.add_argument("--max-waiting", type=int, default=EngineConfig.max_waiting)
+    p.add_argument("--kv-memory-fraction", type=float, default=EngineConfig.kv_memory_fraction)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--speculative", default="off", choices=["off", "ngram", "mtp"])
+    p.add_argument("--num-speculative-tokens", type=int, default=3)
+    p.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH")
+    p.add_argument("--max-adapters", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-warmup", action="store_true", help="skip warmup (tests of the warming state)")
+    p.add_argument("--access-log", action="store_true")
+    p.add_argument("--log-level", default="INFO")
+    return p.parse_args(argv)
+
+
+def config_from_args(a: argparse.Namespace) -> EngineConfig:
+    adapters = {}
+    for item in a.adapter:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(f"consort engine: --adapter expects NAME=PATH, got {item!r}")
+        adapters[name] = path
+    return EngineConfig(
+        model=str(Path(a.model)), name=a.name or Path(a.model).resolve().name, device=a.device, dtype=a.dtype,
+        block_size=a.block_size, num_blocks=a.num_blocks, kv_memory_fraction=a.kv_memory_fraction,
+        max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+        max_waiting=a.max_waiting, enable_prefix_caching=not a.no_prefix_caching, speculative=a.speculative,
+        num_speculative_tokens=a.num_speculative_tokens, adapters=adapters, max_adapters=a.max_adapters, seed=a.seed)
+
+
+def checkpoint_limits(config: EngineConfig) -> tuple[int, int]:
+    """(max_model_len, vocab_size) from config.json, before the engine has loaded."""
+    cfg = json.loads((Path(config.model) / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
+    max_len = config.max_model_len or cfg.get("max_position_embeddings") or 2048
+    return int(max_len), int(cfg.get("vocab_size", 0))
+
+
+def build_context(config: EngineConfig, served_name: str | None = None, warmup: bool = True) -> ServerContext:
+    tokenizer = Tokenizer.from_dir(config.model)
+    max_len, vocab = checkpoint_limits(config)
+    served = served_name or config.name
+    aliases = frozenset({served, config.name, Path(config.model).resolve().name, str(config.model)})
+    engine = AsyncEngine(config, warmup=warmup)
+    return ServerContext(config=config, tokenizer=tokenizer, engine=engine, served_name=served, aliases=aliases,
+                         max_model_len=max_len, vocab_size=vocab or tokenizer.vocab_size)
+
+
+async def serve(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    print(f"consort engine: specialist {config.name!r}, model {config.model}, device {config.device}, "
+          f"dtype {config.dtype}", flush=True)
+    ctx = build_context(config, args.served_model_name, warmup=not args.no_warmup)
+    app = build_app(ctx)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=log if args.access_log else None)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port)
+    await site.start()
+    port = runner.addresses[0][1] if runner.addresses else args.port
+    print(f"consort engine: listening on http://{args.host}:{port} (/health alive, /ready after warmup)", flush=True)
+
+    def on_ready() -> None:
+        ctx.startup_s = process_age_s() or (time.monotonic() - ctx.started)
+        runner_ = ctx.engine.engine.runner
+        ctx.max_model_len = int(getattr(runner_, "max_model_len", ctx.max_model_len))
+        s = ctx.engine.stats()
+        print(f"consort engine: ready in {ctx.startup_s:.2f} s from process start (load {ctx.engine.load_s:.2f} s, "
+              f"warmup {ctx.engine.warmup_s or 0:.2f} s); kv blocks {s.get('kv_total_blocks')} x "
+              f"{config.block_size} tokens; max_model_len {ctx.max_model_len}", flush=True)
+
+    ctx.engine._on_ready.append(on_ready)
+    print("consort engine: loading model ...", flush=True)
+    ctx.engine.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    print("consort engine: shutting down", flush=True)
+    await runner.cleanup()
+    await asyncio.to_thread(ctx.engine.shutdown)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return asyncio.run(serve(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""Request parsing and validation of the engine's OpenAI surface (consort_engine.protocol)."""
+from __future__ import annotations
+
+import pytest
+
+from consort_engine import protocol as P
+
+
+def err(fn, body) -> P.ApiError:
+    with pytest.raises(P.ApiError) as e:
+        fn(body)
+    return e.value
+
+
+def test_completion_defaults_and_extensions():
+    r = P.parse_completion({"model": "m", "prompt": "hi", "temperature": 0, "stop": "\n", "priority": 3,
+                            "deadline_ms": 250, "return_token_ids": True, "logprobs": 2, "seed": 7,
+                            "stream": True, "stream_options": {"include_usage": True}, "top_k": -1,
+                            "user": "u", "presence_penalty": 0})
+    assert r.prompt == "hi" and r.max_tokens == 16 and r.sampling.greedy and r.sampling.stop == ["\n"]
+    assert (r.priority, r.deadline_ms, r.return_token_ids, r.logprobs, r.sampling.seed) == (3, 250.0, True, 2, 7)
+    assert r.stream and r.include_usage and r.sampling.top_k == 0
+
+
+def test_prompt_forms():
+    assert P.parse_completion({"prompt": [1, 2, 3]}).prompt_token_ids == [1, 2, 3]
+    assert P.parse_completion({"prompt": ["x"]}).prompt == "x"
+    assert P.parse_completion({"prompt": [[4, 5]]}).prompt_token_ids == [4, 5]
+    assert err(P.parse_completion, {"prompt": ["a", "b"]}).code == "multiple_prompts_unsupported"
+    assert err(P.parse_completion, {"prompt": ""}).code == "empty_prompt"
+    assert err(P.parse_completion, {"prompt": []}).code == "empty_prompt"
+    assert err(P.parse_completion, {"prompt": [1, "a"]}).code == "invalid_type"
+    assert err(P.parse_completion, {}).code == "missing_field"
+
+
+@pytest.mark.parametrize("body,code,param", [
+    ({"prompt": "x", "max_tokens": 0}, "invalid_value", "max_tokens"),
+    ({"prompt": "x", "max_tokens": -3}, "invalid_value", "max_tokens"),
+    ({"prompt": "x", "max_tokens": "5"}, "invalid_type", "max_tokens"),
+    ({"prompt": "x", "max_tokens": True}, "invalid_type", "max_tokens"),
+    ({"prompt": "x", "temperature": "hot"}, "invalid_type", "temperature"),
+    ({"prompt": "x", "temperature": -1}, "invalid_value", "temperature"),
+    ({"prompt": "x", "top_p": 0}, "invalid_value", "top_p"),
+    ({"prompt": "x", "n": 2}, "unsupported_value", "n"),
+    ({"prompt": "x", "frequency_penalty": 0.5}, "unsupported_value", "frequency_penalty"),
+    ({"prompt": "x", "bogus": 1}, "unknown_field", "bogus"),
+    ({"prompt": "x", "stop": [""]}, "invalid_value", "stop"),
+    ({"prompt": "x", "stop": 5}, "invalid_type", "stop"),
+    ({"prompt": "x", "logprobs": 21}, "invalid_value", "logprobs"),
+    ({"prompt": "x", "stream_options": {"nope": True}}, "unknown_field", "stream_options.nope"),
+    ({"prompt": "x", "deadline_ms": 0}, "invalid_value", "deadline_ms"),
+    ({"prompt": "x", "echo": True}, "unsupported_value", "echo"),
+])
+def test_completion_rejects(body, code, param):
+    e = err(P.parse_completion, body)
+    assert (e.status, e.code, e.param) == (400, code, param)
+    assert e.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_chat_parsing():
+    r = P.parse_chat({"messages": [{"role": "system", "content": "s"},
+                                   {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                {"type": "text", "text": "b"}]}],
+                      "max_completion_tokens": 5, "logprobs": True, "top_logprobs": 3})
+    assert r.messages[1]["content"] == "ab" and r.max_tokens == 5 and r.logprobs == 3
+    assert P.parse_chat({"messages": [{"role": "user", "content": "x"}]}).max_tokens is None
+    assert P.parse_chat({"messages": [{"role": "user", "content": "x"}], "logprobs": False}).logprobs is None
+    assert err(P.parse_chat, {"messages": []}).code == "empty_prompt"
+    assert err(P.parse_chat, {"messages": [{"role": "wizard", "content": "x"}]}).param == "messages[0].role"
+    assert err(P.parse_chat, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}).code == "invalid_value"
+    assert err(P.parse_chat, {"messages": [{"role": "user", "content": "x"}], "prompt": "y"}).code == "unknown_field"
+    assert err(P.parse_chat, [1, 2]).code == "invalid_json"
+
+
+def test_context_window():
+    r = P.parse_completion({"prompt": "x", "max_tokens": 10})
+    assert P.resolve_max_tokens(r, 90, 100) == 10
+    e = pytest.raises(P.ApiError, P.resolve_max_tokens, r, 91, 100).value
+    assert (e.code, e.status) == ("context_length_exceeded", 400)
+    assert pytest.raises(P.ApiError, P.resolve_max_tokens, r, 100, 100).value.param == "prompt"
+    chat = P.parse_chat({"messages": [{"role": "user", "content": "x"}]})
+    assert P.resolve_max_tokens(chat, 30, 100) == 70
+
+
+def test_admission_error_shape():
+    e = P.admission_error("kv_capacity", 1200.2, "pool full")
+    assert e.status == 429 and e.headers() == {"Retry-After": "2"}
+    assert e.body() == {"error": {"type": "admission_rejected", "code": "kv_capacity", "message": "pool full",
+                                  "param": None, "retry_after_ms": 1201}}
+    assert P.admission_error("queue_full", 0, "").headers() == {"Retry-After": "1"}
