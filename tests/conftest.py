@@ -1,0 +1,206 @@
+"""Shared pytest fixtures: a real local Kubernetes control plane for e2e tests.
+
+Fixture API (stable; the operator's e2e tests rely on it)
+---------------------------------------------------------
+``cluster`` (session scope, lazy: only tests that request it start it)
+    Starts a private control plane (etcd, kube-apiserver, kube-controller-manager, kube-scheduler,
+    kwok; see hack/cluster.py) in its own state dir and stops it when the session ends. With
+    ``pytest --use-existing-cluster`` and ``KUBECONFIG`` set, it uses that cluster instead and stops
+    nothing. The local cluster has kwok nodes ``kwok-gpu-0``, ``kwok-gpu-1`` (``nvidia.com/gpu: 8``,
+    64 CPU, 512Gi) and ``kwok-cpu-0`` (16 CPU, 64Gi); kwok pods become Running/Ready at once, their
+    IPs are fake and never reachable.
+
+    - ``cluster.kubeconfig: Path``        admin kubeconfig (system:masters, token over TLS)
+    - ``cluster.kubectl(*args, input=None, check=True, timeout=60) -> CompletedProcess[str]``
+    - ``cluster.helm(*args, input=None, check=True, timeout=180) -> CompletedProcess[str]``
+      (both get ``--kubeconfig``; helm gets private HELM_*_HOME dirs; with check=True a non-zero
+      exit raises CommandFailed, whose message includes stdout and stderr)
+    - ``cluster.kubectl_json(*args) -> dict``  ``kubectl <args> -o json`` parsed
+    - ``cluster.api_client() -> kubernetes.client.ApiClient`` for that kubeconfig
+    - ``cluster.bin(name) -> str``        path of kubectl, helm, kwok, etcd, kube-apiserver, ...
+    - ``cluster.env() -> dict``           os.environ + KUBECONFIG + the binaries dir first on PATH
+    - ``cluster.state_dir: Path | None``  the private cluster's state dir (logs/ has every
+      component's log); None with --use-existing-cluster
+
+``namespace`` (function scope)
+    A fresh namespace (``t-<test name>-<random>``) whose ``default`` ServiceAccount exists; deleted
+    after the test, waiting (bounded, 90 s) until it is gone. Yields the name (str).
+
+Helpers in tests/kube.py: ``wait_for(predicate, timeout, what, interval=0.2)`` (a predicate may
+raise ``NotYet("what I saw")`` to report its observation), ``condition``, ``owned_by``.
+
+The binaries come from ``make controlplane`` (hack/controlplane.sh build, cached in
+~/.cache/consort/bin); the fixture runs that build too, which is a no-op once it is stamped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # `from kube import ...` also outside pytest's rootdir logic
+from kube import NotYet, wait_for  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+CONTROLPLANE = REPO / "hack" / "controlplane.sh"
+CACHE = Path(os.environ.get("CONSORT_CACHE", Path.home() / ".cache" / "consort"))
+TEST_CLUSTERS = CACHE / "test-clusters"
+UP_TIMEOUT_S = 240
+NAMESPACE_DELETE_TIMEOUT_S = 90
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--use-existing-cluster", action="store_true", default=False,
+                     help="e2e tests use the cluster in $KUBECONFIG instead of starting a private one")
+
+
+class CommandFailed(subprocess.CalledProcessError):
+    def __str__(self) -> str:
+        return (f"{' '.join(map(str, self.cmd))} exited {self.returncode}\n"
+                f"--- stdout\n{self.stdout}\n--- stderr\n{self.stderr}")
+
+
+@dataclass
+class Cluster:
+    kubeconfig: Path
+    bin_dir: Path
+    helm_home: Path
+    state_dir: Path | None = None  # the private cluster's dir (CONSORT_CLUSTER_DIR); None when existing
+    _api_clients: list = field(default_factory=list)
+
+    def bin(self, name: str) -> str:
+        candidate = self.bin_dir / name
+        if candidate.exists():
+            return str(candidate)
+        found = shutil.which(name)
+        if found is None:
+            raise FileNotFoundError(f"{name} is neither in {self.bin_dir} nor on PATH (run `make controlplane`)")
+        return found
+
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "KUBECONFIG": str(self.kubeconfig),
+                "PATH": f"{self.bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
+
+    def _run(self, argv: list[str], input: str | None, check: bool, timeout: float,
+             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+        proc = subprocess.run(argv, input=input, capture_output=True, text=True, timeout=timeout,
+                              env=env or self.env())
+        if check and proc.returncode != 0:
+            raise CommandFailed(proc.returncode, argv, proc.stdout, proc.stderr)
+        return proc
+
+    def kubectl(self, *args: str, input: str | None = None, check: bool = True,
+                timeout: float = 60) -> subprocess.CompletedProcess:
+        return self._run([self.bin("kubectl"), f"--kubeconfig={self.kubeconfig}", *args], input, check, timeout)
+
+    def kubectl_json(self, *args: str, timeout: float = 60) -> dict:
+        return json.loads(self.kubectl(*args, "-o", "json", timeout=timeout).stdout)
+
+    def helm(self, *args: str, input: str | None = None, check: bool = True,
+             timeout: float = 180) -> subprocess.CompletedProcess:
+        env = {**self.env(), **{f"HELM_{kind}_HOME": str(self.helm_home / kind.lower())
+                                for kind in ("CACHE", "CONFIG", "DATA")}}
+        return self._run([self.bin("helm"), f"--kubeconfig={self.kubeconfig}", *args], input, check, timeout, env)
+
+    def api_client(self):
+        from kubernetes import config
+
+        client = config.new_client_from_config(config_file=str(self.kubeconfig))
+        self._api_clients.append(client)
+        return client
+
+    def close(self) -> None:
+        for client in self._api_clients:
+            client.close()
+
+
+def _controlplane(command: str, cluster_dir: Path, timeout: float) -> subprocess.CompletedProcess:
+    env = {**os.environ, "CONSORT_CLUSTER_DIR": str(cluster_dir)}
+    return subprocess.run([str(CONTROLPLANE), command], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _sweep_abandoned_clusters() -> None:
+    """Stops clusters left by earlier pytest sessions that were killed before their teardown."""
+    if not TEST_CLUSTERS.is_dir():
+        return
+    for cluster_dir in TEST_CLUSTERS.iterdir():
+        match = re.fullmatch(r"pytest-(\d+)", cluster_dir.name)
+        if match and not _pid_alive(int(match.group(1))):
+            _controlplane("down", cluster_dir, timeout=60)
+
+
+@pytest.fixture(scope="session")
+def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    helm_home = tmp_path_factory.mktemp("helm-home")
+    if request.config.getoption("--use-existing-cluster"):
+        kubeconfig = os.environ.get("KUBECONFIG")
+        if not kubeconfig:
+            raise pytest.UsageError("--use-existing-cluster needs KUBECONFIG to point at the cluster")
+        handle = Cluster(Path(kubeconfig.split(os.pathsep)[0]), CACHE / "bin", helm_home)
+        yield handle
+        handle.close()
+        return
+    build = subprocess.run([str(CONTROLPLANE), "build"], capture_output=True, text=True, timeout=3600)
+    if build.returncode != 0:
+        pytest.fail(f"building the control plane failed:\n{build.stderr[-3000:]}", pytrace=False)
+    _sweep_abandoned_clusters()
+    cluster_dir = TEST_CLUSTERS / f"pytest-{os.getpid()}"
+    started = time.monotonic()
+    up = _controlplane("up", cluster_dir, timeout=UP_TIMEOUT_S)
+    if up.returncode != 0:
+        _controlplane("down", cluster_dir, timeout=60)
+        pytest.fail(f"starting the local control plane failed:\n{up.stderr[-3000:]}", pytrace=False)
+    handle = Cluster(Path(up.stdout.strip().splitlines()[-1]), CACHE / "bin", helm_home, cluster_dir)
+    sys.stderr.write(f"\n[cluster fixture] local control plane up in {time.monotonic() - started:.1f}s "
+                     f"({handle.kubeconfig})\n")
+    try:
+        yield handle
+    finally:
+        handle.close()
+        down = _controlplane("down", cluster_dir, timeout=60)
+        if down.returncode != 0:
+            sys.stderr.write(f"[cluster fixture] stopping the control plane failed:\n{down.stderr}\n")
+
+
+def _namespace_name(test_name: str) -> str:
+    stem = re.sub(r"[^a-z0-9-]+", "-", test_name.lower().removeprefix("test_")).strip("-")
+    return f"t-{stem[:48].strip('-')}-{secrets.token_hex(3)}"
+
+
+@pytest.fixture
+def namespace(cluster: Cluster, request: pytest.FixtureRequest):
+    name = _namespace_name(request.node.name)
+    cluster.kubectl("create", "namespace", name)
+    # Pods are rejected until the ServiceAccount controller has created `default`.
+    wait_for(lambda: cluster.kubectl("get", "serviceaccount", "default", "-n", name, check=False).returncode == 0,
+             30, f"ServiceAccount default in namespace {name}")
+    yield name
+    cluster.kubectl("delete", "namespace", name, "--wait=false", "--ignore-not-found")
+
+    def gone() -> bool:
+        proc = cluster.kubectl("get", "namespace", name, "-o", "jsonpath={.status.phase}", check=False)
+        if proc.returncode != 0 and "NotFound" in proc.stderr:
+            return True
+        raise NotYet(f"namespace phase {proc.stdout or proc.stderr.strip()!r}")
+
+    wait_for(gone, NAMESPACE_DELETE_TIMEOUT_S, f"namespace {name} to be deleted", interval=0.5)

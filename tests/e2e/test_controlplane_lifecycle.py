@@ -1,0 +1,102 @@
+"""hack/controlplane.sh as a user meets it: idempotent up, stale processes, down, and one-line
+errors for a missing Go or an unreachable module proxy. Runs its own private clusters."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from kube import wait_for
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+CONTROLPLANE = REPO / "hack" / "controlplane.sh"
+sys.path.insert(0, str(REPO / "hack"))
+import cluster as cluster_script  # noqa: E402  (hack/cluster.py)
+
+
+def controlplane(*args: str, cluster_dir: Path | None = None, timeout: float = 240,
+                 **env: str) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, **env}
+    if cluster_dir is not None:
+        full_env["CONSORT_CLUSTER_DIR"] = str(cluster_dir)
+    return subprocess.run([str(CONTROLPLANE), *args], capture_output=True, text=True, timeout=timeout, env=full_env)
+
+
+def live_pids(cluster_dir: Path) -> dict[str, int]:
+    layout = cluster_script.Layout(cluster_dir.resolve(), Path.home() / ".cache" / "consort" / "bin")
+    return cluster_script.cluster_pids(layout)
+
+
+@pytest.fixture
+def private_dir(tmp_path: Path):
+    cluster_dir = tmp_path / "cluster"
+    yield cluster_dir
+    controlplane("down", cluster_dir=cluster_dir, timeout=60)
+    assert live_pids(cluster_dir) == {}
+
+
+def test_up_is_idempotent_recovers_from_a_crashed_component_and_down_stops_everything(private_dir):
+    first = controlplane("up", cluster_dir=private_dir)
+    assert first.returncode == 0, first.stderr
+    kubeconfig = first.stdout.strip().splitlines()[-1]
+    assert Path(kubeconfig).is_file()
+    state = json.loads((private_dir / "state.json").read_text())
+    # The target is a usable apiserver within 30 s of a warm `up` (binaries cached).
+    assert state["apiserver_ready_s"] <= 30, state
+    pids = live_pids(private_dir)
+    assert sorted(pids) == sorted(cluster_script.COMPONENTS)
+
+    again = controlplane("up", cluster_dir=private_dir)
+    assert again.returncode == 0, again.stderr
+    assert "already running" in again.stderr
+    assert again.stdout.strip().splitlines()[-1] == kubeconfig
+    assert live_pids(private_dir) == pids
+
+    status = controlplane("status", cluster_dir=private_dir)
+    assert status.returncode == 0 and "ready at https://127.0.0.1:" in status.stdout
+
+    # A crashed apiserver leaves the rest of the cluster behind as stale processes.
+    os.kill(pids["kube-apiserver"], signal.SIGKILL)
+    wait_for(lambda: "kube-apiserver" not in live_pids(private_dir), 10, "the killed kube-apiserver to exit")
+    assert controlplane("status", cluster_dir=private_dir).returncode == 1
+    recovered = controlplane("up", cluster_dir=private_dir)
+    assert recovered.returncode == 0, recovered.stderr
+    assert "stopped stale processes from an earlier run" in recovered.stderr
+    new_pids = live_pids(private_dir)
+    assert sorted(new_pids) == sorted(cluster_script.COMPONENTS)
+    assert not set(new_pids.values()) & set(pids.values())
+    kubectl = Path.home() / ".cache" / "consort" / "bin" / "kubectl"
+    nodes = subprocess.run([str(kubectl), f"--kubeconfig={kubeconfig}", "get", "nodes", "-o", "name"],
+                           capture_output=True, text=True, timeout=30)
+    assert nodes.returncode == 0, nodes.stderr
+    assert "node/kwok-gpu-0" in nodes.stdout.split()
+
+    down = controlplane("down", cluster_dir=private_dir, timeout=60)
+    assert down.returncode == 0, down.stderr
+    assert live_pids(private_dir) == {}
+    assert not private_dir.exists()
+    assert "nothing" in controlplane("down", cluster_dir=private_dir, timeout=60).stderr
+
+
+def test_build_without_go_says_so_in_one_line(tmp_path: Path):
+    # An empty cache forces a build; a PATH without Go must stop it at once with one line.
+    result = controlplane("build", CONSORT_CACHE=str(tmp_path / "cache"), PATH="/usr/bin:/bin", timeout=30)
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Go is missing" in lines[0], result.stderr
+
+
+def test_build_with_unreachable_module_proxy_names_the_proxy(tmp_path: Path):
+    result = controlplane("build", CONSORT_CACHE=str(tmp_path / "cache"), GOMODCACHE=str(tmp_path / "mod"),
+                          GOPROXY="http://127.0.0.1:9", GOSUMDB="off", timeout=120)
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert "cannot download Go modules from GOPROXY=http://127.0.0.1:9" in last, result.stderr
+    subprocess.run(["chmod", "-R", "u+w", str(tmp_path)], check=False)  # the module cache is read-only
