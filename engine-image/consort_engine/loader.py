@@ -1,0 +1,149 @@
+"""Checkpoint loading: config.json -> ModelConfig, *.safetensors -> tensors, dtype and EOS resolution.
+
+No transformers import: the engine reads the Hugging Face files directly so start-up stays fast.
+The tokenizer itself lives in tokenizer.py.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from safetensors import safe_open
+
+SUPPORTED = {
+    "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+}
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "half": torch.float16, "fp16": torch.float16}
+
+
+@dataclass
+class ModelConfig:
+    """The fields of a Llama-family config.json the engine uses (Hugging Face names)."""
+
+    model_type: str
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None      # rope_type + its parameters; None = default RoPE
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False                    # q/k/v biases (Qwen2: always)
+    qk_norm: bool = False                           # per-head RMSNorm on q and k (Qwen3)
+    mlp_bias: bool = False
+    hidden_act: str = "silu"
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: list[int] = field(default_factory=list)
+    torch_dtype: str | None = None
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+
+def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling) from either the legacy (rope_theta, rope_scaling) or the v5 rope_parameters form."""
+    params = raw.get("rope_parameters") or {}
+    if "full_attention" in params and isinstance(params["full_attention"], dict):
+        params = params["full_attention"]
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    scaling = dict(raw.get("rope_scaling") or params or {})
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    scaling.pop("rope_theta", None)
+    if rope_type in (None, "default"):
+        return theta, None
+    scaling["rope_type"] = rope_type
+    return theta, scaling
+
+
+def _as_list(x: Any) -> list[int]:
+    if x is None:
+        return []
+    return [int(v) for v in x] if isinstance(x, (list, tuple)) else [int(x)]
+
+
+def load_model_config(model_dir: str | Path) -> ModelConfig:
+    model_dir = Path(model_dir)
+    raw = json.loads((model_dir / "config.json").read_text())
+    archs = raw.get("architectures") or []
+    model_type = raw.get("model_type") or (SUPPORTED.get(archs[0]) if archs else None)
+    if model_type not in ("llama", "mistral", "qwen2", "qwen3"):
+        raise ValueError(f"unsupported model_type {model_type!r} (architectures {archs}); "
+                         "supported: llama, mistral, qwen2, qwen3")
+    heads = int(raw["num_attention_heads"])
+    theta, scaling = _rope(raw)
+    sliding = raw.get("sliding_window")
+    if model_type in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
+        sliding = None
+    return ModelConfig(
+        model_type=model_type,
+        hidden_size=int(raw["hidden_size"]),
+        intermediate_size=int(raw["intermediate_size"]),
+        num_hidden_layers=int(raw["num_hidden_layers"]),
+        num_attention_heads=heads,
+        num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
+        head_dim=int(raw.get("head_dim") or raw["hidden_size"] // heads),
+        vocab_size=int(raw["vocab_size"]),
+        max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        attention_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
+        qk_norm=model_type == "qwen3",
+        mlp_bias=bool(raw.get("mlp_bias", False)),
+        hidden_act=raw.get("hidden_act", "silu"),
+        sliding_window=int(sliding) if sliding else None,
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_id=_as_list(raw.get("eos_token_id")),
+        torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+        raw=raw,
+    )
+
+
+def eos_token_ids(model_dir: str | Path, cfg: ModelConfig) -> set[int]:
+    """EOS ids from config.json, generation_config.json and tokenizer_config.json's eos_token."""
+    model_dir = Path(model_dir)
+    ids = set(cfg.eos_token_id)
+    gen = model_dir / "generation_config.json"
+    if gen.exists():
+        ids.update(_as_list(json.loads(gen.read_text()).get("eos_token_id")))
+    tok_cfg, tok = model_dir / "tokenizer_config.json", model_dir / "tokenizer.json"
+    if tok_cfg.exists() and tok.exists():
+        eos = json.loads(tok_cfg.read_text()).get("eos_token")
+        eos = eos.get("content") if isinstance(eos, dict) else eos
+        if isinstance(eos, str):
+            from tokenizers import Tokenizer
+            tid = Tokenizer.from_file(str(tok)).token_to_id(eos)
+            if tid is not None:
+                ids.add(int(tid))
+    return ids
+
+
+def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    """`auto` is float32 on CPU and bfloat16 on CUDA; otherwise the named dtype."""
+    if dtype in ("auto", None):
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use auto, float32, bfloat16 or float16")
+    return _DTYPES[dtype]
+
+
+def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of every *.safetensors file in the directory (sharded checkpoints included)."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    for f in files:
+        with safe_open(str(f), framework="pt", device="cpu") as fh:
+            for name in fh.keys():
+                yield name, fh.get_tensor(name)

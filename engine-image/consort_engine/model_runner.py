@@ -1,0 +1,215 @@
+"""ModelRunner: loads the checkpoint, owns the KV pool, turns a ScheduledBatch into logits.
+
+The pool is sized once at start-up (config.num_blocks, or free memory after the weights minus an
+activation reserve, times kv_memory_fraction) and never grows. `execute` reads the sequences and
+their block tables (allocated by the block manager) and never mutates them.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .attention import AttentionMetadata, PrefillSpan, choose_backend
+from .config import EngineConfig
+from .loader import eos_token_ids, iter_safetensors, load_model_config, resolve_dtype
+from .models import MODELS
+from .sequence import ScheduledBatch, Sequence
+
+MAX_KERNEL_QUERY = 16     # sequences with at most this many new tokens join the batched (kernel) group
+MiB = 1 << 20
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor      # [T] int64, batched group first, then prefill spans
+    positions: torch.Tensor      # [T] int64
+    meta: AttentionMetadata
+    sample_idx: torch.Tensor     # [S] int64: token row of each sampled sequence, in batch order
+
+
+def mem_available(device: torch.device) -> int:
+    """Bytes free for the pool: cudaMemGetInfo on CUDA, MemAvailable from /proc/meminfo on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("MemAvailable missing from /proc/meminfo")
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig):
+        t0 = time.monotonic()
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = resolve_dtype(config.dtype, config.device)
+        self.hf_config = cfg = load_model_config(config.model)
+        self.eos_token_ids: set[int] = eos_token_ids(config.model, cfg)
+        self.vocab_size = cfg.vocab_size
+        self.block_size = config.block_size
+        self.max_model_len = config.max_model_len or cfg.max_position_embeddings
+        if cfg.sliding_window:     # no sliding-window kernel: stay where full attention is exact
+            self.max_model_len = min(self.max_model_len, cfg.sliding_window)
+        self.backend = choose_backend(self.device, self.dtype, self.block_size)
+        self.max_kernel_query = (max(1, 256 // (cfg.num_attention_heads // cfg.num_key_value_heads))
+                                 if self.backend == "cpu_kernel" else 1)
+        self.max_kernel_query = min(self.max_kernel_query, MAX_KERNEL_QUERY)
+
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                self.model = MODELS[cfg.model_type](cfg, self.max_model_len, self.backend, self.dtype, self.device)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        self.model.load_weights(iter_safetensors(config.model))
+        self.model.eval()
+
+        self.num_blocks = self._pool_blocks()
+        kv_shape = (cfg.num_hidden_layers, 2, self.num_blocks, self.block_size,
+                    cfg.num_key_value_heads, cfg.head_dim)
+        # The CPU kernel never reads a slot before it is written, so untouched pages stay uncommitted;
+        # the gather fallbacks read whole blocks and need finite values in the unused tail.
+        alloc = torch.empty if self.backend == "cpu_kernel" else torch.zeros
+        self.kv_cache = alloc(kv_shape, dtype=self.dtype, device=self.device)
+        for i, layer in enumerate(self.model.layers):
+            layer.self_attn.attn.k_cache = self.kv_cache[i, 0]
+            layer.self_attn.attn.v_cache = self.kv_cache[i, 1]
+        self.load_seconds = time.monotonic() - t0
+
+    # ------------------------------------------------------------------------------------------
+    @property
+    def block_bytes(self) -> int:
+        c = self.hf_config
+        return 2 * c.num_hidden_layers * self.block_size * c.num_key_value_heads * c.head_dim * self.dtype.itemsize
+
+    def _pool_blocks(self) -> int:
+        if self.config.num_blocks:
+            return int(self.config.num_blocks)
+        c = self.hf_config
+        tokens = self.config.max_num_batched_tokens
+        per_token = (6 * c.hidden_size + 3 * (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+                     + 3 * c.intermediate_size) * 4
+        scores = c.num_attention_heads * min(tokens, self.max_model_len) * self.max_model_len * 4
+        logits = 4 * self.config.max_num_seqs * c.vocab_size * 4
+        reserve = 2 * (tokens * per_token + scores + logits) + 256 * MiB
+        free = mem_available(self.device) - reserve
+        n = int(max(free, 0) * self.config.kv_memory_fraction) // self.block_bytes
+        # more than every running sequence at full length can never be used
+        n = min(n, self.config.max_num_seqs * math.ceil(self.max_model_len / self.block_size))
+        if n < 1:
+            raise RuntimeError(f"no memory left for the KV pool (free {free / MiB:.0f} MiB after reserve)")
+        return n
+
+    # ------------------------------------------------------------------------------------------
+    def prepare(self, batch: ScheduledBatch) -> StepInputs:
+        seqs, new = batch.seqs, batch.num_new_tokens
+        bs, flash = self.block_size, self.backend == "flash"
+        batched = [i for i in range(len(seqs)) if flash or new[i] <= self.max_kernel_query]
+        if len(batched) != len(seqs):
+            in_group = set(batched)
+            order = batched + [i for i in range(len(seqs)) if i not in in_group]
+        else:
+            order = batched
+        nb = len(batched)
+
+        tokens: list[int] = []
+        starts: list[int] = []
+        lens: list[int] = []
+        tables: list[list[int]] = []
+        for i in order:
+            s, n, seq = seqs[i].num_computed_tokens, new[i], seqs[i]
+            tokens += seq.token_ids[s:s + n]
+            starts.append(s)
+            lens.append(n)
+            tables.append(seq.block_table[: (s + n + bs - 1) // bs])
+        max_blocks = max(len(t) for t in tables)
+        flat: list[int] = []
+        for t in tables:
+            flat += t
+            flat += [0] * (max_blocks - len(t))
+
+        b = len(order)
+        lens_t = torch.tensor(lens, dtype=torch.int64)
+        starts_t = torch.tensor(starts, dtype=torch.int64)
+        cu = torch.zeros(b + 1, dtype=torch.int64)
+        torch.cumsum(lens_t, 0, out=cu[1:])
+        seq_of_tok = torch.repeat_interleave(torch.arange(b), lens_t)
+        t = int(cu[-1])
+        positions = torch.arange(t) + (starts_t - cu[:-1])[seq_of_tok]
+        bt = torch.tensor(flat, dtype=torch.int32).view(b, max_blocks)
+        slots = bt[seq_of_tok, positions // bs].to(torch.int64) * bs + positions % bs
+        ctx = starts_t + lens_t
+
+        cu_list = cu.tolist()
+        meta = AttentionMetadata(slot_mapping=slots, num_batched_tokens=cu_list[nb])
+        if nb:
+            meta.block_tables = bt[:nb] if nb < b else bt
+            meta.context_lens = ctx[:nb].to(torch.int32)
+            meta.cu_query_lens = cu[: nb + 1].to(torch.int32)
+            meta.max_context_len = max(starts[r] + lens[r] for r in range(nb))
+            meta.max_query_len = max(lens[:nb])
+        if flash:   # pragma: no cover - CUDA + flash-attn only
+            meta.cu_context_lens = torch.cat([torch.zeros(1, dtype=torch.int64), ctx.cumsum(0)]).to(torch.int32)
+            meta.max_query_len_all = max(lens)
+        for r in range(nb, b):
+            c = starts[r] + lens[r]
+            span = PrefillSpan(start=cu_list[r], end=cu_list[r + 1], cached=starts[r], context_len=c)
+            if starts[r] > 0:
+                span.block_ids = bt[r, : (c + bs - 1) // bs].to(torch.int64)
+            meta.prefills.append(span)
+
+        row_of = {i: r for r, i in enumerate(order)}
+        sample_idx = torch.tensor([cu_list[row_of[i] + 1] - 1 for i in range(len(seqs)) if batch.sample[i]],
+                                  dtype=torch.int64)
+        ids = torch.tensor(tokens, dtype=torch.int64)
+        if self.device.type != "cpu":
+            dev = self.device
+            ids, positions, sample_idx = (x.to(dev, non_blocking=True) for x in (ids, positions, sample_idx))
+            meta.slot_mapping = meta.slot_mapping.to(dev, non_blocking=True)
+            for name in ("block_tables", "context_lens", "cu_query_lens", "cu_context_lens"):
+                if getattr(meta, name) is not None:
+                    setattr(meta, name, getattr(meta, name).to(dev, non_blocking=True))
+            for span in meta.prefills:
+                if span.block_ids is not None:
+                    span.block_ids = span.block_ids.to(dev, non_blocking=True)
+        return StepInputs(ids, positions, meta, sample_idx)
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
+        """float32 logits [sampled rows, vocab] in batch order."""
+        inp = self.prepare(batch)
+        h = self.model(inp.input_ids, inp.positions, inp.meta)
+        if inp.sample_idx.numel() == 0:
+            return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
+        return self.model.compute_logits(h[inp.sample_idx]).float()
+
+    # ------------------------------------------------------------------------------------------
+    def warmup(self) -> None:
+        """Runs a prefill and a decode batch through scratch blocks before any request owns a block.
+
+        The K/V they write is garbage nobody reads: every block is written by its owner before
+        it is attended.
+        """
+        bs = self.block_size
+        prompt = max(1, min(self.config.max_num_batched_tokens, 512, self.max_model_len - 1,
+                            self.num_blocks * bs - 1))
+        seq = Sequence(prompt_token_ids=[i % self.vocab_size for i in range(prompt + 1)])
+        seq.block_table = list(range(math.ceil((prompt + 1) / bs)))
+        self.execute(ScheduledBatch([seq], [prompt], [True], mode="prefill"))
+        n = max(1, min(self.config.max_num_seqs, 32, self.num_blocks))
+        ctx = max(1, min(prompt, (self.num_blocks // n) * bs - 1))
+        seqs = []
+        for j in range(n):
+            s = Sequence(prompt_token_ids=[(j + i) % self.vocab_size for i in range(ctx + 1)])
+            s.num_computed_tokens = ctx
+            s.block_table = [(j * math.ceil((ctx + 1) / bs) + k) % self.num_blocks
+                             for k in range(math.ceil((ctx + 1) / bs))]
+            seqs.append(s)
+        self.execute(ScheduledBatch(seqs, [1] * n, [True] * n, mode="decode"))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
