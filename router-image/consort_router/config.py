@@ -134,6 +134,12 @@ class ClassifierConfig(_Strict):
     reject_label: str = Field("reject", description="Label of the reject class in the examples.")
     hash_dim: int = Field(1 << 18, ge=1024, description="Hashed feature space size.")
     alpha: float = Field(0.1, gt=0, description="Additive (Laplace) smoothing of the naive Bayes counts.")
+    evidence_cap: float = Field(
+        8.0,
+        gt=0,
+        description="Summed feature log-likelihoods are scaled to at most this many features' worth of "
+        "evidence, which tempers naive-Bayes overconfidence so top-1 probabilities can drive shadow thresholds.",
+    )
     min_confidence: float = Field(
         0.0, ge=0, le=1, description="A top-1 probability below this is treated as reject."
     )

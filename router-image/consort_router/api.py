@@ -1,0 +1,122 @@
+"""Typed errors and request parsing for the router's OpenAI surface (pure; no aiohttp state)."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+
+class ApiError(Exception):
+    """Rendered as {"error": {"type", "code", "message", ...}} with `status`."""
+
+    def __init__(self, status: int, code: str, message: str, type: str | None = None,
+                 retry_after_ms: int | None = None, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message, self.param = status, code, message, param
+        self.type = type or default_type(status)
+        self.retry_after_ms = retry_after_ms
+
+    def body(self) -> dict:
+        err: dict[str, Any] = {"type": self.type, "code": self.code, "message": self.message}
+        if self.param is not None:
+            err["param"] = self.param
+        if self.retry_after_ms is not None:
+            err["retry_after_ms"] = self.retry_after_ms
+        return {"error": err}
+
+    def headers(self) -> dict[str, str]:
+        h = {}
+        if self.retry_after_ms is not None:
+            h["Retry-After"] = str(max(1, math.ceil(self.retry_after_ms / 1000)))
+        if self.status == 401:
+            h["WWW-Authenticate"] = "Bearer"
+        return h
+
+
+def default_type(status: int) -> str:
+    return {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+            405: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
+            429: "admission_rejected", 503: "unavailable"}.get(status, "server_error" if status >= 500 else "error")
+
+
+def bad(code: str, message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, code, message, param=param)
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    body: dict
+    model: str | None
+    intent: str | None
+    priority: int
+    stream: bool
+    text: str
+
+
+def parse_json(raw: bytes) -> dict:
+    try:
+        obj = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad("invalid_json", f"request body is not valid JSON: {e}")
+    if not isinstance(obj, dict):
+        raise bad("invalid_request", "request body must be a JSON object")
+    return obj
+
+
+def _text_of_content(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return ""
+
+
+def parse_request(obj: dict, kind: str, header_intent: str | None) -> ParsedRequest:
+    """Validate the fields the router reads; the engine validates the rest."""
+    model = obj.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad("invalid_type", "'model' must be a string", "model")
+    intent = obj.get("intent")
+    if intent is not None and not isinstance(intent, str):
+        raise bad("invalid_type", "'intent' must be a string", "intent")
+    if header_intent:
+        intent = header_intent.strip()
+    priority = obj.get("priority", 0)
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise bad("invalid_type", "'priority' must be an integer", "priority")
+    stream = obj.get("stream", False)
+    if not isinstance(stream, bool):
+        raise bad("invalid_type", "'stream' must be a boolean", "stream")
+    if kind == "chat":
+        messages = obj.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise bad("missing_field", "'messages' must be a non-empty list", "messages")
+        parts = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict):
+                raise bad("invalid_type", f"messages[{i}] must be an object", f"messages[{i}]")
+            parts.append(_text_of_content(m.get("content")))
+        text = "\n".join(parts)
+    else:
+        prompt = obj.get("prompt")
+        if prompt is None:
+            raise bad("missing_field", "'prompt' is required", "prompt")
+        if isinstance(prompt, str):
+            text = prompt
+        elif isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
+            text = "\n".join(prompt)
+        elif isinstance(prompt, list):
+            text = ""  # token ids: nothing to read for detectors and the classifier
+        else:
+            raise bad("invalid_type", "'prompt' must be a string, a list of strings or token ids", "prompt")
+    return ParsedRequest(obj, model, intent or None, priority, stream, text)
+
+
+def upstream_body(obj: dict, specialist: str, adapter: str | None) -> dict:
+    """What the engine gets: the router-only `intent` removed, `model` set to the specialist."""
+    out = {k: v for k, v in obj.items() if k != "intent"}
+    out["model"] = specialist
+    if adapter is not None and out.get("adapter") is None:
+        out["adapter"] = adapter
+    return out

@@ -1,0 +1,140 @@
+"""Replica state and choice: least queue depth among warm replicas, penalty for preempting ones.
+
+The poller (`ReplicaPoller`) keeps `ReplicaState` fresh from each engine's `/ready` and `/v1/status`;
+`choose_replica` is the pure decision.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import aiohttp
+
+log = logging.getLogger("consort.router.replicas")
+
+
+@dataclass
+class ReplicaState:
+    url: str
+    specialist: str
+    ready: bool = False
+    reason: str = "not polled yet"
+    waiting: int = 0
+    running: int = 0
+    preempting: bool = False
+    polled_at: float = 0.0
+    inflight: int = 0            # router requests to it now in flight
+    inflight_at_poll: int = 0    # ... when its status was last read
+    adapters: tuple[str, ...] = ()
+
+    def load(self, preempting_penalty: float) -> float:
+        """Queue depth as seen now: polled depth + requests sent since the poll, + preempting penalty."""
+        pending = max(0, self.inflight - self.inflight_at_poll)
+        return self.waiting + self.running + pending + (preempting_penalty if self.preempting else 0.0)
+
+    def view(self) -> dict:
+        return {
+            "url": self.url, "ready": self.ready, "reason": self.reason, "waiting": self.waiting,
+            "running": self.running, "preempting": self.preempting, "inflight": self.inflight,
+        }
+
+
+def choose_replica(
+    replicas: list[ReplicaState], preempting_penalty: float, exclude: frozenset[str] = frozenset()
+) -> ReplicaState | None:
+    """The ready replica (not in `exclude`) with the least load; ties go to the fewest in flight, then URL."""
+    best = None
+    best_key = None
+    for r in replicas:
+        if not r.ready or r.url in exclude:
+            continue
+        key = (r.load(preempting_penalty), r.inflight, r.url)
+        if best_key is None or key < best_key:
+            best, best_key = r, key
+    return best
+
+
+def parse_status(body: object) -> tuple[int, int, bool, tuple[str, ...]]:
+    """(waiting, running, preempting, adapters) from an engine's /v1/status JSON, tolerant of shapes."""
+    if not isinstance(body, dict):
+        return 0, 0, False, ()
+
+    def num(key: str) -> int:
+        v = body.get(key, 0)
+        if isinstance(v, bool):
+            return int(v)
+        if isinstance(v, (int, float)):
+            return int(v)
+        if isinstance(v, (list, tuple)):
+            return len(v)
+        return 0
+
+    pre = body.get("preempting", False)
+    preempting = bool(pre) if not isinstance(pre, (list, tuple, dict)) else len(pre) > 0
+    adapters = body.get("adapters") or ()
+    if isinstance(adapters, dict):
+        adapters = tuple(adapters)
+    elif isinstance(adapters, list):
+        adapters = tuple(a if isinstance(a, str) else str(a.get("name", "")) for a in adapters if a)
+    else:
+        adapters = ()
+    return num("waiting"), num("running"), preempting, adapters
+
+
+class ReplicaPoller:
+    """Polls every replica's /ready and /v1/status in the background."""
+
+    def __init__(self, session: aiohttp.ClientSession, interval_s: float, timeout_s: float) -> None:
+        self.session = session
+        self.interval_s = interval_s
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.replicas: dict[str, ReplicaState] = {}  # url -> state (shared with the router's table)
+        self._task: asyncio.Task | None = None
+        self.first_round = asyncio.Event()
+
+    def track(self, replicas: dict[str, ReplicaState]) -> None:
+        self.replicas = replicas
+
+    async def poll_one(self, r: ReplicaState) -> None:
+        inflight = r.inflight
+        try:
+            async with self.session.get(f"{r.url}/ready", timeout=self.timeout) as resp:
+                ready = resp.status == 200
+                reason = "ready" if ready else (await resp.text())[:200]
+            async with self.session.get(f"{r.url}/v1/status", timeout=self.timeout) as resp:
+                status = await resp.json(content_type=None) if resp.status == 200 else {}
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+            r.ready, r.reason = False, f"unreachable: {type(e).__name__}"
+            r.polled_at = time.monotonic()
+            return
+        r.waiting, r.running, r.preempting, r.adapters = parse_status(status)
+        r.ready, r.reason = ready, reason
+        r.inflight_at_poll = inflight
+        r.polled_at = time.monotonic()
+
+    async def poll_all(self) -> None:
+        reps = list(self.replicas.values())
+        if reps:
+            await asyncio.gather(*(self.poll_one(r) for r in reps))
+        self.first_round.set()
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.poll_all()
+            except Exception:  # noqa: BLE001 - keep polling whatever happens
+                log.exception("replica poll failed")
+            await asyncio.sleep(self.interval_s)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self.run(), name="replica-poller")
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass

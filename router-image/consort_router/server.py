@@ -1,0 +1,617 @@
+"""`consort router --config FILE --port P`: the ensemble's OpenAI-compatible front door (aiohttp).
+
+Handlers are thin: api.py parses, routing.py decides the specialist, replicas.py the replica,
+proxy.py moves bytes, state.py holds lane state (breakers, admission knobs), verifier.py and
+shadow.py produce correctness samples and calibration records off the hot path.
+
+Embedding (the operator, tests): `Router(config, config_path=..., store=...)` then `build_app(router)`.
+A custom `BreakerStore` (e.g. one backed by EnsembleRouter status) replaces the FileStore.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import random
+import signal
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+
+from .api import ApiError, parse_json, parse_request, upstream_body
+from .auth import KeyRing
+from .breaker import STATE_CODES, BreakerStore, FileStore, MemoryStore, is_fresh
+from .config import RouterConfig
+from .metrics import RouterMetrics
+from .proxy import Attempt, NoReplica, copy_headers, open_upstream, relay_stream
+from .replicas import ReplicaPoller
+from .routing import RouteDecision, RouteError, RouteInput, route
+from .shadow import CalibrationLog, CalibrationRecord, disagree, shadow_body, text_of_response, text_of_sse
+from .state import Lanes, Runtime, build_runtime
+from .verifier import Verifier, VerifyResult
+from . import admission as adm
+
+log = logging.getLogger("consort.router")
+
+ROUTER = web.AppKey("consort_router", object)
+OPEN_PATHS = frozenset({"/health", "/ready"})
+GEN_HEADERS = ("x-consort-specialist", "x-consort-shadow", "x-consort-adapter", "x-consort-admission",
+               "x-consort-breaker")
+
+
+class Router:
+    """Everything one router process holds; see the module docstring for how the parts divide."""
+
+    def __init__(self, config: RouterConfig, config_path: str | Path | None = None,
+                 store: BreakerStore | None = None) -> None:
+        self.config_path = Path(config_path) if config_path else None
+        self.base_dir = self.config_path.parent if self.config_path else Path.cwd()
+        if store is None:
+            if config.store.kind == "file" and config.store.path:
+                p = Path(config.store.path)
+                store = FileStore(p if p.is_absolute() else self.base_dir / p)
+            else:
+                store = MemoryStore()
+        self.lanes = Lanes(config, store)
+        self.lanes.restore()
+        self.runtime: Runtime = build_runtime(config, self.base_dir, self.lanes)
+        self.metrics = RouterMetrics()
+        self.keys = KeyRing(self._path(config.auth.api_keys_file))
+        self.keys.refresh()
+        self.verifier = Verifier(config.verifier)
+        self.calibration = CalibrationLog(self._path(config.calibration_log))
+        self.session: aiohttp.ClientSession | None = None
+        self.poller: ReplicaPoller | None = None
+        self.shadow_inflight = 0
+        self.tasks: set[asyncio.Task] = set()
+        self._config_mtime = self._mtime()
+        self._bg: list[asyncio.Task] = []
+        self._last_save = 0.0
+        self._last_reload_check = 0.0
+
+    # ------------------------------------------------------------------ plumbing
+    def _path(self, p: str | None) -> str | None:
+        if p is None:
+            return None
+        return p if os.path.isabs(p) else str(self.base_dir / p)
+
+    def _mtime(self) -> int | None:
+        try:
+            return self.config_path.stat().st_mtime_ns if self.config_path else None
+        except FileNotFoundError:
+            return None
+
+    @property
+    def config(self) -> RouterConfig:
+        return self.runtime.config
+
+    def spawn(self, coro) -> asyncio.Task:
+        t = asyncio.create_task(coro)
+        self.tasks.add(t)
+        t.add_done_callback(self.tasks.discard)
+        return t
+
+    async def start(self, app: web.Application) -> None:
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True),
+            auto_decompress=False, skip_auto_headers=("User-Agent",),
+        )
+        p = self.config.polling
+        self.poller = ReplicaPoller(self.session, p.interval_s, p.timeout_s)
+        self.poller.track(self._tracked())
+        await self.poller.poll_all()
+        self.poller.start()
+        self._bg.append(asyncio.create_task(self.housekeeping(), name="router-housekeeping"))
+        if any(s.service is not None for s in self.config.specialists):
+            from .discovery import discovery_loop
+
+            self._bg.append(asyncio.create_task(discovery_loop(self), name="router-discovery"))
+
+    async def stop(self, app: web.Application) -> None:
+        for t in self._bg:
+            t.cancel()
+        for t in list(self.tasks):
+            t.cancel()
+        await asyncio.gather(*self._bg, *self.tasks, return_exceptions=True)
+        if self.poller:
+            await self.poller.stop()
+        self.lanes.save()
+        if self.session:
+            await self.session.close()
+
+    def _tracked(self) -> dict:
+        return {f"{name}|{r.url}": r for name, reps in self.runtime.replicas.items() for r in reps}
+
+    def swap_runtime(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        if self.poller:
+            self.poller.track(self._tracked())
+
+    # ------------------------------------------------------------------ background
+    async def housekeeping(self) -> None:
+        while True:
+            await asyncio.sleep(0.25)
+            try:
+                self.tick()
+            except Exception:  # noqa: BLE001
+                log.exception("housekeeping failed")
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        self.lanes.tick(now)
+        for spec, old, new in self.lanes.transitions:
+            self.metrics.breaker_transitions.labels(spec, new).inc()
+        self.lanes.transitions.clear()
+        if now - self._last_save >= self.config.store.save_interval_s:
+            self._last_save = now
+            self.lanes.save()
+        if now - self._last_reload_check >= self.config.reload_interval_s:
+            self._last_reload_check = now
+            self.maybe_reload()
+            self.keys.refresh()
+        self.update_gauges()
+
+    def maybe_reload(self) -> bool:
+        m = self._mtime()
+        if m is None or m == self._config_mtime:
+            return False
+        self._config_mtime = m
+        try:
+            new = RouterConfig.load(self.config_path)  # type: ignore[arg-type]
+            rt = build_runtime(new, self.base_dir, self.lanes, previous=self.runtime)
+        except Exception as e:  # noqa: BLE001 - keep serving the old config
+            log.error("config reload failed, keeping the previous config: %s", e)
+            self.metrics.config_reloads.labels("error").inc()
+            return False
+        self.keys = KeyRing(self._path(new.auth.api_keys_file))
+        self.keys.refresh()
+        if new.verifier != self.verifier.cfg:
+            self.verifier = Verifier(new.verifier)
+        self.calibration = CalibrationLog(self._path(new.calibration_log))
+        self.swap_runtime(rt)
+        self.metrics.config_reloads.labels("ok").inc()
+        log.info("config reloaded from %s", self.config_path)
+        return True
+
+    def update_gauges(self) -> None:
+        m, cfg = self.metrics, self.config
+        for name, b in self.lanes.breakers.items():
+            m.breaker_state.labels(name).set(STATE_CODES[b.state])
+            m.breaker_rate.labels(name).set(-1 if b.rate is None else b.rate)
+            m.breaker_samples.labels(name).set(len(b.samples))
+        for name, k in self.lanes.knobs.items():
+            m.admission_level.labels(name).set(k.level)
+            m.shadow_threshold_delta.labels(name).set(adm.threshold_delta(cfg.admission, k))
+        m.priority_floor.clear()
+        for intent, f in self.lanes.floors.items():
+            m.priority_floor.labels(intent).set(f)
+        for name, reps in self.runtime.replicas.items():
+            for r in reps:
+                m.replica_ready.labels(name, r.url).set(1 if r.ready else 0)
+                m.replica_load.labels(name, r.url).set(r.waiting + r.running)
+
+    # ------------------------------------------------------------------ correctness
+    def feed(self, specialist: str, value: float) -> None:
+        self.lanes.observe(specialist, value)
+
+    async def verify_and_feed(self, specialist: str, text: str) -> VerifyResult | None:
+        if not self.verifier.available:
+            return None
+        res = await self.verifier.verify(text)
+        self.metrics.verifier.labels(specialist, res.reason if res.passed is not True else "pass").inc()
+        if res.passed is not None:
+            self.feed(specialist, 1.0 if res.passed else 0.0)
+        return res
+
+    # ------------------------------------------------------------------ shadow
+    async def run_shadow(self, rt: Runtime, d: RouteDecision, obj: dict, path: str, rid: str,
+                         primary: asyncio.Future) -> None:
+        cfg = rt.config
+        target = d.shadow
+        assert target is not None
+        outcome = "dropped"
+        self.shadow_inflight += 1
+        try:
+            body = shadow_body(upstream_body(obj, target, cfg.specialist(target).adapter), target, cfg.shadow)
+            shadow_task = asyncio.ensure_future(self._shadow_request(rt, target, path, body, rid))
+            pending: set = {shadow_task, primary}
+            deadline = time.monotonic() + cfg.shadow.timeout_s
+            while pending:
+                done, pending = await asyncio.wait(pending, timeout=max(0.0, deadline - time.monotonic()),
+                                                   return_when=asyncio.FIRST_COMPLETED)
+                if not done:
+                    shadow_task.cancel()
+                    outcome = "timeout"
+                    return
+                if primary in done and (primary.cancelled() or primary.exception() is not None):
+                    shadow_task.cancel()
+                    outcome = "primary_failed"
+                    return
+            shadow_text = shadow_task.result()
+            primary_text = primary.result()
+            if shadow_text is None:
+                outcome = "rejected"
+                return
+            pv = sv = None
+            if self.verifier.available:
+                pv, sv = await asyncio.gather(self.verifier.verify(primary_text), self.verifier.verify(shadow_text))
+                for spec, res in ((d.specialist, pv), (target, sv)):
+                    self.metrics.verifier.labels(spec, res.reason if res.passed is not True else "pass").inc()
+                    if res.passed is not None:
+                        self.feed(spec, 1.0 if res.passed else 0.0)
+            if disagree(primary_text, shadow_text, pv.passed if pv else None, sv.passed if sv else None):
+                outcome = "disagree"
+                rec = CalibrationRecord(rid, d.intent, d.shadow_reason, d.confidence, d.specialist, target,
+                                        primary_text, shadow_text, pv.to_dict() if pv else None,
+                                        sv.to_dict() if sv else None)
+                await asyncio.to_thread(self.calibration.write, rec.to_json(cfg.shadow.record_outputs))
+                self.metrics.calibration.labels(d.specialist, target).inc()
+            else:
+                outcome = "agree"
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        except Exception:  # noqa: BLE001 - a shadow never hurts the caller
+            log.exception("shadow %s for %s failed", target, rid)
+            outcome = "error"
+        finally:
+            self.shadow_inflight -= 1
+            self.metrics.shadows.labels(target, d.shadow_reason, outcome).inc()
+
+    async def _shadow_request(self, rt: Runtime, target: str, path: str, body: dict, rid: str) -> str | None:
+        assert self.session is not None
+        lim = rt.config.limits
+        try:
+            up = await open_upstream(
+                self.session, rt.replicas.get(target, []), path, json.dumps(body).encode(),
+                {"Content-Type": "application/json", "x-request-id": f"{rid}-shadow"},
+                aiohttp.ClientTimeout(total=rt.config.shadow.timeout_s, sock_connect=lim.connect_timeout_s),
+                rt.config.polling.preempting_penalty,
+            )
+        except NoReplica:
+            return None
+        try:
+            if up.response.status != 200:
+                return None
+            return text_of_response(await up.response.json(content_type=None))
+        finally:
+            up.replica.inflight -= 1
+            up.response.release()
+
+
+# ====================================================================== HTTP handlers
+
+
+def _json_error(err: ApiError) -> web.Response:
+    return web.json_response(err.body(), status=err.status, headers=err.headers())
+
+
+@web.middleware
+async def middleware(request: web.Request, handler):
+    router: Router = request.app[ROUTER]
+    request["request_id"] = request.headers.get("x-request-id") or uuid.uuid4().hex
+    try:
+        if router.keys.enabled and request.path not in OPEN_PATHS:
+            cfg = router.config.auth
+            protected = (cfg.protect_metrics if request.path == "/metrics"
+                         else cfg.protect_routing if request.path == "/v1/routing" else True)
+            if protected and not router.keys.allows(request.headers.get("Authorization")):
+                raise ApiError(401, "invalid_api_key", "missing or invalid API key (Authorization: Bearer <key>)")
+        return await handler(request)
+    except ApiError as err:
+        if err.status >= 400:
+            router.metrics.rejections.labels(err.code).inc()
+        return _json_error(err)
+    except web.HTTPException as exc:
+        if exc.status >= 400:
+            code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status, "http_error")
+            return _json_error(ApiError(exc.status, code, exc.reason))
+        raise
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - a bug must never take the router down
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return _json_error(ApiError(500, "internal_error", f"{type(exc).__name__}: {exc}"))
+
+
+async def stamp(request: web.Request, response: web.StreamResponse) -> None:
+    response.headers["x-request-id"] = request.get("request_id") or uuid.uuid4().hex
+    st = request.get("stamp")
+    if st is not None:
+        for k in GEN_HEADERS:
+            response.headers[k] = st.get(k, "none")
+
+
+async def read_body(request: web.Request, limit: int) -> bytes:
+    if request.content_length is not None and request.content_length > limit:
+        raise ApiError(413, "request_too_large", f"request body exceeds {limit} bytes")
+    buf = bytearray()
+    async for chunk in request.content.iter_chunked(1 << 16):
+        buf += chunk
+        if len(buf) > limit:
+            raise ApiError(413, "request_too_large", f"request body exceeds {limit} bytes")
+    return bytes(buf)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await handle_generation(request, "completion", "/v1/completions")
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await handle_generation(request, "chat", "/v1/chat/completions")
+
+
+async def handle_generation(request: web.Request, kind: str, path: str) -> web.StreamResponse:
+    router: Router = request.app[ROUTER]
+    rt = router.runtime  # this request's config, whatever reloads happen meanwhile
+    cfg = rt.config
+    t0 = time.monotonic()
+    rid = request["request_id"]
+    st = request["stamp"] = {"x-consort-admission": "admitted"}
+    req = parse_request(parse_json(await read_body(request, cfg.limits.max_body_bytes)), kind,
+                        request.headers.get("x-consort-intent"))
+    try:
+        d = route(rt.table, RouteInput(req.model, req.intent, req.text, random.random()),
+                  router.lanes.lane_views(rt))
+    except RouteError as e:
+        raise ApiError(e.status, e.code, e.message, param="model" if e.status == 404 else None)
+    router.metrics.routing_seconds.observe(time.monotonic() - t0)
+    st["x-consort-specialist"] = d.specialist
+    st["x-consort-breaker"] = d.breaker
+    spec = cfg.specialist(d.specialist)
+    assert spec is not None
+    st["x-consort-adapter"] = req.body.get("adapter") or spec.adapter or "none"
+
+    floor = router.lanes.floors.get(d.intent)
+    if floor is not None:
+        if req.priority < floor:
+            st["x-consort-admission"] = "rejected:priority_floor"
+            raise ApiError(429, "priority_floor", f"intent {d.intent!r} is throttled: priority {req.priority} is "
+                           f"below the floor {floor}", retry_after_ms=cfg.admission.retry_after_ms)
+        st["x-consort-admission"] = f"floor:{floor}"
+
+    payload = json.dumps(upstream_body(req.body, d.specialist, spec.adapter)).encode()
+    primary_done: asyncio.Future | None = None
+    if d.shadow is not None and router.shadow_inflight < cfg.shadow.max_inflight:
+        primary_done = asyncio.get_running_loop().create_future()
+        router.spawn(router.run_shadow(rt, d, req.body, path, rid, primary_done))
+        st["x-consort-shadow"] = d.shadow
+    elif d.shadow is not None:
+        router.metrics.shadows.labels(d.shadow, d.shadow_reason, "dropped").inc()
+    verify = (primary_done is None and router.verifier.available
+              and random.random() < cfg.verifier.sample_rate)
+    capture = primary_done is not None or verify
+
+    def on_attempt(a: Attempt, retried: bool) -> None:
+        router.lanes.record_response(d.specialist, a.status == 429, d.intent, time.monotonic())
+        if retried:
+            router.metrics.retries.labels(d.specialist, str(a.status)).inc()
+
+    text: str | None = None
+    status = 0
+    try:
+        try:
+            up = await open_upstream(
+                router.session, rt.replicas.get(d.specialist, []), path, payload,  # type: ignore[arg-type]
+                {"Content-Type": "application/json", "x-request-id": rid},
+                aiohttp.ClientTimeout(total=cfg.limits.request_timeout_s, sock_connect=cfg.limits.connect_timeout_s),
+                cfg.polling.preempting_penalty, on_attempt,
+            )
+        except NoReplica as e:
+            raise ApiError(503, "no_ready_replica", f"specialist {d.specialist!r} has no ready replica ({e})",
+                           retry_after_ms=1000)
+        router.metrics.ttft.labels(d.specialist).observe(time.monotonic() - t0)
+        resp = up.response
+        status = resp.status
+        try:
+            if "x-consort-adapter" in resp.headers:
+                st["x-consort-adapter"] = resp.headers["x-consort-adapter"]
+            is_sse = resp.headers.get("Content-Type", "").startswith("text/event-stream")
+            if status == 200 and is_sse:
+                out = web.StreamResponse(status=200)
+                copy_headers(resp, out)
+                result = await relay_stream(up, out, request, capture)
+                if result.error == "upstream_failed":
+                    router.metrics.stream_errors.labels(d.specialist).inc()
+                    status = 502
+                elif result.error == "client_disconnected":
+                    router.metrics.disconnects.labels(d.specialist).inc()
+                    status = 499
+                elif capture:
+                    text = text_of_sse(result.captured)
+                return out
+            raw = await resp.read()
+            if status == 429:
+                from .proxy import error_code
+
+                code = error_code(raw) or "rejected"
+                st["x-consort-admission"] = f"rejected:{code}"
+                router.metrics.upstream_429.labels(d.specialist, code).inc()
+            elif status == 200 and capture:
+                try:
+                    text = text_of_response(json.loads(raw))
+                except ValueError:
+                    text = None
+            out = web.Response(status=status, body=raw)
+            copy_headers(resp, out)
+            return out
+        finally:
+            up.replica.inflight -= 1
+            resp.release() if resp.closed is False and resp.content.at_eof() else resp.close()
+    except asyncio.CancelledError:
+        status = 499
+        router.metrics.disconnects.labels(d.specialist).inc()
+        raise
+    finally:
+        router.metrics.requests.labels(d.specialist, d.intent, d.source, str(status or "error")).inc()
+        if status == 200:
+            router.lanes.remember(rid, d.specialist)
+        if primary_done is not None and not primary_done.done():
+            if text is not None:
+                primary_done.set_result(text)
+            else:
+                primary_done.cancel()
+        if verify and text is not None:
+            router.spawn(router.verify_and_feed(d.specialist, text))
+
+
+async def feedback(request: web.Request) -> web.Response:
+    router: Router = request.app[ROUTER]
+    obj = parse_json(await read_body(request, 64 * 1024))
+    rid = obj.get("request_id")
+    if not isinstance(rid, str) or not rid:
+        raise ApiError(400, "missing_field", "'request_id' (string) is required", param="request_id")
+    if "correct" in obj:
+        if not isinstance(obj["correct"], bool):
+            raise ApiError(400, "invalid_type", "'correct' must be a boolean", param="correct")
+        value = 1.0 if obj["correct"] else 0.0
+    elif "score" in obj:
+        s = obj["score"]
+        if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0.0 <= s <= 1.0:
+            raise ApiError(400, "invalid_type", "'score' must be a number in [0, 1]", param="score")
+        value = float(s)
+    else:
+        raise ApiError(400, "missing_field", "give 'correct' (boolean) or 'score' (0..1)")
+    specialist = router.lanes.feedback.get(rid)
+    if specialist is None:
+        raise ApiError(404, "unknown_request", f"request id {rid!r} is unknown (or too old)", param="request_id")
+    b = router.lanes.observe(specialist, value)
+    router.metrics.feedback.labels(specialist).inc()
+    return web.json_response({"request_id": rid, "specialist": specialist, "breaker": b.state if b else None,
+                              "rate": b.rate if b else None})
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "alive"})
+
+
+async def ready(request: web.Request) -> web.Response:
+    router: Router = request.app[ROUTER]
+    routable = sorted(n for n, reps in router.runtime.replicas.items() if any(r.ready for r in reps))
+    if routable:
+        return web.json_response({"status": "ready", "routable": routable})
+    return web.json_response({"status": "not_ready", "reason": "no specialist has a ready replica"}, status=503)
+
+
+async def routing_view(request: web.Request) -> web.Response:
+    router: Router = request.app[ROUTER]
+    rt, lanes = router.runtime, router.lanes
+    cfg = rt.config
+    views = lanes.lane_views(rt)
+    specialists = {}
+    for s in cfg.specialists:
+        b = lanes.breakers.get(s.name)
+        k = lanes.knobs.get(s.name, adm.Knobs())
+        specialists[s.name] = {
+            "intents": s.intents, "fallback": s.fallback, "adapter": s.adapter, "revision": s.revision,
+            "routable": views[s.name].routable,
+            "replicas": [r.view() for r in rt.replicas.get(s.name, [])],
+            "breaker": None if b is None else {
+                "state": b.state, "rate": b.rate, "samples": len(b.samples), "window": cfg.breaker.window,
+                "total": b.total, "since": b.since, "fresh": is_fresh(b, cfg.breaker), "transitions": b.transitions,
+                "breach_run": b.breach_run, "recovery_run": b.recovery_run,
+            },
+            "admission": {"level": k.level, "shadow_threshold_delta": adm.threshold_delta(cfg.admission, k),
+                          "floor": adm.floor_value(cfg.admission, k), "floor_intents": sorted(k.intents)},
+        }
+    table = rt.table
+    return web.json_response({
+        "ensemble": cfg.ensemble,
+        "intents": table.intents,
+        "detectors": [{"name": d.name, "specialist": d.specialist, "min_matches": d.min_matches} for d in table.detectors],
+        "classifier": None if table.classifier is None else {"labels": list(table.classifier.labels),
+                                                             "kind": cfg.classifier.kind},
+        "default_specialist": cfg.default_specialist,
+        "shadow": {"default_threshold": cfg.shadow.default_threshold, "thresholds": cfg.shadow.thresholds,
+                   "inflight": router.shadow_inflight},
+        "priority_floors": lanes.floors,
+        "breaker_params": cfg.breaker.model_dump(),
+        "specialists": specialists,
+    })
+
+
+async def models(request: web.Request) -> web.Response:
+    router: Router = request.app[ROUTER]
+    cfg = router.config
+    data = [{"id": cfg.ensemble, "object": "model", "owned_by": "consort"}]
+    data += [{"id": s.name, "object": "model", "owned_by": "consort", "parent": cfg.ensemble}
+             for s in cfg.specialists]
+    return web.json_response({"object": "list", "data": data})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body, ctype = request.app[ROUTER].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": ctype})
+
+
+def build_app(router: Router) -> web.Application:
+    # the body limit is enforced in read_body (typed 413); aiohttp's own limit sits above it
+    app = web.Application(middlewares=[middleware], client_max_size=1 << 30)
+    app[ROUTER] = router
+    app.on_response_prepare.append(stamp)
+    app.on_startup.append(router.start)
+    app.on_cleanup.append(router.stop)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/feedback", feedback)
+    app.router.add_get("/v1/routing", routing_view)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+# ====================================================================== CLI
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="consort router", description="Run the ensemble router.")
+    p.add_argument("--config", required=True, help="RouterConfig YAML/JSON (reloaded when it changes)")
+    p.add_argument("--port", type=int, required=True, help="port (0 = any free port, printed at start)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--access-log", action="store_true")
+    p.add_argument("--log-level", default="INFO")
+    return p.parse_args(argv)
+
+
+async def serve(args: argparse.Namespace) -> int:
+    config = RouterConfig.load(args.config)
+    router = Router(config, config_path=args.config)
+    app = build_app(router)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=log if args.access_log else None)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port)
+    await site.start()
+    port = runner.addresses[0][1] if runner.addresses else args.port
+    print(f"consort router: ensemble {config.ensemble!r}, {len(config.specialists)} specialists; listening on "
+          f"http://{args.host}:{port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    print("consort router: shutting down", flush=True)
+    await runner.cleanup()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return asyncio.run(serve(args))
+    except (ValueError, FileNotFoundError) as e:
+        print(f"consort router: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
