@@ -13,7 +13,10 @@ Transitions (all need at least `min_samples` samples in the window):
                              consecutive samples (and `reset_after_s` seconds): a sustained recovery.
   half_open -> closed        `half_open_samples` samples without a breach run.
 The gap between the trip condition (< floor) and the recovery condition (>= floor + margin), plus
-the run lengths, is the hysteresis: a rate oscillating around the floor moves nothing.
+the run lengths, is the hysteresis: a rate oscillating around the floor moves nothing. A noisy lane
+that does recover by chance and trips again soon after (from half_open, or within `relapse_window`
+samples of closing) is a relapse: each relapse doubles the recovery run the next reset needs (up to 64x), so a lane
+whose true rate sits at the floor cannot cycle.
 
 A lane whose `revision` changes (new checkpoint or adapter) restarts its window and is fresh (heavier
 shadowing) until `fresh_samples` samples arrive; an open lane becomes half_open on a new revision.
@@ -48,6 +51,8 @@ class BreakerState:
     since: float = 0.0                # time of the last transition
     revision: str | None = None
     transitions: int = 0
+    relapses: int = 0                 # trips soon after a recovery; each doubles the next recovery run
+    closed_at_total: int = -(10**9)   # `total` when the breaker last closed
 
     @property
     def rate(self) -> float | None:
@@ -72,6 +77,11 @@ def is_fresh(s: BreakerState, cfg: BreakerConfig) -> bool:
     return s.total < cfg.fresh_samples
 
 
+def reset_run(s: BreakerState, cfg: BreakerConfig) -> int:
+    """Consecutive recovered samples an open breaker needs: reset_after, doubled per relapse."""
+    return cfg.reset_after * (1 << min(s.relapses, 6))
+
+
 def _transition(s: BreakerState, to: str, now: float) -> BreakerState:
     return replace(
         s, state=to, since=now, transitions=s.transitions + 1, breach_run=0, breach_since=None,
@@ -94,11 +104,12 @@ def observe(s: BreakerState, cfg: BreakerConfig, value: float, now: float) -> Br
         else:
             s = replace(s, breach_run=0, breach_since=None)
         if s.breach_run >= cfg.trip_after and now - (s.breach_since or now) >= cfg.trip_after_s:
-            return _transition(s, OPEN, now)
+            relapse = s.state == HALF_OPEN or s.total - s.closed_at_total <= cfg.relapse_window
+            return _transition(replace(s, relapses=s.relapses + 1 if relapse else 0), OPEN, now)
         if s.state == HALF_OPEN:
             s = replace(s, half_open_count=s.half_open_count + 1)
             if s.half_open_count >= cfg.half_open_samples and s.breach_run == 0:
-                return _transition(s, CLOSED, now)
+                return _transition(replace(s, closed_at_total=s.total), CLOSED, now)
         return s
 
     # OPEN
@@ -107,7 +118,7 @@ def observe(s: BreakerState, cfg: BreakerConfig, value: float, now: float) -> Br
                     recovery_since=s.recovery_since if s.recovery_since is not None else now)
     else:
         s = replace(s, recovery_run=0, recovery_since=None)
-    if s.recovery_run >= cfg.reset_after and now - (s.recovery_since or now) >= cfg.reset_after_s:
+    if s.recovery_run >= reset_run(s, cfg) and now - (s.recovery_since or now) >= cfg.reset_after_s:
         return _transition(s, HALF_OPEN, now)
     return s
 

@@ -197,6 +197,10 @@ class BreakerConfig(_Strict):
         20, ge=1, description="Consecutive samples with rate >= floor + margin needed to leave `open`."
     )
     reset_after_s: float = Field(0.0, ge=0, description="... and the recovery must also have lasted this long.")
+    relapse_window: int = Field(
+        250, ge=0, description="A trip within this many samples of closing is a relapse: each relapse doubles "
+        "the recovery run the next reset needs (up to 64x), so a lane hovering at the floor cannot cycle.",
+    )
     half_open_samples: int = Field(
         10, ge=1, description="Samples in `half_open` (primary again, heavily shadowed) before `closed`."
     )
