@@ -1,0 +1,122 @@
+"""Shared pydantic building blocks for the Consort CRDs.
+
+Every model here is the ONE source of its CRD schema (see `crds.py`): field descriptions become the
+OpenAPI descriptions that `kubectl explain` prints, `Literal`s become enums, `ge`/`le` become ranges,
+`model_config["json_schema_extra"]` carries CEL rules (`x-kubernetes-validations`).
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
+from pydantic.alias_generators import to_camel
+
+GROUP = "consort.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+DNS1123_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+DNS1123_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+QUANTITY = r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+DURATION = r"^([0-9]+(\.[0-9]+)?(ms|s|m|h))+$"
+
+# A Kubernetes resource quantity ("16Gi", "500m", 4): int-or-string, like core/v1.
+Quantity = Annotated[
+    int | str,
+    WithJsonSchema({
+        "x-kubernetes-int-or-string": True,
+        "anyOf": [{"type": "integer"}, {"type": "string"}],
+        "pattern": QUANTITY,
+    }),
+]
+
+DnsLabel = Annotated[str, Field(pattern=DNS1123_LABEL, min_length=1, max_length=63)]
+
+
+class Model(BaseModel):
+    """camelCase on the wire, snake_case in Python; unknown fields are errors (the CRD prunes and
+    `kubectl apply --validate=strict` rejects them; pydantic refuses them too)."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+    def wire(self, **kw: Any) -> dict[str, Any]:
+        """The camelCase dict a manifest would carry (None fields dropped)."""
+        return self.model_dump(by_alias=True, exclude_none=True, mode="json", **kw)
+
+
+def cel(rule: str, message: str, field_path: str | None = None, reason: str | None = None) -> dict[str, Any]:
+    """One `x-kubernetes-validations` entry."""
+    out: dict[str, Any] = {"rule": rule, "message": message}
+    if field_path:
+        out["fieldPath"] = field_path
+    if reason:
+        out["reason"] = reason
+    return out
+
+
+# ---- small shared types ------------------------------------------------------------------------
+
+class LocalObjectKeyRef(Model):
+    name: DnsLabel = Field(description="Name of the object (Secret or ConfigMap) in the same namespace.")
+    key: str = Field(description="Key inside the object's data.", min_length=1, max_length=253,
+                     pattern=r"^[-._a-zA-Z0-9]+$")
+
+
+class Toleration(Model):
+    """core/v1 Toleration, spelled out so the schema stays structural and strict."""
+
+    key: str | None = Field(default=None, description="Taint key the toleration applies to; empty matches all keys (with operator Exists).", max_length=316)
+    operator: Literal["Exists", "Equal"] | None = Field(default=None, description="Relation between key and value: Exists (any value) or Equal (default).")
+    value: str | None = Field(default=None, description="Taint value the toleration matches when operator is Equal.", max_length=63)
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(default=None, description="Taint effect to match; empty matches all effects.")
+    toleration_seconds: int | None = Field(default=None, description="For NoExecute: how long the pod stays bound after the taint appears.", ge=0)
+
+
+class LabelSelectorRequirement(Model):
+    key: str = Field(description="Label key the selector applies to.", min_length=1, max_length=316)
+    operator: Literal["In", "NotIn", "Exists", "DoesNotExist"] = Field(description="Relation of the key to the values.")
+    values: list[str] | None = Field(default=None, description="Values for In/NotIn; must be empty for Exists/DoesNotExist.")
+
+
+class LabelSelector(Model):
+    match_labels: dict[str, str] | None = Field(default=None, description="Labels a Specialist must carry (ANDed).")
+    match_expressions: list[LabelSelectorRequirement] | None = Field(default=None, description="Set-based requirements (ANDed).")
+
+    def matches(self, labels: dict[str, str] | None) -> bool:
+        labels = labels or {}
+        for k, v in (self.match_labels or {}).items():
+            if labels.get(k) != v:
+                return False
+        for req in self.match_expressions or []:
+            have = req.key in labels
+            vals = set(req.values or [])
+            if req.operator == "In" and not (have and labels[req.key] in vals):
+                return False
+            if req.operator == "NotIn" and have and labels[req.key] in vals:
+                return False
+            if req.operator == "Exists" and not have:
+                return False
+            if req.operator == "DoesNotExist" and have:
+                return False
+        return True
+
+
+class Condition(Model):
+    """metav1.Condition."""
+
+    type: str = Field(description="Condition type: Ready, Warm, AdapterRollout or Demoted (EnsembleRouter: Ready, ConfigValid).")
+    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
+    reason: str = Field(description="CamelCase machine-readable reason for the last transition.")
+    message: str = Field(default="", description="Human-readable detail.")
+    last_transition_time: str = Field(description="RFC 3339 time the status last changed.")
+    observed_generation: int | None = Field(default=None, description="metadata.generation the condition was computed from.")
+
+
+def duration_seconds(text: str) -> float:
+    """Parse a Go-style duration ("24h", "1h30m", "250ms", "90s") into seconds."""
+    import re
+
+    total = 0.0
+    for num, unit in re.findall(r"([0-9]+(?:\.[0-9]+)?)(ms|s|m|h)", text):
+        total += float(num) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600}[unit]
+    return total

@@ -1,0 +1,206 @@
+"""CRD generator: pydantic models -> structural OpenAPI v3 CustomResourceDefinitions.
+
+`consort crds` prints them (multi-document YAML); `crds/consort.dev.yaml` and the Helm chart's copy
+are this output, checked in (a unit test proves they are equal).
+
+Conversion rules (JSON Schema 2020-12 from pydantic -> Kubernetes structural schema):
+  $ref/$defs inlined; titles dropped; `Optional[X]` (anyOf X|null) -> X, not required;
+  `additionalProperties: false` dropped (unknown fields are pruned by the apiserver and rejected by
+  strict field validation); numeric exclusiveMinimum/Maximum -> boolean form; defaults kept except null.
+"""
+from __future__ import annotations
+
+import copy
+import sys
+from typing import Any
+
+import yaml
+
+from . import router as router_api
+from . import specialist as specialist_api
+from .base import GROUP, VERSION, cel
+
+_DROP = {"title", "$defs"}
+
+
+def _deref(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    while "$ref" in node:
+        name = node["$ref"].split("/")[-1]
+        siblings = {k: v for k, v in node.items() if k != "$ref"}
+        node = {**copy.deepcopy(defs[name]), **siblings}
+    return node
+
+
+def structural(node: Any, defs: dict[str, Any]) -> Any:
+    """Convert one pydantic JSON-schema node (recursively) into a structural OpenAPI v3 node."""
+    if not isinstance(node, dict):
+        return node
+    node = _deref(node, defs)
+    if "anyOf" in node and not node.get("x-kubernetes-int-or-string"):
+        branches = [b for b in node["anyOf"] if b.get("type") != "null"]
+        if len(branches) != 1:
+            raise ValueError(f"cannot express a union of {branches} structurally")
+        outer = {k: v for k, v in node.items() if k != "anyOf"}
+        node = {**_deref(branches[0], defs), **outer}
+        if node.get("default", 0) is None:
+            del node["default"]
+        return structural(node, defs)
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key in _DROP:
+            continue
+        if key == "additionalProperties":
+            if value is False or value is True:
+                continue  # false: strictness comes from pruning + strict field validation
+            out[key] = structural(value, defs)
+        elif key == "properties":
+            out[key] = {name: structural(sub, defs) for name, sub in value.items()}
+        elif key == "items":
+            out[key] = structural(value, defs)
+        elif key in ("exclusiveMinimum", "exclusiveMaximum") and not isinstance(value, bool):
+            out["minimum" if key == "exclusiveMinimum" else "maximum"] = value
+            out[key] = True
+        elif key == "const":
+            out["enum"] = [value]
+        elif key == "default" and value is None:
+            continue
+        else:
+            out[key] = value
+    if "properties" in out:
+        out.setdefault("type", "object")
+    if out.get("required") == []:
+        del out["required"]
+    return out
+
+
+def model_schema(model: type) -> dict[str, Any]:
+    raw = model.model_json_schema(by_alias=True, mode="validation")
+    return _ordered(structural(raw, raw.get("$defs", {})))
+
+
+DESCRIPTIONS = {
+    "Specialist": "A specialist LLM served by Consort's paged-KV engine: the operator runs it as a GPU "
+                  "Deployment with a Service and PodDisruptionBudget, gates it on warmup and tracks "
+                  "adapter rollouts and breaker demotion in status.",
+    "EnsembleRouter": "The front door of an ensemble of Specialists: the operator runs the router "
+                      "Deployment, Service, routing ConfigMap and least-privilege RBAC.",
+}
+
+_ORDER = ["type", "description", "required", "properties", "items", "additionalProperties"]
+
+
+def _ordered(node: Any) -> Any:
+    """Stable, readable key order: type, description, ... then the rest alphabetically."""
+    if isinstance(node, list):
+        return [_ordered(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    keys = [k for k in _ORDER if k in node] + sorted(k for k in node if k not in _ORDER)
+    return {k: (_ordered(node[k]) if k != "properties" else {p: _ordered(v) for p, v in node[k].items()}) for k in keys}
+
+
+def _strip_defaults(node: Any) -> Any:
+    """Status carries no defaults: the apiserver would add fields the operator did not write, and
+    the operator's 'did status change?' comparison would never settle."""
+    if isinstance(node, list):
+        return [_strip_defaults(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    return {k: _strip_defaults(v) for k, v in node.items() if k != "default"}
+
+
+def _root(spec_model: type, status_model: type, kind: str, root_rules: list[dict] | None) -> dict[str, Any]:
+    root: dict[str, Any] = {
+        "type": "object",
+        "description": DESCRIPTIONS[kind],
+        "required": ["spec"],
+        "properties": {
+            "apiVersion": {"type": "string", "description": "APIVersion: consort.dev/v1alpha1."},
+            "kind": {"type": "string", "description": f"Kind: {kind}."},
+            "metadata": {"type": "object"},
+            "spec": {**model_schema(spec_model), "description": f"Desired state of the {kind}."},
+            "status": {**_strip_defaults(model_schema(status_model)), "description": f"Observed state of the {kind}, written by the operator (and, for breaker state, the router)."},
+        },
+    }
+    if root_rules:
+        root["x-kubernetes-validations"] = root_rules
+    return root
+
+
+def _crd(kind: str, plural: str, singular: str, short: list[str], root: dict[str, Any],
+         columns: list[dict[str, Any]], scale: dict[str, str] | None) -> dict[str, Any]:
+    subresources: dict[str, Any] = {"status": {}}
+    if scale:
+        subresources["scale"] = scale
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{plural}.{GROUP}", "labels": {"app.kubernetes.io/part-of": "consort"}},
+        "spec": {
+            "group": GROUP,
+            "scope": "Namespaced",
+            "names": {"kind": kind, "plural": plural, "singular": singular, "shortNames": short,
+                      "listKind": f"{kind}List", "categories": ["consort"]},
+            "versions": [{
+                "name": VERSION,
+                "served": True,
+                "storage": True,
+                "schema": {"openAPIV3Schema": root},
+                "subresources": subresources,
+                "additionalPrinterColumns": columns,
+            }],
+        },
+    }
+
+
+def specialist_crd() -> dict[str, Any]:
+    S = specialist_api
+    root = _root(S.SpecialistSpec, S.SpecialistStatus, S.KIND, [
+        cel("!has(self.spec.fallback) || self.spec.fallback != self.metadata.name",
+            "spec.fallback must name another Specialist, not this one", field_path=".spec.fallback"),
+    ])
+    columns = [
+        {"name": "Phase", "type": "string", "jsonPath": ".status.phase", "description": "Lifecycle phase."},
+        {"name": "Ready", "type": "string", "jsonPath": ".status.ready", "description": "Warm replicas / desired replicas."},
+        {"name": "Adapter", "type": "string", "jsonPath": ".status.activeAdapter", "description": "Active adapter."},
+        {"name": "Breaker", "type": "string", "jsonPath": ".status.breaker.state", "description": "Circuit-breaker state."},
+        {"name": "Block", "type": "integer", "jsonPath": ".spec.kv.blockSize", "priority": 1, "description": "KV block size."},
+        {"name": "Speculative", "type": "string", "jsonPath": ".spec.speculative.mode", "priority": 1, "description": "Speculative decoding mode."},
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    ]
+    scale = {"specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas",
+             "labelSelectorPath": ".status.selector"}
+    return _crd(S.KIND, S.PLURAL, S.SINGULAR, S.SHORT_NAMES, root, columns, scale)
+
+
+def ensemble_router_crd() -> dict[str, Any]:
+    R = router_api
+    root = _root(R.EnsembleRouterSpec, R.EnsembleRouterStatus, R.KIND, None)
+    columns = [
+        {"name": "Phase", "type": "string", "jsonPath": ".status.phase", "description": "Lifecycle phase."},
+        {"name": "Ready", "type": "string", "jsonPath": ".status.ready", "description": "Ready router replicas / desired."},
+        {"name": "Specialists", "type": "integer", "jsonPath": ".status.specialists", "description": "Specialists in the ensemble."},
+        {"name": "Ready-Specialists", "type": "integer", "jsonPath": ".status.readySpecialists", "description": "Specialists that are Ready."},
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    ]
+    return _crd(R.KIND, R.PLURAL, R.SINGULAR, R.SHORT_NAMES, root, columns, None)
+
+
+def all_crds() -> list[dict[str, Any]]:
+    return [specialist_crd(), ensemble_router_crd()]
+
+
+HEADER = "# GENERATED by `consort crds` from operator/consort_operator/api (pydantic). Do not edit; run `make crds`.\n"
+
+
+def render() -> str:
+    return HEADER + yaml.safe_dump_all(all_crds(), sort_keys=False, width=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    sys.stdout.write(render())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,174 @@
+"""`Specialist` (consort.dev/v1alpha1): one specialist LLM served by Consort's paged-KV engine."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from .base import (DURATION, Condition, DnsLabel, Model, Quantity, Toleration, cel,
+                   duration_seconds)
+
+KIND = "Specialist"
+PLURAL = "specialists"
+SINGULAR = "specialist"
+SHORT_NAMES = ["spec", "sp"]
+
+MODEL_SOURCE = r"^(pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[^/].*)?|file:///.+|hf://[A-Za-z0-9][-._A-Za-z0-9]*/[-._A-Za-z0-9]+(@[-._A-Za-z0-9]+)?)$"
+
+
+class ModelSource(Model):
+    source: str = Field(
+        description=(
+            "Where the checkpoint (config.json, *.safetensors) lives: `pvc://CLAIM/PATH` (a "
+            "PersistentVolumeClaim in the namespace, mounted read-only), `file:///PATH` (a path already "
+            "present in the engine image or on the node), or `hf://ORG/NAME[@REVISION]` (downloaded into "
+            "an emptyDir by an init container on first start)."),
+        pattern=MODEL_SOURCE, max_length=512)
+    tokenizer: str | None = Field(
+        default=None, pattern=MODEL_SOURCE, max_length=512,
+        description="Tokenizer location (same URL forms as source); defaults to the checkpoint directory itself.")
+
+
+class GpuResources(Model):
+    gpus: int = Field(default=1, ge=0, le=16, description="GPUs per engine replica (requests = limits). 0 runs the engine on CPU.")
+    gpu_resource_name: str = Field(default="nvidia.com/gpu", max_length=253,
+                                   pattern=r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[a-z0-9]([-a-z0-9_.]*[a-z0-9])?$",
+                                   description="Extended resource name of the accelerator (device plugin).")
+    cpu: Quantity = Field(default="4", description="CPU request per replica (limit is not set: CPU throttling hurts decode latency).")
+    memory: Quantity = Field(default="32Gi", description="Memory request and limit per replica (host RAM: weights staging, tokenizer, HTTP).")
+    ephemeral_storage: Quantity | None = Field(default=None, description="Ephemeral storage request (the hf:// download lands in an emptyDir).")
+
+
+class KVCache(Model):
+    model_config = Model.model_config | {"json_schema_extra": {"x-kubernetes-validations": [
+        cel("!(has(self.memoryFraction) && has(self.numBlocks))",
+            "set at most one of kv.memoryFraction and kv.numBlocks"),
+    ]}}
+
+    block_size: Literal[8, 16, 32] = Field(default=16, description="Tokens per KV block: 8 for prefix-heavy specialists (Template, STL), 16 default, 32 for long generations.")
+    memory_fraction: float | None = Field(default=None, ge=0.05, le=0.98,
+                                          description="Share of accelerator memory left after the weights that the KV pool takes (sized once at start; the pool never grows). Default: the engine's own (0.5 on CPU, 0.9 on GPU).")
+    num_blocks: int | None = Field(default=None, ge=1, le=10_000_000, description="Exact KV pool size in blocks (overrides memoryFraction sizing).")
+    prefix_caching: bool = Field(default=True, description="Reuse KV blocks across requests sharing a prefix (key: specialist, adapter, token-prefix hash).")
+
+
+class SchedulerKnobs(Model):
+    max_num_seqs: int = Field(default=128, ge=1, le=4096, description="Maximum running sequences per engine step.")
+    max_num_batched_tokens: int = Field(default=2048, ge=16, le=1_048_576, description="Token budget per step (decode tokens plus chunked-prefill tokens).")
+    max_waiting: int = Field(default=1024, ge=1, le=1_000_000, description="Waiting-queue bound; beyond it requests get 429 queue_full.")
+    preempt_watermark: float = Field(default=0.05, ge=0.0, le=0.5, description="Preempt until this fraction of the KV pool is free (never to exactly one block).")
+
+
+class Adapter(Model):
+    name: DnsLabel = Field(description="Adapter name; clients select it with the `adapter` request field, metrics carry it as a label.")
+    source: str = Field(description="PEFT LoRA directory (adapter_config.json + adapter_model.safetensors): pvc://, file:// or hf:// as for the model.",
+                        pattern=MODEL_SOURCE, max_length=512)
+
+
+class RolloutPolicy(Model):
+    probation_samples: int = Field(default=200, ge=1, le=1_000_000, description="Correctness samples a new adapter must collect before promotion or rollback is decided.")
+    probation_window: str = Field(default="1h", pattern=DURATION, description="Maximum probation duration (Go duration, e.g. 30m, 1h); when it ends with too few samples the adapter is promoted only if its rate clears the floor.")
+    shadow_fraction: float = Field(default=0.25, ge=0.0, le=1.0, description="Fraction of a probation adapter's traffic the router also shadows on the active adapter.")
+    promotion_floor: float = Field(default=0.9, ge=0.0, le=1.0, description="Minimum correctness rate (compile-pass rate) for promotion; below it the adapter is rolled back.")
+
+    @property
+    def probation_window_seconds(self) -> float:
+        return duration_seconds(self.probation_window)
+
+
+class Speculative(Model):
+    mode: Literal["off", "ngram", "mtp"] = Field(default="off", description="Self-drafting speculative decoding: off, ngram (prompt lookup) or mtp (the checkpoint's multi-token-prediction head).")
+    num_tokens: int = Field(default=3, ge=1, le=8, description="Draft tokens proposed per step (K); admission reserves KV for the whole window.")
+
+
+class Slo(Model):
+    ttft_ms: int = Field(default=1000, ge=1, le=600_000, description="Time-to-first-token target (p95), milliseconds.")
+    itl_ms: int = Field(default=100, ge=1, le=60_000, description="Inter-token latency target (p95), milliseconds.")
+    correctness_floor: float = Field(default=0.8, ge=0.0, le=1.0, description="Rolling correctness (C++ compile-pass) rate below which the router's breaker demotes this specialist to shadow-only.")
+    window: str = Field(default="24h", pattern=DURATION, description="Rolling window of the correctness rate (Go duration, e.g. 24h, 30m).")
+
+    @property
+    def window_seconds(self) -> float:
+        return duration_seconds(self.window)
+
+
+class SpecialistSpec(Model):
+    model_config = Model.model_config | {"json_schema_extra": {"x-kubernetes-validations": [
+        cel("self.minReady <= self.replicas", "minReady must not exceed replicas", field_path=".minReady"),
+    ]}}
+
+    model: ModelSource = Field(description="Checkpoint and tokenizer of this specialist (HF Llama-family: Llama, Qwen2/3, Mistral).")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(default="auto", description="Weight/activation dtype: auto = bfloat16 on GPU, float32 on CPU.")
+    max_context: int | None = Field(default=None, ge=128, le=1_048_576, description="Maximum tokens per sequence (prompt + output); default: the checkpoint's max_position_embeddings.")
+    replicas: int = Field(default=1, ge=0, le=1000, description="Desired engine replicas (pods).")
+    min_ready: int = Field(default=1, ge=0, le=1000, description="Replicas that must report warm before the Specialist is Ready (also the PodDisruptionBudget's minAvailable).")
+    resources: GpuResources = Field(default_factory=GpuResources, json_schema_extra={"default": {}}, description="Accelerator, CPU and memory per replica.")
+    node_selector: dict[str, str] | None = Field(default=None, description="Node labels engine pods must match (e.g. a GPU product label).")
+    tolerations: list[Toleration] | None = Field(default=None, description="Tolerations for engine pods (a toleration for the GPU resource taint is added automatically when gpus > 0).")
+    image: str | None = Field(default=None, min_length=1, max_length=512, description="Engine image override; default: the operator's --engine-image.")
+    kv: KVCache = Field(default_factory=KVCache, json_schema_extra={"default": {}}, description="Paged KV-cache layout of this specialist's engine (one pool per replica).")
+    scheduler: SchedulerKnobs = Field(default_factory=SchedulerKnobs, json_schema_extra={"default": {}}, description="Per-engine continuous-batching scheduler limits.")
+    adapters: list[Adapter] | None = Field(default=None, max_length=64, json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+                                           description="LoRA adapters served by this specialist; a newly listed adapter goes through probation before it becomes active.")
+    max_adapters: int = Field(default=4, ge=1, le=64, description="Adapters resident at once per engine.")
+    rollout: RolloutPolicy = Field(default_factory=RolloutPolicy, json_schema_extra={"default": {}}, description="How new adapters are promoted or rolled back.")
+    speculative: Speculative = Field(default_factory=Speculative, json_schema_extra={"default": {}}, description="Speculative decoding (self-drafting).")
+    slo: Slo = Field(default_factory=Slo, json_schema_extra={"default": {}}, description="Published per-specialist objectives; the correctness floor drives the router's breaker.")
+    warmup_timeout_seconds: int = Field(default=900, ge=10, le=86_400, description="How long a replica may take from container start to warm (weights loaded, shapes compiled); sizes the startupProbe. A replica still cold after it is restarted and the Specialist reports WarmupTimeout.")
+    intents: list[DnsLabel] | None = Field(default=None, max_length=64, json_schema_extra={"x-kubernetes-list-type": "set"},
+                                           description="Request intents this specialist serves as primary (e.g. codegen, debug, build-fix, review).")
+    fallback: DnsLabel | None = Field(default=None, description="Specialist that takes primary traffic for these intents while this one's breaker is open; must not be this Specialist.")
+    port: int = Field(default=8000, ge=1024, le=65535, description="Engine HTTP port inside the pod.")
+
+    def adapter_names(self) -> list[str]:
+        return [a.name for a in self.adapters or []]
+
+
+# ---- status ------------------------------------------------------------------------------------
+
+AdapterState = Literal["Loading", "Probation", "Active", "RolledBack", "Retired"]
+Phase = Literal["Pending", "Warming", "Ready", "Degraded", "Failed"]
+BreakerState = Literal["Closed", "Open", "HalfOpen"]
+
+
+class AdapterStatus(Model):
+    name: str = Field(description="Adapter name.")
+    state: AdapterState = Field(description="Loading (not yet on every warm replica), Probation (collecting samples), Active, RolledBack (failed the floor) or Retired (removed from spec).")
+    since: str = Field(description="RFC 3339 time of the last state change.")
+    source: str | None = Field(default=None, description="The adapter source this state refers to (a new source restarts the rollout).")
+    loaded_replicas: int = Field(default=0, description="Warm replicas that report the adapter loaded.")
+    samples: int = Field(default=0, description="Correctness samples in the probation window.")
+    passes: int = Field(default=0, description="Passing samples in the probation window.")
+    rate: float | None = Field(default=None, description="passes / samples when samples > 0.")
+    message: str = Field(default="", description="Why the adapter is in this state.")
+
+
+class BreakerStatus(Model):
+    state: BreakerState = Field(description="Closed (serving as primary), Open (demoted to shadow-only) or HalfOpen (recovering).")
+    rate: float | None = Field(default=None, description="Rolling correctness rate the router last reported.")
+    samples: int = Field(default=0, description="Samples in the rolling window.")
+    since: str | None = Field(default=None, description="RFC 3339 time of the last state change.")
+    fallback: str | None = Field(default=None, description="Specialist taking primary traffic while Open.")
+
+
+class ReplicaStatus(Model):
+    pod: str = Field(description="Pod name.")
+    warm: bool = Field(description="Whether the replica reports warm.")
+    source: Literal["engine", "pod-ready", "none"] = Field(description="Where the warm signal came from: the engine's /ready, the pod's Ready condition (fallback), or none (unreachable).")
+
+
+class SpecialistStatus(Model):
+    observed_generation: int | None = Field(default=None, description="metadata.generation this status reflects.")
+    phase: Phase | None = Field(default=None, description="Pending (no replica running), Warming (fewer than minReady warm), Ready, Degraded (was Ready, fell below minReady) or Failed (warmup timed out or pods crash).")
+    replicas: int = Field(default=0, description="Engine pods that exist (not terminating).")
+    desired_replicas: int = Field(default=0, description="spec.replicas as last reconciled.")
+    ready_replicas: int = Field(default=0, description="Pods whose Ready condition is True.")
+    warm_replicas: int = Field(default=0, description="Replicas that report warm (the routing table only holds warm replicas).")
+    updated_replicas: int = Field(default=0, description="Pods running the current pod template.")
+    ready: str | None = Field(default=None, description="warm/desired, for `kubectl get`.")
+    selector: str | None = Field(default=None, description="Label selector of the engine pods (scale subresource).")
+    active_adapter: str | None = Field(default=None, description="The most recently promoted Active adapter.")
+    adapters: list[AdapterStatus] | None = Field(default=None, description="Per-adapter rollout state.")
+    breaker: BreakerStatus | None = Field(default=None, description="Circuit-breaker state as decided by the router, made durable here.")
+    replica_status: list[ReplicaStatus] | None = Field(default=None, description="Warm state per replica.")
+    conditions: list[Condition] | None = Field(default=None, description="Ready, Warm, AdapterRollout and Demoted.")

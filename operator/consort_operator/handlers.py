@@ -1,0 +1,546 @@
+"""Kopf glue: watches, indexes and one daemon per Specialist / EnsembleRouter.
+
+Each daemon is a level-triggered loop: build the desired children (pure builders), write only the
+ones whose content hash differs from what the cluster holds (server-side apply), gather observations
+from Kopf's in-memory indexes and the engines (through the pod-address resolver), run the pure
+lifecycle state machines and merge-patch `status` when it changed. Watch events wake the owning
+daemon at once; otherwise it polls (engines warming produce no Kubernetes events).
+
+Nothing here writes `spec`; Kopf writes only its finalizer (daemons need one so that they are
+stopped before the object goes away).
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+import kopf
+from pydantic import ValidationError
+
+from .api.base import GROUP, VERSION
+from .api.base import LabelSelector
+from .api.router import EnsembleRouterSpec, EnsembleRouterStatus
+from .api.specialist import SpecialistSpec, SpecialistStatus
+from .kube import Kube, KubeError
+from .lifecycle import breaker as breaker_lc
+from .lifecycle import rollout as rollout_lc
+from .lifecycle import warmup as warmup_lc
+from .lifecycle.common import Event, set_condition
+from .metrics import (APPLIES, EVENTS, PHASES, RECONCILE_ERRORS, RECONCILE_SECONDS, RECONCILES,
+                      STATUS_WRITES)
+from .probe import Prober
+from .resolver import NullResolver, PodAddressResolver, PodRef
+from .resources import router as router_res
+from .resources import specialist as specialist_res
+from .resources.common import ANNOTATION_HASH, MANAGED_BY, BuildContext, content_hash
+
+log = logging.getLogger("consort.operator")
+
+MANAGED = {"app.kubernetes.io/managed-by": MANAGED_BY}
+
+
+# ---- runtime configuration (set by main.py before the operator starts) ---------------------------
+
+@dataclass
+class Runtime:
+    ctx: BuildContext = field(default_factory=BuildContext)
+    resolver: PodAddressResolver = field(default_factory=NullResolver)
+    warm_signal: str = "engine-or-pod-ready"
+    poll_seconds: float = 2.0          # while some replica is cold (engines give no k8s events)
+    idle_seconds: float = 30.0         # when everything is warm and settled
+    resync_seconds: float = 600.0      # re-read owned objects (recreate deleted ones, fix drift)
+    peering_priority: int | None = None
+    kube: Kube | None = None
+    prober: Prober | None = None
+    wakers: dict[tuple[str, str, str], asyncio.Event] = field(default_factory=dict)
+    phases: dict[tuple[str, str], str] = field(default_factory=dict)
+
+    def waker(self, key: tuple[str, str, str]) -> asyncio.Event:
+        ev = self.wakers.get(key)
+        if ev is None:
+            ev = self.wakers[key] = asyncio.Event()
+        return ev
+
+    def wake(self, kind: str, namespace: str | None, name: str | None) -> None:
+        if namespace and name:
+            self.waker((kind, namespace, name)).set()
+
+    def wake_all(self, kind: str, namespace: str) -> None:
+        for (k, ns, _), ev in self.wakers.items():
+            if k == kind and ns == namespace:
+                ev.set()
+
+    async def sleep(self, key: tuple[str, str, str], seconds: float) -> None:
+        ev = self.waker(key)
+        try:
+            await asyncio.wait_for(ev.wait(), timeout=seconds)
+        except asyncio.TimeoutError:
+            pass
+        ev.clear()
+
+    def set_phase(self, key: tuple[str, str], phase: str | None) -> None:
+        if phase is None:
+            self.phases.pop(key, None)
+        else:
+            self.phases[key] = phase
+        counts: dict[str, int] = {}
+        for p in self.phases.values():
+            counts[p] = counts.get(p, 0) + 1
+        for p in ("Pending", "Warming", "Ready", "Degraded", "Failed"):
+            PHASES.labels(p).set(counts.get(p, 0))
+
+
+runtime = Runtime()
+
+
+def now_utc() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+# ---- operator settings and login ---------------------------------------------------------------
+
+@kopf.on.startup()
+async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    settings.persistence.finalizer = f"{GROUP}/operator"
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP, key="last-handled-configuration")
+    settings.posting.loggers = False             # only our explicit transition Events
+    settings.posting.level = logging.INFO
+    settings.peering.lifetime = 30
+    if runtime.peering_priority is not None:
+        settings.peering.priority = runtime.peering_priority
+    settings.watching.connect_timeout = 10
+    settings.watching.server_timeout = 300
+    settings.networking.request_timeout = 60
+    runtime.prober = Prober()
+
+
+@kopf.on.cleanup()
+async def cleanup(**_: Any) -> None:
+    if runtime.kube:
+        await runtime.kube.close()
+    if runtime.prober:
+        await runtime.prober.close()
+
+
+@kopf.on.login()
+def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    info = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+    if info is not None:
+        runtime.kube = Kube.from_connection_info(info)
+    return info
+
+
+def kube() -> Kube:
+    if runtime.kube is None:
+        raise RuntimeError("not logged in")
+    return runtime.kube
+
+
+# ---- indexes (Kopf's in-memory caches) and wake-ups -------------------------------------------
+
+def _pod_obs(body: Any) -> dict[str, Any]:
+    meta = body.get("metadata") or {}
+    status = body.get("status") or {}
+    conds = {c.get("type"): c.get("status") for c in status.get("conditions") or []}
+    started = None
+    restarts = 0
+    waiting = None
+    for cs in status.get("containerStatuses") or []:
+        restarts += int(cs.get("restartCount") or 0)
+        state = cs.get("state") or {}
+        if "running" in state:
+            started = state["running"].get("startedAt") or started
+        if "waiting" in state:
+            waiting = state["waiting"].get("reason") or waiting
+    return {
+        "name": meta.get("name"),
+        "ip": status.get("podIP"),
+        "phase": status.get("phase") or "Pending",
+        "ready": conds.get("Ready") == "True",
+        "scheduled": conds.get("PodScheduled") == "True",
+        "deleting": meta.get("deletionTimestamp") is not None,
+        "started_at": started or status.get("startTime"),
+        "restarts": restarts,
+        "waiting_reason": waiting,
+        "template_hash": (meta.get("labels") or {}).get("pod-template-hash"),
+    }
+
+
+@kopf.index("v1", "pods", labels=MANAGED)
+async def pod_index(namespace: str, labels: Any, body: Any, **_: Any) -> dict[Any, Any]:
+    key = (namespace, labels.get("app.kubernetes.io/component"), labels.get("app.kubernetes.io/instance"))
+    return {key: _pod_obs(body)}
+
+
+@kopf.index("apps", "v1", "deployments", labels=MANAGED)
+async def deployment_index(namespace: str, name: str, meta: Any, status: Any, **_: Any) -> dict[Any, Any]:
+    return {(namespace, name): {
+        "hash": (meta.get("annotations") or {}).get(ANNOTATION_HASH),
+        "generation": meta.get("generation") or 0,
+        "observed_generation": status.get("observedGeneration") or 0,
+        "replicas": status.get("replicas") or 0,
+        "updated_replicas": status.get("updatedReplicas") or 0,
+        "ready_replicas": status.get("readyReplicas") or 0,
+        "available_replicas": status.get("availableReplicas") or 0,
+    }}
+
+
+@kopf.index(GROUP, VERSION, "specialists")
+async def specialist_index(namespace: str, name: str, labels: Any, spec: Any, status: Any, **_: Any) -> dict[Any, Any]:
+    return {namespace: {
+        "name": name,
+        "labels": dict(labels),
+        "spec": copy.deepcopy(dict(spec)),
+        "phase": status.get("phase"),
+        "warmReplicas": status.get("warmReplicas") or 0,
+        "breaker": (status.get("breaker") or {}).get("state") or "Closed",
+    }}
+
+
+@kopf.index(GROUP, VERSION, "ensemblerouters")
+async def router_index(namespace: str, name: str, spec: Any, status: Any, **_: Any) -> dict[Any, Any]:
+    return {namespace: {
+        "name": name,
+        "selector": copy.deepcopy(dict(spec.get("specialistSelector") or {})),
+        "breakerState": copy.deepcopy(status.get("breakerState") or {}),
+    }}
+
+
+def _owner_kind(labels: Any) -> str | None:
+    return {"engine": "Specialist", "router": "EnsembleRouter"}.get(labels.get("app.kubernetes.io/component"))
+
+
+@kopf.on.event("v1", "pods", labels=MANAGED)
+async def pod_event(namespace: str, labels: Any, **_: Any) -> None:
+    kind = _owner_kind(labels)
+    if kind:
+        runtime.wake(kind, namespace, labels.get("app.kubernetes.io/instance"))
+
+
+@kopf.on.event("apps", "v1", "deployments", labels=MANAGED)
+async def deployment_event(namespace: str, labels: Any, **_: Any) -> None:
+    kind = _owner_kind(labels)
+    if kind:
+        runtime.wake(kind, namespace, labels.get("app.kubernetes.io/instance"))
+
+
+@kopf.on.event(GROUP, VERSION, "specialists")
+async def specialist_event(namespace: str, name: str, **_: Any) -> None:
+    runtime.wake("Specialist", namespace, name)
+    runtime.wake_all("EnsembleRouter", namespace)
+
+
+@kopf.on.event(GROUP, VERSION, "ensemblerouters")
+async def router_event(namespace: str, name: str, **_: Any) -> None:
+    runtime.wake("EnsembleRouter", namespace, name)
+    runtime.wake_all("Specialist", namespace)   # breaker mirror
+
+
+# ---- owned objects: write only what changed ----------------------------------------------------
+
+@dataclass
+class Owned:
+    """What one daemon knows about the children it wrote (lost on restart: then it reads them)."""
+
+    hashes: dict[tuple[str, str], str] = field(default_factory=dict)
+    generations: dict[tuple[str, str], int] = field(default_factory=dict)
+    last_resync: float = 0.0
+
+
+async def post_event(body: Any, kind: str, ev: Event) -> None:
+    EVENTS.labels(kind, ev.reason).inc()
+    kopf.event(body, type=ev.type, reason=ev.reason, message=ev.message)
+
+
+async def ensure_children(body: Any, kind: str, children: list[dict[str, Any]], owned: Owned,
+                          deployments: Any) -> list[Event]:
+    """Create or update children whose desired content hash differs from the live one."""
+    events: list[Event] = []
+    resync = time.monotonic() - owned.last_resync > runtime.resync_seconds
+    for child in children:
+        ckind, meta = child["kind"], child["metadata"]
+        key = (ckind, meta["name"])
+        want = meta["annotations"][ANNOTATION_HASH]
+        live_hash: str | None
+        if ckind == "Deployment":
+            live = _first(deployments.get((meta["namespace"], meta["name"])))
+            live_hash = live["hash"] if live else None
+            drifted = live is not None and key in owned.generations and live["generation"] != owned.generations[key]
+            if live_hash == want and not drifted:
+                owned.hashes[key] = want
+                continue
+            exists = live is not None
+        else:
+            if owned.hashes.get(key) == want and not resync:
+                continue
+            live_obj = await kube().get(ckind, meta["namespace"], meta["name"])
+            live_hash = ((live_obj or {}).get("metadata", {}).get("annotations") or {}).get(ANNOTATION_HASH)
+            if live_obj is not None and live_hash == want:
+                owned.hashes[key] = want
+                continue
+            exists = live_obj is not None
+        result = await kube().apply(child)
+        APPLIES.labels(ckind).inc()
+        owned.hashes[key] = want
+        owned.generations[key] = int(result.get("metadata", {}).get("generation") or 0)
+        verb = "Updated" if exists else "Created"
+        events.append(Event("Normal", f"{verb}{ckind}", f"{verb.lower()} {ckind} {meta['name']}"))
+    if resync:
+        owned.last_resync = time.monotonic()
+    return events
+
+
+def _first(store: Any) -> Any:
+    if not store:
+        return None
+    for item in store:
+        return item
+    return None
+
+
+def merge_patch(old: dict[str, Any], new: dict[str, Any], owned_keys: set[str]) -> dict[str, Any]:
+    """Top-level merge patch from old to new over the keys this operator owns."""
+    patch: dict[str, Any] = {}
+    for k in owned_keys:
+        if k in new and new[k] is not None:
+            if old.get(k) != new[k]:
+                patch[k] = new[k]
+        elif old.get(k) is not None:
+            patch[k] = None
+    return patch
+
+
+SPECIALIST_STATUS_KEYS = {f.alias or n for n, f in SpecialistStatus.model_fields.items()}
+ROUTER_STATUS_KEYS = {f.alias or n for n, f in EnsembleRouterStatus.model_fields.items()} - {"breakerState"}
+
+
+# ---- Specialist ---------------------------------------------------------------------------------
+
+async def probe_replicas(namespace: str, pods: list[dict[str, Any]], port: int, with_status: bool
+                         ) -> dict[str, warmup_lc.ProbeResult]:
+    if runtime.warm_signal == "pod-ready" or runtime.prober is None:
+        return {}
+    targets = {}
+    for p in pods:
+        if p["deleting"]:
+            continue
+        addr = runtime.resolver.resolve(PodRef(namespace, p["name"], p["ip"], port))
+        if addr:
+            targets[p["name"]] = addr
+    results = await asyncio.gather(*(runtime.prober.probe(a, with_status) for a in targets.values()))
+    out = dict(zip(targets, results))
+    for p in pods:   # resolvable nowhere: unreachable
+        out.setdefault(p["name"], warmup_lc.ProbeResult(reachable=False, reason="no address"))
+    return out
+
+
+def _pod(p: dict[str, Any]) -> warmup_lc.PodObs:
+    started = p.get("started_at")
+    return warmup_lc.PodObs(
+        name=p["name"], phase=p["phase"], ready=p["ready"], scheduled=p["scheduled"], deleting=p["deleting"],
+        started_at=datetime.strptime(started, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc) if started else None,
+        restarts=p["restarts"], waiting_reason=p["waiting_reason"], template_hash=p["template_hash"])
+
+
+async def reconcile_specialist(body: Any, owned: Owned, pod_index: Any, deployment_index: Any,
+                               router_index: Any) -> float:
+    """One pass. Returns the delay before the next poll."""
+    meta = body["metadata"]
+    name, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
+    generation = meta.get("generation")
+    prev = copy.deepcopy(dict(body.get("status") or {}))
+    now = now_utc()
+    events: list[Event] = []
+    try:
+        spec = SpecialistSpec.model_validate(dict(body.get("spec") or {}))
+    except ValidationError as e:
+        conds = set_condition(prev.get("conditions"), "Ready", False, "InvalidSpec", str(e)[:1000], now, generation)
+        status = {**prev, "phase": "Failed", "conditions": conds, "observedGeneration": generation}
+        await write_status("Specialist", body, prev, status, SPECIALIST_STATUS_KEYS)
+        return runtime.idle_seconds
+
+    exclude = rollout_lc.rolled_back(prev.get("adapters"))
+    children = specialist_res.specialist_children(name, namespace, uid, spec, runtime.ctx, exclude)
+    events += await ensure_children(body, "Specialist", children, owned, deployment_index)
+
+    dep_raw = _first(deployment_index.get((namespace, name)))
+    dep = warmup_lc.DeploymentObs(**{k: dep_raw[k] for k in ("generation", "observed_generation", "replicas",
+                                                               "updated_replicas", "ready_replicas", "available_replicas")}) if dep_raw else None
+    pods_raw = list(pod_index.get((namespace, "engine", name), []))
+    pods = [_pod(p) for p in pods_raw]
+    probes = await probe_replicas(namespace, pods_raw, spec.port, with_status=bool(spec.adapters))
+
+    status, ev = warmup_lc.evaluate(spec, generation, dep, pods, probes, runtime.warm_signal, prev, now,  # type: ignore[arg-type]
+                                    selector=specialist_res.pod_selector_string(name))
+    events += ev
+
+    warm = [(r["source"], probes.get(r["pod"])) for r in status["replicaStatus"] if r["warm"]]
+    obs = rollout_lc.observations_from_replicas(spec.adapter_names(), warm)
+    adapters, active, ev = rollout_lc.evaluate(spec, status["warmReplicas"], obs, prev.get("adapters"), now)
+    events += ev
+    status["adapters"] = adapters or None
+    status["activeAdapter"] = active
+    conds = rollout_lc.rollout_condition(status["conditions"], adapters, now, generation) if (adapters or prev.get("adapters")) \
+        else set_condition(status["conditions"], "AdapterRollout", False, "NoAdapters", "no adapters configured", now, generation)
+
+    labels = dict(meta.get("labels") or {})
+    router_states = [r["breakerState"] for r in router_index.get(namespace, [])
+                     if LabelSelector.model_validate(r["selector"] or {}).matches(labels)]
+    brk, conds, ev = breaker_lc.evaluate(name, spec.fallback, router_states, prev.get("breaker"), conds, now, generation)
+    events += ev
+    status["breaker"] = brk
+    status["conditions"] = conds
+
+    await write_status("Specialist", body, prev, status, SPECIALIST_STATUS_KEYS)
+    runtime.set_phase((namespace, name), status["phase"])
+    for e in events:
+        await post_event(body, "Specialist", e)
+    settled = status["warmReplicas"] >= spec.replicas and status["replicas"] == spec.replicas
+    probing = runtime.warm_signal != "pod-ready"
+    if probing and not settled:
+        return runtime.poll_seconds
+    return runtime.idle_seconds if not probing else max(runtime.poll_seconds, min(10.0, runtime.idle_seconds))
+
+
+async def write_status(kind: str, body: Any, prev: dict[str, Any], status: dict[str, Any], keys: set[str]) -> None:
+    patch = merge_patch(prev, status, keys)
+    if not patch:
+        return
+    meta = body["metadata"]
+    await kube().patch_status(kind, meta["namespace"], meta["name"], patch)
+    STATUS_WRITES.labels(kind).inc()
+
+
+async def _daemon_loop(kind: str, body: Any, stopped: Any, logger: Any, pass_fn: Any) -> None:
+    meta = body["metadata"]
+    key = (kind, meta["namespace"], meta["name"])
+    failures = 0
+    # Spread the first passes of many objects a little (a 200-object apply arrives at once).
+    await asyncio.sleep(random.uniform(0, 0.05))
+    while not stopped:
+        t0 = time.perf_counter()
+        try:
+            delay = await pass_fn()
+            RECONCILES.labels(kind, "ok").inc()
+            failures = 0
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - keep the daemon alive; report and back off
+            failures += 1
+            RECONCILES.labels(kind, "error").inc()
+            RECONCILE_ERRORS.labels(kind).inc()
+            delay = min(60.0, 0.5 * 2 ** min(failures, 7))
+            if isinstance(e, KubeError) and e.status == 409:
+                delay = 0.2
+            (logger.warning if isinstance(e, KubeError) else logger.exception)(
+                f"reconcile of {kind} {key[1]}/{key[2]} failed ({failures}x): {e}")
+        finally:
+            RECONCILE_SECONDS.labels(kind).observe(time.perf_counter() - t0)
+        await runtime.sleep(key, delay)
+
+
+@kopf.daemon(GROUP, VERSION, "specialists", cancellation_timeout=5.0)
+async def specialist_daemon(stopped: Any, body: Any, logger: Any, pod_index: Any, deployment_index: Any,
+                            router_index: Any, **_: Any) -> None:
+    owned = Owned()
+    key = (body["metadata"]["namespace"], body["metadata"]["name"])
+    try:
+        await _daemon_loop("Specialist", body, stopped, logger,
+                           lambda: reconcile_specialist(body, owned, pod_index, deployment_index, router_index))
+    finally:
+        runtime.wakers.pop(("Specialist", *key), None)
+        runtime.set_phase(key, None)
+
+
+# ---- EnsembleRouter ----------------------------------------------------------------------------
+
+async def reconcile_router(body: Any, owned: Owned, pod_index: Any, deployment_index: Any,
+                           specialist_index: Any) -> float:
+    meta = body["metadata"]
+    name, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
+    generation = meta.get("generation")
+    prev = copy.deepcopy(dict(body.get("status") or {}))
+    now = now_utc()
+    events: list[Event] = []
+    conds = prev.get("conditions")
+    spec = EnsembleRouterSpec.model_validate(dict(body.get("spec") or {}))
+    selector = spec.specialist_selector
+    selected = sorted((s for s in specialist_index.get(namespace, []) if selector.matches(s["labels"])),
+                      key=lambda s: s["name"])
+    lanes, bad = [], []
+    for s in selected:
+        try:
+            lanes.append(router_res.Lane(s["name"], namespace, SpecialistSpec.model_validate(s["spec"])))
+        except ValidationError:
+            bad.append(s["name"])
+    status: dict[str, Any] = {"observedGeneration": generation, "specialists": len(selected),
+                              "readySpecialists": sum(1 for s in selected if s["phase"] == "Ready"),
+                              "lanes": [{"name": s["name"], "phase": s["phase"], "warmReplicas": s["warmReplicas"],
+                                         "breaker": s["breaker"]} for s in selected] or None}
+    try:
+        config = router_res.router_config(name, spec, lanes)
+    except (ValidationError, ValueError) as e:
+        reason = "NoSpecialists" if not lanes else "InvalidConfig"
+        msg = "no Specialist matches spec.specialistSelector" if not lanes else _short_error(e)
+        before = (prev.get("conditions") and next((c for c in prev["conditions"] if c["type"] == "ConfigValid"), None)) or {}
+        conds = set_condition(conds, "ConfigValid", False, reason, msg, now, generation)
+        conds = set_condition(conds, "Ready", False, reason, msg, now, generation)
+        if before.get("status") != "False" or before.get("message") != msg:
+            events.append(Event("Warning", reason, msg))
+        status.update(phase="Invalid", conditions=conds)
+        await write_status("EnsembleRouter", body, prev, status, ROUTER_STATUS_KEYS)
+        for ev in events:
+            await post_event(body, "EnsembleRouter", ev)
+        return runtime.idle_seconds
+    conds = set_condition(conds, "ConfigValid", True, "Rendered", f"{len(lanes)} lane(s)", now, generation)
+    status["configHash"] = content_hash(config.model_dump(mode="json"))
+    children = router_res.router_children(name, namespace, uid, spec, config, runtime.ctx)
+    events += await ensure_children(body, "EnsembleRouter", children, owned, deployment_index)
+
+    pods = [p for p in pod_index.get((namespace, "router", name), []) if not p["deleting"]]
+    ready = sum(1 for p in pods if p["ready"])
+    status.update(replicas=len(pods), readyReplicas=ready, ready=f"{ready}/{spec.replicas}")
+    if ready == 0 and spec.replicas > 0:
+        phase, reason, msg = "Pending", "RouterNotReady", f"0/{spec.replicas} router replicas ready"
+    elif status["readySpecialists"] < len(selected):
+        phase, reason, msg = "Degraded", "SpecialistsNotReady", f"{status['readySpecialists']}/{len(selected)} Specialists Ready"
+    else:
+        phase, reason, msg = "Ready", "Serving", f"{ready}/{spec.replicas} router replicas, {len(selected)} Specialists Ready"
+    conds = set_condition(conds, "Ready", phase == "Ready", reason, msg, now, generation)
+    status.update(phase=phase, conditions=conds)
+    if phase != prev.get("phase"):
+        events.append(Event("Normal" if phase == "Ready" else "Warning", phase, msg))
+    await write_status("EnsembleRouter", body, prev, status, ROUTER_STATUS_KEYS)
+    for ev in events:
+        await post_event(body, "EnsembleRouter", ev)
+    return runtime.idle_seconds
+
+
+def _short_error(e: Exception) -> str:
+    if isinstance(e, ValidationError):
+        return "; ".join(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors())[:1000]
+    return str(e)[:1000]
+
+
+@kopf.daemon(GROUP, VERSION, "ensemblerouters", cancellation_timeout=5.0)
+async def router_daemon(stopped: Any, body: Any, logger: Any, pod_index: Any, deployment_index: Any,
+                        specialist_index: Any, **_: Any) -> None:
+    owned = Owned()
+    key = (body["metadata"]["namespace"], body["metadata"]["name"])
+
+    async def one_pass() -> float:
+        delay = await reconcile_router(body, owned, pod_index, deployment_index, specialist_index)
+        await asyncio.sleep(0.3)   # coalesce bursts of Specialist events into one pass
+        return delay
+
+    try:
+        await _daemon_loop("EnsembleRouter", body, stopped, logger, one_pass)
+    finally:
+        runtime.wakers.pop(("EnsembleRouter", *key), None)

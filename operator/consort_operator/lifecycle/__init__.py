@@ -1,0 +1,1 @@
+"""Pure lifecycle state machines: (spec, observed, previous status, now) -> (status, events)."""

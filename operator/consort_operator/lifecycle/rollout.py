@@ -1,0 +1,145 @@
+"""Adapter rollout: Loading -> Probation -> Active | RolledBack; removed from spec -> Retired.
+
+Pure: (spec adapters + rollout policy, per-adapter observations, previous adapter statuses, now)
+-> (adapter statuses, active adapter, events).
+
+  Loading     listed in spec, not yet loaded on every warm replica (engine /v1/status `adapters`)
+  Probation   loaded everywhere; the router shadows `shadowFraction` of its traffic and collects
+              correctness samples (compile-pass) for it
+  Active      probationSamples collected with rate >= promotionFloor (or the probation window ended
+              with samples whose rate clears the floor)
+  RolledBack  the rate fell below promotionFloor after probationSamples (or at the window's end);
+              the engines stop loading it (excluded from the pod template) until its source changes
+  Retired     no longer listed in spec (kept in status as history, the last few only)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from ..api.specialist import RolloutPolicy, SpecialistSpec
+from .common import Event, parse_time, rfc3339, set_condition
+
+RETIRED_KEPT = 5
+LOADED_STATES = frozenset({"loaded", "active", "ready"})
+
+
+@dataclass(frozen=True)
+class AdapterObs:
+    loaded_replicas: int = 0     # warm replicas whose engine reports the adapter loaded
+    samples: int = 0             # correctness samples in the probation window (router)
+    passes: int = 0
+
+
+def _status(name: str, state: str, now: datetime, source: str, obs: AdapterObs, message: str) -> dict[str, Any]:
+    out = {"name": name, "state": state, "since": rfc3339(now), "source": source,
+           "loadedReplicas": obs.loaded_replicas, "samples": obs.samples, "passes": obs.passes, "message": message}
+    if obs.samples:
+        out["rate"] = round(obs.passes / obs.samples, 4)
+    return out
+
+
+def _decide(policy: RolloutPolicy, obs: AdapterObs, since: datetime, now: datetime) -> tuple[str | None, str]:
+    rate = obs.passes / obs.samples if obs.samples else None
+    window_over = (now - since).total_seconds() >= policy.probation_window_seconds
+    if obs.samples >= policy.probation_samples or (window_over and obs.samples > 0):
+        assert rate is not None
+        why = f"rate {rate:.3f} over {obs.samples} samples (floor {policy.promotion_floor})"
+        return ("Active", f"promoted: {why}") if rate >= policy.promotion_floor else ("RolledBack", f"rolled back: {why}")
+    if window_over:
+        return None, "probation window ended without correctness samples; still in probation"
+    return None, f"{obs.samples}/{policy.probation_samples} samples"
+
+
+def evaluate(spec: SpecialistSpec, warm_replicas: int, observations: dict[str, AdapterObs],
+             prev: list[dict[str, Any]] | None, now: datetime) -> tuple[list[dict[str, Any]], str | None, list[Event]]:
+    events: list[Event] = []
+    before = {a["name"]: a for a in prev or []}
+    out: list[dict[str, Any]] = []
+    listed = {a.name: a.source for a in spec.adapters or []}
+    for name, source in listed.items():
+        obs = observations.get(name, AdapterObs())
+        old = before.get(name)
+        if old is None or old.get("source") != source or old.get("state") == "Retired":
+            st = _status(name, "Loading", now, source, obs, "waiting for every warm replica to load it")
+            events.append(Event("Normal", "AdapterLoading", f"adapter {name}: loading ({source})"))
+            old = st
+        state = old["state"]
+        since = parse_time(old.get("since")) or now
+        message = old.get("message", "")
+        new_state = state
+        if state == "Loading":
+            if warm_replicas > 0 and obs.loaded_replicas >= warm_replicas:
+                new_state, message = "Probation", f"loaded on {obs.loaded_replicas} warm replica(s); collecting samples"
+            else:
+                message = f"loaded on {obs.loaded_replicas}/{warm_replicas} warm replica(s)"
+        elif state == "Probation":
+            decided, message = _decide(spec.rollout, obs, since, now)
+            if decided:
+                new_state = decided
+        if new_state != state:
+            since = now
+            etype = "Warning" if new_state == "RolledBack" else "Normal"
+            reason = {"Probation": "AdapterProbation", "Active": "AdapterPromoted", "RolledBack": "AdapterRolledBack"}[new_state]
+            events.append(Event(etype, reason, f"adapter {name}: {message}"))
+        st = _status(name, new_state, since, source, obs, message)
+        if new_state in ("Active", "RolledBack") and new_state == state:
+            st.update({k: old[k] for k in ("samples", "passes", "rate", "loadedReplicas") if k in old})
+            st["loadedReplicas"] = obs.loaded_replicas
+        out.append(st)
+    retired = []
+    for name, old in before.items():
+        if name in listed:
+            continue
+        if old.get("state") != "Retired":
+            events.append(Event("Normal", "AdapterRetired", f"adapter {name}: removed from spec"))
+            old = {**old, "state": "Retired", "since": rfc3339(now), "message": "removed from spec", "loadedReplicas": 0}
+        retired.append(old)
+    retired.sort(key=lambda a: a.get("since", ""), reverse=True)
+    out.extend(retired[:RETIRED_KEPT])
+    actives = [a for a in out if a["state"] == "Active"]
+    active = max(actives, key=lambda a: (a["since"], a["name"]))["name"] if actives else None
+    return out, active, events
+
+
+def rolled_back(adapters: list[dict[str, Any]] | None) -> frozenset[str]:
+    """Adapters the engines must not load (durable in status)."""
+    return frozenset(a["name"] for a in adapters or [] if a.get("state") == "RolledBack")
+
+
+def rollout_condition(conditions: list[dict[str, Any]] | None, adapters: list[dict[str, Any]],
+                      now: datetime, generation: int | None) -> list[dict[str, Any]]:
+    loading = [a["name"] for a in adapters if a["state"] == "Loading"]
+    probation = [a["name"] for a in adapters if a["state"] == "Probation"]
+    rolled = [a["name"] for a in adapters if a["state"] == "RolledBack"]
+    if loading or probation:
+        parts = ([f"loading: {', '.join(loading)}"] if loading else []) + ([f"probation: {', '.join(probation)}"] if probation else [])
+        return set_condition(conditions, "AdapterRollout", True, "Loading" if loading else "Probation",
+                             "; ".join(parts), now, generation)
+    if rolled:
+        return set_condition(conditions, "AdapterRollout", False, "RolledBack",
+                             f"rolled back: {', '.join(rolled)}", now, generation)
+    return set_condition(conditions, "AdapterRollout", False, "Stable",
+                         "no adapter rollout in progress", now, generation)
+
+
+def observations_from_replicas(adapter_names: list[str], replicas: list[tuple[str, Any]],
+                               samples: dict[str, tuple[int, int]] | None = None) -> dict[str, AdapterObs]:
+    """Fold the warm replicas' signals (+ router samples, when known) into observations.
+
+    `replicas` holds (warm signal source, ProbeResult | None) per WARM replica. A replica warm by the
+    engine's own answer reports its adapters; one warm by the pod's Ready condition has passed the
+    readinessProbe on /ready, which is 200 only once every configured adapter is loaded.
+    """
+    out = {}
+    for name in adapter_names:
+        loaded = 0
+        for source, probe in replicas:
+            if source == "engine" and probe is not None:
+                loaded += probe.adapters.get(name) in LOADED_STATES
+            elif source == "pod-ready":
+                loaded += 1
+        s, ok = (samples or {}).get(name, (0, 0))
+        out[name] = AdapterObs(loaded_replicas=loaded, samples=s, passes=ok)
+    return out

@@ -1,0 +1,120 @@
+"""`consort operator`: run the Kopf operator against the current kubeconfig (or in-cluster account)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import random
+import signal
+import sys
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="consort operator", description=__doc__)
+    scope = p.add_mutually_exclusive_group()
+    scope.add_argument("--namespace", "-n", action="append", default=[],
+                       help="watch only this namespace (repeatable; globs allowed)")
+    scope.add_argument("--all-namespaces", "-A", action="store_true", help="watch the whole cluster (default)")
+    p.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster account, else $KUBECONFIG/~/.kube/config)")
+    p.add_argument("--engine-image", default=os.environ.get("CONSORT_ENGINE_IMAGE", "ghcr.io/consort-dev/consort-engine:0.1.0"))
+    p.add_argument("--router-image", default=os.environ.get("CONSORT_ROUTER_IMAGE", "ghcr.io/consort-dev/consort-router:0.1.0"))
+    p.add_argument("--image-pull-policy", default="IfNotPresent", choices=["Always", "IfNotPresent", "Never"])
+    p.add_argument("--network-policy", action=argparse.BooleanOptionalAction, default=True,
+                   help="create a NetworkPolicy per Specialist admitting only routers and the operator")
+    p.add_argument("--operator-namespace", default=os.environ.get("POD_NAMESPACE", "consort-system"),
+                   help="namespace of the operator pods (admitted by the engine NetworkPolicy)")
+    p.add_argument("--metrics-namespace-label", action="append", default=[], metavar="KEY=VALUE",
+                   help="namespaces with this label may scrape engine /metrics through the NetworkPolicy")
+    p.add_argument("--pod-address", default="pod-ip",
+                   help="how to reach engine pods: pod-ip | none | file:PATH (JSON/YAML map pod -> host:port)")
+    p.add_argument("--warm-signal", default="engine-or-pod-ready", choices=["engine", "pod-ready", "engine-or-pod-ready"],
+                   help="what makes a replica warm: the engine's /ready, the pod's Ready condition, or the "
+                        "engine when reachable and the pod's Ready condition otherwise")
+    p.add_argument("--poll-seconds", type=float, default=2.0, help="engine poll interval while replicas are cold")
+    p.add_argument("--idle-seconds", type=float, default=30.0, help="re-check interval when settled")
+    p.add_argument("--resync-seconds", type=float, default=600.0, help="re-read owned objects this often")
+    p.add_argument("--metrics-port", type=int, default=8080, help="Prometheus /metrics port (0 disables)")
+    p.add_argument("--metrics-host", default="0.0.0.0")
+    p.add_argument("--liveness", default="http://0.0.0.0:8081/healthz",
+                   help="Kopf liveness endpoint URL ('' disables)")
+    peer = p.add_mutually_exclusive_group()
+    peer.add_argument("--peering", default=None,
+                      help="mandatory Kopf peering object name (KopfPeering/ClusterKopfPeering must exist)")
+    peer.add_argument("--standalone", action="store_true", help="no peering (single replica)")
+    p.add_argument("--priority", type=int, default=None,
+                   help="peering priority (default: random, so that of two replicas exactly one acts)")
+    p.add_argument("--log-level", default=os.environ.get("CONSORT_LOG_LEVEL", "INFO"))
+    return p.parse_args(argv)
+
+
+def _pairs(values: list[str]) -> tuple[tuple[str, str], ...]:
+    out = []
+    for v in values:
+        k, sep, val = v.partition("=")
+        if not sep:
+            raise SystemExit(f"expected KEY=VALUE, got {v!r}")
+        out.append((k, val))
+    return tuple(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("kopf.objects").setLevel(max(logging.INFO, logging.getLogger().level))
+    if args.kubeconfig:
+        os.environ["KUBECONFIG"] = os.path.abspath(args.kubeconfig)
+        # Outside a cluster even when the service-account env happens to be set.
+        os.environ.pop("KUBERNETES_SERVICE_HOST", None)
+
+    import kopf
+
+    from . import handlers, metrics
+    from .resolver import from_flag
+    from .resources.common import BuildContext
+
+    rt = handlers.runtime
+    rt.ctx = BuildContext(
+        engine_image=args.engine_image, router_image=args.router_image, image_pull_policy=args.image_pull_policy,
+        network_policy=args.network_policy, operator_namespace=args.operator_namespace,
+        metrics_namespace_labels=_pairs(args.metrics_namespace_label))
+    rt.resolver = from_flag(args.pod_address)
+    rt.warm_signal = args.warm_signal
+    rt.poll_seconds = args.poll_seconds
+    rt.idle_seconds = args.idle_seconds
+    rt.resync_seconds = args.resync_seconds
+    rt.peering_priority = args.priority if args.priority is not None else random.randint(1, 2**31 - 1)
+    if args.metrics_port:
+        metrics.serve(args.metrics_port, args.metrics_host)
+
+    settings = kopf.OperatorSettings()
+    if not args.standalone and not args.peering:
+        settings.peering.name = "consort"    # used when the peering object exists; standalone otherwise
+
+    stop = asyncio.Event()
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await kopf.operator(
+            clusterwide=not args.namespace,
+            namespaces=args.namespace or None,
+            liveness_endpoint=args.liveness or None,
+            standalone=args.standalone,
+            peering_name=args.peering,
+            priority=rt.peering_priority,
+            settings=settings,
+            stop_flag=stop,
+        )
+
+    print(f"consort operator: watching {', '.join(args.namespace) or 'all namespaces'}; "
+          f"pod address {args.pod_address}; warm signal {args.warm_signal}; peering priority {rt.peering_priority}",
+          file=sys.stderr, flush=True)
+    asyncio.run(run())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

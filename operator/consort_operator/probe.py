@@ -1,0 +1,49 @@
+"""Engine probing: GET /ready (and /v1/status for adapters) through the pod-address resolver."""
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+
+from .lifecycle.warmup import ProbeResult
+from .metrics import PROBES
+
+
+class Prober:
+    def __init__(self, timeout: float = 1.5, concurrency: int = 32):
+        self.timeout = timeout
+        self._sem = asyncio.Semaphore(concurrency)
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self.timeout),
+                connector=aiohttp.TCPConnector(limit=64, force_close=True))
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def probe(self, address: str, with_status: bool = False) -> ProbeResult:
+        base = f"http://{address}"
+        async with self._sem:
+            try:
+                async with self.session.get(f"{base}/ready") as resp:
+                    body: Any = await resp.json(content_type=None) if resp.content_length != 0 else {}
+                    warm = resp.status == 200
+                reason = "" if warm else str((body or {}).get("reason") or f"HTTP {resp.status}")
+                adapters: dict[str, str] = {}
+                if with_status:
+                    async with self.session.get(f"{base}/v1/status") as resp:
+                        if resp.status == 200:
+                            st = await resp.json(content_type=None)
+                            adapters = {str(k): str(v) for k, v in (st.get("adapters") or {}).items()}
+                PROBES.labels("warm" if warm else "cold").inc()
+                return ProbeResult(reachable=True, warm=warm, reason=reason, adapters=adapters)
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, OSError) as e:
+                PROBES.labels("unreachable").inc()
+                return ProbeResult(reachable=False, reason=f"{type(e).__name__}: {e}"[:200])

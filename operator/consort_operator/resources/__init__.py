@@ -1,0 +1,1 @@
+"""Pure builders: spec -> the Kubernetes objects the operator owns (no I/O)."""

@@ -1,0 +1,88 @@
+"""Shared pieces of the pure builders: labels, owner references, content hashes, build settings."""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..api.base import API_VERSION
+
+PART_OF = "consort"
+MANAGED_BY = "consort-operator"
+LABEL_SPECIALIST = "consort.dev/specialist"
+LABEL_ROUTER = "consort.dev/ensemble-router"
+ANNOTATION_HASH = "consort.dev/spec-hash"
+FIELD_MANAGER = "consort-operator"
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    """Operator-wide settings the builders need (from flags / the Helm chart)."""
+
+    engine_image: str = "ghcr.io/consort-dev/consort-engine:0.1.0"
+    router_image: str = "ghcr.io/consort-dev/consort-router:0.1.0"
+    image_pull_policy: str = "IfNotPresent"
+    network_policy: bool = True
+    operator_namespace: str = "consort-system"
+    operator_pod_labels: tuple[tuple[str, str], ...] = (("app.kubernetes.io/name", "consort-operator"),)
+    # Namespaces (by label selector) allowed to scrape engine /metrics through the NetworkPolicy.
+    metrics_namespace_labels: tuple[tuple[str, str], ...] = ()
+    run_as_user: int = 10001
+    extra_labels: tuple[tuple[str, str], ...] = field(default=())
+
+
+def owner_reference(kind: str, name: str, uid: str) -> dict[str, Any]:
+    return {"apiVersion": API_VERSION, "kind": kind, "name": name, "uid": uid,
+            "controller": True, "blockOwnerDeletion": True}
+
+
+def object_meta(name: str, namespace: str, labels: dict[str, str], owner: dict[str, Any],
+                annotations: dict[str, str] | None = None) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name, "namespace": namespace, "labels": dict(sorted(labels.items())),
+                            "ownerReferences": [owner]}
+    if annotations:
+        meta["annotations"] = dict(sorted(annotations.items()))
+    return meta
+
+
+def content_hash(obj: Any, n: int = 16) -> str:
+    data = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode()
+    return hashlib.sha256(data).hexdigest()[:n]
+
+
+def stamp_hash(obj: dict[str, Any]) -> dict[str, Any]:
+    """Annotate an object with the hash of its own desired content (so 'changed?' is one compare)."""
+    meta = obj["metadata"]
+    ann = dict(meta.get("annotations") or {})
+    ann.pop(ANNOTATION_HASH, None)
+    probe = {**obj, "metadata": {**meta, "annotations": ann}}
+    ann[ANNOTATION_HASH] = content_hash(probe)
+    meta["annotations"] = dict(sorted(ann.items()))
+    return obj
+
+
+def common_labels(component: str, instance: str, ctx: BuildContext) -> dict[str, str]:
+    labels = {
+        "app.kubernetes.io/name": f"consort-{component}",
+        "app.kubernetes.io/instance": instance,
+        "app.kubernetes.io/component": component,
+        "app.kubernetes.io/part-of": PART_OF,
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+    }
+    labels.update(dict(ctx.extra_labels))
+    return labels
+
+
+def pod_security_context(ctx: BuildContext) -> dict[str, Any]:
+    return {"runAsNonRoot": True, "runAsUser": ctx.run_as_user, "runAsGroup": ctx.run_as_user,
+            "fsGroup": ctx.run_as_user, "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def container_security_context() -> dict[str, Any]:
+    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]}}
+
+
+def toleration_dicts(tolerations: list[Any] | None) -> list[dict[str, Any]]:
+    return [t.wire() for t in tolerations or []]

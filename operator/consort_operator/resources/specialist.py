@@ -1,0 +1,302 @@
+"""Pure builders: Specialist spec -> engine Deployment, Service, PodDisruptionBudget, NetworkPolicy.
+
+No I/O here; `handlers.py` applies what these return.
+"""
+from __future__ import annotations
+
+import math
+import re
+import shlex
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..api.specialist import KIND, SpecialistSpec
+from .common import (LABEL_SPECIALIST, BuildContext, common_labels, container_security_context,
+                     object_meta, owner_reference, pod_security_context, stamp_hash, toleration_dicts)
+
+COMPONENT = "engine"
+CONTAINER = "engine"
+MODELS_ROOT = "/models"
+
+
+def selector_labels(name: str) -> dict[str, str]:
+    return {LABEL_SPECIALIST: name, "app.kubernetes.io/component": COMPONENT}
+
+
+def pod_selector_string(name: str) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(name).items()))
+
+
+def engine_labels(name: str, ctx: BuildContext) -> dict[str, str]:
+    return {**common_labels(COMPONENT, name, ctx), **selector_labels(name)}
+
+
+# ---- model / tokenizer / adapter sources -------------------------------------------------------
+
+@dataclass
+class Sources:
+    """Volumes, mounts and init steps that make every pvc:// / file:// / hf:// source a local path."""
+
+    volumes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    mounts: dict[str, dict[str, Any]] = field(default_factory=dict)
+    downloads: list[tuple[str, str | None, str]] = field(default_factory=list)  # (repo, revision, dir)
+
+    def resolve(self, url: str) -> str:
+        if url.startswith("file://"):
+            return url[len("file://"):]
+        if url.startswith("pvc://"):
+            claim, _, sub = url[len("pvc://"):].partition("/")
+            vol = _volume_name("pvc", claim)
+            self.volumes[vol] = {"name": vol, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
+            mount_path = f"{MODELS_ROOT}/pvc/{claim}"
+            self.mounts[vol] = {"name": vol, "mountPath": mount_path, "readOnly": True}
+            return f"{mount_path}/{sub}".rstrip("/") if sub else mount_path
+        if url.startswith("hf://"):
+            repo, _, rev = url[len("hf://"):].partition("@")
+            target = f"{MODELS_ROOT}/hf/{repo}" + (f"@{rev}" if rev else "")
+            if (repo, rev or None, target) not in self.downloads:
+                self.downloads.append((repo, rev or None, target))
+            self.volumes["hf-cache"] = {"name": "hf-cache", "emptyDir": {}}
+            self.mounts["hf-cache"] = {"name": "hf-cache", "mountPath": f"{MODELS_ROOT}/hf"}
+            return target
+        raise ValueError(f"unsupported source {url!r}")
+
+
+def _volume_name(prefix: str, name: str) -> str:
+    vol = re.sub(r"[^a-z0-9-]", "-", f"{prefix}-{name}".lower())[:63].strip("-")
+    return vol
+
+
+def _download_script(downloads: list[tuple[str, str | None, str]]) -> str:
+    calls = "; ".join(
+        f"snapshot_download(repo_id={repo!r}, revision={rev!r}, local_dir={target!r})"
+        for repo, rev, target in downloads)
+    return f"from huggingface_hub import snapshot_download; {calls}"
+
+
+# ---- engine command line -----------------------------------------------------------------------
+
+def engine_args(name: str, spec: SpecialistSpec, model_dir: str, adapters: dict[str, str]) -> list[str]:
+    """Flags of `consort engine` for this spec (consort_engine.server.parse_args)."""
+    device = "cuda" if spec.resources.gpus > 0 else "cpu"
+    args = ["--model", model_dir, "--host", "0.0.0.0", "--port", str(spec.port), "--name", name,
+            "--device", device, "--dtype", spec.dtype, "--block-size", str(spec.kv.block_size)]
+    if spec.max_context is not None:
+        args += ["--max-model-len", str(spec.max_context)]
+    if spec.kv.num_blocks is not None:
+        args += ["--num-blocks", str(spec.kv.num_blocks)]
+    elif spec.kv.memory_fraction is not None:
+        args += ["--kv-memory-fraction", f"{spec.kv.memory_fraction:g}"]
+    elif device == "cuda":
+        args += ["--kv-memory-fraction", "0.9"]
+    if not spec.kv.prefix_caching:
+        args += ["--no-prefix-caching"]
+    s = spec.scheduler
+    args += ["--max-num-seqs", str(s.max_num_seqs), "--max-num-batched-tokens", str(s.max_num_batched_tokens),
+             "--max-waiting", str(s.max_waiting)]
+    args += ["--speculative", spec.speculative.mode]
+    if spec.speculative.mode != "off":
+        args += ["--num-speculative-tokens", str(spec.speculative.num_tokens)]
+    args += ["--max-adapters", str(spec.max_adapters)]
+    for adapter_name, path in adapters.items():
+        args += ["--adapter", f"{adapter_name}={path}"]
+    return args
+
+
+def _probe(path: str, port: int, period: int, failures: int, timeout: int, initial: int = 0) -> dict[str, Any]:
+    probe = {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period,
+             "failureThreshold": failures, "timeoutSeconds": timeout}
+    if initial:
+        probe["initialDelaySeconds"] = initial
+    return probe
+
+
+STARTUP_PERIOD = 10
+
+
+def startup_probe(spec: SpecialistSpec) -> dict[str, Any]:
+    """/ready may take up to warmupTimeoutSeconds to turn 200; after that kubelet restarts the container."""
+    return _probe("/ready", spec.port, STARTUP_PERIOD,
+                  max(1, math.ceil(spec.warmup_timeout_seconds / STARTUP_PERIOD)), 5)
+
+
+def rollout_strategy(spec: SpecialistSpec) -> dict[str, Any]:
+    """Keep minReady warm replicas through a rollout; surge one when there is no slack."""
+    unavailable = max(0, spec.replicas - spec.min_ready)
+    return {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": unavailable}}
+
+
+def engine_deployment(name: str, namespace: str, uid: str, spec: SpecialistSpec, ctx: BuildContext,
+                      exclude_adapters: frozenset[str] = frozenset()) -> dict[str, Any]:
+    owner = owner_reference(KIND, name, uid)
+    labels = engine_labels(name, ctx)
+    src = Sources()
+    model_dir = src.resolve(spec.model.source)
+    init_containers: list[dict[str, Any]] = []
+    image = spec.image or ctx.engine_image
+    tok_dir = src.resolve(spec.model.tokenizer) if spec.model.tokenizer else None
+    adapters = {a.name: src.resolve(a.source) for a in spec.adapters or [] if a.name not in exclude_adapters}
+    if src.downloads:
+        init_containers.append({
+            "name": "fetch", "image": image, "imagePullPolicy": ctx.image_pull_policy,
+            "command": ["python", "-c", _download_script(src.downloads)],
+            "env": [{"name": "HOME", "value": "/tmp"}, {"name": "HF_HOME", "value": "/tmp/hf"}],
+            "volumeMounts": list(src.mounts.values()) + [{"name": "tmp", "mountPath": "/tmp"}],
+            "securityContext": container_security_context(),
+            "resources": {"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"memory": "2Gi"}},
+        })
+    if tok_dir:
+        # The engine reads tokenizer files from the checkpoint dir: assemble a view with symlinks.
+        assembled = f"{MODELS_ROOT}/assembled"
+        script = (f"set -e; for f in {shlex.quote(model_dir)}/*; do ln -sf \"$f\" {assembled}/; done; "
+                  f"for f in {shlex.quote(tok_dir)}/*token* {shlex.quote(tok_dir)}/*vocab* {shlex.quote(tok_dir)}/*merges*; "
+                  f"do [ -e \"$f\" ] && ln -sf \"$f\" {assembled}/; done; true")
+        src.volumes["assembled"] = {"name": "assembled", "emptyDir": {}}
+        src.mounts["assembled"] = {"name": "assembled", "mountPath": assembled}
+        init_containers.append({
+            "name": "assemble", "image": image, "imagePullPolicy": ctx.image_pull_policy,
+            "command": ["sh", "-c", script], "volumeMounts": list(src.mounts.values()),
+            "securityContext": container_security_context(),
+            "resources": {"requests": {"cpu": "50m", "memory": "32Mi"}, "limits": {"memory": "64Mi"}},
+        })
+        model_dir = assembled
+
+    r = spec.resources
+    requests: dict[str, Any] = {"cpu": str(r.cpu), "memory": str(r.memory)}
+    limits: dict[str, Any] = {"memory": str(r.memory)}
+    if r.gpus > 0:
+        requests[r.gpu_resource_name] = str(r.gpus)
+        limits[r.gpu_resource_name] = str(r.gpus)
+    if r.ephemeral_storage is not None:
+        requests["ephemeral-storage"] = str(r.ephemeral_storage)
+
+    tolerations = toleration_dicts(spec.tolerations)
+    if r.gpus > 0 and not any(t.get("key") == r.gpu_resource_name for t in tolerations):
+        tolerations.append({"key": r.gpu_resource_name, "operator": "Exists", "effect": "NoSchedule"})
+
+    volumes = list(src.volumes.values()) + [
+        {"name": "tmp", "emptyDir": {}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}},
+    ]
+    mounts = list(src.mounts.values()) + [
+        {"name": "tmp", "mountPath": "/tmp"},
+        {"name": "dshm", "mountPath": "/dev/shm"},
+    ]
+    container = {
+        "name": CONTAINER,
+        "image": image,
+        "imagePullPolicy": ctx.image_pull_policy,
+        "command": ["consort", "engine"],
+        "args": engine_args(name, spec, model_dir, adapters),
+        "ports": [{"name": "http", "containerPort": spec.port, "protocol": "TCP"}],
+        "env": [{"name": "HOME", "value": "/tmp"}, {"name": "HF_HOME", "value": "/tmp/hf"},
+                {"name": "CONSORT_SPECIALIST", "value": name}],
+        "resources": {"requests": requests, "limits": limits},
+        "startupProbe": startup_probe(spec),
+        "readinessProbe": _probe("/ready", spec.port, 5, 2, 3),
+        "livenessProbe": _probe("/health", spec.port, 10, 6, 5),
+        "securityContext": container_security_context(),
+        "volumeMounts": mounts,
+    }
+    pod_spec: dict[str, Any] = {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": pod_security_context(ctx),
+        "terminationGracePeriodSeconds": 60,
+        "containers": [container],
+        "volumes": volumes,
+        "topologySpreadConstraints": [{
+            "maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "ScheduleAnyway",
+            "labelSelector": {"matchLabels": selector_labels(name)}}],
+    }
+    if init_containers:
+        pod_spec["initContainers"] = init_containers
+    if spec.node_selector:
+        pod_spec["nodeSelector"] = dict(sorted(spec.node_selector.items()))
+    if tolerations:
+        pod_spec["tolerations"] = tolerations
+    deployment = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": object_meta(name, namespace, labels, owner),
+        "spec": {
+            "replicas": spec.replicas,
+            "revisionHistoryLimit": 3,
+            "progressDeadlineSeconds": spec.warmup_timeout_seconds + 600,
+            "selector": {"matchLabels": selector_labels(name)},
+            "strategy": rollout_strategy(spec),
+            "template": {
+                "metadata": {
+                    "labels": labels,
+                    "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": str(spec.port),
+                                    "prometheus.io/path": "/metrics"},
+                },
+                "spec": pod_spec,
+            },
+        },
+    }
+    return stamp_hash(deployment)
+
+
+def engine_service(name: str, namespace: str, uid: str, spec: SpecialistSpec, ctx: BuildContext) -> dict[str, Any]:
+    return stamp_hash({
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": object_meta(name, namespace, engine_labels(name, ctx), owner_reference(KIND, name, uid)),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(name),
+            "ports": [{"name": "http", "port": spec.port, "targetPort": "http", "protocol": "TCP"}],
+            "publishNotReadyAddresses": False,
+        },
+    })
+
+
+def engine_pdb(name: str, namespace: str, uid: str, spec: SpecialistSpec, ctx: BuildContext) -> dict[str, Any]:
+    return stamp_hash({
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": object_meta(name, namespace, engine_labels(name, ctx), owner_reference(KIND, name, uid)),
+        "spec": {
+            "minAvailable": spec.min_ready,
+            "selector": {"matchLabels": selector_labels(name)},
+            # A replica that never warmed may be evicted (it protects nothing).
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+        },
+    })
+
+
+def engine_network_policy(name: str, namespace: str, uid: str, spec: SpecialistSpec,
+                          ctx: BuildContext) -> dict[str, Any]:
+    """Only the ensemble's routers (same namespace) and the operator reach engine pods."""
+    peers: list[dict[str, Any]] = [
+        {"podSelector": {"matchLabels": {"app.kubernetes.io/component": "router",
+                                         "app.kubernetes.io/part-of": "consort"}}},
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ctx.operator_namespace}},
+         "podSelector": {"matchLabels": dict(ctx.operator_pod_labels)}},
+    ]
+    if ctx.metrics_namespace_labels:
+        peers.append({"namespaceSelector": {"matchLabels": dict(ctx.metrics_namespace_labels)}})
+    return stamp_hash({
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": object_meta(f"{name}-engine", namespace, engine_labels(name, ctx), owner_reference(KIND, name, uid)),
+        "spec": {
+            "podSelector": {"matchLabels": selector_labels(name)},
+            "policyTypes": ["Ingress"],
+            "ingress": [{"from": peers, "ports": [{"protocol": "TCP", "port": spec.port}]}],
+        },
+    })
+
+
+def specialist_children(name: str, namespace: str, uid: str, spec: SpecialistSpec, ctx: BuildContext,
+                        exclude_adapters: frozenset[str] = frozenset()) -> list[dict[str, Any]]:
+    """Everything one Specialist owns, in apply order."""
+    children = [
+        engine_service(name, namespace, uid, spec, ctx),
+        engine_pdb(name, namespace, uid, spec, ctx),
+        engine_deployment(name, namespace, uid, spec, ctx, exclude_adapters),
+    ]
+    if ctx.network_policy:
+        children.insert(0, engine_network_policy(name, namespace, uid, spec, ctx))
+    return children
