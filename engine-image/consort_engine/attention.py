@@ -174,6 +174,11 @@ class PagedAttention(torch.nn.Module):
 
 
 def choose_backend(device: torch.device, dtype: torch.dtype, block_size: int) -> str:
+    """flash (CUDA + flash-attn), cpu_kernel (CPU, fp32/bf16, a C compiler) or torch.
+
+    CONSORT_ATTENTION_BACKEND=torch forces the portable path (tests compare the two)."""
+    if os.environ.get("CONSORT_ATTENTION_BACKEND") == "torch":
+        return "torch"
     if device.type == "cuda":
         return "flash" if flash_attn_varlen_func is not None and block_size % 256 == 0 else "torch"
     if dtype in (torch.float32, torch.bfloat16) and cpu_kernel() is not None:

@@ -1,0 +1,220 @@
+"""`consort demo-model OUT`: a small Llama-family checkpoint + BPE tokenizer that transformers loads.
+
+The tokenizer is a byte-level BPE trained (deterministically, in seconds) on the libstdc++ headers
+under /usr/include/c++; weights are random (seeded) unless --train fits the model on the same text
+for a few minutes on the CPU.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+         "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
+SPECIAL = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+CPP_ROOT = Path("/usr/include/c++")
+
+
+@dataclass(frozen=True)
+class Size:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    max_pos: int = 2048
+
+
+SIZES = {"tiny": Size(256, 4, 4, 2, 688, 4096), "bench": Size(512, 8, 8, 4, 1408, 32000)}
+
+
+def cpp_files(root: Path = CPP_ROOT) -> list[Path]:
+    """The corpus: every regular file under the libstdc++ include tree, in a fixed order."""
+    files = sorted(p for p in root.rglob("*") if p.is_file())
+    if not files:
+        raise FileNotFoundError(f"no C++ headers under {root} (install libstdc++-dev)")
+    return files
+
+
+def cpp_text(limit_bytes: int | None = None) -> list[str]:
+    texts, total = [], 0
+    for f in cpp_files():
+        t = f.read_text(errors="replace")
+        texts.append(t)
+        total += len(t)
+        if limit_bytes and total >= limit_bytes:
+            break
+    return texts
+
+
+def train_tokenizer(vocab_size: int, limit_bytes: int | None = None):
+    """Byte-level BPE over the C++ corpus; the special tokens take the first ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=SPECIAL,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(cpp_text(limit_bytes), trainer=trainer)
+    return tok
+
+
+def hf_config(arch: str, s: Size, *, tie: bool, bos: int, eos: list[int]) -> dict:
+    cfg = {
+        "architectures": [ARCHS[arch]], "model_type": arch,
+        "hidden_size": s.hidden, "intermediate_size": s.ffn, "num_hidden_layers": s.layers,
+        "num_attention_heads": s.heads, "num_key_value_heads": s.kv_heads, "head_dim": s.hidden // s.heads,
+        "vocab_size": s.vocab, "max_position_embeddings": s.max_pos, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0, "hidden_act": "silu", "tie_word_embeddings": tie,
+        "bos_token_id": bos, "eos_token_id": eos, "torch_dtype": "float32", "initializer_range": 0.02,
+    }
+    if arch in ("llama", "qwen3"):
+        cfg["attention_bias"] = False
+    if arch == "llama":
+        cfg["mlp_bias"] = False
+    if arch in ("qwen2", "qwen3"):
+        cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=s.layers)
+    if arch == "mistral":
+        cfg["sliding_window"] = None
+    return cfg
+
+
+def random_weights(arch: str, s: Size, *, tie: bool, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+
+    def normal(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * 0.02
+
+    d = s.hidden // s.heads
+    w = {"model.embed_tokens.weight": normal(s.vocab, s.hidden), "model.norm.weight": torch.ones(s.hidden)}
+    for i in range(s.layers):
+        p = f"model.layers.{i}."
+        w[p + "self_attn.q_proj.weight"] = normal(s.heads * d, s.hidden)
+        w[p + "self_attn.k_proj.weight"] = normal(s.kv_heads * d, s.hidden)
+        w[p + "self_attn.v_proj.weight"] = normal(s.kv_heads * d, s.hidden)
+        w[p + "self_attn.o_proj.weight"] = normal(s.hidden, s.heads * d)
+        if arch == "qwen2":
+            w[p + "self_attn.q_proj.bias"] = normal(s.heads * d)
+            w[p + "self_attn.k_proj.bias"] = normal(s.kv_heads * d)
+            w[p + "self_attn.v_proj.bias"] = normal(s.kv_heads * d)
+        if arch == "qwen3":
+            w[p + "self_attn.q_norm.weight"] = torch.ones(d)
+            w[p + "self_attn.k_norm.weight"] = torch.ones(d)
+        w[p + "mlp.gate_proj.weight"] = normal(s.ffn, s.hidden)
+        w[p + "mlp.up_proj.weight"] = normal(s.ffn, s.hidden)
+        w[p + "mlp.down_proj.weight"] = normal(s.hidden, s.ffn)
+        w[p + "input_layernorm.weight"] = torch.ones(s.hidden)
+        w[p + "post_attention_layernorm.weight"] = torch.ones(s.hidden)
+    if not tie:
+        w["lm_head.weight"] = normal(s.vocab, s.hidden)
+    return w
+
+
+def write_tokenizer(out: Path, tok, max_pos: int) -> None:
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+        "unk_token": "<unk>", "pad_token": "</s>", "add_bos_token": False, "add_eos_token": False,
+        "model_max_length": max_pos, "clean_up_tokenization_spaces": False, "chat_template": CHAT_TEMPLATE,
+    }, indent=2))
+
+
+def write_demo_model(out_dir: str | Path, *, arch: str = "llama", hidden: int = 256, layers: int = 4,
+                     heads: int = 4, kv_heads: int = 2, ffn: int = 688, vocab: int = 4096,
+                     max_pos: int = 2048, seed: int = 0, tie: bool = False, train: bool = False,
+                     train_seconds: float = 300.0, tokenizer=None) -> Path:
+    """Writes config.json, generation_config.json, model.safetensors, tokenizer.json and
+    tokenizer_config.json (with a chat template) into out_dir and returns it."""
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {sorted(ARCHS)}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    s = Size(hidden, layers, heads, kv_heads, ffn, vocab, max_pos)
+    tok = tokenizer or train_tokenizer(vocab, limit_bytes=None if vocab > 8192 else 4_000_000)
+    if tok.get_vocab_size() > vocab:
+        raise ValueError(f"tokenizer has {tok.get_vocab_size()} tokens > vocab {vocab}")
+    bos, eos, end = tok.token_to_id("<s>"), tok.token_to_id("</s>"), tok.token_to_id("<|end|>")
+    cfg = hf_config(arch, s, tie=tie, bos=bos, eos=[eos, end])
+    weights = random_weights(arch, s, tie=tie, seed=seed)
+    if train:
+        weights = train_weights(cfg, weights, tok, seconds=train_seconds, seed=seed)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    (out / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": bos, "eos_token_id": [eos, end], "do_sample": False}, indent=2))
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    write_tokenizer(out, tok, max_pos)
+    return out
+
+
+def train_weights(cfg: dict, weights: dict[str, torch.Tensor], tok, *, seconds: float, seed: int,
+                  seq_len: int = 256, batch: int = 8, lr: float = 2e-3) -> dict[str, torch.Tensor]:
+    """Next-token training on the C++ corpus with transformers' reference model, for `seconds`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    hf_cfg = AutoConfig.for_model(**cfg)
+    model = AutoModelForCausalLM.from_config(hf_cfg)
+    model.load_state_dict(weights, strict=False)
+    if cfg["tie_word_embeddings"]:
+        model.tie_weights()
+    eos = tok.token_to_id("</s>")
+    ids: list[int] = []
+    for text in cpp_text(limit_bytes=6_000_000):
+        ids += tok.encode(text).ids + [eos]
+    data = torch.tensor(ids, dtype=torch.long)
+    n_windows = (len(data) - 1) // seq_len
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
+    g = torch.Generator().manual_seed(seed)
+    model.train()
+    start, step, loss_ema = time.monotonic(), 0, None
+    while time.monotonic() - start < seconds:
+        frac = (time.monotonic() - start) / seconds
+        for group in opt.param_groups:       # warm-up then cosine decay over the time budget
+            group["lr"] = lr * min(1.0, (step + 1) / 20) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        idx = torch.randint(0, n_windows, (batch,), generator=g) * seq_len
+        x = torch.stack([data[i:i + seq_len] for i in idx.tolist()])
+        loss = model(input_ids=x, labels=x, use_cache=False).loss     # transformers shifts the labels
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        loss_ema = loss.item() if loss_ema is None else 0.95 * loss_ema + 0.05 * loss.item()
+        step += 1
+        if step % 20 == 0:
+            print(f"train step {step} loss {loss_ema:.3f} ({time.monotonic() - start:.0f}s)", flush=True)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items() if "rotary_emb" not in k}
+    if cfg["tie_word_embeddings"]:
+        state.pop("lm_head.weight", None)
+    return state
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="consort demo-model", description=__doc__.splitlines()[0])
+    ap.add_argument("out")
+    ap.add_argument("--arch", choices=sorted(ARCHS), default="llama")
+    ap.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tie", action="store_true", help="tie the LM head to the embedding")
+    ap.add_argument("--train", action="store_true", help="fit the model on the C++ corpus (CPU, minutes)")
+    ap.add_argument("--train-seconds", type=float, default=300.0)
+    a = ap.parse_args(argv)
+    s = SIZES[a.size]
+    out = write_demo_model(a.out, arch=a.arch, hidden=s.hidden, layers=s.layers, heads=s.heads,
+                           kv_heads=s.kv_heads, ffn=s.ffn, vocab=s.vocab, max_pos=s.max_pos, seed=a.seed,
+                           tie=a.tie, train=a.train, train_seconds=a.train_seconds)
+    print(out)
+    return 0

@@ -1,0 +1,121 @@
+"""Sampler: logits [rows, vocab] -> one token per row, plus optional logprobs.
+
+Batched tensor ops throughout: all-greedy batches are one argmax; otherwise temperature, top-k,
+top-p and typical-p become per-row tensors and the draw is an exponential race (argmax p / E, E ~
+Exp(1)), which samples exactly from p. A seeded request draws its noise from a generator seeded with
+(seed, output index), so its tokens do not depend on what else is in the batch, nor on preemption.
+Logprobs are those of the model (log_softmax of the raw logits), as the OpenAI API reports them.
+"""
+from __future__ import annotations
+
+import torch
+
+from .sequence import SamplingParams, Sequence
+
+_SEED_MIX = 0x9E3779B97F4A7C15
+
+
+def _seed_for(seed: int, step: int) -> int:
+    return ((seed * _SEED_MIX) ^ (step + 1) * 0xBF58476D1CE4E5B9) & ((1 << 63) - 1)
+
+
+class Sampler:
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list | None]:
+        params = [s.sampling for s in seqs]
+        logits = logits.float()
+        if all(p.temperature == 0.0 for p in params):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._random(logits, seqs, params)
+        token_list = tokens.tolist()
+        if all(p.logprobs is None for p in params):
+            return token_list, None
+        return token_list, self._logprobs(logits, token_list, params)
+
+    # ------------------------------------------------------------------------------------------
+    def _random(self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams]) -> torch.Tensor:
+        dev = logits.device
+        greedy = [p.temperature == 0.0 for p in params]
+        first = params[0]
+        uniform = all((p.temperature, p.top_k, p.top_p, p.typical_p) ==
+                      (first.temperature, first.top_k, first.top_p, first.typical_p) for p in params)
+        if uniform:
+            x = logits / first.temperature
+            if first.top_k > 0:
+                x = self._top_k(x, torch.full((x.shape[0],), first.top_k, device=dev))
+            if first.top_p < 1.0:
+                x = self._top_p(x, torch.full((x.shape[0], 1), first.top_p, device=dev))
+            if first.typical_p < 1.0:
+                x = self._typical(x, torch.full((x.shape[0], 1), first.typical_p, device=dev))
+        else:
+            temp = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=dev)
+            x = logits / temp[:, None]
+            if any(p.top_k > 0 for p in params):
+                x = self._top_k(x, torch.tensor([p.top_k for p in params], device=dev))
+            if any(p.top_p < 1.0 for p in params):
+                x = self._top_p(x, torch.tensor([[p.top_p] for p in params], device=dev))
+            if any(p.typical_p < 1.0 for p in params):
+                x = self._typical(x, torch.tensor([[p.typical_p] for p in params], device=dev))
+        probs = torch.softmax(x, dim=-1)
+        noise = torch.empty_like(probs).exponential_()
+        for i, (s, p) in enumerate(zip(seqs, params)):
+            if p.seed is not None and not greedy[i]:
+                g = torch.Generator(device=dev)
+                g.manual_seed(_seed_for(p.seed, s.num_output_tokens))
+                noise[i].exponential_(generator=g)
+        tokens = (probs / noise.clamp_min_(1e-20)).argmax(dim=-1)
+        if any(greedy):
+            tokens = torch.where(torch.tensor(greedy, device=dev), logits.argmax(dim=-1), tokens)
+        return tokens
+
+    @staticmethod
+    def _top_k(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """Keep the k largest logits per row (k <= 0: keep all)."""
+        vocab = x.shape[-1]
+        k = k.clamp(max=vocab)
+        kmax = int(k.max())
+        if kmax <= 0:
+            return x
+        top = torch.topk(x, kmax, dim=-1).values
+        thresh = top.gather(1, (k.clamp(min=1) - 1).view(-1, 1))
+        thresh = torch.where((k > 0).view(-1, 1), thresh, torch.full_like(thresh, -float("inf")))
+        return x.masked_fill(x < thresh, -float("inf"))
+
+    @staticmethod
+    def _top_p(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        """Smallest set of most likely tokens whose mass reaches p (transformers' TopPLogitsWarper)."""
+        sorted_x, idx = torch.sort(x, dim=-1, descending=False)
+        cum = sorted_x.softmax(dim=-1).cumsum(dim=-1)
+        remove = cum <= (1 - p)
+        remove[:, -1] = False
+        return x.masked_fill(remove.scatter(1, idx, remove), -float("inf"))
+
+    @staticmethod
+    def _typical(x: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
+        """Locally typical sampling (transformers' TypicalLogitsWarper); rows with mass >= 1 untouched."""
+        logp = torch.log_softmax(x, dim=-1)
+        ent = -(logp * logp.exp()).nansum(-1, keepdim=True)
+        shifted = (-logp - ent).abs()
+        sorted_s, idx = torch.sort(shifted, descending=False)
+        cum = x.gather(-1, idx).softmax(dim=-1).cumsum(dim=-1)
+        last = (cum < mass).sum(dim=1).clamp_(max=x.shape[-1] - 1)
+        remove = sorted_s > sorted_s.gather(1, last.view(-1, 1))
+        remove[:, 0] = False
+        remove &= mass < 1.0
+        return x.masked_fill(remove.scatter(1, idx, remove), -float("inf"))
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, tokens: list[int], params: list[SamplingParams]) -> list:
+        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        sel = torch.tensor(rows, device=logits.device)
+        lp = torch.log_softmax(logits.index_select(0, sel), dim=-1)
+        chosen = lp.gather(1, torch.tensor([[tokens[i]] for i in rows], device=logits.device)).view(-1).tolist()
+        kmax = max(params[i].logprobs for i in rows)
+        top_v, top_i = (torch.topk(lp, min(kmax, lp.shape[-1]), dim=-1) if kmax > 0 else (lp[:, :0], lp[:, :0].long()))
+        top_v, top_i = top_v.tolist(), top_i.tolist()
+        out: list = [None] * len(params)
+        for j, i in enumerate(rows):
+            k = params[i].logprobs
+            out[i] = {"token_id": tokens[i], "logprob": chosen[j],
+                      "top": list(zip(top_i[j][:k], top_v[j][:k]))}
+        return out

@@ -1,0 +1,114 @@
+"""Fidelity helpers: tiny random checkpoints written by transformers itself, and its greedy reference.
+
+Import them as `from fidelity_helpers import ...` (tests/fidelity is on sys.path under pytest).
+
+- ``make_checkpoint(arch, tmp_path, **overrides) -> Path``: a transformers model (fixed seed) saved
+  with save_pretrained + the demo BPE tokenizer (512 tokens, trained once per session). arch in
+  llama (GQA, llama3 rope scaling), qwen2 (q/k/v bias, tied embeddings), qwen3 (q/k RMSNorm), mistral.
+- ``hf_greedy(model_dir, prompts, max_new_tokens, dtype=torch.float32) -> list[Reference]``:
+  transformers greedy decoding, one prompt at a time, with the top-5 logprobs of every step.
+- ``check_logprobs_close(ref, tokens, top)``: vLLM's check_logprobs_close semantics: tokens equal,
+  or at the first divergence each side's token is in the other's top-k; comparison stops there.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+VOCAB = 512
+_tokenizer = None
+
+
+def demo_tokenizer():
+    global _tokenizer
+    if _tokenizer is None:
+        from consort_engine.demo_model import train_tokenizer
+        _tokenizer = train_tokenizer(VOCAB, limit_bytes=300_000)
+    return _tokenizer
+
+
+def make_checkpoint(arch: str, tmp_path: Path, **overrides) -> Path:
+    import transformers
+    from consort_engine.demo_model import write_tokenizer
+
+    common = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=1024,
+                  rms_norm_eps=1e-6, initializer_range=0.08, bos_token_id=1, eos_token_id=2)
+    if arch == "llama":
+        common["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+        cls, cfg_cls = transformers.LlamaForCausalLM, transformers.LlamaConfig
+    elif arch == "qwen2":
+        common["tie_word_embeddings"] = True
+        cls, cfg_cls = transformers.Qwen2ForCausalLM, transformers.Qwen2Config
+    elif arch == "qwen3":
+        common["head_dim"] = 32
+        cls, cfg_cls = transformers.Qwen3ForCausalLM, transformers.Qwen3Config
+    elif arch == "mistral":
+        common["sliding_window"] = None
+        cls, cfg_cls = transformers.MistralForCausalLM, transformers.MistralConfig
+    else:
+        raise ValueError(arch)
+    common.update(overrides)
+    torch.manual_seed(1234)
+    model = cls(cfg_cls(**common)).eval()
+    with torch.no_grad():          # transformers zero-inits biases and ones-inits norms: make them matter
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0.0, 0.05)
+            elif "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+    out = tmp_path / f"{arch}-ckpt"
+    model.save_pretrained(out)
+    write_tokenizer(out, demo_tokenizer(), common["max_position_embeddings"])
+    return out
+
+
+@dataclass
+class Reference:
+    prompt: list[int]
+    tokens: list[int]                           # generated
+    top: list[list[tuple[int, float]]]          # per step: top-5 (token, logprob)
+    logits: list[torch.Tensor]                  # per step: raw float32 logits
+
+
+def hf_model(model_dir: Path, dtype: torch.dtype = torch.float32):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+
+
+@torch.no_grad()
+def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int | list[int],
+              dtype: torch.dtype = torch.float32, k: int = 5) -> list[Reference]:
+    model = hf_model(model_dir, dtype)
+    lens = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
+    refs = []
+    for prompt, n in zip(prompts, lens):
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+        logits = [l[0].float() for l in out.logits]
+        top = []
+        for l in logits:
+            v, i = torch.log_softmax(l, -1).topk(k)
+            top.append(list(zip(i.tolist(), v.tolist())))
+        refs.append(Reference(prompt, out.sequences[0, len(prompt):].tolist(), top, logits))
+    return refs
+
+
+def check_logprobs_close(ref: Reference, tokens: list[int], top: list[list[tuple[int, float]]] | None,
+                         name: str = "") -> int:
+    """Asserts vLLM-style closeness; returns how many leading tokens matched exactly."""
+    n = min(len(ref.tokens), len(tokens))
+    for i in range(n):
+        a, b = ref.tokens[i], tokens[i]
+        if a == b:
+            continue
+        ref_top = {t for t, _ in ref.top[i]}
+        assert b in ref_top, f"{name} step {i}: ours {b} not in transformers' top-5 {ref.top[i]}"
+        if top is not None:
+            our_top = {t for t, _ in top[i]}
+            assert a in our_top, f"{name} step {i}: transformers' {a} not in our top-5 {top[i]}"
+        return i
+    return n

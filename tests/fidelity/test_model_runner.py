@@ -1,0 +1,169 @@
+"""ModelRunner vs transformers on tiny random checkpoints, driven by hand (no scheduler).
+
+A small driver plays the block manager and scheduler: blocks come from a shuffled free list,
+prompts run in chunks mixed with other sequences' decode steps, one sequence reuses another's
+full prefix blocks (a prefix-cache hit), and every sampled row's logits are compared with
+transformers' logits for the same position.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from fidelity_helpers import check_logprobs_close, hf_greedy, hf_model
+
+from consort_engine.config import EngineConfig
+from consort_engine.model_runner import ModelRunner
+from consort_engine.sequence import ScheduledBatch, SamplingParams, Sequence
+
+BS = 4
+NEW = 6
+
+
+class Driver:
+    """Sequential block allocation from a shuffled pool; greedy tokens appended after each step."""
+
+    def __init__(self, runner: ModelRunner, seed: int = 0):
+        self.runner = runner
+        self.free = list(range(runner.num_blocks))
+        random.Random(seed).shuffle(self.free)
+
+    def ensure_blocks(self, seq: Sequence, upto: int) -> None:
+        while len(seq.block_table) * BS < upto:
+            seq.block_table.append(self.free.pop())
+
+    def step(self, work: list[tuple[Sequence, int]]) -> list[tuple[Sequence, torch.Tensor]]:
+        seqs = [s for s, _ in work]
+        new = [n for _, n in work]
+        sample = [s.num_computed_tokens + n == s.num_tokens for s, n in work]
+        for s, n in work:
+            self.ensure_blocks(s, s.num_computed_tokens + n)
+        before = [(list(s.token_ids), s.num_computed_tokens, list(s.block_table)) for s in seqs]
+        logits = self.runner.execute(ScheduledBatch(seqs, new, sample, mode="mixed"))
+        assert [(list(s.token_ids), s.num_computed_tokens, list(s.block_table)) for s in seqs] == before, \
+            "execute must not mutate the sequences"
+        assert logits.dtype == torch.float32 and logits.shape == (sum(sample), self.runner.vocab_size)
+        out, row = [], 0
+        for s, n, smp in zip(seqs, new, sample):
+            s.num_computed_tokens += n
+            if smp:
+                out.append((s, logits[row]))
+                s.token_ids.append(int(logits[row].argmax()))
+                row += 1
+        return out
+
+
+def run_mixed_schedule(runner: ModelRunner, prompts: list[list[int]], shared_prefix_of: dict[int, int]):
+    """Step 1-2: chunked prefills mixed with decodes; later steps: batched decode of everyone.
+
+    Returns per sequence the list of logits rows in generation order."""
+    d = Driver(runner)
+    seqs = [Sequence(prompt_token_ids=p, sampling=SamplingParams(temperature=0.0)) for p in prompts]
+    got: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(seqs))}
+    index = {id(s): i for i, s in enumerate(seqs)}
+
+    def record(results):
+        for s, row in results:
+            got[index[id(s)]].append(row)
+
+    # step 1: seq0 whole (short: batched group), seq3 first chunk of 20 (fresh SDPA), seq4 first 12
+    record(d.step([(seqs[0], len(prompts[0])), (seqs[3], 20), (seqs[4], 12)]))
+    # step 2: seq0 decode, seq1 whole, seq2 whole (fresh SDPA), seq3 rest (short chunk over a cached
+    # prefix: batched group), seq4 rest (long chunk over a cached prefix: SDPA with offset mask)
+    record(d.step([(seqs[0], 1), (seqs[1], len(prompts[1])), (seqs[2], len(prompts[2])),
+                   (seqs[3], len(prompts[3]) - 20), (seqs[4], len(prompts[4]) - 12)]))
+    # prefix-cache hit: seq5 starts on seq4's first full blocks, already computed
+    for child, parent in shared_prefix_of.items():
+        shared = (12 // BS) * BS
+        assert prompts[child][:shared] == prompts[parent][:shared]
+        seqs[child].block_table = list(seqs[parent].block_table[: shared // BS])
+        seqs[child].num_computed_tokens = shared
+        seqs[child].num_cached_tokens = shared
+    while True:
+        work = [(s, s.num_tokens - s.num_computed_tokens) for s in seqs if s.num_tokens - s.num_prompt_tokens < NEW]
+        if not work:
+            break
+        record(d.step(work))
+    return seqs, got
+
+
+def make_prompts(vocab: int) -> tuple[list[list[int]], dict[int, int]]:
+    g = torch.Generator().manual_seed(7)
+    lens = [3, 9, 30, 29, 45]
+    prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
+    prompts.append(prompts[4][:12] + torch.randint(3, vocab, (9,), generator=g).tolist())
+    return prompts, {5: 4}
+
+
+@pytest.mark.parametrize("backend", ["cpu_kernel", "torch"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+def test_fp32_logits_and_greedy_tokens_match_transformers(arch, backend, checkpoint, monkeypatch):
+    if backend == "torch":
+        monkeypatch.setenv("CONSORT_ATTENTION_BACKEND", "torch")
+    ckpt = checkpoint(arch)
+    runner = ModelRunner(EngineConfig(model=str(ckpt), block_size=BS, num_blocks=128, dtype="float32"))
+    assert runner.backend == backend
+    assert runner.dtype == torch.float32 and runner.block_size == BS and runner.num_blocks == 128
+    prompts, shared = make_prompts(runner.vocab_size)
+    seqs, got = run_mixed_schedule(runner, prompts, shared)
+    refs = hf_greedy(ckpt, prompts, NEW)
+    for i, (s, ref) in enumerate(zip(seqs, refs)):
+        assert s.output_token_ids == ref.tokens, f"seq {i}"
+        assert len(got[i]) == NEW
+        for step, (ours, theirs) in enumerate(zip(got[i], ref.logits)):
+            torch.testing.assert_close(ours, theirs, atol=2e-4, rtol=1e-4, msg=f"seq {i} step {step}")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_bf16_on_cpu_stays_within_top5_of_fp32_transformers(arch, checkpoint):
+    ckpt = checkpoint(arch)
+    runner = ModelRunner(EngineConfig(model=str(ckpt), block_size=BS, num_blocks=128, dtype="bfloat16"))
+    assert runner.dtype == torch.bfloat16 and runner.kv_cache.dtype == torch.bfloat16
+    prompts, shared = make_prompts(runner.vocab_size)
+    seqs, got = run_mixed_schedule(runner, prompts, shared)
+    refs = hf_greedy(ckpt, prompts, NEW)
+    exact = 0
+    for i, (s, ref) in enumerate(zip(seqs, refs)):
+        top = [list(zip(*[t.tolist() for t in torch.log_softmax(r, -1).topk(5)][::-1])) for r in got[i]]
+        exact += check_logprobs_close(ref, s.output_token_ids, top, name=f"seq {i}")
+        # logits track the fp32 reference closely (bf16 weights and activations)
+        assert torch.nn.functional.cosine_similarity(got[i][0], ref.logits[0], dim=0) > 0.99
+    assert exact >= len(seqs)      # on average at least one exact greedy token per sequence
+
+
+@pytest.mark.parametrize("scaling", [
+    {"rope_type": "linear", "factor": 4.0},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 32},
+])
+def test_rope_scaling_variants_match_transformers(scaling, checkpoint):
+    ckpt = checkpoint("llama", rope_scaling=scaling)
+    runner = ModelRunner(EngineConfig(model=str(ckpt), block_size=BS, num_blocks=64))
+    tokens = torch.randint(3, runner.vocab_size, (1, 150), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = hf_model(ckpt)(tokens).logits[0]
+    s = Sequence(prompt_token_ids=tokens[0].tolist())
+    s.block_table = list(range(40))
+    ours = runner.execute(ScheduledBatch([s], [150], [True], mode="prefill"))
+    torch.testing.assert_close(ours[0], ref[-1], atol=2e-4, rtol=1e-4)
+
+
+def test_pool_sizing_warmup_and_metadata(checkpoint):
+    ckpt = checkpoint("qwen2")
+    runner = ModelRunner(EngineConfig(model=str(ckpt), block_size=16, max_num_seqs=8))
+    # sized from free memory, capped at what max_num_seqs full-length sequences can use
+    assert 0 < runner.num_blocks <= 8 * (1024 // 16)
+    assert runner.max_model_len == 1024 and runner.vocab_size == 512
+    assert runner.hf_config.tie_word_embeddings and runner.hf_config.attention_bias
+    assert runner.eos_token_ids >= {2}
+    runner.warmup()
+    empty = runner.execute(ScheduledBatch([_prefilled([5, 6, 7, 8], [0])], [2], [False], mode="prefill"))
+    assert empty.shape == (0, runner.vocab_size)
+
+
+def _prefilled(tokens: list[int], table: list[int]) -> Sequence:
+    s = Sequence(prompt_token_ids=tokens)
+    s.block_table = table
+    return s
