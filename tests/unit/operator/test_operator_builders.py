@@ -1,0 +1,173 @@
+"""Pure builders: Specialist/EnsembleRouter spec -> the Kubernetes objects the operator applies."""
+from __future__ import annotations
+
+import pytest
+from consort_router.config import RouterConfig
+
+from consort_operator.api.router import EnsembleRouterSpec
+from consort_operator.api.specialist import SpecialistSpec
+from consort_operator.resources import router as R
+from consort_operator.resources import specialist as S
+from consort_operator.resources.common import ANNOTATION_HASH, BuildContext
+
+CTX = BuildContext(engine_image="engine:test", router_image="router:test", operator_namespace="consort-system")
+
+
+def spec(**kw) -> SpecialistSpec:
+    return SpecialistSpec.model_validate({"model": {"source": "pvc://models/algo"}, **kw})
+
+
+def by_kind(objs):
+    return {o["kind"]: o for o in objs}
+
+
+def test_engine_deployment_gpu_probes_security_and_owner():
+    s = spec(replicas=3, minReady=2, warmupTimeoutSeconds=305, resources={"gpus": 2, "memory": "40Gi", "cpu": 8},
+             nodeSelector={"gpu": "h100"})
+    d = S.engine_deployment("algo", "ns", "uid-1", s, CTX)
+    assert d["metadata"]["ownerReferences"] == [{"apiVersion": "consort.dev/v1alpha1", "kind": "Specialist",
+                                                  "name": "algo", "uid": "uid-1", "controller": True,
+                                                  "blockOwnerDeletion": True}]
+    assert d["spec"]["replicas"] == 3
+    assert d["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 1}
+    pod = d["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    assert c["command"] == ["consort", "engine"] and c["image"] == "engine:test"
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "2" and c["resources"]["requests"]["nvidia.com/gpu"] == "2"
+    assert c["resources"]["limits"]["memory"] == "40Gi" and "cpu" not in c["resources"]["limits"]
+    assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert c["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert c["startupProbe"]["httpGet"]["path"] == "/ready"
+    # 305 s of warmup at a 10 s period -> 31 attempts.
+    assert c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"] >= 305
+    assert c["startupProbe"]["failureThreshold"] == 31
+    assert pod["securityContext"]["runAsNonRoot"] is True and pod["automountServiceAccountToken"] is False
+    assert c["securityContext"]["allowPrivilegeEscalation"] is False
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    assert pod["nodeSelector"] == {"gpu": "h100"}
+    assert d["spec"]["selector"]["matchLabels"].items() <= d["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_engine_args_are_accepted_by_the_real_engine_cli():
+    from consort_engine.server import parse_args
+
+    s = spec(kv={"blockSize": 8, "numBlocks": 2048, "prefixCaching": False}, maxContext=4096,
+             speculative={"mode": "ngram", "numTokens": 4}, dtype="bfloat16",
+             adapters=[{"name": "v2", "source": "pvc://models/adapters/v2"}],
+             scheduler={"maxNumSeqs": 64, "maxNumBatchedTokens": 4096, "maxWaiting": 10})
+    d = S.engine_deployment("template", "ns", "u", s, CTX)
+    args = parse_args(d["spec"]["template"]["spec"]["containers"][0]["args"])
+    assert (args.block_size, args.num_blocks, args.no_prefix_caching) == (8, 2048, True)
+    assert (args.speculative, args.num_speculative_tokens) == ("ngram", 4)
+    assert args.max_model_len == 4096 and args.dtype == "bfloat16" and args.device == "cuda"
+    assert args.name == "template" and args.port == 8000 and args.host == "0.0.0.0"
+    assert args.adapter == ["v2=/models/pvc/models/adapters/v2"]
+    assert (args.max_num_seqs, args.max_num_batched_tokens, args.max_waiting) == (64, 4096, 10)
+    assert args.model == "/models/pvc/models/algo"
+
+
+def test_sources_pvc_hf_and_tokenizer_assembly():
+    s = spec(model={"source": "hf://Qwen/Qwen2.5-Coder-1.5B@main", "tokenizer": "pvc://tok/qwen"}, resources={"gpus": 0})
+    d = S.engine_deployment("x", "ns", "u", s, CTX)
+    pod = d["spec"]["template"]["spec"]
+    inits = {c["name"]: c for c in pod["initContainers"]}
+    assert "snapshot_download(repo_id='Qwen/Qwen2.5-Coder-1.5B', revision='main'" in inits["fetch"]["command"][2]
+    assert "assemble" in inits
+    args = pod["containers"][0]["args"]
+    assert args[args.index("--model") + 1] == "/models/assembled"
+    assert args[args.index("--device") + 1] == "cpu"
+    assert "nvidia.com/gpu" not in pod["containers"][0]["resources"]["limits"]
+    vols = {v["name"]: v for v in pod["volumes"]}
+    assert vols["pvc-tok"]["persistentVolumeClaim"] == {"claimName": "tok", "readOnly": True}
+
+
+def test_service_pdb_networkpolicy():
+    s = spec(replicas=4, minReady=3, port=9000)
+    objs = by_kind(S.specialist_children("algo", "ns", "u", s, CTX))
+    assert set(objs) == {"Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy"}
+    assert objs["Service"]["spec"]["ports"][0]["port"] == 9000
+    assert objs["PodDisruptionBudget"]["spec"]["minAvailable"] == 3
+    np = objs["NetworkPolicy"]["spec"]
+    peers = np["ingress"][0]["from"]
+    assert {"podSelector": {"matchLabels": {"app.kubernetes.io/component": "router", "app.kubernetes.io/part-of": "consort"}}} in peers
+    assert any(p.get("namespaceSelector", {}).get("matchLabels") == {"kubernetes.io/metadata.name": "consort-system"} for p in peers)
+    assert np["ingress"][0]["ports"] == [{"protocol": "TCP", "port": 9000}]
+    no_np = by_kind(S.specialist_children("algo", "ns", "u", s, BuildContext(network_policy=False)))
+    assert "NetworkPolicy" not in no_np
+
+
+def test_content_hash_is_stable_and_tracks_changes():
+    a = S.engine_deployment("algo", "ns", "u", spec(), CTX)
+    b = S.engine_deployment("algo", "ns", "u", spec(), CTX)
+    c = S.engine_deployment("algo", "ns", "u", spec(replicas=2), CTX)
+    h = lambda o: o["metadata"]["annotations"][ANNOTATION_HASH]  # noqa: E731
+    assert h(a) == h(b) != h(c)
+
+
+def test_rolled_back_adapters_are_not_loaded():
+    s = spec(adapters=[{"name": "v1", "source": "pvc://m/v1"}, {"name": "v2", "source": "pvc://m/v2"}])
+    d = S.engine_deployment("algo", "ns", "u", s, CTX, exclude_adapters=frozenset({"v2"}))
+    args = d["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "v1=/models/pvc/m/v1" in args and not any(a.startswith("v2=") for a in args)
+
+
+def lanes():
+    return [
+        R.Lane("algo", "ns", spec(intents=["codegen"], fallback="stl")),
+        R.Lane("stl", "ns", spec(intents=["ranges"], slo={"correctnessFloor": 0.6})),
+        R.Lane("debug", "ns", spec(intents=["debug"], fallback="not-in-ensemble")),
+    ]
+
+
+def test_router_config_is_a_valid_routerconfig():
+    er = EnsembleRouterSpec.model_validate({
+        "rules": [{"intent": "review", "specialist": "algo"}],
+        "detectors": [{"name": "gdb", "specialist": "debug", "builtin": "gdb_transcript"}],
+        "shadow": {"thresholds": {"review": 0.9}},
+        "auth": {"apiKeysSecretRef": {"name": "keys", "key": "api-keys"}},
+        "breaker": {"tripAfterSeconds": 30},
+    })
+    cfg = R.router_config("cpp", er, lanes())
+    again = RouterConfig.model_validate_json(cfg.model_dump_json())
+    assert again == cfg
+    algo = cfg.specialist("algo")
+    assert algo.service.service == "algo" and algo.service.port == 8000 and algo.service.namespace == "ns"
+    assert algo.fallback == "stl"
+    assert cfg.specialist("debug").fallback is None   # not in the ensemble: the router could not use it
+    assert cfg.intent_table() == {"codegen": "algo", "ranges": "stl", "debug": "debug", "review": "algo"}
+    assert cfg.breaker.floor == 0.6 and cfg.breaker.trip_after_s == 30
+    assert cfg.auth.api_keys_file == "/etc/consort/auth/api-keys"
+    assert [s.name for s in cfg.specialists] == ["algo", "debug", "stl"]
+
+
+def test_router_config_rejects_conflicts_and_empty_ensembles():
+    er = EnsembleRouterSpec.model_validate({"rules": [{"intent": "codegen", "specialist": "stl"}]})
+    with pytest.raises(ValueError):
+        R.router_config("cpp", er, lanes())
+    with pytest.raises(ValueError):
+        R.router_config("cpp", EnsembleRouterSpec(), [])
+
+
+def test_router_children_rbac_is_least_privilege():
+    er = EnsembleRouterSpec.model_validate({"replicas": 3, "auth": {"apiKeysSecretRef": {"name": "keys", "key": "k"}},
+                                            "service": {"type": "LoadBalancer", "port": 443}})
+    cfg = R.router_config("cpp", er, lanes())
+    objs = by_kind(R.router_children("cpp", "ns", "u", er, cfg, CTX))
+    assert set(objs) == {"ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Service", "Deployment"}
+    rules = objs["Role"]["rules"]
+    assert rules[0] == {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]}
+    verbs = {v for r in rules for v in r["verbs"]}
+    assert verbs <= {"get", "list", "watch", "patch"}
+    assert all(r.get("resourceNames") == ["cpp"] for r in rules[1:])
+    assert RouterConfig.model_validate(__import__("yaml").safe_load(objs["ConfigMap"]["data"]["router.yaml"])) == cfg
+    dep = objs["Deployment"]
+    pod = dep["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "cpp-router" and dep["spec"]["replicas"] == 3
+    c = pod["containers"][0]
+    assert c["args"][:2] == ["--config", "/etc/consort/router/router.yaml"]
+    mounts = {m["name"]: m for m in c["volumeMounts"]}
+    assert "subPath" not in mounts["config"]    # hot reload needs the directory mount
+    assert mounts["api-keys"]["mountPath"] == "/etc/consort/auth"
+    assert objs["Service"]["metadata"]["name"] == "cpp" and objs["Service"]["spec"]["type"] == "LoadBalancer"
+    for o in objs.values():
+        assert o["metadata"]["ownerReferences"][0]["kind"] == "EnsembleRouter"
