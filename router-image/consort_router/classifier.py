@@ -78,7 +78,7 @@ def softmax(labels: tuple[str, ...], logits: list[float]) -> dict[str, float]:
 
 
 def train_naive_bayes(
-    examples: list[LabeledExample], dim: int = 1 << 18, alpha: float = 0.1, evidence_cap: float = 8.0
+    examples: list[LabeledExample], dim: int = 1 << 18, alpha: float = 0.1, evidence_cap: float = 4.0
 ) -> NaiveBayes:
     if not examples:
         raise ValueError("the classifier needs at least one labeled example")

@@ -135,7 +135,7 @@ class ClassifierConfig(_Strict):
     hash_dim: int = Field(1 << 18, ge=1024, description="Hashed feature space size.")
     alpha: float = Field(0.1, gt=0, description="Additive (Laplace) smoothing of the naive Bayes counts.")
     evidence_cap: float = Field(
-        8.0,
+        4.0,
         gt=0,
         description="Summed feature log-likelihoods are scaled to at most this many features' worth of "
         "evidence, which tempers naive-Bayes overconfidence so top-1 probabilities can drive shadow thresholds.",

@@ -1,0 +1,85 @@
+"""Auth (keys file, constant-time compare, fail closed) and request parsing (typed 4xx)."""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from consort_router.api import ApiError, parse_json, parse_request, upstream_body
+from consort_router.auth import KeyRing, bearer, check, parse_keys
+
+
+def test_keys_file_and_bearer(tmp_path):
+    p = tmp_path / "keys"
+    p.write_text("# comment\nsk-one\n\n  sk-two  \n")
+    ring = KeyRing(str(p))
+    ring.refresh()
+    assert ring.enabled and len(ring.digests) == 2
+    assert ring.allows("Bearer sk-one") and ring.allows("bearer sk-two")
+    assert not ring.allows("Bearer sk-three")
+    assert not ring.allows("sk-one") and not ring.allows(None) and not ring.allows("Bearer ")
+    assert not ring.allows("Basic sk-one")
+    # the ring keeps only digests
+    assert b"sk-one" not in repr(ring).encode()
+
+
+def test_keys_reload_on_change_and_fail_closed(tmp_path):
+    p = tmp_path / "keys"
+    p.write_text("old\n")
+    ring = KeyRing(str(p))
+    ring.refresh()
+    assert ring.allows("Bearer old")
+    time.sleep(0.01)
+    p.write_text("new\n")
+    os.utime(p, ns=(time.time_ns(), time.time_ns() + 10**9))
+    ring.refresh()
+    assert ring.allows("Bearer new") and not ring.allows("Bearer old")
+    p.unlink()
+    ring.refresh()
+    assert not ring.allows("Bearer new")  # missing file: nobody gets in
+
+
+def test_check_compares_against_every_key():
+    d = parse_keys("a\nb\nc\n")
+    assert check(d, "c") and not check(d, "d") and not check((), "a") and not check(d, None)
+    assert bearer("Bearer  x ") == "x"
+
+
+def test_parse_request_typed_errors():
+    with pytest.raises(ApiError) as e:
+        parse_json(b"{not json")
+    assert (e.value.status, e.value.code) == (400, "invalid_json")
+    with pytest.raises(ApiError):
+        parse_json(b"[1,2]")
+    for body, code in [({"model": 3, "prompt": "x"}, "invalid_type"), ({"prompt": "x", "priority": "hi"}, "invalid_type"),
+                       ({"prompt": "x", "priority": True}, "invalid_type"), ({"prompt": "x", "stream": "yes"}, "invalid_type"),
+                       ({"model": "m"}, "missing_field"), ({"prompt": {"a": 1}}, "invalid_type")]:
+        with pytest.raises(ApiError) as e:
+            parse_request(body, "completion", None)
+        assert e.value.status == 400 and e.value.code == code, body
+    with pytest.raises(ApiError):
+        parse_request({"messages": []}, "chat", None)
+    with pytest.raises(ApiError):
+        parse_request({"messages": ["x"]}, "chat", None)
+
+
+def test_parse_request_text_and_intent():
+    r = parse_request({"model": "cpp", "messages": [{"role": "system", "content": "sys"},
+                                                    {"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+                       "intent": "debug", "priority": 5}, "chat", None)
+    assert (r.text, r.intent, r.priority, r.stream) == ("sys\nhi", "debug", 5, False)
+    r = parse_request({"prompt": "x", "intent": "debug"}, "completion", "build-fix")
+    assert r.intent == "build-fix"  # the header wins
+    assert parse_request({"prompt": [1, 2, 3]}, "completion", None).text == ""
+    assert upstream_body({"model": "cpp", "intent": "x", "prompt": "p"}, "Algo", "lora1") == {
+        "model": "Algo", "prompt": "p", "adapter": "lora1"}
+    assert upstream_body({"model": "cpp", "adapter": "mine", "prompt": "p"}, "Algo", "lora1")["adapter"] == "mine"
+
+
+def test_error_body_and_headers():
+    e = ApiError(429, "priority_floor", "m", retry_after_ms=1500)
+    assert e.body() == {"error": {"type": "admission_rejected", "code": "priority_floor", "message": "m",
+                                  "retry_after_ms": 1500}}
+    assert e.headers() == {"Retry-After": "2"}
+    assert ApiError(401, "invalid_api_key", "m").headers() == {"WWW-Authenticate": "Bearer"}
