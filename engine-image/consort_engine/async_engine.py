@@ -214,7 +214,8 @@ class AsyncEngine:
         if self.warmup:
             self.state = "warming"
             t1 = time.monotonic()
-            self.engine.runner.warmup()
+            warm = getattr(self.engine, "warmup", None) or self.engine.runner.warmup
+            warm()   # LLMEngine.warmup runs the runner's prefill + decode shapes and opens admission
             self.warmup_s = time.monotonic() - t1
             log.info("warmup done in %.2f s", self.warmup_s)
         self._refresh()

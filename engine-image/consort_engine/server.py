@@ -154,6 +154,10 @@ def _token_logprobs(ids: list[int], raw: Any) -> list[P.TokenLogprob]:
         if isinstance(entry, P.TokenLogprob):
             out.append(entry)
             continue
+        if isinstance(entry, dict) and "logprob" in entry:   # the Sampler's {"token_id", "logprob", "top"}
+            out.append(P.TokenLogprob(int(entry.get("token_id", tid)), float(entry["logprob"]),
+                                      [(int(t), float(v)) for t, v in entry.get("top", [])]))
+            continue
         if isinstance(entry, dict):            # {token_id: logprob} incl. the chosen token
             chosen = float(entry.get(tid, float("-inf")))
             top = sorted(((int(k), float(v)) for k, v in entry.items()), key=lambda kv: -kv[1])
@@ -284,6 +288,8 @@ async def admit(ctx: ServerContext, seq: Sequence):
         raise P.ApiError(503, "engine_failed", str(e), type="server_error")
     except Exception as e:
         if type(e).__name__ == "AdmissionRejected":
+            if getattr(e, "permanent", False):   # can never fit this engine: retrying cannot help
+                raise P.bad("kv_capacity", getattr(e, "message", "") or str(e), "prompt")
             raise P.admission_error(getattr(e, "code", "queue_full"), getattr(e, "retry_after_ms", 1000),
                                     getattr(e, "message", "") or str(e))
         if isinstance(e, ValueError):   # the engine refused the request itself (e.g. exceeds the pool)
@@ -498,7 +504,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH")
     p.add_argument("--max-adapters", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-warmup", action="store_true", help="skip warmup (tests of the warming state)")
     p.add_argument("--access-log", action="store_true")
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
@@ -541,7 +546,7 @@ async def serve(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     print(f"consort engine: specialist {config.name!r}, model {config.model}, device {config.device}, "
           f"dtype {config.dtype}", flush=True)
-    ctx = build_context(config, args.served_model_name, warmup=not args.no_warmup)
+    ctx = build_context(config, args.served_model_name)
     app = build_app(ctx)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=log if args.access_log else None)
     await runner.setup()

@@ -1,0 +1,27 @@
+"""`consort bench offline|serve`: benchmark scripts with a report (not timed tests).
+
+offline: our engine vs transformers `generate` on the same checkpoint and workload (bench_offline.py).
+serve:   TTFT / ITL percentiles and throughput of any OpenAI-compatible endpoint (bench_serve.py).
+Heavy imports stay inside the subcommands.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(prog="consort bench", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    from . import bench_offline, bench_serve
+    bench_offline.add_args(sub.add_parser("offline", help="engine vs transformers generate, one run"))
+    bench_serve.add_args(sub.add_parser("serve", help="streaming latency against an OpenAI endpoint"))
+    args = p.parse_args(argv)
+    if args.cmd == "offline":
+        return bench_offline.run(args)
+    return bench_serve.main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

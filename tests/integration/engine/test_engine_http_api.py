@@ -1,0 +1,208 @@
+"""The engine's OpenAI surface, driven by the real `openai` client against a real `consort engine`."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+import procs
+
+GREEDY_IGNORE_EOS = {"ignore_eos": True}
+
+
+def extra(obj, key):
+    return (obj.model_extra or {}).get(key)
+
+
+def wait_idle(engine, timeout: float = 15.0) -> dict:
+    """The engine back to no running/waiting sequences and every KV block free."""
+    def idle():
+        s = engine.status()
+        return s if (s["running"], s["waiting"], s["kv_free_blocks"]) == (0, 0, s["kv_total_blocks"]) else None
+    return procs.wait_until(idle, timeout, what="engine idle with all KV blocks free")
+
+
+def test_models_and_status(engine, demo_model):
+    code, models = procs.http_get(engine.url + "/v1/models")
+    assert code == 200 and models["data"][0]["id"] == "spec" and models["data"][0]["max_model_len"] == 512
+    s = engine.status()
+    assert s["warm"] is True and s["specialist"] == "spec" and s["speculation"]["state"] == "off"
+    assert s["kv_total_blocks"] == 256 and s["kv_free_blocks"] == 256 and s["adapters"] == {}
+    assert procs.http_get(engine.url + "/health")[0] == 200
+    assert procs.http_get(engine.url + "/ready")[0] == 200
+
+
+def test_completion_non_stream_usage_headers(client, engine):
+    raw = client.completions.with_raw_response.create(
+        model="spec", prompt="template <typename T>", max_tokens=12, temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True}, extra_headers={"x-request-id": "req-42"})
+    assert raw.headers["x-request-id"] == "req-42"
+    assert raw.headers["x-consort-specialist"] == "spec"
+    assert raw.headers["x-consort-adapter"] == "none"
+    assert raw.headers["x-consort-speculation"] == "off"
+    r = raw.parse()
+    ch = r.choices[0]
+    assert r.object == "text_completion" and r.model == "spec" and r.id == "cmpl-req-42"
+    assert ch.finish_reason == "length" and isinstance(ch.text, str)
+    assert r.usage.completion_tokens == 12 and r.usage.prompt_tokens == len(extra(r, "prompt_token_ids"))
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 12
+    assert len(extra(ch, "token_ids")) == 12
+
+
+def test_token_id_prompt_and_checkpoint_name_alias(client, demo_model):
+    r = client.completions.create(model=demo_model.name, prompt=[5, 6, 7, 8], max_tokens=3, temperature=0,
+                                  extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert extra(r, "prompt_token_ids") == [5, 6, 7, 8] and r.usage.prompt_tokens == 4
+    assert len(extra(r.choices[0], "token_ids")) == 3
+
+
+def test_stream_matches_non_stream_and_reports_usage(client):
+    kw = dict(model="spec", prompt="int main() {", max_tokens=20, temperature=0, extra_body=GREEDY_IGNORE_EOS)
+    full = client.completions.create(**kw)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_chat_non_stream_and_stream(client):
+    msgs = [{"role": "system", "content": "You write C++."}, {"role": "user", "content": "A lambda, please."}]
+    r = client.chat.completions.create(model="spec", messages=msgs, max_tokens=10, temperature=0,
+                                       extra_body=GREEDY_IGNORE_EOS)
+    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+    assert r.usage.completion_tokens == 10 and r.choices[0].finish_reason == "length"
+    stream = list(client.chat.completions.create(model="spec", messages=msgs, max_tokens=10, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body=GREEDY_IGNORE_EOS))
+    assert stream[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == r.choices[0].message.content
+    assert stream[-1].usage.completion_tokens == 10 and stream[-1].usage.prompt_tokens == r.usage.prompt_tokens
+
+
+def test_chat_template_is_applied(client, demo_model):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(demo_model)
+    msgs = [{"role": "user", "content": "std::vector<int> v;"}]
+    want = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    want = want["input_ids"] if isinstance(want, dict) or hasattr(want, "keys") else want
+    r = client.chat.completions.create(model="spec", messages=msgs, max_tokens=1, temperature=0,
+                                       extra_body={"return_token_ids": True})
+    assert r.usage.prompt_tokens == len(want)
+    assert extra(r, "prompt_token_ids") == list(want)
+
+
+def test_completion_logprobs(client):
+    r = client.completions.create(model="spec", prompt="namespace std {", max_tokens=6, temperature=0, logprobs=3,
+                                  extra_body=GREEDY_IGNORE_EOS)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert 1 <= len(top) <= 3 and all(v <= 0 for v in top.values())
+        assert chosen == pytest.approx(max(top.values()), abs=1e-4)   # greedy picks the top token
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+
+
+def test_chat_logprobs(client):
+    r = client.chat.completions.create(model="spec", messages=[{"role": "user", "content": "x"}], max_tokens=4,
+                                       temperature=0, logprobs=True, top_logprobs=2, extra_body=GREEDY_IGNORE_EOS)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 4
+    for item in content:
+        assert item.logprob <= 0 and len(item.top_logprobs) == 2
+        assert item.top_logprobs[0].logprob >= item.top_logprobs[1].logprob
+
+
+def seeded(client, seed: int, **kw):
+    return client.completions.create(model="spec", prompt="class Foo {", max_tokens=kw.pop("max_tokens", 16),
+                                     temperature=1.0, seed=seed,
+                                     extra_body={"ignore_eos": True, "return_token_ids": True}, **kw)
+
+
+def test_seed_reproducibility(client):
+    a, b, c = seeded(client, 123), seeded(client, 123), seeded(client, 124)
+    ids = lambda r: extra(r.choices[0], "token_ids")  # noqa: E731
+    assert ids(a) == ids(b) and a.choices[0].text == b.choices[0].text
+    assert ids(a) != ids(c)
+
+
+def pick_stop(text: str) -> tuple[str, str]:
+    """A 2-3 character stop string from the middle of `text` and the text expected before it."""
+    for i in range(max(1, len(text) // 3), len(text) - 3):
+        s = text[i:i + 3]
+        if s.strip() and text.find(s) == i:
+            return s, text[:i]
+    raise AssertionError(f"no usable stop string in {text!r}")
+
+
+def test_stop_string_truncates_and_aborts(client, engine):
+    base = seeded(client, 7, max_tokens=40).choices[0].text
+    stop, expect = pick_stop(base)
+    r = seeded(client, 7, max_tokens=40, stop=[stop, "never-appears-xyz"])
+    assert r.choices[0].text == expect and r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens < 40
+    stream = list(client.completions.create(model="spec", prompt="class Foo {", max_tokens=40, temperature=1.0,
+                                            seed=7, stop=stop, stream=True, extra_body=GREEDY_IGNORE_EOS))
+    pieces = [c.choices[0].text for c in stream if c.choices]
+    assert "".join(pieces) == expect and stream[-1].choices[0].finish_reason == "stop"
+    wait_idle(engine)
+
+
+def test_priority_and_deadline_are_accepted(client):
+    r = client.completions.create(model="spec", prompt="auto x = 1;", max_tokens=2, temperature=0,
+                                  extra_body={"priority": 5, "deadline_ms": 60000})
+    assert r.choices[0].finish_reason in ("length", "stop")
+
+
+def test_metrics_have_vllm_names(engine, client):
+    client.completions.create(model="spec", prompt="x", max_tokens=3, temperature=0, extra_body=GREEDY_IGNORE_EOS)
+    r = httpx.get(engine.url + "/metrics", timeout=10)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    text = r.text
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
+                 "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
+                 "vllm:e2e_request_latency_seconds_count", "vllm:prompt_tokens_total",
+                 "vllm:generation_tokens_total", "consort_admission_to_first_token_seconds_bucket",
+                 "consort_requests_preempted_once_total", "consort_admission_rejected_total"):
+        assert name in text, name
+    gen = [ln for ln in text.splitlines() if ln.startswith("vllm:generation_tokens_total{")]
+    assert gen and 'specialist="spec"' in gen[0] and 'adapter="none"' in gen[0] and 'model_name="spec"' in gen[0]
+    assert float(gen[0].rsplit(" ", 1)[1]) >= 3
+    ttft_count = [ln for ln in text.splitlines() if ln.startswith("vllm:time_to_first_token_seconds_count")]
+    assert float(ttft_count[0].rsplit(" ", 1)[1]) >= 1
+
+
+def test_prefix_cache_hits_show_in_status_and_usage(client, engine):
+    prompt = list(range(10, 10 + 100))     # 6 full blocks of 16
+    client.completions.create(model="spec", prompt=prompt, max_tokens=1, temperature=0)
+    before = engine.status()["prefix_cache_hits"]
+    r = client.completions.create(model="spec", prompt=prompt + [7, 7], max_tokens=1, temperature=0)
+    assert r.usage.prompt_tokens_details.cached_tokens >= 96
+    assert engine.status()["prefix_cache_hits"] > before
+
+
+def test_adapter_endpoints_are_typed_501(engine):
+    r = httpx.post(engine.url + "/v1/adapters", json={"name": "a", "path": "/nope"}, timeout=10)
+    assert r.status_code == 501 and r.json()["error"]["code"] == "not_implemented"
+    assert "LoRA" in r.json()["error"]["message"]
+    r = httpx.delete(engine.url + "/v1/adapters/a", timeout=10)
+    assert r.status_code == 501 and r.json()["error"]["code"] == "not_implemented"
+
+
+def test_sse_wire_format(engine):
+    """The raw SSE bytes: `data: {json}` events, blank-line separated, ending with `data: [DONE]`."""
+    body = {"model": "spec", "prompt": "x", "max_tokens": 4, "temperature": 0, "stream": True, "ignore_eos": True,
+            "return_token_ids": True}
+    with httpx.stream("POST", engine.url + "/v1/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read().decode()
+    events = [e for e in raw.split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    assert all(c["object"] == "text_completion" for c in chunks)
+    assert sum(len(c["choices"][0]["token_ids"]) for c in chunks) == 4
+    assert "prompt_token_ids" in chunks[0]
