@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from .base import (DURATION, Condition, DnsLabel, Model, Quantity, Toleration, cel,
                    duration_seconds)
@@ -13,7 +13,7 @@ PLURAL = "specialists"
 SINGULAR = "specialist"
 SHORT_NAMES = ["spec", "sp"]
 
-MODEL_SOURCE = r"^(pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[^/].*)?|file:///.+|hf://[A-Za-z0-9][-._A-Za-z0-9]*/[-._A-Za-z0-9]+(@[-._A-Za-z0-9]+)?)$"
+MODEL_SOURCE = r"^(demo://(tiny|bench)(\?seed=[0-9]{1,9})?|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[^/].*)?|file:///.+|hf://[A-Za-z0-9][-._A-Za-z0-9]*/[-._A-Za-z0-9]+(@[-._A-Za-z0-9]+)?)$"
 
 
 class ModelSource(Model):
@@ -21,8 +21,9 @@ class ModelSource(Model):
         description=(
             "Where the checkpoint (config.json, *.safetensors) lives: `pvc://CLAIM/PATH` (a "
             "PersistentVolumeClaim in the namespace, mounted read-only), `file:///PATH` (a path already "
-            "present in the engine image or on the node), or `hf://ORG/NAME[@REVISION]` (downloaded into "
-            "an emptyDir by an init container on first start)."),
+            "present in the engine image or on the node), `hf://ORG/NAME[@REVISION]` (downloaded into "
+            "an emptyDir by an init container on first start), or `demo://tiny[?seed=N]` / `demo://bench` (a small "
+            "random-weight Llama checkpoint written by `consort demo-model`: demos and tests, CPU is enough)."),
         pattern=MODEL_SOURCE, max_length=512)
     tokenizer: str | None = Field(
         default=None, pattern=MODEL_SOURCE, max_length=512,
@@ -50,6 +51,12 @@ class KVCache(Model):
                                           description="Share of accelerator memory left after the weights that the KV pool takes (sized once at start; the pool never grows). Default: the engine's own (0.5 on CPU, 0.9 on GPU).")
     num_blocks: int | None = Field(default=None, ge=1, le=10_000_000, description="Exact KV pool size in blocks (overrides memoryFraction sizing).")
     prefix_caching: bool = Field(default=True, description="Reuse KV blocks across requests sharing a prefix (key: specialist, adapter, token-prefix hash).")
+
+    @model_validator(mode="after")
+    def _one_sizing(self) -> "KVCache":   # mirrors the CEL rule above
+        if self.memory_fraction is not None and self.num_blocks is not None:
+            raise ValueError("set at most one of kv.memoryFraction and kv.numBlocks")
+        return self
 
 
 class SchedulerKnobs(Model):
@@ -119,6 +126,12 @@ class SpecialistSpec(Model):
                                            description="Request intents this specialist serves as primary (e.g. codegen, debug, build-fix, review).")
     fallback: DnsLabel | None = Field(default=None, description="Specialist that takes primary traffic for these intents while this one's breaker is open; must not be this Specialist.")
     port: int = Field(default=8000, ge=1024, le=65535, description="Engine HTTP port inside the pod.")
+
+    @model_validator(mode="after")
+    def _min_ready(self) -> "SpecialistSpec":   # mirrors the CEL rule above
+        if self.min_ready > self.replicas:
+            raise ValueError("minReady must not exceed replicas")
+        return self
 
     def adapter_names(self) -> list[str]:
         return [a.name for a in self.adapters or []]

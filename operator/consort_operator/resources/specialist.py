@@ -40,6 +40,7 @@ class Sources:
     volumes: dict[str, dict[str, Any]] = field(default_factory=dict)
     mounts: dict[str, dict[str, Any]] = field(default_factory=dict)
     downloads: list[tuple[str, str | None, str]] = field(default_factory=list)  # (repo, revision, dir)
+    demos: list[tuple[str, int, str]] = field(default_factory=list)             # (size, seed, dir)
 
     def resolve(self, url: str) -> str:
         if url.startswith("file://"):
@@ -59,7 +60,23 @@ class Sources:
             self.volumes["hf-cache"] = {"name": "hf-cache", "emptyDir": {}}
             self.mounts["hf-cache"] = {"name": "hf-cache", "mountPath": f"{MODELS_ROOT}/hf"}
             return target
+        if url.startswith("demo://"):
+            size, seed = parse_demo(url)
+            target = f"{MODELS_ROOT}/demo/{size}-{seed}"
+            if (size, seed, target) not in self.demos:
+                self.demos.append((size, seed, target))
+            self.volumes["demo"] = {"name": "demo", "emptyDir": {}}
+            self.mounts["demo"] = {"name": "demo", "mountPath": f"{MODELS_ROOT}/demo"}
+            return target
         raise ValueError(f"unsupported source {url!r}")
+
+
+def parse_demo(url: str) -> tuple[str, int]:
+    """demo://tiny?seed=3 -> ("tiny", 3)."""
+    rest = url[len("demo://"):]
+    size, _, query = rest.partition("?")
+    seed = int(query.split("=", 1)[1]) if query.startswith("seed=") else 0
+    return size, seed
 
 
 def _volume_name(prefix: str, name: str) -> str:
@@ -76,10 +93,11 @@ def _download_script(downloads: list[tuple[str, str | None, str]]) -> str:
 
 # ---- engine command line -----------------------------------------------------------------------
 
-def engine_args(name: str, spec: SpecialistSpec, model_dir: str, adapters: dict[str, str]) -> list[str]:
+def engine_args(name: str, spec: SpecialistSpec, model_dir: str, adapters: dict[str, str],
+                host: str = "0.0.0.0", port: int | None = None, device: str | None = None) -> list[str]:
     """Flags of `consort engine` for this spec (consort_engine.server.parse_args)."""
-    device = "cuda" if spec.resources.gpus > 0 else "cpu"
-    args = ["--model", model_dir, "--host", "0.0.0.0", "--port", str(spec.port), "--name", name,
+    device = device or ("cuda" if spec.resources.gpus > 0 else "cpu")
+    args = ["--model", model_dir, "--host", host, "--port", str(port or spec.port), "--name", name,
             "--device", device, "--dtype", spec.dtype, "--block-size", str(spec.kv.block_size)]
     if spec.max_context is not None:
         args += ["--max-model-len", str(spec.max_context)]
@@ -144,6 +162,15 @@ def engine_deployment(name: str, namespace: str, uid: str, spec: SpecialistSpec,
             "volumeMounts": list(src.mounts.values()) + [{"name": "tmp", "mountPath": "/tmp"}],
             "securityContext": container_security_context(),
             "resources": {"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"memory": "2Gi"}},
+        })
+    for size, seed, target in src.demos:
+        init_containers.append({
+            "name": f"demo-model-{size}-{seed}"[:63], "image": image, "imagePullPolicy": ctx.image_pull_policy,
+            "command": ["consort", "demo-model", target, "--size", size, "--seed", str(seed)],
+            "env": [{"name": "HOME", "value": "/tmp"}],
+            "volumeMounts": list(src.mounts.values()) + [{"name": "tmp", "mountPath": "/tmp"}],
+            "securityContext": container_security_context(),
+            "resources": {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": "2Gi"}},
         })
     if tok_dir:
         # The engine reads tokenizer files from the checkpoint dir: assemble a view with symlinks.
