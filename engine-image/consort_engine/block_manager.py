@@ -290,6 +290,10 @@ class BlockManager:
         del seq.block_table[keep:]
 
     # ---------------------------------------------------------------- introspection (tests, status)
+    def num_registered_blocks(self, seq: Sequence) -> int:
+        """Leading blocks of seq registered in the prefix cache (fixed content from now on)."""
+        return len(self._seq_hashes.get(seq.seq_id, ()))
+
     def check_invariants(self, live: list[Sequence]) -> None:
         """Assert pool accounting: every block free xor referenced, refs = table occurrences."""
         refs = [0] * self.num_blocks

@@ -16,6 +16,8 @@ from consort_engine.sequence import ScheduledBatch, SamplingParams, Sequence
 
 
 class PagedFakeRunner:
+    P = (1 << 31) - 1
+
     def __init__(self, num_blocks: int = 64, block_size: int = 4, vocab: int = 101,
                  max_model_len: int = 512, eos_token_ids: set[int] | None = None) -> None:
         self.num_blocks = num_blocks
@@ -23,34 +25,37 @@ class PagedFakeRunner:
         self.vocab = vocab
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids or set()
-        self.kv = torch.full((num_blocks * block_size,), -1, dtype=torch.long)
-        gen = torch.Generator().manual_seed(1234)
-        self.weights = torch.randint(1, 1 << 20, (max_model_len,), generator=gen)
+        # One "KV" value per slot; -1 = never written.
+        self.kv = [-1] * (num_blocks * block_size)
         self.warmed = False
         self.batches: list[ScheduledBatch] = []
+        self.rows_per_step: list[int] = []
 
     def warmup(self) -> None:
         self.warmed = True
 
-    def _slots(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
-        pos = torch.arange(start, end)
-        table = torch.tensor(seq.block_table, dtype=torch.long)
-        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+    def _slot(self, seq: Sequence, pos: int) -> int:
+        return seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
 
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
+        """K/V at a position = f(K/V at the previous position, token): causal, like attention.
+        The previous position is read back through the block table, so any paging mistake
+        (wrong table, wrong reused block, skipped recompute) changes every later token."""
         self.batches.append(batch)
         rows = []
         for seq, n, sample in zip(batch.seqs, batch.num_new_tokens, batch.sample):
             start = seq.num_computed_tokens
-            assert start + n <= seq.num_tokens
-            self.kv[self._slots(seq, start, start + n)] = torch.tensor(seq.token_ids[start:start + n])
+            assert n > 0 and start + n <= seq.num_tokens
+            prev = self.kv[self._slot(seq, start - 1)] if start else 0
+            assert prev >= 0, "read a KV slot that was never written"
+            for pos in range(start, start + n):
+                prev = (prev * 1_000_003 + seq.token_ids[pos] * 7919 + pos + 1) % self.P
+                self.kv[self._slot(seq, pos)] = prev
             if sample:
-                ctx = self.kv[self._slots(seq, 0, start + n)]
-                assert bool((ctx >= 0).all()), "read a KV slot that was never written"
-                h = int(((ctx + 1) * self.weights[: start + n]).sum()) % self.vocab
                 row = torch.full((self.vocab,), -1.0)
-                row[h] = 1.0
+                row[prev % self.vocab] = 1.0
                 rows.append(row)
+        self.rows_per_step.append(len(rows))
         return torch.stack(rows) if rows else torch.empty(0, self.vocab)
 
 
