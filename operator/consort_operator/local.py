@@ -1,0 +1,346 @@
+"""`consort up -f PATH`: run the Specialists and the EnsembleRouter found in manifests as local processes.
+
+The same manifests a cluster takes: each Specialist becomes one `consort engine` process on
+127.0.0.1 (replicas are capped by --replicas, default 1: a laptop is not a GPU pool), the
+EnsembleRouter becomes one `consort router` whose RouterConfig lists the engines by URL instead of by
+Service. Model sources: `demo://SIZE[?seed=N]` (written once by `consort demo-model` into the cache),
+`file:///PATH`; `pvc://` and `hf://` only exist in a cluster.
+
+Every child runs in its own process group; Ctrl-C (SIGINT) or SIGTERM stops them all (SIGTERM to
+each group, SIGKILL after a grace period) and `consort up` exits only when none is left.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .api.router import EnsembleRouterSpec
+from .api.specialist import SpecialistSpec
+
+CACHE = Path(os.environ.get("CONSORT_CACHE", Path.home() / ".cache" / "consort"))
+
+
+class UpError(Exception):
+    pass
+
+
+# ---- manifests -----------------------------------------------------------------------------------
+
+@dataclass
+class Manifests:
+    specialists: dict[str, tuple[dict[str, Any], SpecialistSpec]] = field(default_factory=dict)
+    routers: dict[str, tuple[dict[str, Any], EnsembleRouterSpec]] = field(default_factory=dict)
+    configmaps: dict[str, dict[str, Any]] = field(default_factory=dict)
+    skipped: list[str] = field(default_factory=list)
+
+
+def _files(paths: list[str]) -> list[Path]:
+    out: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            out += sorted(f for f in p.iterdir() if f.suffix in (".yaml", ".yml", ".json")
+                          and f.name not in ("kustomization.yaml", "kustomization.yml"))
+        elif p.exists():
+            out.append(p)
+        else:
+            raise UpError(f"{p}: no such file or directory")
+    return out
+
+
+def load_manifests(paths: list[str]) -> Manifests:
+    """Parse and validate (same pydantic models as the CRDs) every consort.dev object in the paths."""
+    m = Manifests()
+    for f in _files(paths):
+        for doc in yaml.safe_load_all(f.read_text()):
+            if not isinstance(doc, dict):
+                continue
+            kind, name = doc.get("kind"), (doc.get("metadata") or {}).get("name")
+            where = f"{f}: {kind} {name}"
+            try:
+                if kind == "Specialist":
+                    spec = SpecialistSpec.model_validate(doc.get("spec") or {})
+                    if spec.fallback == name:
+                        raise ValueError("spec.fallback must name another Specialist, not this one")
+                    m.specialists[name] = (doc, spec)
+                elif kind == "EnsembleRouter":
+                    m.routers[name] = (doc, EnsembleRouterSpec.model_validate(doc.get("spec") or {}))
+                elif kind == "ConfigMap":
+                    m.configmaps[name] = doc
+                else:
+                    m.skipped.append(where)
+            except ValueError as e:   # pydantic's ValidationError is a ValueError
+                raise UpError(f"{where} is invalid:\n{e}") from e
+    if not m.specialists:
+        raise UpError(f"no Specialist found in {', '.join(paths)}")
+    if len(m.routers) > 1:
+        raise UpError(f"found {len(m.routers)} EnsembleRouters ({', '.join(m.routers)}); local mode runs one")
+    return m
+
+
+def local_model_dir(source: str, cache: Path, log: Any) -> str:
+    """A directory the local engine can load for a model source (writes demo models once)."""
+    if source.startswith("file://"):
+        return source[len("file://"):]
+    if source.startswith("demo://"):
+        from .resources.specialist import parse_demo
+
+        size, seed = parse_demo(source)
+        target = cache / "demo-models" / f"{size}-{seed}"
+        if not (target / "config.json").exists() or not (target / "tokenizer.json").exists():
+            log(f"writing demo model {source} into {target} (once; cached)")
+            tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+            proc = subprocess.run([sys.executable, "-m", "consort_operator.cli", "demo-model", str(tmp),
+                                   "--size", size, "--seed", str(seed)], capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise UpError(f"consort demo-model failed:\n{proc.stderr[-2000:]}")
+            if target.exists():
+                import shutil
+
+                shutil.rmtree(target)
+            tmp.rename(target)
+        return str(target)
+    raise UpError(f"model source {source!r} is cluster-only; local mode takes demo:// and file:// sources")
+
+
+# ---- plan ------------------------------------------------------------------------------------------
+
+@dataclass
+class Child:
+    name: str                 # "engine algo" / "router cpp"
+    argv: list[str]
+    url: str
+    log_path: Path
+    popen: subprocess.Popen | None = None
+    ready_at: float | None = None
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def plan(m: Manifests, args: argparse.Namespace, run_dir: Path, log: Any) -> tuple[list[Child], Child]:
+    from consort_router.config import AuthConfig, SpecialistRoute, StoreConfig
+
+    from .resources.router import Lane, router_config
+    from .resources.specialist import engine_args
+
+    consort = [sys.executable, "-m", "consort_operator.cli"]
+    engines: list[Child] = []
+    urls: dict[str, list[str]] = {}
+    port = args.engine_base_port
+    for name, (_, spec) in sorted(m.specialists.items()):
+        model_dir = local_model_dir(spec.model.source, args.cache, log)
+        adapters = {}
+        for a in spec.adapters or []:
+            adapters[a.name] = local_model_dir(a.source, args.cache, log)
+        replicas = max(1, min(spec.replicas, args.replicas))
+        for i in range(replicas):
+            p = port if port else free_port()
+            port = port + 1 if port else 0
+            argv = consort + ["engine"] + engine_args(name, spec, model_dir, adapters, host="127.0.0.1", port=p, device="cpu")
+            child = Child(f"engine {name}" + (f"#{i}" if replicas > 1 else ""), argv, f"http://127.0.0.1:{p}",
+                          run_dir / "logs" / f"engine-{name}-{i}.log")
+            engines.append(child)
+            urls.setdefault(name, []).append(child.url)
+
+    if m.routers:
+        rname, (_, rspec) = next(iter(m.routers.items()))
+    else:
+        rname, rspec = "ensemble", EnsembleRouterSpec()
+    selected = {n: s for n, (doc, s) in m.specialists.items()
+                if rspec.specialist_selector.matches((doc.get("metadata") or {}).get("labels"))}
+    if not selected:
+        raise UpError(f"EnsembleRouter {rname} selects none of the Specialists ({', '.join(m.specialists)})")
+    cfg = router_config(rname, rspec, [Lane(n, "local", s) for n, s in selected.items()])
+    routes = [SpecialistRoute(name=r.name, replicas=urls[r.name], intents=r.intents, fallback=r.fallback,
+                              adapter=r.adapter, revision=r.revision) for r in cfg.specialists]
+    update: dict[str, Any] = {
+        "specialists": routes,
+        "store": StoreConfig(kind="file", path=str(run_dir / "breakers.json")),
+        "auth": AuthConfig(api_keys_file=args.api_keys_file, protect_metrics=rspec.auth.protect_metrics,
+                           protect_routing=rspec.auth.protect_routing),
+        "calibration_log": str(run_dir / "calibration.jsonl"),
+    }
+    ref = rspec.classifier.examples_config_map_ref
+    if ref is not None:
+        cm = m.configmaps.get(ref.name)
+        if cm is None or ref.key not in (cm.get("data") or {}):
+            raise UpError(f"EnsembleRouter {rname}: ConfigMap {ref.name} key {ref.key} (classifier examples) "
+                          "is not in the manifests")
+        path = run_dir / "classifier-examples.jsonl"
+        path.write_text(cm["data"][ref.key])
+        update["classifier"] = cfg.classifier.model_copy(update={"examples_path": str(path)})
+    cfg = cfg.model_copy(update=update)
+    cfg = type(cfg).model_validate(cfg.model_dump())   # re-run its cross-checks
+    config_path = run_dir / "router.yaml"
+    config_path.write_text(cfg.dump_yaml())
+    router = Child(f"router {rname}", consort + ["router", "--config", str(config_path), "--host", args.host,
+                                                  "--port", str(args.port)],
+                   f"http://{args.host}:{args.port}", run_dir / "logs" / f"router-{rname}.log")
+    return engines, router
+
+
+# ---- processes -------------------------------------------------------------------------------------
+
+def start(child: Child) -> None:
+    child.log_path.parent.mkdir(parents=True, exist_ok=True)
+    out = open(child.log_path, "ab")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    child.popen = subprocess.Popen(child.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   start_new_session=True, env=env)
+    out.close()
+
+
+def http_ok(url: str, timeout: float = 1.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def tail(path: Path, n: int = 25) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "<no log>"
+
+
+def stop_all(children: list[Child], grace: float = 10.0) -> None:
+    live = [c for c in children if c.popen is not None and c.popen.poll() is None]
+    for c in live:
+        try:
+            os.killpg(c.popen.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + grace
+    for c in live:
+        try:
+            c.popen.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(c.popen.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            c.popen.wait(5)
+    # Anything a child left in its group goes too.
+    for c in children:
+        if c.popen is not None:
+            try:
+                os.killpg(c.popen.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+class Interrupted(Exception):
+    pass
+
+
+def run(args: argparse.Namespace) -> int:
+    t0 = time.monotonic()
+
+    def log(msg: str) -> None:
+        print(f"[{time.monotonic() - t0:6.1f}s] {msg}", flush=True)
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        raise Interrupted(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    children: list[Child] = []
+    try:
+        m = load_manifests(args.file)
+        run_dir = args.run_dir or (args.cache / "up" / time.strftime("%Y%m%d-%H%M%S"))
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        log(f"{len(m.specialists)} Specialist(s): {', '.join(sorted(m.specialists))}; "
+            f"EnsembleRouter: {', '.join(m.routers) or '(none: routing every Specialist)'}; logs in {run_dir}/logs")
+        engines, router = plan(m, args, run_dir, log)
+        children = engines + [router]
+        for c in engines:
+            start(c)
+            log(f"{c.name}: pid {c.popen.pid}, {c.url}")
+        pending = list(engines)
+        router_started = False
+        deadline = time.monotonic() + args.timeout
+        while True:
+            for c in children:
+                if c.popen is not None and c.popen.poll() is not None:
+                    raise UpError(f"{c.name} exited with code {c.popen.returncode}; last lines of {c.log_path}:\n{tail(c.log_path)}")
+            for c in list(pending):
+                if http_ok(f"{c.url}/ready"):
+                    c.ready_at = time.monotonic()
+                    pending.remove(c)
+                    log(f"{c.name}: warm")
+            if not pending and not router_started:
+                start(router)
+                router_started = True
+                log(f"{router.name}: pid {router.popen.pid}, {router.url}")
+            if router_started and router.ready_at is None and http_ok(f"{router.url}/ready"):
+                router.ready_at = time.monotonic()
+                break
+            if time.monotonic() > deadline:
+                waiting = [c.name for c in pending] + ([] if router.ready_at else [router.name])
+                raise UpError(f"not ready after {args.timeout:.0f} s: {', '.join(waiting)}")
+            time.sleep(0.25)
+        log(f"ready: {router.url}  (model {json.dumps(router.name.split(' ', 1)[1])} routes; a Specialist name pins)")
+        print(f"\n  curl {router.url}/v1/completions -H 'content-type: application/json' \\\n"
+              f"    -d '{{\"model\": \"{router.name.split(' ', 1)[1]}\", \"prompt\": \"template <typename T>\", \"max_tokens\": 16}}'\n"
+              f"  curl {router.url}/v1/routing\n\nCtrl-C stops everything.", flush=True)
+        while True:
+            for c in children:
+                if c.popen is not None and c.popen.poll() is not None:
+                    raise UpError(f"{c.name} exited with code {c.popen.returncode}; last lines of {c.log_path}:\n{tail(c.log_path)}")
+            time.sleep(0.5)
+    except Interrupted as e:
+        log(f"{e}: stopping {len([c for c in children if c.popen])} process(es)")
+        return_code = 0
+    except UpError as e:
+        print(f"consort up: {e}", file=sys.stderr, flush=True)
+        return_code = 1
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        stop_all(children)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    log("stopped")
+    return return_code
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="consort up", description=__doc__.split("\n\n")[0])
+    p.add_argument("-f", "--file", action="append", required=True, help="manifest file or directory (repeatable)")
+    p.add_argument("--host", default="127.0.0.1", help="router bind address")
+    p.add_argument("--port", type=int, default=8080, help="router port")
+    p.add_argument("--engine-base-port", type=int, default=8101, help="first engine port (0: any free ports)")
+    p.add_argument("--replicas", type=int, default=1, help="cap on engine processes per Specialist")
+    p.add_argument("--api-keys-file", default=None, help="enable router auth with this key file")
+    p.add_argument("--cache", type=Path, default=CACHE, help="demo models and run directories")
+    p.add_argument("--run-dir", type=Path, default=None, help="logs, router config, breaker state")
+    p.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for everything to be ready")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(parse_args(list(sys.argv[1:] if argv is None else argv)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""`consort up -f examples/local`: real engine and router processes from the same manifests."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+CONSORT = str(Path(sys.executable).with_name("consort"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rss_kib(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is gone for our purposes only once reaped; consort up reaps its children.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.timeout(300)
+def test_consort_up_serves_openai_and_stops_cleanly(tmp_path):
+    port = free_port()
+    log_path = tmp_path / "up.log"
+    started = time.monotonic()
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen([CONSORT, "up", "-f", str(REPO / "examples" / "local"), "--port", str(port),
+                                 "--engine-base-port", "0", "--run-dir", str(tmp_path / "run")],
+                                stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+    try:
+        deadline = time.monotonic() + 150
+        while "ready:" not in log_path.read_text():
+            assert proc.poll() is None, f"consort up exited {proc.returncode}:\n{log_path.read_text()}"
+            assert time.monotonic() < deadline, f"not ready in 150 s:\n{log_path.read_text()}"
+            time.sleep(0.5)
+        ready_s = time.monotonic() - started
+        text = log_path.read_text()
+        pids = [int(p) for p in re.findall(r": pid (\d+),", text)]
+        assert len(pids) == 4, text          # three engines + the router
+        assert "engine algo: warm" in text and "engine template: warm" in text and "engine stl: warm" in text
+
+        from openai import OpenAI
+
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+        raw = client.completions.with_raw_response.create(model="stl", prompt="std::ranges::sort(v,", max_tokens=8)
+        completion = raw.parse()
+        assert raw.headers["x-consort-specialist"] == "stl"
+        assert completion.usage.completion_tokens == 8 and completion.choices[0].finish_reason == "length"
+        routed = client.chat.completions.with_raw_response.create(
+            model="cpp-local", max_tokens=4, messages=[{"role": "user", "content": "hi"}],
+            extra_headers={"x-consort-intent": "templates"})
+        assert routed.headers["x-consort-specialist"] == "template"
+
+        time.sleep(2)
+        idle_rss_gib = sum(rss_kib(p) for p in pids) / 2**20
+        print(f"\nconsort up: ready in {ready_s:.1f} s, idle RSS of engines+router {idle_rss_gib:.2f} GiB")
+        assert idle_rss_gib <= 4.0
+
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0, log_path.read_text()
+        assert "stopped" in log_path.read_text().splitlines()[-1]
+        assert [p for p in pids if alive(p)] == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
