@@ -30,7 +30,8 @@ up: venv
 	$(VENV)/bin/consort up -f examples/local
 
 crds: venv
-	$(VENV)/bin/consort crds > crds/consort.dev.yaml
+	$(VENV)/bin/consort crds --out-dir crds
+	$(VENV)/bin/consort crds --out-dir charts/consort/crds
 
 clean:
 	rm -rf $(VENV) .pytest_cache
