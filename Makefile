@@ -32,6 +32,7 @@ up: venv
 crds: venv
 	$(VENV)/bin/consort crds --out-dir crds
 	$(VENV)/bin/consort crds --out-dir charts/consort/crds
+	$(VENV)/bin/consort crds --reference > docs/crd-reference.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -22,6 +22,10 @@ def test_checked_in_crds_equal_generator_output(folder):
         assert (REPO / folder / name).read_text() == crds.render(name), f"{folder}/{name} is stale: run `make crds`"
 
 
+def test_crd_reference_doc_is_generated():
+    assert (REPO / "docs" / "crd-reference.md").read_text() == crds.render_reference(), "run `make crds`"
+
+
 def _walk(node, path="$"):
     yield path, node
     if isinstance(node, dict):
