@@ -1,0 +1,209 @@
+#!/usr/bin/env python3
+"""Benchmark (a script with a report, not a test): N Specialists applied at once on kwok.
+
+Measures the time from one `kubectl apply` of N Specialists (one GPU each) until every one is
+Ready, and the operator's resident memory (peak and at the end). Goals: N=200 Ready <= 120 s,
+operator RSS <= 300 MB.
+
+    .venv/bin/python operator/bench/specialists_200.py                 # private cluster, 25 GPU nodes
+    .venv/bin/python operator/bench/specialists_200.py --kubeconfig K  # an existing (kwok) cluster
+
+The operator runs as a real subprocess (`consort operator --namespace consort-bench`) with the warm
+signal falling back to pod readiness (kwok pods are Ready at once; their IPs are never contacted).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+CACHE = Path(os.environ.get("CONSORT_CACHE", Path.home() / ".cache" / "consort"))
+BIN = CACHE / "bin"
+CONSORT = str(Path(sys.executable).with_name("consort"))
+NS = "consort-bench"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rss_mb(pid: int, field: str = "VmRSS") -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+class Kubectl:
+    def __init__(self, kubeconfig: str):
+        self.kubeconfig = kubeconfig
+        self.exe = str(BIN / "kubectl") if (BIN / "kubectl").exists() else "kubectl"
+
+    def __call__(self, *args: str, input: str | None = None, check: bool = True, timeout: float = 120) -> str:
+        p = subprocess.run([self.exe, f"--kubeconfig={self.kubeconfig}", *args], input=input, capture_output=True,
+                           text=True, timeout=timeout)
+        if check and p.returncode != 0:
+            raise RuntimeError(f"kubectl {' '.join(args)}: {p.stderr.strip()}")
+        return p.stdout
+
+
+def specialists(n: int) -> str:
+    docs = []
+    for i in range(n):
+        docs.append(json.dumps({
+            "apiVersion": "consort.dev/v1alpha1", "kind": "Specialist",
+            "metadata": {"name": f"s{i:03d}", "labels": {"consort.dev/ensemble": "bench"}},
+            "spec": {"model": {"source": "hf://Qwen/Qwen2.5-Coder-1.5B-Instruct"}, "replicas": 1, "minReady": 1,
+                     "resources": {"gpus": 1, "cpu": "1", "memory": "8Gi"},
+                     "kv": {"blockSize": 8 if i % 4 == 0 else 16},
+                     "speculative": {"mode": "ngram" if i % 2 else "off"},
+                     "intents": [f"intent-{i:03d}"]},
+        }))
+    return "\n---\n".join(docs)
+
+
+def metric_sum(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[1])
+    ap.add_argument("-n", "--count", type=int, default=200)
+    ap.add_argument("--kubeconfig", help="use this cluster (else start a private one with enough kwok GPU nodes)")
+    ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--with-router", action="store_true", help="also apply an EnsembleRouter selecting all of them")
+    args = ap.parse_args(argv)
+
+    cluster_dir = None
+    if args.kubeconfig is None:
+        cluster_dir = Path(tempfile.mkdtemp(prefix="bench-", dir=CACHE / "test-clusters" if (CACHE / "test-clusters").exists() else None))
+        gpu_nodes = (args.count + 7) // 8
+        print(f"starting a private control plane with {gpu_nodes} kwok GPU nodes in {cluster_dir} ...", flush=True)
+        up = subprocess.run([str(REPO / "hack" / "controlplane.sh"), "up", "--gpu-nodes", str(gpu_nodes)],
+                            capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "CONSORT_CLUSTER_DIR": str(cluster_dir)})
+        if up.returncode != 0:
+            print(up.stderr[-3000:], file=sys.stderr)
+            return 1
+        args.kubeconfig = up.stdout.strip().splitlines()[-1]
+    kubectl = Kubectl(args.kubeconfig)
+    op = None
+    try:
+        kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
+        kubectl("wait", "--for=condition=Established", "crd/specialists.consort.dev", "--timeout=60s")
+        kubectl("create", "namespace", NS, check=False)
+        metrics_port, live_port = free_port(), free_port()
+        log = open(Path(tempfile.gettempdir()) / "consort-bench-operator.log", "wb")
+        op = subprocess.Popen([CONSORT, "operator", "--kubeconfig", args.kubeconfig, "--namespace", NS, "--standalone",
+                               "--warm-signal", "engine-or-pod-ready", "--pod-address", "none",
+                               "--metrics-host", "127.0.0.1", "--metrics-port", str(metrics_port),
+                               "--liveness", f"http://127.0.0.1:{live_port}/healthz", "--log-level", "WARNING"],
+                              stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{live_port}/healthz", timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or op.poll() is not None:
+                    raise RuntimeError(f"operator did not come up (log: {log.name})")
+                time.sleep(0.3)
+        rss_idle = rss_mb(op.pid)
+        peak = [rss_idle]
+        stop = threading.Event()
+
+        def sample() -> None:
+            while not stop.is_set():
+                try:
+                    peak[0] = max(peak[0], rss_mb(op.pid))
+                except OSError:
+                    return
+                stop.wait(0.5)
+
+        threading.Thread(target=sample, daemon=True).start()
+        manifest = specialists(args.count)
+        if args.with_router:
+            manifest += "\n---\n" + json.dumps({"apiVersion": "consort.dev/v1alpha1", "kind": "EnsembleRouter",
+                                                 "metadata": {"name": "bench"},
+                                                 "spec": {"specialistSelector": {"matchLabels": {"consort.dev/ensemble": "bench"}}}})
+        t0 = time.monotonic()
+        kubectl("apply", "-n", NS, "-f", "-", input=manifest, timeout=300)
+        t_applied = time.monotonic() - t0
+        marks: dict[str, float] = {}
+        last = ""
+        while True:
+            items = json.loads(kubectl("get", "specialists", "-n", NS, "-o", "json"))["items"]
+            phases: dict[str, int] = {}
+            for it in items:
+                p = (it.get("status") or {}).get("phase") or "(none)"
+                phases[p] = phases.get(p, 0) + 1
+            deps = len(kubectl("get", "deployments", "-n", NS, "-o", "name").split())
+            now = time.monotonic() - t0
+            if deps >= args.count and "deployments" not in marks:
+                marks["deployments"] = now
+            if phases.get("Ready", 0) >= args.count / 2 and "half" not in marks:
+                marks["half"] = now
+            line = f"[{now:6.1f}s] deployments {deps}/{args.count}; phases {json.dumps(phases, sort_keys=True)}"
+            if line.split("] ", 1)[1] != last:
+                print(line, flush=True)
+                last = line.split("] ", 1)[1]
+            if phases.get("Ready", 0) == args.count:
+                marks["ready"] = now
+                break
+            if now > args.timeout:
+                print(f"timed out after {args.timeout:.0f} s", flush=True)
+                break
+            time.sleep(1.0)
+        time.sleep(2)
+        m = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+        stop.set()
+        rss_end = rss_mb(op.pid)
+        hwm = rss_mb(op.pid, "VmHWM")
+        reconciles = metric_sum(m, "consort_operator_reconcile_total")
+        errors = metric_sum(m, "consort_operator_reconcile_errors_total")
+        writes = metric_sum(m, "consort_operator_child_writes_total")
+        status_writes = metric_sum(m, "consort_operator_status_writes_total")
+        dur_sum = metric_sum(m, "consort_operator_reconcile_duration_seconds_sum")
+        dur_count = metric_sum(m, "consort_operator_reconcile_duration_seconds_count")
+        ready_s = marks.get("ready")
+        print("\n=== consort operator benchmark ===")
+        print(f"specialists applied at once : {args.count} (kubectl apply took {t_applied:.1f} s)")
+        print(f"all Deployments created     : {marks.get('deployments', float('nan')):.1f} s")
+        print(f"half Ready                  : {marks.get('half', float('nan')):.1f} s")
+        print(f"all Ready                   : {'%.1f s' % ready_s if ready_s else 'NOT REACHED'}  (goal <= 120 s)")
+        print(f"operator RSS                : idle {rss_idle:.0f} MB, peak {max(peak[0], hwm):.0f} MB, end {rss_end:.0f} MB  (goal <= 300 MB)")
+        print(f"reconcile passes            : {reconciles:.0f} ({errors:.0f} errors), mean {1000 * dur_sum / max(dur_count, 1):.1f} ms")
+        print(f"API writes                  : {writes:.0f} owned objects, {status_writes:.0f} status patches")
+        ok = ready_s is not None and ready_s <= 120 and max(peak[0], hwm) <= 300
+        print(f"verdict                     : {'PASS' if ok else 'MISS'}")
+        return 0
+    finally:
+        if op is not None and op.poll() is None:
+            op.send_signal(signal.SIGTERM)
+            try:
+                op.wait(30)
+            except subprocess.TimeoutExpired:
+                op.kill()
+        if cluster_dir is not None:
+            subprocess.run([str(REPO / "hack" / "controlplane.sh"), "down"], capture_output=True, timeout=120,
+                           env={**os.environ, "CONSORT_CLUSTER_DIR": str(cluster_dir)})
+        else:
+            kubectl("delete", "namespace", NS, "--wait=false", check=False)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
