@@ -28,7 +28,7 @@ _WAITING = SequenceStatus.WAITING
 _FINISHED = SequenceStatus.FINISHED
 
 
-@dataclass
+@dataclass(slots=True)
 class StepOutput:
     seq_id: int
     new_token_ids: list[int]
@@ -74,6 +74,11 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.running or self._waiting)
+
+    @property
+    def waiting(self) -> list[Sequence]:
+        """Waiting seqs, in no particular order (see waiting_in_order)."""
+        return list(self._waiting.values())
 
     def waiting_in_order(self) -> list[Sequence]:
         return sorted(self._waiting.values(), key=run_order)
@@ -123,10 +128,10 @@ class Scheduler:
                 self._heap = [e for e in self._heap if e[2] in self._waiting]
                 heapq.heapify(self._heap)
         else:
-            seq = next((s for s in self.running if s.seq_id == seq_id), None)
-            if seq is None:
+            k = next((k for k, s in enumerate(self.running) if s.seq_id == seq_id), None)
+            if k is None:
                 return None
-            self.running.remove(seq)
+            seq = self.running.pop(k)      # by position: Sequence's dataclass __eq__ compares tokens
             self.block_manager.free(seq)
         seq.status = _FINISHED
         seq.finish_reason = "abort"
@@ -149,6 +154,7 @@ class Scheduler:
         running = self.running
         budget = self.config.max_num_batched_tokens
         span = self.decode_span
+        bs = bm.block_size
         seqs: list[Sequence] = []
         nums: list[int] = []
         sample: list[bool] = []
@@ -166,18 +172,19 @@ class Scheduler:
         while i < len(running):
             seq = running[i]
             i += 1
-            n = seq.num_tokens - seq.num_computed_tokens
+            computed = seq.num_computed_tokens
+            n = len(seq.token_ids) - computed
             if n > span:
                 prefilling.append(seq)
                 continue
             if n > budget:
                 continue
-            need = bm.slots_needed(seq, n)
-            if need > bm.num_free_blocks:
+            need = (computed + n + bs - 1) // bs - len(seq.block_table)
+            if need > 0 and need > bm.num_free_blocks:
                 decode_preempted = True
                 if not self._preempt_for_decode(seq, need, preempted):
                     break          # seq itself was the last victim; everything after it is gone too
-            if need:
+            if need > 0:
                 bm.append_slots(seq, n)
             seqs.append(seq)
             nums.append(n)
@@ -189,7 +196,7 @@ class Scheduler:
         for seq in prefilling:
             if budget <= 0:
                 break
-            remaining = seq.num_tokens - seq.num_computed_tokens
+            remaining = len(seq.token_ids) - seq.num_computed_tokens
             n = remaining if remaining <= budget else budget
             seqs.append(seq)
             nums.append(n)
@@ -268,6 +275,7 @@ class Scheduler:
         bm = self.block_manager
         eos = self.eos_token_ids
         max_len = self.max_model_len
+        bs = bm.block_size
         outputs: list[StepOutput] = []
         now = time.monotonic()
         finished_any = False
@@ -276,9 +284,13 @@ class Scheduler:
             if seq.status is not _RUNNING:      # aborted between schedule and commit
                 j += sampled
                 continue
-            seq.num_computed_tokens += n
+            computed = seq.num_computed_tokens + n
+            seq.num_computed_tokens = computed
+            # A block boundary was crossed: new full blocks can join the prefix cache.
+            new_full_block = computed // bs != (computed - n) // bs
             if not sampled:
-                bm.cache_computed_blocks(seq)
+                if new_full_block:
+                    bm.cache_computed_blocks(seq)
                 continue
             token = sampled_token_ids[j]
             lp = logprobs[j] if logprobs is not None else None
@@ -293,12 +305,14 @@ class Scheduler:
                 reason = "stop"
             elif sp.stop_token_ids and token in sp.stop_token_ids:
                 reason = "stop"
-            elif seq.num_tokens - seq.num_prompt_tokens >= sp.max_tokens or seq.num_tokens >= max_len:
+            elif (num_tokens := len(seq.token_ids)) - len(seq.prompt_token_ids) >= sp.max_tokens \
+                    or num_tokens >= max_len:
                 reason = "length"
             else:
                 reason = None
             if reason is None:
-                bm.cache_computed_blocks(seq)
+                if new_full_block:
+                    bm.cache_computed_blocks(seq)
             else:
                 seq.status = _FINISHED
                 seq.finish_reason = reason
