@@ -383,12 +383,12 @@ def startup_to_ready(model_dir: Path, dtype: str, args: argparse.Namespace, time
 class DtypeResult:
     dtype: str
     engine: dict
-    hf: dict
+    hf: dict | None
     startup: dict | None = None
-    ratio: float = field(init=False)
+    ratio: float | None = field(init=False)
 
     def __post_init__(self) -> None:
-        self.ratio = self.engine["tok_s"] / self.hf["tok_s"]
+        self.ratio = self.engine["tok_s"] / self.hf["tok_s"] if self.hf else None
 
 
 REFERENCE = {"float32": 5.5, "bfloat16": 6.3}   # vLLM CPU 0.32 over the same baseline on this machine class
@@ -404,6 +404,9 @@ def report(results: list[DtypeResult], wl: Workload, args: argparse.Namespace) -
          f"{'dtype':<9} {'engine tok/s':>12} {'hf useful tok/s':>16} {'hf generated tok/s':>19} {'ratio':>7} "
          f"{'vLLM ref':>8} {'floor':>6}"]
     for r in results:
+        if r.hf is None:
+            L.append(f"{r.dtype:<9} {r.engine['tok_s']:>12.1f} {'(skipped)':>16}")
+            continue
         L.append(f"{r.dtype:<9} {r.engine['tok_s']:>12.1f} {r.hf['tok_s']:>16.1f} {r.hf['generated_tok_s']:>19.1f} "
                  f"{r.ratio:>6.2f}x {REFERENCE.get(r.dtype, float('nan')):>7.1f}x {'ok' if r.ratio >= 2.0 else 'LOW':>6}")
     L.append("")
@@ -436,11 +439,12 @@ def run(args: argparse.Namespace) -> int:
     for dtype in dtypes:
         log(f"--- {dtype} ---")
         eng = run_engine(model_dir, dtype, wl, args)
-        hf = run_hf(model_dir, dtype, wl, args)
+        hf = None if args.engine_only else run_hf(model_dir, dtype, wl, args)
         start = None if args.no_startup else startup_to_ready(model_dir, dtype, args)
         results.append(DtypeResult(dtype, eng, hf, start))
-        log(f"{dtype}: engine {eng['tok_s']:.1f} tok/s vs transformers {hf['tok_s']:.1f} tok/s = "
-            f"{results[-1].ratio:.2f}x")
+        if hf:
+            log(f"{dtype}: engine {eng['tok_s']:.1f} tok/s vs transformers {hf['tok_s']:.1f} tok/s = "
+                f"{results[-1].ratio:.2f}x")
     print(report(results, wl, args), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=2))
@@ -460,5 +464,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     p.add_argument("--no-startup", action="store_true", help="skip the start-up-to-ready measurement")
+    p.add_argument("--engine-only", action="store_true", help="skip the transformers baseline (no ratio)")
     p.add_argument("--rebuild", action="store_true", help="rebuild the cached benchmark checkpoint")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
