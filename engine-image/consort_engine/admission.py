@@ -94,9 +94,17 @@ def decide_admission(req: AdmissionRequest, q: QueueSnapshot, est: StepEstimates
     deficit = req.blocks_needed + q.blocks_ahead - q.free_blocks - q.preemptible_blocks
     block_steps = steps_until_blocks_free(deficit, q.running_release)
     if block_steps is None:
-        drain = max((s for s, _ in q.running_release), default=1) * step_s
-        return Rejection("kv_capacity", _ms(drain), f"KV pool saturated: {deficit} blocks short "
-                         f"even after every running request finishes")
+        # Short even after every running request finishes: the rest must come from queued work
+        # ahead running through the pool. Up to one more full pool of it is a queue worth
+        # waiting in; beyond that the pool is saturated and another replica is the better bet.
+        turnover_steps = max((s for s, _ in q.running_release), default=1)
+        short = deficit - sum(b for _, b in q.running_release)
+        extra_turnovers = short / q.num_blocks
+        if extra_turnovers > 1.0:
+            retry = turnover_steps * step_s * (extra_turnovers - 1.0)
+            return Rejection("kv_capacity", _ms(retry), f"KV pool saturated: {short} blocks short "
+                             f"after every running request finishes (pool {q.num_blocks})")
+        block_steps = int(turnover_steps * (1.0 + extra_turnovers))
 
     if req.deadline_in_s is not None:
         if req.deadline_in_s <= 0:

@@ -50,10 +50,27 @@ def test_queue_full_retry_comes_from_running_finishes():
 
 
 def test_saturated_pool_with_queue_is_transient_kv_capacity():
-    snap = snapshot(free_blocks=0, blocks_ahead=150, running_release=((40, 60), (80, 40)))
-    r = decide_admission(request(blocks=7), snap, EST)
+    running = ((40, 60), (80, 40))
+    # 157 blocks wanted, 100 released by the runners: within one more pool turnover, so it queues.
+    queued = decide_admission(request(blocks=7), snapshot(free_blocks=0, blocks_ahead=150,
+                                                          running_release=running), EST)
+    assert queued is None
+    # 257 wanted: 1.57 turnovers beyond the running set: saturated.
+    r = decide_admission(request(blocks=7), snapshot(free_blocks=0, blocks_ahead=250,
+                                                     running_release=running), EST)
     assert r.code == "kv_capacity" and not r.permanent
-    assert r.retry_after_ms == 80 * 20                     # every running seq has to finish
+    assert r.retry_after_ms == pytest.approx(80 * 20 * 0.57, abs=2)   # 80-step turnover, 0.57 over
+    worse = decide_admission(request(blocks=7), snapshot(free_blocks=0, blocks_ahead=400,
+                                                         running_release=running), EST)
+    assert worse.retry_after_ms > r.retry_after_ms
+
+
+def test_waiting_beyond_the_running_set_counts_in_the_deadline():
+    running = ((40, 60), (80, 40))
+    snap = snapshot(free_blocks=0, blocks_ahead=150, running_release=running)
+    # It queues, but behind a full turnover of the running set and more: 80 x 20 ms x 1.57.
+    r = decide_admission(request(blocks=7, deadline=1.0), snap, EST)
+    assert r.code == "deadline" and r.retry_after_ms >= 1000
 
 
 def test_lower_priority_runners_count_as_available_blocks():
