@@ -11,6 +11,7 @@ loaded with torch only when configured.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from typing import Protocol
 
 from .config import ClassifierConfig, LabeledExample
 
+log = logging.getLogger("consort.router.classifier")
 TOKEN_RE = re.compile(r"[a-z_][a-z0-9_]*|\d+|::|->|<<|>>|[{}()<>\[\];#*&=]")
 TEXT_LIMIT = 16 * 1024  # characters a prediction looks at
 
@@ -150,9 +152,13 @@ def build_classifier(cfg: ClassifierConfig, specialists: set[str], base_dir: Pat
         examples += load_examples(resolve(base_dir, cfg.examples_path))
     if not examples:
         return None
-    bad = {e.label for e in examples} - allowed
-    if bad:
-        raise ValueError(f"classifier labels {sorted(bad)} are neither specialists nor the reject label")
+    unknown = {e.label for e in examples} - allowed
+    if unknown:  # a shared labeled set may cover more specialists than this ensemble has
+        log.warning("classifier: ignoring examples labelled %s (not specialists of this ensemble)", sorted(unknown))
+        examples = [e for e in examples if e.label in allowed]
+    if not {e.label for e in examples} - {cfg.reject_label}:
+        raise ValueError(f"no classifier example is labelled with a specialist of this ensemble "
+                         f"(unknown labels: {sorted(unknown)})")
     return train_naive_bayes(examples, cfg.hash_dim, cfg.alpha, cfg.evidence_cap)
 
 

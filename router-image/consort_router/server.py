@@ -353,7 +353,7 @@ async def handle_generation(request: web.Request, kind: str, path: str) -> web.S
     cfg = rt.config
     t0 = time.monotonic()
     rid = request["request_id"]
-    st = request["stamp"] = {"x-consort-admission": "admitted"}
+    st = request["stamp"] = {}
     req = parse_request(parse_json(await read_body(request, cfg.limits.max_body_bytes)), kind,
                         request.headers.get("x-consort-intent"))
     try:
@@ -364,6 +364,7 @@ async def handle_generation(request: web.Request, kind: str, path: str) -> web.S
     router.metrics.routing_seconds.observe(time.monotonic() - t0)
     st["x-consort-specialist"] = d.specialist
     st["x-consort-breaker"] = d.breaker
+    st["x-consort-admission"] = "admitted"
     spec = cfg.specialist(d.specialist)
     assert spec is not None
     st["x-consort-adapter"] = req.body.get("adapter") or spec.adapter or "none"
@@ -451,7 +452,7 @@ async def handle_generation(request: web.Request, kind: str, path: str) -> web.S
     finally:
         router.metrics.requests.labels(d.specialist, d.intent, d.source, str(status or "error")).inc()
         if status == 200:
-            router.lanes.remember(rid, d.specialist)
+            router.lanes.remember(rid, d.specialist, st.get("x-consort-shadow"))
         if primary_done is not None and not primary_done.done():
             if text is not None:
                 primary_done.set_result(text)
@@ -478,12 +479,17 @@ async def feedback(request: web.Request) -> web.Response:
         value = float(s)
     else:
         raise ApiError(400, "missing_field", "give 'correct' (boolean) or 'score' (0..1)")
-    specialist = router.lanes.feedback.get(rid)
-    if specialist is None:
+    known = router.lanes.feedback.get(rid)
+    if known is None:
         raise ApiError(404, "unknown_request", f"request id {rid!r} is unknown (or too old)", param="request_id")
+    specialist = obj.get("specialist", known[0])
+    if specialist not in known or specialist is None:
+        raise ApiError(400, "not_involved", f"specialist {specialist!r} neither answered nor shadowed request "
+                       f"{rid!r} (primary {known[0]!r}, shadow {known[1]!r})", param="specialist")
     b = router.lanes.observe(specialist, value)
     router.metrics.feedback.labels(specialist).inc()
     return web.json_response({"request_id": rid, "specialist": specialist, "breaker": b.state if b else None,
+                              "samples": len(b.samples) if b else 0,
                               "rate": b.rate if b else None})
 
 

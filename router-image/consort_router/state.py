@@ -55,7 +55,7 @@ class Lanes:
     knobs: dict[str, adm.Knobs] = field(default_factory=dict)
     windows: dict[str, adm.RateWindow] = field(default_factory=dict)
     floors: dict[str, int] = field(default_factory=dict)
-    feedback: OrderedDict = field(default_factory=OrderedDict)  # request_id -> specialist
+    feedback: OrderedDict = field(default_factory=OrderedDict)  # request_id -> (primary, shadow | None)
     replica_states: dict[tuple[str, str], ReplicaState] = field(default_factory=dict)
     discovered: dict[str, list[str]] = field(default_factory=dict)  # cluster mode: specialist -> urls
     dirty: bool = False
@@ -111,9 +111,10 @@ class Lanes:
         self.dirty = True
         return nb
 
-    def remember(self, request_id: str, specialist: str) -> None:
+    def remember(self, request_id: str, specialist: str, shadow: str | None = None) -> None:
+        """Who answered `request_id` (and who ran its shadow copy), for /v1/feedback."""
         fb = self.feedback
-        fb[request_id] = specialist
+        fb[request_id] = (specialist, shadow)
         fb.move_to_end(request_id)
         while len(fb) > self.config.limits.feedback_map_size:
             fb.popitem(last=False)

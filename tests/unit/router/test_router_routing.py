@@ -244,6 +244,10 @@ def test_classifier_training_from_inline_examples_and_label_check():
     bad = make_config(classifier={"examples": [{"text": "x", "label": "Nope"}]})
     with pytest.raises(ValueError, match="Nope"):
         build_classifier(bad.classifier, set(NAMES), Path("."))
+    # a shared labeled set covering more specialists than this ensemble: the others are ignored
+    sub = make_config(classifier={"examples_path": str(EXAMPLES)})
+    clf = build_classifier(sub.classifier, {"Algo", "STL"}, Path("."))
+    assert set(clf.labels) == {"Algo", "STL", "reject"}
 
 
 def test_naive_bayes_accuracy_on_its_examples():
