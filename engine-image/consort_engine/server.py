@@ -377,27 +377,34 @@ async def stream_response(request: web.Request, ctx: ServerContext, req: P.Gener
             chunk["prompt_token_ids"] = list(seq.prompt_token_ids)
         await resp.write(_sse(chunk))
         first = False
-    async for d in deltas:
-        n_out += len(d.token_ids)
-        last = d
-        if not (d.text or d.finish_reason or (req.return_token_ids and d.token_ids) or d.logprobs):
-            continue
-        logprobs = None
-        if req.logprobs is not None:
-            if req.kind == "chat":
-                logprobs = P.chat_logprobs(d.logprobs, ctx.tokenizer.id_to_token)
-            else:
-                logprobs = P.completion_logprobs(d.logprobs, ctx.tokenizer.id_to_token, text_offset)
-        text_offset += len(d.text)
-        chunk = dict(base, choices=[P.choice(req, d.text, d.finish_reason, chunk=True, logprobs=logprobs,
-                                             token_ids=d.token_ids if req.return_token_ids else None,
-                                             stop_reason=d.stop_reason)])
-        if first and req.return_token_ids:
-            chunk["prompt_token_ids"] = list(seq.prompt_token_ids)
-        first = False
-        if req.include_usage and req.continuous_usage:
-            chunk["usage"] = P.usage(len(seq.prompt_token_ids), n_out)
-        await resp.write(_sse(chunk))
+    try:
+        async for d in deltas:
+            n_out += len(d.token_ids)
+            last = d
+            if not (d.text or d.finish_reason or (req.return_token_ids and d.token_ids) or d.logprobs):
+                continue
+            logprobs = None
+            if req.logprobs is not None:
+                if req.kind == "chat":
+                    logprobs = P.chat_logprobs(d.logprobs, ctx.tokenizer.id_to_token)
+                else:
+                    logprobs = P.completion_logprobs(d.logprobs, ctx.tokenizer.id_to_token, text_offset)
+            text_offset += len(d.text)
+            chunk = dict(base, choices=[P.choice(req, d.text, d.finish_reason, chunk=True, logprobs=logprobs,
+                                                 token_ids=d.token_ids if req.return_token_ids else None,
+                                                 stop_reason=d.stop_reason)])
+            if first and req.return_token_ids:
+                chunk["prompt_token_ids"] = list(seq.prompt_token_ids)
+            first = False
+            if req.include_usage and req.continuous_usage:
+                chunk["usage"] = P.usage(len(seq.prompt_token_ids), n_out)
+            await resp.write(_sse(chunk))
+    except EngineFailed as e:   # headers are out: report in-band, as OpenAI-compatible servers do
+        err = P.ApiError(500, "engine_failed", str(e), type="server_error")
+        await resp.write(_sse(err.body()))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp, None
     assert last is not None and last.finish_reason is not None
     if req.include_usage:
         await resp.write(_sse(dict(base, choices=[], usage=P.usage(len(seq.prompt_token_ids), n_out,
