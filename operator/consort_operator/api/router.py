@@ -38,8 +38,8 @@ class Detector(Model):
 
 class ClassifierSource(Model):
     model_config = Model.model_config | {"json_schema_extra": {"x-kubernetes-validations": [
-        cel("self.kind != 'torch' || has(self.modelConfigMapRef)", "classifier.kind torch needs modelConfigMapRef"),
-        cel("self.onReject != 'default' || has(self.defaultSpecialist)", "onReject default needs defaultSpecialist"),
+        cel("!has(self.kind) || self.kind != 'torch' || has(self.modelConfigMapRef)", "classifier.kind torch needs modelConfigMapRef"),
+        cel("!has(self.onReject) || self.onReject != 'default' || has(self.defaultSpecialist)", "onReject default needs defaultSpecialist"),
     ]}}
 
     kind: Literal["builtin", "torch", "none"] = Field(default="builtin", description="builtin: a light naive-Bayes model trained at router start-up from labeled examples; torch: a user TorchScript model; none: rules and detectors only.")

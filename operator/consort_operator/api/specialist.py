@@ -101,7 +101,7 @@ class Slo(Model):
 
 class SpecialistSpec(Model):
     model_config = Model.model_config | {"json_schema_extra": {"x-kubernetes-validations": [
-        cel("self.minReady <= self.replicas", "minReady must not exceed replicas", field_path=".minReady"),
+        cel("!has(self.minReady) || !has(self.replicas) || self.minReady <= self.replicas", "minReady must not exceed replicas", field_path=".minReady"),
     ]}}
 
     model: ModelSource = Field(description="Checkpoint and tokenizer of this specialist (HF Llama-family: Llama, Qwen2/3, Mistral).")
