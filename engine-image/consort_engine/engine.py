@@ -128,7 +128,7 @@ class LLMEngine:
         t1 = time.perf_counter()
         if not batch.seqs:
             self.last_batch = batch
-            return []
+            return self.scheduler.take_pending_outputs()
         logits = self.runner.execute(batch)
         sampled_seqs = [s for s, flag in zip(batch.seqs, batch.sample) if flag]
         if sampled_seqs:
@@ -169,8 +169,8 @@ class LLMEngine:
         for seq in seqs:       # offline: no queue bound, no deadline; the loop drains it
             self.scheduler.add(seq)
         while any(not s.is_finished for s in seqs):
-            self.step()
-            if not self.last_batch.seqs:
+            outputs = self.step()
+            if not self.last_batch.seqs and not outputs:
                 raise RuntimeError("scheduler made no progress with unfinished requests")
         return [s.output_token_ids for s in seqs]
 

@@ -62,6 +62,8 @@ class Scheduler:
 
         self.num_preemptions = 0
         self.last_preemption_time: float | None = None
+        # Outputs produced outside postprocess (a seq finished while being preempted).
+        self._pending_outputs: list[StepOutput] = []
 
     # ------------------------------------------------------------------ queue
     @property
@@ -137,8 +139,20 @@ class Scheduler:
         seq.finish_reason = "abort"
         return seq
 
+    def take_pending_outputs(self) -> list[StepOutput]:
+        out, self._pending_outputs = self._pending_outputs, []
+        return out
+
     def _preempt(self, seq: Sequence, preempted: list[Sequence]) -> None:
-        self.block_manager.free(seq)
+        bm = self.block_manager
+        bm.free(seq)
+        if blocks_for(len(seq.token_ids) + self.num_lookahead, bm.block_size) > bm.num_blocks:
+            # It has outgrown the whole pool: it could never be readmitted (and would block the
+            # head of the queue forever). It ends here, truncated, like hitting max_model_len.
+            seq.status = _FINISHED
+            seq.finish_reason = "length"
+            self._pending_outputs.append(StepOutput(seq.seq_id, [], True, "length", None))
+            return
         seq.num_computed_tokens = 0
         seq.num_cached_tokens = 0
         seq.num_preemptions += 1
@@ -276,7 +290,7 @@ class Scheduler:
         eos = self.eos_token_ids
         max_len = self.max_model_len
         bs = bm.block_size
-        outputs: list[StepOutput] = []
+        outputs = self.take_pending_outputs()
         now = time.monotonic()
         finished_any = False
         j = 0

@@ -263,3 +263,21 @@ def test_mode_reflects_the_batch():
     b1, _ = synthetic_step(sched)
     b2, _ = synthetic_step(sched)
     assert (b1.mode, b2.mode) == ("prefill", "decode")
+
+
+def test_a_seq_that_outgrows_the_whole_pool_finishes_truncated_instead_of_blocking():
+    sched = make_scheduler(num_blocks=6, preempt_watermark=0.0)       # 24 token slots
+    big = make_seq(20, max_tokens=30)
+    small = make_seq(3, max_tokens=2, arrival=1.0, first=100)
+    sched.add(big)
+    outs_all = []
+    for _ in range(10):
+        _, outs = synthetic_step(sched)
+        outs_all += outs
+    assert big.is_finished and big.finish_reason == "length"
+    assert big.num_tokens == 25                 # K/V in all 24 slots, plus the token sampled from them
+    assert outs_all[-1].seq_id == big.seq_id and outs_all[-1].finished and outs_all[-1].new_token_ids == []
+    sched.add(small)                            # the queue is not blocked behind it
+    run_until_done(sched)
+    assert small.num_output_tokens == 2
+    assert sched.block_manager.num_free_blocks == 6
