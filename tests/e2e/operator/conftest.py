@@ -25,6 +25,11 @@ def operator_factory(cluster, crds, tmp_path):
         return op
 
     yield make
+    # Delete the Consort objects while an operator still runs: Kopf's finalizer (its daemons need
+    # one) is released by the operator, so the namespace fixture's deletion does not hang.
+    for ns in {op.namespace for op in started if op.proc is not None and op.proc.poll() is None}:
+        cluster.kubectl("delete", "specialists,ensemblerouters", "--all", "-n", ns, "--wait=true", "--timeout=60s",
+                        check=False, timeout=90)
     for op in started:
         op.stop()
         sys.stderr.write(f"\n--- operator log tail ({op.namespace})\n{op.tail(30)}\n")
