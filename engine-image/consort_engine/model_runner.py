@@ -7,6 +7,7 @@ their block tables (allocated by the block manager) and never mutates them.
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass
 
@@ -68,6 +69,9 @@ class ModelRunner:
             torch.set_default_dtype(default_dtype)
         self.model.load_weights(iter_safetensors(config.model))
         self.model.eval()
+        self.num_packed = 0
+        if self.device.type == "cpu" and os.environ.get("CONSORT_PACK_WEIGHTS", "1") != "0":
+            self.num_packed = self.model.pack_weights()
 
         self.num_blocks = self._pool_blocks()
         kv_shape = (cfg.num_hidden_layers, 2, self.num_blocks, self.block_size,

@@ -24,7 +24,7 @@ class Sampler:
         params = [s.sampling for s in seqs]
         logits = logits.float()
         if all(p.temperature == 0.0 for p in params):
-            tokens = logits.argmax(dim=-1)
+            tokens = logits.max(dim=-1).indices
         else:
             tokens = self._random(logits, seqs, params)
         token_list = tokens.tolist()
@@ -65,7 +65,7 @@ class Sampler:
                 noise[i].exponential_(generator=g)
         tokens = (probs / noise.clamp_min_(1e-20)).argmax(dim=-1)
         if any(greedy):
-            tokens = torch.where(torch.tensor(greedy, device=dev), logits.argmax(dim=-1), tokens)
+            tokens = torch.where(torch.tensor(greedy, device=dev), logits.max(dim=-1).indices, tokens)
         return tokens
 
     @staticmethod

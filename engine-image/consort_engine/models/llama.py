@@ -13,6 +13,7 @@ from torch import nn
 
 from ..attention import AttentionMetadata, PagedAttention
 from ..loader import ModelConfig
+from .packed import pack_linear
 from .rope import RotaryEmbedding
 
 
@@ -36,6 +37,13 @@ class Linear(nn.Module):
         out = sum(shard_sizes)
         self.weight = nn.Parameter(torch.empty(out, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out), requires_grad=False) if bias else None
+        self.packed = None
+
+    def pack(self) -> None:
+        """Switch to a pre-packed CPU GEMM weight (see packed.py); the plain weight is released."""
+        self.packed = pack_linear(self.weight.data, None if self.bias is None else self.bias.data)
+        if self.packed is not None:
+            self.weight.data = torch.zeros(1, dtype=self.weight.dtype).expand(self.weight.shape)
 
     def load_shard(self, name: str, shard: int, tensor: torch.Tensor) -> None:
         target = self.weight if name == "weight" else self.bias
@@ -45,6 +53,8 @@ class Linear(nn.Module):
         target.data[o:o + n].copy_(tensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return self.packed(x)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -102,7 +112,7 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     # checkpoint name fragment -> (fused module fragment, shard index)
-    packed = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    packed_modules = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
               "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
     def __init__(self, cfg: ModelConfig, max_len: int, backend: str, dtype: torch.dtype,
@@ -114,6 +124,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, [cfg.vocab_size], False)
+        self.tied_head = None
         self.rotary = RotaryEmbedding(cfg.head_dim, max_len, cfg.rope_theta, cfg.rope_scaling, dtype, device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -127,8 +138,20 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head, for the sampled rows only."""
-        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(self.norm(h), w)
+        if self.lm_head is not None:
+            return self.lm_head(self.norm(h))
+        if self.tied_head is not None:
+            return self.tied_head(self.norm(h))
+        return F.linear(self.norm(h), self.embed_tokens.weight)
+
+    def pack_weights(self) -> int:
+        """Pre-pack every projection for the CPU GEMM (after load_weights). Returns how many packed."""
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        for m in linears:
+            m.pack()
+        if self.lm_head is None:
+            self.tied_head = pack_linear(self.embed_tokens.weight.data, None)
+        return sum(m.packed is not None for m in linears) + (self.tied_head is not None)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())
@@ -142,8 +165,8 @@ class LlamaForCausalLM(nn.Module):
                 continue                                        # tied: the embedding is the head
             module_path, _, leaf = name.rpartition(".")
             frag = module_path.rpartition(".")[2]
-            if frag in self.packed:
-                fused, shard = self.packed[frag]
+            if frag in self.packed_modules:
+                fused, shard = self.packed_modules[frag]
                 fused_path = module_path[: -len(frag)] + fused
                 modules[fused_path].load_shard(leaf, shard, tensor)
                 seen.add(f"{fused_path}.{leaf}#{shard}")
