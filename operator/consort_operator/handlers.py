@@ -499,7 +499,9 @@ async def reconcile_router(body: Any, owned: Owned, pod_index: Any, deployment_i
         for ev in events:
             await post_event(body, "EnsembleRouter", ev)
         return runtime.idle_seconds
-    conds = set_condition(conds, "ConfigValid", True, "Rendered", f"{len(lanes)} lane(s)", now, generation)
+    skipped = router_res.skipped_references(spec, lanes)
+    conds = set_condition(conds, "ConfigValid", True, "Rendered", f"{len(lanes)} lane(s)" + (
+        f"; skipped (Specialist not in the ensemble): {', '.join(skipped)}" if skipped else ""), now, generation)
     status["configHash"] = content_hash(config.model_dump(mode="json"))
     children = router_res.router_children(name, namespace, uid, spec, config, runtime.ctx)
     events += await ensure_children(body, "EnsembleRouter", children, owned, deployment_index)

@@ -85,9 +85,11 @@ def router_config(name: str, spec: EnsembleRouterSpec, lanes: list[Lane]) -> Rou
     return RouterConfig(
         ensemble=name,
         specialists=routes,
-        rules=[IntentRule(intent=r.intent, specialist=r.specialist) for r in spec.rules or []],
+        # Rules and detectors naming a Specialist outside the ensemble (not selected, or deleted)
+        # are left out rather than invalidating the whole table; see `skipped_references`.
+        rules=[IntentRule(intent=r.intent, specialist=r.specialist) for r in spec.rules or [] if r.specialist in names],
         detectors=[Detector(name=d.name, specialist=d.specialist, builtin=d.builtin, patterns=list(d.patterns or []),
-                            min_matches=d.min_matches) for d in spec.detectors or []],
+                            min_matches=d.min_matches) for d in spec.detectors or [] if d.specialist in names],
         classifier=classifier,
         default_specialist=c.default_specialist,
         shadow=ShadowConfig(enabled=s.enabled, default_threshold=s.default_threshold,
@@ -109,6 +111,14 @@ def router_config(name: str, spec: EnsembleRouterSpec, lanes: list[Lane]) -> Rou
         store=StoreConfig(kind="file", path=f"{STATE_DIR}/breakers.json"),
         limits=LimitsConfig(),
     )
+
+
+def skipped_references(spec: EnsembleRouterSpec, lanes: list[Lane]) -> list[str]:
+    """Rules and detectors `router_config` leaves out because their Specialist is not in the ensemble."""
+    names = {lane.name for lane in lanes}
+    out = [f"rule {r.intent} -> {r.specialist}" for r in spec.rules or [] if r.specialist not in names]
+    out += [f"detector {d.name} -> {d.specialist}" for d in spec.detectors or [] if d.specialist not in names]
+    return out
 
 
 def router_configmap(name: str, namespace: str, uid: str, config: RouterConfig, ctx: BuildContext) -> dict[str, Any]:

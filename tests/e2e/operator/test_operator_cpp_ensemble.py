@@ -187,3 +187,7 @@ def test_cpp_ensemble_reconcile_restart_update_delete(cluster, namespace, operat
         return True
 
     wait_for(collected, 90, "debug's children to be garbage-collected", interval=0.5)
+    er = get_json(cluster, "ensemblerouter", "cpp", "-n", namespace)
+    valid = condition(er, "ConfigValid")
+    assert valid["status"] == "True" and "detector gdb -> debug" in valid["message"], valid
+    assert er["status"]["specialists"] == 7

@@ -140,6 +140,15 @@ def test_router_config_is_a_valid_routerconfig():
     assert [s.name for s in cfg.specialists] == ["algo", "debug", "stl"]
 
 
+def test_rules_and_detectors_outside_the_ensemble_are_skipped_not_fatal():
+    er = EnsembleRouterSpec.model_validate({
+        "rules": [{"intent": "review", "specialist": "gone"}, {"intent": "perf", "specialist": "algo"}],
+        "detectors": [{"name": "gdb", "specialist": "gone", "builtin": "gdb_transcript"}]})
+    cfg = R.router_config("cpp", er, lanes())
+    assert [(r.intent, r.specialist) for r in cfg.rules] == [("perf", "algo")] and cfg.detectors == []
+    assert R.skipped_references(er, lanes()) == ["rule review -> gone", "detector gdb -> gone"]
+
+
 def test_router_config_rejects_conflicts_and_empty_ensembles():
     er = EnsembleRouterSpec.model_validate({"rules": [{"intent": "codegen", "specialist": "stl"}]})
     with pytest.raises(ValueError):
