@@ -83,11 +83,12 @@ def get_json(cluster, *args: str) -> dict:
     return cluster.kubectl_json("get", *args)
 
 
-def wait_phase(cluster, namespace: str, kind: str, name: str, phase: str, timeout: float = 90) -> dict:
+def wait_phase(cluster, namespace: str, kind: str, name: str, phase: str, timeout: float = 90,
+               ready: str | None = None) -> dict:
     def check() -> dict:
         obj = get_json(cluster, kind, name, "-n", namespace)
         st = obj.get("status") or {}
-        if st.get("phase") != phase:
+        if st.get("phase") != phase or (ready is not None and st.get("ready") != ready):
             raise NotYet(f"status {json.dumps({k: st.get(k) for k in ('phase', 'ready', 'warmReplicas', 'replicaStatus')})}")
         return obj
 

@@ -70,7 +70,7 @@ def test_cpp_ensemble_reconcile_restart_update_delete(cluster, namespace, operat
     op = operator_factory(namespace, "--warm-signal", "engine-or-pod-ready", "--pod-address", "none")
     cluster.kubectl("apply", "-n", namespace, "-f", str(EXAMPLE))
 
-    specialists = {n: wait_phase(cluster, namespace, "specialist", n, "Ready", timeout=180) for n in NAMES}
+    specialists = {n: wait_phase(cluster, namespace, "specialist", n, "Ready", timeout=180, ready="2/2") for n in NAMES}
     for name, sp in specialists.items():
         st = sp["status"]
         assert st["ready"] == "2/2" and st["warmReplicas"] == 2 and st["observedGeneration"] == sp["metadata"]["generation"]
@@ -101,7 +101,7 @@ def test_cpp_ensemble_reconcile_restart_update_delete(cluster, namespace, operat
     assert len(pods) == 16
     assert all(p["spec"]["nodeName"].startswith("kwok-gpu-") for p in pods), [p["spec"].get("nodeName") for p in pods]
 
-    router = wait_phase(cluster, namespace, "ensemblerouter", "cpp", "Ready", timeout=120)
+    router = wait_phase(cluster, namespace, "ensemblerouter", "cpp", "Ready", timeout=120, ready="2/2")
     assert router["status"]["specialists"] == 8 and router["status"]["readySpecialists"] == 8
     cm = get_json(cluster, "configmap", "cpp-router", "-n", namespace)
     config = RouterConfig.model_validate(yaml.safe_load(cm["data"]["router.yaml"]))
