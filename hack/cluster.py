@@ -169,8 +169,8 @@ def openssl(*args: str, cwd: Path) -> None:
         raise ClusterError(f"openssl {args[0]} failed: {proc.stderr.strip().splitlines()[-1:]}")
 
 
-def issue_cert(pki: Path, name: str, cn: str, sans: str = "", org: str = "") -> None:
-    """An EC P-256 key and a cert signed by the local CA (server and client usage)."""
+def issue_cert(pki: Path, name: str, cn: str, sans: str = "", org: str = "", ca: str = "ca") -> None:
+    """An EC P-256 key and a cert signed by the local CA `ca` (server and client usage)."""
     ext = pki / f"{name}.ext"
     lines = ["keyUsage=critical,digitalSignature,keyEncipherment", "extendedKeyUsage=serverAuth,clientAuth"]
     if sans:
@@ -179,7 +179,7 @@ def issue_cert(pki: Path, name: str, cn: str, sans: str = "", org: str = "") -> 
     subject = f"/CN={cn}" + (f"/O={org}" if org else "")
     openssl("req", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
             "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", subject, cwd=pki)
-    openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+    openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.crt", "-CAkey", f"{ca}.key",
             "-set_serial", f"0x{secrets.token_hex(16)}", "-days", "3650", "-extfile", ext.name,
             "-out", f"{name}.crt", cwd=pki)
 
@@ -195,6 +195,12 @@ def make_pki(pki: Path) -> None:
     issue_cert(pki, "etcd", "etcd", loopback)
     issue_cert(pki, "apiserver-etcd-client", "kube-apiserver-etcd-client")
     issue_cert(pki, "kwok", "kwok", loopback)
+    # Front-proxy (requestheader) CA: kube-controller-manager and kube-scheduler read it for their
+    # delegated authentication, and aggregated API servers need it.
+    openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+            "-keyout", "front-proxy-ca.key", "-out", "front-proxy-ca.crt", "-days", "3650",
+            "-subj", "/CN=consort-local-front-proxy-ca", cwd=pki)
+    issue_cert(pki, "front-proxy-client", "front-proxy-client", ca="front-proxy-ca")
     # ServiceAccount tokens are signed ES256: an EC key is generated in milliseconds, RSA is not.
     openssl("genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256", "-out", "sa.key", cwd=pki)
     openssl("pkey", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=pki)
@@ -281,6 +287,12 @@ def component_argv(name: str, layout: Layout, ports: Ports) -> list[str]:
             f"--tls-cert-file={pki / 'apiserver.crt'}", f"--tls-private-key-file={pki / 'apiserver.key'}",
             f"--client-ca-file={pki / 'ca.crt'}", f"--token-auth-file={pki / 'tokens.csv'}",
             "--authorization-mode=RBAC", "--anonymous-auth=false",
+            f"--requestheader-client-ca-file={pki / 'front-proxy-ca.crt'}",
+            "--requestheader-allowed-names=front-proxy-client",
+            "--requestheader-username-headers=X-Remote-User", "--requestheader-group-headers=X-Remote-Group",
+            "--requestheader-extra-headers-prefix=X-Remote-Extra-",
+            f"--proxy-client-cert-file={pki / 'front-proxy-client.crt'}",
+            f"--proxy-client-key-file={pki / 'front-proxy-client.key'}",
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
             f"--service-account-key-file={pki / 'sa.pub'}",
             f"--service-account-signing-key-file={pki / 'sa.key'}",

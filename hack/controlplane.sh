@@ -39,17 +39,12 @@ check_go() {
   fi
 }
 
-# key NAME FILES... : the stamp content for a binary group (pins + hashed inputs + recipe).
+# key NAME FILES... : the stamp content for a binary group: its pins, its hashed inputs and the
+# recipe. The Go version is deliberately not part of it: upgrading Go must not force a 25-minute
+# rebuild, and the fast path must not need Go at all.
 key() {
   local name=$1; shift
-  { echo "$name recipe=$BUILD_RECIPE go=$(go_version_cached)"; cat "$HACK/versions.env" "$@"; } | sha256sum | cut -d' ' -f1
-}
-# The Go version is part of the key but must not cost a go invocation on the fast path:
-# it is read from the Go root's VERSION file when that exists.
-go_version_cached() {
-  local goroot
-  goroot=$(dirname "$(dirname "$(readlink -f "$(command -v go 2>/dev/null || echo /nonexistent/bin/go)")")")
-  head -1 "$goroot/VERSION" 2>/dev/null || echo unknown
+  { echo "$name recipe=$BUILD_RECIPE"; cat "$HACK/versions.env" "$@"; } | sha256sum | cut -d' ' -f1
 }
 
 fresh() { # fresh STAMPNAME KEY BINARIES... : true when the group needs no build
@@ -87,57 +82,76 @@ run_go() {
   say "[$label] done in $((SECONDS - start))s"
 }
 
+KUBE_MOD=$HACK/kube
+KUBE_BINARIES=(kube etcd kube-apiserver kube-controller-manager kube-scheduler kubectl)
+KWOK_PKG=sigs.k8s.io/kwok/cmd/kwok
+KWOK_LDFLAGS="-s -w -X sigs.k8s.io/kwok/pkg/consts.Version=${KWOK_VERSION#v}"
+HELM_PKG=helm.sh/helm/v3/cmd/helm
+HELM_LDFLAGS="-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION -X helm.sh/helm/v3/internal/version.metadata="
+for pkg in helm.sh/helm/v3/pkg/chartutil helm.sh/helm/v3/pkg/lint/rules; do
+  HELM_LDFLAGS+=" -X $pkg.k8sVersionMajor=1 -X $pkg.k8sVersionMinor=$HELM_K8S_MINOR"
+done
+# The kwok controller has no built-in stages (kwokctl passes them in); we use kwok's own upstream
+# "fast" stages from the module just built: nodes Ready at once, pods Running/Ready at once.
+KWOK_STAGES=$CACHE/share/kwok/stages.yaml
+
+# Version ldflags so `kubectl version` and Helm's kubeVersion checks see the real release
+# (buildDate is added at build time; it must not change the stamp).
+kube_ldflags() {
+  local minor=${KUBERNETES_VERSION#v1.} pkg flags="-s -w"
+  minor=${minor%%.*}
+  for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+    flags+=" -X $pkg.gitVersion=$KUBERNETES_VERSION -X $pkg.gitMajor=1 -X $pkg.gitMinor=$minor"
+    flags+=" -X $pkg.gitTreeState=clean -X $pkg.gitCommit="
+  done
+  echo "$flags"
+}
+
+kube_fresh() {
+  fresh kube "$(key "kube $(kube_ldflags)" "$KUBE_MOD/go.mod" "$KUBE_MOD/go.sum" "$KUBE_MOD"/cmd/*/main.go)" \
+    "${KUBE_BINARIES[@]}"
+}
+kwok_fresh() { fresh kwok "$(key "kwok $KWOK_PKG@$KWOK_VERSION $KWOK_LDFLAGS")" kwok && [ -f "$KWOK_STAGES" ]; }
+helm_fresh() { fresh helm "$(key "helm $HELM_PKG@$HELM_VERSION $HELM_LDFLAGS")" helm; }
+
 build_kube() {
-  local mod=$HACK/kube
-  local inputs=("$mod/go.mod" "$mod/go.sum" "$mod/cmd/kube/main.go" "$mod/cmd/etcd/main.go")
-  local k
-  k=$(key kube "${inputs[@]}")
-  fresh kube "$k" kube etcd kube-apiserver kube-controller-manager kube-scheduler kubectl && return 0
-  grep -q "k8s.io/kubernetes $KUBERNETES_VERSION\$" "$mod/go.mod" \
+  grep -q "k8s.io/kubernetes $KUBERNETES_VERSION\$" "$KUBE_MOD/go.mod" \
     || die "hack/kube/go.mod does not require k8s.io/kubernetes $KUBERNETES_VERSION (hack/versions.env)"
-  if grep -E '^\s*k8s\.io/[a-z-]+ => ' "$mod/go.mod" | grep -vq " $STAGING_VERSION\$"; then
+  if grep -E '^\s*k8s\.io/[a-z-]+ => ' "$KUBE_MOD/go.mod" | grep -vq " $STAGING_VERSION\$"; then
     die "hack/kube/go.mod replaces a staging module with a version other than $STAGING_VERSION"
   fi
-  local minor=${KUBERNETES_VERSION#v1.}; minor=${minor%%.*}
-  local ldflags="-s -w" pkg
+  local ldflags pkg
+  ldflags="$(kube_ldflags)"
   for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
-    ldflags+=" -X $pkg.gitVersion=$KUBERNETES_VERSION -X $pkg.gitMajor=1 -X $pkg.gitMinor=$minor"
-    ldflags+=" -X $pkg.gitTreeState=clean -X $pkg.buildDate=$(date -u +%Y-%m-%dT%H:%M:%SZ)"
+    ldflags+=" -X $pkg.buildDate=$(date -u +%Y-%m-%dT%H:%M:%SZ)"
   done
-  run_go kube-download "" "$mod" go mod download
+  run_go kube-download "" "$KUBE_MOD" go mod download
   local total
-  total=$(cd "$mod" && go list -tags providerless -deps ./cmd/kube ./cmd/etcd | grep -c .) || total=""
-  run_go kube "$total" "$mod" go build -v -trimpath -tags providerless -ldflags "$ldflags" \
+  total=$(cd "$KUBE_MOD" && go list -tags providerless -deps ./cmd/kube ./cmd/etcd | grep -c .) || total=""
+  run_go kube "$total" "$KUBE_MOD" go build -v -trimpath -tags providerless -ldflags "$ldflags" \
     -o "$BIN/" ./cmd/kube ./cmd/etcd
   local name
   for name in kube-apiserver kube-controller-manager kube-scheduler kubectl; do
     ln -sfn kube "$BIN/$name"
   done
-  # go build -mod=mod may have completed go.sum; key on what was actually built.
-  key kube "${inputs[@]}" >"$BIN/.stamp-kube"
+  # Keyed after the build: go build -mod=mod may have completed go.sum.
+  key "kube $(kube_ldflags)" "$KUBE_MOD/go.mod" "$KUBE_MOD/go.sum" "$KUBE_MOD"/cmd/*/main.go >"$BIN/.stamp-kube"
 }
 
 # build_tool NAME PACKAGE VERSION LDFLAGS : go install PACKAGE@VERSION into $BIN.
 build_tool() {
   local name=$1 pkg=$2 version=$3 ldflags=$4
-  local k
-  k=$(key "$name $pkg@$version $ldflags")
-  fresh "$name" "$k" "$name" && { [ "$name" != kwok ] || [ -f "$KWOK_STAGES" ]; } && return 0
   # `go install pkg@version` ignores the current module and rejects -mod.
   GOFLAGS=-buildvcs=false GOBIN=$BIN run_go "$name" "" "$CACHE" \
     go install -v -trimpath -ldflags "$ldflags" "$pkg@$version"
   if [ "$name" = kwok ]; then copy_kwok_stages; fi
-  echo "$k" >"$BIN/.stamp-$name"
+  key "$name $pkg@$version $ldflags" >"$BIN/.stamp-$name"
 }
 
-# The kwok controller has no built-in stages (kwokctl passes them in); use kwok's own upstream
-# "fast" stages from the module just built: nodes Ready at once, pods Running/Ready at once.
-KWOK_STAGES=$CACHE/share/kwok/stages.yaml
 copy_kwok_stages() {
-  local src
+  local src f out=$KWOK_STAGES.tmp
   src=$(go env GOMODCACHE)/sigs.k8s.io/kwok@$KWOK_VERSION/kustomize/stage
   mkdir -p "$(dirname "$KWOK_STAGES")"
-  local f out=$KWOK_STAGES.tmp
   : >"$out"
   for f in node/fast/node-initialize.yaml node/heartbeat-with-lease/node-heartbeat-with-lease.yaml \
     pod/fast/pod-ready.yaml pod/fast/pod-complete.yaml pod/fast/pod-delete.yaml; do
@@ -149,25 +163,19 @@ copy_kwok_stages() {
 
 cmd_build() {
   mkdir -p "$BIN"
-  local kube_inputs=("$HACK/kube/go.mod" "$HACK/kube/go.sum" "$HACK/kube/cmd/kube/main.go" "$HACK/kube/cmd/etcd/main.go")
-  local helm_ld="-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION -X helm.sh/helm/v3/internal/version.metadata= -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMinor=$HELM_K8S_MINOR -X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMinor=$HELM_K8S_MINOR"
-  local kwok_ld="-s -w -X sigs.k8s.io/kwok/pkg/consts.Version=${KWOK_VERSION#v}"
   # Fast path: everything stamped -> no go invocation at all.
-  if [ -f "$HACK/kube/go.sum" ] \
-    && fresh kube "$(key kube "${kube_inputs[@]}")" kube etcd kube-apiserver kube-controller-manager kube-scheduler kubectl \
-    && fresh kwok "$(key "kwok sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION $kwok_ld")" kwok && [ -f "$KWOK_STAGES" ] \
-    && fresh helm "$(key "helm helm.sh/helm/v3/cmd/helm@$HELM_VERSION $helm_ld")" helm; then
+  if kube_fresh && kwok_fresh && helm_fresh; then
     return 0
   fi
   check_go
   export GOWORK=off CGO_ENABLED=0 GOFLAGS="-mod=mod -buildvcs=false" GOTOOLCHAIN=local
-  touch "$HACK/kube/go.sum"
   local start=$SECONDS
-  say "building the local control plane into $BIN (kubernetes $KUBERNETES_VERSION, etcd $ETCD_VERSION, kwok $KWOK_VERSION, helm $HELM_VERSION); a cold build takes 15-40 min on 2 cores"
-  build_kube
-  build_tool kwok sigs.k8s.io/kwok/cmd/kwok "$KWOK_VERSION" "$kwok_ld"
-  build_tool helm helm.sh/helm/v3/cmd/helm "$HELM_VERSION" "$helm_ld"
-  say "all binaries ready in $BIN after $(( (SECONDS - start) / 60 ))m$(( (SECONDS - start) % 60 ))s"
+  say "building the local control plane into $BIN (kubernetes $KUBERNETES_VERSION, etcd $ETCD_VERSION," \
+    "kwok $KWOK_VERSION, helm $HELM_VERSION); a cold build takes 15-40 min on 2 cores"
+  kube_fresh || build_kube
+  kwok_fresh || build_tool kwok "$KWOK_PKG" "$KWOK_VERSION" "$KWOK_LDFLAGS"
+  helm_fresh || build_tool helm "$HELM_PKG" "$HELM_VERSION" "$HELM_LDFLAGS"
+  say "all binaries ready in $BIN after $(((SECONDS - start) / 60))m$(((SECONDS - start) % 60))s"
 }
 
 # --- cluster --------------------------------------------------------------------------------

@@ -23,8 +23,10 @@ Fixture API (stable; the operator's e2e tests rely on it)
       component's log); None with --use-existing-cluster
 
 ``namespace`` (function scope)
-    A fresh namespace (``t-<test name>-<random>``) whose ``default`` ServiceAccount exists; deleted
-    after the test, waiting (bounded, 90 s) until it is gone. Yields the name (str).
+    A fresh namespace (``t-<test name>-<random>``) whose ``default`` ServiceAccount exists. Yields
+    the name (str). After the test it is deleted and its pods are force-deleted (waiting, bounded,
+    until none is left, so node capacity is free for the next test); the session waits once at the
+    end (bounded, 90 s) until every test namespace is gone, and fails if one is not.
 
 Helpers in tests/kube.py: ``wait_for(predicate, timeout, what, interval=0.2)`` (a predicate may
 raise ``NotYet("what I saw")`` to report its observation), ``condition``, ``owned_by``.
@@ -187,20 +189,49 @@ def _namespace_name(test_name: str) -> str:
     return f"t-{stem[:48].strip('-')}-{secrets.token_hex(3)}"
 
 
+@pytest.fixture(scope="session")
+def _namespace_reaper(cluster: Cluster):
+    """Waits at session end (bounded) until every test namespace is really gone.
+
+    Namespace finalization takes ~10 s (kube-controller-manager waits 5 s before it starts and
+    then re-checks), so each test only starts the deletion and frees its pods; this waits once.
+    """
+    pending: list[str] = []
+    yield pending
+
+    def all_gone() -> bool:
+        namespaces = cluster.kubectl_json("get", "namespaces")["items"]
+        left = {ns["metadata"]["name"]: ns for ns in namespaces if ns["metadata"]["name"] in pending}
+        if left:
+            # The namespace controller says why (content or finalizers remaining) in its conditions.
+            why = {name: [c.get("message") for c in (ns.get("status") or {}).get("conditions") or []
+                          if c.get("status") == "True"] for name, ns in left.items()}
+            raise NotYet(f"still present: {why}")
+        return True
+
+    if pending:
+        wait_for(all_gone, NAMESPACE_DELETE_TIMEOUT_S, f"{len(pending)} test namespaces to be deleted", interval=0.5)
+
+
 @pytest.fixture
-def namespace(cluster: Cluster, request: pytest.FixtureRequest):
+def namespace(cluster: Cluster, _namespace_reaper: list[str], request: pytest.FixtureRequest):
     name = _namespace_name(request.node.name)
     cluster.kubectl("create", "namespace", name)
+    _namespace_reaper.append(name)
     # Pods are rejected until the ServiceAccount controller has created `default`.
     wait_for(lambda: cluster.kubectl("get", "serviceaccount", "default", "-n", name, check=False).returncode == 0,
              30, f"ServiceAccount default in namespace {name}")
     yield name
+    # Terminating first (nothing new can be created in it), then free the pods' node capacity at
+    # once so the next test schedules onto empty nodes; the namespace itself is awaited at the end.
     cluster.kubectl("delete", "namespace", name, "--wait=false", "--ignore-not-found")
+    cluster.kubectl("delete", "pods", "--all", "-n", name, "--grace-period=0", "--force", "--wait=false",
+                    "--ignore-not-found", check=False)
 
-    def gone() -> bool:
-        proc = cluster.kubectl("get", "namespace", name, "-o", "jsonpath={.status.phase}", check=False)
-        if proc.returncode != 0 and "NotFound" in proc.stderr:
-            return True
-        raise NotYet(f"namespace phase {proc.stdout or proc.stderr.strip()!r}")
+    def no_pods() -> bool:
+        left = cluster.kubectl("get", "pods", "-n", name, "-o", "name", check=False).stdout.split()
+        if left:
+            raise NotYet(f"pods left: {left}")
+        return True
 
-    wait_for(gone, NAMESPACE_DELETE_TIMEOUT_S, f"namespace {name} to be deleted", interval=0.5)
+    wait_for(no_pods, 30, f"the pods of namespace {name} to be deleted")
