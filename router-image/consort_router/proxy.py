@@ -78,6 +78,10 @@ async def open_upstream(
             r.inflight -= 1
             r.ready, r.reason = False, f"request failed: {type(e).__name__}"
             last_error = e
+            a = Attempt(r, 0, "connect_error")
+            attempts.append(a)
+            if on_attempt:
+                on_attempt(a, True)
             continue
         except BaseException:
             r.inflight -= 1

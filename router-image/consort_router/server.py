@@ -390,9 +390,10 @@ async def handle_generation(request: web.Request, kind: str, path: str) -> web.S
     capture = primary_done is not None or verify
 
     def on_attempt(a: Attempt, retried: bool) -> None:
-        router.lanes.record_response(d.specialist, a.status == 429, d.intent, time.monotonic())
+        if a.status:
+            router.lanes.record_response(d.specialist, a.status == 429, d.intent, time.monotonic())
         if retried:
-            router.metrics.retries.labels(d.specialist, str(a.status)).inc()
+            router.metrics.retries.labels(d.specialist, "connect" if a.status == 0 else str(a.status)).inc()
 
     text: str | None = None
     status = 0
