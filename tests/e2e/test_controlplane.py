@@ -79,6 +79,11 @@ def test_kwok_nodes_advertise_gpus_and_are_ready(cluster):
     assert any(n == 0 for n in gpus.values()), f"expected a CPU-only node: {gpus}"
     for node in nodes:
         assert condition(node, "Ready")["status"] == "True", node["metadata"]["name"]
+    # The same view through the Python client the operator uses.
+    from kubernetes import client
+
+    listed = client.CoreV1Api(cluster.api_client()).list_node()
+    assert {n.metadata.name for n in listed.items} == set(gpus)
 
 
 def test_crd_schema_rejects_invalid_object_with_apiserver_message(cluster, namespace, widget_crd):

@@ -100,3 +100,35 @@ def test_build_with_unreachable_module_proxy_names_the_proxy(tmp_path: Path):
     last = result.stderr.strip().splitlines()[-1]
     assert "cannot download Go modules from GOPROXY=http://127.0.0.1:9" in last, result.stderr
     subprocess.run(["chmod", "-R", "u+w", str(tmp_path)], check=False)  # the module cache is read-only
+
+
+def test_a_port_taken_between_choosing_and_binding_is_detected_and_retried(tmp_path: Path, monkeypatch, capsys):
+    # Hand etcd a port that a listener here already holds: etcd fails to bind, `up` must notice,
+    # name the cause and start again on fresh ports instead of hanging.
+    import socket
+
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    real_choose = cluster_script.choose_free_ports
+    calls: list[int] = []
+
+    def choose_with_a_taken_port(count: int) -> list[int]:
+        calls.append(count)
+        ports = real_choose(count)
+        return [busy.getsockname()[1], *ports[1:]] if len(calls) == 1 else ports
+
+    monkeypatch.setattr(cluster_script, "choose_free_ports", choose_with_a_taken_port)
+    cluster_dir = tmp_path / "cluster"
+    bin_dir = str(Path.home() / ".cache" / "consort" / "bin")
+    try:
+        assert cluster_script.main(["up", "--dir", str(cluster_dir), "--bin-dir", bin_dir]) == 0
+        err = capsys.readouterr().err
+        assert "a port was taken between choosing and binding it" in err and "retrying with new ports" in err
+        assert len(calls) == 2
+        state = json.loads((cluster_dir / "state.json").read_text())
+        assert state["ports"]["etcd"] != busy.getsockname()[1]
+    finally:
+        busy.close()
+        cluster_script.main(["down", "--dir", str(cluster_dir), "--bin-dir", bin_dir])
+    assert live_pids(cluster_dir) == {}
