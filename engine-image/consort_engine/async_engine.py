@@ -273,9 +273,11 @@ class AsyncEngine:
                     log.error("engine step failed:\n%s", traceback.format_exc())
                     self._recover(e)
                     outputs = []
+                self._refresh()   # before delivery: a client that got its output sees stats at least this fresh
                 if outputs:
                     self._loop.call_soon_threadsafe(self._deliver, outputs)
-            self._refresh()
+            else:
+                self._refresh()
 
     def _recover(self, exc: Exception) -> None:
         self._loop.call_soon_threadsafe(self._fail_all, EngineFailed(f"engine step failed: {exc}"))
