@@ -4,7 +4,7 @@ Fixture API (stable; the operator's e2e tests rely on it)
 ---------------------------------------------------------
 ``cluster`` (session scope, lazy: only tests that request it start it)
     Starts a private control plane (etcd, kube-apiserver, kube-controller-manager, kube-scheduler,
-    kwok; see hack/cluster.py) in its own state dir and stops it when the session ends. With
+    kwok; see hack/localcluster/) in its own state dir and stops it when the session ends. With
     ``pytest --use-existing-cluster`` and ``KUBECONFIG`` set, it uses that cluster instead and stops
     nothing. The local cluster has kwok nodes ``kwok-gpu-0``, ``kwok-gpu-1`` (``nvidia.com/gpu: 8``,
     64 CPU, 512Gi) and ``kwok-cpu-0`` (16 CPU, 64Gi); kwok pods become Running/Ready at once, their
@@ -145,10 +145,14 @@ def _sweep_abandoned_clusters() -> None:
     """Stops clusters left by earlier pytest sessions that were killed before their teardown."""
     if not TEST_CLUSTERS.is_dir():
         return
-    for cluster_dir in TEST_CLUSTERS.iterdir():
-        match = re.fullmatch(r"pytest-(\d+)", cluster_dir.name)
-        if match and not _pid_alive(int(match.group(1))):
-            _controlplane("down", cluster_dir, timeout=60)
+    for entry in TEST_CLUSTERS.iterdir():
+        match = re.fullmatch(r"pytest-(\d+)(\.lock)?", entry.name)
+        if not match or _pid_alive(int(match.group(1))):
+            continue
+        if match.group(2):
+            entry.unlink(missing_ok=True)
+        else:
+            _controlplane("down", entry, timeout=60)
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
 CONTROLPLANE = REPO / "hack" / "controlplane.sh"
 sys.path.insert(0, str(REPO / "hack"))
-import cluster as cluster_script  # noqa: E402  (hack/cluster.py)
+from localcluster import commands, components, layout, processes  # noqa: E402  (hack/localcluster)
 
 
 def controlplane(*args: str, cluster_dir: Path | None = None, timeout: float = 240,
@@ -30,8 +30,8 @@ def controlplane(*args: str, cluster_dir: Path | None = None, timeout: float = 2
 
 
 def live_pids(cluster_dir: Path) -> dict[str, int]:
-    layout = cluster_script.Layout(cluster_dir.resolve(), Path.home() / ".cache" / "consort" / "bin")
-    return cluster_script.cluster_pids(layout)
+    where = layout.Layout(cluster_dir.resolve(), Path.home() / ".cache" / "consort" / "bin")
+    return processes.cluster_pids(where)
 
 
 @pytest.fixture
@@ -51,7 +51,7 @@ def test_up_is_idempotent_recovers_from_a_crashed_component_and_down_stops_every
     # The target is a usable apiserver within 30 s of a warm `up` (binaries cached).
     assert state["apiserver_ready_s"] <= 30, state
     pids = live_pids(private_dir)
-    assert sorted(pids) == sorted(cluster_script.COMPONENTS)
+    assert sorted(pids) == sorted(components.COMPONENTS)
 
     again = controlplane("up", cluster_dir=private_dir)
     assert again.returncode == 0, again.stderr
@@ -70,7 +70,7 @@ def test_up_is_idempotent_recovers_from_a_crashed_component_and_down_stops_every
     assert recovered.returncode == 0, recovered.stderr
     assert "stopped stale processes from an earlier run" in recovered.stderr
     new_pids = live_pids(private_dir)
-    assert sorted(new_pids) == sorted(cluster_script.COMPONENTS)
+    assert sorted(new_pids) == sorted(components.COMPONENTS)
     assert not set(new_pids.values()) & set(pids.values())
     kubectl = Path.home() / ".cache" / "consort" / "bin" / "kubectl"
     nodes = subprocess.run([str(kubectl), f"--kubeconfig={kubeconfig}", "get", "nodes", "-o", "name"],
@@ -110,7 +110,7 @@ def test_a_port_taken_between_choosing_and_binding_is_detected_and_retried(tmp_p
     busy = socket.socket()
     busy.bind(("127.0.0.1", 0))
     busy.listen()
-    real_choose = cluster_script.choose_free_ports
+    real_choose = commands.choose_free_ports
     calls: list[int] = []
 
     def choose_with_a_taken_port(count: int) -> list[int]:
@@ -118,11 +118,11 @@ def test_a_port_taken_between_choosing_and_binding_is_detected_and_retried(tmp_p
         ports = real_choose(count)
         return [busy.getsockname()[1], *ports[1:]] if len(calls) == 1 else ports
 
-    monkeypatch.setattr(cluster_script, "choose_free_ports", choose_with_a_taken_port)
+    monkeypatch.setattr(commands, "choose_free_ports", choose_with_a_taken_port)
     cluster_dir = tmp_path / "cluster"
     bin_dir = str(Path.home() / ".cache" / "consort" / "bin")
     try:
-        assert cluster_script.main(["up", "--dir", str(cluster_dir), "--bin-dir", bin_dir]) == 0
+        assert commands.main(["up", "--dir", str(cluster_dir), "--bin-dir", bin_dir]) == 0
         err = capsys.readouterr().err
         assert "a port was taken between choosing and binding it" in err and "retrying with new ports" in err
         assert len(calls) == 2
@@ -130,5 +130,5 @@ def test_a_port_taken_between_choosing_and_binding_is_detected_and_retried(tmp_p
         assert state["ports"]["etcd"] != busy.getsockname()[1]
     finally:
         busy.close()
-        cluster_script.main(["down", "--dir", str(cluster_dir), "--bin-dir", bin_dir])
+        commands.main(["down", "--dir", str(cluster_dir), "--bin-dir", bin_dir])
     assert live_pids(cluster_dir) == {}
