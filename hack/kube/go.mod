@@ -1,6 +1,8 @@
 // Wrapper module: builds the control plane from k8s.io/kubernetes at a pinned release.
-// k8s.io/kubernetes requires its staging modules at v0.0.0 with local replaces; every one is
-// replaced here with its published version. Generated/updated by hack/controlplane.sh pins.
+// k8s.io/kubernetes requires its staging modules at v0.0.0 with local replaces; every one of them
+// (the `replace` block of k8s.io/kubernetes's own go.mod) is replaced here with its published
+// v0.X.Y. To move to another release: update hack/versions.env, the k8s.io/kubernetes and etcd
+// requires and every replace below, then `GOWORK=off go mod tidy` here and commit go.mod/go.sum.
 module consort.dev/hack/kube
 
 go 1.25.0
