@@ -53,6 +53,9 @@ class RouterMetrics:
                                   ["specialist", "replica"], registry=r)
         self.routing_seconds = Histogram("consort_router_routing_seconds", "Time to the routing decision.",
                                          registry=r, buckets=LATENCY_BUCKETS)
+        self.overhead = Histogram("consort_router_overhead_seconds",
+                                  "Router time per request outside the engine: arrival to upstream send, plus "
+                                  "relaying the first chunk.", registry=r, buckets=LATENCY_BUCKETS)
         self.ttft = Histogram("consort_router_time_to_first_byte_seconds", "Request arrival to first upstream byte.",
                               ["specialist"], registry=r, buckets=LATENCY_BUCKETS)
         self.config_reloads = Counter("consort_router_config_reloads", "Config reloads by result.", ["result"],

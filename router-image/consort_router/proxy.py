@@ -126,6 +126,7 @@ class RelayResult:
     completed: bool            # the whole upstream body reached the client
     captured: bytes = b""      # the body, when capture was asked for
     error: str = ""            # upstream_failed | client_disconnected
+    first_relay_s: float = 0.0 # first chunk: received from upstream -> written to the client
 
 
 async def relay_stream(up: Upstream, out: web.StreamResponse, request: web.Request, capture: bool) -> RelayResult:
@@ -139,11 +140,15 @@ async def relay_stream(up: Upstream, out: web.StreamResponse, request: web.Reque
     try:
         await out.prepare(request)
         try:
+            first_relay = 0.0
             async for chunk in resp.content.iter_any():
+                t = time.perf_counter() if not first_relay else 0.0
                 if capture and size < CAPTURE_LIMIT:
                     buf.append(chunk)
                     size += len(chunk)
                 await out.write(chunk)
+                if t:
+                    first_relay = time.perf_counter() - t
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
             try:
                 await out.write(sse_error("upstream_failed", f"the engine stopped mid-stream ({type(e).__name__})"))
@@ -153,7 +158,7 @@ async def relay_stream(up: Upstream, out: web.StreamResponse, request: web.Reque
             return RelayResult(False, b"".join(buf), "upstream_failed")
         done = True
         await out.write_eof()
-        return RelayResult(True, b"".join(buf))
+        return RelayResult(True, b"".join(buf), first_relay_s=first_relay)
     except ConnectionResetError:
         return RelayResult(False, b"".join(buf), "client_disconnected")
     finally:

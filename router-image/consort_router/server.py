@@ -397,6 +397,7 @@ async def handle_generation(request: web.Request, kind: str, path: str) -> web.S
 
     text: str | None = None
     status = 0
+    pre_upstream = time.monotonic() - t0
     try:
         try:
             up = await open_upstream(
@@ -419,6 +420,7 @@ async def handle_generation(request: web.Request, kind: str, path: str) -> web.S
                 out = web.StreamResponse(status=200)
                 copy_headers(resp, out)
                 result = await relay_stream(up, out, request, capture)
+                router.metrics.overhead.observe(pre_upstream + result.first_relay_s)
                 if result.error == "upstream_failed":
                     router.metrics.stream_errors.labels(d.specialist).inc()
                     status = 502
@@ -442,6 +444,7 @@ async def handle_generation(request: web.Request, kind: str, path: str) -> web.S
                     text = None
             out = web.Response(status=status, body=raw)
             copy_headers(resp, out)
+            router.metrics.overhead.observe(pre_upstream)
             return out
         finally:
             up.replica.inflight -= 1
