@@ -9,7 +9,7 @@ block alone in a fresh temp dir with:
     `-fconstexpr-ops-limit`;
   * RLIMIT_CPU, RLIMIT_AS, RLIMIT_FSIZE, RLIMIT_CORE=0, a wall timeout that kills the process group;
   * cwd = the temp dir, scrubbed environment (no CPATH & co.), new session;
-  * a fresh network namespace (`unshare -n`) when permitted.
+  * a fresh network namespace (`unshare -n`, or `unshare -r -n` unprivileged) when permitted.
 A response passes when every C++ block compiles; a response without C++ code is not a sample.
 """
 from __future__ import annotations
@@ -128,14 +128,19 @@ class VerifyResult:
         }
 
 
-def _can_unshare_net() -> bool:
+def unshare_prefix() -> list[str]:
+    """A command prefix that runs the compiler in a fresh, empty network namespace, or [] if not permitted:
+    `unshare -n` (root / CAP_SYS_ADMIN), else `unshare -r -n` (an unprivileged user namespace)."""
     exe = shutil.which("unshare")
     if exe is None:
-        return False
-    try:
-        return subprocess.run([exe, "-n", "--", "true"], capture_output=True, timeout=5).returncode == 0
-    except (OSError, subprocess.SubprocessError):
-        return False
+        return []
+    for flags in (["-n"], ["-r", "-n"]):
+        try:
+            if subprocess.run([exe, *flags, "--", "true"], capture_output=True, timeout=5).returncode == 0:
+                return [exe, *flags, "--"]
+        except (OSError, subprocess.SubprocessError):
+            continue
+    return []
 
 
 class Verifier:
@@ -146,11 +151,11 @@ class Verifier:
         gxx = shutil.which(cfg.gxx)
         self.gxx = gxx
         self.unshare: list[str] = []
-        if cfg.network != "inherit":
-            if _can_unshare_net():
-                self.unshare = [shutil.which("unshare") or "unshare", "-n", "--"]
-            elif cfg.network == "unshare":
-                raise RuntimeError("verifier.network=unshare but `unshare -n` is not permitted here")
+        if cfg.network != "inherit" and cfg.enabled:
+            self.unshare = unshare_prefix()
+            if not self.unshare and cfg.network == "unshare":
+                raise RuntimeError("verifier.network=unshare but neither `unshare -n` nor `unshare -r -n` is "
+                                   "permitted here")
 
     @property
     def available(self) -> bool:

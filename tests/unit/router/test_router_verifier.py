@@ -3,6 +3,7 @@ includes outside the standard headers can neither read files nor hang."""
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import time
 
@@ -172,8 +173,12 @@ async def test_bounded_concurrency():
 
 async def test_no_network_and_scrubbed_env(tmp_path, monkeypatch):
     v = verifier()
+    if os.geteuid() == 0:
+        assert v.unshare[-2:] == ["-n", "--"]  # root here: the compiler runs without a network
     if v.unshare:
-        assert v.unshare[-2:] == ["-n", "--"]
+        import subprocess
+        out = subprocess.run([*v.unshare, "cat", "/proc/net/dev"], capture_output=True, text=True, timeout=10)
+        assert [ln.split(":")[0].strip() for ln in out.stdout.splitlines()[2:]] == ["lo"]  # only loopback
     monkeypatch.setenv("CPLUS_INCLUDE_PATH", "/etc")
     # with CPLUS_INCLUDE_PATH=/etc, <passwd> would resolve; the scrubbed env must not see it
     r = await v.compile_block("#include <passwd>\n")
