@@ -32,12 +32,14 @@ class Operator:
         self.metrics_port = free_port()
         self.liveness_port = free_port()
         self.proc: subprocess.Popen | None = None
+        self.start_argv_filter = lambda argv: argv
 
     def start(self) -> "Operator":
         argv = [CONSORT, "operator", "--kubeconfig", str(self.cluster.kubeconfig), "--namespace", self.namespace,
                 "--standalone", "--metrics-host", "127.0.0.1", "--metrics-port", str(self.metrics_port),
                 "--liveness", f"http://127.0.0.1:{self.liveness_port}/healthz",
                 "--poll-seconds", "0.5", "--idle-seconds", "5", *self.extra]
+        argv = self.start_argv_filter(argv)
         out = open(self.log_path, "ab")
         self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=self.cluster.env())
         out.close()

@@ -1,0 +1,139 @@
+"""The Helm chart: lint-clean, installs into the local control plane, and its ClusterRole is enough
+for the operator (run as the chart's ServiceAccount), with two peered replicas of which one acts."""
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import pytest
+import yaml
+from kube import NotYet, wait_for
+from opkit import REPO, Operator, get_json, wait_phase
+
+pytestmark = pytest.mark.e2e
+
+CHART = REPO / "charts" / "consort"
+
+
+def specialist(name: str, replicas: int = 1) -> str:
+    return yaml.safe_dump({
+        "apiVersion": "consort.dev/v1alpha1", "kind": "Specialist",
+        "metadata": {"name": name, "labels": {"consort.dev/ensemble": "chart"}},
+        "spec": {"model": {"source": "hf://Qwen/Qwen2.5-Coder-1.5B-Instruct"}, "replicas": replicas, "minReady": 1,
+                 "intents": ["codegen"]}})
+
+
+ROUTER = yaml.safe_dump({
+    "apiVersion": "consort.dev/v1alpha1", "kind": "EnsembleRouter", "metadata": {"name": "front"},
+    "spec": {"specialistSelector": {"matchLabels": {"consort.dev/ensemble": "chart"}}, "replicas": 1}})
+
+
+def test_helm_lint_is_clean(cluster):
+    out = cluster.helm("lint", str(CHART), "--strict")
+    assert "0 chart(s) failed" in out.stdout and "[WARNING]" not in out.stdout and "[ERROR]" not in out.stdout, out.stdout
+
+
+def test_template_rejects_values_outside_the_schema(cluster):
+    bad = cluster.helm("template", "x", str(CHART), "--set", "warmSignal=sometimes", check=False)
+    assert bad.returncode != 0 and "warmSignal" in bad.stderr, bad.stderr
+    off = cluster.helm("template", "x", str(CHART), "--set", "networkPolicy.enabled=false")
+    docs = [d for d in yaml.safe_load_all(off.stdout) if d]
+    dep = next(d for d in docs if d["kind"] == "Deployment")
+    assert "--no-network-policy" in dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    role = next(d for d in docs if d["kind"] == "ClusterRole")
+    assert not any("networkpolicies" in r["resources"] for r in role["rules"])
+
+
+@pytest.mark.timeout(600)
+def test_chart_installs_and_its_rbac_runs_two_peered_operators(cluster, crds, namespace, tmp_path):
+    release = f"c{namespace[-6:]}"
+    cluster.helm("install", release, str(CHART), "-n", namespace, "--wait=false",
+                 "--set", f"watchNamespaces={{{namespace}}}", "--set", "replicaCount=2")
+    operators: list[Operator] = []
+    try:
+        dep = get_json(cluster, "deployment", "-n", namespace, "-l", "app.kubernetes.io/name=consort-operator")["items"][0]
+        pod = dep["spec"]["template"]["spec"]
+        assert dep["spec"]["replicas"] == 2 and pod["securityContext"]["runAsNonRoot"] is True
+        args = pod["containers"][0]["args"]
+        assert f"--namespace={namespace}" in args and "--peering=consort" in args
+        get_json(cluster, "kopfpeering", "consort", "-n", namespace)
+        role = get_json(cluster, "clusterrole", "-l", f"app.kubernetes.io/instance={release}")["items"][0]
+        verbs = {v for r in role["rules"] for v in r["verbs"]}
+        assert verbs <= {"get", "list", "watch", "patch", "create"}, verbs
+        assert not any(r["resources"] == ["*"] or r["verbs"] == ["*"] for r in role["rules"])
+
+        def pods_running() -> bool:
+            pods = get_json(cluster, "pods", "-n", namespace, "-l", "app.kubernetes.io/name=consort-operator")["items"]
+            if len([p for p in pods if p["status"].get("phase") == "Running"]) != 2:
+                raise NotYet(f"{[p['status'].get('phase') for p in pods]}")
+            return True
+
+        wait_for(pods_running, 60, "two (kwok) operator pods Running")
+
+        # The operator as the chart's ServiceAccount: its ClusterRole must be enough for everything.
+        sa = dep["spec"]["template"]["spec"]["serviceAccountName"]
+        token = cluster.kubectl("create", "token", sa, "-n", namespace, "--duration=1h").stdout.strip()
+        kc = yaml.safe_load(cluster.kubeconfig.read_text())
+        kc["users"] = [{"name": "operator", "user": {"token": token}}]
+        kc["contexts"][0]["context"]["user"] = "operator"
+        sa_kubeconfig = tmp_path / "sa.kubeconfig"
+        sa_kubeconfig.write_text(yaml.safe_dump(kc))
+
+        class SACluster:
+            kubeconfig = sa_kubeconfig
+            env = cluster.env
+
+        args = ("--peering", "consort", "--warm-signal", "pod-ready", "--pod-address", "none")
+        for i in range(2):
+            op = Operator(SACluster, namespace, tmp_path / f"op{i}", *args)
+            (tmp_path / f"op{i}").mkdir()
+            # --peering replaces --standalone: drop the latter from the default argv.
+            op.start_argv_filter = lambda argv: [a for a in argv if a != "--standalone"]
+            operators.append(op.start())
+
+        def peers() -> dict:
+            st = get_json(cluster, "kopfpeering", "consort", "-n", namespace).get("status") or {}
+            if len(st) != 2:
+                raise NotYet(f"peers {list(st)}")
+            return st
+
+        st = wait_for(peers, 60, "both operators registered in the KopfPeering")
+        cluster.kubectl("apply", "-n", namespace, "-f", "-", input=specialist("alpha") + "---\n" + ROUTER)
+        wait_phase(cluster, namespace, "specialist", "alpha", "Ready", timeout=90)
+        wait_phase(cluster, namespace, "ensemblerouter", "front", "Ready", timeout=90)
+        for kind, name in (("deployment", "alpha"), ("service", "alpha"), ("pdb", "alpha"), ("networkpolicy", "alpha-engine"),
+                           ("role", "front-router"), ("rolebinding", "front-router"), ("configmap", "front-router")):
+            get_json(cluster, kind, name, "-n", namespace)
+
+        def acted(op: Operator) -> float:
+            return sum(v for k, v in op.metrics().items() if k.startswith("consort_operator_reconcile_total{"))
+
+        counts = [acted(op) for op in operators]
+        assert sorted(c > 0 for c in counts) == [False, True], f"exactly one replica acts: {counts}"
+        active, standby = (operators[0], operators[1]) if counts[0] else (operators[1], operators[0])
+        prio = {op: int(re.search(r"peering priority (\d+)", op.log_path.read_text()).group(1)) for op in operators}
+        assert prio[active] > prio[standby], "the highest-priority peer is the one acting"
+        assert sorted(p["priority"] for p in st.values()) == sorted(prio.values())
+
+        # The active replica goes away; the standby takes over and reconciles a change.
+        active.stop()
+        cluster.kubectl("apply", "-n", namespace, "-f", "-", input=specialist("alpha", replicas=2))
+
+        def scaled() -> bool:
+            d = get_json(cluster, "deployment", "alpha", "-n", namespace)
+            if d["spec"]["replicas"] != 2:
+                raise NotYet(f"replicas {d['spec']['replicas']}")
+            return True
+
+        wait_for(scaled, 90, "the standby operator to take over and scale alpha")
+        assert acted(standby) > 0
+    finally:
+        # Release Kopf's finalizers while an operator still runs, then stop them.
+        if any(op.proc is not None and op.proc.poll() is None for op in operators):
+            cluster.kubectl("delete", "specialists,ensemblerouters", "--all", "-n", namespace, "--wait=true",
+                            "--timeout=60s", check=False, timeout=90)
+        for op in operators:
+            op.stop()
+        cluster.helm("uninstall", release, "-n", namespace, check=False)
+    assert get_json(cluster, "clusterrole", "-l", f"app.kubernetes.io/instance={release}")["items"] == []
