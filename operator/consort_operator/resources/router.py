@@ -164,7 +164,8 @@ def router_deployment(name: str, namespace: str, uid: str, spec: EnsembleRouterS
         "name": COMPONENT,
         "image": spec.image or ctx.router_image,
         "imagePullPolicy": ctx.image_pull_policy,
-        "command": ["consort", "router"],
+        # `consort router` with its breaker state kept in this EnsembleRouter's status (router_store.py).
+        "command": ["python", "-m", "consort_operator.router_store"],
         "args": ["--config", f"{CONFIG_DIR}/{CONFIG_FILE}", "--host", "0.0.0.0", "--port", str(ROUTER_PORT)],
         "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
         "env": [

@@ -173,7 +173,13 @@ def test_router_children_rbac_is_least_privilege():
     pod = dep["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == "cpp-router" and dep["spec"]["replicas"] == 3
     c = pod["containers"][0]
+    assert c["command"] == ["python", "-m", "consort_operator.router_store"]
     assert c["args"][:2] == ["--config", "/etc/consort/router/router.yaml"]
+    from consort_router.server import parse_args   # the entry point takes the router's own flags
+
+    assert parse_args(c["args"]).port == 8080
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["CONSORT_ENSEMBLE_ROUTER"] == "ns/cpp"
     mounts = {m["name"]: m for m in c["volumeMounts"]}
     assert "subPath" not in mounts["config"]    # hot reload needs the directory mount
     assert mounts["api-keys"]["mountPath"] == "/etc/consort/auth"
