@@ -201,7 +201,17 @@ async def specialist_index(namespace: str, name: str, labels: Any, spec: Any, st
         "phase": status.get("phase"),
         "warmReplicas": status.get("warmReplicas") or 0,
         "breaker": (status.get("breaker") or {}).get("state") or "Closed",
+        "laneAdapter": _lane_adapter_raw(spec, status),
     }}
+
+
+def _lane_adapter_raw(spec: Any, status: Any) -> str | None:
+    """lifecycle.rollout.lane_adapter over raw dicts (the index keeps no parsed models)."""
+    state = {a.get("name"): a.get("state") for a in status.get("adapters") or []}
+    for a in reversed(spec.get("adapters") or []):
+        if state.get(a.get("name")) in ("Probation", "Active"):
+            return a.get("name")
+    return None
 
 
 @kopf.index(GROUP, VERSION, "ensemblerouters")
@@ -381,8 +391,21 @@ async def reconcile_specialist(body: Any, owned: Owned, pod_index: Any, deployme
                                     selector=specialist_res.pod_selector_string(name))
     events += ev
 
+    labels = dict(meta.get("labels") or {})
+    router_states = [r["breakerState"] for r in router_index.get(namespace, [])
+                     if LabelSelector.model_validate(r["selector"] or {}).matches(labels)]
+    # Correctness samples of the lane's current rotation, as the router collected them since the
+    # lane revision it was given (a Probation adapter is the lane's default adapter).
+    lane = rollout_lc.lane_adapter(spec, prev.get("adapters"))
+    samples: dict[str, tuple[int, int]] = {}
+    if lane is not None:
+        revision = router_res.Lane(name, namespace, spec, lane).revision
+        for st in router_states:
+            got = rollout_lc.samples_from_router(((st or {}).get("breakers") or {}).get(name), revision)
+            if got:
+                samples[lane] = got
     warm = [(r["source"], probes.get(r["pod"])) for r in status["replicaStatus"] if r["warm"]]
-    obs = rollout_lc.observations_from_replicas(spec.adapter_names(), warm)
+    obs = rollout_lc.observations_from_replicas(spec.adapter_names(), warm, samples)
     adapters, active, ev = rollout_lc.evaluate(spec, status["warmReplicas"], obs, prev.get("adapters"), now)
     events += ev
     status["adapters"] = adapters or None
@@ -390,9 +413,6 @@ async def reconcile_specialist(body: Any, owned: Owned, pod_index: Any, deployme
     conds = rollout_lc.rollout_condition(status["conditions"], adapters, now, generation) if (adapters or prev.get("adapters")) \
         else set_condition(status["conditions"], "AdapterRollout", False, "NoAdapters", "no adapters configured", now, generation)
 
-    labels = dict(meta.get("labels") or {})
-    router_states = [r["breakerState"] for r in router_index.get(namespace, [])
-                     if LabelSelector.model_validate(r["selector"] or {}).matches(labels)]
     brk, conds, ev = breaker_lc.evaluate(name, spec.fallback, router_states, prev.get("breaker"), conds, now, generation)
     events += ev
     status["breaker"] = brk
@@ -477,7 +497,7 @@ async def reconcile_router(body: Any, owned: Owned, pod_index: Any, deployment_i
     lanes, bad = [], []
     for s in selected:
         try:
-            lanes.append(router_res.Lane(s["name"], namespace, SpecialistSpec.model_validate(s["spec"])))
+            lanes.append(router_res.Lane(s["name"], namespace, SpecialistSpec.model_validate(s["spec"]), s["laneAdapter"]))
         except ValidationError:
             bad.append(s["name"])
     status: dict[str, Any] = {"observedGeneration": generation, "specialists": len(selected),

@@ -103,6 +103,31 @@ def evaluate(spec: SpecialistSpec, warm_replicas: int, observations: dict[str, A
     return out, active, events
 
 
+def lane_adapter(spec: SpecialistSpec, adapters: list[dict[str, Any]] | None) -> str | None:
+    """The adapter the router uses when a request names none: the newest rotation (last in spec
+    order) that is in Probation or Active. A Probation adapter takes the lane under the router's
+    fresh-lane shadowing, so its own correctness samples decide it; a rollback hands the lane back to
+    the previous Active adapter."""
+    state = {a["name"]: a.get("state") for a in adapters or []}
+    for a in reversed(spec.adapters or []):
+        if state.get(a.name) in ("Probation", "Active"):
+            return a.name
+    return None
+
+
+def samples_from_router(entry: dict[str, Any] | None, revision: str) -> tuple[int, int] | None:
+    """(samples, passes) the router collected for the lane since `revision` (its breaker entry:
+    `total` samples since the revision, `samples` the rolling window of values in [0, 1])."""
+    if not entry or entry.get("revision") != revision:
+        return None
+    total = int(entry.get("total") or 0)
+    window = [float(x) for x in entry.get("samples") or []]
+    if total <= 0 or not window:
+        return None
+    rate = sum(window) / len(window)
+    return total, int(round(rate * total))
+
+
 def rolled_back(adapters: list[dict[str, Any]] | None) -> frozenset[str]:
     """Adapters the engines must not load (durable in status)."""
     return frozenset(a["name"] for a in adapters or [] if a.get("state") == "RolledBack")

@@ -31,11 +31,18 @@ class Lane:
     name: str
     namespace: str
     spec: SpecialistSpec
+    adapter: str | None = None     # the lane's default adapter (lifecycle.rollout.lane_adapter)
 
     @property
     def revision(self) -> str:
-        """A new checkpoint or adapter set makes the lane fresh (the router restarts its window)."""
-        return content_hash({"model": self.spec.model.wire(), "adapters": [a.wire() for a in self.spec.adapters or []]}, 12)
+        """A new checkpoint or a new default adapter makes the lane fresh: the router restarts its
+        correctness window, so the samples since this revision judge exactly this rotation."""
+        source = next((a.source for a in self.spec.adapters or [] if a.name == self.adapter), None)
+        return lane_revision(self.spec.model.wire(), self.adapter, source)
+
+
+def lane_revision(model: dict[str, Any], adapter: str | None, adapter_source: str | None) -> str:
+    return content_hash({"model": model, "adapter": adapter, "source": adapter_source}, 12)
 
 
 def router_resource_name(name: str) -> str:
@@ -62,6 +69,7 @@ def router_config(name: str, spec: EnsembleRouterSpec, lanes: list[Lane]) -> Rou
             intents=sorted(lane.spec.intents or []),
             # A fallback outside the ensemble cannot take traffic: the router only knows its lanes.
             fallback=lane.spec.fallback if lane.spec.fallback in names else None,
+            adapter=lane.adapter,
             revision=lane.revision,
         )
         for lane in lanes

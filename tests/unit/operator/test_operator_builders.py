@@ -149,6 +149,17 @@ def test_rules_and_detectors_outside_the_ensemble_are_skipped_not_fatal():
     assert R.skipped_references(er, lanes()) == ["rule review -> gone", "detector gdb -> gone"]
 
 
+def test_lane_revision_follows_the_checkpoint_and_the_default_adapter():
+    s = spec(adapters=[{"name": "v1", "source": "pvc://m/v1"}, {"name": "v2", "source": "pvc://m/v2"}])
+    base = R.Lane("algo", "ns", s)
+    v1, v2 = R.Lane("algo", "ns", s, "v1"), R.Lane("algo", "ns", s, "v2")
+    assert len({base.revision, v1.revision, v2.revision}) == 3
+    assert R.Lane("algo", "ns", spec(adapters=[{"name": "v1", "source": "pvc://m/v1"}]), "v1").revision == v1.revision
+    assert R.Lane("algo", "ns", spec(model={"source": "pvc://models/other"})).revision != base.revision
+    cfg = R.router_config("cpp", EnsembleRouterSpec(), [v2])
+    assert cfg.specialist("algo").adapter == "v2" and cfg.specialist("algo").revision == v2.revision
+
+
 def test_router_config_rejects_conflicts_and_empty_ensembles():
     er = EnsembleRouterSpec.model_validate({"rules": [{"intent": "codegen", "specialist": "stl"}]})
     with pytest.raises(ValueError):

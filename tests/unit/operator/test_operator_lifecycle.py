@@ -179,3 +179,19 @@ def test_breaker_most_severe_router_wins_and_absent_means_closed():
     assert b["state"] == "Open"
     b, conds, ev = breaker.evaluate("algo", None, [], None, None, T0, 1)
     assert b == {"state": "Closed", "samples": 0} and ev == []
+
+
+def test_lane_adapter_is_the_newest_rotation_in_probation_or_active():
+    s = spec(adapters=ADAPTERS)
+    assert rollout.lane_adapter(s, None) is None
+    st = lambda **kw: [{"name": n, "state": v} for n, v in kw.items()]  # noqa: E731
+    assert rollout.lane_adapter(s, st(v1="Active", v2="Loading")) == "v1"
+    assert rollout.lane_adapter(s, st(v1="Active", v2="Probation")) == "v2"
+    assert rollout.lane_adapter(s, st(v1="Active", v2="RolledBack")) == "v1"
+
+
+def test_router_samples_count_only_for_the_current_lane_revision():
+    entry = {"revision": "r1", "total": 120, "samples": [1.0] * 45 + [0.0] * 5}
+    assert rollout.samples_from_router(entry, "r1") == (120, 108)
+    assert rollout.samples_from_router(entry, "r0") is None
+    assert rollout.samples_from_router({"revision": "r1", "total": 0, "samples": []}, "r1") is None
