@@ -73,6 +73,7 @@ class Router:
         self._config_mtime = self._mtime()
         self._bg: list[asyncio.Task] = []
         self._last_save = 0.0
+        self._saving: asyncio.Task | None = None
         self._last_reload_check = 0.0
 
     # ------------------------------------------------------------------ plumbing
@@ -116,8 +117,10 @@ class Router:
     async def stop(self, app: web.Application) -> None:
         for t in self._bg:
             t.cancel()
+        saving = self._saving
         for t in list(self.tasks):
-            t.cancel()
+            if t is not saving:
+                t.cancel()
         await asyncio.gather(*self._bg, *self.tasks, return_exceptions=True)
         if self.poller:
             await self.poller.stop()
@@ -148,9 +151,12 @@ class Router:
         for spec, old, new in self.lanes.transitions:
             self.metrics.breaker_transitions.labels(spec, new).inc()
         self.lanes.transitions.clear()
-        if now - self._last_save >= self.config.store.save_interval_s:
-            self._last_save = now
-            self.lanes.save()
+        if now - self._last_save >= self.config.store.save_interval_s and self._saving is None:
+            snap = self.lanes.snapshot()
+            if snap is not None:  # write off the event loop (a file fsync or an API call)
+                self._last_save = now
+                self._saving = self.spawn(asyncio.to_thread(self.lanes.write, snap))
+                self._saving.add_done_callback(lambda _t: setattr(self, "_saving", None))
         if now - self._last_reload_check >= self.config.reload_interval_s:
             self._last_reload_check = now
             self.maybe_reload()
@@ -591,9 +597,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-async def serve(args: argparse.Namespace) -> int:
+async def serve(args: argparse.Namespace, store: BreakerStore | None = None) -> int:
+    """Run until SIGINT/SIGTERM. `store` replaces the config's breaker store (e.g. EnsembleRouter status)."""
     config = RouterConfig.load(args.config)
-    router = Router(config, config_path=args.config)
+    router = Router(config, config_path=args.config, store=store)
     app = build_app(router)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=log if args.access_log else None)
     await runner.setup()

@@ -119,15 +119,27 @@ class Lanes:
         while len(fb) > self.config.limits.feedback_map_size:
             fb.popitem(last=False)
 
-    def save(self) -> None:
+    def snapshot(self) -> dict | None:
+        """The payload to save if anything changed since the last snapshot (taken on the event loop)."""
         if self.store is None or not self.dirty:
-            return
+            return None
         self.dirty = False
+        return dump_states(self.breakers)
+
+    def write(self, payload: dict) -> None:
+        """Save a snapshot (may run in a worker thread: touches only `payload` and the store)."""
+        assert self.store is not None
         try:
-            self.store.save(dump_states(self.breakers))
-        except Exception:  # noqa: BLE001
+            self.store.save(payload)
+        except Exception:  # noqa: BLE001 - a broken store must not stop the router
             self.dirty = True
             log.exception("could not save breaker state")
+
+    def save(self) -> None:
+        """Snapshot and write now, on the calling thread (shutdown, tests)."""
+        snap = self.snapshot()
+        if snap is not None:
+            self.write(snap)
 
     # ---- admission
     def record_response(self, specialist: str, rejected: bool, intent: str, now: float) -> None:
