@@ -120,29 +120,35 @@ def local_model_dir(source: str, cache: Path, log: Any) -> str:
 class Child:
     name: str                 # "engine algo" / "router cpp"
     argv: list[str]
-    url: str
+    url: str                  # "" until an engine started on port 0 has printed its port
     log_path: Path
+    specialist: str = ""
     popen: subprocess.Popen | None = None
     ready_at: float | None = None
 
+    def discover_url(self) -> str:
+        """An engine started with --port 0 prints `listening on http://HOST:PORT`."""
+        if not self.url:
+            import re
 
-def free_port() -> int:
-    import socket
+            try:
+                m = re.search(r"listening on (http://[0-9.]+:\d+)", self.log_path.read_text(errors="replace"))
+            except OSError:
+                m = None
+            if m:
+                self.url = m.group(1)
+        return self.url
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+
+CONSORT = [sys.executable, "-m", "consort_operator.cli"]
 
 
-def plan(m: Manifests, args: argparse.Namespace, run_dir: Path, log: Any) -> tuple[list[Child], Child]:
-    from consort_router.config import AuthConfig, SpecialistRoute, StoreConfig
-
-    from .resources.router import Lane, router_config
+def plan_engines(m: Manifests, args: argparse.Namespace, run_dir: Path, log: Any) -> list[Child]:
+    """One `consort engine` per Specialist replica (ports from --engine-base-port; 0: the engines
+    pick free ports themselves and print them, so two runs never race for a port)."""
     from .resources.specialist import engine_args
 
-    consort = [sys.executable, "-m", "consort_operator.cli"]
     engines: list[Child] = []
-    urls: dict[str, list[str]] = {}
     port = args.engine_base_port
     for name, (_, spec) in sorted(m.specialists.items()):
         model_dir = local_model_dir(spec.model.source, args.cache, log)
@@ -151,14 +157,25 @@ def plan(m: Manifests, args: argparse.Namespace, run_dir: Path, log: Any) -> tup
             adapters[a.name] = local_model_dir(a.source, args.cache, log)
         replicas = max(1, min(spec.replicas, args.replicas))
         for i in range(replicas):
-            p = port if port else free_port()
+            p = port
             port = port + 1 if port else 0
-            argv = consort + ["engine"] + engine_args(name, spec, model_dir, adapters, host="127.0.0.1", port=p, device="cpu")
-            child = Child(f"engine {name}" + (f"#{i}" if replicas > 1 else ""), argv, f"http://127.0.0.1:{p}",
-                          run_dir / "logs" / f"engine-{name}-{i}.log")
+            argv = CONSORT + ["engine"] + engine_args(name, spec, model_dir, adapters, host="127.0.0.1", port=p, device="cpu")
+            child = Child(f"engine {name}" + (f"#{i}" if replicas > 1 else ""), argv,
+                          f"http://127.0.0.1:{p}" if p else "", run_dir / "logs" / f"engine-{name}-{i}.log", name)
             engines.append(child)
-            urls.setdefault(name, []).append(child.url)
+    return engines
 
+
+def plan_router(m: Manifests, args: argparse.Namespace, run_dir: Path, engines: list[Child]) -> Child:
+    """One `consort router` whose RouterConfig (rendered by the operator's builder) lists the engines
+    by URL instead of by Service."""
+    from consort_router.config import AuthConfig, SpecialistRoute, StoreConfig
+
+    from .resources.router import Lane, router_config
+
+    urls: dict[str, list[str]] = {}
+    for e in engines:
+        urls.setdefault(e.specialist, []).append(e.url)
     if m.routers:
         rname, (_, rspec) = next(iter(m.routers.items()))
     else:
@@ -190,10 +207,10 @@ def plan(m: Manifests, args: argparse.Namespace, run_dir: Path, log: Any) -> tup
     cfg = type(cfg).model_validate(cfg.model_dump())   # re-run its cross-checks
     config_path = run_dir / "router.yaml"
     config_path.write_text(cfg.dump_yaml())
-    router = Child(f"router {rname}", consort + ["router", "--config", str(config_path), "--host", args.host,
+    router = Child(f"router {rname}", CONSORT + ["router", "--config", str(config_path), "--host", args.host,
                                                   "--port", str(args.port)],
                    f"http://{args.host}:{args.port}", run_dir / "logs" / f"router-{rname}.log")
-    return engines, router
+    return router
 
 
 # ---- processes -------------------------------------------------------------------------------------
@@ -271,14 +288,23 @@ def run(args: argparse.Namespace) -> int:
         run_dir.mkdir(parents=True, exist_ok=True)
         log(f"{len(m.specialists)} Specialist(s): {', '.join(sorted(m.specialists))}; "
             f"EnsembleRouter: {', '.join(m.routers) or '(none: routing every Specialist)'}; logs in {run_dir}/logs")
-        engines, router = plan(m, args, run_dir, log)
-        children = engines + [router]
+        engines = plan_engines(m, args, run_dir, log)
+        children = list(engines)
         for c in engines:
             start(c)
+        deadline = time.monotonic() + args.timeout
+        for c in engines:
+            while not c.discover_url():
+                if c.popen.poll() is not None:
+                    raise UpError(f"{c.name} exited with code {c.popen.returncode}; last lines of {c.log_path}:\n{tail(c.log_path)}")
+                if time.monotonic() > deadline:
+                    raise UpError(f"{c.name} did not start listening in {args.timeout:.0f} s")
+                time.sleep(0.1)
             log(f"{c.name}: pid {c.popen.pid}, {c.url}")
+        router = plan_router(m, args, run_dir, engines)
+        children.append(router)
         pending = list(engines)
         router_started = False
-        deadline = time.monotonic() + args.timeout
         while True:
             for c in children:
                 if c.popen is not None and c.popen.poll() is not None:

@@ -97,7 +97,7 @@ def engine_args(name: str, spec: SpecialistSpec, model_dir: str, adapters: dict[
                 host: str = "0.0.0.0", port: int | None = None, device: str | None = None) -> list[str]:
     """Flags of `consort engine` for this spec (consort_engine.server.parse_args)."""
     device = device or ("cuda" if spec.resources.gpus > 0 else "cpu")
-    args = ["--model", model_dir, "--host", host, "--port", str(port or spec.port), "--name", name,
+    args = ["--model", model_dir, "--host", host, "--port", str(spec.port if port is None else port), "--name", name,
             "--device", device, "--dtype", spec.dtype, "--block-size", str(spec.kv.block_size)]
     if spec.max_context is not None:
         args += ["--max-model-len", str(spec.max_context)]

@@ -61,6 +61,9 @@ def test_invalid_manifests_are_rejected_by_kubectl_apply(cluster, crds, namespac
         assert proc.returncode != 0, f"{what}: accepted:\n{proc.stdout}"
         assert expected in proc.stderr, f"{what}: unexpected message:\n{proc.stderr}"
     assert get_json(cluster, "specialists", "-n", namespace)["items"] == []
+    explain = cluster.kubectl("explain", "specialist.spec.kv.blockSize").stdout
+    assert "Tokens per KV block" in explain, explain
+    assert "apiKeysSecretRef" in cluster.kubectl("explain", "ensemblerouter.spec.auth").stdout
     # The untouched example is valid.
     cluster.kubectl("apply", "-n", namespace, "--dry-run=server", "-f", str(EXAMPLE / "specialist-algo.yaml"))
 
