@@ -63,7 +63,6 @@ class SchedulerKnobs(Model):
     max_num_seqs: int = Field(default=128, ge=1, le=4096, description="Maximum running sequences per engine step.")
     max_num_batched_tokens: int = Field(default=2048, ge=16, le=1_048_576, description="Token budget per step (decode tokens plus chunked-prefill tokens).")
     max_waiting: int = Field(default=1024, ge=1, le=1_000_000, description="Waiting-queue bound; beyond it requests get 429 queue_full.")
-    preempt_watermark: float = Field(default=0.05, ge=0.0, le=0.5, description="Preempt until this fraction of the KV pool is free (never to exactly one block).")
 
 
 class Adapter(Model):
