@@ -4,7 +4,7 @@
 A step's tokens are laid out as [batched group | prefill spans]:
 - the batched group (decode tokens, short queries such as spec-verify windows) is attended in ONE
   call per layer: on CPU a C kernel that reads the pool in place through the block tables
-  (csrc/paged_attention.c); otherwise a gather of the blocks + SDPA with a length mask.
+  (csrc/cpu_kernels.c); otherwise a gather of the blocks + SDPA with a length mask.
 - prefill spans (one per sequence chunk) use SDPA: causal over the chunk's own K/V when nothing
   precedes it, otherwise over the gathered context with a bottom-right causal mask.
 With flash-attn installed on CUDA (and block_size a multiple of 256, its paged-KV constraint) every
@@ -12,17 +12,13 @@ token goes through flash_attn_varlen_func with the block table instead.
 """
 from __future__ import annotations
 
-import ctypes
-import hashlib
 import os
-import subprocess
-import sysconfig
-import tempfile
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from .cpu_kernels import cpu_kernels
 
 try:  # pragma: no cover - only on CUDA machines with flash-attn
     from flash_attn import flash_attn_varlen_func
@@ -55,47 +51,12 @@ class AttentionMetadata:
     max_query_len_all: int = 0
 
 
-# ---------------------------------------------------------------------------------------------
-# CPU kernel: compiled once per machine (a second or two), cached under ~/.cache/consort/kernels
-# ---------------------------------------------------------------------------------------------
-_KERNEL_SRC = Path(__file__).with_name("csrc") / "paged_attention.c"
-_kernel_lib: ctypes.CDLL | None | bool = False   # False = not tried yet
-
-
-def _build_kernel() -> ctypes.CDLL | None:
-    if os.environ.get("CONSORT_CPU_KERNEL", "1") == "0" or not _KERNEL_SRC.exists():
-        return None
-    src = _KERNEL_SRC.read_bytes()
-    cc = os.environ.get("CC", "cc")
-    flags = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
-    key = hashlib.sha256(src + " ".join([cc, *flags]).encode() + os.uname().machine.encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("CONSORT_CACHE", Path.home() / ".cache" / "consort")) / "kernels"
-    so = cache / f"paged_attention-{key}{sysconfig.get_config_var('SHLIB_SUFFIX') or '.so'}"
-    if not so.exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=cache) as tmp:
-            out = Path(tmp) / so.name
-            try:
-                subprocess.run([cc, *flags, "-o", str(out), str(_KERNEL_SRC), "-lm"], check=True,
-                               capture_output=True, timeout=120)
-            except (OSError, subprocess.SubprocessError):
-                return None
-            os.replace(out, so)     # atomic: concurrent engines never load a half-written file
-    # torch has loaded its libgomp already; the kernel's DT_NEEDED libgomp.so.1 resolves to it
-    lib = ctypes.CDLL(str(so))
-    P, I, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    for name in ("paged_attention_f32", "paged_attention_bf16"):
-        fn = getattr(lib, name)
-        fn.argtypes = [P, L, P, P, P, L, P, I, P, P, I, I, I, I, I, ctypes.c_float]
-        fn.restype = I
-    return lib
-
-
-def cpu_kernel() -> ctypes.CDLL | None:
-    global _kernel_lib
-    if _kernel_lib is False:
-        _kernel_lib = _build_kernel()
-    return _kernel_lib
+def pool_shape(backend: str, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple:
+    """Per-layer K (or V) pool shape. The CPU kernel keeps each head's block contiguous
+    [blocks, kv_heads, block_size, D]; flash-attn and the torch path use [blocks, block_size, kv_heads, D]."""
+    if backend == "cpu_kernel":
+        return (num_blocks, num_kv_heads, block_size, head_dim)
+    return (num_blocks, block_size, num_kv_heads, head_dim)
 
 
 class PagedAttention(torch.nn.Module):
@@ -105,14 +66,37 @@ class PagedAttention(torch.nn.Module):
         super().__init__()
         self.h, self.kvh, self.d, self.scale = num_heads, num_kv_heads, head_dim, scale
         self.backend = backend            # cpu_kernel | torch | flash
+        self.heads_first = backend == "cpu_kernel"
         self.k_cache = self.v_cache = torch.empty(0)
+
+    @property
+    def block_size(self) -> int:
+        return self.k_cache.shape[2] if self.heads_first else self.k_cache.shape[1]
+
+    def _store(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        kc, vc = self.k_cache, self.v_cache
+        if not self.heads_first:
+            kc.view(-1, self.kvh, self.d).index_copy_(0, slots, k)
+            vc.view(-1, self.kvh, self.d).index_copy_(0, slots, v)
+            return
+        assert k.stride()[1:] == (self.d, 1) and v.stride()[1:] == (self.d, 1)
+        lib = cpu_kernels()
+        fn = lib.store_kv_f32 if kc.dtype == torch.float32 else lib.store_kv_bf16
+        fn(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), kc.data_ptr(), vc.data_ptr(),
+           slots.data_ptr(), k.shape[0], self.kvh, self.d, kc.shape[2], kc.stride(0), kc.stride(2), kc.stride(1))
+
+    def _context(self, cache: torch.Tensor, block_ids: torch.Tensor, n: int) -> torch.Tensor:
+        """[n, KVH, D]: the first n tokens of a sequence, gathered from its blocks."""
+        blocks = cache[block_ids]
+        if self.heads_first:
+            blocks = blocks.transpose(1, 2)
+        return blocks.reshape(-1, self.kvh, self.d)[:n]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         kc, vc = self.k_cache, self.v_cache
-        bs = kc.shape[1]
-        kc.view(-1, self.kvh, self.d).index_copy_(0, meta.slot_mapping, k)
-        vc.view(-1, self.kvh, self.d).index_copy_(0, meta.slot_mapping, v)
+        bs = self.block_size
+        self._store(k, v, meta.slot_mapping)
         if self.backend == "flash":
             return self._flash(q, meta)
         out = torch.empty(q.shape[0], self.h * self.d, dtype=q.dtype, device=q.device)
@@ -130,8 +114,8 @@ class PagedAttention(torch.nn.Module):
                                                    vs.transpose(0, 1).unsqueeze(0),
                                                    is_causal=True, scale=self.scale, enable_gqa=True)
             else:
-                ks = kc[p.block_ids].view(-1, self.kvh, self.d)[:p.context_len]
-                vs = vc[p.block_ids].view(-1, self.kvh, self.d)[:p.context_len]
+                ks = self._context(kc, p.block_ids, p.context_len)
+                vs = self._context(vc, p.block_ids, p.context_len)
                 n = p.end - p.start
                 rows = torch.arange(p.cached, p.context_len, device=q.device)[:, None]
                 mask = torch.arange(p.context_len, device=q.device)[None, :] <= rows   # bottom-right causal
@@ -143,13 +127,14 @@ class PagedAttention(torch.nn.Module):
         return out
 
     def _kernel(self, q: torch.Tensor, out: torch.Tensor, meta: AttentionMetadata) -> None:
-        lib = cpu_kernel()
+        lib = cpu_kernels()
         fn = lib.paged_attention_f32 if q.dtype == torch.float32 else lib.paged_attention_bf16
         bt = meta.block_tables
-        rc = fn(q.data_ptr(), q.stride(0), self.k_cache.data_ptr(), self.v_cache.data_ptr(),
+        kc = self.k_cache
+        rc = fn(q.data_ptr(), q.stride(0), kc.data_ptr(), self.v_cache.data_ptr(),
                 out.data_ptr(), out.stride(0), bt.data_ptr(), bt.shape[1], meta.context_lens.data_ptr(),
                 meta.cu_query_lens.data_ptr(), bt.shape[0], self.h, self.kvh, self.d,
-                self.k_cache.shape[1], self.scale)
+                self.block_size, kc.stride(0), kc.stride(2), kc.stride(1), self.scale)
         if rc != 0:
             raise RuntimeError(f"paged_attention kernel failed ({rc})")
 
@@ -181,6 +166,6 @@ def choose_backend(device: torch.device, dtype: torch.dtype, block_size: int) ->
         return "torch"
     if device.type == "cuda":
         return "flash" if flash_attn_varlen_func is not None and block_size % 256 == 0 else "torch"
-    if dtype in (torch.float32, torch.bfloat16) and cpu_kernel() is not None:
+    if dtype in (torch.float32, torch.bfloat16) and cpu_kernels() is not None:
         return "cpu_kernel"
     return "torch"

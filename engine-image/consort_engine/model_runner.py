@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import AttentionMetadata, PrefillSpan, choose_backend
+from .attention import AttentionMetadata, PrefillSpan, choose_backend, pool_shape
 from .config import EngineConfig
 from .loader import eos_token_ids, iter_safetensors, load_model_config, resolve_dtype
 from .models import MODELS
@@ -74,8 +74,8 @@ class ModelRunner:
             self.num_packed = self.model.pack_weights()
 
         self.num_blocks = self._pool_blocks()
-        kv_shape = (cfg.num_hidden_layers, 2, self.num_blocks, self.block_size,
-                    cfg.num_key_value_heads, cfg.head_dim)
+        kv_shape = (cfg.num_hidden_layers, 2, *pool_shape(self.backend, self.num_blocks, self.block_size,
+                                                          cfg.num_key_value_heads, cfg.head_dim))
         # The CPU kernel never reads a slot before it is written, so untouched pages stay uncommitted;
         # the gather fallbacks read whole blocks and need finite values in the unused tail.
         alloc = torch.empty if self.backend == "cpu_kernel" else torch.zeros

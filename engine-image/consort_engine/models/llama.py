@@ -13,18 +13,22 @@ from torch import nn
 
 from ..attention import AttentionMetadata, PagedAttention
 from ..loader import ModelConfig
+from . import ops
 from .packed import pack_linear
 from .rope import RotaryEmbedding
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, fast: bool):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
-        self.eps = eps
+        self.eps, self.fast = eps, fast
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x), or with a residual: (norm(residual + x), residual + x)."""
+        if residual is None:
+            return ops.rms_norm(x, self.weight, self.eps, self.fast)
+        return ops.add_rms_norm(residual, x, self.weight, self.eps, self.fast)
 
 
 class Linear(nn.Module):
@@ -59,55 +63,63 @@ class Linear(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: str):
+    def __init__(self, cfg: ModelConfig, backend: str, fast: bool):
         super().__init__()
-        self.h, self.kvh, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.h, self.kvh, self.d, self.fast = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, fast
         self.qkv_proj = Linear(cfg.hidden_size, [self.h * self.d, self.kvh * self.d, self.kvh * self.d],
                                cfg.attention_bias)
         self.o_proj = Linear(self.h * self.d, [cfg.hidden_size],
                              cfg.attention_bias and cfg.model_type != "qwen2")
-        self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps, fast) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps, fast) if cfg.qk_norm else None
         self.attn = PagedAttention(self.h, self.kvh, self.d, self.d ** -0.5, backend)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
                 meta: AttentionMetadata) -> torch.Tensor:
-        t = x.shape[0]
-        qkv = self.qkv_proj(x).view(t, self.h + 2 * self.kvh, self.d)
-        qk, v = qkv[:, : self.h + self.kvh], qkv[:, self.h + self.kvh:]
+        t, h, kvh = x.shape[0], self.h, self.kvh
+        qkv = self.qkv_proj(x).view(t, h + 2 * kvh, self.d)
+        qk, v = qkv[:, : h + kvh], qkv[:, h + kvh:]
         if self.q_norm is not None:
-            qk = torch.cat((self.q_norm(qk[:, : self.h]), self.k_norm(qk[:, self.h:])), dim=1)
-        qk = RotaryEmbedding.apply(qk, cos, sin)
-        o = self.attn(qk[:, : self.h], qk[:, self.h:], v, meta)
-        return self.o_proj(o)
+            eps = self.q_norm.eps
+            q = ops.rms_norm_heads_(qk[:, :h], self.q_norm.weight, eps, self.fast)
+            k = ops.rms_norm_heads_(qk[:, h:], self.k_norm.weight, eps, self.fast)
+            if not self.fast:
+                qk = torch.cat((q, k), dim=1)
+        qk = ops.rope_(qk, positions, rotary.cos, rotary.sin, self.fast)
+        return self.o_proj(self.attn(qk[:, :h], qk[:, h:], v, meta))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, fast: bool):
         super().__init__()
         if cfg.hidden_act not in ("silu", "swish"):
             raise ValueError(f"unsupported hidden_act {cfg.hidden_act!r}")
-        self.ffn = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, [self.ffn, self.ffn], cfg.mlp_bias)
-        self.down_proj = Linear(self.ffn, [cfg.hidden_size], cfg.mlp_bias)
+        self.fast = fast
+        self.gate_up_proj = Linear(cfg.hidden_size, [cfg.intermediate_size] * 2, cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, [cfg.hidden_size], cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gu = self.gate_up_proj(x)
-        return self.down_proj(F.silu(gu[:, : self.ffn]) * gu[:, self.ffn:])
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x), self.fast))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: str):
+    def __init__(self, cfg: ModelConfig, backend: str, fast: bool):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, backend)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fast)
+        self.self_attn = Attention(cfg, backend, fast)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fast)
+        self.mlp = MLP(cfg, fast)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                rotary: RotaryEmbedding, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(layer output, residual stream before it): the residual add is fused into the next norm."""
+        if residual is None:
+            x, residual = self.input_layernorm(h), h
+        else:
+            x, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(x, positions, rotary, meta)
+        x, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -121,8 +133,9 @@ class LlamaForCausalLM(nn.Module):
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        fast = backend == "cpu_kernel"      # the C kernels are compiled and apply (CPU, fp32/bf16)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, fast) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fast)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, [cfg.vocab_size], False)
         self.tied_head = None
         self.rotary = RotaryEmbedding(cfg.head_dim, max_len, cfg.rope_theta, cfg.rope_scaling, dtype, device)
@@ -130,19 +143,19 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions [T] -> last layer's hidden states [T, hidden] (before the final norm)."""
-        cos, sin = self.rotary.cos_sin(positions)
-        h = self.embed_tokens(input_ids)
+        h, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            h = layer(h, cos, sin, meta)
-        return h
+            h, residual = layer(h, residual, positions, self.rotary, meta)
+        return h + residual
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head, for the sampled rows only."""
+        x = self.norm(h)
         if self.lm_head is not None:
-            return self.lm_head(self.norm(h))
+            return self.lm_head(x)
         if self.tied_head is not None:
-            return self.tied_head(self.norm(h))
-        return F.linear(self.norm(h), self.embed_tokens.weight)
+            return self.tied_head(x)
+        return F.linear(x, self.embed_tokens.weight)
 
     def pack_weights(self) -> int:
         """Pre-pack every projection for the CPU GEMM (after load_weights). Returns how many packed."""

@@ -70,7 +70,8 @@ def _yarn(dim: int, theta: float, s: dict[str, Any], factor: float) -> tuple[tor
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """cos/sin [max_len, dim/2] in the model dtype; `forward` rotates q and k heads in one pass."""
+    """cos/sin tables [max_len, dim/2] in the model dtype (as transformers casts them); ops.rope_
+    rotates q and k by position."""
 
     def __init__(self, dim: int, max_len: int, theta: float, scaling: dict[str, Any] | None,
                  dtype: torch.dtype, device: torch.device | str = "cpu"):
@@ -79,13 +80,3 @@ class RotaryEmbedding(torch.nn.Module):
         freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * inv[None, :]
         self.register_buffer("cos", (freqs.cos() * attn_factor).to(dtype).to(device), persistent=False)
         self.register_buffer("sin", (freqs.sin() * attn_factor).to(dtype).to(device), persistent=False)
-
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-step lookup, shared by all layers: ([T, 1, dim/2], [T, 1, dim/2])."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-
-    @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, dim] (any strides) -> rotated, contiguous (rotate-half convention)."""
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -1,0 +1,326 @@
+/* CPU kernels of the Consort engine: paged attention, K/V store and the fused element-wise layers.
+ *
+ * Paged attention: queries of several sequences attend over K/V read in place
+ * from the block pool through each sequence's block table (no gather copy).
+ *
+ * Layout: any [num_blocks, ...] pool where element (block, offset, kv head, d) sits at
+ * block * blk_stride + offset * tok_stride + head * head_stride + d: flash-attn's
+ * [num_blocks, block_size, kv_heads, D] or the CPU-friendly [num_blocks, kv_heads, block_size, D]
+ * (each head's block is one contiguous run, which the prefetchers stream well).
+ * Sequence b owns query rows cu_q[b] .. cu_q[b+1]-1 (the last qlen tokens of its context of
+ * ctx_lens[b] tokens, causal): query i sits at position ctx - qlen + i and sees keys 0..pos.
+ * Work item = (sequence, kv head): each K/V row is read once and shared by the G = H / KVH query
+ * heads of the group and by all query tokens of the sequence. Scores are fp32, the softmax is
+ * exact (scores of one item fit a scratch row), the output is written in the cache dtype.
+ *
+ * Built at run time with the system C compiler (-O3 -march=native -fopenmp) and called through
+ * ctypes; OpenMP resolves to the libgomp torch already loaded, so the thread pool is shared.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_ROWS 256 /* G * qlen per work item */
+
+typedef uint16_t bf16_t;
+
+static inline float bf16_to_f32(bf16_t x) {
+    uint32_t u = ((uint32_t)x) << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline bf16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    u += 0x7FFFu + ((u >> 16) & 1u); /* round to nearest even */
+    return (bf16_t)(u >> 16);
+}
+
+/* Row of D elements of the pool -> fp32 (bf16: widen; fp32: copy). */
+static inline void load_row_f32(float *restrict dst, const float *restrict src, int D) {
+    memcpy(dst, src, sizeof(float) * (size_t)D);
+}
+static inline void load_row_bf16(float *restrict dst, const bf16_t *restrict src, int D) {
+    for (int d = 0; d < D; d++) dst[d] = bf16_to_f32(src[d]);
+}
+/* K/V row as fp32: the pool row itself for fp32, widened into `dst` for bf16. */
+static inline const float *kv_row_f32(float *restrict dst, const float *restrict src, int D) {
+    (void)dst; (void)D;
+    return src;
+}
+static inline const float *kv_row_bf16(float *restrict dst, const bf16_t *restrict src, int D) {
+    load_row_bf16(dst, src, D);
+    return dst;
+}
+static inline void store_row_f32(float *restrict dst, const float *restrict src, int D) {
+    memcpy(dst, src, sizeof(float) * (size_t)D);
+}
+static inline void store_row_bf16(bf16_t *restrict dst, const float *restrict src, int D) {
+    for (int d = 0; d < D; d++) dst[d] = f32_to_bf16(src[d]);
+}
+
+/* exp(x) as 2^k * p(f), |f| <= 1/2, degree-7 Taylor of 2^f: relative error < 1e-8,
+ * written so the compiler vectorises it (libm's expf is a scalar call without -ffast-math). */
+static inline float exp_nonpos_core(float x) { /* x in [-87, 88] */
+    const float t = x * 1.44269504088896341f;
+    const float k = __builtin_rintf(t);
+    const float f = (t - k) * 0.693147180559945309f; /* 2^(t-k) = e^f */
+    float p = 1.f / 5040.f;
+    p = p * f + 1.f / 720.f;
+    p = p * f + 1.f / 120.f;
+    p = p * f + 1.f / 24.f;
+    p = p * f + 1.f / 6.f;
+    p = p * f + 0.5f;
+    p = p * f + 1.f;
+    p = p * f + 1.f;
+    int32_t bits = ((int32_t)k + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return p * scale;
+}
+
+static inline float exp_nonpos(float x) { return exp_nonpos_core(x < -87.0f ? -87.0f : x); }
+
+static inline float dot(const float *restrict a, const float *restrict b, int D) {
+    float s = 0.f;
+    for (int d = 0; d < D; d++) s += a[d] * b[d];
+    return s;
+}
+
+static inline void axpy(float *restrict y, float a, const float *restrict x, int D) {
+    for (int d = 0; d < D; d++) y[d] += a * x[d];
+}
+
+/* One (sequence, kv head) item. T is the element type, D is a compile-time constant when
+ * the caller passes a literal (always_inline specialises the loops). */
+#define DEFINE_ITEM(SUFFIX, T)                                                                    \
+    static inline __attribute__((always_inline)) void item_##SUFFIX(                              \
+        const T *q, int64_t q_stride, const T *kc, const T *vc, T *out, int64_t out_stride,       \
+        const int32_t *bt, int ctx, int q0, int qlen, int kh, int H, int KVH, const int D,        \
+        int BS, int64_t blk_stride, int64_t tok, int64_t head_stride, float scale, float *scratch) { \
+        const int G = H / KVH, rows = G * qlen;                                                   \
+        float *qf = scratch;                          /* [rows, D] */                             \
+        float *acc = qf + (int64_t)rows * D;          /* [rows, D] */                             \
+        float *row = acc + (int64_t)rows * D;         /* [D] */                                   \
+        float *s = row + D;                           /* [rows, ctx] */                           \
+        int lim[MAX_ROWS];                                                                        \
+        for (int i = 0; i < qlen; i++)                                                            \
+            for (int g = 0; g < G; g++) {                                                         \
+                const int r = i * G + g;                                                          \
+                load_row_##SUFFIX(qf + (int64_t)r * D,                                            \
+                                  q + (int64_t)(q0 + i) * q_stride + (int64_t)(kh * G + g) * D, D); \
+                for (int d = 0; d < D; d++) qf[(int64_t)r * D + d] *= scale;                      \
+                lim[r] = ctx - qlen + i + 1; /* keys [0, lim) are visible */                      \
+            }                                                                                     \
+        const int64_t head = (int64_t)kh * head_stride;                                           \
+        const int nblocks = (ctx + BS - 1) / BS;                                                  \
+        for (int b = 0, j = 0; b < nblocks; b++) {                                                \
+            const T *kb = kc + (int64_t)bt[b] * blk_stride + head;                                \
+            const int n = ctx - j < BS ? ctx - j : BS;                                            \
+            for (int o = 0; o < n; o++, j++) {                                                    \
+                const float *kr = kv_row_##SUFFIX(row, kb + o * tok, D);                          \
+                for (int r = 0; r < rows; r++) s[(int64_t)r * ctx + j] = dot(qf + (int64_t)r * D, kr, D); \
+            }                                                                                     \
+        }                                                                                         \
+        for (int r = 0; r < rows; r++) {                                                          \
+            float *sr = s + (int64_t)r * ctx;                                                     \
+            const int L = lim[r];                                                                 \
+            float m = -INFINITY, sum = 0.f;                                                       \
+            for (int j = 0; j < L; j++) m = sr[j] > m ? sr[j] : m;                                \
+            for (int j = 0; j < L; j++) {                                                         \
+                sr[j] = exp_nonpos(sr[j] - m);                                                          \
+                sum += sr[j];                                                                     \
+            }                                                                                     \
+            const float inv = 1.f / sum;                                                          \
+            for (int j = 0; j < L; j++) sr[j] *= inv;                                             \
+            for (int j = L; j < ctx; j++) sr[j] = 0.f;                                            \
+            memset(acc + (int64_t)r * D, 0, sizeof(float) * (size_t)D);                           \
+        }                                                                                         \
+        for (int b = 0, j = 0; b < nblocks; b++) {                                                \
+            const T *vb = vc + (int64_t)bt[b] * blk_stride + head;                                \
+            const int n = ctx - j < BS ? ctx - j : BS;                                            \
+            for (int o = 0; o < n; o++, j++) {                                                    \
+                const float *vr = kv_row_##SUFFIX(row, vb + o * tok, D);                          \
+                for (int r = 0; r < rows; r++) axpy(acc + (int64_t)r * D, s[(int64_t)r * ctx + j], vr, D); \
+            }                                                                                     \
+        }                                                                                         \
+        for (int i = 0; i < qlen; i++)                                                            \
+            for (int g = 0; g < G; g++) {                                                         \
+                const int r = i * G + g;                                                          \
+                store_row_##SUFFIX(out + (int64_t)(q0 + i) * out_stride + (int64_t)(kh * G + g) * D, \
+                                   acc + (int64_t)r * D, D);                                      \
+            }                                                                                     \
+    }
+
+DEFINE_ITEM(f32, float)
+DEFINE_ITEM(bf16, bf16_t)
+
+#define DEFINE_KERNEL(SUFFIX, T)                                                                  \
+    int paged_attention_##SUFFIX(const T *q, int64_t q_stride, const T *kc, const T *vc, T *out,  \
+                                 int64_t out_stride, const int32_t *block_tables, int max_blocks, \
+                                 const int32_t *ctx_lens, const int32_t *cu_q, int B, int H,      \
+                                 int KVH, int D, int BS, int64_t blk_stride, int64_t tok_stride,  \
+                                 int64_t head_stride, float scale) {                              \
+        int max_ctx = 0, max_q = 0;                                                               \
+        for (int b = 0; b < B; b++) {                                                             \
+            if (ctx_lens[b] > max_ctx) max_ctx = ctx_lens[b];                                     \
+            if (cu_q[b + 1] - cu_q[b] > max_q) max_q = cu_q[b + 1] - cu_q[b];                     \
+        }                                                                                         \
+        const int G = H / KVH;                                                                    \
+        if (G * max_q > MAX_ROWS) return -1;                                                      \
+        const int64_t scratch_len = (int64_t)G * max_q * (2 * D + max_ctx) + D + 16;              \
+        int err = 0;                                                                              \
+        _Pragma("omp parallel")                                                                   \
+        {                                                                                         \
+            float *scratch = (float *)aligned_alloc(64, sizeof(float) * ((scratch_len + 15) / 16 * 16)); \
+            if (!scratch) err = -2;                                                               \
+            _Pragma("omp for schedule(dynamic, 1)")                                               \
+            for (int it = 0; it < B * KVH; it++) {                                                \
+                const int b = it / KVH, kh = it % KVH, qlen = cu_q[b + 1] - cu_q[b];             \
+                if (!scratch || qlen <= 0) continue;                                              \
+                const int32_t *bt = block_tables + (int64_t)b * max_blocks;                       \
+                if (D == 64)                                                                      \
+                    item_##SUFFIX(q, q_stride, kc, vc, out, out_stride, bt, ctx_lens[b], cu_q[b], \
+                                  qlen, kh, H, KVH, 64, BS, blk_stride, tok_stride, head_stride, scale, scratch);                      \
+                else if (D == 128)                                                                \
+                    item_##SUFFIX(q, q_stride, kc, vc, out, out_stride, bt, ctx_lens[b], cu_q[b], \
+                                  qlen, kh, H, KVH, 128, BS, blk_stride, tok_stride, head_stride, scale, scratch);                     \
+                else                                                                              \
+                    item_##SUFFIX(q, q_stride, kc, vc, out, out_stride, bt, ctx_lens[b], cu_q[b], \
+                                  qlen, kh, H, KVH, D, BS, blk_stride, tok_stride, head_stride, scale, scratch);                       \
+            }                                                                                     \
+            free(scratch);                                                                        \
+        }                                                                                         \
+        return err;                                                                               \
+    }
+
+DEFINE_KERNEL(f32, float)
+DEFINE_KERNEL(bf16, bf16_t)
+
+/* Write the new tokens' K/V rows into their pool slots (slot = block * BS + offset; < 0 skips).
+ * k, v: [n, KVH, D] with any token stride (views into the fused qkv projection). */
+#define DEFINE_STORE(SUFFIX, T)                                                                   \
+    void store_kv_##SUFFIX(const T *k, int64_t k_stride, const T *v, int64_t v_stride, T *kc,     \
+                           T *vc, const int64_t *slots, int n, int KVH, int D, int BS,            \
+                           int64_t blk_stride, int64_t tok_stride, int64_t head_stride) {         \
+        _Pragma("omp parallel for if (n >= 256)")                                                 \
+        for (int t = 0; t < n; t++) {                                                             \
+            const int64_t s = slots[t];                                                           \
+            if (s < 0) continue;                                                                  \
+            const int64_t base = (s / BS) * blk_stride + (s % BS) * tok_stride;                  \
+            for (int h = 0; h < KVH; h++) {                                                       \
+                memcpy(kc + base + h * head_stride, k + t * k_stride + (int64_t)h * D, sizeof(T) * (size_t)D); \
+                memcpy(vc + base + h * head_stride, v + t * v_stride + (int64_t)h * D, sizeof(T) * (size_t)D); \
+            }                                                                                     \
+        }                                                                                         \
+    }
+
+DEFINE_STORE(f32, float)
+DEFINE_STORE(bf16, bf16_t)
+
+/* ---------------------------------------------------------------------------------------------
+ * Fused element-wise layers (fp32 arithmetic; bf16 variants round where transformers rounds).
+ * ------------------------------------------------------------------------------------------- */
+
+static inline float exp_clamped(float x) { /* exp(x), x clamped to [-87, 88] */
+    x = x > 88.0f ? 88.0f : x;
+    return exp_nonpos_core(x < -87.0f ? -87.0f : x);
+}
+
+static inline float round_f32(float x) { return x; }
+static inline float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
+
+static inline float get_f32(const float *p, int64_t i) { return p[i]; }
+static inline float get_bf16(const bf16_t *p, int64_t i) { return bf16_to_f32(p[i]); }
+static inline void put_f32(float *p, int64_t i, float v) { p[i] = v; }
+static inline void put_bf16(bf16_t *p, int64_t i, float v) { p[i] = f32_to_bf16(v); }
+
+/* rows of D at x + t * x_stride + h * D (t < n_tok, h < n_head) -> out, same addressing.
+ * y = w * round(x / rms(x)), like transformers' RMSNorm. out may alias x. */
+#define DEFINE_RMSNORM(SUFFIX, T)                                                                 \
+    void rms_norm_##SUFFIX(const T *x, int64_t x_stride, T *out, int64_t out_stride, const T *w,  \
+                           int n_tok, int n_head, int D, float eps) {                             \
+        _Pragma("omp parallel for if (n_tok >= 64)")                                              \
+        for (int t = 0; t < n_tok; t++)                                                           \
+            for (int h = 0; h < n_head; h++) {                                                    \
+                const T *xr = x + t * x_stride + (int64_t)h * D;                                  \
+                T *o = out + t * out_stride + (int64_t)h * D;                                     \
+                float ss = 0.f;                                                                   \
+                for (int d = 0; d < D; d++) {                                                     \
+                    const float v = get_##SUFFIX(xr, d);                                          \
+                    ss += v * v;                                                                  \
+                }                                                                                 \
+                const float inv = 1.0f / sqrtf(ss / (float)D + eps);                              \
+                for (int d = 0; d < D; d++)                                                       \
+                    put_##SUFFIX(o, d, get_##SUFFIX(w, d) * round_##SUFFIX(get_##SUFFIX(xr, d) * inv)); \
+            }                                                                                     \
+    }
+
+/* residual += x (rounded like a bf16 add), out = RMSNorm(residual) * w. Rows of D, contiguous. */
+#define DEFINE_ADD_RMSNORM(SUFFIX, T)                                                             \
+    void add_rms_norm_##SUFFIX(T *residual, const T *x, T *out, const T *w, int n, int D,         \
+                               float eps) {                                                       \
+        _Pragma("omp parallel for if (n >= 64)")                                                  \
+        for (int t = 0; t < n; t++) {                                                             \
+            T *r = residual + (int64_t)t * D;                                                     \
+            const T *xr = x + (int64_t)t * D;                                                     \
+            T *o = out + (int64_t)t * D;                                                          \
+            float ss = 0.f;                                                                       \
+            for (int d = 0; d < D; d++) {                                                         \
+                const float v = round_##SUFFIX(get_##SUFFIX(r, d) + get_##SUFFIX(xr, d));         \
+                put_##SUFFIX(r, d, v);                                                            \
+                ss += v * v;                                                                      \
+            }                                                                                     \
+            const float inv = 1.0f / sqrtf(ss / (float)D + eps);                                  \
+            for (int d = 0; d < D; d++)                                                           \
+                put_##SUFFIX(o, d, get_##SUFFIX(w, d) * round_##SUFFIX(get_##SUFFIX(r, d) * inv)); \
+        }                                                                                         \
+    }
+
+/* In-place rotate-half RoPE on n_head heads of D per token (token stride x_stride), with
+ * cos/sin tables [max_len, D/2] in the model dtype indexed by positions. */
+#define DEFINE_ROPE(SUFFIX, T)                                                                    \
+    void rope_##SUFFIX(T *x, int64_t x_stride, int n_tok, int n_head, int D,                      \
+                       const int64_t *positions, const T *cos_t, const T *sin_t) {                \
+        const int half = D / 2;                                                                   \
+        _Pragma("omp parallel for if (n_tok >= 64)")                                              \
+        for (int t = 0; t < n_tok; t++) {                                                         \
+            const T *c = cos_t + positions[t] * half, *s = sin_t + positions[t] * half;           \
+            for (int h = 0; h < n_head; h++) {                                                    \
+                T *xh = x + t * x_stride + (int64_t)h * D;                                        \
+                for (int i = 0; i < half; i++) {                                                  \
+                    const float a = get_##SUFFIX(xh, i), b = get_##SUFFIX(xh, i + half);          \
+                    const float ci = get_##SUFFIX(c, i), si = get_##SUFFIX(s, i);                 \
+                    put_##SUFFIX(xh, i, round_##SUFFIX(a * ci) - round_##SUFFIX(b * si));         \
+                    put_##SUFFIX(xh, i + half, round_##SUFFIX(b * ci) + round_##SUFFIX(a * si));  \
+                }                                                                                 \
+            }                                                                                     \
+        }                                                                                         \
+    }
+
+/* out[t, f] = silu(gu[t, f]) * gu[t, F + f]   (gate and up halves of the fused projection) */
+#define DEFINE_SILU_MUL(SUFFIX, T)                                                                \
+    void silu_mul_##SUFFIX(const T *gu, T *out, int n, int F) {                                   \
+        _Pragma("omp parallel for if (n >= 16)")                                                  \
+        for (int t = 0; t < n; t++) {                                                             \
+            const T *g = gu + (int64_t)t * 2 * F, *u = g + F;                                     \
+            T *o = out + (int64_t)t * F;                                                          \
+            for (int f = 0; f < F; f++) {                                                         \
+                const float v = get_##SUFFIX(g, f);                                               \
+                const float act = round_##SUFFIX(v / (1.0f + exp_clamped(-v)));                   \
+                put_##SUFFIX(o, f, act * get_##SUFFIX(u, f));                                     \
+            }                                                                                     \
+        }                                                                                         \
+    }
+
+DEFINE_RMSNORM(f32, float)
+DEFINE_RMSNORM(bf16, bf16_t)
+DEFINE_ADD_RMSNORM(f32, float)
+DEFINE_ADD_RMSNORM(bf16, bf16_t)
+DEFINE_ROPE(f32, float)
+DEFINE_ROPE(bf16, bf16_t)
+DEFINE_SILU_MUL(f32, float)
+DEFINE_SILU_MUL(bf16, bf16_t)
