@@ -110,35 +110,12 @@ def store_from_env() -> EnsembleRouterStatusStore | None:
 
 async def serve(argv: list[str]) -> int:
     """`consort router` with the EnsembleRouter status store (same flags, same server)."""
-    import asyncio
-    import signal
+    from consort_router.server import parse_args, serve as serve_router
 
-    from aiohttp import web
-    from consort_router.config import RouterConfig
-    from consort_router.server import Router, build_app, parse_args
-
-    args = parse_args(argv)
-    config = RouterConfig.load(args.config)
     store = store_from_env()
-    router = Router(config, config_path=args.config, store=store)
-    app = build_app(router)
-    runner = web.AppRunner(app, handler_cancellation=True)
-    await runner.setup()
-    site = web.TCPSite(runner, args.host, args.port)
-    await site.start()
-    port = runner.addresses[0][1] if runner.addresses else args.port
     where = store.url if store else "(no EnsembleRouter: CONSORT_ENSEMBLE_ROUTER unset; breaker state per config)"
-    print(f"consort router: ensemble {config.ensemble!r}, {len(config.specialists)} specialists; listening on "
-          f"http://{args.host}:{port}; breaker state in {where}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await runner.cleanup()
-    if store is not None:
-        store.flush()
-    return 0
+    print(f"consort router: breaker state in {where}", flush=True)
+    return await serve_router(parse_args(argv), store=store)
 
 
 def main(argv: list[str] | None = None) -> int:
