@@ -151,7 +151,7 @@ class PagedAttention(torch.nn.Module):
         return o.reshape(b, -1)
 
     def _flash(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:  # pragma: no cover
-        o = flash_attn_varlen_func(q, self.k_cache, self.v_cache, cu_seqlens_q=meta.cu_query_lens,
+        o = flash_attn_varlen_func(q.contiguous(), self.k_cache, self.v_cache, cu_seqlens_q=meta.cu_query_lens,
                                    cu_seqlens_k=meta.cu_context_lens, max_seqlen_q=meta.max_query_len_all,
                                    max_seqlen_k=meta.max_context_len, softmax_scale=self.scale,
                                    causal=True, block_table=meta.block_tables)
