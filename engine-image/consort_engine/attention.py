@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .cpu_kernels import cpu_kernels
+from .cpu_kernels import cpu_kernels, kernel
 
 try:  # pragma: no cover - only on CUDA machines with flash-attn
     from flash_attn import flash_attn_varlen_func
@@ -76,14 +76,13 @@ class PagedAttention(torch.nn.Module):
     def _store(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         kc, vc = self.k_cache, self.v_cache
         if not self.heads_first:
-            kc.view(-1, self.kvh, self.d).index_copy_(0, slots, k)
-            vc.view(-1, self.kvh, self.d).index_copy_(0, slots, v)
+            kc.view(-1, self.kvh, self.d).index_copy_(0, slots, k.to(kc.dtype))
+            vc.view(-1, self.kvh, self.d).index_copy_(0, slots, v.to(vc.dtype))
             return
         assert k.stride()[1:] == (self.d, 1) and v.stride()[1:] == (self.d, 1)
-        lib = cpu_kernels()
-        fn = lib.store_kv_f32 if kc.dtype == torch.float32 else lib.store_kv_bf16
-        fn(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), kc.data_ptr(), vc.data_ptr(),
-           slots.data_ptr(), k.shape[0], self.kvh, self.d, kc.shape[2], kc.stride(0), kc.stride(2), kc.stride(1))
+        kernel("store_kv", k.dtype, kc.dtype)(
+            k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), kc.data_ptr(), vc.data_ptr(),
+            slots.data_ptr(), k.shape[0], self.kvh, self.d, kc.shape[2], kc.stride(0), kc.stride(2), kc.stride(1))
 
     def _context(self, cache: torch.Tensor, block_ids: torch.Tensor, n: int) -> torch.Tensor:
         """[n, KVH, D]: the first n tokens of a sequence, gathered from its blocks."""
@@ -110,12 +109,14 @@ class PagedAttention(torch.nn.Module):
             qs = q[p.start:p.end].transpose(0, 1).unsqueeze(0)               # [1, H, n, D]
             if p.cached == 0:
                 ks, vs = k[p.start:p.end], v[p.start:p.end]
+                if kc.dtype != q.dtype:     # attend over what the cache holds, as decode will
+                    ks, vs = ks.to(kc.dtype).to(q.dtype), vs.to(kc.dtype).to(q.dtype)
                 o = F.scaled_dot_product_attention(qs, ks.transpose(0, 1).unsqueeze(0),
                                                    vs.transpose(0, 1).unsqueeze(0),
                                                    is_causal=True, scale=self.scale, enable_gqa=True)
             else:
-                ks = self._context(kc, p.block_ids, p.context_len)
-                vs = self._context(vc, p.block_ids, p.context_len)
+                ks = self._context(kc, p.block_ids, p.context_len).to(q.dtype)
+                vs = self._context(vc, p.block_ids, p.context_len).to(q.dtype)
                 n = p.end - p.start
                 rows = torch.arange(p.cached, p.context_len, device=q.device)[:, None]
                 mask = torch.arange(p.context_len, device=q.device)[None, :] <= rows   # bottom-right causal
@@ -127,14 +128,13 @@ class PagedAttention(torch.nn.Module):
         return out
 
     def _kernel(self, q: torch.Tensor, out: torch.Tensor, meta: AttentionMetadata) -> None:
-        lib = cpu_kernels()
-        fn = lib.paged_attention_f32 if q.dtype == torch.float32 else lib.paged_attention_bf16
         bt = meta.block_tables
         kc = self.k_cache
-        rc = fn(q.data_ptr(), q.stride(0), kc.data_ptr(), self.v_cache.data_ptr(),
-                out.data_ptr(), out.stride(0), bt.data_ptr(), bt.shape[1], meta.context_lens.data_ptr(),
-                meta.cu_query_lens.data_ptr(), bt.shape[0], self.h, self.kvh, self.d,
-                self.block_size, kc.stride(0), kc.stride(2), kc.stride(1), self.scale)
+        rc = kernel("paged_attention", q.dtype, kc.dtype)(
+            q.data_ptr(), q.stride(0), kc.data_ptr(), self.v_cache.data_ptr(), out.data_ptr(), out.stride(0),
+            bt.data_ptr(), bt.shape[1], meta.context_lens.data_ptr(), meta.cu_query_lens.data_ptr(),
+            bt.shape[0], self.h, self.kvh, self.d, self.block_size, kc.stride(0), kc.stride(2), kc.stride(1),
+            self.scale)
         if rc != 0:
             raise RuntimeError(f"paged_attention kernel failed ({rc})")
 
@@ -143,8 +143,8 @@ class PagedAttention(torch.nn.Module):
         bt = meta.block_tables.long()
         b = bt.shape[0]
         length = bt.shape[1] * bs
-        ks = self.k_cache[bt].view(b, length, self.kvh, self.d).transpose(1, 2)
-        vs = self.v_cache[bt].view(b, length, self.kvh, self.d).transpose(1, 2)
+        ks = self.k_cache[bt].view(b, length, self.kvh, self.d).transpose(1, 2).to(q.dtype)
+        vs = self.v_cache[bt].view(b, length, self.kvh, self.d).transpose(1, 2).to(q.dtype)
         mask = torch.arange(length, device=q.device)[None, :] < meta.context_lens[:, None]
         o = F.scaled_dot_product_attention(q.unsqueeze(2), ks, vs, attn_mask=mask[:, None, None, :],
                                            scale=self.scale, enable_gqa=True)

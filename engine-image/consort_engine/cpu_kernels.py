@@ -54,9 +54,10 @@ def _build() -> ctypes.CDLL | None:
             os.replace(out, so)     # atomic: concurrent engines never load a half-written file
     lib = ctypes.CDLL(str(so))
     for name, (argtypes, restype) in SIGNATURES.items():
-        for suffix in ("f32", "bf16"):
-            fn = getattr(lib, f"{name}_{suffix}")
-            fn.argtypes, fn.restype = argtypes, restype
+        for suffix in ("f32", "bf16", "f32_bf16kv"):
+            fn = getattr(lib, f"{name}_{suffix}", None)
+            if fn is not None:
+                fn.argtypes, fn.restype = argtypes, restype
     return lib
 
 
@@ -67,6 +68,10 @@ def cpu_kernels() -> ctypes.CDLL | None:
     return _lib
 
 
-def kernel(name: str, dtype: torch.dtype):
-    """The compiled function for this dtype (float32 or bfloat16)."""
-    return getattr(cpu_kernels(), f"{name}_{'f32' if dtype == torch.float32 else 'bf16'}")
+def kernel(name: str, dtype: torch.dtype, kv_dtype: torch.dtype | None = None):
+    """The compiled function for this activation dtype (float32 or bfloat16) and, for the
+    attention kernels, the KV cache dtype (float32 activations over a bfloat16 cache included)."""
+    suffix = "f32" if dtype == torch.float32 else "bf16"
+    if kv_dtype is not None and kv_dtype != dtype:
+        suffix = "f32_bf16kv"
+    return getattr(cpu_kernels(), f"{name}_{suffix}")

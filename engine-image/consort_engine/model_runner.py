@@ -17,6 +17,7 @@ from .attention import AttentionMetadata, PrefillSpan, choose_backend, pool_shap
 from .config import EngineConfig
 from .loader import eos_token_ids, iter_safetensors, load_model_config, resolve_dtype
 from .models import MODELS
+from .models.packed import has_amx
 from .sequence import ScheduledBatch, Sequence
 
 MAX_KERNEL_QUERY = 16     # sequences with at most this many new tokens join the batched (kernel) group
@@ -29,6 +30,16 @@ class StepInputs:
     positions: torch.Tensor      # [T] int64
     meta: AttentionMetadata
     sample_idx: torch.Tensor     # [S] int64: token row of each sampled sequence, in batch order
+
+
+def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """bfloat16 on a CPU without AMX computes in float32: weights are rounded to bf16 and the KV
+    cache is bf16, but activations and GEMMs are fp32, because there oneDNN's bf16 GEMM runs at
+    about half the speed of MKL's fp32 GEMM. CONSORT_BF16_COMPUTE=1 forces bf16 activations."""
+    if (device.type == "cpu" and dtype == torch.bfloat16 and not has_amx()
+            and os.environ.get("CONSORT_BF16_COMPUTE") != "1"):
+        return torch.float32
+    return dtype
 
 
 def mem_available(device: torch.device) -> int:
@@ -47,7 +58,8 @@ class ModelRunner:
         t0 = time.monotonic()
         self.config = config
         self.device = torch.device(config.device)
-        self.dtype = resolve_dtype(config.dtype, config.device)
+        self.dtype = resolve_dtype(config.dtype, config.device)           # weights and KV cache
+        self.compute_dtype = compute_dtype(self.dtype, self.device)       # activations and GEMMs
         self.hf_config = cfg = load_model_config(config.model)
         self.eos_token_ids: set[int] = eos_token_ids(config.model, cfg)
         self.vocab_size = cfg.vocab_size
@@ -61,13 +73,13 @@ class ModelRunner:
         self.max_kernel_query = min(self.max_kernel_query, MAX_KERNEL_QUERY)
 
         default_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)
+        torch.set_default_dtype(self.compute_dtype)
         try:
             with torch.device(self.device):
                 self.model = MODELS[cfg.model_type](cfg, self.max_model_len, self.backend, self.dtype, self.device)
         finally:
             torch.set_default_dtype(default_dtype)
-        self.model.load_weights(iter_safetensors(config.model))
+        self.model.load_weights((name, t.to(self.dtype)) for name, t in iter_safetensors(config.model))
         self.model.eval()
         self.num_packed = 0
         if self.device.type == "cpu" and os.environ.get("CONSORT_PACK_WEIGHTS", "1") != "0":

@@ -115,11 +115,19 @@ def test_fp32_logits_and_greedy_tokens_match_transformers(arch, backend, checkpo
             torch.testing.assert_close(ours, theirs, atol=2e-4, rtol=1e-4, msg=f"seq {i} step {step}")
 
 
+@pytest.mark.parametrize("compute", ["auto", "bf16"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_bf16_on_cpu_stays_within_top5_of_fp32_transformers(arch, checkpoint):
+def test_bf16_on_cpu_stays_within_top5_of_fp32_transformers(arch, compute, checkpoint, monkeypatch):
+    """auto: on a CPU without AMX, bf16 weights and KV cache with fp32 activations; bf16: all bf16."""
+    if compute == "bf16":
+        monkeypatch.setenv("CONSORT_BF16_COMPUTE", "1")
     ckpt = checkpoint(arch)
     runner = ModelRunner(EngineConfig(model=str(ckpt), block_size=BS, num_blocks=128, dtype="bfloat16"))
     assert runner.dtype == torch.bfloat16 and runner.kv_cache.dtype == torch.bfloat16
+    if compute == "bf16":
+        assert runner.compute_dtype == torch.bfloat16
+    weights = runner.model.embed_tokens.weight
+    assert torch.equal(weights, weights.to(torch.bfloat16).to(weights.dtype)), "weights hold bf16 values"
     prompts, shared = make_prompts(runner.vocab_size)
     seqs, got = run_mixed_schedule(runner, prompts, shared)
     refs = hf_greedy(ckpt, prompts, NEW)

@@ -96,9 +96,9 @@ static inline void axpy(float *restrict y, float a, const float *restrict x, int
 
 /* One (sequence, kv head) item. T is the element type, D is a compile-time constant when
  * the caller passes a literal (always_inline specialises the loops). */
-#define DEFINE_ITEM(SUFFIX, T)                                                                    \
-    static inline __attribute__((always_inline)) void item_##SUFFIX(                              \
-        const T *q, int64_t q_stride, const T *kc, const T *vc, T *out, int64_t out_stride,       \
+#define DEFINE_ITEM(NAME, QS, TQ, KS, TKV)                                                                    \
+    static inline __attribute__((always_inline)) void item_##NAME(                              \
+        const TQ *q, int64_t q_stride, const TKV *kc, const TKV *vc, TQ *out, int64_t out_stride,  \
         const int32_t *bt, int ctx, int q0, int qlen, int kh, int H, int KVH, const int D,        \
         int BS, int64_t blk_stride, int64_t tok, int64_t head_stride, float scale, float *scratch) { \
         const int G = H / KVH, rows = G * qlen;                                                   \
@@ -110,7 +110,7 @@ static inline void axpy(float *restrict y, float a, const float *restrict x, int
         for (int i = 0; i < qlen; i++)                                                            \
             for (int g = 0; g < G; g++) {                                                         \
                 const int r = i * G + g;                                                          \
-                load_row_##SUFFIX(qf + (int64_t)r * D,                                            \
+                load_row_##QS(qf + (int64_t)r * D,                                            \
                                   q + (int64_t)(q0 + i) * q_stride + (int64_t)(kh * G + g) * D, D); \
                 for (int d = 0; d < D; d++) qf[(int64_t)r * D + d] *= scale;                      \
                 lim[r] = ctx - qlen + i + 1; /* keys [0, lim) are visible */                      \
@@ -118,10 +118,10 @@ static inline void axpy(float *restrict y, float a, const float *restrict x, int
         const int64_t head = (int64_t)kh * head_stride;                                           \
         const int nblocks = (ctx + BS - 1) / BS;                                                  \
         for (int b = 0, j = 0; b < nblocks; b++) {                                                \
-            const T *kb = kc + (int64_t)bt[b] * blk_stride + head;                                \
+            const TKV *kb = kc + (int64_t)bt[b] * blk_stride + head;                                \
             const int n = ctx - j < BS ? ctx - j : BS;                                            \
             for (int o = 0; o < n; o++, j++) {                                                    \
-                const float *kr = kv_row_##SUFFIX(row, kb + o * tok, D);                          \
+                const float *kr = kv_row_##KS(row, kb + o * tok, D);                          \
                 for (int r = 0; r < rows; r++) s[(int64_t)r * ctx + j] = dot(qf + (int64_t)r * D, kr, D); \
             }                                                                                     \
         }                                                                                         \
@@ -140,26 +140,28 @@ static inline void axpy(float *restrict y, float a, const float *restrict x, int
             memset(acc + (int64_t)r * D, 0, sizeof(float) * (size_t)D);                           \
         }                                                                                         \
         for (int b = 0, j = 0; b < nblocks; b++) {                                                \
-            const T *vb = vc + (int64_t)bt[b] * blk_stride + head;                                \
+            const TKV *vb = vc + (int64_t)bt[b] * blk_stride + head;                                \
             const int n = ctx - j < BS ? ctx - j : BS;                                            \
             for (int o = 0; o < n; o++, j++) {                                                    \
-                const float *vr = kv_row_##SUFFIX(row, vb + o * tok, D);                          \
+                const float *vr = kv_row_##KS(row, vb + o * tok, D);                          \
                 for (int r = 0; r < rows; r++) axpy(acc + (int64_t)r * D, s[(int64_t)r * ctx + j], vr, D); \
             }                                                                                     \
         }                                                                                         \
         for (int i = 0; i < qlen; i++)                                                            \
             for (int g = 0; g < G; g++) {                                                         \
                 const int r = i * G + g;                                                          \
-                store_row_##SUFFIX(out + (int64_t)(q0 + i) * out_stride + (int64_t)(kh * G + g) * D, \
+                store_row_##QS(out + (int64_t)(q0 + i) * out_stride + (int64_t)(kh * G + g) * D, \
                                    acc + (int64_t)r * D, D);                                      \
             }                                                                                     \
     }
 
-DEFINE_ITEM(f32, float)
-DEFINE_ITEM(bf16, bf16_t)
+DEFINE_ITEM(f32, f32, float, f32, float)
+DEFINE_ITEM(bf16, bf16, bf16_t, bf16, bf16_t)
+DEFINE_ITEM(f32_bf16kv, f32, float, bf16, bf16_t)
 
-#define DEFINE_KERNEL(SUFFIX, T)                                                                  \
-    int paged_attention_##SUFFIX(const T *q, int64_t q_stride, const T *kc, const T *vc, T *out,  \
+#define DEFINE_KERNEL(SUFFIX, TQ, TKV)                                                                  \
+    int paged_attention_##SUFFIX(const TQ *q, int64_t q_stride, const TKV *kc, const TKV *vc,   \
+                                 TQ *out,                                                         \
                                  int64_t out_stride, const int32_t *block_tables, int max_blocks, \
                                  const int32_t *ctx_lens, const int32_t *cu_q, int B, int H,      \
                                  int KVH, int D, int BS, int64_t blk_stride, int64_t tok_stride,  \
@@ -197,14 +199,15 @@ DEFINE_ITEM(bf16, bf16_t)
         return err;                                                                               \
     }
 
-DEFINE_KERNEL(f32, float)
-DEFINE_KERNEL(bf16, bf16_t)
+DEFINE_KERNEL(f32, float, float)
+DEFINE_KERNEL(bf16, bf16_t, bf16_t)
+DEFINE_KERNEL(f32_bf16kv, float, bf16_t)
 
 /* Write the new tokens' K/V rows into their pool slots (slot = block * BS + offset; < 0 skips).
  * k, v: [n, KVH, D] with any token stride (views into the fused qkv projection). */
-#define DEFINE_STORE(SUFFIX, T)                                                                   \
-    void store_kv_##SUFFIX(const T *k, int64_t k_stride, const T *v, int64_t v_stride, T *kc,     \
-                           T *vc, const int64_t *slots, int n, int KVH, int D, int BS,            \
+#define DEFINE_STORE(SUFFIX, TS, TC, CONV)                                                                   \
+    void store_kv_##SUFFIX(const TS *k, int64_t k_stride, const TS *v, int64_t v_stride, TC *kc,  \
+                           TC *vc, const int64_t *slots, int n, int KVH, int D, int BS,            \
                            int64_t blk_stride, int64_t tok_stride, int64_t head_stride) {         \
         _Pragma("omp parallel for if (n >= 256)")                                                 \
         for (int t = 0; t < n; t++) {                                                             \
@@ -212,14 +215,20 @@ DEFINE_KERNEL(bf16, bf16_t)
             if (s < 0) continue;                                                                  \
             const int64_t base = (s / BS) * blk_stride + (s % BS) * tok_stride;                  \
             for (int h = 0; h < KVH; h++) {                                                       \
-                memcpy(kc + base + h * head_stride, k + t * k_stride + (int64_t)h * D, sizeof(T) * (size_t)D); \
-                memcpy(vc + base + h * head_stride, v + t * v_stride + (int64_t)h * D, sizeof(T) * (size_t)D); \
+                TC *kd = kc + base + h * head_stride, *vd = vc + base + h * head_stride;          \
+                const TS *ks = k + t * k_stride + (int64_t)h * D, *vs = v + t * v_stride + (int64_t)h * D; \
+                for (int d = 0; d < D; d++) {                                                     \
+                    kd[d] = CONV(ks[d]);                                                          \
+                    vd[d] = CONV(vs[d]);                                                          \
+                }                                                                                 \
             }                                                                                     \
         }                                                                                         \
     }
 
-DEFINE_STORE(f32, float)
-DEFINE_STORE(bf16, bf16_t)
+#define SAME(x) (x)
+DEFINE_STORE(f32, float, float, SAME)
+DEFINE_STORE(bf16, bf16_t, bf16_t, SAME)
+DEFINE_STORE(f32_bf16kv, float, bf16_t, f32_to_bf16)
 
 /* ---------------------------------------------------------------------------------------------
  * Fused element-wise layers (fp32 arithmetic; bf16 variants round where transformers rounds).

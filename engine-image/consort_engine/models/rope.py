@@ -70,13 +70,14 @@ def _yarn(dim: int, theta: float, s: dict[str, Any], factor: float) -> tuple[tor
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """cos/sin tables [max_len, dim/2] in the model dtype (as transformers casts them); ops.rope_
-    rotates q and k by position."""
+    """cos/sin tables [max_len, dim/2] with the model dtype's values (as transformers casts them),
+    stored in the compute dtype; ops.rope_ rotates q and k by position."""
 
     def __init__(self, dim: int, max_len: int, theta: float, scaling: dict[str, Any] | None,
                  dtype: torch.dtype, device: torch.device | str = "cpu"):
         super().__init__()
         inv, attn_factor = inv_frequencies(dim, theta, scaling, max_len)
         freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * inv[None, :]
-        self.register_buffer("cos", (freqs.cos() * attn_factor).to(dtype).to(device), persistent=False)
-        self.register_buffer("sin", (freqs.sin() * attn_factor).to(dtype).to(device), persistent=False)
+        store = torch.get_default_dtype() if dtype == torch.bfloat16 else dtype   # bf16 values, compute dtype
+        self.register_buffer("cos", (freqs.cos() * attn_factor).to(dtype).to(store).to(device), persistent=False)
+        self.register_buffer("sin", (freqs.sin() * attn_factor).to(dtype).to(store).to(device), persistent=False)
