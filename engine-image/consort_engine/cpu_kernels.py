@@ -34,16 +34,28 @@ SIGNATURES = {   # name (per dtype suffix) -> (argtypes, restype)
 _lib: ctypes.CDLL | None | bool = False   # False = not tried yet
 
 
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), os.uname().machine)
+    except OSError:
+        return os.uname().machine
+
+
 def _build() -> ctypes.CDLL | None:
     if os.environ.get("CONSORT_CPU_KERNEL", "1") == "0" or not SRC.exists():
         return None
     cc = os.environ.get("CC", "cc")
     key = hashlib.sha256(SRC.read_bytes() + " ".join([cc, *FLAGS]).encode()
-                         + os.uname().machine.encode()).hexdigest()[:16]
+                         + _cpu_flags().encode()).hexdigest()[:16]   # -march=native: per CPU model
+    name = f"cpu_kernels-{key}{sysconfig.get_config_var('SHLIB_SUFFIX') or '.so'}"
     cache = Path(os.environ.get("CONSORT_CACHE", Path.home() / ".cache" / "consort")) / "kernels"
-    so = cache / f"cpu_kernels-{key}{sysconfig.get_config_var('SHLIB_SUFFIX') or '.so'}"
-    if not so.exists():
+    try:
         cache.mkdir(parents=True, exist_ok=True)
+    except OSError:           # read-only home (a locked-down pod): build in a private temp dir
+        cache = Path(tempfile.mkdtemp(prefix="consort-kernels-"))
+    so = cache / name
+    if not so.exists():
         with tempfile.TemporaryDirectory(dir=cache) as tmp:
             out = Path(tmp) / so.name
             try:
