@@ -3,6 +3,10 @@
 The pool is sized once at start-up (config.num_blocks, or free memory after the weights minus an
 activation reserve, times kv_memory_fraction) and never grows. `execute` reads the sequences and
 their block tables (allocated by the block manager) and never mutates them.
+
+dtype (config.dtype) is the weights' and the KV cache's; compute_dtype is the activations' (they
+differ only for bf16 on a CPU without AMX, see compute_dtype()). On CPU the attention, K/V store
+and element-wise layers run as C kernels (cpu_kernels.py) and the GEMM weights are pre-packed.
 """
 from __future__ import annotations
 
@@ -198,6 +202,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         """float32 logits [sampled rows, vocab] in batch order."""
+        if not batch.seqs:
+            return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
         inp = self.prepare(batch)
         h = self.model(inp.input_ids, inp.positions, inp.meta)
         if inp.sample_idx.numel() == 0:
