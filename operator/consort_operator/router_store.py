@@ -22,7 +22,6 @@ import sys
 import threading
 import urllib.error
 import urllib.request
-from typing import Any
 
 log = logging.getLogger("consort.router.store")
 
@@ -108,26 +107,18 @@ def store_from_env() -> EnsembleRouterStatusStore | None:
     return EnsembleRouterStatusStore(namespace, name)
 
 
-async def serve(argv: list[str]) -> int:
-    """`consort router` with the EnsembleRouter status store (same flags, same server)."""
-    from consort_router.server import parse_args, serve as serve_router
-
-    store = store_from_env()
-    where = store.url if store else "(no EnsembleRouter: CONSORT_ENSEMBLE_ROUTER unset; breaker state per config)"
-    print(f"consort router: breaker state in {where}", flush=True)
-    return await serve_router(parse_args(argv), store=store)
-
-
 def main(argv: list[str] | None = None) -> int:
-    import asyncio
+    """`consort router` (same flags, same server) with the EnsembleRouter status store."""
+    from consort_router.server import main as router_main
 
-    argv = list(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        return asyncio.run(serve(argv))
-    except (ValueError, FileNotFoundError) as e:
+        store = store_from_env()
+    except ValueError as e:
         print(f"consort router: {e}", file=sys.stderr)
         return 2
+    where = store.url if store else "(no EnsembleRouter: CONSORT_ENSEMBLE_ROUTER unset; breaker state per config)"
+    print(f"consort router: breaker state in {where}", flush=True)
+    return router_main(argv, store=store)
 
 
 if __name__ == "__main__":

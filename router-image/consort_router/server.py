@@ -622,12 +622,13 @@ async def serve(args: argparse.Namespace, store: BreakerStore | None = None) -> 
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, store: BreakerStore | None = None) -> int:
+    """`consort router`; `store` replaces the config's breaker store (the operator's router entry)."""
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        return asyncio.run(serve(args))
+        return asyncio.run(serve(args, store=store))
     except (ValueError, FileNotFoundError) as e:
         print(f"consort router: {e}", file=sys.stderr)
         return 2
