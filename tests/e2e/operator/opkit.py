@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -15,10 +14,7 @@ REPO = Path(__file__).resolve().parents[3]
 CONSORT = str(Path(sys.executable).with_name("consort"))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from procs import free_port  # noqa: E402,F401  (one port picker for every test; re-exported)
 
 
 class Operator:

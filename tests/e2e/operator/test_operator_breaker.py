@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import base64
 import json
-import subprocess
 import sys
 import time
 import urllib.error
@@ -16,6 +15,7 @@ import pytest
 import yaml
 from kube import NotYet, condition, wait_for
 from opkit import free_port, get_json, wait_phase
+from procs import start_process
 
 pytestmark = pytest.mark.e2e
 
@@ -33,24 +33,15 @@ ROUTER = {"apiVersion": "consort.dev/v1alpha1", "kind": "EnsembleRouter", "metad
 class RouterProc:
     def __init__(self, config: str, port: int, env: dict, log):
         self.port = port
-        out = open(log, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "consort_operator.router_store", "--config", config,
-                                      "--port", str(port)], stdout=out, stderr=subprocess.STDOUT, env=env)
-        out.close()
-        self.log = log
+        self.proc = start_process([sys.executable, "-m", "consort_operator.router_store", "--config", config,
+                                   "--port", str(port)], log.stem, log.parent, env=env)
 
     def routing(self) -> dict:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/v1/routing", timeout=2) as r:
             return json.loads(r.read())
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        self.proc.stop(20)
 
 
 @pytest.mark.timeout(400)
@@ -123,7 +114,7 @@ def test_breaker_state_survives_router_restarts_and_demotes_the_specialist(clust
     router = RouterProc(str(config), free_port(), env, tmp_path / "router2.log")
     try:
         def resumed() -> dict:
-            if router.proc.poll() is not None:
+            if not router.proc.alive():
                 raise AssertionError((tmp_path / "router2.log").read_text())
             try:
                 return router.routing()

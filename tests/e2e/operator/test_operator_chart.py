@@ -2,9 +2,7 @@
 for the operator (run as the chart's ServiceAccount), with two peered replicas of which one acts."""
 from __future__ import annotations
 
-import json
 import re
-import time
 
 import pytest
 import yaml

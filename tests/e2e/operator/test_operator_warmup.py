@@ -3,7 +3,6 @@ pod-address resolver (kwok's pods are fake: Ready at once, IPs never contacted).
 from __future__ import annotations
 
 import json
-import subprocess
 import time
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import pytest
 import yaml
 from kube import NotYet, condition, wait_for
 from opkit import CONSORT, get_json, free_port
+from procs import start_process
 
 pytestmark = pytest.mark.e2e
 
@@ -27,20 +27,11 @@ def specialist(name: str, replicas: int, min_ready: int) -> str:
 class Engine:
     def __init__(self, model: str, name: str, port: int, log: Path):
         self.port = port
-        self.log = log
-        out = open(log, "wb")
-        self.proc = subprocess.Popen([CONSORT, "engine", "--model", model, "--port", str(port), "--host", "127.0.0.1",
-                                      "--name", name, "--num-blocks", "128"], stdout=out, stderr=subprocess.STDOUT)
-        out.close()
+        self.proc = start_process([CONSORT, "engine", "--model", model, "--port", str(port), "--host", "127.0.0.1",
+                                   "--name", name, "--num-blocks", "128"], log.stem, log.parent)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        self.proc.stop(20)
 
 
 @pytest.fixture

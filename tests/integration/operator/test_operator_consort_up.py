@@ -4,7 +4,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,10 +15,7 @@ REPO = Path(__file__).resolve().parents[3]
 CONSORT = str(Path(sys.executable).with_name("consort"))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from procs import free_port  # noqa: E402
 
 
 def rss_kib(pid: int) -> int:
