@@ -135,6 +135,13 @@ class Engine:
         assert code == 200, body
         return body
 
+    def generated_tokens(self) -> float:
+        """The engine's `vllm:generation_tokens_total`, summed over models: counts decode work done."""
+        code, text = http_get(self.url + "/metrics")
+        assert code == 200, text
+        return sum(float(ln.rsplit(" ", 1)[1]) for ln in str(text).splitlines()
+                   if ln.startswith("vllm:generation_tokens_total"))
+
     def stop(self) -> int | None:
         return self.proc.stop()
 

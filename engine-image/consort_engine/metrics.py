@@ -79,6 +79,8 @@ class EngineMetrics:
                                        L + ("finished_reason",), registry=r)
         self.preempted_once = Counter("consort_requests_preempted_once",
                                       "Requests preempted at least once before finishing", L, registry=r)
+        self.aborted = Counter("consort_requests_aborted", "Admitted requests ended early: client gone or error",
+                               L, registry=r)
         self.rejected = Counter("consort_admission_rejected", "Requests refused at admission (429)",
                                 L + ("code",), registry=r)
         self.bad_requests = Counter("consort_invalid_requests", "Requests refused as invalid (4xx)",
@@ -93,6 +95,14 @@ class EngineMetrics:
 
     def observe_invalid(self, code: str) -> None:
         self.bad_requests.labels(self.model_name, self.specialist, code).inc()
+
+    def observe_aborted(self, adapter: str | None, *, prompt_tokens: int, output_tokens: int) -> None:
+        """Work done for a request that did not finish still counts in the token totals (as in vLLM,
+        which counts per step), so the counters measure what the engine computed."""
+        lab = self.labels(adapter)
+        self.prompt_tokens.labels(*lab).inc(prompt_tokens)
+        self.generation_tokens.labels(*lab).inc(output_tokens)
+        self.aborted.labels(*lab).inc()
 
     def observe_finished(self, adapter: str | None, *, prompt_tokens: int, output_tokens: int,
                          ttft: float | None, admission_ttft: float | None, itls: list[float], e2e: float,

@@ -330,6 +330,9 @@ async def handle_generation(request: web.Request, kind: str) -> web.StreamRespon
         ctx.in_flight -= 1
         if finished is None:
             ctx.engine.abort(seq.seq_id, "abort")   # client gone or error: free the blocks now
+            if times.admitted is not None:
+                ctx.metrics.observe_aborted(req.adapter, prompt_tokens=min(seq.num_computed_tokens, len(prompt_ids)),
+                                            output_tokens=seq.num_output_tokens)
         else:
             ctx.metrics.observe_finished(
                 req.adapter, prompt_tokens=len(prompt_ids), output_tokens=finished.num_output_tokens,

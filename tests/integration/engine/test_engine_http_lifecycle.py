@@ -112,6 +112,9 @@ def test_disconnect_mid_stream_frees_every_block(engine):
     wait_idle(engine, timeout=10)
     # aborted, not run to completion: far fewer than 450 decode steps happened after the disconnect
     assert steps(engine) - at_disconnect < 100
+    aborted = [ln for ln in httpx.get(engine.url + "/metrics").text.splitlines()
+               if ln.startswith("consort_requests_aborted_total{")]
+    assert aborted and float(aborted[0].rsplit(" ", 1)[1]) >= 1, aborted
 
 
 def test_disconnect_non_stream_frees_every_block(engine):
