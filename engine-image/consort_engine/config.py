@@ -24,3 +24,5 @@ class EngineConfig:
     adapters: dict[str, str] = field(default_factory=dict)  # name -> PEFT dir (next issue)
     max_adapters: int = 4
     seed: int = 0
+    slo_ttft_ms: int | None = None      # published objectives (p95 targets): judged per request, exported
+    slo_itl_ms: int | None = None

@@ -5,9 +5,11 @@ latest stats snapshot at scrape time; per-request histograms are observed by the
 """
 from __future__ import annotations
 
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -21,6 +23,51 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 
 REQUEST_LABELS = ("model_name", "specialist", "adapter")
 ENGINE_LABELS = ("model_name", "specialist")
+
+
+SLO_WINDOW = 1000           # recent finished requests the attainment is computed over
+SLO_QUANTILE = 0.95         # targets are p95: an objective is met while >= 95% of requests meet it
+
+
+def p95(values: list[float]) -> float:
+    """Nearest-rank 95th percentile (of a request's inter-token gaps)."""
+    ordered = sorted(values)
+    return ordered[max(0, -(-len(ordered) * 95 // 100) - 1)]
+
+
+@dataclass
+class SloTracker:
+    """Per-request judgement against the specialist's published objectives (p95 targets).
+
+    A request meets the TTFT objective when its first token came within the target, and the ITL
+    objective when the 95th percentile of its own inter-token gaps is within the target (requests
+    with fewer than two output tokens have no ITL). Attainment is over the last SLO_WINDOW requests."""
+    ttft_s: float | None
+    itl_s: float | None
+    ttft: deque = field(default_factory=lambda: deque(maxlen=SLO_WINDOW))
+    itl: deque = field(default_factory=lambda: deque(maxlen=SLO_WINDOW))
+
+    def judge(self, ttft: float | None, itls: list[float]) -> dict[str, bool]:
+        """{objective: met} for the objectives this request can be judged on; records them."""
+        verdict = {}
+        if self.ttft_s is not None and ttft is not None:
+            verdict["ttft"] = ttft <= self.ttft_s
+            self.ttft.append(verdict["ttft"])
+        if self.itl_s is not None and itls:
+            verdict["itl"] = p95(itls) <= self.itl_s
+            self.itl.append(verdict["itl"])
+        return verdict
+
+    def summary(self) -> dict:
+        out: dict = {"quantile": SLO_QUANTILE, "window": SLO_WINDOW}
+        for name, target, window in (("ttft", self.ttft_s, self.ttft), ("itl", self.itl_s, self.itl)):
+            if target is None:
+                continue
+            n = len(window)
+            attained = sum(window) / n if n else None
+            out[name] = {"target_ms": round(target * 1000), "requests": n, "attainment": attained,
+                         "met": None if attained is None else attained >= SLO_QUANTILE}
+        return out
 
 
 class _EngineStatsCollector:
@@ -58,7 +105,8 @@ class _EngineStatsCollector:
 
 
 class EngineMetrics:
-    def __init__(self, model_name: str, specialist: str, stats: Callable[[], dict]):
+    def __init__(self, model_name: str, specialist: str, stats: Callable[[], dict], slo: SloTracker | None = None):
+        self.slo = slo or SloTracker(None, None)
         self.model_name = model_name
         self.specialist = specialist
         self.registry = CollectorRegistry(auto_describe=True)
@@ -85,6 +133,13 @@ class EngineMetrics:
                                 L + ("code",), registry=r)
         self.bad_requests = Counter("consort_invalid_requests", "Requests refused as invalid (4xx)",
                                     ENGINE_LABELS + ("code",), registry=r)
+        self.slo_requests = Counter("consort_slo_requests", "Finished requests judged against each published "
+                                    "objective (p95 target)", ENGINE_LABELS + ("objective", "result"), registry=r)
+        slo_target = Gauge("consort_slo_target_seconds", "Published objective (p95 target) per specialist",
+                           ENGINE_LABELS + ("objective",), registry=r)
+        for objective, target in (("ttft", self.slo.ttft_s), ("itl", self.slo.itl_s)):
+            if target is not None:
+                slo_target.labels(model_name, specialist, objective).set(target)
         r.register(_EngineStatsCollector(stats, (model_name, specialist)))
 
     def labels(self, adapter: str | None) -> tuple[str, str, str]:
@@ -119,6 +174,8 @@ class EngineMetrics:
             h.observe(x)
         self.e2e.labels(*lab).observe(e2e)
         self.request_success.labels(*lab, finish_reason).inc()
+        for objective, met in self.slo.judge(ttft, itls).items():
+            self.slo_requests.labels(self.model_name, self.specialist, objective, "met" if met else "missed").inc()
         if preempted:
             self.preempted_once.labels(*lab).inc()
 

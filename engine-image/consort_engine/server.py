@@ -24,7 +24,7 @@ from aiohttp import web
 from . import protocol as P
 from .async_engine import AsyncEngine, EngineFailed, EngineNotReady
 from .config import EngineConfig
-from .metrics import EngineMetrics
+from .metrics import EngineMetrics, SloTracker
 from .sequence import Sequence
 from .tokenizer import ChatTemplateError, IncrementalDetokenizer, StopStringMatcher, Tokenizer
 
@@ -58,7 +58,10 @@ class ServerContext:
     in_flight: int = 0
 
     def __post_init__(self) -> None:
-        self.metrics = EngineMetrics(self.served_name, self.config.name, self.status)
+        c = self.config
+        slo = SloTracker(None if c.slo_ttft_ms is None else c.slo_ttft_ms / 1000.0,
+                         None if c.slo_itl_ms is None else c.slo_itl_ms / 1000.0)
+        self.metrics = EngineMetrics(self.served_name, self.config.name, self.status, slo)
 
     def speculation_state(self) -> str:
         if self.config.speculative == "off":
@@ -100,6 +103,7 @@ class ServerContext:
             "prefix_cache_queries": s.get("prefix_cache_queries", 0),
             "prefix_cache_hits": s.get("prefix_cache_hits", 0),
             "step_time_ewma_s": s.get("step_time_ewma_s"),
+            "slo": self.metrics.slo.summary(),
             "speculation": {"mode": self.config.speculative, "state": self.speculation_state(),
                             "num_speculative_tokens": self.config.num_speculative_tokens},
             "max_model_len": getattr(runner, "max_model_len", self.max_model_len),
@@ -514,6 +518,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH")
     p.add_argument("--max-adapters", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--slo-ttft-ms", type=int, default=None, help="published time-to-first-token objective (p95)")
+    p.add_argument("--slo-itl-ms", type=int, default=None, help="published inter-token latency objective (p95)")
     p.add_argument("--access-log", action="store_true")
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
@@ -526,12 +532,16 @@ def config_from_args(a: argparse.Namespace) -> EngineConfig:
         if not sep or not name or not path:
             raise SystemExit(f"consort engine: --adapter expects NAME=PATH, got {item!r}")
         adapters[name] = path
+    for flag, value in (("--slo-ttft-ms", a.slo_ttft_ms), ("--slo-itl-ms", a.slo_itl_ms)):
+        if value is not None and value <= 0:
+            raise SystemExit(f"consort engine: {flag} must be a positive number of milliseconds, got {value}")
     return EngineConfig(
         model=str(Path(a.model)), name=a.name or Path(a.model).resolve().name, device=a.device, dtype=a.dtype,
         block_size=a.block_size, num_blocks=a.num_blocks, kv_memory_fraction=a.kv_memory_fraction,
         max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
         max_waiting=a.max_waiting, enable_prefix_caching=not a.no_prefix_caching, speculative=a.speculative,
-        num_speculative_tokens=a.num_speculative_tokens, adapters=adapters, max_adapters=a.max_adapters, seed=a.seed)
+        num_speculative_tokens=a.num_speculative_tokens, adapters=adapters, max_adapters=a.max_adapters, seed=a.seed,
+        slo_ttft_ms=a.slo_ttft_ms, slo_itl_ms=a.slo_itl_ms)
 
 
 def checkpoint_limits(config: EngineConfig) -> tuple[int, int]:

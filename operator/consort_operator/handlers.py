@@ -30,6 +30,7 @@ from .api.specialist import SpecialistSpec, SpecialistStatus
 from .kube import Kube, KubeError
 from .lifecycle import breaker as breaker_lc
 from .lifecycle import rollout as rollout_lc
+from .lifecycle import slo as slo_lc
 from .lifecycle import warmup as warmup_lc
 from .lifecycle.common import Event, set_condition
 from .metrics import (APPLIES, EVENTS, PHASES, RECONCILE_ERRORS, RECONCILE_SECONDS, RECONCILES,
@@ -333,7 +334,7 @@ ROUTER_STATUS_KEYS = {f.alias or n for n, f in EnsembleRouterStatus.model_fields
 
 # ---- Specialist ---------------------------------------------------------------------------------
 
-async def probe_replicas(namespace: str, pods: list[dict[str, Any]], port: int, with_status: bool
+async def probe_replicas(namespace: str, pods: list[dict[str, Any]], port: int
                          ) -> dict[str, warmup_lc.ProbeResult]:
     if runtime.warm_signal == "pod-ready" or runtime.prober is None:
         return {}
@@ -344,7 +345,7 @@ async def probe_replicas(namespace: str, pods: list[dict[str, Any]], port: int, 
         addr = runtime.resolver.resolve(PodRef(namespace, p["name"], p["ip"], port))
         if addr:
             targets[p["name"]] = addr
-    results = await asyncio.gather(*(runtime.prober.probe(a, with_status) for a in targets.values()))
+    results = await asyncio.gather(*(runtime.prober.probe(a, with_status=True) for a in targets.values()))
     out = dict(zip(targets, results))
     for p in pods:   # resolvable nowhere: unreachable
         out.setdefault(p["name"], warmup_lc.ProbeResult(reachable=False, reason="no address"))
@@ -385,7 +386,7 @@ async def reconcile_specialist(body: Any, owned: Owned, pod_index: Any, deployme
                                                                "updated_replicas", "ready_replicas", "available_replicas")}) if dep_raw else None
     pods_raw = list(pod_index.get((namespace, "engine", name), []))
     pods = [_pod(p) for p in pods_raw]
-    probes = await probe_replicas(namespace, pods_raw, spec.port, with_status=bool(spec.adapters))
+    probes = await probe_replicas(namespace, pods_raw, spec.port)
 
     status, ev = warmup_lc.evaluate(spec, generation, dep, pods, probes, runtime.warm_signal, prev, now,  # type: ignore[arg-type]
                                     selector=specialist_res.pod_selector_string(name))
@@ -414,6 +415,9 @@ async def reconcile_specialist(body: Any, owned: Owned, pod_index: Any, deployme
         else set_condition(status["conditions"], "AdapterRollout", False, "NoAdapters", "no adapters configured", now, generation)
 
     brk, conds, ev = breaker_lc.evaluate(name, spec.fallback, router_states, prev.get("breaker"), conds, now, generation)
+    events += ev
+    reports = [p.slo for _, p in warm if p is not None and p.slo]
+    status["slo"], conds, ev = slo_lc.evaluate(spec, reports, conds, now, generation)
     events += ev
     status["breaker"] = brk
     status["conditions"] = conds

@@ -1,4 +1,4 @@
-"""Engine probing: GET /ready (and /v1/status for adapters) through the pod-address resolver."""
+"""Engine probing: GET /ready (and /v1/status: adapters, SLO attainment) through the pod-address resolver."""
 from __future__ import annotations
 
 import asyncio
@@ -37,13 +37,15 @@ class Prober:
                     warm = resp.status == 200
                 reason = "" if warm else str((body or {}).get("reason") or f"HTTP {resp.status}")
                 adapters: dict[str, str] = {}
+                slo: dict[str, Any] = {}
                 if with_status:
                     async with self.session.get(f"{base}/v1/status") as resp:
                         if resp.status == 200:
                             st = await resp.json(content_type=None)
                             adapters = {str(k): str(v) for k, v in (st.get("adapters") or {}).items()}
+                            slo = st.get("slo") if isinstance(st.get("slo"), dict) else {}
                 PROBES.labels("warm" if warm else "cold").inc()
-                return ProbeResult(reachable=True, warm=warm, reason=reason, adapters=adapters)
+                return ProbeResult(reachable=True, warm=warm, reason=reason, adapters=adapters, slo=slo)
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, OSError) as e:
                 PROBES.labels("unreachable").inc()
                 return ProbeResult(reachable=False, reason=f"{type(e).__name__}: {e}"[:200])

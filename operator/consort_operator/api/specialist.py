@@ -169,6 +169,17 @@ class ReplicaStatus(Model):
     source: Literal["engine", "pod-ready", "none"] = Field(description="Where the warm signal came from: the engine's /ready, the pod's Ready condition (fallback), or none (unreachable).")
 
 
+class SloObjectiveStatus(Model):
+    target_ms: int = Field(description="The objective (p95 target) the replicas judged against, milliseconds.")
+    requests: int = Field(default=0, description="Recent requests judged on the warm replicas.")
+    attainment: float | None = Field(default=None, description="Share of those requests that met the target; the objective is met at >= 0.95.")
+
+
+class SloStatus(Model):
+    ttft: SloObjectiveStatus | None = Field(default=None, description="Time to first token.")
+    itl: SloObjectiveStatus | None = Field(default=None, description="Inter-token latency (each request's own p95 gap).")
+
+
 class SpecialistStatus(Model):
     observed_generation: int | None = Field(default=None, description="metadata.generation this status reflects.")
     phase: Phase | None = Field(default=None, description="Pending (no replica running), Warming (fewer than minReady warm), Ready, Degraded (was Ready, fell below minReady) or Failed (warmup timed out or pods crash).")
@@ -183,4 +194,5 @@ class SpecialistStatus(Model):
     adapters: list[AdapterStatus] | None = Field(default=None, description="Per-adapter rollout state.")
     breaker: BreakerStatus | None = Field(default=None, description="Circuit-breaker state as decided by the router, made durable here.")
     replica_status: list[ReplicaStatus] | None = Field(default=None, description="Warm state per replica.")
-    conditions: list[Condition] | None = Field(default=None, description="Ready, Warm, AdapterRollout and Demoted.")
+    slo: SloStatus | None = Field(default=None, description="Attainment of spec.slo's latency objectives, pooled from the warm replicas' recent requests.")
+    conditions: list[Condition] | None = Field(default=None, description="Ready, Warm, AdapterRollout, Demoted and SLOMet.")

@@ -40,12 +40,13 @@ class PodObs:
 
 @dataclass(frozen=True)
 class ProbeResult:
-    """One GET /ready (+ /v1/status) of a replica's engine through the pod-address resolver."""
+    """One GET /ready + /v1/status of a replica's engine through the pod-address resolver."""
 
     reachable: bool
     warm: bool = False
     reason: str = ""
     adapters: dict[str, str] = field(default_factory=dict)   # name -> loaded | pending | ...
+    slo: dict[str, Any] = field(default_factory=dict)        # the engine's /v1/status "slo" report
 
 
 @dataclass(frozen=True)

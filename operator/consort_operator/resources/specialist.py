@@ -116,6 +116,7 @@ def engine_args(name: str, spec: SpecialistSpec, model_dir: str, adapters: dict[
     if spec.speculative.mode != "off":
         args += ["--num-speculative-tokens", str(spec.speculative.num_tokens)]
     args += ["--max-adapters", str(spec.max_adapters)]
+    args += ["--slo-ttft-ms", str(spec.slo.ttft_ms), "--slo-itl-ms", str(spec.slo.itl_ms)]
     for adapter_name, path in adapters.items():
         args += ["--adapter", f"{adapter_name}={path}"]
     return args

@@ -12,7 +12,10 @@ from kube import NotYet, condition, wait_for
 from opkit import CONSORT, get_json, free_port
 from procs import start_process
 
+from consort_operator.lifecycle import slo
+
 pytestmark = pytest.mark.e2e
+SLO_MS = 60000      # generous objectives: every request meets them
 
 
 def specialist(name: str, replicas: int, min_ready: int) -> str:
@@ -20,7 +23,7 @@ def specialist(name: str, replicas: int, min_ready: int) -> str:
         "apiVersion": "consort.dev/v1alpha1", "kind": "Specialist", "metadata": {"name": name},
         "spec": {"model": {"source": "demo://tiny"}, "replicas": replicas, "minReady": min_ready,
                  "resources": {"gpus": 1, "cpu": "1", "memory": "2Gi"}, "kv": {"blockSize": 16, "numBlocks": 128},
-                 "warmupTimeoutSeconds": 600},
+                 "warmupTimeoutSeconds": 600, "slo": {"ttftMs": SLO_MS, "itlMs": SLO_MS}},
     })
 
 
@@ -28,7 +31,8 @@ class Engine:
     def __init__(self, model: str, name: str, port: int, log: Path):
         self.port = port
         self.proc = start_process([CONSORT, "engine", "--model", model, "--port", str(port), "--host", "127.0.0.1",
-                                   "--name", name, "--num-blocks", "128"], log.stem, log.parent)
+                                   "--name", name, "--num-blocks", "128", "--slo-ttft-ms", str(SLO_MS),
+                                   "--slo-itl-ms", str(SLO_MS)], log.stem, log.parent)
 
     def stop(self) -> None:
         self.proc.stop(20)
@@ -92,6 +96,18 @@ def test_warmup_gating_follows_the_engines_not_kwok(cluster, namespace, operator
         obj = get_json(cluster, "specialist", "warm", "-n", namespace)
         assert condition(obj, "Ready")["status"] == "True" and condition(obj, "Warm")["status"] == "True"
         assert sp_ready["ready"] == "2/2"
+        assert condition(obj, "SLOMet")["reason"] == "NotEnoughRequests"
+
+        # SLO attainment: the engines judge each request against spec.slo; the status pools them.
+        import httpx
+        for _ in range(slo.MIN_REQUESTS):
+            r = httpx.post(f"http://127.0.0.1:{port_a}/v1/completions", timeout=60,
+                           json={"prompt": "x", "max_tokens": 3, "ignore_eos": True, "temperature": 0})
+            assert r.status_code == 200, r.text
+        st = wait_status(cluster, namespace, "warm", "SLO attainment pooled",
+                         lambda s: ((s.get("slo") or {}).get("ttft") or {}).get("requests", 0) >= slo.MIN_REQUESTS)
+        assert st["slo"]["ttft"]["attainment"] == 1.0 and st["slo"]["itl"]["targetMs"] == SLO_MS
+        assert condition(get_json(cluster, "specialist", "warm", "-n", namespace), "SLOMet")["status"] == "True"
 
         # Scale-up: the new replica counts only once its engine is warm (it has none here).
         cluster.kubectl("patch", "specialist", "warm", "-n", namespace, "--type", "merge", "-p", '{"spec": {"replicas": 3}}')

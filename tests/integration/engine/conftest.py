@@ -11,6 +11,7 @@ import procs  # noqa: E402
 
 MAX_MODEL_LEN = 512          # small context: "prompt longer than the context" is cheap to build
 SHARED_NUM_BLOCKS = 256      # 4,096 KV slots for the shared engine
+SHARED_SLO_ARGS = ("--slo-ttft-ms", "600000", "--slo-itl-ms", "600000")   # generous: every request meets them
 
 
 @pytest.fixture(scope="session")
@@ -27,7 +28,8 @@ def engine_logs(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def engine(demo_model: Path, engine_logs: Path):
     """One `consort engine` shared by the tests that leave it idle and all-free when they finish."""
-    eng = procs.start_engine(demo_model, engine_logs, "--num-blocks", str(SHARED_NUM_BLOCKS), name="spec")
+    eng = procs.start_engine(demo_model, engine_logs, "--num-blocks", str(SHARED_NUM_BLOCKS), *SHARED_SLO_ARGS,
+                             name="spec")
     yield eng
     code = eng.stop()
     assert code == 0, f"engine exited with {code} on SIGTERM\n{eng.proc.tail()}"

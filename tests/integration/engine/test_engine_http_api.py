@@ -176,6 +176,20 @@ def test_metrics_have_vllm_names(engine, client):
     assert float(ttft_count[0].rsplit(" ", 1)[1]) >= 1
 
 
+def test_slo_attainment_in_status_and_metrics(engine, client):
+    """The shared engine publishes generous objectives (conftest): every finished request meets them."""
+    client.completions.create(model="spec", prompt="x", max_tokens=4, temperature=0, extra_body=GREEDY_IGNORE_EOS)
+    slo = engine.status()["slo"]
+    assert slo["ttft"]["target_ms"] == 600000 and slo["ttft"]["requests"] >= 1
+    assert slo["ttft"]["attainment"] == 1.0 and slo["ttft"]["met"] is True
+    assert slo["itl"]["requests"] >= 1 and slo["itl"]["attainment"] == 1.0
+    text = httpx.get(engine.url + "/metrics", timeout=10).text
+    met = [ln for ln in text.splitlines()
+           if ln.startswith("consort_slo_requests_total{") and 'objective="ttft"' in ln and 'result="met"' in ln]
+    assert met and float(met[0].rsplit(" ", 1)[1]) >= 1
+    assert 'consort_slo_target_seconds{model_name="spec",objective="itl",specialist="spec"} 600.0' in text
+
+
 def test_prefix_cache_hits_show_in_status_and_usage(client, engine):
     prompt = list(range(10, 10 + 100))     # 6 full blocks of 16
     client.completions.create(model="spec", prompt=prompt, max_tokens=1, temperature=0)

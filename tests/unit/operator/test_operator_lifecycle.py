@@ -1,4 +1,4 @@
-"""Pure lifecycle state machines: warmup gating, adapter rollout, breaker mirroring."""
+"""Pure lifecycle state machines: warmup gating, adapter rollout, breaker mirroring, SLO attainment."""
 from __future__ import annotations
 
 from datetime import datetime, timedelta, timezone
@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from consort_operator.api.specialist import SpecialistSpec
-from consort_operator.lifecycle import breaker, rollout, warmup
+from consort_operator.lifecycle import breaker, rollout, slo, warmup
 from consort_operator.lifecycle.common import get_condition
 from consort_operator.lifecycle.warmup import PodObs, ProbeResult
 
@@ -195,3 +195,41 @@ def test_router_samples_count_only_for_the_current_lane_revision():
     assert rollout.samples_from_router(entry, "r1") == (120, 108)
     assert rollout.samples_from_router(entry, "r0") is None
     assert rollout.samples_from_router({"revision": "r1", "total": 0, "samples": []}, "r1") is None
+
+
+def slo_report(ttft: tuple[int, float] | None, itl: tuple[int, float] | None, ttft_ms=1000, itl_ms=100) -> dict:
+    """An engine's /v1/status "slo" report: (requests, attainment) per objective."""
+    out = {"quantile": 0.95, "window": 1000}
+    if ttft:
+        out["ttft"] = {"target_ms": ttft_ms, "requests": ttft[0], "attainment": ttft[1]}
+    if itl:
+        out["itl"] = {"target_ms": itl_ms, "requests": itl[0], "attainment": itl[1]}
+    return out
+
+
+def test_slo_pools_replicas_weighted_by_requests_and_ignores_stale_targets():
+    s = spec(slo={"ttftMs": 1000, "itlMs": 100})
+    reports = [slo_report((30, 1.0), (30, 0.9)), slo_report((10, 0.5), (10, 0.5)),
+               slo_report((500, 0.0), (500, 0.0), ttft_ms=5000, itl_ms=50)]   # a replica on the old targets
+    pooled = slo.pool(s, reports)
+    assert pooled["ttft"] == {"targetMs": 1000, "requests": 40, "attainment": 0.875}
+    assert pooled["itl"] == {"targetMs": 100, "requests": 40, "attainment": 0.8}
+
+
+def test_slo_condition_unknown_then_missed_then_met_with_events():
+    s = spec()
+    st0, conds, ev = slo.evaluate(s, [slo_report((5, 0.0), (5, 0.0))], None, T0, 1)
+    assert get_condition(conds, "SLOMet")["status"] == "Unknown" and ev == []
+    assert get_condition(conds, "SLOMet")["reason"] == "NotEnoughRequests"
+    st1, conds, ev = slo.evaluate(s, [slo_report((40, 0.99), (40, 0.5))], conds, T0, 1)
+    c = get_condition(conds, "SLOMet")
+    assert c["status"] == "False" and c["reason"] == "ITLMissed" and "50.0%" in c["message"]
+    assert [(e.type, e.reason) for e in ev] == [("Warning", "SLOMissed")]
+    _, conds, ev = slo.evaluate(s, [slo_report((40, 0.99), (40, 0.5))], conds, T0, 1)
+    assert ev == []                                      # no event while nothing changes
+    _, conds, ev = slo.evaluate(s, [slo_report((40, 0.5), (40, 0.5))], conds, T0, 1)
+    assert get_condition(conds, "SLOMet")["reason"] == "TTFTITLMissed" and ev == []
+    _, conds, ev = slo.evaluate(s, [slo_report((40, 0.96), (40, 1.0))], conds, T0, 1)
+    assert get_condition(conds, "SLOMet")["status"] == "True" and [e.reason for e in ev] == ["SLOMet"]
+    _, conds, _ = slo.evaluate(s, [], conds, T0, 1)      # no warm replica reports: no evidence
+    assert get_condition(conds, "SLOMet")["status"] == "Unknown"
