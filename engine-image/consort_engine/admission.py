@@ -3,6 +3,19 @@
 `decide_admission` is a pure function of (request, queue snapshot, measured step times), so the
 policy is unit-testable without an engine. The scheduler builds the snapshot; the engine keeps
 the step-time estimates (EWMAs of measured steps).
+
+The three admission conditions of the serving design, and where each is enforced:
+(a) room for the prompt + one decode step (+ the draft window): `blocks_needed` against free,
+    evictable and preemptible blocks, and the turnover of the running set;
+(b) the caller's deadline (`deadline_ms`, due time of the first token) is achievable from the
+    queue ahead of it and the measured prefill throughput and step time;
+(c) admitting does not push another in-flight request past its own deadline. This holds by
+    construction of the scheduler rather than by a check here: a new request queues behind every
+    waiter of equal or higher priority, and each step serves running decodes and running prefill
+    chunks before it admits anyone, so no request of equal or higher priority is delayed by a
+    newcomer. Lower-priority requests are delayed (or preempted) on purpose: that is what priority
+    means, and the seed's resolution for a conflict ("preempt a strictly lower-priority request").
+    Deadline misses that happen anyway are counted (consort_deadline_requests_total{result="missed"}).
 """
 from __future__ import annotations
 

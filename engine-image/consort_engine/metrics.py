@@ -133,6 +133,8 @@ class EngineMetrics:
                                 L + ("code",), registry=r)
         self.bad_requests = Counter("consort_invalid_requests", "Requests refused as invalid (4xx)",
                                     ENGINE_LABELS + ("code",), registry=r)
+        self.deadline_requests = Counter("consort_deadline_requests", "Finished requests that carried deadline_ms: "
+                                         "first token in time (met) or late (missed)", L + ("result",), registry=r)
         self.slo_requests = Counter("consort_slo_requests", "Finished requests judged against each published "
                                     "objective (p95 target)", ENGINE_LABELS + ("objective", "result"), registry=r)
         slo_target = Gauge("consort_slo_target_seconds", "Published objective (p95 target) per specialist",
@@ -161,8 +163,10 @@ class EngineMetrics:
 
     def observe_finished(self, adapter: str | None, *, prompt_tokens: int, output_tokens: int,
                          ttft: float | None, admission_ttft: float | None, itls: list[float], e2e: float,
-                         finish_reason: str, preempted: bool) -> None:
+                         finish_reason: str, preempted: bool, deadline_missed: bool | None = None) -> None:
         lab = self.labels(adapter)
+        if deadline_missed is not None:
+            self.deadline_requests.labels(*lab, "missed" if deadline_missed else "met").inc()
         self.prompt_tokens.labels(*lab).inc(prompt_tokens)
         self.generation_tokens.labels(*lab).inc(output_tokens)
         if ttft is not None:

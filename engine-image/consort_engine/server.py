@@ -343,7 +343,8 @@ async def handle_generation(request: web.Request, kind: str) -> web.StreamRespon
                 ttft=None if times.first is None else times.first - times.arrival,
                 admission_ttft=None if times.first is None or times.admitted is None else times.first - times.admitted,
                 itls=times.itls, e2e=time.monotonic() - times.arrival,
-                finish_reason=finished.finish_reason or "stop", preempted=seq.num_preemptions > 0)
+                finish_reason=finished.finish_reason or "stop", preempted=seq.num_preemptions > 0,
+                deadline_missed=None if deadline is None or times.first is None else times.first > deadline)
 
 
 async def full_response(ctx: ServerContext, req: P.GenerationRequest, seq: Sequence, deltas):

@@ -151,10 +151,13 @@ def test_stop_string_truncates_and_aborts(client, engine):
     wait_idle(engine)
 
 
-def test_priority_and_deadline_are_accepted(client):
+def test_priority_and_deadline_are_accepted(client, engine):
     r = client.completions.create(model="spec", prompt="auto x = 1;", max_tokens=2, temperature=0,
                                   extra_body={"priority": 5, "deadline_ms": 60000})
     assert r.choices[0].finish_reason in ("length", "stop")
+    met = [ln for ln in httpx.get(engine.url + "/metrics", timeout=10).text.splitlines()
+           if ln.startswith("consort_deadline_requests_total{") and 'result="met"' in ln]
+    assert met and float(met[0].rsplit(" ", 1)[1]) >= 1, met
 
 
 def test_metrics_have_vllm_names(engine, client):

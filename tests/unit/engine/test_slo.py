@@ -44,3 +44,16 @@ def test_metrics_export_targets_and_verdicts():
     assert ('consort_slo_requests_total{model_name="m",objective="ttft",result="missed",specialist="Algo"} 1.0'
             in text)
     assert 'objective="itl"' not in text
+
+
+def test_deadline_verdicts_are_counted_only_for_requests_with_a_deadline():
+    m = EngineMetrics("m", "Algo", lambda: {})
+    kw = dict(prompt_tokens=4, output_tokens=3, ttft=0.1, admission_ttft=0.1, itls=[], e2e=0.2,
+              finish_reason="length", preempted=False)
+    m.observe_finished(None, **kw)                           # no deadline: not judged
+    m.observe_finished(None, deadline_missed=True, **kw)
+    m.observe_finished(None, deadline_missed=False, **kw)
+    text = generate_latest(m.registry).decode()
+    lines = [ln for ln in text.splitlines() if ln.startswith("consort_deadline_requests_total{")]
+    assert sorted(ln.rsplit(" ", 1)[1] for ln in lines) == ["1.0", "1.0"]
+    assert any('result="missed"' in ln for ln in lines) and any('result="met"' in ln for ln in lines)
