@@ -45,6 +45,14 @@ class Ewma:
         self.count += 1
 
 
+def _row_starts(counts: list[int]) -> list[int]:
+    starts, at = [], 0
+    for c in counts:
+        starts.append(at)
+        at += c
+    return starts
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, runner=None, sampler=None) -> None:
         if runner is None:
@@ -130,13 +138,7 @@ class LLMEngine:
             self.last_batch = batch
             return self.scheduler.take_pending_outputs()
         logits = self.runner.execute(batch)
-        sampled_seqs = [s for s, flag in zip(batch.seqs, batch.sample) if flag]
-        if sampled_seqs:
-            token_ids, logprobs = self.sampler.sample(logits, sampled_seqs)
-            if isinstance(token_ids, torch.Tensor):
-                token_ids = token_ids.tolist()
-        else:
-            token_ids, logprobs = [], None
+        token_ids, logprobs = self._sample(batch, logits)
         t2 = time.perf_counter()
         outputs = self.scheduler.postprocess(batch, token_ids, logprobs)
         t3 = time.perf_counter()
@@ -144,14 +146,42 @@ class LLMEngine:
         self._record(batch, t3 - t0, (t1 - t0) + (t3 - t2))
         return outputs
 
+    def _sample(self, batch: ScheduledBatch, logits: torch.Tensor) -> tuple[list[int], list | None]:
+        """Token ids for every sampled row (batch.rows_sampled order). Verify windows (greedy by
+        construction) take the argmax of each row; the rest go through the sampler."""
+        sampled_seqs = [s for s, flag in zip(batch.seqs, batch.sample) if flag]
+        if not sampled_seqs:
+            return [], None
+        if not batch.num_draft:
+            token_ids, logprobs = self.sampler.sample(logits, sampled_seqs)
+            return (token_ids.tolist() if isinstance(token_ids, torch.Tensor) else token_ids), logprobs
+        counts = [batch.rows_sampled(i) for i in range(len(batch.seqs)) if batch.sample[i]]
+        greedy = logits.max(dim=-1).indices.tolist()   # the sampler's greedy rule, ties included
+        single = [r for r, c in zip(_row_starts(counts), counts) if c == 1]
+        token_ids = list(greedy)
+        logprobs: list | None = None
+        if single:
+            rows = torch.tensor(single, dtype=torch.int64, device=logits.device)
+            picked, lps = self.sampler.sample(logits[rows], [s for s, c in zip(sampled_seqs, counts) if c == 1])
+            picked = picked.tolist() if isinstance(picked, torch.Tensor) else picked
+            for r, t in zip(single, picked):
+                token_ids[r] = t
+            if lps is not None:
+                logprobs = [None] * len(token_ids)
+                for r, lp in zip(single, lps):
+                    logprobs[r] = lp
+        return token_ids, logprobs
+
     def _record(self, batch: ScheduledBatch, step_s: float, overhead_s: float) -> None:
         self.num_steps += 1
         self._step_time.update(step_s)
         self._sched_overhead.update(overhead_s)
-        if batch.mode == "decode":
+        if batch.mode in ("decode", "spec_verify"):
             self._decode_step.update(step_s)
         else:
-            prefill_tokens = sum(n for n, flag in zip(batch.num_new_tokens, batch.sample) if n > 1 or not flag)
+            drafts = batch.num_draft or [0] * len(batch.seqs)
+            prefill_tokens = sum(n for n, flag, k in zip(batch.num_new_tokens, batch.sample, drafts)
+                                 if (n > 1 and not k) or not flag)
             if prefill_tokens:
                 self._prefill_tokens.update(prefill_tokens)
                 self._prefill_time.update(step_s)
@@ -197,4 +227,15 @@ class LLMEngine:
             "scheduler_overhead_s": self._sched_overhead.value,
             "num_steps": self.num_steps,
             "warm": self.warm,
+            "speculation": self.speculation_stats(),
         }
+
+    def speculation_stats(self) -> dict:
+        """mode as configured; state on (n-gram drafts), fallback (mtp asked for, the checkpoint has no
+        MTP head: n-gram drafts instead) or off."""
+        mode = self.config.speculative
+        state = "off" if mode == "off" else ("fallback" if mode == "mtp" else "on")
+        sched = self.scheduler
+        proposed, accepted = sched.num_draft_tokens, sched.num_accepted_tokens
+        return {"mode": mode, "state": state, "draft_tokens": proposed, "accepted_tokens": accepted,
+                "acceptance_rate": accepted / proposed if proposed else None}

@@ -97,7 +97,11 @@ class _EngineStatsCollector:
             yield g
         counters = (("vllm:num_preemptions", "Cumulative preemptions", s.get("num_preemptions", 0)),
                     ("vllm:prefix_cache_queries", "Prefix-cache queries, in tokens", s.get("prefix_cache_queries", 0)),
-                    ("vllm:prefix_cache_hits", "Prefix-cache hits, in tokens", s.get("prefix_cache_hits", 0)))
+                    ("vllm:prefix_cache_hits", "Prefix-cache hits, in tokens", s.get("prefix_cache_hits", 0)),
+                    ("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed for verification",
+                     (s.get("speculation") or {}).get("draft_tokens", 0)),
+                    ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted by verification",
+                     (s.get("speculation") or {}).get("accepted_tokens", 0)))
         for name, doc, value in counters:
             c = CounterMetricFamily(name, doc, labels=ENGINE_LABELS)
             c.add_metric(self.labels, float(value or 0))

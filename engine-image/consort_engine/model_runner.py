@@ -207,8 +207,13 @@ class ModelRunner:
             meta.prefills.append(span)
 
         row_of = {i: r for r, i in enumerate(order)}
-        sample_idx = torch.tensor([cu_list[row_of[i] + 1] - 1 for i in range(len(seqs)) if batch.sample[i]],
-                                  dtype=torch.int64)
+        sample_rows: list[int] = []       # the last rows_sampled(i) rows of each sequence, in batch order
+        for i in range(len(seqs)):
+            k = batch.rows_sampled(i)
+            if k:
+                end = cu_list[row_of[i] + 1]
+                sample_rows.extend(range(end - k, end))
+        sample_idx = torch.tensor(sample_rows, dtype=torch.int64)
         ids = torch.tensor(tokens, dtype=torch.int64)
         if self.device.type != "cpu":
             dev = self.device
@@ -235,7 +240,8 @@ class ModelRunner:
 
     # ------------------------------------------------------------------------------------------
     def warmup(self) -> None:
-        """Runs a prefill and a decode batch through scratch blocks before any request owns a block.
+        """Runs a prefill, a decode and (when speculating) a verify batch through scratch blocks
+        before any request owns a block.
 
         The K/V they write is garbage nobody reads: every block is written by its owner before
         it is attended.
@@ -256,5 +262,10 @@ class ModelRunner:
                              for k in range(math.ceil((ctx + 1) / bs))]
             seqs.append(s)
         self.execute(ScheduledBatch(seqs, [1] * n, [True] * n, mode="decode"))
+        k = self.config.num_speculative_tokens if self.config.speculative != "off" else 0
+        if k and ctx > k:        # the verify window: 1 + k query rows per sequence, every row sampled
+            for s in seqs:
+                s.num_computed_tokens = ctx - k
+            self.execute(ScheduledBatch(seqs, [1 + k] * n, [True] * n, mode="spec_verify", num_draft=[k] * n))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

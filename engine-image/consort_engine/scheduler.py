@@ -22,6 +22,7 @@ from .admission import (AdmissionRequest, QueueSnapshot, Rejection, StepEstimate
 from .block_manager import BlockManager, blocks_for
 from .config import EngineConfig
 from .sequence import ScheduledBatch, Sequence, SequenceStatus
+from .speculative import propose_ngram
 
 _RUNNING = SequenceStatus.RUNNING
 _WAITING = SequenceStatus.WAITING
@@ -50,9 +51,11 @@ class Scheduler:
         self.eos_token_ids: set[int] = set(eos_token_ids)
         self.max_model_len = max_model_len or sys.maxsize
         # Tokens one decode step may add: 1, or 1 + K when speculating (verify the draft window).
-        spec = config.speculative != "off"
-        self.decode_span = 1 + (config.num_speculative_tokens if spec else 0)
+        self.speculate = config.speculative != "off"
+        self.decode_span = 1 + (config.num_speculative_tokens if self.speculate else 0)
         self.num_lookahead = self.decode_span
+        self.num_draft_tokens = 0        # proposed / accepted by verification, cumulative
+        self.num_accepted_tokens = 0
         self.watermark_blocks = max(1, int(config.preempt_watermark * block_manager.num_blocks + 0.999999))
 
         self.running: list[Sequence] = []          # kept sorted by run_order: victims at the tail
@@ -172,6 +175,7 @@ class Scheduler:
         seqs: list[Sequence] = []
         nums: list[int] = []
         sample: list[bool] = []
+        drafts: list[int] = []
         preempted: list[Sequence] = []
 
         # (0) priority preemption for the head of the queue.
@@ -193,6 +197,9 @@ class Scheduler:
                 continue
             if n > budget:
                 continue
+            k = self._draft(seq, budget - n) if n == 1 and self.speculate else 0
+            if k:
+                n += k
             need = (computed + n + bs - 1) // bs - len(seq.block_table)
             if need > 0 and need > bm.num_free_blocks:
                 decode_preempted = True
@@ -203,6 +210,7 @@ class Scheduler:
             seqs.append(seq)
             nums.append(n)
             sample.append(True)
+            drafts.append(k)
             budget -= n
         num_decodes = len(seqs)
 
@@ -239,14 +247,42 @@ class Scheduler:
                 budget -= n
 
         num_prefills = len(seqs) - num_decodes
-        mode = "mixed" if num_decodes and num_prefills else ("prefill" if num_prefills else "decode")
+        drafts += [0] * num_prefills
+        verify = any(drafts)
+        mode = ("mixed" if num_decodes and num_prefills else "prefill" if num_prefills
+                else "spec_verify" if verify else "decode")
         if len(seqs) > 1 and any(s.adapter is not None for s in seqs):
             # Group by adapter (stable: decodes stay ahead of prefills inside each group).
             order = sorted(range(len(seqs)), key=lambda k: seqs[k].adapter or "")
             seqs = [seqs[k] for k in order]
             nums = [nums[k] for k in order]
             sample = [sample[k] for k in order]
-        return ScheduledBatch(seqs=seqs, num_new_tokens=nums, sample=sample, mode=mode, preempted=preempted)
+            drafts = [drafts[k] for k in order]
+        return ScheduledBatch(seqs=seqs, num_new_tokens=nums, sample=sample, mode=mode, preempted=preempted,
+                              num_draft=drafts if verify else [])
+
+    def _draft(self, seq: Sequence, budget: int) -> int:
+        """Append up to K n-gram draft tokens to a greedy decode's window; how many were appended.
+
+        Only greedy requests without logprobs speculate (acceptance is exact argmax equality); a
+        draft never runs past max_tokens or the context, and never needs a block the pool does
+        not have free right now (speculation does not preempt anyone)."""
+        sp = seq.sampling
+        if not sp.greedy or sp.logprobs is not None:
+            return 0
+        k = min(self.decode_span - 1, budget, sp.max_tokens - seq.num_output_tokens - 1,
+                self.max_model_len - seq.num_tokens - 1)
+        if k <= 0:
+            return 0
+        draft = propose_ngram(seq.token_ids, k)
+        if not draft:
+            return 0
+        # Free blocks must cover the whole window: then this decode cannot trigger a preemption
+        # (which could pick seq itself and would requeue it with the drafts in its tokens).
+        if self.block_manager.slots_needed(seq, 1 + len(draft)) > self.block_manager.num_free_blocks:
+            return 0
+        seq.token_ids.extend(draft)
+        return len(draft)
 
     def _preempt_for_decode(self, seq: Sequence, need: int, preempted: list[Sequence]) -> bool:
         """Free blocks for a decode by preempting from the tail (lowest priority, latest arrival)
@@ -284,59 +320,75 @@ class Scheduler:
     # ------------------------------------------------------------------ commit
     def postprocess(self, batch: ScheduledBatch, sampled_token_ids: list[int],
                     logprobs: list | None = None) -> list[StepOutput]:
-        """Commit one step: advance computed tokens, append sampled tokens (one per row with
-        batch.sample[i], in batch order), finish and free what stopped."""
+        """Commit one step: advance computed tokens, append sampled tokens (batch.rows_sampled(i)
+        per sequence, in batch order), verify drafts, finish and free what stopped."""
         bm = self.block_manager
-        eos = self.eos_token_ids
-        max_len = self.max_model_len
         bs = bm.block_size
         outputs = self.take_pending_outputs()
         now = time.monotonic()
         finished_any = False
         j = 0
-        for seq, n, sampled in zip(batch.seqs, batch.num_new_tokens, batch.sample):
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            rows = batch.rows_sampled(i)
             if seq.status is not _RUNNING:      # aborted between schedule and commit
-                j += sampled
+                j += rows
                 continue
-            computed = seq.num_computed_tokens + n
-            seq.num_computed_tokens = computed
-            # A block boundary was crossed: new full blocks can join the prefix cache.
-            new_full_block = computed // bs != (computed - n) // bs
-            if not sampled:
-                if new_full_block:
+            before = seq.num_computed_tokens
+            if rows == 0:
+                seq.num_computed_tokens = before + n
+                if seq.num_computed_tokens // bs != before // bs:   # a new full block: cacheable
                     bm.cache_computed_blocks(seq)
                 continue
-            token = sampled_token_ids[j]
-            lp = logprobs[j] if logprobs is not None else None
-            j += 1
-            seq.token_ids.append(token)
-            if lp is not None:
-                seq.output_logprobs.append(lp)
+            targets = sampled_token_ids[j:j + rows]
+            lps = [None] * rows if logprobs is None else logprobs[j:j + rows]
+            j += rows
+            accepted = 0
+            if rows > 1:    # verify: the drafts that equal the model's own greedy choices stand
+                k = rows - 1
+                draft = seq.token_ids[-k:]
+                del seq.token_ids[-k:]
+                while accepted < k and draft[accepted] == targets[accepted]:
+                    accepted += 1
+                self.num_draft_tokens += k
+                self.num_accepted_tokens += accepted
+            # K/V is valid for the window's first token and the accepted drafts.
+            seq.num_computed_tokens = before + n - (rows - 1 - accepted)
+            new, reason = [], None
+            for token in targets[:accepted + 1]:
+                seq.token_ids.append(token)
+                new.append(token)
+                reason = self._stop_reason(seq, token)
+                if reason is not None:
+                    break
+            new_lps = [lp for lp in lps[:len(new)] if lp is not None]
+            seq.output_logprobs.extend(new_lps)
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            sp = seq.sampling
-            if token in eos and not sp.ignore_eos:
-                reason = "stop"
-            elif sp.stop_token_ids and token in sp.stop_token_ids:
-                reason = "stop"
-            elif (num_tokens := len(seq.token_ids)) - len(seq.prompt_token_ids) >= sp.max_tokens \
-                    or num_tokens >= max_len:
-                reason = "length"
-            else:
-                reason = None
             if reason is None:
-                if new_full_block:
+                if rows > 1:
+                    bm.rollback(seq, seq.num_tokens)     # blocks past the kept tokens go back
+                if seq.num_computed_tokens // bs != before // bs:
                     bm.cache_computed_blocks(seq)
             else:
                 seq.status = _FINISHED
                 seq.finish_reason = reason
                 bm.free(seq)
                 finished_any = True
-            outputs.append(StepOutput(seq.seq_id, [token], reason is not None, reason,
-                                      [lp] if lp is not None else None))
+            outputs.append(StepOutput(seq.seq_id, new, reason is not None, reason, new_lps or None))
         if finished_any:
             self.running = [s for s in self.running if s.status is _RUNNING]
         return outputs
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        sp = seq.sampling
+        if token in self.eos_token_ids and not sp.ignore_eos:
+            return "stop"
+        if sp.stop_token_ids and token in sp.stop_token_ids:
+            return "stop"
+        num_tokens = len(seq.token_ids)
+        if num_tokens - len(seq.prompt_token_ids) >= sp.max_tokens or num_tokens >= self.max_model_len:
+            return "length"
+        return None
 
     # ------------------------------------------------------------------ admission
     def queue_snapshot(self, seq: Sequence, warm: bool = True, warming_elapsed_s: float = 0.0) -> QueueSnapshot:

@@ -94,12 +94,22 @@ class ScheduledBatch:
     spec_verify). Blocks covering them are already allocated in `seq.block_table`.
     `sample[i]` says whether the step ends at the sequence's last token (a token is sampled);
     a non-final prefill chunk is computed but not sampled.
+    `num_draft[i]` (spec_verify) counts the draft tokens at the end of sequence i's window: they sit
+    at the end of `seq.token_ids` until the step commits, and each of the 1 + num_draft[i] rows is
+    sampled (empty list: no drafts in this step).
     """
     seqs: list[Sequence]
     num_new_tokens: list[int]
     sample: list[bool]
     mode: str = "decode"                       # prefill | decode | mixed | spec_verify
     preempted: list[Sequence] = field(default_factory=list)
+    num_draft: list[int] = field(default_factory=list)
+
+    def rows_sampled(self, i: int) -> int:
+        """Logit rows sequence i contributes: 0 (prefill chunk), 1, or 1 + drafts."""
+        if not self.sample[i]:
+            return 0
+        return 1 + (self.num_draft[i] if self.num_draft else 0)
 
     @property
     def num_tokens(self) -> int:

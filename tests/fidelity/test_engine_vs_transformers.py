@@ -101,3 +101,20 @@ def test_engine_greedy_matches_transformers(model_and_reference, case):
         matched = check_logprobs_close(ref, s.output_token_ids, top, name=f"{arch}/{case} request {i}")
         exact += matched == max_tokens[i]
     assert exact >= N - 1, f"only {exact}/{N} requests matched transformers exactly in fp32"
+
+
+@pytest.mark.parametrize("case", ["preempt", "chunked"])
+def test_speculative_greedy_matches_transformers(model_and_reference, case):
+    """n-gram speculation (verify windows of 1 + 3 rows through the paged kernel, rollback of
+    rejected drafts) under pool pressure and chunking: the same greedy tokens as transformers."""
+    arch, ckpt, prompts, max_tokens, refs = model_and_reference
+    engine = LLMEngine(EngineConfig(model=str(ckpt), dtype="float32", block_size=4, speculative="ngram",
+                                    num_speculative_tokens=3, **CASES[case]))
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    outs = engine.generate(prompts, params)
+    stats = engine.stats()
+    assert stats["kv_free_blocks"] == stats["kv_total_blocks"], "every block is released at the end"
+    spec = stats["speculation"]
+    assert spec["state"] == "on" and spec["draft_tokens"] > 0 and spec["accepted_tokens"] > 0, spec
+    exact = sum(out == list(ref.tokens) and len(out) == m for out, ref, m in zip(outs, refs, max_tokens))
+    assert exact >= N - 1, f"{arch}/{case}: only {exact}/{N} speculative requests matched transformers"

@@ -83,7 +83,7 @@ class RolloutPolicy(Model):
 
 
 class Speculative(Model):
-    mode: Literal["off", "ngram", "mtp"] = Field(default="off", description="Self-drafting speculative decoding: off, ngram (prompt lookup) or mtp (the checkpoint's multi-token-prediction head).")
+    mode: Literal["off", "ngram", "mtp"] = Field(default="off", description="Self-drafting speculative decoding: off, ngram (prompt lookup) or mtp (the checkpoint's multi-token-prediction head; engines without one draft with ngram and report state fallback). Greedy requests without logprobs speculate; their output is exactly one-token decoding's.")
     num_tokens: int = Field(default=3, ge=1, le=8, description="Draft tokens proposed per step (K); admission reserves KV for the whole window.")
 
 

@@ -223,3 +223,29 @@ def test_sse_wire_format(engine):
     assert all(c["object"] == "text_completion" for c in chunks)
     assert sum(len(c["choices"][0]["token_ids"]) for c in chunks) == 4
     assert "prompt_token_ids" in chunks[0]
+
+
+def test_speculative_engine_streams_the_same_greedy_text(engine, demo_model, engine_logs):
+    """`--speculative ngram`: verify windows run through the real model; the stream carries several
+    tokens per step and the text equals one-token decoding's (the shared engine, speculation off)."""
+    prompt = "int a = 1; int b = 2; int a = 1; int b = 2; int a = 1; int b = 2;"
+    body = {"prompt": prompt, "max_tokens": 48, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    plain = httpx.post(engine.url + "/v1/completions", json=body, timeout=60).json()
+    spec = procs.start_engine(demo_model, engine_logs, "--num-blocks", "64", "--speculative", "ngram",
+                              name="spec-ngram")
+    try:
+        with httpx.stream("POST", spec.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            assert r.headers["x-consort-speculation"] == "on"
+            chunks = [json.loads(line[5:]) for line in r.iter_lines()
+                      if line.startswith("data:") and line.strip() != "data: [DONE]"]
+        ids = [t for c in chunks if c["choices"] for t in c["choices"][0].get("token_ids") or []]
+        assert ids == plain["choices"][0]["token_ids"] and len(ids) == 48
+        assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == plain["choices"][0]["text"]
+        s = spec.status()
+        assert s["speculation"]["state"] == "on" and s["speculation"]["draft_tokens"] > 0
+        assert s["kv_free_blocks"] == s["kv_total_blocks"] == 64
+        accepted = s["speculation"]["accepted_tokens"]
+        metrics = httpx.get(spec.url + "/metrics", timeout=10).text
+        assert f"vllm:spec_decode_num_accepted_tokens_total{{model_name=\"spec-ngram\",specialist=\"spec-ngram\"}} {float(accepted)}" in metrics
+    finally:
+        assert spec.stop() == 0, spec.proc.tail()

@@ -43,17 +43,19 @@ class PagedFakeRunner:
         (wrong table, wrong reused block, skipped recompute) changes every later token."""
         self.batches.append(batch)
         rows = []
-        for seq, n, sample in zip(batch.seqs, batch.num_new_tokens, batch.sample):
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start = seq.num_computed_tokens
             assert n > 0 and start + n <= seq.num_tokens
             prev = self.kv[self._slot(seq, start - 1)] if start else 0
             assert prev >= 0, "read a KV slot that was never written"
+            states = []
             for pos in range(start, start + n):
                 prev = (prev * 1_000_003 + seq.token_ids[pos] * 7919 + pos + 1) % self.P
                 self.kv[self._slot(seq, pos)] = prev
-            if sample:
+                states.append(prev)
+            for state in states[n - batch.rows_sampled(i):]:   # the last row, or a whole verify window
                 row = torch.full((self.vocab,), -1.0)
-                row[prev % self.vocab] = 1.0
+                row[state % self.vocab] = 1.0
                 rows.append(row)
         self.rows_per_step.append(len(rows))
         return torch.stack(rows) if rows else torch.empty(0, self.vocab)
@@ -84,5 +86,5 @@ def make_seq(n_prompt: int, max_tokens: int = 8, priority: int = 0, arrival: flo
 def synthetic_step(sched: Scheduler, token: int = 7):
     """One scheduler step with synthetic model output: every sampled row gets `token`."""
     batch = sched.schedule()
-    outs = sched.postprocess(batch, [token] * sum(batch.sample))
+    outs = sched.postprocess(batch, [token] * sum(batch.rows_sampled(i) for i in range(len(batch))))
     return batch, outs

@@ -21,10 +21,11 @@ event_st = st.one_of(st.tuples(st.just("add"), request_st),
 
 @settings(max_examples=120, deadline=None)
 @given(events=st.lists(event_st, min_size=4, max_size=60), num_blocks=st.integers(12, 32),
-       budget=st.sampled_from([8, 16, 64]), max_seqs=st.integers(1, 8))
-def test_random_traffic_keeps_invariants_and_finishes_everything(events, num_blocks, budget, max_seqs):
+       budget=st.sampled_from([8, 16, 64]), max_seqs=st.integers(1, 8), speculate=st.booleans())
+def test_random_traffic_keeps_invariants_and_finishes_everything(events, num_blocks, budget, max_seqs, speculate):
     sched = make_scheduler(num_blocks=num_blocks, max_num_batched_tokens=budget, max_num_seqs=max_seqs,
-                           preempt_watermark=0.1)
+                           preempt_watermark=0.1, speculative="ngram" if speculate else "off",
+                           num_speculative_tokens=3)
     bm = sched.block_manager
     seqs: list[Sequence] = []
     clock = [0.0]
@@ -39,8 +40,13 @@ def test_random_traffic_keeps_invariants_and_finishes_everything(events, num_blo
             assert len(s.block_table) * bm.block_size >= s.num_computed_tokens + n
         adapters = [s.adapter or "" for s in batch.seqs]
         assert adapters == sorted(adapters) or len(set(adapters)) == 1
-        outs = sched.postprocess(batch, [(s.seq_id * 7 + s.num_tokens) % 50 + 1
-                                         for s, f in zip(batch.seqs, batch.sample) if f])
+        # One synthetic token per sampled row, a function of (sequence, position): drafts copied from
+        # the context sometimes agree with it, sometimes not.
+        tokens = []
+        for i, s in enumerate(batch.seqs):
+            rows = batch.rows_sampled(i)
+            tokens += [(s.seq_id * 7 + p // 3) % 5 + 1 for p in range(s.num_tokens - rows, s.num_tokens)]
+        outs = sched.postprocess(batch, tokens)
         bm.check_invariants(sched.running)
         return batch, outs
 

@@ -1,0 +1,34 @@
+"""Self-drafting speculative decoding: n-gram prompt lookup.
+
+A sequence's next tokens are often a copy of something already in its context (code echoes
+identifiers, signatures, includes). The proposer finds the most recent earlier occurrence of the
+context's last n tokens (n from `max_n` down to `min_n`) and proposes the k tokens that followed
+it. The scheduler runs them as one verify window (1 + k query rows); the target model's greedy
+choice at each row accepts the longest matching prefix plus one token of its own, so greedy output
+is exactly what one-token decoding gives, in fewer steps.
+
+The search runs in C: token ids are packed into bytes and `bytes.rfind` scans for the suffix
+(a hit must sit on a token boundary), so there is no per-token Python loop.
+"""
+from __future__ import annotations
+
+from array import array
+
+TOKEN_BYTES = 4
+
+
+def propose_ngram(token_ids: list[int], k: int, max_n: int = 3, min_n: int = 1) -> list[int]:
+    """Up to k draft tokens following the latest earlier occurrence of the last n tokens."""
+    total = len(token_ids)
+    if k <= 0 or total < min_n + 1:
+        return []
+    packed = array("i", token_ids).tobytes()
+    for n in range(min(max_n, total - 1), min_n - 1, -1):
+        suffix = packed[(total - n) * TOKEN_BYTES:]
+        limit = (total - 1) * TOKEN_BYTES      # a match ends before the last token: one follows it
+        while (at := packed.rfind(suffix, 0, limit)) >= 0:
+            if at % TOKEN_BYTES == 0:
+                start = at // TOKEN_BYTES + n
+                return list(token_ids[start:start + k])
+            limit = at + len(suffix) - 1       # a byte-misaligned hit: look further left
+    return []

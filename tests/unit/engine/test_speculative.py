@@ -1,0 +1,121 @@
+"""Speculative decoding (n-gram prompt lookup, greedy verification) with the paged fake runner:
+the output is exactly one-token decoding's, in fewer steps, and the pool never leaks."""
+from __future__ import annotations
+
+import random
+
+import pytest
+from engine_fakes import GreedySampler, PagedFakeRunner, make_scheduler, make_seq
+
+from consort_engine.config import EngineConfig
+from consort_engine.engine import LLMEngine
+from consort_engine.sequence import SamplingParams
+from consort_engine.speculative import propose_ngram
+
+
+def test_propose_ngram_takes_the_latest_longest_match():
+    assert propose_ngram([1, 2, 3, 4, 1, 2], 3) == [3, 4, 1]
+    assert propose_ngram([5, 6, 7, 5, 6, 7, 5, 6], 2) == [7, 5]        # latest earlier occurrence
+    assert propose_ngram([9, 1, 2, 8, 2, 1, 2], 2) == [8, 2]           # 2-gram [1, 2] beats 1-gram [2]
+    assert propose_ngram([1, 2, 3], 2) == [] and propose_ngram([7], 2) == []
+    assert propose_ngram([4, 4], 3) == [4]                               # only what follows exists
+    assert propose_ngram([1, 2, 1, 2], 0) == []
+
+
+def test_propose_ngram_ignores_byte_matches_across_token_boundaries():
+    # 0x00010000 then 1: the bytes of token 1 (01 00 00 00) appear inside them, misaligned
+    assert propose_ngram([1 << 16, 1, 5, 1], 2) == [5, 1]
+    assert propose_ngram([1 << 16, 0, 1], 2) == []
+
+
+def make_engine(spec: str = "ngram", num_blocks: int = 512, vocab: int = 5, eos=None, **cfg) -> LLMEngine:
+    runner = PagedFakeRunner(num_blocks=num_blocks, block_size=4, vocab=vocab, eos_token_ids=eos)
+    config = EngineConfig(model="fake", name="algo", block_size=4, speculative=spec, num_speculative_tokens=3,
+                          **cfg)
+    return LLMEngine(config, runner=runner, sampler=GreedySampler())
+
+
+def prompts(n: int, seed: int = 0, vocab: int = 5) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.randrange(3, 30))] for _ in range(n)]
+
+
+@pytest.mark.parametrize("num_blocks,budget", [(512, 2048), (40, 32)])
+def test_greedy_output_equals_one_token_decoding(num_blocks, budget):
+    ps = prompts(16, seed=num_blocks)
+    params = [SamplingParams(temperature=0.0, max_tokens=10 + 3 * i, ignore_eos=True) for i in range(16)]
+    reference = make_engine("off", num_blocks=2048).generate(ps, params)
+    engine = make_engine("ngram", num_blocks=num_blocks, max_num_batched_tokens=budget)
+    out = engine.generate(ps, params)
+    assert out == reference
+    spec = engine.stats()["speculation"]
+    assert spec["state"] == "on" and spec["draft_tokens"] > 0 and 0 < spec["accepted_tokens"] < spec["draft_tokens"]
+    assert any(b.mode == "spec_verify" for b in engine.runner.batches)
+    if num_blocks == 40:
+        assert engine.stats()["num_preemptions"] > 0, "the small pool was meant to force preemption"
+    assert engine.block_manager.num_free_blocks == num_blocks    # rejected drafts' blocks came back
+    engine.block_manager.check_invariants([])
+
+
+def test_fewer_steps_when_drafts_are_accepted():
+    ps = prompts(4, seed=7, vocab=3)
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    plain, spec = make_engine("off", vocab=3), make_engine("ngram", vocab=3)
+    assert spec.generate(ps, params) == plain.generate(ps, params)
+    assert spec.num_steps < plain.num_steps
+    assert spec.stats()["speculation"]["acceptance_rate"] > 0.1
+
+
+def test_eos_inside_an_accepted_run_stops_there():
+    ps = prompts(8, seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=80)
+    reference = make_engine("off", eos={2}).generate(ps, params)
+    engine = make_engine("ngram", eos={2})
+    assert engine.generate(ps, params) == reference
+    assert all(o[-1] == 2 or len(o) == 80 for o in reference)
+    assert engine.block_manager.num_free_blocks == 512
+
+
+def test_drafts_only_for_greedy_requests_without_logprobs_and_never_past_max_tokens():
+    sched = make_scheduler(num_blocks=64, speculative="ngram", num_speculative_tokens=3)
+    greedy = make_seq(4, max_tokens=3, first=1)
+    greedy.token_ids = [1, 2, 1, 2, 1]; greedy.prompt_token_ids = list(greedy.token_ids)
+    sampled = make_seq(4, max_tokens=9, first=1)
+    sampled.sampling.temperature = 0.7
+    sampled.token_ids = [1, 2, 1, 2, 1]; sampled.prompt_token_ids = list(sampled.token_ids)
+    with_lp = make_seq(4, max_tokens=9, first=1, logprobs=2)
+    with_lp.token_ids = [1, 2, 1, 2, 1]; with_lp.prompt_token_ids = list(with_lp.token_ids)
+    for s in (greedy, sampled, with_lp):
+        sched.add(s)
+    first = sched.schedule()                   # prefill all three, one token each
+    assert first.mode == "prefill"
+    sched.postprocess(first, [2, 2, 2])
+    batch = sched.schedule()
+    assert batch.mode == "spec_verify"
+    drafts = dict(zip((s.seq_id for s in batch.seqs), batch.num_draft))
+    # greedy: [1,2,1,2,1,2] -> 2-gram [1, 2] proposes [1, 2]; capped at max_tokens - 1 - 1 = 1
+    assert drafts == {greedy.seq_id: 1, sampled.seq_id: 0, with_lp.seq_id: 0}
+    assert batch.num_new_tokens == [2, 1, 1] and greedy.token_ids[-1] == 1
+    outs = sched.postprocess(batch, [1, 9, 4, 4])     # greedy's window: draft 1 accepted, bonus 9
+    by_id = {o.seq_id: o for o in outs}
+    assert by_id[greedy.seq_id].new_token_ids == [1, 9] and by_id[greedy.seq_id].finish_reason == "length"
+    assert greedy.output_token_ids == [2, 1, 9] and greedy.block_table == []
+    assert sched.num_accepted_tokens == 1 and sched.num_draft_tokens == 1
+
+
+def test_rejected_drafts_roll_back_computed_tokens_and_blocks():
+    sched = make_scheduler(num_blocks=64, speculative="ngram", num_speculative_tokens=3)
+    seq = make_seq(10, max_tokens=20)
+    seq.token_ids = [3, 1, 4, 1, 5, 9, 2, 6, 8, 8]; seq.prompt_token_ids = list(seq.token_ids)
+    sched.add(seq)
+    sched.postprocess(sched.schedule(), [5])           # prefill samples 5; "5" occurred before "9 2 6"
+    batch = sched.schedule()
+    assert batch.mode == "spec_verify" and batch.num_draft == [3] and seq.token_ids[-3:] == [9, 2, 6]
+    assert len(seq.block_table) == 4                   # the window reaches position 13: 4 blocks of 4
+    outs = sched.postprocess(batch, [7, 7, 7, 7])      # the model disagrees at once: only its 7 stands
+    assert outs[0].new_token_ids == [7] and seq.token_ids[10:] == [5, 7]
+    assert seq.num_computed_tokens == 11 and len(seq.block_table) == 3
+    assert sched.block_manager.num_free_blocks == 61
+    assert sched.num_draft_tokens == 3 and sched.num_accepted_tokens == 0
+    batch = sched.schedule()                           # next window starts at the kept token
+    assert batch.seqs == [seq] and seq.num_computed_tokens == 11
