@@ -21,6 +21,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     speculative: str = "off"            # off | ngram | mtp  (next issue)
     num_speculative_tokens: int = 3
+    # Tool-call trigger tokens: an accepted draft run is cut right after one, and that sequence
+    # decodes one token per step from there (the caller dispatches a tool; nothing is guessed past it).
+    tool_triggers: list[str] = field(default_factory=lambda: ["<QUERY_TOOL>", "<SCRIPT_START>"])
+    tool_trigger_ids: list[int] = field(default_factory=list)   # resolved from tool_triggers by the tokenizer
     adapters: dict[str, str] = field(default_factory=dict)  # name -> PEFT dir (next issue)
     max_adapters: int = 4
     seed: int = 0

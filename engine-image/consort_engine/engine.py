@@ -141,6 +141,9 @@ class LLMEngine:
         token_ids, logprobs = self._sample(batch, logits)
         t2 = time.perf_counter()
         outputs = self.scheduler.postprocess(batch, token_ids, logprobs)
+        if self.scheduler.stale_slots:
+            self.runner.zero_slots(self.scheduler.stale_slots)
+            self.scheduler.stale_slots = []
         t3 = time.perf_counter()
         self.last_batch = batch
         self._record(batch, t3 - t0, (t1 - t0) + (t3 - t2))

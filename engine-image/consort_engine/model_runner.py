@@ -228,6 +228,16 @@ class ModelRunner:
         return StepInputs(ids, positions, meta, sample_idx)
 
     @torch.inference_mode()
+    def zero_slots(self, slots: list[int]) -> None:
+        """Zero K and V of these pool slots in every layer (rejected draft tokens' tail)."""
+        idx = torch.tensor(slots, dtype=torch.int64, device=self.device)
+        blocks, offsets = idx // self.block_size, idx % self.block_size
+        if self.backend == "cpu_kernel":       # [layers, 2, blocks, kv_heads, block_size, D]
+            self.kv_cache[:, :, blocks, :, offsets, :] = 0
+        else:                                   # [layers, 2, blocks, block_size, kv_heads, D]
+            self.kv_cache[:, :, blocks, offsets] = 0
+
+    @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         """float32 logits [sampled rows, vocab] in batch order."""
         if not batch.seqs:

@@ -56,6 +56,10 @@ class Scheduler:
         self.num_lookahead = self.decode_span
         self.num_draft_tokens = 0        # proposed / accepted by verification, cumulative
         self.num_accepted_tokens = 0
+        self.tool_trigger_ids = frozenset(config.tool_trigger_ids)
+        # Pool slots that held rejected draft K/V inside kept blocks: the engine zeroes them after
+        # the commit, so stale K/V can never be read (or shared through the prefix cache).
+        self.stale_slots: list[int] = []
         self.watermark_blocks = max(1, int(config.preempt_watermark * block_manager.num_blocks + 0.999999))
 
         self.running: list[Sequence] = []          # kept sorted by run_order: victims at the tail
@@ -268,7 +272,7 @@ class Scheduler:
         draft never runs past max_tokens or the context, and never needs a block the pool does
         not have free right now (speculation does not preempt anyone)."""
         sp = seq.sampling
-        if not sp.greedy or sp.logprobs is not None:
+        if not sp.greedy or sp.logprobs is not None or not seq.speculate:
             return 0
         k = min(self.decode_span - 1, budget, sp.max_tokens - seq.num_output_tokens - 1,
                 self.max_model_len - seq.num_tokens - 1)
@@ -342,31 +346,42 @@ class Scheduler:
             targets = sampled_token_ids[j:j + rows]
             lps = [None] * rows if logprobs is None else logprobs[j:j + rows]
             j += rows
-            accepted = 0
+            emit = targets[:1]
             if rows > 1:    # verify: the drafts that equal the model's own greedy choices stand
                 k = rows - 1
                 draft = seq.token_ids[-k:]
                 del seq.token_ids[-k:]
+                accepted = 0
                 while accepted < k and draft[accepted] == targets[accepted]:
                     accepted += 1
                 self.num_draft_tokens += k
                 self.num_accepted_tokens += accepted
-            # K/V is valid for the window's first token and the accepted drafts.
-            seq.num_computed_tokens = before + n - (rows - 1 - accepted)
+                # + one token of the model's own, unless the run crossed a tool trigger: it ends there
+                cut = next((i for i in range(accepted) if draft[i] in self.tool_trigger_ids), None)
+                emit = draft[:cut + 1] if cut is not None else draft[:accepted] + targets[accepted:accepted + 1]
             new, reason = [], None
-            for token in targets[:accepted + 1]:
+            for token in emit:
                 seq.token_ids.append(token)
                 new.append(token)
+                if token in self.tool_trigger_ids:
+                    seq.speculate = False
                 reason = self._stop_reason(seq, token)
                 if reason is not None:
                     break
+            # K/V stands for the window's first token and every emitted token but the last.
+            seq.num_computed_tokens = before + n if rows == 1 else before + len(emit)
             new_lps = [lp for lp in lps[:len(new)] if lp is not None]
             seq.output_logprobs.extend(new_lps)
             if seq.first_token_time is None:
                 seq.first_token_time = now
             if reason is None:
                 if rows > 1:
+                    computed = seq.num_computed_tokens
+                    assert computed == seq.num_tokens - 1, "write pointer must sit at the last kept token"
                     bm.rollback(seq, seq.num_tokens)     # blocks past the kept tokens go back
+                    kept = len(seq.block_table) * bs
+                    self.stale_slots += [seq.block_table[p // bs] * bs + p % bs
+                                         for p in range(computed, min(before + n, kept))]
                 if seq.num_computed_tokens // bs != before // bs:
                     bm.cache_computed_blocks(seq)
             else:

@@ -55,6 +55,7 @@ class Sequence:
     num_preemptions: int = 0
     output_logprobs: list = field(default_factory=list)  # per generated token, when requested
     first_token_time: float | None = None
+    speculate: bool = True                             # False once a tool trigger was emitted
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

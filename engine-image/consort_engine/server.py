@@ -517,6 +517,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--speculative", default="off", choices=["off", "ngram", "mtp"])
     p.add_argument("--num-speculative-tokens", type=int, default=3)
+    p.add_argument("--tool-trigger", action="append", default=None, metavar="TOKEN",
+                   help="tool-call trigger token (repeatable; default <QUERY_TOOL> and <SCRIPT_START>): "
+                        "speculation stops at it")
     p.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH")
     p.add_argument("--max-adapters", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
@@ -543,7 +546,21 @@ def config_from_args(a: argparse.Namespace) -> EngineConfig:
         max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
         max_waiting=a.max_waiting, enable_prefix_caching=not a.no_prefix_caching, speculative=a.speculative,
         num_speculative_tokens=a.num_speculative_tokens, adapters=adapters, max_adapters=a.max_adapters, seed=a.seed,
-        slo_ttft_ms=a.slo_ttft_ms, slo_itl_ms=a.slo_itl_ms)
+        slo_ttft_ms=a.slo_ttft_ms, slo_itl_ms=a.slo_itl_ms,
+        **({} if a.tool_trigger is None else {"tool_triggers": list(a.tool_trigger)}))
+
+
+def resolve_tool_triggers(config: EngineConfig, tokenizer: Tokenizer) -> None:
+    """Tool triggers that are single tokens of this tokenizer are watched by id; others cannot be
+    (a draft run is checked token by token) and are reported once at start-up."""
+    ids = []
+    for text in config.tool_triggers:
+        tid = tokenizer.hf.token_to_id(text)
+        if tid is None:
+            log.info("tool trigger %r is not a single token of this tokenizer: not watched", text)
+        else:
+            ids.append(tid)
+    config.tool_trigger_ids = sorted(set(config.tool_trigger_ids) | set(ids))
 
 
 def checkpoint_limits(config: EngineConfig) -> tuple[int, int]:
@@ -556,6 +573,7 @@ def checkpoint_limits(config: EngineConfig) -> tuple[int, int]:
 
 def build_context(config: EngineConfig, served_name: str | None = None, warmup: bool = True) -> ServerContext:
     tokenizer = Tokenizer.from_dir(config.model)
+    resolve_tool_triggers(config, tokenizer)
     max_len, vocab = checkpoint_limits(config)
     served = served_name or config.name
     aliases = frozenset({served, config.name, Path(config.model).resolve().name, str(config.model)})

@@ -34,6 +34,11 @@ class PagedFakeRunner:
     def warmup(self) -> None:
         self.warmed = True
 
+    def zero_slots(self, slots: list[int]) -> None:
+        """Rejected draft K/V: forgotten, so reading it later fails loudly."""
+        for slot in slots:
+            self.kv[slot] = -1
+
     def _slot(self, seq: Sequence, pos: int) -> int:
         return seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
 

@@ -9,7 +9,7 @@ from engine_fakes import GreedySampler, PagedFakeRunner, make_scheduler, make_se
 
 from consort_engine.config import EngineConfig
 from consort_engine.engine import LLMEngine
-from consort_engine.sequence import SamplingParams
+from consort_engine.sequence import SamplingParams, Sequence
 from consort_engine.speculative import propose_ngram
 
 
@@ -116,6 +116,36 @@ def test_rejected_drafts_roll_back_computed_tokens_and_blocks():
     assert outs[0].new_token_ids == [7] and seq.token_ids[10:] == [5, 7]
     assert seq.num_computed_tokens == 11 and len(seq.block_table) == 3
     assert sched.block_manager.num_free_blocks == 61
+    # the rejected draft's K/V at position 11 sits in a kept block: listed for zeroing
+    assert sched.stale_slots == [seq.block_table[2] * 4 + 3]
     assert sched.num_draft_tokens == 3 and sched.num_accepted_tokens == 0
     batch = sched.schedule()                           # next window starts at the kept token
     assert batch.seqs == [seq] and seq.num_computed_tokens == 11
+
+
+def test_a_tool_trigger_ends_the_accepted_run_and_speculation_for_that_request():
+    trigger = 4       # this fake model first emits it inside accepted draft runs
+    ps = prompts(12, seed=5)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    reference = make_engine("off").generate(ps, params)
+    engine = make_engine("ngram", tool_trigger_ids=[trigger])
+    seqs = [Sequence(list(p), params) for p in ps]
+    for s in seqs:
+        engine.scheduler.add(s)
+    drafted_after_trigger = cut_runs = 0
+    while engine.has_unfinished():
+        batch = engine.scheduler.schedule()
+        for s, k in zip(batch.seqs, batch.num_draft or [0] * len(batch.seqs)):
+            drafted_after_trigger += bool(k) and trigger in s.output_token_ids[:-k]
+        logits = engine.runner.execute(batch)
+        token_ids, lps = engine._sample(batch, logits)
+        for out in engine.scheduler.postprocess(batch, token_ids, lps):
+            if trigger in out.new_token_ids:
+                assert out.new_token_ids.index(trigger) == len(out.new_token_ids) - 1, out  # nothing past it
+                cut_runs += len(out.new_token_ids) > 1
+        engine.runner.zero_slots(engine.scheduler.stale_slots)
+        engine.scheduler.stale_slots = []
+    assert [s.output_token_ids for s in seqs] == reference
+    assert drafted_after_trigger == 0 and cut_runs > 0
+    assert not any(s.speculate for s in seqs if trigger in s.output_token_ids)
+    assert engine.block_manager.num_free_blocks == 512
