@@ -21,6 +21,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     speculative: str = "off"            # off | ngram | mtp  (next issue)
     num_speculative_tokens: int = 3
+    spec_typical_tau: float = 0.1       # typical acceptance for sampled requests; 0 = greedy requests only
     # Tool-call trigger tokens: an accepted draft run is cut right after one, and that sequence
     # decodes one token per step from there (the caller dispatches a tool; nothing is guessed past it).
     tool_triggers: list[str] = field(default_factory=lambda: ["<QUERY_TOOL>", "<SCRIPT_START>"])

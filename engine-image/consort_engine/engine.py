@@ -16,6 +16,7 @@ from .block_manager import BlockManager, blocks_for
 from .config import EngineConfig
 from .scheduler import Scheduler, StepOutput
 from .sequence import SamplingParams, ScheduledBatch, Sequence
+from .speculative import typical_accepted
 
 __all__ = ["AdmissionRejected", "LLMEngine", "StepOutput"]
 
@@ -150,8 +151,9 @@ class LLMEngine:
         return outputs
 
     def _sample(self, batch: ScheduledBatch, logits: torch.Tensor) -> tuple[list[int], list | None]:
-        """Token ids for every sampled row (batch.rows_sampled order). Verify windows (greedy by
-        construction) take the argmax of each row; the rest go through the sampler."""
+        """Token ids for every sampled row (batch.rows_sampled order). A verify window's rows hold
+        the model's own choice at each draft position: the argmax for greedy requests; for sampled
+        ones the draft itself where typical acceptance keeps it, then one sampled token."""
         sampled_seqs = [s for s, flag in zip(batch.seqs, batch.sample) if flag]
         if not sampled_seqs:
             return [], None
@@ -160,8 +162,12 @@ class LLMEngine:
             return (token_ids.tolist() if isinstance(token_ids, torch.Tensor) else token_ids), logprobs
         counts = [batch.rows_sampled(i) for i in range(len(batch.seqs)) if batch.sample[i]]
         greedy = logits.max(dim=-1).indices.tolist()   # the sampler's greedy rule, ties included
-        single = [r for r, c in zip(_row_starts(counts), counts) if c == 1]
+        starts = _row_starts(counts)
+        single = [r for r, c in zip(starts, counts) if c == 1]
         token_ids = list(greedy)
+        for seq, r, c in zip(sampled_seqs, starts, counts):
+            if c > 1 and not seq.sampling.greedy:
+                token_ids[r:r + c] = self._typical_window(seq, logits[r:r + c], seq.token_ids[-(c - 1):])
         logprobs: list | None = None
         if single:
             rows = torch.tensor(single, dtype=torch.int64, device=logits.device)
@@ -174,6 +180,22 @@ class LLMEngine:
                 for r, lp in zip(single, lps):
                     logprobs[r] = lp
         return token_ids, logprobs
+
+    def _typical_window(self, seq: Sequence, logits: torch.Tensor, draft: list[int]) -> list[int]:
+        """Row choices for a sampled request's window: drafts kept by typical acceptance, then one
+        token sampled with the request's own parameters (seed included) at the first refusal. A
+        sampled token that happens to equal the next draft keeps that draft too."""
+        k = len(draft)
+        probs = torch.softmax(logits.float() / seq.sampling.temperature, dim=-1)
+        tau = self.config.spec_typical_tau
+        a = 0
+        while True:
+            a += typical_accepted(probs[a:k], draft[a:], tau)
+            token = self.sampler.sample(logits[a:a + 1], [seq])[0][0]
+            if a < k and token == draft[a]:
+                a += 1
+                continue
+            return draft[:a] + [token] * (k + 1 - a)   # rows past the refusal are never read
 
     def _record(self, batch: ScheduledBatch, step_s: float, overhead_s: float) -> None:
         self.num_steps += 1

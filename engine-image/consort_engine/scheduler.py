@@ -266,13 +266,14 @@ class Scheduler:
                               num_draft=drafts if verify else [])
 
     def _draft(self, seq: Sequence, budget: int) -> int:
-        """Append up to K n-gram draft tokens to a greedy decode's window; how many were appended.
+        """Append up to K n-gram draft tokens to a decode's window; how many were appended.
 
-        Only greedy requests without logprobs speculate (acceptance is exact argmax equality); a
-        draft never runs past max_tokens or the context, and never needs a block the pool does
-        not have free right now (speculation does not preempt anyone)."""
+        Greedy requests verify by exact argmax equality, sampled ones by typical acceptance (when
+        spec_typical_tau > 0); requests asking for logprobs do not speculate. A draft never runs
+        past max_tokens or the context, and never needs a block the pool does not have free right
+        now (speculation does not preempt anyone)."""
         sp = seq.sampling
-        if not sp.greedy or sp.logprobs is not None or not seq.speculate:
+        if sp.logprobs is not None or not seq.speculate or (not sp.greedy and self.config.spec_typical_tau <= 0):
             return 0
         k = min(self.decode_span - 1, budget, sp.max_tokens - seq.num_output_tokens - 1,
                 self.max_model_len - seq.num_tokens - 1)
@@ -347,7 +348,7 @@ class Scheduler:
             lps = [None] * rows if logprobs is None else logprobs[j:j + rows]
             j += rows
             emit = targets[:1]
-            if rows > 1:    # verify: the drafts that equal the model's own greedy choices stand
+            if rows > 1:    # verify: drafts equal to the model's own choices (engine._sample) stand
                 k = rows - 1
                 draft = seq.token_ids[-k:]
                 del seq.token_ids[-k:]

@@ -517,6 +517,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--speculative", default="off", choices=["off", "ngram", "mtp"])
     p.add_argument("--num-speculative-tokens", type=int, default=3)
+    p.add_argument("--spec-typical-tau", type=float, default=EngineConfig.spec_typical_tau,
+                   help="typical-acceptance tau for sampled requests (0: only greedy requests speculate)")
     p.add_argument("--tool-trigger", action="append", default=None, metavar="TOKEN",
                    help="tool-call trigger token (repeatable; default <QUERY_TOOL> and <SCRIPT_START>): "
                         "speculation stops at it")
@@ -537,6 +539,8 @@ def config_from_args(a: argparse.Namespace) -> EngineConfig:
         if not sep or not name or not path:
             raise SystemExit(f"consort engine: --adapter expects NAME=PATH, got {item!r}")
         adapters[name] = path
+    if not 0.0 <= a.spec_typical_tau <= 1.0:
+        raise SystemExit(f"consort engine: --spec-typical-tau must be in [0, 1], got {a.spec_typical_tau}")
     for flag, value in (("--slo-ttft-ms", a.slo_ttft_ms), ("--slo-itl-ms", a.slo_itl_ms)):
         if value is not None and value <= 0:
             raise SystemExit(f"consort engine: {flag} must be a positive number of milliseconds, got {value}")
@@ -545,7 +549,8 @@ def config_from_args(a: argparse.Namespace) -> EngineConfig:
         block_size=a.block_size, num_blocks=a.num_blocks, kv_memory_fraction=a.kv_memory_fraction,
         max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
         max_waiting=a.max_waiting, enable_prefix_caching=not a.no_prefix_caching, speculative=a.speculative,
-        num_speculative_tokens=a.num_speculative_tokens, adapters=adapters, max_adapters=a.max_adapters, seed=a.seed,
+        num_speculative_tokens=a.num_speculative_tokens, spec_typical_tau=a.spec_typical_tau,
+        adapters=adapters, max_adapters=a.max_adapters, seed=a.seed,
         slo_ttft_ms=a.slo_ttft_ms, slo_itl_ms=a.slo_itl_ms,
         **({} if a.tool_trigger is None else {"tool_triggers": list(a.tool_trigger)}))
 

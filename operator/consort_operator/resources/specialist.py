@@ -114,7 +114,8 @@ def engine_args(name: str, spec: SpecialistSpec, model_dir: str, adapters: dict[
              "--max-waiting", str(s.max_waiting)]
     args += ["--speculative", spec.speculative.mode]
     if spec.speculative.mode != "off":
-        args += ["--num-speculative-tokens", str(spec.speculative.num_tokens)]
+        args += ["--num-speculative-tokens", str(spec.speculative.num_tokens),
+                 "--spec-typical-tau", f"{spec.speculative.typical_tau:g}"]
     args += ["--max-adapters", str(spec.max_adapters)]
     args += ["--slo-ttft-ms", str(spec.slo.ttft_ms), "--slo-itl-ms", str(spec.slo.itl_ms)]
     for adapter_name, path in adapters.items():

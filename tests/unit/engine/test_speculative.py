@@ -76,8 +76,8 @@ def test_eos_inside_an_accepted_run_stops_there():
     assert engine.block_manager.num_free_blocks == 512
 
 
-def test_drafts_only_for_greedy_requests_without_logprobs_and_never_past_max_tokens():
-    sched = make_scheduler(num_blocks=64, speculative="ngram", num_speculative_tokens=3)
+def test_with_tau_zero_drafts_only_for_greedy_requests_without_logprobs_never_past_max_tokens():
+    sched = make_scheduler(num_blocks=64, speculative="ngram", num_speculative_tokens=3, spec_typical_tau=0.0)
     greedy = make_seq(4, max_tokens=3, first=1)
     greedy.token_ids = [1, 2, 1, 2, 1]; greedy.prompt_token_ids = list(greedy.token_ids)
     sampled = make_seq(4, max_tokens=9, first=1)
@@ -149,3 +149,37 @@ def test_a_tool_trigger_ends_the_accepted_run_and_speculation_for_that_request()
     assert drafted_after_trigger == 0 and cut_runs > 0
     assert not any(s.speculate for s in seqs if trigger in s.output_token_ids)
     assert engine.block_manager.num_free_blocks == 512
+
+
+def test_typical_acceptance_is_strict_where_the_model_is_sure():
+    import torch
+    from consort_engine.speculative import typical_accepted, typical_threshold
+    sure = torch.tensor([[0.97, 0.01, 0.01, 0.01]])
+    spread = torch.full((1, 4), 0.25)
+    assert typical_threshold(spread, 0.1).item() < typical_threshold(sure, 0.1).item() <= 0.1 + 1e-7
+    rows = torch.cat([sure, spread, sure])
+    assert typical_accepted(rows, [0, 3, 0], 0.1) == 3         # 0.25 >= threshold on the spread row
+    assert typical_accepted(rows, [0, 3, 1], 0.1) == 2         # 0.01 on a sure row: refused
+    assert typical_accepted(rows, [2, 3, 0], 0.1) == 0
+    assert typical_accepted(rows, [], 0.1) == 0
+
+
+def test_sampled_requests_speculate_with_typical_acceptance_and_stay_seed_reproducible():
+    from consort_engine.sampler import Sampler
+
+    def run(spec: str, tau: float = 0.1):
+        runner = PagedFakeRunner(num_blocks=256, block_size=4, vocab=5)
+        config = EngineConfig(model="fake", name="algo", block_size=4, speculative=spec, num_speculative_tokens=3,
+                              spec_typical_tau=tau)
+        engine = LLMEngine(config, runner=runner, sampler=Sampler())
+        params = [SamplingParams(temperature=0.7, seed=100 + i, max_tokens=30, ignore_eos=True) for i in range(8)]
+        return engine, engine.generate(prompts(8, seed=9), params)
+
+    engine, out = run("ngram")
+    again = run("ngram")[1]
+    assert out == again and all(len(o) == 30 for o in out)          # seeded: reproducible
+    spec = engine.stats()["speculation"]
+    assert spec["draft_tokens"] > 0 and spec["accepted_tokens"] > 0
+    assert engine.block_manager.num_free_blocks == 256
+    off, _ = run("ngram", tau=0.0)                                   # tau 0: sampled requests do not draft
+    assert off.stats()["speculation"]["draft_tokens"] == 0
