@@ -162,7 +162,8 @@ def engine_config(model_dir: Path, dtype: str, args: argparse.Namespace):
     from .config import EngineConfig
     return EngineConfig(model=str(model_dir), name="bench", device=args.device, dtype=dtype,
                         block_size=args.block_size, num_blocks=args.num_blocks,
-                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                        speculative=args.speculative)
 
 
 def run_engine(model_dir: Path, dtype: str, wl: Workload, args: argparse.Namespace) -> dict:
@@ -187,7 +188,7 @@ def run_engine(model_dir: Path, dtype: str, wl: Workload, args: argparse.Namespa
         raise RuntimeError(f"engine produced {sum(got)} tokens, wanted {wl.useful_tokens}")
     res = {"wall_s": wall, "useful_tokens": wl.useful_tokens, "generated_tokens": sum(got),
            "tok_s": wl.useful_tokens / wall, "steps": engine.num_steps, "load_s": load_s, "warmup_s": warm_s,
-           "preemptions": engine.stats().get("num_preemptions", 0)}
+           "preemptions": engine.stats().get("num_preemptions", 0), "speculation": engine.stats()["speculation"]}
     log(f"engine[{dtype}]: {wl.useful_tokens} tokens in {wall:.2f} s = {res['tok_s']:.1f} tok/s "
         f"({engine.num_steps} steps)")
     res["overhead"] = decode_overhead(engine, args)
@@ -205,11 +206,13 @@ def decode_overhead(engine, args: argparse.Namespace, running: int = 32, prompt_
     rng = random.Random(1)
     vocab = BENCH_SPEC["vocab_size"]
     seqs = [Sequence([rng.randrange(TOKEN_LOW, vocab) for _ in range(prompt_len)],
-                     SamplingParams(temperature=0.0, max_tokens=steps + 64, ignore_eos=True)) for _ in range(running)]
+                     SamplingParams(temperature=0.0, max_tokens=(steps + 16) * engine.scheduler.decode_span + 64,
+                                    ignore_eos=True)) for _ in range(running)]
     for s in seqs:
         engine.add_request(s)
     guard = 0
-    while not (engine.last_batch is not None and engine.last_batch.mode == "decode"
+    decode_modes = ("decode", "spec_verify")     # a speculating engine's decode steps verify drafts
+    while not (engine.last_batch is not None and engine.last_batch.mode in decode_modes
                and len(engine.last_batch) == running):
         engine.step()
         guard += 1
@@ -233,7 +236,7 @@ def decode_overhead(engine, args: argparse.Namespace, running: int = 32, prompt_
             t = time.perf_counter()
             engine.step()
             total += time.perf_counter() - t
-            assert len(engine.last_batch) == running and engine.last_batch.mode == "decode"
+            assert len(engine.last_batch) == running and engine.last_batch.mode in decode_modes
     finally:
         del runner.execute          # back to the bound method
         for s in seqs:
@@ -411,7 +414,10 @@ def report(results: list[DtypeResult], wl: Workload, args: argparse.Namespace) -
                  f"{r.ratio:>6.2f}x {REFERENCE.get(r.dtype, float('nan')):>7.1f}x {'ok' if r.ratio >= 2.0 else 'LOW':>6}")
     L.append("")
     for r in results:
-        o, p = r.engine.get("overhead"), r.engine.get("prefix_ttft")
+        o, p, sp = r.engine.get("overhead"), r.engine.get("prefix_ttft"), r.engine.get("speculation") or {}
+        if sp.get("draft_tokens"):
+            L.append(f"{r.dtype:<9} speculation {sp['mode']}: {r.engine['steps']} steps, {sp['accepted_tokens']}/"
+                     f"{sp['draft_tokens']} draft tokens accepted ({100 * sp['acceptance_rate']:.0f}%)")
         if o:
             L.append(f"{r.dtype:<9} decode step @32 running: {o['step_ms']:.2f} ms, {100 * o['outside_share']:.1f}% "
                      f"outside runner.execute (goal <= 10%)")
@@ -462,6 +468,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-blocks", type=int, default=4096, help="KV pool (4096 x 16 tokens covers the workload)")
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--speculative", default="off", choices=["off", "ngram"],
+                   help="engine speculation (greedy output is identical; the report adds acceptance)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     p.add_argument("--no-startup", action="store_true", help="skip the start-up-to-ready measurement")
     p.add_argument("--engine-only", action="store_true", help="skip the transformers baseline (no ratio)")
