@@ -253,6 +253,7 @@ class LLMEngine:
             "num_steps": self.num_steps,
             "warm": self.warm,
             "speculation": self.speculation_stats(),
+            "adapters": {name: "loaded" for name in getattr(self.runner, "adapters", {})},
         }
 
     def speculation_stats(self) -> dict:

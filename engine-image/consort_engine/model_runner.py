@@ -14,7 +14,7 @@ import ctypes
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,6 +22,7 @@ from .attention import AttentionMetadata, PrefillSpan, choose_backend, pool_shap
 from .config import EngineConfig
 from .loader import eos_token_ids, iter_safetensors, load_model_config, resolve_dtype
 from .models import MODELS
+from .lora import AdapterError, LoraAdapter, LoraContext, load_peft_adapter, segments_of
 from .models.packed import has_amx
 from .sequence import ScheduledBatch, Sequence
 
@@ -35,6 +36,7 @@ class StepInputs:
     positions: torch.Tensor      # [T] int64
     meta: AttentionMetadata
     sample_idx: torch.Tensor     # [S] int64: token row of each sampled sequence, in batch order
+    lora_segments: list[tuple[int, int, str]] = field(default_factory=list)   # rows of adapter requests
 
 
 def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -109,6 +111,14 @@ class ModelRunner:
         self.num_packed = 0
         if self.device.type == "cpu" and os.environ.get("CONSORT_PACK_WEIGHTS", "1") != "0":
             self.num_packed = self.model.pack_weights()
+        self.lora_ctx = LoraContext()
+        self.adapters: dict[str, LoraAdapter] = {}
+        if len(config.adapters) > config.max_adapters:
+            raise AdapterError(f"{len(config.adapters)} adapters given, max_adapters is {config.max_adapters}")
+        for name, path in config.adapters.items():
+            adapter = load_peft_adapter(name, path, cfg.num_hidden_layers, self.model.shard_shapes(), self.device)
+            self.model.attach_adapter(adapter, self.lora_ctx)
+            self.adapters[name] = adapter
 
         self.num_blocks = self._pool_blocks()
         kv_shape = (cfg.num_hidden_layers, 2, *pool_shape(self.backend, self.num_blocks, self.block_size,
@@ -225,7 +235,8 @@ class ModelRunner:
             for span in meta.prefills:
                 if span.block_ids is not None:
                     span.block_ids = span.block_ids.to(dev, non_blocking=True)
-        return StepInputs(ids, positions, meta, sample_idx)
+        lora = segments_of([seqs[i].adapter for i in order], lens) if self.adapters else []
+        return StepInputs(ids, positions, meta, sample_idx, lora)
 
     @torch.inference_mode()
     def zero_slots(self, slots: list[int]) -> None:
@@ -243,7 +254,11 @@ class ModelRunner:
         if not batch.seqs:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
         inp = self.prepare(batch)
-        h = self.model(inp.input_ids, inp.positions, inp.meta)
+        self.lora_ctx.segments = inp.lora_segments
+        try:
+            h = self.model(inp.input_ids, inp.positions, inp.meta)
+        finally:
+            self.lora_ctx.segments = []
         if inp.sample_idx.numel() == 0:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
         return self.model.compute_logits(h[inp.sample_idx]).float()

@@ -276,9 +276,19 @@ def build_prompt(ctx: ServerContext, req: P.GenerationRequest) -> list[int]:
 
 
 def check_target(ctx: ServerContext, req: P.GenerationRequest) -> None:
+    """The model named must be served here. An adapter can be named as the model, bare (as vLLM
+    serves LoRA modules) or as `base:adapter` (as /v1/models lists it)."""
     if req.model is not None and req.model not in ctx.aliases:
-        raise P.ApiError(404, "model_not_found", f"model '{req.model}' is not served here; this engine serves "
-                         f"'{ctx.served_name}'", "model")
+        base, sep, name = req.model.rpartition(":")
+        adapters = ctx.adapters_state()
+        if req.model in adapters and req.adapter in (None, req.model):
+            req.adapter = req.model
+        elif sep and base in ctx.aliases and name in adapters and req.adapter in (None, name):
+            req.adapter = name
+        else:
+            raise P.ApiError(404, "model_not_found", f"model '{req.model}' is not served here; this engine serves "
+                             f"'{ctx.served_name}'" + (f" and adapters {sorted(adapters)}" if adapters else ""),
+                             "model")
     if req.adapter is not None and req.adapter not in ctx.adapters_state():
         raise P.ApiError(404, "adapter_not_found", f"adapter '{req.adapter}' is not loaded on this engine",
                          "adapter")
@@ -309,8 +319,8 @@ async def handle_generation(request: web.Request, kind: str) -> web.StreamRespon
     body = await read_json(request)
     req = P.parse_completion(body) if kind == "completion" else P.parse_chat(body)
     req.request_id = request["request_id"]
-    request["consort_adapter"] = req.adapter
     check_target(ctx, req)
+    request["consort_adapter"] = req.adapter
     prompt_ids = build_prompt(ctx, req)
     max_len = ctx.max_model_len
     req.sampling.max_tokens = P.resolve_max_tokens(req, len(prompt_ids), max_len)
@@ -468,8 +478,8 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def adapters_not_implemented(request: web.Request) -> web.Response:
-    raise P.ApiError(501, "not_implemented", "adapter hot-load/unload arrives with LoRA support (next issue); "
-                     "adapters given with --adapter at start-up are the only ones served for now",
+    raise P.ApiError(501, "not_implemented", "adapter hot-load/unload is not supported yet; adapters are loaded "
+                     "at start-up (--adapter NAME=PATH; the operator rolls them out by restarting engines)",
                      type="not_implemented_error")
 
 

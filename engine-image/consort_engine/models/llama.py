@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention import AttentionMetadata, PagedAttention
+from ..lora import LoraAdapter, LoraContext
 from ..loader import ModelConfig
 from . import ops
 from .packed import pack_linear
@@ -42,6 +43,8 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out), requires_grad=False) if bias else None
         self.packed = None
+        self.lora_ctx: LoraContext | None = None
+        self.lora: dict[str, list[tuple[int, int, torch.Tensor, torch.Tensor]]] = {}  # adapter -> (offset, n, A, B)
 
     def pack(self) -> None:
         """Switch to a pre-packed CPU GEMM weight (see packed.py); the plain weight is released."""
@@ -57,9 +60,19 @@ class Linear(nn.Module):
         target.data[o:o + n].copy_(tensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return self.packed(x)
-        return F.linear(x, self.weight, self.bias)
+        y = self.packed(x) if self.packed is not None else F.linear(x, self.weight, self.bias)
+        if self.lora and self.lora_ctx is not None and self.lora_ctx.segments:
+            self._add_lora(x, y)
+        return y
+
+    def _add_lora(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """y[rows of an adapter, its shard] += (x A^T) (scaling B)^T, per adapter segment of the step."""
+        for start, end, name in self.lora_ctx.segments:
+            xs = None
+            for offset, n, a, b in self.lora.get(name, ()):
+                if xs is None:
+                    xs = x[start:end].float()
+                y[start:end, offset:offset + n] += ((xs @ a.t()) @ b.t()).to(y.dtype)
 
 
 class Attention(nn.Module):
@@ -156,6 +169,21 @@ class LlamaForCausalLM(nn.Module):
         if self.tied_head is not None:
             return self.tied_head(x)
         return F.linear(x, self.embed_tokens.weight)
+
+    def shard_shapes(self) -> dict[str, list[tuple[int, int]]]:
+        """(out, in) of each shard of the fused projections, for validating adapters."""
+        layer = self.layers[0]
+        mods = {"qkv_proj": layer.self_attn.qkv_proj, "o_proj": layer.self_attn.o_proj,
+                "gate_up_proj": layer.mlp.gate_up_proj, "down_proj": layer.mlp.down_proj}
+        return {k: [(n, m.weight.shape[1]) for n in m.shard_sizes] for k, m in mods.items()}
+
+    def attach_adapter(self, adapter: LoraAdapter, ctx: LoraContext) -> None:
+        """Hang an adapter's A/B pairs on the projections they target (shard offsets of the fused ones)."""
+        for (i, module, shard), (a, b) in adapter.weights.items():
+            layer = self.layers[i]
+            lin = getattr(layer.mlp if module in ("gate_up_proj", "down_proj") else layer.self_attn, module)
+            lin.lora_ctx = ctx
+            lin.lora.setdefault(adapter.name, []).append((lin.shard_offsets[shard], lin.shard_sizes[shard], a, b))
 
     def pack_weights(self) -> int:
         """Pre-pack every projection for the CPU GEMM (after load_weights). Returns how many packed."""

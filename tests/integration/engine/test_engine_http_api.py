@@ -205,7 +205,7 @@ def test_prefix_cache_hits_show_in_status_and_usage(client, engine):
 def test_adapter_endpoints_are_typed_501(engine):
     r = httpx.post(engine.url + "/v1/adapters", json={"name": "a", "path": "/nope"}, timeout=10)
     assert r.status_code == 501 and r.json()["error"]["code"] == "not_implemented"
-    assert "LoRA" in r.json()["error"]["message"]
+    assert "hot-load" in r.json()["error"]["message"]
     r = httpx.delete(engine.url + "/v1/adapters/a", timeout=10)
     assert r.status_code == 501 and r.json()["error"]["code"] == "not_implemented"
 
@@ -249,3 +249,63 @@ def test_speculative_engine_streams_the_same_greedy_text(engine, demo_model, eng
         assert f"vllm:spec_decode_num_accepted_tokens_total{{model_name=\"spec-ngram\",specialist=\"spec-ngram\"}} {float(accepted)}" in metrics
     finally:
         assert spec.stop() == 0, spec.proc.tail()
+
+
+def write_demo_adapter(model_dir, out, rank: int = 4, seed: int = 0):
+    """A random PEFT LoRA adapter on every attention/MLP projection of a Llama-layout checkpoint."""
+    import torch
+    from safetensors.torch import save_file
+    cfg = json.loads((model_dir / "config.json").read_text())
+    h, f = cfg["hidden_size"], cfg["intermediate_size"]
+    hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    kv = cfg["num_key_value_heads"] * hd
+    shapes = {"self_attn.q_proj": (cfg["num_attention_heads"] * hd, h), "self_attn.k_proj": (kv, h),
+              "self_attn.v_proj": (kv, h), "self_attn.o_proj": (h, cfg["num_attention_heads"] * hd),
+              "mlp.gate_proj": (f, h), "mlp.up_proj": (f, h), "mlp.down_proj": (h, f)}
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for i in range(cfg["num_hidden_layers"]):
+        for name, (o, n) in shapes.items():
+            tensors[f"base_model.model.model.layers.{i}.{name}.lora_A.weight"] = torch.randn(rank, n, generator=g) * 0.5
+            tensors[f"base_model.model.model.layers.{i}.{name}.lora_B.weight"] = torch.randn(o, rank, generator=g) * 0.5
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank}))
+    return out
+
+
+def test_lora_adapter_served_by_name_beside_the_base_model(engine, demo_model, engine_logs, tmp_path):
+    adapter = write_demo_adapter(demo_model, tmp_path / "cpp-style")
+    eng = procs.start_engine(demo_model, engine_logs, "--num-blocks", "64", "--adapter", f"cpp-style={adapter}",
+                             name="spec-lora")
+    try:
+        s = eng.status()
+        assert s["adapters"] == {"cpp-style": "loaded"}
+        body = {"prompt": "template <typename T>", "max_tokens": 16, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True}
+        base = httpx.post(eng.url + "/v1/completions", json=body, timeout=60).json()
+        plain = httpx.post(engine.url + "/v1/completions", json=body, timeout=60).json()
+        assert base["choices"][0]["token_ids"] == plain["choices"][0]["token_ids"]   # no adapter: the base model
+        r = httpx.post(eng.url + "/v1/completions", json={**body, "model": "spec-lora:cpp-style"}, timeout=60)
+        assert r.status_code == 200 and r.headers["x-consort-adapter"] == "cpp-style"
+        tuned = r.json()["choices"][0]["token_ids"]
+        assert len(tuned) == 16 and tuned != base["choices"][0]["token_ids"]
+        again = httpx.post(eng.url + "/v1/completions", json={**body, "adapter": "cpp-style"}, timeout=60).json()
+        assert again["choices"][0]["token_ids"] == tuned
+    finally:
+        assert eng.stop() == 0, eng.proc.tail()
+
+
+def test_an_unreadable_adapter_keeps_the_engine_out_of_ready(demo_model, engine_logs, tmp_path):
+    eng = procs.start_engine(demo_model, engine_logs, "--num-blocks", "64", "--adapter", f"bad={tmp_path / 'nope'}",
+                             name="spec-bad-adapter", wait_ready=False)
+    try:
+        procs.wait_http(eng.url + "/health", eng.proc, timeout=60)
+
+        def failed():
+            code, body = procs.http_get(eng.url + "/ready")
+            return body if code == 503 and "adapter" in json.dumps(body) and "nope" in json.dumps(body) else None
+        body = procs.wait_until(failed, 60, what="/ready 503 naming the unreadable adapter")
+        assert body["status"] == "not_ready" and body["state"] == "failed" and "AdapterError" in body["reason"]
+    finally:
+        eng.stop()

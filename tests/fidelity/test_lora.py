@@ -1,0 +1,114 @@
+"""LoRA adapters (PEFT format) applied unmerged vs transformers running the merged weights
+(W + scaling * B A), with base and two adapters' requests mixed in the same steps."""
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from fidelity_helpers import hf_greedy, make_checkpoint
+
+from consort_engine.config import EngineConfig
+from consort_engine.engine import LLMEngine
+from consort_engine.lora import AdapterError, load_peft_adapter
+from consort_engine.sequence import SamplingParams, Sequence
+
+PROJ = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+        "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+
+
+def write_adapter(ckpt: Path, out: Path, seed: int, rank: int = 8, alpha: float = 16.0,
+                  targets=tuple(PROJ)) -> Path:
+    """A random PEFT LoRA adapter for ckpt (layout and key names as peft's save_pretrained writes)."""
+    import transformers
+    from safetensors.torch import save_file
+    model = transformers.AutoModelForCausalLM.from_pretrained(ckpt)
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for i, layer in enumerate(model.model.layers):
+        for proj in targets:
+            w = getattr(getattr(layer, PROJ[proj]), proj).weight
+            prefix = f"base_model.model.model.layers.{i}.{PROJ[proj]}.{proj}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, w.shape[1], generator=g) * 0.3
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(w.shape[0], rank, generator=g) * 0.3
+    out.mkdir(parents=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(targets),
+         "base_model_name_or_path": str(ckpt)}))
+    return out
+
+
+def merged_checkpoint(ckpt: Path, adapter: Path, out: Path) -> Path:
+    """The reference: the adapter folded into the weights, saved as a plain checkpoint."""
+    import transformers
+    from safetensors.torch import load_file
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    scaling = cfg["lora_alpha"] / cfg["r"]
+    lora = load_file(str(adapter / "adapter_model.safetensors"))
+    model = transformers.AutoModelForCausalLM.from_pretrained(ckpt)
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            for proj, parent in PROJ.items():
+                prefix = f"base_model.model.model.layers.{i}.{parent}.{proj}"
+                if f"{prefix}.lora_A.weight" in lora:
+                    w = getattr(getattr(layer, parent), proj).weight
+                    w += scaling * lora[f"{prefix}.lora_B.weight"] @ lora[f"{prefix}.lora_A.weight"]
+    model.save_pretrained(out)
+    for f in ckpt.iterdir():
+        if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json":
+            shutil.copy(f, out / f.name)
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_mixed_base_and_adapter_requests_match_merged_weights(arch, tmp_path):
+    ckpt = make_checkpoint(arch, tmp_path)
+    a1 = write_adapter(ckpt, tmp_path / "a1", seed=1)
+    a2 = write_adapter(ckpt, tmp_path / "a2", seed=2, rank=4, alpha=4.0, targets=("q_proj", "v_proj", "down_proj"))
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 512) for _ in range(rng.randrange(4, 40))] for _ in range(9)]
+    names = [None, "a1", "a2"] * 3
+    refs = {None: hf_greedy(ckpt, prompts, 12),
+            "a1": hf_greedy(merged_checkpoint(ckpt, a1, tmp_path / "m1"), prompts, 12),
+            "a2": hf_greedy(merged_checkpoint(ckpt, a2, tmp_path / "m2"), prompts, 12)}
+    engine = LLMEngine(EngineConfig(model=str(ckpt), dtype="float32", block_size=4, num_blocks=256,
+                                    adapters={"a1": str(a1), "a2": str(a2)}))
+    assert engine.stats()["adapters"] == {"a1": "loaded", "a2": "loaded"}
+    seqs = [Sequence(list(p), SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), adapter=n)
+            for p, n in zip(prompts, names)]
+    for s in seqs:
+        engine.scheduler.add(s)
+    while engine.has_unfinished():
+        engine.step()
+    exact = differs = 0
+    for i, (s, n) in enumerate(zip(seqs, names)):
+        exact += s.output_token_ids == refs[n][i].tokens
+        differs += n is not None and s.output_token_ids != refs[None][i].tokens
+    assert exact >= len(seqs) - 1, f"{exact}/{len(seqs)} requests matched their reference exactly"
+    assert differs >= 4, "the adapters should change most outputs"
+    assert engine.block_manager.num_free_blocks == 256
+
+
+def test_bad_adapters_are_refused_with_the_reason(tmp_path):
+    ckpt = make_checkpoint("llama", tmp_path)
+    shapes = {"qkv_proj": [(64, 64), (32, 64), (32, 64)], "o_proj": [(64, 64)],
+              "gate_up_proj": [(160, 64), (160, 64)], "down_proj": [(64, 160)]}
+    with pytest.raises(AdapterError, match="needs adapter_config.json"):
+        load_peft_adapter("x", tmp_path / "missing", 2, shapes)
+    good = write_adapter(ckpt, tmp_path / "ok", seed=3, rank=4)
+    assert load_peft_adapter("ok", good, 2, shapes).rank == 4
+    with pytest.raises(AdapterError, match="targets layer 1; the model has 1"):
+        load_peft_adapter("ok", good, 1, shapes)
+    wrong = {**shapes, "down_proj": [(64, 128)]}
+    with pytest.raises(AdapterError, match="down_proj has A"):
+        load_peft_adapter("ok", good, 2, wrong)
+    from safetensors.torch import save_file
+    head = tmp_path / "head"
+    shutil.copytree(good, head)
+    save_file({"base_model.model.lm_head.lora_A.weight": torch.zeros(4, 64)}, str(head / "adapter_model.safetensors"))
+    with pytest.raises(AdapterError, match="unsupported tensor"):
+        load_peft_adapter("head", head, 2, shapes)
