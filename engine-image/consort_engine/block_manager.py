@@ -159,6 +159,17 @@ class BlockManager:
             self.prefix_hits += seq.num_cached_tokens
         return True
 
+    def forget_adapter(self, adapter: str) -> int:
+        """Drop the cached prefixes computed with an adapter (it was unloaded: a later adapter of the
+        same name must not reuse them). Only free cached blocks can hold them: callers unload an
+        adapter when no sequence uses it. Returns how many blocks were dropped."""
+        dropped = [b for b in self._free_cached if self._adapter[b] == adapter]
+        for b in dropped:
+            del self._free_cached[b]
+            self._evict(b)
+            self._free_empty.append(b)
+        return len(dropped)
+
     def _take_free_block(self) -> int:
         if self._free_empty:
             b = self._free_empty.pop()

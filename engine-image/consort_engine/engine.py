@@ -127,6 +127,22 @@ class LLMEngine:
         if seq is not None:
             seq.finish_reason = reason
 
+    def load_adapter(self, name: str, path: str) -> None:
+        """Hot-load a LoRA adapter between steps (lora.AdapterError when it cannot be served)."""
+        self.runner.load_adapter(name, path)
+
+    def unload_adapter(self, name: str) -> int:
+        """Unload an adapter no request uses; its cached prefixes go with it. Returns blocks dropped."""
+        from .lora import AdapterError
+        if name not in getattr(self.runner, "adapters", {}):
+            raise AdapterError(f"adapter {name!r} is not loaded", code="adapter_not_found")
+        users = self.scheduler.count_adapter_users(name)
+        if users:
+            raise AdapterError(f"adapter {name!r} is used by {users} running or waiting requests",
+                               code="adapter_in_use")
+        self.runner.unload_adapter(name)
+        return self.block_manager.forget_adapter(name)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 

@@ -23,12 +23,17 @@ KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.lora_([AB])\.we
 
 
 class AdapterError(ValueError):
-    """An adapter that cannot be served by this model (bad files, shapes or targets)."""
+    """An adapter that cannot be loaded or unloaded; `code` is the typed API error code."""
+
+    def __init__(self, message: str, code: str = "invalid_adapter"):
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass
 class LoraAdapter:
     name: str
+    path: str
     rank: int
     scaling: float
     # (layer, fused module, shard) -> (A [r, in], B * scaling [shard_out, r]), float32
@@ -68,7 +73,7 @@ def load_peft_adapter(name: str, path: str | Path, num_layers: int, shard_shapes
         if layer >= num_layers:
             raise AdapterError(f"adapter {name!r}: {key} targets layer {layer}; the model has {num_layers}")
         pairs.setdefault((layer, m.group(2)), {})[m.group(3)] = t
-    adapter = LoraAdapter(name, rank, scaling)
+    adapter = LoraAdapter(name, str(path), rank, scaling)
     for (layer, proj), ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:
             raise AdapterError(f"adapter {name!r}: layer {layer} {proj} lacks lora_{'B' if 'A' in ab else 'A'}")

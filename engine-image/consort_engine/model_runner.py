@@ -113,12 +113,8 @@ class ModelRunner:
             self.num_packed = self.model.pack_weights()
         self.lora_ctx = LoraContext()
         self.adapters: dict[str, LoraAdapter] = {}
-        if len(config.adapters) > config.max_adapters:
-            raise AdapterError(f"{len(config.adapters)} adapters given, max_adapters is {config.max_adapters}")
         for name, path in config.adapters.items():
-            adapter = load_peft_adapter(name, path, cfg.num_hidden_layers, self.model.shard_shapes(), self.device)
-            self.model.attach_adapter(adapter, self.lora_ctx)
-            self.adapters[name] = adapter
+            self.load_adapter(name, path)
 
         self.num_blocks = self._pool_blocks()
         kv_shape = (cfg.num_hidden_layers, 2, *pool_shape(self.backend, self.num_blocks, self.block_size,
@@ -237,6 +233,23 @@ class ModelRunner:
                     span.block_ids = span.block_ids.to(dev, non_blocking=True)
         lora = segments_of([seqs[i].adapter for i in order], lens) if self.adapters else []
         return StepInputs(ids, positions, meta, sample_idx, lora)
+
+    def load_adapter(self, name: str, path: str) -> LoraAdapter:
+        """Read a PEFT LoRA adapter and attach it (between steps). AdapterError when it cannot be served."""
+        if name in self.adapters:
+            raise AdapterError(f"adapter {name!r} is already loaded", code="adapter_exists")
+        if len(self.adapters) >= self.config.max_adapters:
+            raise AdapterError(f"{len(self.adapters)} adapters loaded, max_adapters is {self.config.max_adapters}",
+                               code="max_adapters")
+        adapter = load_peft_adapter(name, path, self.hf_config.num_hidden_layers, self.model.shard_shapes(),
+                                    self.device)
+        self.model.attach_adapter(adapter, self.lora_ctx)
+        self.adapters[name] = adapter
+        return adapter
+
+    def unload_adapter(self, name: str) -> None:
+        self.model.detach_adapter(name)
+        del self.adapters[name]
 
     @torch.inference_mode()
     def zero_slots(self, slots: list[int]) -> None:

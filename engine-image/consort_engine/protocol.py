@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import math
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ from typing import Any
 from .sequence import SamplingParams
 
 MAX_LOGPROBS = 20
+ADAPTER_NAME = re.compile(r"[a-z0-9](?:[-a-z0-9]{0,61}[a-z0-9])?")   # a DNS label, as the CRD requires
 
 
 @dataclass

@@ -169,6 +169,10 @@ class Scheduler:
         self.num_preemptions += 1
         self.last_preemption_time = time.monotonic()
 
+    def count_adapter_users(self, adapter: str) -> int:
+        return sum(1 for s in self.running if s.adapter == adapter) + \
+            sum(1 for s in self._waiting.values() if s.adapter == adapter)
+
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> ScheduledBatch:
         bm = self.block_manager

@@ -471,16 +471,55 @@ async def models(request: web.Request) -> web.Response:
     data = [{"id": ctx.served_name, "object": "model", "created": created, "owned_by": "consort",
              "root": ctx.config.model, "parent": None, "max_model_len": ctx.max_model_len,
              "specialist": ctx.config.name}]
+    runner = getattr(ctx.engine.engine, "runner", None)
+    paths = {name: a.path for name, a in dict(getattr(runner, "adapters", {})).items()}
     data += [{"id": f"{ctx.served_name}:{name}", "object": "model", "created": created, "owned_by": "consort",
-              "root": path, "parent": ctx.served_name, "adapter": name}
-             for name, path in ctx.config.adapters.items()]
+              "root": paths.get(name, ctx.config.adapters.get(name)), "parent": ctx.served_name, "adapter": name}
+             for name in sorted(ctx.adapters_state())]
     return web.json_response({"object": "list", "data": data})
 
 
-async def adapters_not_implemented(request: web.Request) -> web.Response:
-    raise P.ApiError(501, "not_implemented", "adapter hot-load/unload is not supported yet; adapters are loaded "
-                     "at start-up (--adapter NAME=PATH; the operator rolls them out by restarting engines)",
-                     type="not_implemented_error")
+ADAPTER_STATUS = {"invalid_adapter": 422, "adapter_exists": 409, "max_adapters": 409, "adapter_in_use": 409,
+                  "adapter_not_found": 404}
+
+
+async def _adapter_call(ctx: ServerContext, fn, param: str) -> Any:
+    """Run an adapter change on the engine thread between steps; AdapterError -> typed 4xx."""
+    from .lora import AdapterError
+    if not ctx.engine.ready:
+        raise P.admission_error("warming", 1000, "the engine is not ready; load adapters once /ready is 200")
+    try:
+        return await ctx.engine.call(fn)
+    except AdapterError as e:
+        raise P.bad(e.code, str(e), param, status=ADAPTER_STATUS.get(e.code, 422))
+
+
+async def load_adapter(request: web.Request) -> web.Response:
+    """POST /v1/adapters {"name": ..., "path": PEFT dir}: hot-load a LoRA adapter."""
+    ctx: ServerContext = request.app[CTX]
+    body = await read_json(request)
+    if not isinstance(body, dict):
+        raise P.bad("invalid_request", "body must be a JSON object with name and path")
+    unknown = sorted(set(body) - {"name", "path"})
+    if unknown:
+        raise P.bad("unknown_field", f"unknown fields: {', '.join(unknown)}", unknown[0])
+    name, path = body.get("name"), body.get("path")
+    if not isinstance(name, str) or not P.ADAPTER_NAME.fullmatch(name):
+        raise P.bad("invalid_name", "name must be a DNS label (lowercase letters, digits, '-'; at most 63)", "name")
+    if not isinstance(path, str) or not path:
+        raise P.bad("invalid_path", "path must be the adapter directory on the engine's filesystem", "path")
+    await _adapter_call(ctx, lambda engine: engine.load_adapter(name, path), "path")
+    log.info("adapter %s loaded from %s", name, path)
+    return web.json_response({"name": name, "path": path, "state": "loaded"})
+
+
+async def unload_adapter(request: web.Request) -> web.Response:
+    """DELETE /v1/adapters/{name}: unload an adapter no request uses (409 while one does)."""
+    ctx: ServerContext = request.app[CTX]
+    name = request.match_info["name"]
+    dropped = await _adapter_call(ctx, lambda engine: engine.unload_adapter(name), "name")
+    log.info("adapter %s unloaded (%d cached blocks dropped)", name, dropped)
+    return web.json_response({"name": name, "state": "unloaded", "dropped_cached_blocks": dropped})
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -498,8 +537,8 @@ def build_app(ctx: ServerContext) -> web.Application:
     app.router.add_get("/ready", ready)
     app.router.add_get("/v1/status", status)
     app.router.add_get("/v1/models", models)
-    app.router.add_post("/v1/adapters", adapters_not_implemented)
-    app.router.add_delete("/v1/adapters/{name}", adapters_not_implemented)
+    app.router.add_post("/v1/adapters", load_adapter)
+    app.router.add_delete("/v1/adapters/{name}", unload_adapter)
     app.router.add_get("/metrics", metrics)
     return app
 
@@ -548,6 +587,8 @@ def config_from_args(a: argparse.Namespace) -> EngineConfig:
         name, sep, path = item.partition("=")
         if not sep or not name or not path:
             raise SystemExit(f"consort engine: --adapter expects NAME=PATH, got {item!r}")
+        if not P.ADAPTER_NAME.fullmatch(name):
+            raise SystemExit(f"consort engine: adapter name {name!r} must be a DNS label (lowercase, digits, '-')")
         adapters[name] = path
     if not 0.0 <= a.spec_typical_tau <= 1.0:
         raise SystemExit(f"consort engine: --spec-typical-tau must be in [0, 1], got {a.spec_typical_tau}")

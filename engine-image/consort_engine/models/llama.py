@@ -185,6 +185,11 @@ class LlamaForCausalLM(nn.Module):
             lin.lora_ctx = ctx
             lin.lora.setdefault(adapter.name, []).append((lin.shard_offsets[shard], lin.shard_sizes[shard], a, b))
 
+    def detach_adapter(self, name: str) -> None:
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.lora.pop(name, None)
+
     def pack_weights(self) -> int:
         """Pre-pack every projection for the CPU GEMM (after load_weights). Returns how many packed."""
         linears = [m for m in self.modules() if isinstance(m, Linear)]

@@ -202,13 +202,18 @@ def test_prefix_cache_hits_show_in_status_and_usage(client, engine):
     assert engine.status()["prefix_cache_hits"] > before
 
 
-def test_adapter_endpoints_are_typed_501(engine):
-    r = httpx.post(engine.url + "/v1/adapters", json={"name": "a", "path": "/nope"}, timeout=10)
-    assert r.status_code == 501 and r.json()["error"]["code"] == "not_implemented"
-    assert "hot-load" in r.json()["error"]["message"]
+def test_adapter_hot_load_and_unload_errors_are_typed(engine):
+    def post(body):
+        return httpx.post(engine.url + "/v1/adapters", json=body, timeout=30)
+    for body, status, code in (({"name": "a", "path": "/nope"}, 422, "invalid_adapter"),
+                               ({"name": "Bad_Name", "path": "/x"}, 400, "invalid_name"),
+                               ({"name": "a"}, 400, "invalid_path"),
+                               ({"name": "a", "path": "/x", "rank": 4}, 400, "unknown_field")):
+        r = post(body)
+        assert r.status_code == status and r.json()["error"]["code"] == code, (body, r.text)
     r = httpx.delete(engine.url + "/v1/adapters/a", timeout=10)
-    assert r.status_code == 501 and r.json()["error"]["code"] == "not_implemented"
-
+    assert r.status_code == 404 and r.json()["error"]["code"] == "adapter_not_found"
+    assert engine.status()["adapters"] == {}
 
 def test_sse_wire_format(engine):
     """The raw SSE bytes: `data: {json}` events, blank-line separated, ending with `data: [DONE]`."""
@@ -309,3 +314,44 @@ def test_an_unreadable_adapter_keeps_the_engine_out_of_ready(demo_model, engine_
         assert body["status"] == "not_ready" and body["state"] == "failed" and "AdapterError" in body["reason"]
     finally:
         eng.stop()
+
+
+def test_adapter_hot_load_serve_unload_and_reload_under_the_same_name(demo_model, engine_logs, tmp_path):
+    first = write_demo_adapter(demo_model, tmp_path / "v1", seed=1)
+    second = write_demo_adapter(demo_model, tmp_path / "v2", seed=2)
+    eng = procs.start_engine(demo_model, engine_logs, "--num-blocks", "64", "--max-adapters", "1",
+                             name="spec-hot")
+    body = {"prompt": "struct Point { int x; int y; };" * 3, "max_tokens": 12, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}
+
+    def complete(**extra):
+        r = httpx.post(eng.url + "/v1/completions", json={**body, **extra}, timeout=60)
+        return r.status_code, r.json()
+
+    try:
+        base = complete()[1]["choices"][0]["token_ids"]
+        r = httpx.post(eng.url + "/v1/adapters", json={"name": "style", "path": str(first)}, timeout=60)
+        assert r.status_code == 200 and r.json()["state"] == "loaded"
+        assert eng.status()["adapters"] == {"style": "loaded"}
+        models = procs.http_get(eng.url + "/v1/models")[1]["data"]
+        assert [m["id"] for m in models] == ["spec-hot", "spec-hot:style"] and models[1]["root"] == str(first)
+        code, one = complete(adapter="style")
+        assert code == 200 and one["choices"][0]["token_ids"] != base
+        # one adapter slot: a second adapter is refused; the same name twice too
+        r = httpx.post(eng.url + "/v1/adapters", json={"name": "other", "path": str(second)}, timeout=60)
+        assert r.status_code == 409 and r.json()["error"]["code"] == "max_adapters"
+        r = httpx.post(eng.url + "/v1/adapters", json={"name": "style", "path": str(second)}, timeout=60)
+        assert r.status_code == 409 and r.json()["error"]["code"] == "adapter_exists"
+        r = httpx.delete(eng.url + "/v1/adapters/style", timeout=30)
+        assert r.status_code == 200 and r.json()["dropped_cached_blocks"] > 0    # its prefix blocks go too
+        code, gone = complete(adapter="style")
+        assert code == 404 and gone["error"]["code"] == "adapter_not_found"
+        # the same name with other weights: nothing of the first adapter is reused
+        assert httpx.post(eng.url + "/v1/adapters", json={"name": "style", "path": str(second)},
+                          timeout=60).status_code == 200
+        two = complete(adapter="style")[1]
+        assert two["choices"][0]["token_ids"] not in (one["choices"][0]["token_ids"], base)
+        assert two["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0) == 0
+        wait_idle(eng)
+    finally:
+        assert eng.stop() == 0, eng.proc.tail()

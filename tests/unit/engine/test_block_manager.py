@@ -81,6 +81,24 @@ def test_adapter_is_part_of_the_key():
     assert same.num_cached_tokens == 8
 
 
+def test_forget_adapter_drops_only_that_adapters_cached_prefixes():
+    bm = BlockManager(16, BS)
+    for adapter in ("lora-a", "lora-b"):
+        s = seq_of(range(1, 10), adapter=adapter)
+        run_to_completion(bm, s)
+        bm.free(s)
+    assert bm.num_cached_blocks == 4
+    assert bm.forget_adapter("lora-a") == 2
+    assert bm.num_cached_blocks == 2 and bm.num_free_blocks == 16
+    again = seq_of(range(1, 10), adapter="lora-a")
+    bm.allocate(again)
+    assert again.num_cached_tokens == 0                 # a reloaded adapter of that name starts cold
+    b = seq_of(range(1, 10), adapter="lora-b")
+    bm.allocate(b)
+    assert b.num_cached_tokens == 8
+    bm.check_invariants([again, b])
+
+
 def test_namespace_reaches_the_hash():
     seen = []
 
