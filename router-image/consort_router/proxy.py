@@ -57,6 +57,7 @@ async def open_upstream(
     timeout: aiohttp.ClientTimeout,
     preempting_penalty: float,
     on_attempt: Callable[[Attempt, bool], None] | None = None,
+    adapter: str | None = None,
 ) -> Upstream:
     """POST to the best replica; on connection failure, 5xx or 429 retry another while one is left.
 
@@ -67,7 +68,7 @@ async def open_upstream(
     attempts: list[Attempt] = []
     last_error: Exception | None = None
     while True:
-        r = choose_replica(replicas, preempting_penalty, frozenset(tried))
+        r = choose_replica(replicas, preempting_penalty, frozenset(tried), adapter)
         if r is None:
             raise NoReplica(str(last_error) if last_error else "no ready replica")
         tried.add(r.url)
@@ -88,7 +89,7 @@ async def open_upstream(
             raise
         first = time.monotonic()
         if resp.status == 429 or resp.status >= 500:
-            another = choose_replica(replicas, preempting_penalty, frozenset(tried)) is not None
+            another = choose_replica(replicas, preempting_penalty, frozenset(tried), adapter) is not None
             if another:
                 try:
                     body = await resp.read()

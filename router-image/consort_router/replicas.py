@@ -38,18 +38,25 @@ class ReplicaState:
         return {
             "url": self.url, "ready": self.ready, "reason": self.reason, "waiting": self.waiting,
             "running": self.running, "preempting": self.preempting, "inflight": self.inflight,
+            "adapters": list(self.adapters),
         }
 
 
 def choose_replica(
-    replicas: list[ReplicaState], preempting_penalty: float, exclude: frozenset[str] = frozenset()
+    replicas: list[ReplicaState], preempting_penalty: float, exclude: frozenset[str] = frozenset(),
+    adapter: str | None = None,
 ) -> ReplicaState | None:
-    """The ready replica (not in `exclude`) with the least load; ties go to the fewest in flight, then URL."""
+    """The ready replica (not in `exclude`) with the least load; ties go to the fewest in flight, then URL.
+
+    Adapter-aware: a request for an adapter goes to the replicas that report it loaded, when any
+    does (during a rollout or a hot-load some replicas have it and some do not yet). When none does,
+    the least-loaded replica answers, typed (404 adapter_not_found) if it cannot serve it either."""
+    candidates = [r for r in replicas if r.ready and r.url not in exclude]
+    if adapter is not None:
+        candidates = [r for r in candidates if adapter in r.adapters] or candidates
     best = None
     best_key = None
-    for r in replicas:
-        if not r.ready or r.url in exclude:
-            continue
+    for r in candidates:
         key = (r.load(preempting_penalty), r.inflight, r.url)
         if best_key is None or key < best_key:
             best, best_key = r, key

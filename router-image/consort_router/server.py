@@ -278,7 +278,7 @@ class Router:
                 self.session, rt.replicas.get(target, []), path, json.dumps(body).encode(),
                 {"Content-Type": "application/json", "x-request-id": f"{rid}-shadow"},
                 aiohttp.ClientTimeout(total=rt.config.shadow.timeout_s, sock_connect=lim.connect_timeout_s),
-                rt.config.polling.preempting_penalty,
+                rt.config.polling.preempting_penalty, adapter=body.get("adapter"),
             )
         except NoReplica:
             return None
@@ -410,7 +410,7 @@ async def handle_generation(request: web.Request, kind: str, path: str) -> web.S
                 router.session, rt.replicas.get(d.specialist, []), path, payload,  # type: ignore[arg-type]
                 {"Content-Type": "application/json", "x-request-id": rid},
                 aiohttp.ClientTimeout(total=cfg.limits.request_timeout_s, sock_connect=cfg.limits.connect_timeout_s),
-                cfg.polling.preempting_penalty, on_attempt,
+                cfg.polling.preempting_penalty, on_attempt, adapter=req.body.get("adapter") or spec.adapter,
             )
         except NoReplica as e:
             raise ApiError(503, "no_ready_replica", f"specialist {d.specialist!r} has no ready replica ({e})",

@@ -256,31 +256,8 @@ def test_speculative_engine_streams_the_same_greedy_text(engine, demo_model, eng
         assert spec.stop() == 0, spec.proc.tail()
 
 
-def write_demo_adapter(model_dir, out, rank: int = 4, seed: int = 0):
-    """A random PEFT LoRA adapter on every attention/MLP projection of a Llama-layout checkpoint."""
-    import torch
-    from safetensors.torch import save_file
-    cfg = json.loads((model_dir / "config.json").read_text())
-    h, f = cfg["hidden_size"], cfg["intermediate_size"]
-    hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
-    kv = cfg["num_key_value_heads"] * hd
-    shapes = {"self_attn.q_proj": (cfg["num_attention_heads"] * hd, h), "self_attn.k_proj": (kv, h),
-              "self_attn.v_proj": (kv, h), "self_attn.o_proj": (h, cfg["num_attention_heads"] * hd),
-              "mlp.gate_proj": (f, h), "mlp.up_proj": (f, h), "mlp.down_proj": (h, f)}
-    g = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for i in range(cfg["num_hidden_layers"]):
-        for name, (o, n) in shapes.items():
-            tensors[f"base_model.model.model.layers.{i}.{name}.lora_A.weight"] = torch.randn(rank, n, generator=g) * 0.5
-            tensors[f"base_model.model.model.layers.{i}.{name}.lora_B.weight"] = torch.randn(o, rank, generator=g) * 0.5
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "adapter_model.safetensors"))
-    (out / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank}))
-    return out
-
-
 def test_lora_adapter_served_by_name_beside_the_base_model(engine, demo_model, engine_logs, tmp_path):
-    adapter = write_demo_adapter(demo_model, tmp_path / "cpp-style")
+    adapter = procs.write_lora_adapter(demo_model, tmp_path / "cpp-style")
     eng = procs.start_engine(demo_model, engine_logs, "--num-blocks", "64", "--adapter", f"cpp-style={adapter}",
                              name="spec-lora")
     try:
@@ -317,8 +294,8 @@ def test_an_unreadable_adapter_keeps_the_engine_out_of_ready(demo_model, engine_
 
 
 def test_adapter_hot_load_serve_unload_and_reload_under_the_same_name(demo_model, engine_logs, tmp_path):
-    first = write_demo_adapter(demo_model, tmp_path / "v1", seed=1)
-    second = write_demo_adapter(demo_model, tmp_path / "v2", seed=2)
+    first = procs.write_lora_adapter(demo_model, tmp_path / "v1", seed=1)
+    second = procs.write_lora_adapter(demo_model, tmp_path / "v2", seed=2)
     eng = procs.start_engine(demo_model, engine_logs, "--num-blocks", "64", "--max-adapters", "1",
                              name="spec-hot")
     body = {"prompt": "struct Point { int x; int y; };" * 3, "max_tokens": 12, "temperature": 0,

@@ -43,3 +43,13 @@ def test_parse_status_shapes():
         2, 3, False, ("x",))
     assert parse_status({"waiting": [1, 2], "running": 1, "preempting": 2}) == (2, 1, True, ())
     assert parse_status("garbage") == (0, 0, False, ())
+
+
+def test_adapter_requests_prefer_replicas_that_have_it_loaded():
+    a = rep("a", running=0)                          # idle, but without the adapter
+    b = rep("b", running=6)
+    b.adapters = ("v2",)
+    assert choose_replica([a, b], 8.0).url == "a"                       # base requests: least load
+    assert choose_replica([a, b], 8.0, adapter="v2").url == "b"         # v2 only where it is loaded
+    assert choose_replica([a, b], 8.0, frozenset({"b"}), adapter="v2").url == "a"   # retry: anyone left
+    assert choose_replica([a, b], 8.0, adapter="v3").url == "a"         # nobody has it: least load answers
