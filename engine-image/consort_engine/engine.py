@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
 from .admission import StepEstimates
 from .block_manager import BlockManager, blocks_for
 from .config import EngineConfig
+from .lora import AdapterError
 from .scheduler import Scheduler, StepOutput
 from .sequence import SamplingParams, ScheduledBatch, Sequence
 from .speculative import typical_accepted
@@ -44,14 +46,6 @@ class Ewma:
     def update(self, x: float) -> None:
         self.value = x if self.count == 0 else self.value + self.alpha * (x - self.value)
         self.count += 1
-
-
-def _row_starts(counts: list[int]) -> list[int]:
-    starts, at = [], 0
-    for c in counts:
-        starts.append(at)
-        at += c
-    return starts
 
 
 class LLMEngine:
@@ -133,7 +127,6 @@ class LLMEngine:
 
     def unload_adapter(self, name: str) -> int:
         """Unload an adapter no request uses; its cached prefixes go with it. Returns blocks dropped."""
-        from .lora import AdapterError
         if name not in getattr(self.runner, "adapters", {}):
             raise AdapterError(f"adapter {name!r} is not loaded", code="adapter_not_found")
         users = self.scheduler.count_adapter_users(name)
@@ -178,7 +171,7 @@ class LLMEngine:
             return (token_ids.tolist() if isinstance(token_ids, torch.Tensor) else token_ids), logprobs
         counts = [batch.rows_sampled(i) for i in range(len(batch.seqs)) if batch.sample[i]]
         greedy = logits.max(dim=-1).indices.tolist()   # the sampler's greedy rule, ties included
-        starts = _row_starts(counts)
+        starts = [0, *accumulate(counts)][:-1]
         single = [r for r, c in zip(starts, counts) if c == 1]
         token_ids = list(greedy)
         for seq, r, c in zip(sampled_seqs, starts, counts):
@@ -270,6 +263,7 @@ class LLMEngine:
             "warm": self.warm,
             "speculation": self.speculation_stats(),
             "adapters": {name: "loaded" for name in getattr(self.runner, "adapters", {})},
+            "adapter_paths": {name: a.path for name, a in getattr(self.runner, "adapters", {}).items()},
         }
 
     def speculation_stats(self) -> dict:

@@ -283,7 +283,7 @@ class Scheduler:
                 self.max_model_len - seq.num_tokens - 1)
         if k <= 0:
             return 0
-        draft = propose_ngram(seq.token_ids, k)
+        draft = propose_ngram(seq.token_ids, k, packed=seq.packed_tokens)
         if not draft:
             return 0
         # Free blocks must cover the whole window: then this decode cannot trigger a preemption
@@ -362,7 +362,7 @@ class Scheduler:
                 self.num_draft_tokens += k
                 self.num_accepted_tokens += accepted
                 # + one token of the model's own, unless the run crossed a tool trigger: it ends there
-                cut = next((i for i in range(accepted) if draft[i] in self.tool_trigger_ids), None)
+                cut = next((p for p in range(accepted) if draft[p] in self.tool_trigger_ids), None)
                 emit = draft[:cut + 1] if cut is not None else draft[:accepted] + targets[accepted:accepted + 1]
             new, reason = [], None
             for token in emit:

@@ -56,6 +56,7 @@ class Sequence:
     output_logprobs: list = field(default_factory=list)  # per generated token, when requested
     first_token_time: float | None = None
     speculate: bool = True                             # False once a tool trigger was emitted
+    packed_tokens: bytearray = field(default_factory=bytearray, repr=False)  # committed tokens, for n-gram lookup
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -24,6 +24,7 @@ from aiohttp import web
 from . import protocol as P
 from .async_engine import AsyncEngine, EngineFailed, EngineNotReady
 from .config import EngineConfig
+from .lora import AdapterError
 from .metrics import EngineMetrics, SloTracker
 from .sequence import Sequence
 from .tokenizer import ChatTemplateError, IncrementalDetokenizer, StopStringMatcher, Tokenizer
@@ -471,8 +472,7 @@ async def models(request: web.Request) -> web.Response:
     data = [{"id": ctx.served_name, "object": "model", "created": created, "owned_by": "consort",
              "root": ctx.config.model, "parent": None, "max_model_len": ctx.max_model_len,
              "specialist": ctx.config.name}]
-    runner = getattr(ctx.engine.engine, "runner", None)
-    paths = {name: a.path for name, a in dict(getattr(runner, "adapters", {})).items()}
+    paths = ctx.engine.stats().get("adapter_paths") or {}
     data += [{"id": f"{ctx.served_name}:{name}", "object": "model", "created": created, "owned_by": "consort",
               "root": paths.get(name, ctx.config.adapters.get(name)), "parent": ctx.served_name, "adapter": name}
              for name in sorted(ctx.adapters_state())]
@@ -485,7 +485,6 @@ ADAPTER_STATUS = {"invalid_adapter": 422, "adapter_exists": 409, "max_adapters":
 
 async def _adapter_call(ctx: ServerContext, fn, param: str) -> Any:
     """Run an adapter change on the engine thread between steps; AdapterError -> typed 4xx."""
-    from .lora import AdapterError
     if not ctx.engine.ready:
         raise P.admission_error("warming", 1000, "the engine is not ready; load adapters once /ready is 200")
     try:

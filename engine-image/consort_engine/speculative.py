@@ -21,12 +21,23 @@ import torch
 TOKEN_BYTES = 4
 
 
-def propose_ngram(token_ids: list[int], k: int, max_n: int = 3, min_n: int = 1) -> list[int]:
-    """Up to k draft tokens following the latest earlier occurrence of the last n tokens."""
+def propose_ngram(token_ids: list[int], k: int, max_n: int = 3, min_n: int = 1,
+                  packed: bytearray | None = None) -> list[int]:
+    """Up to k draft tokens following the latest earlier occurrence of the last n tokens.
+
+    `packed` is the caller's running byte copy of token_ids (a sequence keeps one): only tokens
+    added since the last call are packed, not the whole context every step."""
     total = len(token_ids)
     if k <= 0 or total < min_n + 1:
         return []
-    packed = array("i", token_ids).tobytes()
+    if packed is None:
+        packed = bytearray()
+    have = len(packed) // TOKEN_BYTES
+    if have > total:                    # the tokens were cut back: pack afresh
+        del packed[:]
+        have = 0
+    if have < total:
+        packed += array("i", token_ids[have:]).tobytes()
     for n in range(min(max_n, total - 1), min_n - 1, -1):
         suffix = packed[(total - n) * TOKEN_BYTES:]
         limit = (total - 1) * TOKEN_BYTES      # a match ends before the last token: one follows it

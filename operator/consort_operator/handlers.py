@@ -345,7 +345,7 @@ async def probe_replicas(namespace: str, pods: list[dict[str, Any]], port: int
         addr = runtime.resolver.resolve(PodRef(namespace, p["name"], p["ip"], port))
         if addr:
             targets[p["name"]] = addr
-    results = await asyncio.gather(*(runtime.prober.probe(a, with_status=True) for a in targets.values()))
+    results = await asyncio.gather(*(runtime.prober.probe(a) for a in targets.values()))
     out = dict(zip(targets, results))
     for p in pods:   # resolvable nowhere: unreachable
         out.setdefault(p["name"], warmup_lc.ProbeResult(reachable=False, reason="no address"))

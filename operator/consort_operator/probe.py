@@ -28,7 +28,7 @@ class Prober:
         if self._session is not None:
             await self._session.close()
 
-    async def probe(self, address: str, with_status: bool = False) -> ProbeResult:
+    async def probe(self, address: str) -> ProbeResult:
         base = f"http://{address}"
         async with self._sem:
             try:
@@ -38,12 +38,11 @@ class Prober:
                 reason = "" if warm else str((body or {}).get("reason") or f"HTTP {resp.status}")
                 adapters: dict[str, str] = {}
                 slo: dict[str, Any] = {}
-                if with_status:
-                    async with self.session.get(f"{base}/v1/status") as resp:
-                        if resp.status == 200:
-                            st = await resp.json(content_type=None)
-                            adapters = {str(k): str(v) for k, v in (st.get("adapters") or {}).items()}
-                            slo = st.get("slo") if isinstance(st.get("slo"), dict) else {}
+                async with self.session.get(f"{base}/v1/status") as resp:
+                    if resp.status == 200:
+                        st = await resp.json(content_type=None)
+                        adapters = {str(k): str(v) for k, v in (st.get("adapters") or {}).items()}
+                        slo = st.get("slo") if isinstance(st.get("slo"), dict) else {}
                 PROBES.labels("warm" if warm else "cold").inc()
                 return ProbeResult(reachable=True, warm=warm, reason=reason, adapters=adapters, slo=slo)
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, OSError) as e:
