@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 CACHE ?= $(HOME)/.cache/consort
 
-.PHONY: venv controlplane test test-fast cluster cluster-down up crds lint clean
+.PHONY: venv controlplane node test test-fast cluster cluster-real e2e-real cluster-down up crds lint clean
 
 venv:
 	@scripts/bootstrap.sh
@@ -22,6 +22,19 @@ test-fast: venv
 
 cluster: venv controlplane
 	@hack/controlplane.sh up
+
+# The real node's kubelet + kube-proxy (Go, cached like the control plane) and its Debian packages.
+node: controlplane
+	@hack/node-deps.sh
+	@hack/controlplane.sh build-node
+
+# The control plane plus one real containerd node running the images of `make images` (root).
+cluster-real: venv images node
+	@hack/controlplane.sh up --real-node --gpu-nodes 0 --cpu-nodes 0 --images $(CACHE)/images
+
+# The user path on the real node: helm install, kubectl apply -f examples/local/, traffic, faults.
+e2e-real: venv images node
+	$(PY) -m pytest tests/e2e_real
 
 cluster-down:
 	@hack/controlplane.sh down

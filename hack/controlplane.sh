@@ -3,7 +3,9 @@
 #
 #   hack/controlplane.sh build    build (once) etcd, kube-apiserver, kube-controller-manager,
 #                                 kube-scheduler, kubectl, kwok, helm into ~/.cache/consort/bin
+#   hack/controlplane.sh build-node  build (once) the real node's kubelet + kube-proxy (one binary)
 #   hack/controlplane.sh up       start the cluster in the background (idempotent), print kubeconfig
+#                                 (--real-node: plus a containerd node; --images DIR: import its archives)
 #   hack/controlplane.sh down     stop it and remove its state
 #   hack/controlplane.sh status   say what runs
 #   hack/controlplane.sh env      print `export KUBECONFIG=... PATH=...` for eval
@@ -119,6 +121,12 @@ kube_fresh() {
   fresh kube "$(key "kube $(kube_ldflags)" "$KUBE_MOD/go.mod" "$KUBE_MOD/go.sum" "$KUBE_MOD"/cmd/*/main.go)" \
     "${KUBE_BINARIES[@]}"
 }
+# The real node's kubelet and kube-proxy: one multi-call binary from the same module graph.
+NODE_BINARIES=(kube-node kubelet kube-proxy)
+node_fresh() {
+  fresh node "$(key "node $(kube_ldflags)" "$KUBE_MOD/go.mod" "$KUBE_MOD/go.sum" "$KUBE_MOD/node/main.go")" \
+    "${NODE_BINARIES[@]}"
+}
 kwok_fresh() { fresh kwok "$(key "kwok $KWOK_PKG@$KWOK_VERSION $KWOK_LDFLAGS")" kwok && [ -f "$KWOK_STAGES" ]; }
 helm_fresh() { fresh helm "$(key "helm $HELM_PKG@$HELM_VERSION $HELM_LDFLAGS")" helm; }
 
@@ -144,6 +152,38 @@ build_kube() {
   done
   # Keyed after the build: go build -mod=mod may have completed go.sum.
   key "kube $(kube_ldflags)" "$KUBE_MOD/go.mod" "$KUBE_MOD/go.sum" "$KUBE_MOD"/cmd/*/main.go >"$BIN/.stamp-kube"
+}
+
+build_node() {
+  local ldflags pkg total
+  ldflags="$(kube_ldflags)"
+  for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+    ldflags+=" -X $pkg.buildDate=$(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  done
+  total=$(cd "$KUBE_MOD" && go list -tags providerless -deps ./node | grep -c .) || total=""
+  run_go kube-node "$total" "$KUBE_MOD" go build -v -trimpath -tags providerless -ldflags "$ldflags" \
+    -o "$BIN/kube-node" ./node
+  ln -sfn kube-node "$BIN/kubelet"
+  ln -sfn kube-node "$BIN/kube-proxy"
+  key "node $(kube_ldflags)" "$KUBE_MOD/go.mod" "$KUBE_MOD/go.sum" "$KUBE_MOD/node/main.go" >"$BIN/.stamp-node"
+}
+
+cmd_build_node() {
+  mkdir -p "$BIN"
+  node_fresh && return 0
+  check_go
+  export GOWORK=off CGO_ENABLED=0 GOFLAGS="-mod=mod -buildvcs=false"
+  exec 9>"$CACHE/build.lock"
+  if ! flock -n 9; then
+    say "another build holds $CACHE/build.lock; waiting for it (at most 60 min)"
+    flock -w 3600 9 || die "timed out after 60 min waiting for $CACHE/build.lock"
+    node_fresh && return 0
+  fi
+  local start=$SECONDS
+  say "building the real node's kubelet + kube-proxy (kubernetes $KUBERNETES_VERSION) into $BIN;" \
+    "6-10 min on 2 cores once the control plane's build cache is warm"
+  build_node
+  say "kubelet + kube-proxy ready in $BIN after $(((SECONDS - start) / 60))m$(((SECONDS - start) % 60))s"
 }
 
 # build_tool NAME PACKAGE VERSION LDFLAGS : go install PACKAGE@VERSION into $BIN.
@@ -203,12 +243,16 @@ python_bin() {
 }
 
 cluster() {
-  if [ "$1" = up ]; then cmd_build; fi
+  if [ "$1" = up ]; then
+    cmd_build
+    case " $* " in *" --real-node "*) "$HACK/node-deps.sh"; cmd_build_node ;; esac
+  fi
   PYTHONPATH=$HACK exec "$(python_bin)" -m localcluster --bin-dir "$BIN" "$@"
 }
 
 case "${1:-}" in
   build) cmd_build ;;
+  build-node) cmd_build_node ;;
   up | down | status | env) cluster "$@" ;;
-  *) echo "usage: $0 build|up|down|status|env" >&2; exit 2 ;;
+  *) echo "usage: $0 build|build-node|up|down|status|env" >&2; exit 2 ;;
 esac

@@ -51,7 +51,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # `from kube import ...` also outside pytest's rootdir logic
-from kube import NotYet, wait_for  # noqa: E402
+from kube import Cluster, CommandFailed, NotYet, wait_for  # noqa: E402,F401  (Cluster: the fixture's handle)
 
 REPO = Path(__file__).resolve().parent.parent
 CONTROLPLANE = REPO / "hack" / "controlplane.sh"
@@ -64,66 +64,6 @@ NAMESPACE_DELETE_TIMEOUT_S = 90
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--use-existing-cluster", action="store_true", default=False,
                      help="e2e tests use the cluster in $KUBECONFIG instead of starting a private one")
-
-
-class CommandFailed(subprocess.CalledProcessError):
-    def __str__(self) -> str:
-        return (f"{' '.join(map(str, self.cmd))} exited {self.returncode}\n"
-                f"--- stdout\n{self.stdout}\n--- stderr\n{self.stderr}")
-
-
-@dataclass
-class Cluster:
-    kubeconfig: Path
-    bin_dir: Path
-    helm_home: Path
-    state_dir: Path | None = None  # the private cluster's dir (CONSORT_CLUSTER_DIR); None when existing
-    _api_clients: list = field(default_factory=list)
-
-    def bin(self, name: str) -> str:
-        candidate = self.bin_dir / name
-        if candidate.exists():
-            return str(candidate)
-        found = shutil.which(name)
-        if found is None:
-            raise FileNotFoundError(f"{name} is neither in {self.bin_dir} nor on PATH (run `make controlplane`)")
-        return found
-
-    def env(self) -> dict[str, str]:
-        return {**os.environ, "KUBECONFIG": str(self.kubeconfig),
-                "PATH": f"{self.bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
-
-    def _run(self, argv: list[str], input: str | None, check: bool, timeout: float,
-             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-        proc = subprocess.run(argv, input=input, capture_output=True, text=True, timeout=timeout,
-                              env=env or self.env())
-        if check and proc.returncode != 0:
-            raise CommandFailed(proc.returncode, argv, proc.stdout, proc.stderr)
-        return proc
-
-    def kubectl(self, *args: str, input: str | None = None, check: bool = True,
-                timeout: float = 60) -> subprocess.CompletedProcess:
-        return self._run([self.bin("kubectl"), f"--kubeconfig={self.kubeconfig}", *args], input, check, timeout)
-
-    def kubectl_json(self, *args: str, timeout: float = 60) -> dict:
-        return json.loads(self.kubectl(*args, "-o", "json", timeout=timeout).stdout)
-
-    def helm(self, *args: str, input: str | None = None, check: bool = True,
-             timeout: float = 180) -> subprocess.CompletedProcess:
-        env = {**self.env(), **{f"HELM_{kind}_HOME": str(self.helm_home / kind.lower())
-                                for kind in ("CACHE", "CONFIG", "DATA")}}
-        return self._run([self.bin("helm"), f"--kubeconfig={self.kubeconfig}", *args], input, check, timeout, env)
-
-    def api_client(self):
-        from kubernetes import config
-
-        client = config.new_client_from_config(config_file=str(self.kubeconfig))
-        self._api_clients.append(client)
-        return client
-
-    def close(self) -> None:
-        for client in self._api_clients:
-            client.close()
 
 
 def _controlplane(command: str, cluster_dir: Path, timeout: float) -> subprocess.CompletedProcess:

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from . import node as real
 from .components import COMPONENTS, component_argv, default_nodes, node_manifest
 from .layout import ClusterError, Layout, NotYet, Ports, State, choose_free_ports, wait_for
 from .pki import make_pki, write_credentials
@@ -41,39 +42,49 @@ class Probe:
                               timeout=30)
 
 
-def running_state(layout: Layout) -> State | None:
-    """The saved state when the whole cluster is up and the apiserver is ready, else None."""
+def running_state(layout: Layout, real_node: bool = False) -> State | None:
+    """The saved state when the whole cluster (with a real node when asked) is up and the
+    apiserver is ready, else None."""
     state = State.load(layout.state_file)
-    if state is None or not layout.kubeconfig.exists():
+    if state is None or not layout.kubeconfig.exists() or (real_node and not state.real_node):
         return None
     pids = cluster_pids(layout)
-    if any(name not in pids for name in COMPONENTS):
+    wanted = COMPONENTS + (real.NODE_COMPONENTS if state.real_node else ())
+    if any(name not in pids for name in wanted):
         return None
     return state if apiserver_ready(layout, state.ports) else None
 
 
-def up(layout: Layout, gpu_nodes: int, cpu_nodes: int, timeout: float) -> int:
+def up(layout: Layout, gpu_nodes: int, cpu_nodes: int, timeout: float, real_node: bool = False,
+       images: Path | None = None) -> int:
     t0 = time.monotonic()
-    state = running_state(layout)
+    state = running_state(layout, real_node)
     if state is not None:
-        print(f"cluster: already running (apiserver https://127.0.0.1:{state.ports.apiserver})", file=sys.stderr)
+        print(f"cluster: already running (apiserver https://127.0.0.1:{state.ports.apiserver}"
+              f"{', real node ' + real.NODE_NAME if state.real_node else ''})", file=sys.stderr)
+        if state.real_node and images is not None:
+            real.import_images(real.NodeLayout(layout), sorted(images.glob("*.tar")))
         print(layout.kubeconfig)
         return 0
-    stale = stop_processes(layout)
+    if real_node:
+        real.preflight()
+    stale = stop_node(layout) + stop_processes(layout)
     if stale:
         print(f"cluster: stopped stale processes from an earlier run: {', '.join(stale)}", file=sys.stderr)
     if not layout.stages_file.exists():
         raise ClusterError(f"{layout.stages_file} is missing: run `make controlplane` (hack/controlplane.sh build)")
     for attempt in (1, 2):
         try:
-            return start_cluster(layout, gpu_nodes, cpu_nodes, timeout, t0)
+            return start_cluster(layout, gpu_nodes, cpu_nodes, timeout, t0, real_node, images)
         except PortTaken as exc:
+            stop_node(layout)
             stop_processes(layout)
             if attempt == 2:
                 raise ClusterError(str(exc)) from None
             print(f"cluster: {exc}; retrying with new ports", file=sys.stderr)
         except (ClusterError, KeyboardInterrupt):
             # Never leave a half-started cluster running; its logs stay for the post-mortem.
+            stop_node(layout)
             stop_processes(layout)
             raise
     return 1
@@ -83,7 +94,8 @@ class PortTaken(ClusterError):
     pass
 
 
-def start_cluster(layout: Layout, gpu_nodes: int, cpu_nodes: int, timeout: float, t0: float) -> int:
+def start_cluster(layout: Layout, gpu_nodes: int, cpu_nodes: int, timeout: float, t0: float,
+                  real_node: bool = False, images: Path | None = None) -> int:
     if layout.root.exists():
         shutil.rmtree(layout.root)
     for d in (layout.root, layout.pki, layout.logs, layout.pids):
@@ -97,8 +109,8 @@ def start_cluster(layout: Layout, gpu_nodes: int, cpu_nodes: int, timeout: float
     procs: dict[str, subprocess.Popen] = {}
     probe = Probe(layout, procs)
 
-    def launch(name: str) -> None:
-        procs[name] = start_process(name, component_argv(name, layout, ports), layout)
+    def launch(name: str, argv: list[str] | None = None) -> None:
+        procs[name] = start_process(name, argv or component_argv(name, layout, ports), layout)
 
     def check_alive(*names: str) -> None:
         try:
@@ -166,12 +178,82 @@ def start_cluster(layout: Layout, gpu_nodes: int, cpu_nodes: int, timeout: float
         return True
 
     wait_for(default_service_account, timeout, "the default ServiceAccount (created by kube-controller-manager)")
+    if real_node:
+        start_node(layout, state, procs, probe, launch, check_alive, timeout, images)
     state.ready_s = round(time.monotonic() - t0, 1)
     state.save(layout.state_file)
-    print(f"cluster: up in {state.ready_s}s ({len(nodes)} kwok nodes Ready; logs in {layout.logs}); "
-          f"kubeconfig:", file=sys.stderr)
+    what = f"{len(nodes)} kwok nodes" + (f" + real node {real.NODE_NAME}" if real_node else "")
+    print(f"cluster: up in {state.ready_s}s ({what} Ready; logs in {layout.logs}); kubeconfig:", file=sys.stderr)
     print(layout.kubeconfig)
     return 0
+
+
+def start_node(layout: Layout, state: State, procs: dict[str, subprocess.Popen], probe: Probe,
+               launch: Callable[..., None], check_alive: Callable[..., None], timeout: float,
+               images: Path | None) -> None:
+    """containerd -> images -> kubelet + kube-proxy + the apiserver relay -> node Ready."""
+    node = real.NodeLayout(layout)
+    state.real_node = True
+    state.node_ports = dict(zip(("kubelet_healthz", "proxy_healthz", "proxy_metrics"), choose_free_ports(3)))
+    state.save(layout.state_file)
+    real.setup_network()
+    real.write_configs(node, state.node_ports)
+    launch("containerd", real.node_argv("containerd", node, state.ports.apiserver))
+
+    def containerd_up() -> bool:
+        check_alive("containerd")
+        return real.ctr(node, "version", check=False, timeout=10).returncode == 0
+
+    wait_for(containerd_up, timeout, f"containerd on {node.containerd_sock}")
+    real.remove_containers(node)  # leftovers of an earlier cluster in the persistent store
+    if images is not None:
+        real.import_images(node, sorted(images.glob("*.tar")))
+    slice_ = json.dumps(real.kubernetes_endpoints(state.ports.apiserver))
+    applied = probe.kubectl("apply", "-f", "-", input=slice_)
+    if applied.returncode != 0:
+        raise ClusterError(f"writing the kubernetes EndpointSlice failed: {applied.stderr.strip()}")
+    for name in ("apiserver-proxy", "kubelet", "kube-proxy"):
+        launch(name, real.node_argv(name, node, state.ports.apiserver))
+
+    def node_ready() -> bool:
+        check_alive(*real.NODE_COMPONENTS)
+        out = probe.kubectl("get", "node", real.NODE_NAME, "-o", "json")
+        if out.returncode != 0:
+            raise NotYet(out.stderr.strip())
+        conditions = {c["type"]: c for c in json.loads(out.stdout)["status"].get("conditions", [])}
+        ready = conditions.get("Ready", {})
+        if ready.get("status") != "True":
+            raise NotYet(f"Ready={ready.get('status')}: {ready.get('message', '')}")
+        return True
+
+    wait_for(node_ready, max(timeout, 120), f"node {real.NODE_NAME} Ready (kubelet log: {layout.log('kubelet')})")
+
+
+def stop_node(layout: Layout) -> list[str]:
+    """Stop the real node's pods before its processes: kubelet first (it would restart them),
+    then every container, then containerd and the rest; unmount and delete what they left."""
+    node = real.NodeLayout(layout)
+    if not node.root.exists():
+        return []
+    pids = cluster_pids(layout)
+    stopped = []
+    if "kubelet" in pids:
+        os.kill(pids["kubelet"], signal.SIGTERM)
+        stopped.append("kubelet")
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and Path(f"/proc/{pids['kubelet']}").exists():
+            time.sleep(0.1)
+    if "containerd" in pids:
+        real.remove_containers(node)
+    stopped += stop_processes(layout, only=real.NODE_COMPONENTS)
+    kube_proxy = layout.binary("kube-proxy")
+    if kube_proxy.exists():
+        subprocess.run([str(kube_proxy), "--cleanup"], capture_output=True, timeout=60)
+    real.unmount_under(node.root)
+    real.unmount_under(node.containerd_root)
+    real.remove_pod_netns()
+    real.teardown_network()
+    return stopped
 
 
 @contextlib.contextmanager
@@ -193,7 +275,7 @@ def state_lock(layout: Layout, timeout: float):
 
 
 def down(layout: Layout) -> int:
-    stopped = stop_processes(layout)
+    stopped = stop_node(layout) + stop_processes(layout)
     if layout.root.exists():
         shutil.rmtree(layout.root)
     print(f"cluster: stopped {', '.join(stopped) if stopped else 'nothing (no cluster was running)'}; "
@@ -204,13 +286,14 @@ def down(layout: Layout) -> int:
 def status(layout: Layout) -> int:
     pids = cluster_pids(layout)
     state = State.load(layout.state_file)
-    for name in COMPONENTS:
+    names = COMPONENTS + (real.NODE_COMPONENTS if state is not None and state.real_node else ())
+    for name in names:
         print(f"{name:24} {'running, pid ' + str(pids[name]) if name in pids else 'not running'}")
     ready = state is not None and layout.kubeconfig.exists() and apiserver_ready(layout, state.ports)
     print(f"{'apiserver':24} {'ready at https://127.0.0.1:' + str(state.ports.apiserver) if ready else 'not ready'}")
     if ready:
         print(f"{'kubeconfig':24} {layout.kubeconfig}")
-    return 0 if ready and len([n for n in COMPONENTS if n in pids]) == len(COMPONENTS) else 1
+    return 0 if ready and all(n in pids for n in names) else 1
 
 
 def env(layout: Layout) -> int:
@@ -229,6 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu-nodes", type=int, default=2)
     parser.add_argument("--cpu-nodes", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds allowed for each start-up wait")
+    parser.add_argument("--real-node", action="store_true",
+                        help=f"also run a real node ({real.NODE_NAME}: containerd, kubelet, kube-proxy; needs root)")
+    parser.add_argument("--images", type=Path, help="import every oci-archive *.tar here into the real node")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `status | head` ends quietly
     layout = Layout(root=args.dir.expanduser().resolve(), bin_dir=args.bin_dir.expanduser().resolve())
@@ -239,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
             return env(layout)
         with state_lock(layout, timeout=args.timeout * 4):
             if args.command == "up":
-                return up(layout, args.gpu_nodes, args.cpu_nodes, args.timeout)
+                return up(layout, args.gpu_nodes, args.cpu_nodes, args.timeout, args.real_node, args.images)
             return down(layout)
     except ClusterError as exc:
         print(f"cluster: {exc}", file=sys.stderr)

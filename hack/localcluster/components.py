@@ -39,7 +39,12 @@ def component_argv(name: str, layout: Layout, ports: Ports) -> list[str]:
             "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", f"--secure-port={ports.apiserver}",
             f"--tls-cert-file={pki / 'apiserver.crt'}", f"--tls-private-key-file={pki / 'apiserver.key'}",
             f"--client-ca-file={pki / 'ca.crt'}", f"--token-auth-file={pki / 'tokens.csv'}",
-            "--authorization-mode=RBAC", "--anonymous-auth=false",
+            "--authorization-mode=Node,RBAC", "--anonymous-auth=false",
+            # Kubelets (the real node's; kwok's are never dialled): logs, exec, port-forward.
+            f"--kubelet-client-certificate={pki / 'apiserver-kubelet-client.crt'}",
+            f"--kubelet-client-key={pki / 'apiserver-kubelet-client.key'}",
+            f"--kubelet-certificate-authority={pki / 'ca.crt'}",
+            "--kubelet-preferred-address-types=InternalIP",
             f"--requestheader-client-ca-file={pki / 'front-proxy-ca.crt'}",
             "--requestheader-allowed-names=front-proxy-client",
             "--requestheader-username-headers=X-Remote-User", "--requestheader-group-headers=X-Remote-Group",

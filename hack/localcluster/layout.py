@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import socket
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -72,6 +72,8 @@ class State:
     started_at: float
     apiserver_ready_s: float = 0.0
     ready_s: float = 0.0
+    real_node: bool = False  # a containerd node (node.py) runs beside the kwok nodes
+    node_ports: dict[str, int] = field(default_factory=dict)
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), indent=2) + "\n")

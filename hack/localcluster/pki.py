@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .layout import ClusterError, Layout
+from .node import NODE_IP, NODE_NAME
 
 def openssl(*args: str, cwd: Path) -> None:
     if shutil.which("openssl") is None:
@@ -46,6 +47,10 @@ def make_pki(pki: Path) -> None:
     issue_cert(pki, "etcd", "etcd", loopback)
     issue_cert(pki, "apiserver-etcd-client", "kube-apiserver-etcd-client")
     issue_cert(pki, "kwok", "kwok", loopback)
+    # The real node (node.py): the kubelet serves on the node's bridge address; the apiserver
+    # authenticates to kubelets (logs, exec, port-forward) with a client cert.
+    issue_cert(pki, "kubelet", "consort-node-0", f"IP:{NODE_IP},{loopback}")
+    issue_cert(pki, "apiserver-kubelet-client", "kube-apiserver-kubelet-client", org="system:masters")
     # Front-proxy (requestheader) CA: kube-controller-manager and kube-scheduler read it for their
     # delegated authentication, and aggregated API servers need it.
     openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
@@ -74,6 +79,9 @@ IDENTITIES = (
     Identity("kube-controller-manager", "system:kube-controller-manager", ()),
     Identity("kube-scheduler", "system:kube-scheduler", ()),
     Identity("kwok", "kwok-controller", ("system:masters",)),
+    # The real node's identities, authorized by the Node authorizer and the default RBAC bindings.
+    Identity("kubelet", f"system:node:{NODE_NAME}", ("system:nodes",)),
+    Identity("kube-proxy", "system:kube-proxy", ()),
 )
 
 

@@ -14,6 +14,11 @@ import urllib.request
 from pathlib import Path
 
 from .components import COMPONENTS
+from .node import NODE_COMPONENTS
+
+ALL_COMPONENTS = COMPONENTS + NODE_COMPONENTS
+# argv[0] names of the processes: the apiserver proxy is a socat.
+PROGRAMS = frozenset(ALL_COMPONENTS) | {"socat"}
 from .layout import ClusterError, Layout, Ports
 
 def cmdline(pid: int) -> list[str]:
@@ -26,7 +31,7 @@ def cmdline(pid: int) -> list[str]:
 def belongs_to(pid: int, layout: Layout) -> bool:
     """True when pid is a live control-plane process of this state dir (pids get recycled)."""
     argv = cmdline(pid)
-    if not argv or Path(argv[0]).name not in COMPONENTS:
+    if not argv or Path(argv[0]).name not in PROGRAMS:
         return False
     root = str(layout.root)
     return any(root in arg for arg in argv[1:])
@@ -42,7 +47,7 @@ def is_zombie(pid: int) -> bool:
 def cluster_pids(layout: Layout) -> dict[str, int]:
     """Live processes of this cluster, from pid files and from a /proc scan (lost pid files)."""
     found: dict[str, int] = {}
-    for name in COMPONENTS:
+    for name in ALL_COMPONENTS:
         try:
             pid = int((layout.pids / f"{name}.pid").read_text())
         except (OSError, ValueError):
@@ -57,10 +62,13 @@ def cluster_pids(layout: Layout) -> dict[str, int]:
     return found
 
 
-def stop_processes(layout: Layout, timeout: float = 15.0) -> list[str]:
-    """SIGTERM in reverse start order, then SIGKILL what is left after `timeout`."""
+def stop_processes(layout: Layout, timeout: float = 15.0, only: tuple[str, ...] = ()) -> list[str]:
+    """SIGTERM in reverse start order, then SIGKILL what is left after `timeout` (`only`: those names)."""
     pids = cluster_pids(layout)
-    order = sorted(pids, key=lambda n: -COMPONENTS.index(n.split("#")[0]))
+    if only:
+        pids = {name: pid for name, pid in pids.items() if name in only}
+    rank = {name: i for i, name in enumerate(ALL_COMPONENTS)}
+    order = sorted(pids, key=lambda n: -rank.get(n.split("#")[0], len(ALL_COMPONENTS)))
     for name in order:
         try:
             os.kill(pids[name], signal.SIGTERM)

@@ -172,7 +172,9 @@ def engine_deployment(name: str, namespace: str, uid: str, spec: SpecialistSpec,
             "env": [{"name": "HOME", "value": "/tmp"}],
             "volumeMounts": list(src.mounts.values()) + [{"name": "tmp", "mountPath": "/tmp"}],
             "securityContext": container_security_context(),
-            "resources": {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": "2Gi"}},
+            # Filled in below with the engine's own requests: an init container asking for more
+            # than the engine would raise the whole pod's request (max of init vs. sum of app).
+            "resources": {},
         })
     if tok_dir:
         # The engine reads tokenizer files from the checkpoint dir: assemble a view with symlinks.
@@ -198,6 +200,10 @@ def engine_deployment(name: str, namespace: str, uid: str, spec: SpecialistSpec,
         limits[r.gpu_resource_name] = str(r.gpus)
     if r.ephemeral_storage is not None:
         requests["ephemeral-storage"] = str(r.ephemeral_storage)
+
+    for init in init_containers:
+        if init["name"].startswith("demo-model-"):
+            init["resources"] = {"requests": dict(requests), "limits": dict(limits)}
 
     tolerations = toleration_dicts(spec.tolerations)
     if r.gpus > 0 and not any(t.get("key") == r.gpu_resource_name for t in tolerations):

@@ -1,0 +1,57 @@
+"""The real node: a private control plane plus one containerd node running the images we build.
+
+``real_cluster`` (session scope) builds what is missing (`make images`, the control plane, the
+kubelet), starts `hack/controlplane.sh up --real-node` in its own state dir with no kwok nodes (so
+nothing is ever scheduled onto a fake pod IP), imports the image archives, and stops it all at the
+end. Needs root; `pytest -m real_node` selects these tests.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kube import Cluster
+
+REPO = Path(__file__).resolve().parents[2]
+CONTROLPLANE = REPO / "hack" / "controlplane.sh"
+CACHE = Path(os.environ.get("CONSORT_CACHE", Path.home() / ".cache" / "consort"))
+TEST_CLUSTERS = CACHE / "test-clusters"
+IMAGES = CACHE / "images"
+UP_TIMEOUT_S = 900  # a cold image import into containerd takes minutes
+
+
+def _run(argv: list[str], timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.fixture(scope="session")
+def real_cluster(tmp_path_factory: pytest.TempPathFactory):
+    if os.geteuid() != 0:
+        pytest.fail("the real-node suite needs root (containerd, runc, bridges, iptables)", pytrace=False)
+    for step in (["make", "-C", str(REPO), "images", "node"],):
+        out = _run(step, timeout=3600)
+        if out.returncode != 0:
+            pytest.fail(f"{' '.join(step)} failed:\n{(out.stdout + out.stderr)[-3000:]}", pytrace=False)
+    cluster_dir = TEST_CLUSTERS / f"real-{os.getpid()}"
+    env = {**os.environ, "CONSORT_CLUSTER_DIR": str(cluster_dir)}
+    started = time.monotonic()
+    up = _run([str(CONTROLPLANE), "up", "--real-node", "--gpu-nodes", "0", "--cpu-nodes", "0",
+               "--images", str(IMAGES)], timeout=UP_TIMEOUT_S, env=env)
+    if up.returncode != 0:
+        _run([str(CONTROLPLANE), "down"], timeout=120, env=env)
+        pytest.fail(f"starting the real-node cluster failed:\n{up.stderr[-4000:]}", pytrace=False)
+    handle = Cluster(Path(up.stdout.strip().splitlines()[-1]), CACHE / "bin",
+                     tmp_path_factory.mktemp("helm-home"), cluster_dir)
+    sys.stderr.write(f"\n[real_cluster] control plane + real node up in {time.monotonic() - started:.1f}s\n")
+    try:
+        yield handle
+    finally:
+        handle.close()
+        down = _run([str(CONTROLPLANE), "down"], timeout=180, env=env)
+        if down.returncode != 0:
+            sys.stderr.write(f"[real_cluster] stopping the cluster failed:\n{down.stderr}\n")
