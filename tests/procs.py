@@ -165,23 +165,6 @@ def start_engine(model_dir: str | Path, log_dir: Path, *extra: str, name: str = 
 
 
 def write_lora_adapter(model_dir: Path, out: Path, rank: int = 4, seed: int = 0) -> Path:
-    """A random PEFT LoRA adapter on every attention/MLP projection of a Llama-layout checkpoint."""
-    import torch
-    from safetensors.torch import save_file
-    cfg = json.loads((model_dir / "config.json").read_text())
-    h, f = cfg["hidden_size"], cfg["intermediate_size"]
-    hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
-    kv = cfg["num_key_value_heads"] * hd
-    shapes = {"self_attn.q_proj": (cfg["num_attention_heads"] * hd, h), "self_attn.k_proj": (kv, h),
-              "self_attn.v_proj": (kv, h), "self_attn.o_proj": (h, cfg["num_attention_heads"] * hd),
-              "mlp.gate_proj": (f, h), "mlp.up_proj": (f, h), "mlp.down_proj": (h, f)}
-    g = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for i in range(cfg["num_hidden_layers"]):
-        for name, (o, n) in shapes.items():
-            tensors[f"base_model.model.model.layers.{i}.{name}.lora_A.weight"] = torch.randn(rank, n, generator=g) * 0.5
-            tensors[f"base_model.model.model.layers.{i}.{name}.lora_B.weight"] = torch.randn(o, rank, generator=g) * 0.5
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "adapter_model.safetensors"))
-    (out / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank}))
-    return out
+    """A random PEFT LoRA adapter for a Llama-layout checkpoint (the one `demo://lora` writes)."""
+    from consort_engine.demo_model import write_demo_adapter
+    return write_demo_adapter(model_dir, out, rank=rank, seed=seed)

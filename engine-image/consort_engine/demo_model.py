@@ -202,9 +202,35 @@ def train_weights(cfg: dict, weights: dict[str, torch.Tensor], tok, *, seconds: 
     return state
 
 
+def write_demo_adapter(model_dir: str | Path, out: str | Path, rank: int = 4, seed: int = 0) -> Path:
+    """A random PEFT LoRA adapter on every attention/MLP projection of a Llama-layout checkpoint
+    (demos and tests of adapter rollout: `demo://lora?seed=N` sources)."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    h, f = cfg["hidden_size"], cfg["intermediate_size"]
+    hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    kv = cfg["num_key_value_heads"] * hd
+    shapes = {"self_attn.q_proj": (cfg["num_attention_heads"] * hd, h), "self_attn.k_proj": (kv, h),
+              "self_attn.v_proj": (kv, h), "self_attn.o_proj": (h, cfg["num_attention_heads"] * hd),
+              "mlp.gate_proj": (f, h), "mlp.up_proj": (f, h), "mlp.down_proj": (h, f)}
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for i in range(cfg["num_hidden_layers"]):
+        for name, (o, n) in shapes.items():
+            tensors[f"base_model.model.model.layers.{i}.{name}.lora_A.weight"] = torch.randn(rank, n, generator=g) * 0.5
+            tensors[f"base_model.model.model.layers.{i}.{name}.lora_B.weight"] = torch.randn(o, rank, generator=g) * 0.5
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank}))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="consort demo-model", description=__doc__.splitlines()[0])
     ap.add_argument("out")
+    ap.add_argument("--lora-for", metavar="MODEL_DIR",
+                    help="write a random LoRA adapter for this checkpoint instead of a model")
+    ap.add_argument("--rank", type=int, default=4, help="LoRA rank (with --lora-for)")
     ap.add_argument("--arch", choices=sorted(ARCHS), default="llama")
     ap.add_argument("--size", choices=sorted(SIZES), default="tiny")
     ap.add_argument("--seed", type=int, default=0)
@@ -212,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--train", action="store_true", help="fit the model on the C++ corpus (CPU, minutes)")
     ap.add_argument("--train-seconds", type=float, default=300.0)
     a = ap.parse_args(argv)
+    if a.lora_for:
+        print(write_demo_adapter(a.lora_for, a.out, rank=a.rank, seed=a.seed))
+        return 0
     s = SIZES[a.size]
     out = write_demo_model(a.out, arch=a.arch, hidden=s.hidden, layers=s.layers, heads=s.heads,
                            kv_heads=s.kv_heads, ffn=s.ffn, vocab=s.vocab, max_pos=s.max_pos, seed=a.seed,

@@ -13,6 +13,7 @@ PLURAL = "specialists"
 SINGULAR = "specialist"
 SHORT_NAMES = ["spec", "sp"]
 
+ADAPTER_SOURCE = r"^(demo://lora(\?seed=[0-9]{1,9})?|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[^/].*)?|file:///.+|hf://[A-Za-z0-9][-._A-Za-z0-9]*/[-._A-Za-z0-9]+(@[-._A-Za-z0-9]+)?)$"
 MODEL_SOURCE = r"^(demo://(tiny|bench)(\?seed=[0-9]{1,9})?|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[^/].*)?|file:///.+|hf://[A-Za-z0-9][-._A-Za-z0-9]*/[-._A-Za-z0-9]+(@[-._A-Za-z0-9]+)?)$"
 
 
@@ -67,8 +68,8 @@ class SchedulerKnobs(Model):
 
 class Adapter(Model):
     name: DnsLabel = Field(description="Adapter name; clients select it with the `adapter` request field, metrics carry it as a label.")
-    source: str = Field(description="PEFT LoRA directory (adapter_config.json + adapter_model.safetensors): pvc://, file:// or hf:// as for the model.",
-                        pattern=MODEL_SOURCE, max_length=512)
+    source: str = Field(description="PEFT LoRA directory (adapter_config.json + adapter_model.safetensors): pvc://, file:// or hf:// as for the model, or `demo://lora[?seed=N]` (a random LoRA for a demo:// model, written by an init container: demos and tests).",
+                        pattern=ADAPTER_SOURCE, max_length=512)
 
 
 class RolloutPolicy(Model):

@@ -166,9 +166,12 @@ def engine_deployment(name: str, namespace: str, uid: str, spec: SpecialistSpec,
             "resources": {"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"memory": "2Gi"}},
         })
     for size, seed, target in src.demos:
+        # demo://lora adapters are written for the model, whose init container runs before theirs
+        # (the model is resolved first, so it comes first in src.demos).
+        what = ["--lora-for", model_dir] if size == "lora" else ["--size", size]
         init_containers.append({
             "name": f"demo-model-{size}-{seed}"[:63], "image": image, "imagePullPolicy": ctx.image_pull_policy,
-            "command": ["consort", "demo-model", target, "--size", size, "--seed", str(seed)],
+            "command": ["consort", "demo-model", target, *what, "--seed", str(seed)],
             "env": [{"name": "HOME", "value": "/tmp"}],
             "volumeMounts": list(src.mounts.values()) + [{"name": "tmp", "mountPath": "/tmp"}],
             "securityContext": container_security_context(),

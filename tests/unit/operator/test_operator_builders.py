@@ -197,3 +197,24 @@ def test_router_children_rbac_is_least_privilege():
     assert objs["Service"]["metadata"]["name"] == "cpp" and objs["Service"]["spec"]["type"] == "LoadBalancer"
     for o in objs.values():
         assert o["metadata"]["ownerReferences"][0]["kind"] == "EnsembleRouter"
+
+
+def test_demo_model_and_demo_lora_init_containers_run_in_order_with_the_engines_requests():
+    s = SpecialistSpec.model_validate({"model": {"source": "demo://tiny?seed=2"}, "resources": {"cpu": "400m", "memory": "2Gi"},
+                                       "adapters": [{"name": "fresh", "source": "demo://lora?seed=7"}]})
+    pod = S.engine_deployment("algo", "ns", "uid-1", s, CTX)["spec"]["template"]["spec"]
+    model, lora = pod["initContainers"]
+    assert model["command"] == ["consort", "demo-model", "/models/demo/tiny-2", "--size", "tiny", "--seed", "2"]
+    assert lora["command"] == ["consort", "demo-model", "/models/demo/lora-7", "--lora-for", "/models/demo/tiny-2",
+                               "--seed", "7"]
+    engine = pod["containers"][0]
+    assert "fresh=/models/demo/lora-7" in engine["args"]
+    # An init container asking for more than the engine would raise the whole pod's request.
+    assert model["resources"] == lora["resources"] == engine["resources"]
+
+
+def test_demo_lora_is_an_adapter_source_only():
+    with pytest.raises(ValueError):
+        SpecialistSpec.model_validate({"model": {"source": "demo://lora"}})
+    with pytest.raises(ValueError):
+        SpecialistSpec.model_validate({"model": {"source": "demo://tiny"}, "adapters": [{"name": "a", "source": "demo://tiny"}]})
