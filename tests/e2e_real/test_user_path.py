@@ -198,6 +198,37 @@ def test_kubectl_diff_is_clean_after_reconcile(installed):
     assert diff.returncode == 0, f"kubectl diff shows drift after reconcile:\n{diff.stdout[-3000:]}"
 
 
+def test_adapter_rollout_runs_on_real_pods(installed):
+    c, forward = installed
+    before = engine_pod(c, "algo")
+    patch = {"spec": {"adapters": [{"name": "fresh", "source": "demo://lora?seed=1"}]}}
+    c.kubectl("patch", "specialist", "algo", "-n", NS, "--type=merge", "-p", json.dumps(patch))
+
+    def rolled_out():
+        pod = engine_pod(c, "algo")
+        if pod["metadata"]["uid"] == before["metadata"]["uid"]:
+            raise NotYet("the old algo pod is still the live one")
+        ready = condition(pod, "Ready")
+        if not ready or ready["status"] != "True":
+            raise NotYet(f"{pod['metadata']['name']} not Ready yet")
+        status = c.kubectl_json("get", "specialist", "algo", "-n", NS).get("status") or {}
+        fresh = next((a for a in status.get("adapters") or [] if a["name"] == "fresh"), None)
+        if not fresh or fresh.get("loadedReplicas", 0) < 1 or fresh["state"] == "Loading":
+            raise NotYet(f"adapter status {fresh}")
+        return pod, fresh
+
+    pod, fresh = wait_for(rolled_out, 400, "the algo rollout with adapter fresh on the real node", interval=2)
+    assert fresh["state"] in ("Probation", "Active"), fresh
+    assert any(i["name"].startswith("demo-model-lora") for i in pod["spec"]["initContainers"])
+    # The adapter serves through the router: pinned by name, answered by the new pod.
+    from openai import OpenAI
+    client = OpenAI(base_url=f"{forward.ensure()}/v1", api_key="unused", max_retries=1, timeout=60)
+    raw = client.completions.with_raw_response.create(model="algo", prompt="int f()", max_tokens=4,
+                                                      extra_body={"adapter": "fresh"})
+    assert raw.parse().choices[0].text is not None
+    assert raw.headers.get("x-consort-adapter") == "fresh"
+
+
 def test_nothing_dialled_outside_the_node(installed):
     # The egress guard (hack/localcluster/node.py) rejects and counts new connections from pods
     # to anything off the node, and from this machine to kwok's fake pod range.
