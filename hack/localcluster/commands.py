@@ -139,10 +139,11 @@ def start_cluster(layout: Layout, gpu_nodes: int, cpu_nodes: int, timeout: float
     for name in ("kube-controller-manager", "kube-scheduler", "kwok"):
         launch(name)
     nodes = default_nodes(gpu_nodes, cpu_nodes)
-    manifest = json.dumps({"apiVersion": "v1", "kind": "List", "items": [node_manifest(n) for n in nodes]})
-    created = probe.kubectl("create", "-f", "-", input=manifest)
-    if created.returncode != 0:
-        raise ClusterError(f"creating kwok nodes failed: {created.stderr.strip()}")
+    if nodes:
+        manifest = json.dumps({"apiVersion": "v1", "kind": "List", "items": [node_manifest(n) for n in nodes]})
+        created = probe.kubectl("create", "-f", "-", input=manifest)
+        if created.returncode != 0:
+            raise ClusterError(f"creating kwok nodes failed: {created.stderr.strip()}")
 
     def component_healthy(name: str, port: int) -> Callable[[], bool]:
         def check() -> bool:
