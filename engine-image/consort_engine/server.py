@@ -575,6 +575,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slo-ttft-ms", type=int, default=None, help="published time-to-first-token objective (p95)")
     p.add_argument("--slo-itl-ms", type=int, default=None, help="published inter-token latency objective (p95)")
+    p.add_argument("--drain-timeout", type=float, default=45.0,
+                   help="on SIGTERM, seconds to let accepted requests finish (keep it below the pod's "
+                        "terminationGracePeriodSeconds) before cancelling them")
     p.add_argument("--access-log", action="store_true")
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
@@ -643,7 +646,10 @@ async def serve(args: argparse.Namespace) -> int:
           f"dtype {config.dtype}", flush=True)
     ctx = build_context(config, args.served_model_name)
     app = build_app(ctx)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=log if args.access_log else None)
+    # shutdown_timeout: how long runner.cleanup() (on SIGTERM) lets accepted requests finish after
+    # the listener closes; new connections are refused meanwhile, so routers retry them elsewhere.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=log if args.access_log else None,
+                           shutdown_timeout=args.drain_timeout)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
     await site.start()
@@ -667,8 +673,11 @@ async def serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    print("consort engine: shutting down", flush=True)
+    s = ctx.engine.stats()
+    print(f"consort engine: draining: {s.get('running', 0)} running and {s.get('waiting', 0)} waiting "
+          f"requests may finish within {args.drain_timeout:g} s; new connections are refused", flush=True)
     await runner.cleanup()
+    print("consort engine: shutting down", flush=True)
     await asyncio.to_thread(ctx.engine.shutdown)
     return 0
 

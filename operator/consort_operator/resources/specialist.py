@@ -118,6 +118,7 @@ def engine_args(name: str, spec: SpecialistSpec, model_dir: str, adapters: dict[
                  "--spec-typical-tau", f"{spec.speculative.typical_tau:g}"]
     args += ["--max-adapters", str(spec.max_adapters)]
     args += ["--slo-ttft-ms", str(spec.slo.ttft_ms), "--slo-itl-ms", str(spec.slo.itl_ms)]
+    args += ["--drain-timeout", str(DRAIN_S)]
     for adapter_name, path in adapters.items():
         args += ["--adapter", f"{adapter_name}={path}"]
     return args
@@ -132,6 +133,12 @@ def _probe(path: str, port: int, period: int, failures: int, timeout: int, initi
 
 
 STARTUP_PERIOD = 10
+# Pod deletion: preStop waits PRESTOP_S so Services and routers stop sending new requests, then
+# SIGTERM lets accepted requests finish for DRAIN_S (`consort engine --drain-timeout`), all inside
+# the grace period.
+PRESTOP_S = 5
+DRAIN_S = 45
+TERMINATION_GRACE_S = PRESTOP_S + DRAIN_S + 10
 
 
 def startup_probe(spec: SpecialistSpec) -> dict[str, Any]:
@@ -232,7 +239,9 @@ def engine_deployment(name: str, namespace: str, uid: str, spec: SpecialistSpec,
         "resources": {"requests": requests, "limits": limits},
         "startupProbe": startup_probe(spec),
         "readinessProbe": _probe("/ready", spec.port, 5, 2, 3),
+        # /health is answered by the event loop, never by the model thread: a busy engine passes it.
         "livenessProbe": _probe("/health", spec.port, 10, 6, 5),
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_S}}},
         "securityContext": container_security_context(),
         "volumeMounts": mounts,
     }
@@ -240,7 +249,7 @@ def engine_deployment(name: str, namespace: str, uid: str, spec: SpecialistSpec,
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
         "securityContext": pod_security_context(ctx),
-        "terminationGracePeriodSeconds": 60,
+        "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
         "containers": [container],
         "volumes": volumes,
         "topologySpreadConstraints": [{

@@ -218,3 +218,11 @@ def test_demo_lora_is_an_adapter_source_only():
         SpecialistSpec.model_validate({"model": {"source": "demo://lora"}})
     with pytest.raises(ValueError):
         SpecialistSpec.model_validate({"model": {"source": "demo://tiny"}, "adapters": [{"name": "a", "source": "demo://tiny"}]})
+
+
+def test_engine_pod_drains_inside_its_grace_period():
+    pod = S.engine_deployment("algo", "ns", "uid-1", spec(), CTX)["spec"]["template"]["spec"]
+    engine = pod["containers"][0]
+    pre_stop = engine["lifecycle"]["preStop"]["sleep"]["seconds"]
+    drain = float(engine["args"][engine["args"].index("--drain-timeout") + 1])
+    assert pre_stop > 0 and pod["terminationGracePeriodSeconds"] > pre_stop + drain
