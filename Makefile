@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 CACHE ?= $(HOME)/.cache/consort
 
-.PHONY: venv controlplane node test test-fast cluster cluster-real e2e-real cluster-down up crds lint clean
+.PHONY: venv controlplane node images test test-fast cluster cluster-real e2e-real cluster-down up crds lint clean
 
 venv:
 	@scripts/bootstrap.sh
@@ -22,6 +22,11 @@ test-fast: venv
 
 cluster: venv controlplane
 	@hack/controlplane.sh up
+
+# consort/engine:dev, consort/router:dev, consort/operator:dev (+ the pause image) with buildah
+# from a local Debian base; archives in $(CACHE)/images for the real node (root; cached).
+images: venv
+	@hack/images.sh
 
 # The real node's kubelet + kube-proxy (Go, cached like the control plane) and its Debian packages.
 node: controlplane

@@ -14,7 +14,7 @@ echo "bootstrap: installing Python packages into .venv/ (torch is large; first r
 start=$(date +%s)
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-if ! .venv/bin/pip install --progress-bar off -e '.[test]'; then
+if ! .venv/bin/pip install --progress-bar off -e '.[engine,router,operator,test]'; then
   echo "bootstrap: pip install failed (is PyPI reachable?)" >&2; exit 1
 fi
 echo "$want" > "$stamp"
