@@ -110,6 +110,7 @@ class AsyncEngine:
     _cmds: "queue.Queue[Any]" = field(default_factory=queue.Queue)
     _stop: threading.Event = field(default_factory=threading.Event)
     _on_ready: list[Callable[[], None]] = field(default_factory=list)
+    _on_failed: list[Callable[[], None]] = field(default_factory=list)   # start-up failed (loop thread)
     _created: float = field(default_factory=time.monotonic)
 
     # ---- lifecycle (loop thread) ------------------------------------------------------------
@@ -193,6 +194,8 @@ class AsyncEngine:
             self.error = f"{type(e).__name__}: {e}"
             self.state = "failed"
             log.error("engine failed to start:\n%s", traceback.format_exc())
+            for cb in self._on_failed:
+                self._loop.call_soon_threadsafe(cb)
             return
         self.state = "ready"
         self.ready_at = time.monotonic()

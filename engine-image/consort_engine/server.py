@@ -31,6 +31,10 @@ from .tokenizer import ChatTemplateError, IncrementalDetokenizer, StopStringMatc
 
 log = logging.getLogger("consort.server")
 
+
+class StartupError(RuntimeError):
+    """A fatal start-up problem; main() prints it as the last line and exits 1."""
+
 CTX = web.AppKey("consort_ctx", object)
 
 
@@ -630,6 +634,8 @@ def checkpoint_limits(config: EngineConfig) -> tuple[int, int]:
 
 
 def build_context(config: EngineConfig, served_name: str | None = None, warmup: bool = True) -> ServerContext:
+    if not (Path(config.model) / "config.json").is_file():
+        raise StartupError(f"{config.model} is not a checkpoint directory (no config.json)")
     tokenizer = Tokenizer.from_dir(config.model)
     resolve_tool_triggers(config, tokenizer)
     max_len, vocab = checkpoint_limits(config)
@@ -665,20 +671,26 @@ async def serve(args: argparse.Namespace) -> int:
               f"warmup {ctx.engine.warmup_s or 0:.2f} s); kv blocks {s.get('kv_total_blocks')} x "
               f"{config.block_size} tokens; max_model_len {ctx.max_model_len}", flush=True)
 
+    stop = asyncio.Event()
     ctx.engine._on_ready.append(on_ready)
+    # A model that cannot load is fatal: exit non-zero at once (a supervisor or kubelet restarts us
+    # or shows the cause) rather than serve 503s forever.
+    ctx.engine._on_failed.append(stop.set)
     print("consort engine: loading model ...", flush=True)
     ctx.engine.start()
-    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     s = ctx.engine.stats()
-    print(f"consort engine: draining: {s.get('running', 0)} running and {s.get('waiting', 0)} waiting "
-          f"requests may finish within {args.drain_timeout:g} s; new connections are refused", flush=True)
+    if ctx.engine.state != "failed":
+        print(f"consort engine: draining: {s.get('running', 0)} running and {s.get('waiting', 0)} waiting "
+              f"requests may finish within {args.drain_timeout:g} s; new connections are refused", flush=True)
     await runner.cleanup()
     print("consort engine: shutting down", flush=True)
     await asyncio.to_thread(ctx.engine.shutdown)
+    if ctx.engine.state == "failed":
+        raise StartupError(f"model {config.model} failed to load: {ctx.engine.error}")
     return 0
 
 
@@ -686,7 +698,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return asyncio.run(serve(args))
+    try:
+        return asyncio.run(serve(args))
+    except Exception as exc:  # noqa: BLE001 - any escape from serve() is fatal
+        # Bad model dir, unsupported architecture, port in use, ...: the cause is the last line.
+        log.debug("start-up failed", exc_info=True)
+        print(f"consort engine: fatal: {exc}", file=sys.stderr, flush=True)
+        return 1
 
 
 if __name__ == "__main__":
