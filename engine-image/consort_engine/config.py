@@ -31,3 +31,4 @@ class EngineConfig:
     seed: int = 0
     slo_ttft_ms: int | None = None      # published objectives (p95 targets): judged per request, exported
     slo_itl_ms: int | None = None
+    max_body_bytes: int = 4 * 1024 * 1024   # HTTP request bodies above this get 413 (server only)

@@ -77,6 +77,7 @@ class GenerationRequest:
     logprobs: int | None = None                 # top-k alternatives per token (0 = chosen only)
     skip_special_tokens: bool = True
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    ignored_fields: list[str] = field(default_factory=list)   # unknown fields, ignored as vLLM does
 
 
 # ---------------------------------------------------------------------------------------------
@@ -143,10 +144,11 @@ def _require_neutral(body: dict, key: str, neutral: Any) -> None:
     raise bad("unsupported_value", f"'{key}' is only supported at its default ({neutral!r})", key)
 
 
-def _check_fields(body: dict, allowed: frozenset[str]) -> None:
-    for key in body:
-        if key not in allowed:
-            raise bad("unknown_field", f"unknown field '{key}'", key)
+def unknown_fields(body: dict, allowed: frozenset[str], prefix: str = "") -> list[str]:
+    """Fields we do not know. Clients (LangChain, LiteLLM, newer SDKs) send extras: they are
+    ignored, as vLLM ignores them, and reported (log + x-consort-ignored-fields); known fields we
+    cannot honour stay typed 400s."""
+    return [prefix + key for key in body if key not in allowed]
 
 
 # Fields shared by both endpoints. OpenAI fields without an effect here are accepted only when neutral.
@@ -157,6 +159,7 @@ _COMMON = frozenset({
     # Consort extensions
     "priority", "deadline_ms", "adapter", "return_token_ids",
 })
+STREAM_OPTIONS = frozenset({"include_usage", "continuous_usage_stats"})
 COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo", "suffix", "best_of"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format",
                          "tools", "tool_choice", "parallel_tool_calls", "store", "metadata", "service_tier",
@@ -218,9 +221,7 @@ def _common(body: dict, req: GenerationRequest) -> GenerationRequest:
     if opts is not None:
         if not isinstance(opts, dict):
             raise bad("invalid_type", "'stream_options' must be an object", "stream_options")
-        for key in opts:
-            if key not in ("include_usage", "continuous_usage_stats"):
-                raise bad("unknown_field", f"unknown field 'stream_options.{key}'", f"stream_options.{key}")
+        req.ignored_fields += unknown_fields(opts, STREAM_OPTIONS, "stream_options.")
         req.include_usage = _bool(opts, "include_usage")
         req.continuous_usage = _bool(opts, "continuous_usage_stats")
     req.priority = _int(body, "priority", 0)
@@ -246,11 +247,11 @@ def _as_dict(body: Any) -> dict:
 
 def parse_completion(body: Any) -> GenerationRequest:
     body = _as_dict(body)
-    _check_fields(body, COMPLETION_FIELDS)
+    ignored = unknown_fields(body, COMPLETION_FIELDS)
     _require_neutral(body, "echo", False)
     _require_neutral(body, "suffix", "")
     _require_neutral(body, "best_of", 1)
-    req = GenerationRequest(kind="completion", model=None, sampling=_sampling(body))
+    req = GenerationRequest(kind="completion", model=None, sampling=_sampling(body), ignored_fields=ignored)
     prompt = body.get("prompt", _MISSING)
     if prompt is _MISSING or prompt is None:
         raise bad("missing_field", "'prompt' is required", "prompt")
@@ -312,12 +313,12 @@ def _message(i: int, m: Any) -> dict:
 
 def parse_chat(body: Any) -> GenerationRequest:
     body = _as_dict(body)
-    _check_fields(body, CHAT_FIELDS)
+    ignored = unknown_fields(body, CHAT_FIELDS)
     _require_neutral(body, "response_format", {"type": "text"})
     if body.get("tools"):
         raise bad("unsupported_value", "'tools' are not supported by this engine", "tools")
     _require_neutral(body, "tool_choice", "none")
-    req = GenerationRequest(kind="chat", model=None, sampling=_sampling(body))
+    req = GenerationRequest(kind="chat", model=None, sampling=_sampling(body), ignored_fields=ignored)
     messages = body.get("messages")
     if messages is None:
         raise bad("missing_field", "'messages' is required", "messages")

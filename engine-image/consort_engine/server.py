@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import time
@@ -27,7 +28,7 @@ from .config import EngineConfig
 from .lora import AdapterError
 from .metrics import EngineMetrics, SloTracker
 from .sequence import Sequence
-from .tokenizer import ChatTemplateError, IncrementalDetokenizer, StopStringMatcher, Tokenizer
+from .tokenizer import ChatTemplateError, IncrementalDetokenizer, StopStringMatcher, Tokenizer, TooManyTokens
 
 log = logging.getLogger("consort.server")
 
@@ -252,29 +253,53 @@ async def stamp_headers(request: web.Request, response: web.StreamResponse) -> N
     h["x-consort-specialist"] = ctx.config.name
     h["x-consort-adapter"] = request.get("consort_adapter") or "none"
     h["x-consort-speculation"] = ctx.speculation_state()
+    if request.get("ignored_fields"):
+        h["x-consort-ignored-fields"] = ",".join(request["ignored_fields"])
+
+
+# A JSON escape of a UTF-16 surrogate: json.loads pairs valid ones, a lone one stays in the str
+# and breaks the tokenizer (and UTF-8) later.
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+# Bodies above this are parsed and tokenized on a worker thread so /health and streams keep flowing.
+OFF_LOOP_BYTES = 64 * 1024
+
+
+def decode_json(raw: bytes) -> Any:
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise P.bad("invalid_json", f"request body is not valid JSON: {e}")
+    if SURROGATE_ESCAPE.search(raw):
+        try:
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise P.bad("invalid_unicode", "request body contains a lone UTF-16 surrogate escape (such as "
+                        "\\ud800): strings must be valid Unicode")
+    return body
 
 
 async def read_json(request: web.Request) -> Any:
     raw = await request.read()
-    try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise P.bad("invalid_json", f"request body is not valid JSON: {e}")
+    return await asyncio.to_thread(decode_json, raw) if len(raw) > OFF_LOOP_BYTES else decode_json(raw)
 
 
 def build_prompt(ctx: ServerContext, req: P.GenerationRequest) -> list[int]:
-    if req.kind == "chat":
-        try:
-            text = ctx.tokenizer.apply_chat_template(req.messages, add_generation_prompt=req.add_generation_prompt,
-                                                     continue_final_message=req.continue_final_message)
-        except ChatTemplateError as e:
-            raise P.bad("chat_template_error", str(e), "messages")
-        ids = ctx.tokenizer.encode_chat(text)
-    elif req.prompt_token_ids is not None:
-        ids = req.prompt_token_ids
-        P.check_token_ids(ids, ctx.vocab_size)
-    else:
-        ids = ctx.tokenizer.encode(req.prompt)
+    try:
+        if req.kind == "chat":
+            try:
+                text = ctx.tokenizer.apply_chat_template(req.messages, add_generation_prompt=req.add_generation_prompt,
+                                                         continue_final_message=req.continue_final_message)
+            except ChatTemplateError as e:
+                raise P.bad("chat_template_error", str(e), "messages")
+            ids = ctx.tokenizer.encode_chat(text, limit=ctx.max_model_len)
+        elif req.prompt_token_ids is not None:
+            ids = req.prompt_token_ids
+            P.check_token_ids(ids, ctx.vocab_size)
+        else:
+            ids = ctx.tokenizer.encode(req.prompt, limit=ctx.max_model_len)
+    except TooManyTokens as e:
+        P.resolve_max_tokens(req, e.count, ctx.max_model_len)   # raises context_length_exceeded
+        raise
     if not ids:
         raise P.bad("empty_prompt", "the prompt encodes to zero tokens", "prompt")
     return ids
@@ -321,12 +346,19 @@ async def handle_generation(request: web.Request, kind: str) -> web.StreamRespon
     ctx: ServerContext = request.app[CTX]
     times = RequestTimes(arrival=time.monotonic())
     request["request_id"] = request.headers.get("x-request-id") or uuid.uuid4().hex
-    body = await read_json(request)
-    req = P.parse_completion(body) if kind == "completion" else P.parse_chat(body)
+    raw = await request.read()
+
+    def prepare() -> tuple[P.GenerationRequest, list[int]]:
+        req = P.parse_completion(decode_json(raw)) if kind == "completion" else P.parse_chat(decode_json(raw))
+        check_target(ctx, req)
+        return req, build_prompt(ctx, req)
+
+    req, prompt_ids = await asyncio.to_thread(prepare) if len(raw) > OFF_LOOP_BYTES else prepare()
     req.request_id = request["request_id"]
-    check_target(ctx, req)
     request["consort_adapter"] = req.adapter
-    prompt_ids = build_prompt(ctx, req)
+    if req.ignored_fields:
+        request["ignored_fields"] = req.ignored_fields
+        log.info("request %s: ignored unknown fields %s", req.request_id, ", ".join(req.ignored_fields))
     max_len = ctx.max_model_len
     req.sampling.max_tokens = P.resolve_max_tokens(req, len(prompt_ids), max_len)
     req.sampling.logprobs = req.logprobs
@@ -531,7 +563,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def build_app(ctx: ServerContext) -> web.Application:
-    app = web.Application(middlewares=[error_middleware], client_max_size=64 * 1024 * 1024)
+    app = web.Application(middlewares=[error_middleware], client_max_size=ctx.config.max_body_bytes)
     app[CTX] = ctx
     app.on_response_prepare.append(stamp_headers)
     app.router.add_post("/v1/completions", completions)
@@ -579,6 +611,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slo-ttft-ms", type=int, default=None, help="published time-to-first-token objective (p95)")
     p.add_argument("--slo-itl-ms", type=int, default=None, help="published inter-token latency objective (p95)")
+    p.add_argument("--max-body-bytes", type=int, default=EngineConfig.max_body_bytes,
+                   help="largest request body accepted; larger ones get 413 request_too_large")
     p.add_argument("--drain-timeout", type=float, default=45.0,
                    help="on SIGTERM, seconds to let accepted requests finish (keep it below the pod's "
                         "terminationGracePeriodSeconds) before cancelling them")
@@ -608,7 +642,7 @@ def config_from_args(a: argparse.Namespace) -> EngineConfig:
         max_waiting=a.max_waiting, enable_prefix_caching=not a.no_prefix_caching, speculative=a.speculative,
         num_speculative_tokens=a.num_speculative_tokens, spec_typical_tau=a.spec_typical_tau,
         adapters=adapters, max_adapters=a.max_adapters, seed=a.seed,
-        slo_ttft_ms=a.slo_ttft_ms, slo_itl_ms=a.slo_itl_ms,
+        slo_ttft_ms=a.slo_ttft_ms, slo_itl_ms=a.slo_itl_ms, max_body_bytes=a.max_body_bytes,
         **({} if a.tool_trigger is None else {"tool_triggers": list(a.tool_trigger)}))
 
 

@@ -95,8 +95,17 @@ class Tokenizer:
     def eos_token_id(self) -> int | None:
         return self.hf.token_to_id(self.eos_token) if self.eos_token else None
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode(self, text: str, add_special_tokens: bool = True, limit: int | None = None) -> list[int]:
+        """Token ids of text. With `limit`, more than `limit` tokens raise TooManyTokens before the
+        ids become a Python list (a 10 MB prompt would otherwise hold the GIL for 100s of ms)."""
+        # encode_batch(_fast) releases the GIL while the Rust tokenizer works (encode holds it), so
+        # a large prompt tokenized on a worker thread never stalls the server's event loop; the
+        # fast variant skips character offsets, which we never read.
+        encode = getattr(self.hf, "encode_batch_fast", self.hf.encode_batch)
+        enc = encode([text], add_special_tokens=add_special_tokens)[0]
+        if limit is not None and len(enc) > limit:
+            raise TooManyTokens(len(enc))
+        ids = enc.ids
         bos = self.bos_token_id
         if add_special_tokens and self.add_bos_token and bos is not None and (not ids or ids[0] != bos):
             ids = [bos] + ids
@@ -129,9 +138,15 @@ class Tokenizer:
                 text = text[: text.rindex(final.strip()) + len(final.strip())]
         return text
 
-    def encode_chat(self, text: str) -> list[int]:
+    def encode_chat(self, text: str, limit: int | None = None) -> list[int]:
         """Tokenize a rendered chat: the template already wrote the special tokens (as transformers does)."""
-        return self.encode(text, add_special_tokens=False)
+        return self.encode(text, add_special_tokens=False, limit=limit)
+
+
+class TooManyTokens(ValueError):
+    def __init__(self, count: int):
+        super().__init__(f"{count} tokens")
+        self.count = count
 
 
 class IncrementalDetokenizer:

@@ -278,17 +278,16 @@ def test_lora_adapter_served_by_name_beside_the_base_model(engine, demo_model, e
         assert eng.stop() == 0, eng.proc.tail()
 
 
-def test_an_unreadable_adapter_keeps_the_engine_out_of_ready(demo_model, engine_logs, tmp_path):
+def test_an_unreadable_adapter_at_start_exits_1_naming_it(demo_model, engine_logs, tmp_path):
+    # A start-up adapter that cannot load is fatal, like a model that cannot: the process exits 1
+    # with the cause as its last line (kubelet shows it in CrashLoopBackOff; `consort up` restarts).
     eng = procs.start_engine(demo_model, engine_logs, "--num-blocks", "64", "--adapter", f"bad={tmp_path / 'nope'}",
                              name="spec-bad-adapter", wait_ready=False)
     try:
-        procs.wait_http(eng.url + "/health", eng.proc, timeout=60)
-
-        def failed():
-            code, body = procs.http_get(eng.url + "/ready")
-            return body if code == 503 and "adapter" in json.dumps(body) and "nope" in json.dumps(body) else None
-        body = procs.wait_until(failed, 60, what="/ready 503 naming the unreadable adapter")
-        assert body["status"] == "not_ready" and body["state"] == "failed" and "AdapterError" in body["reason"]
+        code = eng.proc.popen.wait(120)
+        last = eng.proc.tail(1)
+        assert code == 1, eng.proc.tail()
+        assert last.startswith("consort engine: fatal:") and "AdapterError" in last and "nope" in last, last
     finally:
         eng.stop()
 
