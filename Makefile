@@ -13,12 +13,13 @@ venv:
 controlplane:
 	@hack/controlplane.sh build
 
-test: venv controlplane
+# Every suite, the real node's user path included (tests/e2e_real; root, images, kubelet).
+test: venv controlplane node images
 	$(PY) -m pytest tests
 
 # Everything except the real-control-plane tests.
 test-fast: venv
-	$(PY) -m pytest tests -m "not e2e"
+	$(PY) -m pytest tests -m "not e2e" --ignore=tests/e2e_real
 
 cluster: venv controlplane
 	@hack/controlplane.sh up
