@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,11 +55,22 @@ class ParsedRequest:
     text: str
 
 
+# A JSON escape of a UTF-16 surrogate: json.loads pairs valid ones; a lone one would stay in the
+# str and break detectors, the classifier and UTF-8 encoding later.
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
 def parse_json(raw: bytes) -> dict:
     try:
         obj = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise bad("invalid_json", f"request body is not valid JSON: {e}")
+    if SURROGATE_ESCAPE.search(raw):
+        try:
+            json.dumps(obj, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise bad("invalid_unicode", "request body contains a lone UTF-16 surrogate escape (such as "
+                      "\\ud800): strings must be valid Unicode")
     if not isinstance(obj, dict):
         raise bad("invalid_request", "request body must be a JSON object")
     return obj

@@ -276,6 +276,9 @@ class LimitsConfig(_Strict):
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Larger request bodies get a typed 413.")
     connect_timeout_s: float = Field(2.0, gt=0, description="Upstream connect timeout.")
     request_timeout_s: float = Field(600.0, gt=0, description="Upstream total timeout per request.")
+    stream_idle_timeout_s: float = Field(30.0, gt=0, description="A stream with no chunk from the engine for this "
+                                         "long is cancelled upstream, ended with a typed SSE error event and "
+                                         "counted as a failure against the lane's breaker.")
     feedback_map_size: int = Field(100_000, ge=1, description="Request ids remembered for /v1/feedback.")
 
 

@@ -15,7 +15,8 @@ from aiohttp import web
 from .replicas import ReplicaState, choose_replica
 
 CONNECT_ERRORS = (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError)
-PASS_HEADERS = ("Content-Type", "Retry-After", "x-consort-adapter", "x-consort-speculation", "Cache-Control")
+PASS_HEADERS = ("Content-Type", "Retry-After", "x-consort-adapter", "x-consort-speculation", "x-consort-ignored-fields",
+                "Cache-Control")
 CAPTURE_LIMIT = 4 << 20
 
 
@@ -118,6 +119,8 @@ def copy_headers(resp: aiohttp.ClientResponse, out: web.StreamResponse) -> None:
 
 
 def sse_error(code: str, message: str) -> bytes:
+    """A terminal SSE event: the typed error (the openai client raises it). No [DONE] follows, so a
+    client that ignores error events still sees a stream that did not complete."""
     body = {"error": {"type": "upstream_error", "code": code, "message": message}}
     return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
 
@@ -126,37 +129,46 @@ def sse_error(code: str, message: str) -> bytes:
 class RelayResult:
     completed: bool            # the whole upstream body reached the client
     captured: bytes = b""      # the body, when capture was asked for
-    error: str = ""            # upstream_failed | client_disconnected
+    error: str = ""            # upstream_failed | idle_timeout | client_disconnected
     first_relay_s: float = 0.0 # first chunk: received from upstream -> written to the client
 
 
-async def relay_stream(up: Upstream, out: web.StreamResponse, request: web.Request, capture: bool) -> RelayResult:
-    """Write each upstream chunk to the client as it arrives. An upstream failure mid-stream ends the
-    stream with an SSE error event; a client disconnect (ConnectionResetError on write, or the handler's
-    cancellation) closes the upstream connection, so the engine sees it and frees the sequence."""
+async def relay_stream(up: Upstream, out: web.StreamResponse, request: web.Request, capture: bool,
+                       idle_timeout_s: float | None = None) -> RelayResult:
+    """Write each upstream chunk to the client as it arrives. An upstream failure mid-stream, or no
+    chunk for `idle_timeout_s`, ends the stream with a terminal SSE error event and closes the
+    upstream connection (the engine sees the disconnect and frees the sequence); so does a client
+    disconnect (ConnectionResetError on write, or the handler's cancellation)."""
     buf: list[bytes] = []
     size = 0
     resp = up.response
     done = False
     try:
         await out.prepare(request)
-        try:
-            first_relay = 0.0
-            async for chunk in resp.content.iter_any():
-                t = time.perf_counter() if not first_relay else 0.0
-                if capture and size < CAPTURE_LIMIT:
-                    buf.append(chunk)
-                    size += len(chunk)
-                await out.write(chunk)
-                if t:
-                    first_relay = time.perf_counter() - t
-        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
+        first_relay = 0.0
+        chunks = resp.content.iter_any().__aiter__()
+        while True:
             try:
-                await out.write(sse_error("upstream_failed", f"the engine stopped mid-stream ({type(e).__name__})"))
-                await out.write_eof()
-            except (ConnectionResetError, RuntimeError):
-                pass
-            return RelayResult(False, b"".join(buf), "upstream_failed")
+                chunk = await asyncio.wait_for(chunks.__anext__(), idle_timeout_s)
+            except StopAsyncIteration:
+                break
+            except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
+                idle = isinstance(e, asyncio.TimeoutError)
+                code, why = (("idle_timeout", f"no token from the engine for {idle_timeout_s:g} s") if idle else
+                             ("upstream_failed", f"the engine stopped mid-stream ({type(e).__name__})"))
+                try:
+                    await out.write(sse_error(code, why))
+                    await out.write_eof()
+                except (ConnectionResetError, RuntimeError):
+                    pass
+                return RelayResult(False, b"".join(buf), code)
+            t = time.perf_counter() if not first_relay else 0.0
+            if capture and size < CAPTURE_LIMIT:
+                buf.append(chunk)
+                size += len(chunk)
+            await out.write(chunk)
+            if t:
+                first_relay = time.perf_counter() - t
         done = True
         await out.write_eof()
         return RelayResult(True, b"".join(buf), first_relay_s=first_relay)

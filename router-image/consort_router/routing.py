@@ -101,6 +101,18 @@ def classify(table: RoutingTable, text: str) -> tuple[str, float, str | None]:
     return top, p, second
 
 
+def fallback_chain(cfg: RouterConfig, lanes: dict[str, LaneView], name: str) -> list[str]:
+    """The routable lanes along `name`'s fallback links, in order (cycles cut)."""
+    chain, seen = [], {name}
+    spec = cfg.specialist(name)
+    while spec is not None and spec.fallback is not None and spec.fallback not in seen:
+        seen.add(spec.fallback)
+        if lanes.get(spec.fallback, LaneView()).routable:
+            chain.append(spec.fallback)
+        spec = cfg.specialist(spec.fallback)
+    return chain
+
+
 def route(table: RoutingTable, req: RouteInput, lanes: dict[str, LaneView]) -> RouteDecision:
     cfg = table.config
     lane = lambda name: lanes.get(name, LaneView())  # noqa: E731
@@ -140,11 +152,16 @@ def route(table: RoutingTable, req: RouteInput, lanes: dict[str, LaneView]) -> R
     assert spec is not None
     fallback = spec.fallback
 
-    # open breaker: fallback serves, the lane gets the shadow copy
-    if r.breaker == OPEN and fallback is not None and lane(fallback).routable:
-        return RouteDecision(fallback, routed, intent, source, f"{detail}; breaker_open",
-                             confidence, second, shadow=routed if cfg.shadow.enabled else None,
-                             shadow_reason="breaker_open", breaker=OPEN)
+    # An open breaker or no ready replica: the first routable lane of the fallback chain serves.
+    # An open-breaker lane that can still serve gets the shadow copy (its correctness window goes
+    # on); a lane without a ready replica gets nothing.
+    if r.breaker == OPEN or not r.routable:
+        reason = "breaker_open" if r.breaker == OPEN else "no_ready_replica"
+        chain = fallback_chain(cfg, lanes, routed)
+        if chain:
+            shadow = routed if cfg.shadow.enabled and r.breaker == OPEN and r.routable else None
+            return RouteDecision(chain[0], routed, intent, source, f"{detail}; {reason}", confidence, second,
+                                 shadow=shadow, shadow_reason="breaker_open" if shadow else "", breaker=r.breaker)
 
     base = table.threshold(intent)
     low_confidence = source == "classifier" and confidence < base and second is not None and second != routed
@@ -164,4 +181,6 @@ def route(table: RoutingTable, req: RouteInput, lanes: dict[str, LaneView]) -> R
             target = fallback if fallback is not None else (second if second != routed else None)
             if target is not None:
                 shadow, reason = target, ("half_open" if r.breaker == HALF_OPEN else "fresh_lane")
+        if shadow is not None and not lane(shadow).routable:
+            shadow, reason = None, ""   # no shadow to a lane that cannot take it
     return RouteDecision(routed, routed, intent, source, detail, confidence, second, shadow, reason, r.breaker)

@@ -24,14 +24,15 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
-from .api import ApiError, parse_json, parse_request, upstream_body
+from .api import ApiError, ParsedRequest, parse_json, parse_request, upstream_body
 from .auth import KeyRing
 from .breaker import STATE_CODES, BreakerStore, FileStore, MemoryStore, is_fresh
 from .config import RouterConfig
 from .metrics import RouterMetrics
-from .proxy import Attempt, NoReplica, copy_headers, open_upstream, relay_stream
+from .plan import Plan, PlanInput, plan_request
+from .proxy import Attempt, NoReplica, Upstream, copy_headers, error_code, open_upstream, relay_stream
 from .replicas import ReplicaPoller
-from .routing import RouteDecision, RouteError, RouteInput, route
+from .routing import RouteDecision
 from .shadow import CalibrationLog, CalibrationRecord, disagree, shadow_body, text_of_response, text_of_sse
 from .state import Lanes, Runtime, build_runtime
 from .verifier import Verifier, VerifyResult
@@ -215,6 +216,47 @@ class Router:
             self.feed(specialist, 1.0 if res.passed else 0.0)
         return res
 
+    # ------------------------------------------------------------------ upstream
+    async def open_plan(self, rt: Runtime, plan: Plan, req: ParsedRequest, path: str,
+                        rid: str) -> tuple[str, Upstream]:
+        """The first of plan.targets that answers, before any byte reaches the client: a lane with no
+        ready or reachable replica, or whose replicas all answer 5xx, passes the request on to the
+        next target (its fallback). A 429 is an answer (admission), passed through."""
+        assert self.session is not None
+        cfg = rt.config
+        lim = cfg.limits
+        timeout = aiohttp.ClientTimeout(total=lim.request_timeout_s, sock_connect=lim.connect_timeout_s)
+        failures: list[str] = []
+        for i, target in enumerate(plan.targets):
+            spec = cfg.specialist(target)
+            assert spec is not None
+
+            def on_attempt(a: Attempt, retried: bool, target: str = target) -> None:
+                if a.status:
+                    self.lanes.record_response(target, a.status == 429, plan.decision.intent, time.monotonic())
+                if retried:
+                    self.metrics.retries.labels(target, "connect" if a.status == 0 else str(a.status)).inc()
+
+            payload = json.dumps(upstream_body(req.body, target, spec.adapter)).encode()
+            try:
+                up = await open_upstream(self.session, rt.replicas.get(target, []), path, payload,
+                                         {"Content-Type": "application/json", "x-request-id": rid}, timeout,
+                                         cfg.polling.preempting_penalty, on_attempt, adapter=plan.adapters.get(target))
+            except NoReplica as e:
+                failures.append(f"{target}: {e}")
+                continue
+            if up.response.status >= 500 and i + 1 < len(plan.targets):
+                failures.append(f"{target}: HTTP {up.response.status}")
+                up.response.release()
+                up.replica.inflight -= 1
+                self.metrics.retries.labels(target, "fallback").inc()
+                continue
+            if i > 0:
+                log.info("request %s: %s served for %s (%s)", rid, target, plan.targets[0], "; ".join(failures))
+            return target, up
+        raise ApiError(503, "no_ready_replica", f"no ready replica could serve: {'; '.join(failures)}",
+                       retry_after_ms=1000)
+
     # ------------------------------------------------------------------ shadow
     async def run_shadow(self, rt: Runtime, d: RouteDecision, obj: dict, path: str, rid: str,
                          primary: asyncio.Future) -> None:
@@ -354,96 +396,66 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def handle_generation(request: web.Request, kind: str, path: str) -> web.StreamResponse:
+    """Executes plan_request's Plan: reject, or open the first target that answers (failover before
+    the first byte), spawn the shadow, relay, record what happened."""
     router: Router = request.app[ROUTER]
     rt = router.runtime  # this request's config, whatever reloads happen meanwhile
     cfg = rt.config
     t0 = time.monotonic()
     rid = request["request_id"]
-    st = request["stamp"] = {}
     req = parse_request(parse_json(await read_body(request, cfg.limits.max_body_bytes)), kind,
                         request.headers.get("x-consort-intent"))
-    try:
-        d = route(rt.table, RouteInput(req.model, req.intent, req.text, random.random()),
-                  router.lanes.lane_views(rt))
-    except RouteError as e:
-        raise ApiError(e.status, e.code, e.message, param="model" if e.status == 404 else None)
+    plan = plan_request(cfg, rt.table, req, PlanInput(
+        router.lanes.lane_views(rt), router.lanes.floors, router.shadow_inflight < cfg.shadow.max_inflight,
+        router.verifier.available, random.random(), random.random()))
+    d = plan.decision
     router.metrics.routing_seconds.observe(time.monotonic() - t0)
-    st["x-consort-specialist"] = d.specialist
-    st["x-consort-breaker"] = d.breaker
-    st["x-consort-admission"] = "admitted"
-    spec = cfg.specialist(d.specialist)
-    assert spec is not None
-    st["x-consort-adapter"] = req.body.get("adapter") or spec.adapter or "none"
-
-    floor = router.lanes.floors.get(d.intent)
-    if floor is not None:
-        if req.priority < floor:
-            st["x-consort-admission"] = "rejected:priority_floor"
-            raise ApiError(429, "priority_floor", f"intent {d.intent!r} is throttled: priority {req.priority} is "
-                           f"below the floor {floor}", retry_after_ms=cfg.admission.retry_after_ms)
-        st["x-consort-admission"] = f"floor:{floor}"
-
-    payload = json.dumps(upstream_body(req.body, d.specialist, spec.adapter)).encode()
+    request["stamp"] = plan.headers(d.specialist)
+    if plan.rejection is not None:
+        raise plan.rejection
     primary_done: asyncio.Future | None = None
-    if d.shadow is not None and router.shadow_inflight < cfg.shadow.max_inflight:
+    if plan.shadow is not None:
         primary_done = asyncio.get_running_loop().create_future()
         router.spawn(router.run_shadow(rt, d, req.body, path, rid, primary_done))
-        st["x-consort-shadow"] = d.shadow
     elif d.shadow is not None:
         router.metrics.shadows.labels(d.shadow, d.shadow_reason, "dropped").inc()
-    verify = (primary_done is None and router.verifier.available
-              and random.random() < cfg.verifier.sample_rate)
-    capture = primary_done is not None or verify
 
-    def on_attempt(a: Attempt, retried: bool) -> None:
-        if a.status:
-            router.lanes.record_response(d.specialist, a.status == 429, d.intent, time.monotonic())
-        if retried:
-            router.metrics.retries.labels(d.specialist, "connect" if a.status == 0 else str(a.status)).inc()
-
-    text: str | None = None
-    status = 0
+    served, text, status = d.specialist, None, 0
     pre_upstream = time.monotonic() - t0
     try:
         try:
-            up = await open_upstream(
-                router.session, rt.replicas.get(d.specialist, []), path, payload,  # type: ignore[arg-type]
-                {"Content-Type": "application/json", "x-request-id": rid},
-                aiohttp.ClientTimeout(total=cfg.limits.request_timeout_s, sock_connect=cfg.limits.connect_timeout_s),
-                cfg.polling.preempting_penalty, on_attempt, adapter=req.body.get("adapter") or spec.adapter,
-            )
-        except NoReplica as e:
-            raise ApiError(503, "no_ready_replica", f"specialist {d.specialist!r} has no ready replica ({e})",
-                           retry_after_ms=1000)
-        router.metrics.ttft.labels(d.specialist).observe(time.monotonic() - t0)
+            served, up = await router.open_plan(rt, plan, req, path, rid)
+        except ApiError:
+            request["stamp"] = plan.headers(d.specialist, admission="rejected:no_ready_replica")
+            status = 503
+            raise
+        request["stamp"] = plan.headers(served, adapter=up.response.headers.get("x-consort-adapter"))
+        router.metrics.ttft.labels(served).observe(time.monotonic() - t0)
         resp = up.response
         status = resp.status
         try:
-            if "x-consort-adapter" in resp.headers:
-                st["x-consort-adapter"] = resp.headers["x-consort-adapter"]
-            is_sse = resp.headers.get("Content-Type", "").startswith("text/event-stream")
-            if status == 200 and is_sse:
+            if status == 200 and resp.headers.get("Content-Type", "").startswith("text/event-stream"):
                 out = web.StreamResponse(status=200)
                 copy_headers(resp, out)
-                result = await relay_stream(up, out, request, capture)
+                result = await relay_stream(up, out, request, plan.capture, cfg.limits.stream_idle_timeout_s)
                 router.metrics.overhead.observe(pre_upstream + result.first_relay_s)
-                if result.error == "upstream_failed":
-                    router.metrics.stream_errors.labels(d.specialist).inc()
-                    status = 502
+                if result.error in ("upstream_failed", "idle_timeout"):
+                    router.metrics.stream_errors.labels(served).inc()
+                    status = 502 if result.error == "upstream_failed" else 504
+                    if result.error == "idle_timeout":   # a lane that hangs mid-stream is failing
+                        router.feed(served, 0.0)
                 elif result.error == "client_disconnected":
-                    router.metrics.disconnects.labels(d.specialist).inc()
+                    router.metrics.disconnects.labels(served).inc()
                     status = 499
-                elif capture:
+                elif plan.capture:
                     text = text_of_sse(result.captured)
                 return out
             raw = await resp.read()
             if status == 429:
-                from .proxy import error_code
-
                 code = error_code(raw) or "rejected"
-                st["x-consort-admission"] = f"rejected:{code}"
-                router.metrics.upstream_429.labels(d.specialist, code).inc()
-            elif status == 200 and capture:
+                request["stamp"]["x-consort-admission"] = f"rejected:{code}"
+                router.metrics.upstream_429.labels(served, code).inc()
+            elif status == 200 and plan.capture:
                 try:
                     text = text_of_response(json.loads(raw))
                 except ValueError:
@@ -457,19 +469,19 @@ async def handle_generation(request: web.Request, kind: str, path: str) -> web.S
             resp.release() if resp.closed is False and resp.content.at_eof() else resp.close()
     except asyncio.CancelledError:
         status = 499
-        router.metrics.disconnects.labels(d.specialist).inc()
+        router.metrics.disconnects.labels(served).inc()
         raise
     finally:
-        router.metrics.requests.labels(d.specialist, d.intent, d.source, str(status or "error")).inc()
+        router.metrics.requests.labels(served, d.intent, d.source, str(status or "error")).inc()
         if status == 200:
-            router.lanes.remember(rid, d.specialist, st.get("x-consort-shadow"))
+            router.lanes.remember(rid, served, plan.shadow)
         if primary_done is not None and not primary_done.done():
             if text is not None:
                 primary_done.set_result(text)
             else:
                 primary_done.cancel()
-        if verify and text is not None:
-            router.spawn(router.verify_and_feed(d.specialist, text))
+        if plan.verify and text is not None:
+            router.spawn(router.verify_and_feed(served, text))
 
 
 async def feedback(request: web.Request) -> web.Response:

@@ -168,8 +168,11 @@ def test_bad_input_is_typed_4xx_never_5xx(engines, make_router):
         (lambda: r.post("/v1/completions", {"model": "cpp", "prompt": "x", "priority": "high"}), 400, "invalid_type"),
         (lambda: r.post("/v1/completions", {"model": "cpp", "prompt": "x", "intent": "review",
                                             "max_tokens": -3}), 400, None),   # the engine's own typed 400
-        (lambda: r.post("/v1/completions", {"model": "cpp", "prompt": "x", "intent": "review",
-                                            "bogus_field": 1}), 400, None),
+        (lambda: httpx.post(r.url + "/v1/completions", content=b'{"model": "cpp", "prompt": "a\\ud800"}',
+                            timeout=10), 400, "invalid_unicode"),
+        (lambda: httpx.post(r.url + "/v1/chat/completions", timeout=10,
+                            content=b'{"model": "cpp", "messages": [{"role": "user", "content": "\\udfff"}]}'),
+         400, "invalid_unicode"),
         (lambda: httpx.get(r.url + "/v1/completions", timeout=10), 405, "method_not_allowed"),
         (lambda: httpx.get(r.url + "/nope", timeout=10), 404, "not_found"),
         (lambda: r.post("/v1/feedback", {"request_id": "never-seen", "correct": True}), 404, "unknown_request"),
@@ -183,6 +186,10 @@ def test_bad_input_is_typed_4xx_never_5xx(engines, make_router):
         assert err["type"] and err["message"] and (code is None or err["code"] == code), (i, err)
     # the router is still fine
     assert r.post("/v1/completions", {"model": "cpp", "prompt": "x", "intent": "review", "max_tokens": 1}).status_code == 200
+    # unknown fields are ignored (as vLLM ignores them), and the engine's report reaches the client
+    ok = r.post("/v1/completions", {"model": "cpp", "prompt": "x", "intent": "review", "max_tokens": 1,
+                                    "bogus_field": 1})
+    assert ok.status_code == 200 and ok.headers["x-consort-ignored-fields"] == "bogus_field", ok.text
 
 
 def test_config_reload_without_dropping_in_flight(engines, make_router):
