@@ -125,6 +125,9 @@ class Child:
     specialist: str = ""
     popen: subprocess.Popen | None = None
     ready_at: float | None = None
+    started_at: float = 0.0
+    restarts: int = 0
+    restart_at: float | None = None   # a dead child waits for its backoff to end
 
     def discover_url(self) -> str:
         """An engine started with --port 0 prints `listening on http://HOST:PORT`."""
@@ -213,6 +216,32 @@ def plan_router(m: Manifests, args: argparse.Namespace, run_dir: Path, engines: 
     return router
 
 
+# ---- supervision (pure) ----------------------------------------------------------------------------
+
+RESTART_BASE_S = 1.0
+RESTART_CAP_S = 30.0
+RESTART_RESET_AFTER_S = 60.0
+
+
+def restart_delay(restarts: int, up_for_s: float) -> float:
+    """Seconds before restarting a child that died, as a kubelet backs off a crash-looping
+    container: 1, 2, 4, ... capped at 30 s; a child that had run for a minute starts over at 1 s."""
+    if up_for_s >= RESTART_RESET_AFTER_S:
+        restarts = 0
+    return min(RESTART_CAP_S, RESTART_BASE_S * 2 ** restarts)
+
+
+def busy_port(host: str, port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
 # ---- processes -------------------------------------------------------------------------------------
 
 def start(child: Child) -> None:
@@ -221,7 +250,41 @@ def start(child: Child) -> None:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     child.popen = subprocess.Popen(child.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                    start_new_session=True, env=env)
+    child.started_at = time.monotonic()
+    child.restart_at = None
     out.close()
+
+
+def pin_port(child: Child) -> None:
+    """After an engine started on port 0 printed its port, restarts must reuse it: the router's
+    config lists the engines by URL."""
+    port = child.url.rsplit(":", 1)[1]
+    i = child.argv.index("--port")
+    child.argv[i + 1] = port
+
+
+def supervise(children: list[Child], log: Any, now: float) -> None:
+    """Restart dead children with backoff; the log names the one that died and shows its own lines."""
+    for c in children:
+        if c.popen is None or c.popen.poll() is None:
+            continue
+        if c.restart_at is None:
+            delay = restart_delay(c.restarts, now - c.started_at)
+            if now - c.started_at >= RESTART_RESET_AFTER_S:
+                c.restarts = 0
+            c.restart_at = now + delay
+            c.ready_at = None
+            log(f"{c.name} (pid {c.popen.pid}) exited with code {c.popen.returncode}; restarting in {delay:.0f} s. "
+                f"Its last lines ({c.log_path}):\n{tail(c.log_path, 15)}")
+        elif now >= c.restart_at:
+            c.restarts += 1
+            start(c)
+            log(f"{c.name}: restarted (pid {c.popen.pid}, restart {c.restarts})")
+    for c in children:
+        if c.popen is not None and c.popen.poll() is None and c.ready_at is None and c.restarts and c.url \
+                and http_ok(f"{c.url}/ready"):
+            c.ready_at = now
+            log(f"{c.name}: warm again after {now - c.started_at:.1f} s")
 
 
 def http_ok(url: str, timeout: float = 1.0) -> bool:
@@ -288,6 +351,12 @@ def run(args: argparse.Namespace) -> int:
         run_dir.mkdir(parents=True, exist_ok=True)
         log(f"{len(m.specialists)} Specialist(s): {', '.join(sorted(m.specialists))}; "
             f"EnsembleRouter: {', '.join(m.routers) or '(none: routing every Specialist)'}; logs in {run_dir}/logs")
+        ports = [(args.host, args.port)] + ([("127.0.0.1", args.engine_base_port + i) for i in range(
+            sum(max(1, min(spec.replicas, args.replicas)) for _, spec in m.specialists.values()))]
+            if args.engine_base_port else [])
+        for host, port in ports:
+            if port and busy_port(host, port):
+                raise UpError(f"port {port} on {host} is in use (is another `consort up` running?)")
         engines = plan_engines(m, args, run_dir, log)
         children = list(engines)
         for c in engines:
@@ -300,6 +369,7 @@ def run(args: argparse.Namespace) -> int:
                 if time.monotonic() > deadline:
                     raise UpError(f"{c.name} did not start listening in {args.timeout:.0f} s")
                 time.sleep(0.1)
+            pin_port(c)
             log(f"{c.name}: pid {c.popen.pid}, {c.url}")
         router = plan_router(m, args, run_dir, engines)
         children.append(router)
@@ -329,11 +399,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"\n  curl {router.url}/v1/completions -H 'content-type: application/json' \\\n"
               f"    -d '{{\"model\": \"{router.name.split(' ', 1)[1]}\", \"prompt\": \"template <typename T>\", \"max_tokens\": 16}}'\n"
               f"  curl {router.url}/v1/routing\n\nCtrl-C stops everything.", flush=True)
+        # Serving: a child that dies is restarted with backoff, as a kubelet would; the router
+        # notices a dead engine at its next poll and routes its lane to the fallback meanwhile.
         while True:
-            for c in children:
-                if c.popen is not None and c.popen.poll() is not None:
-                    raise UpError(f"{c.name} exited with code {c.popen.returncode}; last lines of {c.log_path}:\n{tail(c.log_path)}")
-            time.sleep(0.5)
+            supervise(children, log, time.monotonic())
+            time.sleep(0.25)
     except Interrupted as e:
         log(f"{e}: stopping {len([c for c in children if c.popen])} process(es)")
         return_code = 0

@@ -86,3 +86,66 @@ def test_consort_up_serves_openai_and_stops_cleanly(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+@pytest.mark.timeout(400)
+def test_a_killed_engine_is_restarted_while_the_others_and_the_fallback_serve(tmp_path):
+    port = free_port()
+    log_path = tmp_path / "up.log"
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen([CONSORT, "up", "-f", str(REPO / "examples" / "local"), "--port", str(port),
+                                 "--engine-base-port", "0", "--run-dir", str(tmp_path / "run")],
+                                stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+    try:
+        deadline = time.monotonic() + 150
+        while "ready:" not in log_path.read_text():
+            assert proc.poll() is None, f"consort up exited {proc.returncode}:\n{log_path.read_text()}"
+            assert time.monotonic() < deadline, f"not ready in 150 s:\n{log_path.read_text()}"
+            time.sleep(0.5)
+        algo_pid = int(re.search(r"engine algo: pid (\d+),", log_path.read_text()).group(1))
+
+        # A second `consort up` on the same ports fails at once, naming the port.
+        second = subprocess.run([CONSORT, "up", "-f", str(REPO / "examples" / "local"), "--port", str(port),
+                                 "--run-dir", str(tmp_path / "run2")], capture_output=True, text=True, timeout=60)
+        assert second.returncode == 1
+        assert second.stderr.strip().splitlines()[-1] == \
+            f"consort up: port {port} on 127.0.0.1 is in use (is another `consort up` running?)", second.stderr
+        assert "Traceback" not in second.stderr + second.stdout
+
+        from openai import OpenAI
+
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+        os.kill(algo_pid, signal.SIGKILL)
+        killed = time.monotonic()
+        served: list[str] = []
+        while time.monotonic() - killed < 90:
+            # algo's lane falls back to stl; the other specialists answer as before
+            r = client.completions.with_raw_response.create(model="cpp-local", prompt="int f() {", max_tokens=2,
+                                                            extra_headers={"x-consort-intent": "codegen"})
+            served.append(r.headers["x-consort-specialist"])
+            pinned = client.completions.with_raw_response.create(model="template", prompt="x", max_tokens=2)
+            assert pinned.headers["x-consort-specialist"] == "template"
+            if "engine algo: warm again" in log_path.read_text():
+                break
+            time.sleep(0.3)
+        back_s = time.monotonic() - killed
+        text = log_path.read_text()
+        assert "engine algo: warm again" in text, text[-3000:]
+        assert back_s < 60, f"algo was back only after {back_s:.0f} s"
+        assert "stl" in served, served
+        died = text[text.index(f"engine algo (pid {algo_pid}) exited with code -9"):]
+        assert "specialist 'algo'" in died.split("engine algo: restarted")[0], died[:2000]  # its own lines
+        r = client.completions.with_raw_response.create(model="cpp-local", prompt="int f() {", max_tokens=2,
+                                                        extra_headers={"x-consort-intent": "codegen"})
+        deadline = time.monotonic() + 10
+        while r.headers["x-consort-specialist"] != "algo" and time.monotonic() < deadline:
+            time.sleep(0.5)   # the router's next poll sees it ready
+            r = client.completions.with_raw_response.create(model="cpp-local", prompt="int f() {", max_tokens=2,
+                                                            extra_headers={"x-consort-intent": "codegen"})
+        assert r.headers["x-consort-specialist"] == "algo"
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0, log_path.read_text()[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
