@@ -28,6 +28,7 @@ from .config import EngineConfig
 from .lora import AdapterError
 from .metrics import EngineMetrics, SloTracker
 from .sequence import Sequence
+from .cpu import apply_threads
 from .tokenizer import ChatTemplateError, IncrementalDetokenizer, StopStringMatcher, Tokenizer, TooManyTokens
 
 log = logging.getLogger("consort.server")
@@ -611,6 +612,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slo-ttft-ms", type=int, default=None, help="published time-to-first-token objective (p95)")
     p.add_argument("--slo-itl-ms", type=int, default=None, help="published inter-token latency objective (p95)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for torch and the kernels (default: the cgroup CPU quota, else every "
+                        "core this process may use)")
     p.add_argument("--max-body-bytes", type=int, default=EngineConfig.max_body_bytes,
                    help="largest request body accepted; larger ones get 413 request_too_large")
     p.add_argument("--drain-timeout", type=float, default=45.0,
@@ -682,8 +686,9 @@ def build_context(config: EngineConfig, served_name: str | None = None, warmup: 
 
 async def serve(args: argparse.Namespace) -> int:
     config = config_from_args(args)
+    threads = apply_threads(args.threads)
     print(f"consort engine: specialist {config.name!r}, model {config.model}, device {config.device}, "
-          f"dtype {config.dtype}", flush=True)
+          f"dtype {config.dtype}, {threads} CPU thread(s)", flush=True)
     ctx = build_context(config, args.served_model_name)
     app = build_app(ctx)
     # shutdown_timeout: how long runner.cleanup() (on SIGTERM) lets accepted requests finish after

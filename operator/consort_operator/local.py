@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import subprocess
@@ -26,6 +27,7 @@ from typing import Any
 
 import yaml
 
+from .api.base import quantity_value
 from .api.router import EnsembleRouterSpec
 from .api.specialist import SpecialistSpec
 
@@ -125,6 +127,7 @@ class Child:
     specialist: str = ""
     popen: subprocess.Popen | None = None
     ready_at: float | None = None
+    cpus: set[int] | None = None      # CPU affinity (consort up's plan_cpu)
     started_at: float = 0.0
     restarts: int = 0
     restart_at: float | None = None   # a dead child waits for its backoff to end
@@ -153,18 +156,28 @@ def plan_engines(m: Manifests, args: argparse.Namespace, run_dir: Path, log: Any
 
     engines: list[Child] = []
     port = args.engine_base_port
+    replicas_of = {n: max(1, min(spec.replicas, args.replicas)) for n, (_, spec) in m.specialists.items()}
+    cores = sorted(os.sched_getaffinity(0))
+    router_cpu = next((quantity_value(r.resources.cpu) for _, r in m.routers.values()), 0.0)
+    cpu = plan_cpu({f"{n}#{i}": quantity_value(spec.resources.cpu) for n, (_, spec) in m.specialists.items()
+                    for i in range(replicas_of[n])}, cores, router_cpu)
+    log("CPU plan on cores " + ",".join(map(str, cores)) + ": " + ", ".join(
+        f"{n.removesuffix('#0')} {t} thread(s)" + (f" on {sorted(c)}" if c else "") for n, (t, c) in cpu.items()))
     for name, (_, spec) in sorted(m.specialists.items()):
         model_dir = local_model_dir(spec.model.source, args.cache, log)
         adapters = {}
         for a in spec.adapters or []:
             adapters[a.name] = local_model_dir(a.source, args.cache, log)
-        replicas = max(1, min(spec.replicas, args.replicas))
+        replicas = replicas_of[name]
         for i in range(replicas):
             p = port
             port = port + 1 if port else 0
-            argv = CONSORT + ["engine"] + engine_args(name, spec, model_dir, adapters, host="127.0.0.1", port=p, device="cpu")
+            threads, cpus = cpu[f"{name}#{i}"]
+            argv = CONSORT + ["engine"] + engine_args(name, spec, model_dir, adapters, host="127.0.0.1", port=p,
+                                                      device="cpu") + ["--threads", str(threads)]
             child = Child(f"engine {name}" + (f"#{i}" if replicas > 1 else ""), argv,
-                          f"http://127.0.0.1:{p}" if p else "", run_dir / "logs" / f"engine-{name}-{i}.log", name)
+                          f"http://127.0.0.1:{p}" if p else "", run_dir / "logs" / f"engine-{name}-{i}.log", name,
+                          cpus=cpus)
             engines.append(child)
     return engines
 
@@ -216,6 +229,28 @@ def plan_router(m: Manifests, args: argparse.Namespace, run_dir: Path, engines: 
     return router
 
 
+# ---- CPU placement (pure) --------------------------------------------------------------------------
+
+def plan_cpu(requests: dict[str, float], cores: list[int], router_cpu: float) -> dict[str, tuple[int, set[int] | None]]:
+    """Threads (and, where they fit side by side, a disjoint set of cores) per engine, from the
+    Specialists' `resources.cpu`. Each engine gets ceil(its request) threads; when the requests
+    exceed the cores left after the router's, they are scaled down in proportion (at least one
+    each). Cores are pinned only when every engine gets its own: pinning two busy engines onto one
+    core while the other idles is worse than letting the scheduler move them."""
+    avail = max(1.0, len(cores) - router_cpu)
+    total = sum(requests.values()) or 1.0
+    scale = min(1.0, avail / total)
+    threads = {n: max(1, math.floor(c * scale + 1e-9) if scale < 1 else math.ceil(c - 1e-9))
+               for n, c in sorted(requests.items())}
+    if sum(threads.values()) > len(cores):
+        return {n: (t, None) for n, t in threads.items()}
+    plan, i = {}, 0
+    for n, t in threads.items():
+        plan[n] = (t, set(cores[i:i + t]))
+        i += t
+    return plan
+
+
 # ---- supervision (pure) ----------------------------------------------------------------------------
 
 RESTART_BASE_S = 1.0
@@ -248,8 +283,10 @@ def start(child: Child) -> None:
     child.log_path.parent.mkdir(parents=True, exist_ok=True)
     out = open(child.log_path, "ab")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    cpus = child.cpus
     child.popen = subprocess.Popen(child.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   start_new_session=True, env=env)
+                                   start_new_session=True, env=env,
+                                   preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
     child.started_at = time.monotonic()
     child.restart_at = None
     out.close()

@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             loop.add_signal_handler(sig, stop.set)
         await kopf.operator(
             clusterwide=not args.namespace,
-            namespaces=args.namespace or None,
+            namespaces=args.namespace or (),   # () with clusterwide: every namespace (None breaks Kopf)
             liveness_endpoint=args.liveness or None,
             standalone=args.standalone,
             peering_name=args.peering,

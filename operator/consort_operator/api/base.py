@@ -30,6 +30,19 @@ Quantity = Annotated[
     }),
 ]
 
+SUFFIX = {"n": 1e-9, "u": 1e-6, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18,
+          "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+
+
+def quantity_value(q: int | str) -> float:
+    """The number a Kubernetes quantity stands for: "400m" -> 0.4, "2Gi" -> 2147483648.0, 4 -> 4.0."""
+    text = str(q).strip()
+    for suffix in sorted(SUFFIX, key=len, reverse=True):
+        if text.endswith(suffix) and text[:-len(suffix)]:
+            return float(text[:-len(suffix)]) * SUFFIX[suffix]
+    return float(text)
+
+
 DnsLabel = Annotated[str, Field(pattern=DNS1123_LABEL, min_length=1, max_length=63)]
 
 

@@ -6,3 +6,21 @@ def test_restart_backoff_doubles_caps_and_resets_after_a_good_run():
     assert [restart_delay(n, up_for_s=1) for n in range(7)] == [1, 2, 4, 8, 16, 30, 30]
     assert restart_delay(6, up_for_s=120) == 1     # it ran for two minutes: a fresh failure
     assert max(restart_delay(n, 0) for n in range(50)) == RESTART_CAP_S
+
+
+def test_cpu_plan_gives_each_engine_its_share_and_pins_only_when_each_gets_its_own_cores():
+    from consort_operator.api.base import quantity_value
+    from consort_operator.local import plan_cpu
+
+    assert quantity_value("400m") == 0.4 and quantity_value(2) == 2.0 and quantity_value("2Gi") == 2 ** 31
+    # this machine: 2 cores, three 400m engines and a 200m router -> one thread each, unpinned
+    three = plan_cpu({"algo": 0.4, "stl": 0.4, "template": 0.4}, [0, 1], 0.2)
+    assert three == {"algo": (1, None), "stl": (1, None), "template": (1, None)}
+    # enough cores: each engine its ceil(request) threads on cores of its own
+    roomy = plan_cpu({"a": 2, "b": 1.5, "c": 0.5}, list(range(8)), 1.0)
+    assert {n: t for n, (t, _) in roomy.items()} == {"a": 2, "b": 2, "c": 1}
+    sets = [c for _, c in roomy.values()]
+    assert all(sets) and sum(len(c) for c in sets) == len(set().union(*sets)) == 5
+    # over-asked: scaled down in proportion to what is left after the router, at least one each
+    tight = plan_cpu({"a": 8, "b": 8}, list(range(4)), 0.0)
+    assert {n: t for n, (t, _) in tight.items()} == {"a": 2, "b": 2}
