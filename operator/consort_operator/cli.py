@@ -16,7 +16,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "up": ("consort_operator.local", "run Specialists and an EnsembleRouter from manifests as local processes"),
     "crds": ("consort_operator.api.crds", "print the CRD YAML generated from the pydantic models"),
     "demo-model": ("consort_engine.demo_model", "write a small Llama-family checkpoint + tokenizer"),
-    "bench": ("consort_engine.bench", "benchmarks: `offline` (engine vs transformers), `serve` (HTTP latency)"),
+    "bench": ("consort_engine.bench", "benchmarks: `offline` (engine vs transformers), `serve` (HTTP latency), `local` (ensemble on one box)"),
 }
 
 
