@@ -617,7 +617,11 @@ async def serve(args: argparse.Namespace, store: BreakerStore | None = None) -> 
     runner = web.AppRunner(app, handler_cancellation=True, access_log=log if args.access_log else None)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
-    await site.start()
+    try:
+        await site.start()
+    except OSError:   # port in use: close the upstream session first, so the cause stays the last line
+        await runner.cleanup()
+        raise
     port = runner.addresses[0][1] if runner.addresses else args.port
     print(f"consort router: ensemble {config.ensemble!r}, {len(config.specialists)} specialists; listening on "
           f"http://{args.host}:{port}", flush=True)
@@ -641,9 +645,22 @@ def main(argv: list[str] | None = None, store: BreakerStore | None = None) -> in
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return asyncio.run(serve(args, store=store))
-    except (ValueError, FileNotFoundError) as e:
-        print(f"consort router: {e}", file=sys.stderr)
-        return 2
+    except Exception as exc:  # noqa: BLE001 - any escape from serve() is fatal
+        # Bad config, unreadable file, port in use, ...: exit non-zero at once with the cause as the
+        # last line, so a supervisor (`consort up`, kubelet) shows why instead of a traceback.
+        log.debug("start-up failed", exc_info=True)
+        print(f"consort router: fatal: {one_line(exc, args.config)}", file=sys.stderr, flush=True)
+        return 2 if isinstance(exc, ValueError) else 1
+
+
+def one_line(exc: BaseException, config_path: str) -> str:
+    """A start-up exception as one line: a config that fails validation as `PATH: loc: msg; ...`."""
+    from pydantic import ValidationError
+
+    if isinstance(exc, ValidationError):
+        return f"invalid config {config_path}: " + "; ".join(
+            f"{'.'.join(map(str, e['loc'])) or '(top level)'}: {e['msg']}" for e in exc.errors())
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 if __name__ == "__main__":
