@@ -742,7 +742,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - any escape from serve() is fatal
         # Bad model dir, unsupported architecture, port in use, ...: the cause is the last line.
         log.debug("start-up failed", exc_info=True)
-        print(f"consort engine: fatal: {exc}", file=sys.stderr, flush=True)
+        cause = " ".join(str(exc).split()) or type(exc).__name__   # one line, even for multi-line messages
+        print(f"consort engine: fatal: {cause}", file=sys.stderr, flush=True)
         return 1
 
 
