@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import signal
 import subprocess
@@ -232,16 +231,22 @@ def plan_router(m: Manifests, args: argparse.Namespace, run_dir: Path, engines: 
 # ---- CPU placement (pure) --------------------------------------------------------------------------
 
 def plan_cpu(requests: dict[str, float], cores: list[int], router_cpu: float) -> dict[str, tuple[int, set[int] | None]]:
-    """Threads (and, where they fit side by side, a disjoint set of cores) per engine, from the
-    Specialists' `resources.cpu`. Each engine gets ceil(its request) threads; when the requests
-    exceed the cores left after the router's, they are scaled down in proportion (at least one
-    each). Cores are pinned only when every engine gets its own: pinning two busy engines onto one
-    core while the other idles is worse than letting the scheduler move them."""
-    avail = max(1.0, len(cores) - router_cpu)
-    total = sum(requests.values()) or 1.0
-    scale = min(1.0, avail / total)
-    threads = {n: max(1, math.floor(c * scale + 1e-9) if scale < 1 else math.ceil(c - 1e-9))
-               for n, c in sorted(requests.items())}
+    """Threads (and, where they fit side by side, a disjoint set of cores) per engine: the cores left
+    after the router's request are shared out in proportion to the Specialists' `resources.cpu`
+    (largest remainders; at least one thread each), so the engines together never run more threads
+    than the box has cores unless there are more engines than cores. A lone Specialist gets the whole
+    box; three 400m Specialists on 16 cores get 6, 5 and 5, not 1 each. Cores are pinned only when every engine
+    gets its own: pinning two busy engines onto one core while the other idles is worse than letting
+    the scheduler move them."""
+    budget = max(1, round(len(cores) - router_cpu))
+    names = sorted(requests)
+    total = sum(requests.values())
+    exact = {n: budget * (requests[n] / total if total > 0 else 1 / len(names)) for n in names}
+    threads = {n: int(exact[n] + 1e-9) for n in names}
+    by_remainder = sorted(names, key=lambda n: exact[n] - threads[n], reverse=True)
+    for n in by_remainder[:budget - sum(threads.values())]:
+        threads[n] += 1
+    threads = {n: max(1, t) for n, t in threads.items()}
     if sum(threads.values()) > len(cores):
         return {n: (t, None) for n, t in threads.items()}
     plan, i = {}, 0

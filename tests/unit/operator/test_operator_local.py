@@ -1,4 +1,4 @@
-"""`consort up`'s pure decisions: restart backoff."""
+"""`consort up`'s pure decisions: restart backoff, CPU placement."""
 from consort_operator.local import RESTART_CAP_S, restart_delay
 
 
@@ -16,11 +16,21 @@ def test_cpu_plan_gives_each_engine_its_share_and_pins_only_when_each_gets_its_o
     # this machine: 2 cores, three 400m engines and a 200m router -> one thread each, unpinned
     three = plan_cpu({"algo": 0.4, "stl": 0.4, "template": 0.4}, [0, 1], 0.2)
     assert three == {"algo": (1, None), "stl": (1, None), "template": (1, None)}
-    # enough cores: each engine its ceil(request) threads on cores of its own
+    # enough cores: the cores left after the router shared out by request, each engine on its own
     roomy = plan_cpu({"a": 2, "b": 1.5, "c": 0.5}, list(range(8)), 1.0)
-    assert {n: t for n, (t, _) in roomy.items()} == {"a": 2, "b": 2, "c": 1}
+    assert {n: t for n, (t, _) in roomy.items()} == {"a": 3, "b": 3, "c": 1}    # 7 cores: 3.5, 2.6, 0.9
     sets = [c for _, c in roomy.values()]
-    assert all(sets) and sum(len(c) for c in sets) == len(set().union(*sets)) == 5
-    # over-asked: scaled down in proportion to what is left after the router, at least one each
+    assert all(sets) and sum(len(c) for c in sets) == len(set().union(*sets)) == 7
+    # a bigger box is used, not left idle: three 400m engines on 16 cores share them, pinned apart
+    # (a 200m router does not hold back a whole core)
+    big = plan_cpu({"algo": 0.4, "stl": 0.4, "template": 0.4}, list(range(16)), 0.2)
+    assert [t for t, _ in big.values()] == [6, 5, 5] and len(set().union(*(c for _, c in big.values()))) == 16
+    # a lone Specialist gets the whole box
+    assert plan_cpu({"algo": 0.4}, [0, 1], 0.2) == {"algo": (2, {0, 1})}
+    # over-asked: scaled down in proportion, at least one each; more engines than cores: unpinned
     tight = plan_cpu({"a": 8, "b": 8}, list(range(4)), 0.0)
     assert {n: t for n, (t, _) in tight.items()} == {"a": 2, "b": 2}
+    many = plan_cpu({f"e{i}": 1 for i in range(5)}, [0, 1, 2], 0.0)
+    assert all(p == (1, None) for p in many.values())
+    # requests of zero share equally
+    assert [t for t, _ in plan_cpu({"a": 0, "b": 0}, list(range(4)), 0.0).values()] == [2, 2]
