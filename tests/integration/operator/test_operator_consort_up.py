@@ -112,12 +112,13 @@ def test_a_killed_engine_is_restarted_while_the_others_and_the_fallback_serve(tm
             f"consort up: port {port} on 127.0.0.1 is in use (is another `consort up` running?)", second.stderr
         assert "Traceback" not in second.stderr + second.stdout
 
-        from openai import OpenAI
+        from openai import APIStatusError, OpenAI
 
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
         os.kill(algo_pid, signal.SIGKILL)
         killed = time.monotonic()
         served: list[str] = []
+        pinned_to_dead: list[str] = []
         while time.monotonic() - killed < 90:
             # algo's lane falls back to stl; the other specialists answer as before
             r = client.completions.with_raw_response.create(model="cpp-local", prompt="int f() {", max_tokens=2,
@@ -125,6 +126,12 @@ def test_a_killed_engine_is_restarted_while_the_others_and_the_fallback_serve(tm
             served.append(r.headers["x-consort-specialist"])
             pinned = client.completions.with_raw_response.create(model="template", prompt="x", max_tokens=2)
             assert pinned.headers["x-consort-specialist"] == "template"
+            try:   # pinned to the dead one: its fallback answers, or a typed 503; never a 500 or a hang
+                dead = client.completions.with_raw_response.create(model="algo", prompt="x", max_tokens=2)
+                pinned_to_dead.append(dead.headers["x-consort-specialist"])
+            except APIStatusError as e:
+                assert e.status_code == 503 and e.response.json()["error"]["type"], e.response.text
+                pinned_to_dead.append("503")
             if "engine algo: warm again" in log_path.read_text():
                 break
             time.sleep(0.3)
@@ -132,7 +139,9 @@ def test_a_killed_engine_is_restarted_while_the_others_and_the_fallback_serve(tm
         text = log_path.read_text()
         assert "engine algo: warm again" in text, text[-3000:]
         assert back_s < 60, f"algo was back only after {back_s:.0f} s"
+        print(f"\nalgo killed: back in {back_s:.1f} s; codegen served by {served}; pinned to algo: {pinned_to_dead}")
         assert "stl" in served, served
+        assert pinned_to_dead and set(pinned_to_dead) <= {"algo", "stl", "503"}, pinned_to_dead
         died = text[text.index(f"engine algo (pid {algo_pid}) exited with code -9"):]
         assert "specialist 'algo'" in died.split("engine algo: restarted")[0], died[:2000]  # its own lines
         r = client.completions.with_raw_response.create(model="cpp-local", prompt="int f() {", max_tokens=2,
