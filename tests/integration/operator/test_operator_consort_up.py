@@ -1,6 +1,7 @@
 """`consort up -f examples/local`: real engine and router processes from the same manifests."""
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -40,11 +41,10 @@ def alive(pid: int) -> bool:
         return False
 
 
-@pytest.mark.timeout(300)
-def test_consort_up_serves_openai_and_stops_cleanly(tmp_path):
-    port = free_port()
+@contextlib.contextmanager
+def consort_up(tmp_path: Path, port: int):
+    """`consort up -f examples/local` on `port`, once its log says ready: (process, log path); killed after."""
     log_path = tmp_path / "up.log"
-    started = time.monotonic()
     with open(log_path, "wb") as out:
         proc = subprocess.Popen([CONSORT, "up", "-f", str(REPO / "examples" / "local"), "--port", str(port),
                                  "--engine-base-port", "0", "--run-dir", str(tmp_path / "run")],
@@ -55,6 +55,18 @@ def test_consort_up_serves_openai_and_stops_cleanly(tmp_path):
             assert proc.poll() is None, f"consort up exited {proc.returncode}:\n{log_path.read_text()}"
             assert time.monotonic() < deadline, f"not ready in 150 s:\n{log_path.read_text()}"
             time.sleep(0.5)
+        yield proc, log_path
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+@pytest.mark.timeout(300)
+def test_consort_up_serves_openai_and_stops_cleanly(tmp_path):
+    port = free_port()
+    started = time.monotonic()
+    with consort_up(tmp_path, port) as (proc, log_path):
         ready_s = time.monotonic() - started
         text = log_path.read_text()
         pids = [int(p) for p in re.findall(r": pid (\d+),", text)]
@@ -82,26 +94,12 @@ def test_consort_up_serves_openai_and_stops_cleanly(tmp_path):
         assert proc.wait(30) == 0, log_path.read_text()
         assert "stopped" in log_path.read_text().splitlines()[-1]
         assert [p for p in pids if alive(p)] == []
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
 
 
 @pytest.mark.timeout(400)
 def test_a_killed_engine_is_restarted_while_the_others_and_the_fallback_serve(tmp_path):
     port = free_port()
-    log_path = tmp_path / "up.log"
-    with open(log_path, "wb") as out:
-        proc = subprocess.Popen([CONSORT, "up", "-f", str(REPO / "examples" / "local"), "--port", str(port),
-                                 "--engine-base-port", "0", "--run-dir", str(tmp_path / "run")],
-                                stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
-    try:
-        deadline = time.monotonic() + 150
-        while "ready:" not in log_path.read_text():
-            assert proc.poll() is None, f"consort up exited {proc.returncode}:\n{log_path.read_text()}"
-            assert time.monotonic() < deadline, f"not ready in 150 s:\n{log_path.read_text()}"
-            time.sleep(0.5)
+    with consort_up(tmp_path, port) as (proc, log_path):
         algo_pid = int(re.search(r"engine algo: pid (\d+),", log_path.read_text()).group(1))
 
         # A second `consort up` on the same ports fails at once, naming the port.
@@ -154,7 +152,3 @@ def test_a_killed_engine_is_restarted_while_the_others_and_the_fallback_serve(tm
         assert r.headers["x-consort-specialist"] == "algo"
         proc.send_signal(signal.SIGINT)
         assert proc.wait(30) == 0, log_path.read_text()[-2000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
