@@ -12,8 +12,10 @@ stopped before the object goes away).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import copy
 import logging
+import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -132,7 +134,14 @@ async def cleanup(**_: Any) -> None:
 
 @kopf.on.login()
 def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
-    info = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+    info = kopf.login_with_service_account(**kwargs)
+    host = os.environ.get("KUBERNETES_SERVICE_HOST")
+    if info is not None and host:
+        # Kopf's service-account login names https://kubernetes.default.svc, which needs cluster DNS;
+        # client-go (and kubectl in a pod) use the injected Service address instead, and so do we.
+        host = f"[{host}]" if ":" in host else host
+        info = dataclasses.replace(info, server=f"https://{host}:{os.environ.get('KUBERNETES_SERVICE_PORT', '443')}")
+    info = info or kopf.login_with_kubeconfig(**kwargs)
     if info is not None:
         runtime.kube = Kube.from_connection_info(info)
     return info
