@@ -117,6 +117,16 @@ kube_ldflags() {
   echo "$flags"
 }
 
+# kube_ldflags plus the build date (which must not change the stamp, so it is added only here).
+dated_kube_ldflags() {
+  local flags pkg
+  flags="$(kube_ldflags)"
+  for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+    flags+=" -X $pkg.buildDate=$(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  done
+  echo "$flags"
+}
+
 kube_fresh() {
   fresh kube "$(key "kube $(kube_ldflags)" "$KUBE_MOD/go.mod" "$KUBE_MOD/go.sum" "$KUBE_MOD"/cmd/*/main.go)" \
     "${KUBE_BINARIES[@]}"
@@ -136,11 +146,8 @@ build_kube() {
   if grep -E '^\s*k8s\.io/[a-z-]+ => ' "$KUBE_MOD/go.mod" | grep -vq " $STAGING_VERSION\$"; then
     die "hack/kube/go.mod replaces a staging module with a version other than $STAGING_VERSION"
   fi
-  local ldflags pkg
-  ldflags="$(kube_ldflags)"
-  for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
-    ldflags+=" -X $pkg.buildDate=$(date -u +%Y-%m-%dT%H:%M:%SZ)"
-  done
+  local ldflags
+  ldflags="$(dated_kube_ldflags)"
   run_go kube-download "" "$KUBE_MOD" go mod download
   local total
   total=$(cd "$KUBE_MOD" && go list -tags providerless -deps ./cmd/kube ./cmd/etcd | grep -c .) || total=""
@@ -155,11 +162,8 @@ build_kube() {
 }
 
 build_node() {
-  local ldflags pkg total
-  ldflags="$(kube_ldflags)"
-  for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
-    ldflags+=" -X $pkg.buildDate=$(date -u +%Y-%m-%dT%H:%M:%SZ)"
-  done
+  local ldflags total
+  ldflags="$(dated_kube_ldflags)"
   total=$(cd "$KUBE_MOD" && go list -tags providerless -deps ./node | grep -c .) || total=""
   run_go kube-node "$total" "$KUBE_MOD" go build -v -trimpath -tags providerless -ldflags "$ldflags" \
     -o "$BIN/kube-node" ./node
@@ -171,14 +175,7 @@ build_node() {
 cmd_build_node() {
   mkdir -p "$BIN"
   node_fresh && return 0
-  check_go
-  export GOWORK=off CGO_ENABLED=0 GOFLAGS="-mod=mod -buildvcs=false"
-  exec 9>"$CACHE/build.lock"
-  if ! flock -n 9; then
-    say "another build holds $CACHE/build.lock; waiting for it (at most 60 min)"
-    flock -w 3600 9 || die "timed out after 60 min waiting for $CACHE/build.lock"
-    node_fresh && return 0
-  fi
+  build_env_locked node_fresh || return 0
   local start=$SECONDS
   say "building the real node's kubelet + kube-proxy (kubernetes $KUBERNETES_VERSION) into $BIN;" \
     "6-10 min on 2 cores once the control plane's build cache is warm"
@@ -209,21 +206,28 @@ copy_kwok_stages() {
   mv "$out" "$KWOK_STAGES"
 }
 
-cmd_build() {
-  mkdir -p "$BIN"
-  # Fast path: everything stamped -> no go invocation at all.
-  if kube_fresh && kwok_fresh && helm_fresh; then
-    return 0
-  fi
+controlplane_fresh() { kube_fresh && kwok_fresh && helm_fresh; }
+
+# build_env_locked FRESH_FN: the Go environment plus the cache's build lock (held until exit).
+# One build at a time per cache (several checkouts may share it); the winner's result counts:
+# returns 1 when FRESH_FN holds after waiting for another build, i.e. nothing is left to do.
+build_env_locked() {
   check_go
   export GOWORK=off CGO_ENABLED=0 GOFLAGS="-mod=mod -buildvcs=false"
-  # One build at a time per cache (several checkouts may share it); the winner's result counts.
   exec 9>"$CACHE/build.lock"
   if ! flock -n 9; then
     say "another build holds $CACHE/build.lock; waiting for it (at most 60 min)"
     flock -w 3600 9 || die "timed out after 60 min waiting for $CACHE/build.lock"
-    if kube_fresh && kwok_fresh && helm_fresh; then return 0; fi
+    "$1" && return 1
   fi
+  return 0
+}
+
+cmd_build() {
+  mkdir -p "$BIN"
+  # Fast path: everything stamped -> no go invocation at all.
+  controlplane_fresh && return 0
+  build_env_locked controlplane_fresh || return 0
   local start=$SECONDS
   say "building the local control plane into $BIN (kubernetes $KUBERNETES_VERSION, etcd $ETCD_VERSION," \
     "kwok $KWOK_VERSION, helm $HELM_VERSION); a cold build takes 15-40 min on 2 cores"
