@@ -146,29 +146,30 @@ async def relay_stream(up: Upstream, out: web.StreamResponse, request: web.Reque
     try:
         await out.prepare(request)
         first_relay = 0.0
-        chunks = resp.content.iter_any().__aiter__()
-        while True:
+        loop = asyncio.get_running_loop()
+        try:
+            # One deadline for the whole relay, pushed back after every chunk: no task per token.
+            async with asyncio.timeout(idle_timeout_s) as idle:
+                async for chunk in resp.content.iter_any():
+                    t = time.perf_counter() if not first_relay else 0.0
+                    if capture and size < CAPTURE_LIMIT:
+                        buf.append(chunk)
+                        size += len(chunk)
+                    await out.write(chunk)
+                    if t:
+                        first_relay = time.perf_counter() - t
+                    if idle_timeout_s is not None:
+                        idle.reschedule(loop.time() + idle_timeout_s)
+        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as e:
+            code, why = (("idle_timeout", f"no token from the engine for {idle_timeout_s:g} s")
+                         if isinstance(e, TimeoutError) else
+                         ("upstream_failed", f"the engine stopped mid-stream ({type(e).__name__})"))
             try:
-                chunk = await asyncio.wait_for(chunks.__anext__(), idle_timeout_s)
-            except StopAsyncIteration:
-                break
-            except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
-                idle = isinstance(e, asyncio.TimeoutError)
-                code, why = (("idle_timeout", f"no token from the engine for {idle_timeout_s:g} s") if idle else
-                             ("upstream_failed", f"the engine stopped mid-stream ({type(e).__name__})"))
-                try:
-                    await out.write(sse_error(code, why))
-                    await out.write_eof()
-                except (ConnectionResetError, RuntimeError):
-                    pass
-                return RelayResult(False, b"".join(buf), code)
-            t = time.perf_counter() if not first_relay else 0.0
-            if capture and size < CAPTURE_LIMIT:
-                buf.append(chunk)
-                size += len(chunk)
-            await out.write(chunk)
-            if t:
-                first_relay = time.perf_counter() - t
+                await out.write(sse_error(code, why))
+                await out.write_eof()
+            except (ConnectionResetError, RuntimeError):
+                pass
+            return RelayResult(False, b"".join(buf), code)
         done = True
         await out.write_eof()
         return RelayResult(True, b"".join(buf), first_relay_s=first_relay)
