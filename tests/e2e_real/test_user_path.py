@@ -131,6 +131,17 @@ def engine_pod(c, specialist: str) -> dict:
     return live[0]
 
 
+def ready_replacement(c, specialist: str, old: dict) -> dict:
+    """The specialist's live pod once it is not `old` and is Ready (NotYet otherwise)."""
+    pod = engine_pod(c, specialist)
+    if pod["metadata"]["uid"] == old["metadata"]["uid"]:
+        raise NotYet(f"the old {specialist} pod is still the live one")
+    ready = condition(pod, "Ready")
+    if not ready or ready["status"] != "True":
+        raise NotYet(f"{pod['metadata']['name']} not Ready yet")
+    return pod
+
+
 def routing_replicas(base: str, specialist: str) -> list[dict]:
     import urllib.request
 
@@ -170,16 +181,7 @@ def test_deleting_an_engine_pod_keeps_traffic_flowing_and_it_rejoins_when_warm(i
         time.sleep(2)
         c.kubectl("delete", "pod", "-n", NS, victim["metadata"]["name"], "--wait=false")
 
-        def replaced_and_ready():
-            pod = engine_pod(c, "stl")
-            if pod["metadata"]["uid"] == victim["metadata"]["uid"]:
-                raise NotYet("old pod still the live one")
-            ready = condition(pod, "Ready")
-            if not ready or ready["status"] != "True":
-                raise NotYet(f"replacement {pod['metadata']['name']} not Ready yet")
-            return pod
-
-        replacement = wait_for(replaced_and_ready, 300, "the Deployment to replace the deleted stl pod", interval=1)
+        replacement = wait_for(lambda: ready_replacement(c, "stl", victim), 300, "the Deployment to replace the deleted stl pod", interval=1)
         # It rejoins the router once warm: the router lists the new pod's address as a ready replica.
         new_ip = replacement["status"]["podIP"]
         wait_for(lambda: any(new_ip in json.dumps(r) for r in routing_replicas(forward.ensure(), "stl")), 120,
@@ -205,12 +207,7 @@ def test_adapter_rollout_runs_on_real_pods(installed):
     c.kubectl("patch", "specialist", "algo", "-n", NS, "--type=merge", "-p", json.dumps(patch))
 
     def rolled_out():
-        pod = engine_pod(c, "algo")
-        if pod["metadata"]["uid"] == before["metadata"]["uid"]:
-            raise NotYet("the old algo pod is still the live one")
-        ready = condition(pod, "Ready")
-        if not ready or ready["status"] != "True":
-            raise NotYet(f"{pod['metadata']['name']} not Ready yet")
+        pod = ready_replacement(c, "algo", before)
         status = c.kubectl_json("get", "specialist", "algo", "-n", NS).get("status") or {}
         fresh = next((a for a in status.get("adapters") or [] if a["name"] == "fresh"), None)
         if not fresh or fresh.get("loadedReplicas", 0) < 1 or fresh["state"] == "Loading":
