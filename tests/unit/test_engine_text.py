@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from consort_engine.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
+from consort_engine.tokenizer import (HEAD_CHARS_PER_TOKEN, HEAD_MARGIN, IncrementalDetokenizer, StopStringMatcher,
+                                      Tokenizer, TooManyTokens)
 
 CORPUS = [
     "template <typename T> struct vector { T* data; std::size_t size; };",
@@ -37,6 +38,21 @@ def tok(tmp_path_factory) -> Tokenizer:
     (d / "tokenizer_config.json").write_text(json.dumps(
         {"bos_token": "<s>", "eos_token": {"content": "</s>"}, "chat_template": TEMPLATE}))
     return Tokenizer.from_dir(d)
+
+
+def test_limit_counts_a_huge_prompt_on_its_head_and_a_short_one_exactly(tok: Tokenizer):
+    limit = 50
+    text = " ".join(CORPUS) * 40
+    assert len(text) > HEAD_CHARS_PER_TOKEN * (limit + HEAD_MARGIN)      # long enough to take the head path
+    with pytest.raises(TooManyTokens) as huge:
+        tok.encode(text, limit=limit)
+    assert huge.value.at_least and limit + HEAD_MARGIN < huge.value.count < len(tok.encode(text))
+    short = CORPUS[0] * 3
+    n = len(tok.encode(short))
+    with pytest.raises(TooManyTokens) as exact:
+        tok.encode(short, limit=n - 1)
+    assert exact.value.count == n and not exact.value.at_least
+    assert len(tok.encode(short, limit=n)) == n
 
 
 def test_encode_adds_bos_and_chat_does_not_double_it(tok: Tokenizer):
