@@ -4,6 +4,9 @@
 kubelet), starts `hack/controlplane.sh up --real-node` in its own state dir with no kwok nodes (so
 nothing is ever scheduled onto a fake pod IP), imports the image archives, and stops it all at the
 end. Needs root; `pytest -m real_node` selects these tests.
+
+CONSORT_REAL_CLUSTER_DIR=<dir of a running `make cluster-real`> reuses that cluster instead (the
+edit-test loop: rebuild one image, `ctr images import` it, rerun); it is left running.
 """
 from __future__ import annotations
 
@@ -33,6 +36,11 @@ def _run(argv: list[str], timeout: float, env: dict | None = None) -> subprocess
 def real_cluster(tmp_path_factory: pytest.TempPathFactory):
     if os.geteuid() != 0:
         pytest.fail("the real-node suite needs root (containerd, runc, bridges, iptables)", pytrace=False)
+    if existing := os.environ.get("CONSORT_REAL_CLUSTER_DIR"):
+        handle = Cluster(Path(existing) / "kubeconfig", CACHE / "bin", tmp_path_factory.mktemp("helm-home"))
+        yield handle
+        handle.close()
+        return
     for step in (["make", "-C", str(REPO), "images", "node"],):
         out = _run(step, timeout=3600)
         if out.returncode != 0:

@@ -67,6 +67,12 @@ def installed(real_cluster):
     forward = PortForward(c, f"svc/{ROUTER}", 80)
     yield c, forward
     forward.stop()
+    # A no-op after test_uninstall_leaves_no_orphans; after a failed step it leaves the cluster
+    # clean for the next run (CONSORT_REAL_CLUSTER_DIR reuses it).
+    c.kubectl("delete", "-f", str(EXAMPLES), "--ignore-not-found", "--wait=true", "--timeout=120s", check=False,
+              timeout=150)
+    c.helm("uninstall", RELEASE, "-n", OPERATOR_NS, "--ignore-not-found", "--wait", "--timeout", "2m", check=False,
+           timeout=150)
 
 
 def operator_logs(c) -> str:
@@ -108,8 +114,8 @@ def test_openai_client_gets_routed_completions_and_a_stream(installed):
     from openai import OpenAI
 
     c, forward = installed
-    wait_for(lambda: c.kubectl_json("get", "deployment", ROUTER, "-n", NS)["status"].get("readyReplicas") == 1,
-             300, f"router Deployment {ROUTER} ready", interval=2)
+    wait_for(lambda: c.kubectl_json("get", "deployment", f"{ROUTER}-router", "-n", NS)["status"].get("readyReplicas") == 1,
+             300, f"router Deployment {ROUTER}-router ready", interval=2)
     base = wait_for(forward.ensure, 60, "kubectl port-forward to the router Service")
     client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
     raw = client.completions.with_raw_response.create(model=ROUTER, prompt="template <typename T>", max_tokens=8)
@@ -217,7 +223,13 @@ def test_adapter_rollout_runs_on_real_pods(installed):
     pod, fresh = wait_for(rolled_out, 400, "the algo rollout with adapter fresh on the real node", interval=2)
     assert fresh["state"] in ("Probation", "Active"), fresh
     assert any(i["name"].startswith("demo-model-lora") for i in pod["spec"]["initContainers"])
-    # The adapter serves through the router: pinned by name, answered by the new pod.
+    # The adapter serves through the router once the router has seen it: it learns new pods from
+    # EndpointSlices (re-listed every few seconds) and their adapters from their /v1/status.
+    new_ip = pod["status"]["podIP"]
+    wait_for(lambda: any(new_ip in r["url"] and r["ready"] and "fresh" in r["adapters"]
+                         for r in routing_replicas(forward.ensure(), "algo")),
+             60, f"the router to list {new_ip} as ready with adapter fresh", interval=1)
+    # Pinned by name, answered by the new pod.
     from openai import OpenAI
     client = OpenAI(base_url=f"{forward.ensure()}/v1", api_key="unused", max_retries=1, timeout=60)
     raw = client.completions.with_raw_response.create(model="algo", prompt="int f()", max_tokens=4,
