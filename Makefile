@@ -13,10 +13,9 @@ venv:
 controlplane:
 	@hack/controlplane.sh build
 
-# Every suite but the real node's user path (tests/e2e_real: `make e2e-real`; not yet green end to end,
-# see README "Real node").
-test: venv controlplane
-	$(PY) -m pytest tests --ignore=tests/e2e_real
+# Every suite, the real node's user path (tests/e2e_real) included: it needs the images and the node.
+test: venv controlplane node images
+	$(PY) -m pytest tests
 
 # Everything except the real-control-plane tests.
 test-fast: venv

@@ -107,4 +107,6 @@ for entry in "${IMAGES[@]}"; do
   say "[$name] $ref ready in $((SECONDS - start))s (${size})"
 done
 buildah rm --all >/dev/null 2>&1 || true
+# Earlier builds' images, untagged by these: each engine rebuild would otherwise keep its ~6 GB.
+buildah rmi --prune >/dev/null 2>&1 || true
 say "all images ready in $((SECONDS - t0))s: $(cd "$OUT" && ls ./*.tar | tr '\n' ' ')"
