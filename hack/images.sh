@@ -85,6 +85,7 @@ for entry in "${IMAGES[@]}"; do
   read -r name dockerfile ref <<<"$entry"
   start=$SECONDS
   say "[$name] buildah bud -f $dockerfile -t $ref (log: $LOGS/image-$name.log)"
+  previous=$(buildah inspect --type image --format '{{.FromImageID}}' "$ref" 2>/dev/null || true)
   if ! (cd "$ROOT" && buildah bud --layers --pull=never --network=host --format=oci \
         --build-arg "BASE_IMAGE=$BASE_IMAGE" --build-arg PIP_FIND_LINKS=/wheels \
         --volume "$WHEELS:/wheels:ro" -f "$dockerfile" -t "$ref" . ) >"$LOGS/image-$name.log" 2>&1; then
@@ -92,6 +93,9 @@ for entry in "${IMAGES[@]}"; do
     die "[$name] build failed: see $LOGS/image-$name.log"
   fi
   id=$(buildah inspect --type image --format '{{.FromImageID}}' "$ref")
+  # The build it replaces, now untagged: removed so rebuilds do not fill the disk (not `rmi --prune`,
+  # which also drops the cached layers of multi-stage builds' earlier stages).
+  if [ -n "$previous" ] && [ "$previous" != "$id" ]; then buildah rmi "$previous" >/dev/null 2>&1 || true; fi
   if [ "$(cat "$OUT/$name.tar.id" 2>/dev/null)" != "$id" ] || [ ! -f "$OUT/$name.tar" ]; then
     rm -f "$OUT/$name.tar"
     # Uncompressed: gzip of the engine's ~6 GB layer costs minutes on 2 cores and the archive never leaves this machine.
@@ -107,6 +111,4 @@ for entry in "${IMAGES[@]}"; do
   say "[$name] $ref ready in $((SECONDS - start))s (${size})"
 done
 buildah rm --all >/dev/null 2>&1 || true
-# Earlier builds' images, untagged by these: each engine rebuild would otherwise keep its ~6 GB.
-buildah rmi --prune >/dev/null 2>&1 || true
 say "all images ready in $((SECONDS - t0))s: $(cd "$OUT" && ls ./*.tar | tr '\n' ' ')"

@@ -198,6 +198,10 @@ def test_deleting_an_engine_pod_keeps_traffic_flowing_and_it_rejoins_when_warm(i
         worker.join(90)
     assert served, "no request completed during the outage window"
     assert not errors, f"{len(errors)} client errors while an engine pod was replaced: {errors[:5]}"
+    # The liveness probe (/health, answered by the event loop while the engine steps) killed no busy engine.
+    pods = c.kubectl_json("get", "pods", "-n", NS, "-l", "app.kubernetes.io/component=engine")["items"]
+    restarts = {p["metadata"]["name"]: s["restartCount"] for p in pods for s in p["status"].get("containerStatuses") or []}
+    assert restarts and not any(restarts.values()), f"engine containers restarted: {restarts}"
 
 
 def test_kubectl_diff_is_clean_after_reconcile(installed):
