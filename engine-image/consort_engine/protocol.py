@@ -170,9 +170,6 @@ def _sampling(body: dict) -> SamplingParams:
     n = body.get("n")
     if n is not None and not (_is_int(n) and n == 1):
         raise bad("unsupported_value", f"only n=1 is supported, got {n!r}", "n")
-    for key, neutral in (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1),
-                         ("min_p", 0), ("logit_bias", {})):
-        _require_neutral(body, key, neutral)
     top_k = _int(body, "top_k", 0, lo=-1)
     stop = body.get("stop")
     if stop is None:
@@ -197,7 +194,30 @@ def _sampling(body: dict) -> SamplingParams:
         stop=stops,
         stop_token_ids=list(stop_ids or []),
         ignore_eos=_bool(body, "ignore_eos"),
+        presence_penalty=_num(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_num(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=_num(body, "repetition_penalty", 1.0, 0.0, lo_open=True),
+        min_p=_num(body, "min_p", 0.0, 0.0, 1.0),
+        logit_bias=_logit_bias(body),
     )
+
+
+def _logit_bias(body: dict) -> dict[int, float]:
+    """OpenAI's {"<token id>": bias in [-100, 100]}; ids are checked against the vocabulary later."""
+    v = body.get("logit_bias")
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise bad("invalid_type", "'logit_bias' must be an object of token id -> bias", "logit_bias")
+    out: dict[int, float] = {}
+    for key, bias in v.items():
+        if not (isinstance(key, str) and key.lstrip("-").isdigit()):
+            raise bad("invalid_value", f"'logit_bias' keys must be token ids, got {key!r}", "logit_bias")
+        if not _is_num(bias) or not -100 <= bias <= 100:
+            raise bad("invalid_value", f"'logit_bias[{key}]' must be a number in [-100, 100], got {bias!r}",
+                      "logit_bias")
+        out[int(key)] = float(bias)
+    return out
 
 
 def _max_tokens(body: dict, keys: tuple[str, ...]) -> int | None:
@@ -351,6 +371,66 @@ def resolve_max_tokens(req: GenerationRequest, num_prompt_tokens: int, max_model
                   f"prompt ({num_prompt_tokens} tokens) + max_tokens ({req.max_tokens}) exceeds this model's "
                   f"context of {max_model_len} tokens", "max_tokens")
     return req.max_tokens
+
+
+# ---------------------------------------------------------------------------------------------
+# /tokenize and /detokenize (vLLM's shapes)
+
+TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
+                             "continue_final_message", "return_token_strs", "adapter"})
+DETOKENIZE_FIELDS = frozenset({"model", "tokens", "adapter"})
+
+
+@dataclass
+class TokenizeRequest:
+    model: str | None
+    prompt: str | None = None
+    messages: list[dict] | None = None
+    add_special_tokens: bool = True          # a prompt gets BOS; a chat template writes its own specials
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool = False
+    adapter: str | None = None               # same tokenizer; named only so the model check matches generation
+    ignored_fields: list[str] = field(default_factory=list)
+
+
+def parse_tokenize(body: Any) -> TokenizeRequest:
+    body = _as_dict(body)
+    req = TokenizeRequest(model=_str(body, "model"), adapter=_str(body, "adapter") or None,
+                          ignored_fields=unknown_fields(body, TOKENIZE_FIELDS),
+                          return_token_strs=_bool(body, "return_token_strs"))
+    if ("prompt" in body) == ("messages" in body):
+        raise bad("missing_field", "give exactly one of 'prompt' (text) or 'messages' (a chat)", "prompt")
+    if "messages" in body:
+        messages = body["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise bad("invalid_type", "'messages' must be a non-empty list", "messages")
+        req.messages = [_message(i, m) for i, m in enumerate(messages)]
+        req.add_special_tokens = _bool(body, "add_special_tokens", False)
+        req.add_generation_prompt = _bool(body, "add_generation_prompt", True)
+        req.continue_final_message = _bool(body, "continue_final_message", False)
+    else:
+        req.prompt = _str(body, "prompt")
+        if req.prompt is None:
+            raise bad("invalid_type", "'prompt' must be a string", "prompt")
+        req.add_special_tokens = _bool(body, "add_special_tokens", True)
+    return req
+
+
+def parse_detokenize(body: Any) -> tuple[str | None, str | None, list[int]]:
+    """(model, adapter, tokens)."""
+    body = _as_dict(body)
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(_is_int(t) for t in tokens):
+        raise bad("invalid_type", "'tokens' must be a list of token ids", "tokens")
+    return _str(body, "model"), _str(body, "adapter") or None, list(tokens)
+
+
+def check_logit_bias(bias: dict[int, float], vocab_size: int) -> None:
+    for t in bias:
+        if t < 0 or t >= vocab_size:
+            raise bad("invalid_value", f"'logit_bias' token id {t} is outside the vocabulary [0, {vocab_size})",
+                      "logit_bias")
 
 
 def check_token_ids(ids: list[int], vocab_size: int) -> None:

@@ -1,8 +1,11 @@
 """Sampler: logits [rows, vocab] -> one token per row, plus optional logprobs.
 
-Batched tensor ops throughout: all-greedy batches are one argmax; otherwise temperature, top-k,
-top-p and typical-p become per-row tensors and the draw is an exponential race (argmax p / E, E ~
-Exp(1)), which samples exactly from p. A seeded request draws its noise from a generator seeded with
+Batched tensor ops throughout. Penalties come first, on the rows that ask for them (logit_bias,
+repetition over prompt + output as transformers' RepetitionPenaltyLogitsProcessor, then OpenAI's
+frequency/presence over the output), so greedy requests see them too. All-greedy batches are then
+one argmax; otherwise temperature, top-k, top-p, min-p and typical-p (transformers' warper order)
+become per-row tensors and the draw is an exponential race (argmax p / E, E ~ Exp(1)), which samples
+exactly from p. A seeded request draws its noise from a generator seeded with
 (seed, output index), so its tokens do not depend on what else is in the batch, nor on preemption.
 Logprobs are those of the model (log_softmax of the raw logits), as the OpenAI API reports them.
 """
@@ -19,14 +22,27 @@ def _seed_for(seed: int, step: int) -> int:
     return ((seed * _SEED_MIX) ^ (step + 1) * 0xBF58476D1CE4E5B9) & ((1 << 63) - 1)
 
 
+def _token_counts(rows: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[len(rows), vocab] float counts of each token id per row (one scatter_add over padded ids)."""
+    width = max((len(r) for r in rows), default=0)
+    ids = torch.full((len(rows), width), vocab, dtype=torch.int64)   # padding lands in an extra column
+    for j, r in enumerate(rows):
+        if r:
+            ids[j, : len(r)] = torch.tensor(r, dtype=torch.int64)
+    counts = torch.zeros(len(rows), vocab + 1, device=device)
+    counts.scatter_add_(1, ids.to(device), torch.ones(ids.shape, device=device))
+    return counts[:, :vocab]
+
+
 class Sampler:
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list | None]:
         params = [s.sampling for s in seqs]
         logits = logits.float()
+        x = self.penalize(logits, seqs, params) if any(p.penalized for p in params) else logits
         if all(p.temperature == 0.0 for p in params):
-            tokens = logits.max(dim=-1).indices
+            tokens = x.max(dim=-1).indices
         else:
-            tokens = self._random(logits, seqs, params)
+            tokens = self._random(x, seqs, params)
         token_list = tokens.tolist()
         if all(p.logprobs is None for p in params):
             return token_list, None
@@ -37,14 +53,16 @@ class Sampler:
         dev = logits.device
         greedy = [p.temperature == 0.0 for p in params]
         first = params[0]
-        uniform = all((p.temperature, p.top_k, p.top_p, p.typical_p) ==
-                      (first.temperature, first.top_k, first.top_p, first.typical_p) for p in params)
+        uniform = all((p.temperature, p.top_k, p.top_p, p.min_p, p.typical_p) ==
+                      (first.temperature, first.top_k, first.top_p, first.min_p, first.typical_p) for p in params)
         if uniform:
             x = logits / first.temperature
             if first.top_k > 0:
                 x = self._top_k(x, torch.full((x.shape[0],), first.top_k, device=dev))
             if first.top_p < 1.0:
                 x = self._top_p(x, torch.full((x.shape[0], 1), first.top_p, device=dev))
+            if first.min_p > 0.0:
+                x = self._min_p(x, torch.full((x.shape[0], 1), first.min_p, device=dev))
             if first.typical_p < 1.0:
                 x = self._typical(x, torch.full((x.shape[0], 1), first.typical_p, device=dev))
         else:
@@ -54,6 +72,8 @@ class Sampler:
                 x = self._top_k(x, torch.tensor([p.top_k for p in params], device=dev))
             if any(p.top_p < 1.0 for p in params):
                 x = self._top_p(x, torch.tensor([[p.top_p] for p in params], device=dev))
+            if any(p.min_p > 0.0 for p in params):
+                x = self._min_p(x, torch.tensor([[p.min_p] for p in params], device=dev))
             if any(p.typical_p < 1.0 for p in params):
                 x = self._typical(x, torch.tensor([[p.typical_p] for p in params], device=dev))
         probs = torch.softmax(x, dim=-1)
@@ -67,6 +87,38 @@ class Sampler:
         if any(greedy):
             tokens = torch.where(torch.tensor(greedy, device=dev), logits.max(dim=-1).indices, tokens)
         return tokens
+
+    @staticmethod
+    def penalize(logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams]) -> torch.Tensor:
+        """A copy of logits with each row's logit_bias and penalties applied (rows without any untouched)."""
+        dev, vocab = logits.device, logits.shape[-1]
+        x = logits.clone()
+        bias = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias.items() if 0 <= t < vocab]
+        if bias:
+            r, t, b = zip(*bias)
+            x.index_put_((torch.tensor(r, device=dev), torch.tensor(t, device=dev)),
+                         torch.tensor(b, device=dev, dtype=x.dtype), accumulate=True)
+        rep = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+        if rep:
+            seen = _token_counts([seqs[i].token_ids for i in rep], vocab, dev) > 0
+            pen = torch.tensor([[params[i].repetition_penalty] for i in rep], device=dev)
+            idx = torch.tensor(rep, device=dev)
+            sub = x.index_select(0, idx)
+            x.index_copy_(0, idx, torch.where(seen, torch.where(sub < 0, sub * pen, sub / pen), sub))
+        fp = [i for i, p in enumerate(params) if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0]
+        if fp:
+            counts = _token_counts([seqs[i].output_token_ids for i in fp], vocab, dev)
+            freq = torch.tensor([[params[i].frequency_penalty] for i in fp], device=dev)
+            pres = torch.tensor([[params[i].presence_penalty] for i in fp], device=dev)
+            idx = torch.tensor(fp, device=dev)
+            x.index_copy_(0, idx, x.index_select(0, idx) - freq * counts - pres * (counts > 0))
+        return x
+
+    @staticmethod
+    def _min_p(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        """Drop tokens less likely than min_p times the most likely one (transformers' MinPLogitsWarper)."""
+        probs = torch.softmax(x, dim=-1)
+        return x.masked_fill(probs < m * probs.amax(dim=-1, keepdim=True), -float("inf"))
 
     @staticmethod
     def _top_k(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:

@@ -30,10 +30,22 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None    # None = no logprobs; k = chosen token + top-k
+    # Logits processors (OpenAI / vLLM semantics); the neutral values leave the logits untouched.
+    presence_penalty: float = 0.0  # - p once for every token already generated
+    frequency_penalty: float = 0.0  # - f per occurrence in the generated tokens
+    repetition_penalty: float = 1.0  # prompt + generated tokens: positive logits / r, negative * r
+    min_p: float = 0.0             # drop tokens below min_p * the top token's probability
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether logit_bias or a penalty changes this request's logits."""
+        return bool(self.logit_bias) or (self.presence_penalty, self.frequency_penalty,
+                                         self.repetition_penalty) != (0.0, 0.0, 1.0)
 
 
 @dataclass

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.metadata
 import json
 import logging
 import os
@@ -371,6 +372,7 @@ async def handle_generation(request: web.Request, kind: str) -> web.StreamRespon
     def prepare() -> tuple[P.GenerationRequest, list[int]]:
         req = P.parse_completion(decode_json(raw)) if kind == "completion" else P.parse_chat(decode_json(raw))
         check_target(ctx, req)
+        P.check_logit_bias(req.sampling.logit_bias, ctx.vocab_size)
         return req, build_prompt(ctx, req)
 
     req, prompt_ids = await asyncio.to_thread(prepare) if len(raw) > OFF_LOOP_BYTES else prepare()
@@ -522,8 +524,9 @@ async def status(request: web.Request) -> web.Response:
     return web.json_response(request.app[CTX].status())
 
 
-async def models(request: web.Request) -> web.Response:
-    ctx: ServerContext = request.app[CTX]
+def model_cards(ctx: ServerContext) -> list[dict]:
+    """The base model and each loaded adapter (`root`: where its weights came from; `parent`: an
+    adapter's base), as vLLM lists them."""
     created = int(time.time() - (time.monotonic() - ctx.started))
     data = [{"id": ctx.served_name, "object": "model", "created": created, "owned_by": "consort",
              "root": ctx.config.model, "parent": None, "max_model_len": ctx.max_model_len,
@@ -532,7 +535,63 @@ async def models(request: web.Request) -> web.Response:
     data += [{"id": f"{ctx.served_name}:{name}", "object": "model", "created": created, "owned_by": "consort",
               "root": paths.get(name, ctx.config.adapters.get(name)), "parent": ctx.served_name, "adapter": name}
              for name in sorted(ctx.adapters_state())]
-    return web.json_response({"object": "list", "data": data})
+    return data
+
+
+async def models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": model_cards(request.app[CTX])})
+
+
+async def model_card(request: web.Request) -> web.Response:
+    ctx: ServerContext = request.app[CTX]
+    model_id = request.match_info["model_id"]
+    req = P.TokenizeRequest(model=model_id)
+    check_target(ctx, req)       # the same names a request may use: the served name, aliases, adapters
+    want = ctx.served_name if req.adapter is None else f"{ctx.served_name}:{req.adapter}"
+    return web.json_response(next(c for c in model_cards(ctx) if c["id"] == want))
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    ctx: ServerContext = request.app[CTX]
+    req = P.parse_tokenize(await read_json(request))
+    check_target(ctx, req)
+    tok = ctx.tokenizer
+
+    def run() -> list[int]:
+        if req.messages is None:
+            return tok.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
+        try:
+            text = tok.apply_chat_template(req.messages, add_generation_prompt=req.add_generation_prompt,
+                                           continue_final_message=req.continue_final_message)
+        except ChatTemplateError as e:
+            raise P.bad("chat_template_error", str(e), "messages")
+        return tok.encode(text, add_special_tokens=req.add_special_tokens)
+
+    ids = await asyncio.to_thread(run)
+    body = {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids,
+            "token_strs": [tok.hf.id_to_token(i) for i in ids] if req.return_token_strs else None}
+    if req.ignored_fields:
+        request["ignored_fields"] = req.ignored_fields
+    return web.json_response(body)
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    ctx: ServerContext = request.app[CTX]
+    model, adapter, ids = P.parse_detokenize(await read_json(request))
+    check_target(ctx, P.TokenizeRequest(model=model, adapter=adapter))
+    try:
+        P.check_token_ids(ids, ctx.vocab_size)
+    except P.ApiError as e:
+        raise P.bad(e.code, e.message, "tokens")
+    return web.json_response({"prompt": await asyncio.to_thread(ctx.tokenizer.decode, ids, False)})
+
+
+async def version(request: web.Request) -> web.Response:
+    try:
+        v = importlib.metadata.version("consort")
+    except importlib.metadata.PackageNotFoundError:   # run from a source tree that is not installed
+        v = "unknown"
+    return web.json_response({"version": v})
 
 
 ADAPTER_STATUS = {"invalid_adapter": 422, "adapter_exists": 409, "max_adapters": 409, "adapter_in_use": 409,
@@ -592,6 +651,10 @@ def build_app(ctx: ServerContext) -> web.Application:
     app.router.add_get("/ready", ready)
     app.router.add_get("/v1/status", status)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model_id}", model_card)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/version", version)
     app.router.add_post("/v1/adapters", load_adapter)
     app.router.add_delete("/v1/adapters/{name}", unload_adapter)
     app.router.add_get("/metrics", metrics)

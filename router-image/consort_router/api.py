@@ -125,6 +125,23 @@ def parse_request(obj: dict, kind: str, header_intent: str | None) -> ParsedRequ
     return ParsedRequest(obj, model, intent or None, priority, stream, text)
 
 
+def tokenizer_lane(model: object, cfg) -> tuple[str, str | None]:
+    """(specialist, adapter) whose engine answers /tokenize and /detokenize for `model`: a
+    specialist, `specialist:adapter`, or the ensemble (or nothing), which means the default
+    specialist, else the first: one tokenizer has to answer and nothing is being routed."""
+    if model is not None and not isinstance(model, str):
+        raise bad("invalid_type", "'model' must be a string", "model")
+    if model is None or model == cfg.ensemble:
+        return (cfg.default_specialist or cfg.specialists[0].name), None
+    if cfg.specialist(model) is not None:
+        return model, None
+    base, sep, adapter = model.rpartition(":")
+    if sep and cfg.specialist(base) is not None:
+        return base, adapter
+    raise ApiError(404, "model_not_found", f"model {model!r} is neither the ensemble {cfg.ensemble!r} nor one of "
+                   f"its specialists {[s.name for s in cfg.specialists]}", param="model")
+
+
 def upstream_body(obj: dict, specialist: str, adapter: str | None) -> dict:
     """What the engine gets: the router-only `intent` removed, `model` set to the specialist."""
     out = {k: v for k, v in obj.items() if k != "intent"}

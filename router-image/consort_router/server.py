@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.metadata
 import json
 import logging
 import os
@@ -24,7 +25,7 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
-from .api import ApiError, ParsedRequest, parse_json, parse_request, upstream_body
+from .api import ApiError, ParsedRequest, parse_json, parse_request, tokenizer_lane, upstream_body
 from .auth import KeyRing
 from .breaker import STATE_CODES, BreakerStore, FileStore, MemoryStore, is_fresh
 from .config import RouterConfig
@@ -41,7 +42,7 @@ from . import admission as adm
 log = logging.getLogger("consort.router")
 
 ROUTER = web.AppKey("consort_router", object)
-OPEN_PATHS = frozenset({"/health", "/ready"})
+OPEN_PATHS = frozenset({"/health", "/ready", "/version"})
 GEN_HEADERS = ("x-consort-specialist", "x-consort-shadow", "x-consort-adapter", "x-consort-admission",
                "x-consort-breaker")
 
@@ -564,13 +565,56 @@ async def routing_view(request: web.Request) -> web.Response:
     })
 
 
+def model_cards(cfg) -> list[dict]:
+    """The ensemble (routed) and each specialist (pinned), with vLLM's `root` and `parent`."""
+    data = [{"id": cfg.ensemble, "object": "model", "owned_by": "consort", "root": cfg.ensemble, "parent": None}]
+    data += [{"id": s.name, "object": "model", "owned_by": "consort", "root": s.name, "parent": cfg.ensemble}
+             for s in cfg.specialists]
+    return data
+
+
 async def models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": model_cards(request.app[ROUTER].config)})
+
+
+async def model_card(request: web.Request) -> web.Response:
+    model_id = request.match_info["model_id"]
+    card = next((c for c in model_cards(request.app[ROUTER].config) if c["id"] == model_id), None)
+    if card is None:
+        raise ApiError(404, "model_not_found", f"model {model_id!r} is not served here", param="model")
+    return web.json_response(card)
+
+
+async def tokenizer_call(request: web.Request) -> web.Response:
+    """/tokenize and /detokenize, answered by one ready replica of the specialist `model` names."""
     router: Router = request.app[ROUTER]
     cfg = router.config
-    data = [{"id": cfg.ensemble, "object": "model", "owned_by": "consort"}]
-    data += [{"id": s.name, "object": "model", "owned_by": "consort", "parent": cfg.ensemble}
-             for s in cfg.specialists]
-    return web.json_response({"object": "list", "data": data})
+    obj = parse_json(await read_body(request, cfg.limits.max_body_bytes))
+    specialist, adapter = tokenizer_lane(obj.get("model"), cfg)
+    payload = json.dumps(upstream_body(obj, specialist, adapter)).encode()
+    timeout = aiohttp.ClientTimeout(total=cfg.limits.request_timeout_s, sock_connect=cfg.limits.connect_timeout_s)
+    try:
+        up = await open_upstream(router.session, router.runtime.replicas.get(specialist, []), request.path, payload,
+                                 {"Content-Type": "application/json"}, timeout, cfg.polling.preempting_penalty)
+    except NoReplica as e:
+        raise ApiError(503, "no_ready_replica", f"{specialist}: {e}", retry_after_ms=1000)
+    try:
+        body = await up.response.read()
+    finally:
+        up.response.release()
+        up.replica.inflight -= 1
+    out = web.Response(body=body, status=up.response.status)
+    copy_headers(up.response, out)
+    out.headers["x-consort-specialist"] = specialist
+    return out
+
+
+async def version(request: web.Request) -> web.Response:
+    try:
+        v = importlib.metadata.version("consort")
+    except importlib.metadata.PackageNotFoundError:   # run from a source tree that is not installed
+        v = "unknown"
+    return web.json_response({"version": v})
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -590,6 +634,10 @@ def build_app(router: Router) -> web.Application:
     app.router.add_post("/v1/feedback", feedback)
     app.router.add_get("/v1/routing", routing_view)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model_id}", model_card)
+    app.router.add_post("/tokenize", tokenizer_call)
+    app.router.add_post("/detokenize", tokenizer_call)
+    app.router.add_get("/version", version)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)

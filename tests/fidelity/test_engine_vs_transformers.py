@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 from fidelity_helpers import check_logprobs_close, hf_greedy, make_checkpoint
 
 from consort_engine.config import EngineConfig
@@ -118,3 +119,33 @@ def test_speculative_greedy_matches_transformers(model_and_reference, case):
     assert spec["state"] == "on" and spec["draft_tokens"] > 0 and spec["accepted_tokens"] > 0, spec
     exact = sum(out == list(ref.tokens) and len(out) == m for out, ref, m in zip(outs, refs, max_tokens))
     assert exact >= N - 1, f"{arch}/{case}: only {exact}/{N} speculative requests matched transformers"
+
+
+@torch.no_grad()
+def test_penalized_greedy_matches_transformers_generate(tmp_path):
+    """repetition_penalty + logit_bias through the whole engine (batched with plain requests, under
+    pool pressure, speculation on: penalized requests never draft) equal transformers' generate with
+    the same processors (RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor)."""
+    from fidelity_helpers import hf_model
+
+    ckpt = make_checkpoint("llama", tmp_path)
+    prompts, max_tokens = workload(512)
+    bias = {17: 4.0, 99: -100.0}
+    model = hf_model(ckpt)
+    refs = []
+    for p, m in zip(prompts, max_tokens):
+        out = model.generate(torch.tensor([p]), max_new_tokens=m, min_new_tokens=m, do_sample=False, pad_token_id=0,
+                             repetition_penalty=1.5, sequence_bias={(t,): b for t, b in bias.items()})
+        refs.append(out[0, len(p):].tolist())
+    engine = LLMEngine(EngineConfig(model=str(ckpt), dtype="float32", block_size=4, speculative="ngram",
+                                    num_speculative_tokens=3, **CASES["preempt"]))
+    penalized = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, repetition_penalty=1.5, logit_bias=bias)
+                 for m in max_tokens]
+    plain = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    outs = engine.generate(prompts + prompts, penalized + plain)
+    stats = engine.stats()
+    assert stats["kv_free_blocks"] == stats["kv_total_blocks"]
+    exact = sum(out == ref for out, ref in zip(outs[:N], refs))
+    assert exact >= N - 1, f"only {exact}/{N} penalized requests matched transformers"
+    assert all(99 not in out for out in outs[:N])
+    assert sum(out != ref for out, ref in zip(outs[N:], refs)) >= N // 2, "the penalty changed nothing"

@@ -97,3 +97,68 @@ def test_logprobs_match_log_softmax():
     assert [t for t, _ in lps[0]["top"]] == i.tolist()
     assert all(abs(a - b) < 1e-5 for (_, a), b in zip(lps[0]["top"], v.tolist()))
     assert lps[2]["top"] == [] and abs(lps[2]["logprob"] - ref[2, tokens[2]].item()) < 1e-5
+
+
+# --- logits processors: the same math as transformers' processors / OpenAI's definition -------------
+
+def history(prompt: list[int], output: list[int], p: SamplingParams) -> Sequence:
+    s = Sequence(prompt_token_ids=prompt, sampling=p)
+    s.token_ids.extend(output)
+    return s
+
+
+def test_repetition_penalty_matches_transformers():
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    x = logits(3, vocab=64, seed=3)
+    seqs = [history([1, 5, 5, 9], [9, 33], SamplingParams(repetition_penalty=1.3)),
+            history([2, 3], [], SamplingParams(repetition_penalty=0.7)),
+            history([4, 4], [60], SamplingParams())]                       # untouched row in the same batch
+    got = Sampler.penalize(x, seqs, [s.sampling for s in seqs])
+    for i, s in enumerate(seqs):
+        ids = torch.tensor([s.token_ids])
+        want = RepetitionPenaltyLogitsProcessor(s.sampling.repetition_penalty)(ids, x[i:i + 1].clone())
+        assert torch.allclose(got[i:i + 1], want), i
+    assert not torch.equal(got[0], x[0]) and torch.equal(got[2], x[2])
+
+
+def test_min_p_matches_transformers():
+    from transformers import MinPLogitsWarper
+
+    x = logits(4, vocab=64, seed=4)
+    for m in (0.05, 0.3):
+        params = [SamplingParams(min_p=m)] * 4
+        want = MinPLogitsWarper(min_p=m)(None, x.clone())
+        assert torch.equal(torch.isinf(Sampler._min_p(x, torch.full((4, 1), m))), torch.isinf(want)), m
+    # sampled with min_p, only tokens min_p keeps are ever drawn
+    keep = ~torch.isinf(MinPLogitsWarper(min_p=0.3)(None, x.clone()))
+    tokens, _ = Sampler().sample(x.repeat(50, 1), seqs_with(*[SamplingParams(temperature=1.0, min_p=0.3)] * 200))
+    assert all(keep[i % 4, t] for i, t in enumerate(tokens))
+
+
+def test_logit_bias_matches_transformers_sequence_bias_and_steers_greedy():
+    from transformers import SequenceBiasLogitsProcessor
+
+    x = logits(2, vocab=64, seed=5)
+    bias = {7: 100.0, int(x[0].argmax()): -100.0, 20: 1.5}
+    seqs = [history([1], [], SamplingParams(temperature=0.0, logit_bias=bias)), history([1], [], SamplingParams())]
+    got = Sampler.penalize(x, seqs, [s.sampling for s in seqs])
+    want = SequenceBiasLogitsProcessor({(t,): b for t, b in bias.items()})(torch.tensor([[1]]), x[:1].clone())
+    assert torch.allclose(got[:1], want) and torch.equal(got[1], x[1])
+    tokens, _ = Sampler().sample(x, seqs_with(SamplingParams(temperature=0.0, logit_bias=bias), SamplingParams(temperature=0.0)))
+    assert tokens == [7, int(x[1].argmax())]
+
+
+def test_frequency_and_presence_penalties_follow_openai_and_count_only_the_output():
+    x = logits(2, vocab=64, seed=6)
+    out = [5, 5, 5, 9, 12]
+    p = SamplingParams(frequency_penalty=0.4, presence_penalty=-0.7)
+    seqs = [history([5, 12, 30], out, p), history([5], out, SamplingParams())]
+    got = Sampler.penalize(x, seqs, [s.sampling for s in seqs])
+    # OpenAI: mu[j] - c[j] * alpha_frequency - float(c[j] > 0) * alpha_presence, c over generated tokens
+    want = x[0].clone()
+    for j in set(out):
+        c = out.count(j)
+        want[j] -= c * 0.4 + (c > 0) * -0.7
+    assert torch.allclose(got[0], want) and torch.equal(got[1], x[1])
+    assert got[0, 30] == x[0, 30]                                              # prompt-only token: untouched

@@ -42,7 +42,13 @@ def test_prompt_forms():
     ({"prompt": "x", "temperature": -1}, "invalid_value", "temperature"),
     ({"prompt": "x", "top_p": 0}, "invalid_value", "top_p"),
     ({"prompt": "x", "n": 2}, "unsupported_value", "n"),
-    ({"prompt": "x", "frequency_penalty": 0.5}, "unsupported_value", "frequency_penalty"),
+    ({"prompt": "x", "frequency_penalty": 2.5}, "invalid_value", "frequency_penalty"),
+    ({"prompt": "x", "presence_penalty": "lots"}, "invalid_type", "presence_penalty"),
+    ({"prompt": "x", "repetition_penalty": 0}, "invalid_value", "repetition_penalty"),
+    ({"prompt": "x", "min_p": 1.5}, "invalid_value", "min_p"),
+    ({"prompt": "x", "logit_bias": ["5"]}, "invalid_type", "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"the": 1}}, "invalid_value", "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"5": 101}}, "invalid_value", "logit_bias"),
     ({"prompt": "x", "stop": [""]}, "invalid_value", "stop"),
     ({"prompt": "x", "stop": 5}, "invalid_type", "stop"),
     ({"prompt": "x", "logprobs": 21}, "invalid_value", "logprobs"),
@@ -92,3 +98,12 @@ def test_admission_error_shape():
     assert e.body() == {"error": {"type": "admission_rejected", "code": "kv_capacity", "message": "pool full",
                                   "param": None, "retry_after_ms": 1201}}
     assert P.admission_error("queue_full", 0, "").headers() == {"Retry-After": "1"}
+
+
+def test_penalties_min_p_and_logit_bias_reach_the_sampling_params():
+    req = P.parse_completion({"prompt": "x", "presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.3,
+                              "min_p": 0.1, "logit_bias": {"7": -100, "12": 2.5}})
+    sp = req.sampling
+    assert (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty, sp.min_p) == (0.5, -1.0, 1.3, 0.1)
+    assert sp.logit_bias == {7: -100.0, 12: 2.5} and sp.penalized
+    assert not P.parse_completion({"prompt": "x", "min_p": 0.2}).sampling.penalized   # min_p is a warper
