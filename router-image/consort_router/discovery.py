@@ -1,9 +1,11 @@
 """Cluster mode: a specialist's replicas are the ready endpoints of its Service's EndpointSlices.
 
-Lists `discovery.k8s.io/v1` EndpointSlices labelled `kubernetes.io/service-name=<service>` every
-`polling.discovery_interval_s` with the pod's service-account token (in-cluster), and swaps the
-replica list into the runtime. Endpoints whose `conditions.ready` is false are left out; the poller
-still gates on each engine's own /ready.
+Lists `discovery.k8s.io/v1` EndpointSlices labelled `kubernetes.io/service-name=<service>` with the
+pod's service-account token (in-cluster) and swaps the replica list into the runtime. A watch on
+those slices (one per namespace) wakes the re-list the moment one changes, so a pod that turns Ready
+is routed, and one that starts terminating is dropped, within a round trip rather than an interval;
+the re-list every `polling.discovery_interval_s` stays as the resync if a watch breaks. Endpoints
+whose `conditions.ready` is false are left out; the poller still gates on each engine's own /ready.
 
 Environment overrides (for running outside a pod): CONSORT_KUBE_API (https://host:port),
 CONSORT_KUBE_TOKEN_FILE, CONSORT_KUBE_CA_FILE.
@@ -67,29 +69,86 @@ async def list_slices(session: aiohttp.ClientSession, api: str, token: str | Non
         return (await resp.json()).get("items") or []
 
 
+def watched_services(specialists) -> dict[str, frozenset[str]]:
+    """Pure: namespace -> the Service names whose EndpointSlices the router watches there."""
+    out: dict[str, set[str]] = {}
+    for s in specialists:
+        if s.service is not None:
+            out.setdefault(s.service.namespace, set()).add(s.service.service)
+    return {ns: frozenset(names) for ns, names in out.items()}
+
+
+async def watch_slices(session: aiohttp.ClientSession, api: str, token: str | None, ssl_ctx, namespace: str,
+                       services: frozenset[str], wake: asyncio.Event) -> None:
+    """Sets `wake` on every event of a watch on these Services' EndpointSlices (the re-list reads
+    them); reconnects when the apiserver ends the watch or the connection drops."""
+    url = f"{api}/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices"
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    params = {"watch": "1", "timeoutSeconds": "300",
+              "labelSelector": f"kubernetes.io/service-name in ({','.join(sorted(services))})"}
+    while True:
+        try:
+            async with session.get(url, params=params, headers=headers, ssl=ssl_ctx,
+                                   timeout=aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=330)) as resp:
+                resp.raise_for_status()
+                async for line in resp.content:   # one JSON event per line
+                    if line.strip():
+                        wake.set()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            log.warning("EndpointSlice watch in %s failed (re-listing every interval meanwhile): %s", namespace, e)
+            await asyncio.sleep(2)
+
+
 async def discovery_loop(router: "Router") -> None:
     api, token, ssl_ctx = api_settings()
     assert router.session is not None
-    while True:
-        rt = router.runtime
-        changed = False
-        for s in rt.config.specialists:
-            if s.service is None:
-                continue
+    wake = asyncio.Event()
+    watching: dict[str, frozenset[str]] = {}
+    watches: list[asyncio.Task] = []
+    trigger = "start"
+    try:
+        while True:
+            rt = router.runtime
+            wanted = watched_services(rt.config.specialists)
+            if wanted != watching:    # first round, or a config reload changed the Services
+                for t in watches:
+                    t.cancel()
+                watches = [asyncio.create_task(watch_slices(router.session, api, token, ssl_ctx, ns, names, wake),
+                                               name=f"endpointslice-watch-{ns}") for ns, names in wanted.items()]
+                watching = wanted
+            await relist(router, api, token, ssl_ctx)
+            router.metrics.discovery_relists.labels(trigger).inc()
             try:
-                urls = ready_urls(await list_slices(router.session, api, token, ssl_ctx, s.service), s.service)
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
-                log.warning("EndpointSlice list for %s failed: %s", s.name, e)
-                continue
-            if router.lanes.discovered.get(s.name) != urls:
-                router.lanes.discovered[s.name] = urls
-                changed = True
-        if changed:
-            reps = dict(rt.replicas)
-            for s in rt.config.specialists:
-                if s.service is not None:
-                    reps[s.name] = [router.lanes.replica(s.name, u) for u in router.lanes.discovered.get(s.name, [])]
-            router.swap_runtime(replace(rt, replicas=reps))
-            if router.poller:
-                await router.poller.poll_all()
-        await asyncio.sleep(rt.config.polling.discovery_interval_s)
+                await asyncio.wait_for(wake.wait(), rt.config.polling.discovery_interval_s)
+                trigger = "watch"
+            except asyncio.TimeoutError:
+                trigger = "interval"
+            wake.clear()
+    finally:
+        for t in watches:
+            t.cancel()
+
+
+async def relist(router: "Router", api: str, token: str | None, ssl_ctx) -> None:
+    """Lists every Service-backed lane's EndpointSlices and swaps changed replica lists in."""
+    rt = router.runtime
+    changed = False
+    for s in rt.config.specialists:
+        if s.service is None:
+            continue
+        try:
+            urls = ready_urls(await list_slices(router.session, api, token, ssl_ctx, s.service), s.service)
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+            log.warning("EndpointSlice list for %s failed: %s", s.name, e)
+            continue
+        if router.lanes.discovered.get(s.name) != urls:
+            router.lanes.discovered[s.name] = urls
+            changed = True
+    if changed:
+        reps = dict(rt.replicas)
+        for s in rt.config.specialists:
+            if s.service is not None:
+                reps[s.name] = [router.lanes.replica(s.name, u) for u in router.lanes.discovered.get(s.name, [])]
+        router.swap_runtime(replace(rt, replicas=reps))
+        if router.poller:
+            await router.poller.poll_all()

@@ -61,6 +61,9 @@ class RouterMetrics:
                               ["specialist"], registry=r, buckets=LATENCY_BUCKETS)
         self.config_reloads = Counter("consort_router_config_reloads", "Config reloads by result.", ["result"],
                                       registry=r)
+        self.discovery_relists = Counter("consort_router_discovery_relists",
+                                         "EndpointSlice re-lists, by what started them (watch event or interval).",
+                                         ["trigger"], registry=r)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,71 @@
+"""The router in cluster mode against the real apiserver: an EndpointSlice change wakes its re-list
+through the watch, long before the re-list interval (120 s here).
+
+The slice's only endpoint is not ready, so the router never dials it (its address is in TEST-NET-1
+and nothing here may leave the machine); what is observed is the re-list the watch triggers
+(`consort_router_discovery_relists_total{trigger="watch"}`).
+"""
+from __future__ import annotations
+
+import base64
+import json
+import re
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+import procs
+from kube import NotYet, wait_for
+
+pytestmark = pytest.mark.e2e
+
+
+def relists(url: str, trigger: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    m = re.search(rf'^consort_router_discovery_relists_total{{trigger="{trigger}"}} (\S+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_an_endpointslice_change_reaches_the_router_through_the_watch(cluster, namespace, tmp_path):
+    kc = json.loads(cluster.kubeconfig.read_text())
+    server = kc["clusters"][0]["cluster"]["server"]
+    (tmp_path / "ca.crt").write_bytes(base64.b64decode(kc["clusters"][0]["cluster"]["certificate-authority-data"]))
+    (tmp_path / "token").write_text(kc["users"][0]["user"]["token"])
+    config = {"ensemble": "ens", "store": {"kind": "none"},
+              "specialists": [{"name": "a", "service": {"namespace": namespace, "service": "a", "port": 8000}}],
+              "polling": {"interval_s": 0.5, "discovery_interval_s": 120}}
+    (tmp_path / "router.yaml").write_text(yaml.safe_dump(config))
+    port = procs.free_port()
+    router = procs.start_process([procs.CONSORT, "router", "--config", str(tmp_path / "router.yaml"), "--port", str(port)],
+                                 f"router-watch-{port}", tmp_path / "logs",
+                                 env={"CONSORT_KUBE_API": server, "CONSORT_KUBE_TOKEN_FILE": str(tmp_path / "token"),
+                                      "CONSORT_KUBE_CA_FILE": str(tmp_path / "ca.crt")})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        procs.wait_http(url + "/health", router, timeout=60)
+        wait_for(lambda: relists(url, "start") == 1, 30, "the router's first EndpointSlice list")
+        time.sleep(1)   # the watch's initial events (none: no slice yet) have settled
+        before = relists(url, "watch")
+        cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps({
+            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {"name": "a-1", "labels": {"kubernetes.io/service-name": "a"}},
+            "addressType": "IPv4",
+            "endpoints": [{"addresses": ["192.0.2.10"], "conditions": {"ready": False}}],
+            "ports": [{"name": "http", "port": 8000, "protocol": "TCP"}]}))
+
+        def relisted():
+            n = relists(url, "watch")
+            if n <= before:
+                raise NotYet(f"watch-triggered re-lists still {n}")
+            return n
+
+        wait_for(relisted, 20, "a watch-triggered re-list after the EndpointSlice was created")
+        assert relists(url, "interval") == 0
+        lanes = httpx.get(url + "/v1/routing", timeout=10).json()["specialists"]
+        assert lanes["a"]["replicas"] == [], "a not-ready endpoint must not become a replica"
+    finally:
+        code = router.stop()
+    assert code == 0, router.tail()
