@@ -173,7 +173,7 @@ def plan_engines(m: Manifests, args: argparse.Namespace, run_dir: Path, log: Any
             port = port + 1 if port else 0
             threads, cpus = cpu[f"{name}#{i}"]
             argv = CONSORT + ["engine"] + engine_args(name, spec, model_dir, adapters, host="127.0.0.1", port=p,
-                                                      device="cpu") + ["--threads", str(threads)]
+                                                      device="cpu", threads=threads)
             child = Child(f"engine {name}" + (f"#{i}" if replicas > 1 else ""), argv,
                           f"http://127.0.0.1:{p}" if p else "", run_dir / "logs" / f"engine-{name}-{i}.log", name,
                           cpus=cpus)

@@ -10,6 +10,7 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..api.base import quantity_value
 from ..api.specialist import KIND, SpecialistSpec
 from .common import (LABEL_SPECIALIST, BuildContext, common_labels, container_security_context,
                      object_meta, owner_reference, pod_security_context, stamp_hash, toleration_dicts)
@@ -94,11 +95,18 @@ def _download_script(downloads: list[tuple[str, str | None, str]]) -> str:
 # ---- engine command line -----------------------------------------------------------------------
 
 def engine_args(name: str, spec: SpecialistSpec, model_dir: str, adapters: dict[str, str],
-                host: str = "0.0.0.0", port: int | None = None, device: str | None = None) -> list[str]:
-    """Flags of `consort engine` for this spec (consort_engine.server.parse_args)."""
+                host: str = "0.0.0.0", port: int | None = None, device: str | None = None,
+                threads: int | None = None) -> list[str]:
+    """Flags of `consort engine` for this spec (consort_engine.server.parse_args).
+
+    A CPU engine runs `threads`, else ceil(resources.cpu) threads: its pod gets a CPU request and
+    no limit (no CFS throttling), so without the flag it would size itself from its affinity,
+    every core of the node, and engines sharing a node would oversubscribe it."""
     device = device or ("cuda" if spec.resources.gpus > 0 else "cpu")
     args = ["--model", model_dir, "--host", host, "--port", str(spec.port if port is None else port), "--name", name,
             "--device", device, "--dtype", spec.dtype, "--block-size", str(spec.kv.block_size)]
+    if device == "cpu":
+        args += ["--threads", str(threads or max(1, math.ceil(quantity_value(spec.resources.cpu))))]
     if spec.max_context is not None:
         args += ["--max-model-len", str(spec.max_context)]
     if spec.kv.num_blocks is not None:

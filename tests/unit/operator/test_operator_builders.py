@@ -226,3 +226,15 @@ def test_engine_pod_drains_inside_its_grace_period():
     pre_stop = engine["lifecycle"]["preStop"]["sleep"]["seconds"]
     drain = float(engine["args"][engine["args"].index("--drain-timeout") + 1])
     assert pre_stop > 0 and pod["terminationGracePeriodSeconds"] > pre_stop + drain
+
+
+def test_a_cpu_engine_runs_as_many_threads_as_its_cpu_request():
+    from consort_engine.server import parse_args
+
+    for cpu, threads in (("400m", 1), ("1500m", 2), (4, 4)):
+        d = S.engine_deployment("x", "ns", "u", spec(resources={"gpus": 0, "cpu": cpu}), CTX)
+        c = d["spec"]["template"]["spec"]["containers"][0]
+        assert parse_args(c["args"]).threads == threads, cpu
+        assert "cpu" not in c["resources"]["limits"]          # a request, no limit: no CFS throttling
+    gpu = S.engine_deployment("x", "ns", "u", spec(), CTX)["spec"]["template"]["spec"]["containers"][0]
+    assert "--threads" not in gpu["args"]
