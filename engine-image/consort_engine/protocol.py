@@ -76,6 +76,7 @@ class GenerationRequest:
     return_token_ids: bool = False
     logprobs: int | None = None                 # top-k alternatives per token (0 = chosen only)
     skip_special_tokens: bool = True
+    echo: bool = False                          # completions: the prompt text leads the choice's text
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     ignored_fields: list[str] = field(default_factory=list)   # unknown fields, ignored as vLLM does
 
@@ -268,7 +269,6 @@ def _as_dict(body: Any) -> dict:
 def parse_completion(body: Any) -> GenerationRequest:
     body = _as_dict(body)
     ignored = unknown_fields(body, COMPLETION_FIELDS)
-    _require_neutral(body, "echo", False)
     _require_neutral(body, "suffix", "")
     _require_neutral(body, "best_of", 1)
     req = GenerationRequest(kind="completion", model=None, sampling=_sampling(body), ignored_fields=ignored)
@@ -298,6 +298,10 @@ def parse_completion(body: Any) -> GenerationRequest:
         req.max_tokens = 16   # the OpenAI completions default
     lp = _int(body, "logprobs", None, lo=0, hi=MAX_LOGPROBS)
     req.logprobs = lp
+    req.echo = _bool(body, "echo")
+    if req.echo and lp is not None:
+        raise bad("unsupported_value", "'echo' with 'logprobs' needs the prompt's logprobs, which this engine "
+                  "does not compute; drop one of them", "echo")
     return _common(body, req)
 
 

@@ -417,6 +417,13 @@ async def handle_generation(request: web.Request, kind: str) -> web.StreamRespon
                 deadline_missed=None if deadline is None or times.first is None else times.first > deadline)
 
 
+def echoed_prompt(ctx: ServerContext, req: P.GenerationRequest, seq: Sequence) -> str:
+    """With `echo`, the prompt as text (a token-id prompt decoded), which leads the completion."""
+    if not req.echo:
+        return ""
+    return req.prompt if req.prompt is not None else ctx.tokenizer.decode(seq.prompt_token_ids, skip_special_tokens=False)
+
+
 async def full_response(ctx: ServerContext, req: P.GenerationRequest, seq: Sequence, deltas):
     text, ids, lps, last = [], [], [], None
     async for d in deltas:
@@ -425,7 +432,7 @@ async def full_response(ctx: ServerContext, req: P.GenerationRequest, seq: Seque
         lps.extend(d.logprobs)
         last = d
     assert last is not None and last.finish_reason is not None
-    full = "".join(text)
+    full = echoed_prompt(ctx, req, seq) + "".join(text)
     logprobs = None
     if req.logprobs is not None:
         logprobs = (P.chat_logprobs(lps, ctx.tokenizer.id_to_token) if req.kind == "chat"
@@ -451,6 +458,12 @@ async def stream_response(request: web.Request, ctx: ServerContext, req: P.Gener
     first = True
     if req.kind == "chat":   # OpenAI sends the role first
         chunk = dict(base, choices=[P.choice(req, "", None, chunk=True, first=True)])
+        if req.return_token_ids:
+            chunk["prompt_token_ids"] = list(seq.prompt_token_ids)
+        await resp.write(_sse(chunk))
+        first = False
+    if req.echo:             # the prompt first, as vLLM streams it
+        chunk = dict(base, choices=[P.choice(req, echoed_prompt(ctx, req, seq), None, chunk=True)])
         if req.return_token_ids:
             chunk["prompt_token_ids"] = list(seq.prompt_token_ids)
         await resp.write(_sse(chunk))

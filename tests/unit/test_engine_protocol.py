@@ -53,7 +53,7 @@ def test_prompt_forms():
     ({"prompt": "x", "stop": 5}, "invalid_type", "stop"),
     ({"prompt": "x", "logprobs": 21}, "invalid_value", "logprobs"),
     ({"prompt": "x", "deadline_ms": 0}, "invalid_value", "deadline_ms"),
-    ({"prompt": "x", "echo": True}, "unsupported_value", "echo"),
+    ({"prompt": "x", "echo": True, "logprobs": 2}, "unsupported_value", "echo"),
 ])
 def test_completion_rejects(body, code, param):
     e = err(P.parse_completion, body)
@@ -64,7 +64,7 @@ def test_completion_rejects(body, code, param):
 def test_unknown_fields_are_ignored_and_reported_known_unsupported_ones_stay_400():
     r = P.parse_completion({"prompt": "x", "bogus": 1, "stream_options": {"include_usage": True, "nope": True}})
     assert r.ignored_fields == ["bogus", "stream_options.nope"] and r.include_usage
-    assert err(P.parse_completion, {"prompt": "x", "bogus": 1, "echo": True}).param == "echo"
+    assert err(P.parse_completion, {"prompt": "x", "bogus": 1, "best_of": 3}).param == "best_of"
 
 
 def test_chat_parsing():

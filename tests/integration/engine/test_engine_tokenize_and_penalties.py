@@ -1,5 +1,5 @@
-"""vLLM's extra endpoints (/tokenize, /detokenize, /version, /v1/models/{id}) and the logits
-processors (logit_bias, penalties, min_p) on a real `consort engine`."""
+"""vLLM's extra endpoints (/tokenize, /detokenize, /version, /v1/models/{id}), the logits
+processors (logit_bias, penalties, min_p) and `echo` on a real `consort engine`."""
 from __future__ import annotations
 
 import httpx
@@ -66,3 +66,22 @@ def test_logit_bias_and_penalties_change_what_is_generated(engine, client):
     r = post(engine, "/v1/completions", {"prompt": "x", "logit_bias": {"999999": 5}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
     assert engine.status()["kv_free_blocks"] == engine.status()["kv_total_blocks"]
+
+
+def test_echo_leads_the_completion_with_the_prompt(engine, client):
+    prompt = "template <typename T>"
+    plain = client.completions.create(model="spec", prompt=prompt, max_tokens=6, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    echoed = client.completions.create(model="spec", prompt=prompt, max_tokens=6, temperature=0, echo=True,
+                                       extra_body={"ignore_eos": True})
+    assert echoed.choices[0].text == prompt + plain.choices[0].text
+    assert echoed.usage.completion_tokens == plain.usage.completion_tokens == 6
+    chunks = list(client.completions.create(model="spec", prompt=prompt, max_tokens=6, temperature=0, echo=True,
+                                            stream=True, extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].text == prompt
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == echoed.choices[0].text
+    ids = post(engine, "/tokenize", {"prompt": prompt}).json()["tokens"]
+    by_ids = client.completions.create(model="spec", prompt=ids, max_tokens=2, temperature=0, echo=True)
+    assert by_ids.choices[0].text.startswith(post(engine, "/detokenize", {"tokens": ids}).json()["prompt"])
+    r = post(engine, "/v1/completions", {"prompt": prompt, "echo": True, "logprobs": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
