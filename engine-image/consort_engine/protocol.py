@@ -15,6 +15,7 @@ from typing import Any
 from .sequence import SamplingParams
 
 MAX_LOGPROBS = 20
+MAX_CHOICES = 64     # prompts x n in one request
 ADAPTER_NAME = re.compile(r"[a-z0-9](?:[-a-z0-9]{0,61}[a-z0-9])?")   # a DNS label, as the CRD requires
 
 
@@ -77,6 +78,8 @@ class GenerationRequest:
     logprobs: int | None = None                 # top-k alternatives per token (0 = chosen only)
     skip_special_tokens: bool = True
     echo: bool = False                          # completions: the prompt text leads the choice's text
+    n: int = 1                                  # samples per prompt
+    prompts: list = field(default_factory=list)  # completions with several prompts: each str or token ids
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     ignored_fields: list[str] = field(default_factory=list)   # unknown fields, ignored as vLLM does
 
@@ -168,9 +171,6 @@ CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_l
 
 
 def _sampling(body: dict) -> SamplingParams:
-    n = body.get("n")
-    if n is not None and not (_is_int(n) and n == 1):
-        raise bad("unsupported_value", f"only n=1 is supported, got {n!r}", "n")
     top_k = _int(body, "top_k", 0, lo=-1)
     stop = body.get("stop")
     if stop is None:
@@ -254,6 +254,7 @@ def _common(body: dict, req: GenerationRequest) -> GenerationRequest:
             raise bad("invalid_value", "'deadline_ms' must be > 0", "deadline_ms")
         req.deadline_ms = float(dl)
     req.adapter = _str(body, "adapter") or None
+    req.n = _int(body, "n", 1, lo=1, hi=MAX_CHOICES)
     req.return_token_ids = _bool(body, "return_token_ids")
     req.skip_special_tokens = _bool(body, "skip_special_tokens", True)
     _str(body, "user")
@@ -266,33 +267,48 @@ def _as_dict(body: Any) -> dict:
     return body
 
 
+def _one_prompt(prompt: Any) -> str | list[int]:
+    """One prompt of a completion: non-empty text or a non-empty list of token ids."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad("empty_prompt", "'prompt' must not be empty", "prompt")
+        return prompt
+    if isinstance(prompt, list):
+        if not prompt:
+            raise bad("empty_prompt", "'prompt' must not be empty", "prompt")
+        if not all(_is_int(t) for t in prompt):
+            raise bad("invalid_type", "'prompt' must be a string or a list of token ids", "prompt")
+        return list(prompt)
+    raise bad("invalid_type", "'prompt' must be a string or a list of token ids", "prompt")
+
+
+def _check_choices(body: dict, req: GenerationRequest) -> None:
+    """n samples of each prompt, at most MAX_CHOICES in all; best_of only as n (nothing to rank by)."""
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != req.n:
+        raise bad("unsupported_value", f"'best_of' is supported only equal to n ({req.n}), got {best_of!r}", "best_of")
+    total = req.n * max(1, len(req.prompts))
+    if total > MAX_CHOICES:
+        raise bad("invalid_value", f"{total} choices (prompts x n) exceed the limit of {MAX_CHOICES}", "n")
+
+
 def parse_completion(body: Any) -> GenerationRequest:
     body = _as_dict(body)
     ignored = unknown_fields(body, COMPLETION_FIELDS)
     _require_neutral(body, "suffix", "")
-    _require_neutral(body, "best_of", 1)
     req = GenerationRequest(kind="completion", model=None, sampling=_sampling(body), ignored_fields=ignored)
     prompt = body.get("prompt", _MISSING)
     if prompt is _MISSING or prompt is None:
         raise bad("missing_field", "'prompt' is required", "prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        if len(prompt) != 1:
-            raise bad("multiple_prompts_unsupported",
-                      f"one prompt per request is supported, got {len(prompt)}; send them as separate requests",
-                      "prompt")
+        if len(prompt) > 1:     # several prompts: one choice each (n each), batched
+            req.prompts = [_one_prompt(p) for p in prompt]
         prompt = prompt[0]
+    prompt = _one_prompt(prompt)
     if isinstance(prompt, str):
-        if not prompt:
-            raise bad("empty_prompt", "'prompt' must not be empty", "prompt")
         req.prompt = prompt
-    elif isinstance(prompt, list):
-        if not prompt:
-            raise bad("empty_prompt", "'prompt' must not be empty", "prompt")
-        if not all(_is_int(t) for t in prompt):
-            raise bad("invalid_type", "'prompt' must be a string or a list of token ids", "prompt")
-        req.prompt_token_ids = list(prompt)
     else:
-        raise bad("invalid_type", "'prompt' must be a string or a list of token ids", "prompt")
+        req.prompt_token_ids = prompt
     req.max_tokens = _max_tokens(body, ("max_tokens",))
     if req.max_tokens is None:
         req.max_tokens = 16   # the OpenAI completions default
@@ -302,7 +318,9 @@ def parse_completion(body: Any) -> GenerationRequest:
     if req.echo and lp is not None:
         raise bad("unsupported_value", "'echo' with 'logprobs' needs the prompt's logprobs, which this engine "
                   "does not compute; drop one of them", "echo")
-    return _common(body, req)
+    req = _common(body, req)
+    _check_choices(body, req)
+    return req
 
 
 _ROLES = {"system", "user", "assistant", "tool", "developer"}
@@ -500,7 +518,8 @@ def envelope(req: GenerationRequest, model: str, chunk: bool) -> dict:
 
 
 def choice(req: GenerationRequest, text: str, finish_reason: str | None, *, chunk: bool, first: bool = False,
-           logprobs: dict | None = None, token_ids: list[int] | None = None, stop_reason: Any = None) -> dict:
+           logprobs: dict | None = None, token_ids: list[int] | None = None, stop_reason: Any = None,
+           index: int = 0) -> dict:
     if req.kind == "chat":
         if chunk:
             delta: dict[str, Any] = {}
@@ -508,12 +527,12 @@ def choice(req: GenerationRequest, text: str, finish_reason: str | None, *, chun
                 delta["role"] = "assistant"
             if text or first:
                 delta["content"] = text
-            c: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+            c: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
-            c = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+            c = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                  "finish_reason": finish_reason}
     else:
-        c = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        c = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     if finish_reason is not None and stop_reason is not None:
         c["stop_reason"] = stop_reason
     if token_ids is not None:

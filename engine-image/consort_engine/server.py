@@ -17,7 +17,7 @@ import signal
 import sys
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, AsyncIterator
 
@@ -363,58 +363,128 @@ async def admit(ctx: ServerContext, seq: Sequence):
         raise
 
 
+@dataclass
+class Choice:
+    """One sequence of a request and what it has produced: choice `index` of the response (prompt i,
+    sample j -> i * n + j, as OpenAI numbers them)."""
+    index: int
+    req: P.GenerationRequest        # the request as this choice's prompt sees it (prompt, echo)
+    seq: Sequence
+    times: RequestTimes
+    deltas: AsyncIterator[Delta] | None = None
+    last: Delta | None = None       # the latest delta; its finish_reason is set once the choice is done
+    text: list[str] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+    lps: list[P.TokenLogprob] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.last is not None and self.last.finish_reason is not None
+
+
 async def handle_generation(request: web.Request, kind: str) -> web.StreamResponse:
     ctx: ServerContext = request.app[CTX]
-    times = RequestTimes(arrival=time.monotonic())
+    arrival = time.monotonic()
     request["request_id"] = request.headers.get("x-request-id") or uuid.uuid4().hex
     raw = await request.read()
 
-    def prepare() -> tuple[P.GenerationRequest, list[int]]:
+    def prepare() -> tuple[P.GenerationRequest, list[tuple[P.GenerationRequest, list[int]]]]:
         req = P.parse_completion(decode_json(raw)) if kind == "completion" else P.parse_chat(decode_json(raw))
         check_target(ctx, req)
         P.check_logit_bias(req.sampling.logit_bias, ctx.vocab_size)
-        return req, build_prompt(ctx, req)
+        per_prompt = [replace(req, prompt=p if isinstance(p, str) else None,
+                              prompt_token_ids=p if isinstance(p, list) else None) for p in req.prompts] or [req]
+        return req, [(r, build_prompt(ctx, r)) for r in per_prompt]
 
-    req, prompt_ids = await asyncio.to_thread(prepare) if len(raw) > OFF_LOOP_BYTES else prepare()
+    req, prompts = await asyncio.to_thread(prepare) if len(raw) > OFF_LOOP_BYTES else prepare()
     req.request_id = request["request_id"]
     request["consort_adapter"] = req.adapter
     if req.ignored_fields:
         request["ignored_fields"] = req.ignored_fields
         log.info("request %s: ignored unknown fields %s", req.request_id, ", ".join(req.ignored_fields))
-    max_len = ctx.max_model_len
-    req.sampling.max_tokens = P.resolve_max_tokens(req, len(prompt_ids), max_len)
-    req.sampling.logprobs = req.logprobs
-    deadline = times.arrival + req.deadline_ms / 1000.0 if req.deadline_ms is not None else None
-    seq = Sequence(prompt_token_ids=prompt_ids, sampling=req.sampling, priority=req.priority,
-                   arrival=times.arrival, deadline=deadline, adapter=req.adapter)
+    deadline = arrival + req.deadline_ms / 1000.0 if req.deadline_ms is not None else None
+    choices = []
+    for i, (preq, ids) in enumerate(prompts):
+        max_tokens = P.resolve_max_tokens(preq, len(ids), ctx.max_model_len)
+        for j in range(req.n):
+            seed = req.sampling.seed if req.sampling.seed is None else req.sampling.seed + j
+            sampling = replace(req.sampling, max_tokens=max_tokens, logprobs=req.logprobs, seed=seed)
+            seq = Sequence(prompt_token_ids=ids, sampling=sampling, priority=req.priority, arrival=arrival,
+                           deadline=deadline, adapter=req.adapter)
+            choices.append(Choice(i * req.n + j, preq, seq, RequestTimes(arrival=arrival)))
     ctx.in_flight += 1
-    finished: Delta | None = None
     try:
-        stream = await admit(ctx, seq)
-        times.admitted = stream.admitted_at
-        deltas = generate(ctx, req, seq, times, stream)
+        await admit_choices(ctx, choices)
         if req.stream:
-            response, finished = await stream_response(request, ctx, req, seq, deltas)
-        else:
-            response, finished = await full_response(ctx, req, seq, deltas)
-        return response
+            return await stream_response(request, ctx, req, choices)
+        return await full_response(ctx, req, choices)
     except EngineFailed as e:
         raise P.ApiError(500, "engine_failed", str(e), type="server_error")
     finally:
         ctx.in_flight -= 1
-        if finished is None:
-            ctx.engine.abort(seq.seq_id, "abort")   # client gone or error: free the blocks now
-            if times.admitted is not None:
-                ctx.metrics.observe_aborted(req.adapter, prompt_tokens=min(seq.num_computed_tokens, len(prompt_ids)),
-                                            output_tokens=seq.num_output_tokens)
-        else:
-            ctx.metrics.observe_finished(
-                req.adapter, prompt_tokens=len(prompt_ids), output_tokens=finished.num_output_tokens,
-                ttft=None if times.first is None else times.first - times.arrival,
-                admission_ttft=None if times.first is None or times.admitted is None else times.first - times.admitted,
-                itls=times.itls, e2e=time.monotonic() - times.arrival,
-                finish_reason=finished.finish_reason or "stop", preempted=seq.num_preemptions > 0,
-                deadline_missed=None if deadline is None or times.first is None else times.first > deadline)
+        for c in choices:
+            record(ctx, c, deadline)
+
+
+async def admit_choices(ctx: ServerContext, choices: list[Choice]) -> None:
+    """Admit every choice. The n samples of a prompt run its prefill once: the block manager gives
+    the siblings the first one's full prompt blocks by hash as they are allocated, in the same step,
+    and each layer writes those blocks' K/V before any sequence attends to them."""
+    for c in choices:
+        stream = await admit(ctx, c.seq)
+        c.times.admitted = stream.admitted_at
+        c.deltas = generate(ctx, c.req, c.seq, c.times, stream)
+
+
+async def merged(choices: list[Choice]) -> AsyncIterator[tuple[Choice, Delta]]:
+    """Every choice's deltas as they come; the first failure ends it (and the others are stopped)."""
+    if len(choices) == 1:
+        c = choices[0]
+        async for d in c.deltas:
+            yield c, d
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(c: Choice) -> None:
+        try:
+            async for d in c.deltas:
+                await queue.put((c, d, None))
+            await queue.put((c, None, None))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
+            await queue.put((c, None, e))
+
+    tasks = [asyncio.ensure_future(pump(c)) for c in choices]
+    try:
+        left = len(choices)
+        while left:
+            c, d, err = await queue.get()
+            if err is not None:
+                raise err
+            if d is None:
+                left -= 1
+                continue
+            yield c, d
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def record(ctx: ServerContext, c: Choice, deadline: float | None) -> None:
+    """Metrics for a choice; one that did not finish (client gone, error) is aborted: its blocks free now."""
+    seq, times, n_prompt = c.seq, c.times, len(c.seq.prompt_token_ids)
+    if not c.finished:
+        ctx.engine.abort(seq.seq_id, "abort")
+        if times.admitted is not None:
+            ctx.metrics.observe_aborted(c.req.adapter, prompt_tokens=min(seq.num_computed_tokens, n_prompt),
+                                        output_tokens=seq.num_output_tokens)
+        return
+    ctx.metrics.observe_finished(
+        c.req.adapter, prompt_tokens=n_prompt, output_tokens=c.last.num_output_tokens,
+        ttft=None if times.first is None else times.first - times.arrival,
+        admission_ttft=None if times.first is None or times.admitted is None else times.first - times.admitted,
+        itls=times.itls, e2e=time.monotonic() - times.arrival,
+        finish_reason=c.last.finish_reason or "stop", preempted=seq.num_preemptions > 0,
+        deadline_missed=None if deadline is None or times.first is None else times.first > deadline)
 
 
 def echoed_prompt(ctx: ServerContext, req: P.GenerationRequest, seq: Sequence) -> str:
@@ -424,54 +494,69 @@ def echoed_prompt(ctx: ServerContext, req: P.GenerationRequest, seq: Sequence) -
     return req.prompt if req.prompt is not None else ctx.tokenizer.decode(seq.prompt_token_ids, skip_special_tokens=False)
 
 
-async def full_response(ctx: ServerContext, req: P.GenerationRequest, seq: Sequence, deltas):
-    text, ids, lps, last = [], [], [], None
-    async for d in deltas:
-        text.append(d.text)
-        ids.extend(d.token_ids)
-        lps.extend(d.logprobs)
-        last = d
-    assert last is not None and last.finish_reason is not None
-    full = echoed_prompt(ctx, req, seq) + "".join(text)
-    logprobs = None
-    if req.logprobs is not None:
-        logprobs = (P.chat_logprobs(lps, ctx.tokenizer.id_to_token) if req.kind == "chat"
-                    else P.completion_logprobs(lps, ctx.tokenizer.id_to_token, 0))
+def usage_of(choices: list[Choice], n: int, completion_tokens: int) -> dict:
+    """OpenAI's usage: each prompt counted once, whatever n; every choice's generated tokens."""
+    firsts = choices[::n]
+    return P.usage(sum(len(c.seq.prompt_token_ids) for c in firsts), completion_tokens,
+                   sum(c.seq.num_cached_tokens for c in firsts))
+
+
+async def full_response(ctx: ServerContext, req: P.GenerationRequest, choices: list[Choice]) -> web.Response:
+    async for c, d in merged(choices):
+        c.text.append(d.text)
+        c.ids.extend(d.token_ids)
+        c.lps.extend(d.logprobs)
+        c.last = d
+    assert all(c.finished for c in choices)
     body = P.envelope(req, ctx.served_name, chunk=False)
-    body["choices"] = [P.choice(req, full, last.finish_reason, chunk=False, logprobs=logprobs,
-                                token_ids=ids if req.return_token_ids else None, stop_reason=last.stop_reason)]
-    body["usage"] = P.usage(len(seq.prompt_token_ids), len(ids), seq.num_cached_tokens)
-    if req.return_token_ids:
-        body["prompt_token_ids"] = list(seq.prompt_token_ids)
-    return web.json_response(body), last
+    body["choices"] = []
+    for c in choices:
+        logprobs = None
+        if req.logprobs is not None:
+            logprobs = (P.chat_logprobs(c.lps, ctx.tokenizer.id_to_token) if req.kind == "chat"
+                        else P.completion_logprobs(c.lps, ctx.tokenizer.id_to_token, 0))
+        one = P.choice(c.req, echoed_prompt(ctx, c.req, c.seq) + "".join(c.text), c.last.finish_reason, chunk=False,
+                       logprobs=logprobs, token_ids=c.ids if req.return_token_ids else None,
+                       stop_reason=c.last.stop_reason, index=c.index)
+        if req.return_token_ids and req.prompts:
+            one["prompt_token_ids"] = list(c.seq.prompt_token_ids)
+        body["choices"].append(one)
+    body["usage"] = usage_of(choices, req.n, sum(len(c.ids) for c in choices))
+    if req.return_token_ids and not req.prompts:
+        body["prompt_token_ids"] = list(choices[0].seq.prompt_token_ids)
+    return web.json_response(body)
 
 
 def _sse(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
-async def stream_response(request: web.Request, ctx: ServerContext, req: P.GenerationRequest, seq: Sequence, deltas):
+async def stream_response(request: web.Request, ctx: ServerContext, req: P.GenerationRequest,
+                          choices: list[Choice]) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
     base = P.envelope(req, ctx.served_name, chunk=True)
-    n_out, text_offset, last = 0, 0, None
-    first = True
-    if req.kind == "chat":   # OpenAI sends the role first
-        chunk = dict(base, choices=[P.choice(req, "", None, chunk=True, first=True)])
-        if req.return_token_ids:
-            chunk["prompt_token_ids"] = list(seq.prompt_token_ids)
-        await resp.write(_sse(chunk))
-        first = False
-    if req.echo:             # the prompt first, as vLLM streams it
-        chunk = dict(base, choices=[P.choice(req, echoed_prompt(ctx, req, seq), None, chunk=True)])
-        if req.return_token_ids:
-            chunk["prompt_token_ids"] = list(seq.prompt_token_ids)
-        await resp.write(_sse(chunk))
-        first = False
+    n_out = 0
+    offsets = {c.index: 0 for c in choices}
+    unsent_prompt_ids = {c.index for c in choices} if req.return_token_ids else set()
+
+    def chunk_of(c: Choice, choice: dict) -> dict:
+        chunk = dict(base, choices=[choice])
+        if c.index in unsent_prompt_ids:   # with the first chunk of each choice
+            unsent_prompt_ids.discard(c.index)
+            chunk["prompt_token_ids"] = list(c.seq.prompt_token_ids)
+        return chunk
+
+    for c in choices:
+        if req.kind == "chat":   # OpenAI sends the role first
+            await resp.write(_sse(chunk_of(c, P.choice(c.req, "", None, chunk=True, first=True, index=c.index))))
+        if req.echo:             # the prompt first, as vLLM streams it
+            text = echoed_prompt(ctx, c.req, c.seq)
+            await resp.write(_sse(chunk_of(c, P.choice(c.req, text, None, chunk=True, index=c.index))))
     try:
-        async for d in deltas:
+        async for c, d in merged(choices):
             n_out += len(d.token_ids)
-            last = d
+            c.last = d
             if not (d.text or d.finish_reason or (req.return_token_ids and d.token_ids) or d.logprobs):
                 continue
             logprobs = None
@@ -479,30 +564,26 @@ async def stream_response(request: web.Request, ctx: ServerContext, req: P.Gener
                 if req.kind == "chat":
                     logprobs = P.chat_logprobs(d.logprobs, ctx.tokenizer.id_to_token)
                 else:
-                    logprobs = P.completion_logprobs(d.logprobs, ctx.tokenizer.id_to_token, text_offset)
-            text_offset += len(d.text)
-            chunk = dict(base, choices=[P.choice(req, d.text, d.finish_reason, chunk=True, logprobs=logprobs,
-                                                 token_ids=d.token_ids if req.return_token_ids else None,
-                                                 stop_reason=d.stop_reason)])
-            if first and req.return_token_ids:
-                chunk["prompt_token_ids"] = list(seq.prompt_token_ids)
-            first = False
+                    logprobs = P.completion_logprobs(d.logprobs, ctx.tokenizer.id_to_token, offsets[c.index])
+            offsets[c.index] += len(d.text)
+            chunk = chunk_of(c, P.choice(c.req, d.text, d.finish_reason, chunk=True, logprobs=logprobs,
+                                         token_ids=d.token_ids if req.return_token_ids else None,
+                                         stop_reason=d.stop_reason, index=c.index))
             if req.include_usage and req.continuous_usage:
-                chunk["usage"] = P.usage(len(seq.prompt_token_ids), n_out)
+                chunk["usage"] = usage_of(choices, req.n, n_out)
             await resp.write(_sse(chunk))
     except EngineFailed as e:   # headers are out: report in-band, as OpenAI-compatible servers do
         err = P.ApiError(500, "engine_failed", str(e), type="server_error")
         await resp.write(_sse(err.body()))
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
-        return resp, None
-    assert last is not None and last.finish_reason is not None
+        return resp
+    assert all(c.finished for c in choices)
     if req.include_usage:
-        await resp.write(_sse(dict(base, choices=[], usage=P.usage(len(seq.prompt_token_ids), n_out,
-                                                                    seq.num_cached_tokens))))
+        await resp.write(_sse(dict(base, choices=[], usage=usage_of(choices, req.n, n_out))))
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
-    return resp, last
+    return resp
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

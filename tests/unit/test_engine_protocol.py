@@ -26,7 +26,11 @@ def test_prompt_forms():
     assert P.parse_completion({"prompt": [1, 2, 3]}).prompt_token_ids == [1, 2, 3]
     assert P.parse_completion({"prompt": ["x"]}).prompt == "x"
     assert P.parse_completion({"prompt": [[4, 5]]}).prompt_token_ids == [4, 5]
-    assert err(P.parse_completion, {"prompt": ["a", "b"]}).code == "multiple_prompts_unsupported"
+    several = P.parse_completion({"prompt": ["a", [7, 8]], "n": 3, "best_of": 3})
+    assert several.prompts == ["a", [7, 8]] and several.n == 3 and several.prompt == "a"
+    assert err(P.parse_completion, {"prompt": ["a", ""]}).code == "empty_prompt"
+    assert err(P.parse_completion, {"prompt": ["a", "b"], "n": 40}).param == "n"          # 80 choices > 64
+    assert err(P.parse_completion, {"prompt": "a", "n": 2, "best_of": 4}).param == "best_of"
     assert err(P.parse_completion, {"prompt": ""}).code == "empty_prompt"
     assert err(P.parse_completion, {"prompt": []}).code == "empty_prompt"
     assert err(P.parse_completion, {"prompt": [1, "a"]}).code == "invalid_type"
@@ -41,7 +45,7 @@ def test_prompt_forms():
     ({"prompt": "x", "temperature": "hot"}, "invalid_type", "temperature"),
     ({"prompt": "x", "temperature": -1}, "invalid_value", "temperature"),
     ({"prompt": "x", "top_p": 0}, "invalid_value", "top_p"),
-    ({"prompt": "x", "n": 2}, "unsupported_value", "n"),
+    ({"prompt": "x", "n": 0}, "invalid_value", "n"),
     ({"prompt": "x", "frequency_penalty": 2.5}, "invalid_value", "frequency_penalty"),
     ({"prompt": "x", "presence_penalty": "lots"}, "invalid_type", "presence_penalty"),
     ({"prompt": "x", "repetition_penalty": 0}, "invalid_value", "repetition_penalty"),

@@ -53,3 +53,13 @@ def test_logit_bias_and_penalties_pass_through_the_router(engines, make_router):
                                extra_body={"ignore_eos": True, "return_token_ids": True, "repetition_penalty": 1.2})
     assert out.choices[0].model_extra["token_ids"] == [forced] * 6
     assert out.usage.completion_tokens == 6
+
+
+def test_n_and_several_prompts_through_the_router(engines, make_router):
+    r = make_router(router_config(engines))
+    c = r.client()
+    out = c.completions.create(model="STL", prompt=["int a;", "int b;"], max_tokens=3, temperature=0, n=2,
+                               extra_body={"ignore_eos": True})
+    assert [ch.index for ch in out.choices] == [0, 1, 2, 3] and out.usage.completion_tokens == 12
+    chat = c.chat.completions.create(model="STL", messages=[{"role": "user", "content": "hi"}], max_tokens=3, n=2)
+    assert len(chat.choices) == 2

@@ -1,0 +1,65 @@
+"""Several choices per request on a real `consort engine`: `n` samples of a prompt (sharing its
+prefill), several prompts in one completion request, streamed and not, validated by the `openai` client."""
+from __future__ import annotations
+
+import httpx
+
+GREEDY = {"ignore_eos": True}
+LONG = "template <typename T> struct S { T v; }; " * 12
+BLOCK = 16     # the shared engine's KV block size (the engine default)
+
+
+def status(engine) -> dict:
+    return httpx.get(engine.url + "/v1/status", timeout=10).json()
+
+
+def test_n_samples_are_seeded_counted_and_share_the_prefill(engine, client):
+    before = status(engine)
+    r = client.completions.create(model="spec", prompt=LONG, max_tokens=5, temperature=1.0, seed=11, n=4,
+                                  extra_body=GREEDY)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert len({c.text for c in r.choices}) > 1, "each sample draws with its own seed"
+    prompt_tokens = len(httpx.post(engine.url + "/tokenize", json={"prompt": LONG}).json()["tokens"])
+    assert r.usage.prompt_tokens == prompt_tokens and r.usage.completion_tokens == 20
+    # One prefill: the three siblings got the first one's full prompt blocks from the prefix cache.
+    after = status(engine)
+    hits = after["prefix_cache_hits"] - before["prefix_cache_hits"]
+    assert hits == 3 * (prompt_tokens // BLOCK) * BLOCK, (hits, prompt_tokens)
+    again = client.completions.create(model="spec", prompt=LONG, max_tokens=5, temperature=1.0, seed=11, n=4,
+                                      extra_body=GREEDY)
+    assert [c.text for c in again.choices] == [c.text for c in r.choices]
+    assert status(engine)["kv_free_blocks"] == status(engine)["kv_total_blocks"]
+
+
+def test_several_prompts_and_n_stream_every_choice_with_its_index(engine, client):
+    prompts = ["int main() {", "std::vector<int> v;"]
+    full = client.completions.create(model="spec", prompt=prompts, max_tokens=6, temperature=0, n=2, extra_body=GREEDY)
+    assert [c.index for c in full.choices] == [0, 1, 2, 3]
+    assert full.choices[0].text == full.choices[1].text and full.choices[2].text == full.choices[3].text  # greedy
+    single = client.completions.create(model="spec", prompt=prompts[1], max_tokens=6, temperature=0, extra_body=GREEDY)
+    assert full.choices[2].text == single.choices[0].text
+    assert full.usage.completion_tokens == 24
+    texts: dict[int, str] = {}
+    finishes: dict[int, str] = {}
+    usage = None
+    for chunk in client.completions.create(model="spec", prompt=prompts, max_tokens=6, temperature=0, n=2,
+                                           stream=True, stream_options={"include_usage": True}, extra_body=GREEDY):
+        for ch in chunk.choices:
+            texts[ch.index] = texts.get(ch.index, "") + ch.text
+            if ch.finish_reason:
+                finishes[ch.index] = ch.finish_reason
+        usage = chunk.usage or usage
+    assert texts == {c.index: c.text for c in full.choices}
+    assert finishes == {0: "length", 1: "length", 2: "length", 3: "length"}
+    assert usage is not None and usage.completion_tokens == 24 and usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_chat_n_returns_n_messages(engine, client):
+    r = client.chat.completions.create(model="spec", messages=[{"role": "user", "content": "sort a vector"}],
+                                       max_tokens=4, temperature=0.9, seed=3, n=3)
+    assert [c.index for c in r.choices] == [0, 1, 2] and all(c.message.role == "assistant" for c in r.choices)
+    chunks = list(client.chat.completions.create(model="spec", messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=4, n=2, stream=True))
+    roles = [ch.choices[0].index for ch in chunks if ch.choices and ch.choices[0].delta.role == "assistant"]
+    assert sorted(roles) == [0, 1]
+    assert status(engine)["kv_free_blocks"] == status(engine)["kv_total_blocks"]
