@@ -63,3 +63,33 @@ def test_chat_n_returns_n_messages(engine, client):
     roles = [ch.choices[0].index for ch in chunks if ch.choices and ch.choices[0].delta.role == "assistant"]
     assert sorted(roles) == [0, 1]
     assert status(engine)["kv_free_blocks"] == status(engine)["kv_total_blocks"]
+
+
+def test_every_body_and_chunk_validates_against_the_openai_types(engine):
+    import json
+
+    from typing import Literal, Optional
+
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+    from openai.types.completion_choice import CompletionChoice
+
+    class StreamChoice(CompletionChoice):      # a streamed completion is a Completion whose unfinished
+        finish_reason: Optional[Literal["stop", "length", "content_filter"]] = None   # choices have no reason yet
+
+    class CompletionChunk(Completion):
+        choices: list[StreamChoice]
+
+    body = {"model": "spec", "prompt": ["int a;", [5, 6, 7]], "n": 2, "max_tokens": 3, "echo": True,
+            "logit_bias": {"9": 1.0}, "presence_penalty": 0.3}
+    Completion.model_validate(httpx.post(engine.url + "/v1/completions", json=body, timeout=60).json())
+    chat = {"model": "spec", "messages": [{"role": "user", "content": "hi"}], "n": 2, "max_tokens": 3,
+            "logprobs": True, "top_logprobs": 2}
+    ChatCompletion.model_validate(httpx.post(engine.url + "/v1/chat/completions", json=chat, timeout=60).json())
+    for path, payload, model in (("/v1/completions", body, CompletionChunk), ("/v1/chat/completions", chat, ChatCompletionChunk)):
+        with httpx.stream("POST", engine.url + path, json={**payload, "stream": True,
+                                                           "stream_options": {"include_usage": True}}, timeout=60) as r:
+            lines = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "[DONE]"
+        for line in lines[:-1]:
+            model.model_validate(json.loads(line))
