@@ -170,8 +170,23 @@ def test_metrics_have_vllm_names(engine, client):
                  "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
                  "vllm:e2e_request_latency_seconds_count", "vllm:prompt_tokens_total",
                  "vllm:generation_tokens_total", "consort_admission_to_first_token_seconds_bucket",
-                 "consort_requests_preempted_once_total", "consort_admission_rejected_total"):
+                 "consort_requests_preempted_once_total", "consort_admission_rejected_total",
+                 # what vLLM's Grafana dashboard reads besides the above
+                 "vllm:request_queue_time_seconds_bucket", "vllm:request_prefill_time_seconds_bucket",
+                 "vllm:request_decode_time_seconds_bucket", "vllm:request_inference_time_seconds_bucket",
+                 "vllm:request_time_per_output_token_seconds_bucket", "vllm:request_prompt_tokens_bucket",
+                 "vllm:request_generation_tokens_bucket"):
         assert name in text, name
+    lines = text.splitlines()
+
+    def total(metric: str) -> float:
+        return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines if ln.startswith(metric + "{"))
+
+    # every finished request is sized; the counters also hold aborted requests' work
+    finished = total("vllm:request_success_total")
+    assert finished >= 1 and total("vllm:request_generation_tokens_count") == finished
+    assert 3 <= total("vllm:request_generation_tokens_sum") <= total("vllm:generation_tokens_total")
+    assert 1 <= total("vllm:request_queue_time_seconds_count") <= finished
     gen = [ln for ln in text.splitlines() if ln.startswith("vllm:generation_tokens_total{")]
     assert gen and 'specialist="spec"' in gen[0] and 'adapter="none"' in gen[0] and 'model_name="spec"' in gen[0]
     assert float(gen[0].rsplit(" ", 1)[1]) >= 3
