@@ -17,11 +17,16 @@ from .config import ShadowConfig
 
 
 def shadow_body(body: dict, target: str, cfg: ShadowConfig) -> dict:
-    """The request the shadow specialist gets: same prompt, not streamed, lowest priority."""
+    """The request the shadow specialist gets: same (first) prompt, one sample, not streamed, lowest
+    priority. Only choice 0 is compared, so more samples or prompts would be work thrown away."""
     out = dict(body)
     out["model"] = target
     out["stream"] = False
     out.pop("stream_options", None)
+    out["n"] = 1
+    out.pop("best_of", None)
+    if isinstance(out.get("prompt"), list) and out["prompt"] and all(isinstance(p, (str, list)) for p in out["prompt"]):
+        out["prompt"] = out["prompt"][0]
     out["priority"] = cfg.priority
     if cfg.max_tokens is not None:
         mt = out.get("max_tokens") or out.get("max_completion_tokens")

@@ -265,3 +265,15 @@ def test_naive_bayes_confidence_is_tempered():
     p_long = max(clf.predict(" ".join([short] * 50)).values())
     assert p_long < 0.999 and abs(p_long - p_short) < 0.05  # repetition is not more evidence
     assert max(clf.predict("vector and threads and cmake and gdb").values()) < 0.5  # ambiguous stays unsure
+
+
+def test_shadow_body_asks_for_one_sample_of_the_first_prompt():
+    from consort_router.config import ShadowConfig
+    from consort_router.shadow import shadow_body
+
+    body = {"model": "cpp", "prompt": ["int a;", "int b;"], "n": 4, "best_of": 4, "stream": True,
+            "stream_options": {"include_usage": True}, "max_tokens": 500}
+    out = shadow_body(body, "STL", ShadowConfig(max_tokens=64))
+    assert (out["model"], out["prompt"], out["n"], out["stream"], out["max_tokens"]) == ("STL", "int a;", 1, False, 64)
+    assert "best_of" not in out and "stream_options" not in out
+    assert shadow_body({"prompt": [1, 2, 3]}, "STL", ShadowConfig())["prompt"] == [1, 2, 3]   # token ids stay
