@@ -380,12 +380,14 @@ def parse_chat(body: Any) -> GenerationRequest:
     return _common(body, req)
 
 
-def resolve_max_tokens(req: GenerationRequest, num_prompt_tokens: int, max_model_len: int) -> int:
-    """Check the context window; returns the max_tokens to generate."""
+def resolve_max_tokens(req: GenerationRequest, num_prompt_tokens: int, max_model_len: int,
+                       at_least: bool = False) -> int:
+    """Check the context window; returns the max_tokens to generate. With `at_least` the prompt has
+    more than `num_prompt_tokens` tokens (only its head was counted)."""
     if num_prompt_tokens >= max_model_len:
         raise bad("context_length_exceeded",
-                  f"the prompt has {num_prompt_tokens} tokens; this model's context is {max_model_len} tokens",
-                  "messages" if req.kind == "chat" else "prompt")
+                  f"the prompt has {'more than ' if at_least else ''}{num_prompt_tokens} tokens; this model's "
+                  f"context is {max_model_len} tokens", "messages" if req.kind == "chat" else "prompt")
     if req.max_tokens is None:
         return max_model_len - num_prompt_tokens
     if num_prompt_tokens + req.max_tokens > max_model_len:
@@ -400,7 +402,6 @@ def resolve_max_tokens(req: GenerationRequest, num_prompt_tokens: int, max_model
 
 TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
                              "continue_final_message", "return_token_strs", "adapter"})
-DETOKENIZE_FIELDS = frozenset({"model", "tokens", "adapter"})
 
 
 @dataclass
@@ -455,10 +456,10 @@ def check_logit_bias(bias: dict[int, float], vocab_size: int) -> None:
                       "logit_bias")
 
 
-def check_token_ids(ids: list[int], vocab_size: int) -> None:
+def check_token_ids(ids: list[int], vocab_size: int, param: str = "prompt") -> None:
     for t in ids:
         if t < 0 or t >= vocab_size:
-            raise bad("invalid_token_id", f"token id {t} is outside the vocabulary [0, {vocab_size})", "prompt")
+            raise bad("invalid_token_id", f"token id {t} is outside the vocabulary [0, {vocab_size})", param)
 
 
 # ---------------------------------------------------------------------------------------------

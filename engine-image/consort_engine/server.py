@@ -301,25 +301,26 @@ async def read_json(request: web.Request) -> Any:
     return await asyncio.to_thread(decode_json, raw) if len(raw) > OFF_LOOP_BYTES else decode_json(raw)
 
 
+def render_chat(tokenizer: Tokenizer, req: P.GenerationRequest | P.TokenizeRequest) -> str:
+    """The request's messages through the chat template; a template error is the client's (400)."""
+    try:
+        return tokenizer.apply_chat_template(req.messages, add_generation_prompt=req.add_generation_prompt,
+                                             continue_final_message=req.continue_final_message)
+    except ChatTemplateError as e:
+        raise P.bad("chat_template_error", str(e), "messages")
+
+
 def build_prompt(ctx: ServerContext, req: P.GenerationRequest) -> list[int]:
     try:
         if req.kind == "chat":
-            try:
-                text = ctx.tokenizer.apply_chat_template(req.messages, add_generation_prompt=req.add_generation_prompt,
-                                                         continue_final_message=req.continue_final_message)
-            except ChatTemplateError as e:
-                raise P.bad("chat_template_error", str(e), "messages")
-            ids = ctx.tokenizer.encode_chat(text, limit=ctx.max_model_len)
+            ids = ctx.tokenizer.encode_chat(render_chat(ctx.tokenizer, req), limit=ctx.max_model_len)
         elif req.prompt_token_ids is not None:
             ids = req.prompt_token_ids
             P.check_token_ids(ids, ctx.vocab_size)
         else:
             ids = ctx.tokenizer.encode(req.prompt, limit=ctx.max_model_len)
     except TooManyTokens as e:
-        if e.at_least:
-            raise P.bad("context_length_exceeded", f"the prompt has more than {e.count} tokens; this model's "
-                        f"context is {ctx.max_model_len} tokens", "messages" if req.kind == "chat" else "prompt")
-        P.resolve_max_tokens(req, e.count, ctx.max_model_len)   # raises context_length_exceeded
+        P.resolve_max_tokens(req, e.count, ctx.max_model_len, e.at_least)   # raises context_length_exceeded
         raise
     if not ids:
         raise P.bad("empty_prompt", "the prompt encodes to zero tokens", "prompt")
@@ -652,13 +653,7 @@ async def tokenize(request: web.Request) -> web.Response:
     tok = ctx.tokenizer
 
     def run() -> list[int]:
-        if req.messages is None:
-            return tok.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
-        try:
-            text = tok.apply_chat_template(req.messages, add_generation_prompt=req.add_generation_prompt,
-                                           continue_final_message=req.continue_final_message)
-        except ChatTemplateError as e:
-            raise P.bad("chat_template_error", str(e), "messages")
+        text = (req.prompt or "") if req.messages is None else render_chat(tok, req)
         return tok.encode(text, add_special_tokens=req.add_special_tokens)
 
     ids = await asyncio.to_thread(run)
@@ -673,10 +668,7 @@ async def detokenize(request: web.Request) -> web.Response:
     ctx: ServerContext = request.app[CTX]
     model, adapter, ids = P.parse_detokenize(await read_json(request))
     check_target(ctx, P.TokenizeRequest(model=model, adapter=adapter))
-    try:
-        P.check_token_ids(ids, ctx.vocab_size)
-    except P.ApiError as e:
-        raise P.bad(e.code, e.message, "tokens")
+    P.check_token_ids(ids, ctx.vocab_size, "tokens")
     return web.json_response({"prompt": await asyncio.to_thread(ctx.tokenizer.decode, ids, False)})
 
 
