@@ -21,8 +21,6 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0, 7680.0)
 
-REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-                   480.0, 960.0, 1920.0, 7680.0)      # vLLM's request-phase buckets (queue, prefill, decode, ...)
 TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
 REQUEST_LABELS = ("model_name", "specialist", "adapter")
@@ -129,22 +127,23 @@ class EngineMetrics:
         self.admission_ttft = Histogram("consort_admission_to_first_token_seconds",
                                         "Admission by the scheduler to first output token",
                                         L, buckets=TTFT_BUCKETS, registry=r)
-        # The request phases and sizes vLLM's Grafana dashboard reads, under vLLM's names.
-        self.queue_time = Histogram("vllm:request_queue_time_seconds", "Arrival to first scheduled (waiting)",
-                                    L, buckets=REQUEST_BUCKETS, registry=r)
-        self.prefill_time = Histogram("vllm:request_prefill_time_seconds", "First scheduled to first output token",
-                                      L, buckets=REQUEST_BUCKETS, registry=r)
-        self.decode_time = Histogram("vllm:request_decode_time_seconds", "First to last output token",
-                                     L, buckets=REQUEST_BUCKETS, registry=r)
-        self.inference_time = Histogram("vllm:request_inference_time_seconds", "First scheduled to last output token",
-                                        L, buckets=REQUEST_BUCKETS, registry=r)
-        self.tpot = Histogram("vllm:request_time_per_output_token_seconds", "Mean gap between a request's output tokens",
-                              L, buckets=ITL_BUCKETS, registry=r)
-        self.request_prompt_tokens = Histogram("vllm:request_prompt_tokens", "Prompt tokens per finished request",
-                                               L, buckets=TOKEN_COUNT_BUCKETS, registry=r)
-        self.request_generation_tokens = Histogram("vllm:request_generation_tokens",
-                                                   "Generated tokens per finished request",
-                                                   L, buckets=TOKEN_COUNT_BUCKETS, registry=r)
+        # The request phases and sizes vLLM's Grafana dashboard reads, under vLLM's names and buckets
+        # (its request phases share the e2e latency buckets).
+        def request_histogram(name: str, doc: str, buckets: tuple) -> Histogram:
+            return Histogram(f"vllm:request_{name}", doc, L, buckets=buckets, registry=r)
+
+        self.queue_time = request_histogram("queue_time_seconds", "Arrival to first scheduled (waiting)", E2E_BUCKETS)
+        self.prefill_time = request_histogram("prefill_time_seconds", "First scheduled to first output token",
+                                              E2E_BUCKETS)
+        self.decode_time = request_histogram("decode_time_seconds", "First to last output token", E2E_BUCKETS)
+        self.inference_time = request_histogram("inference_time_seconds", "First scheduled to last output token",
+                                                E2E_BUCKETS)
+        self.tpot = request_histogram("time_per_output_token_seconds", "Mean gap between a request's output tokens",
+                                      ITL_BUCKETS)
+        self.request_prompt_tokens = request_histogram("prompt_tokens", "Prompt tokens per finished request",
+                                                       TOKEN_COUNT_BUCKETS)
+        self.request_generation_tokens = request_histogram("generation_tokens", "Generated tokens per finished request",
+                                                           TOKEN_COUNT_BUCKETS)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens processed", L, registry=r)
         self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens", L, registry=r)
         self.request_success = Counter("vllm:request_success", "Finished requests by finish reason",
@@ -195,13 +194,12 @@ class EngineMetrics:
         self.generation_tokens.labels(*lab).inc(output_tokens)
         self.request_prompt_tokens.labels(*lab).observe(prompt_tokens)
         self.request_generation_tokens.labels(*lab).observe(output_tokens)
+        decode = sum(itls)                              # first to last output token
         if ttft is not None:
             self.ttft.labels(*lab).observe(ttft)
-        decode = sum(itls)                              # first to last output token
+            self.decode_time.labels(*lab).observe(decode)
         if itls:
             self.tpot.labels(*lab).observe(decode / len(itls))
-        if ttft is not None:
-            self.decode_time.labels(*lab).observe(decode)
         if admission_ttft is not None:
             self.admission_ttft.labels(*lab).observe(admission_ttft)
             self.prefill_time.labels(*lab).observe(admission_ttft)
