@@ -12,13 +12,12 @@ stopped before the object goes away).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import copy
 import logging
 import os
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any
 
@@ -140,7 +139,7 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
         # Kopf's service-account login names https://kubernetes.default.svc, which needs cluster DNS;
         # client-go (and kubectl in a pod) use the injected Service address instead, and so do we.
         host = f"[{host}]" if ":" in host else host
-        info = dataclasses.replace(info, server=f"https://{host}:{os.environ.get('KUBERNETES_SERVICE_PORT', '443')}")
+        info = replace(info, server=f"https://{host}:{os.environ.get('KUBERNETES_SERVICE_PORT', '443')}")
     info = info or kopf.login_with_kubeconfig(**kwargs)
     if info is not None:
         runtime.kube = Kube.from_connection_info(info)

@@ -59,12 +59,18 @@ def api_settings() -> tuple[str, str | None, ssl.SSLContext | bool]:
     return api.rstrip("/"), token, ctx
 
 
+def slices_request(api: str, token: str | None, namespace: str, services: frozenset[str] | set[str]) -> dict:
+    """url, params and headers of a list (or, with watch=1 added, a watch) of these Services' EndpointSlices."""
+    return {"url": f"{api}/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices",
+            "params": {"labelSelector": f"kubernetes.io/service-name in ({','.join(sorted(services))})"},
+            "headers": {"Authorization": f"Bearer {token}"} if token else {}}
+
+
 async def list_slices(session: aiohttp.ClientSession, api: str, token: str | None, ssl_ctx,
                       sel: ServiceSelector) -> list[dict]:
-    url = f"{api}/apis/discovery.k8s.io/v1/namespaces/{sel.namespace}/endpointslices"
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    async with session.get(url, params={"labelSelector": f"kubernetes.io/service-name={sel.service}"},
-                           headers=headers, ssl=ssl_ctx, timeout=aiohttp.ClientTimeout(total=10)) as resp:
+    req = slices_request(api, token, sel.namespace, {sel.service})
+    async with session.get(req["url"], params=req["params"], headers=req["headers"], ssl=ssl_ctx,
+                           timeout=aiohttp.ClientTimeout(total=10)) as resp:
         resp.raise_for_status()
         return (await resp.json()).get("items") or []
 
@@ -82,13 +88,11 @@ async def watch_slices(session: aiohttp.ClientSession, api: str, token: str | No
                        services: frozenset[str], wake: asyncio.Event) -> None:
     """Sets `wake` on every event of a watch on these Services' EndpointSlices (the re-list reads
     them); reconnects when the apiserver ends the watch or the connection drops."""
-    url = f"{api}/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices"
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    params = {"watch": "1", "timeoutSeconds": "300",
-              "labelSelector": f"kubernetes.io/service-name in ({','.join(sorted(services))})"}
+    req = slices_request(api, token, namespace, services)
+    params = {**req["params"], "watch": "1", "timeoutSeconds": "300"}
     while True:
         try:
-            async with session.get(url, params=params, headers=headers, ssl=ssl_ctx,
+            async with session.get(req["url"], params=params, headers=req["headers"], ssl=ssl_ctx,
                                    timeout=aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=330)) as resp:
                 resp.raise_for_status()
                 async for line in resp.content:   # one JSON event per line

@@ -225,8 +225,7 @@ class Router:
         next target (its fallback). A 429 is an answer (admission), passed through."""
         assert self.session is not None
         cfg = rt.config
-        lim = cfg.limits
-        timeout = aiohttp.ClientTimeout(total=lim.request_timeout_s, sock_connect=lim.connect_timeout_s)
+        timeout = upstream_timeout(cfg)
         failures: list[str] = []
         for i, target in enumerate(plan.targets):
             spec = cfg.specialist(target)
@@ -375,6 +374,11 @@ async def stamp(request: web.Request, response: web.StreamResponse) -> None:
     if st is not None:
         for k in GEN_HEADERS:
             response.headers[k] = st.get(k, "none")
+
+
+def upstream_timeout(cfg: RouterConfig) -> aiohttp.ClientTimeout:
+    """A request to an engine: the whole answer within limits.request_timeout_s."""
+    return aiohttp.ClientTimeout(total=cfg.limits.request_timeout_s, sock_connect=cfg.limits.connect_timeout_s)
 
 
 async def read_body(request: web.Request, limit: int) -> bytes:
@@ -592,10 +596,10 @@ async def tokenizer_call(request: web.Request) -> web.Response:
     obj = parse_json(await read_body(request, cfg.limits.max_body_bytes))
     specialist, adapter = tokenizer_lane(obj.get("model"), cfg)
     payload = json.dumps(upstream_body(obj, specialist, adapter)).encode()
-    timeout = aiohttp.ClientTimeout(total=cfg.limits.request_timeout_s, sock_connect=cfg.limits.connect_timeout_s)
     try:
         up = await open_upstream(router.session, router.runtime.replicas.get(specialist, []), request.path, payload,
-                                 {"Content-Type": "application/json"}, timeout, cfg.polling.preempting_penalty)
+                                 {"Content-Type": "application/json"}, upstream_timeout(cfg),
+                                 cfg.polling.preempting_penalty)
     except NoReplica as e:
         raise ApiError(503, "no_ready_replica", f"{specialist}: {e}", retry_after_ms=1000)
     try:
