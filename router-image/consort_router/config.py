@@ -291,6 +291,23 @@ class ReplicaPolling(_Strict):
     discovery_interval_s: float = Field(5.0, gt=0, description="Cluster mode: EndpointSlice re-list interval.")
 
 
+class ReplicaChoice(_Strict):
+    """How a lane picks among its warm replicas (see affinity.py and replicas.choose_replica)."""
+
+    policy: Literal["prefix-affine", "least-loaded"] = Field(
+        "prefix-affine",
+        description="prefix-affine: the replica most likely to hold the prompt's prefix in its KV cache, while its "
+        "load is within load_slack of the least; least-loaded: the least queue depth only.",
+    )
+    block_chars: int = Field(128, ge=8, description="Prompt characters per hashed block (engines cache whole "
+                             "KV blocks; 128 characters is about two 16-token blocks).")
+    max_blocks: int = Field(64, ge=1, description="Leading blocks hashed per prompt (longer prompts match on "
+                            "their first max_blocks * block_chars characters).")
+    load_slack: float = Field(4.0, ge=0, description="Queue-depth units the affine replica may carry above the "
+                              "least-loaded one before a request spills to the least-loaded one.")
+    index_blocks: int = Field(200_000, ge=1, description="Block hashes remembered (LRU), all lanes together.")
+
+
 class RouterConfig(_Strict):
     """The ensemble router's whole configuration (the routing ConfigMap's `router.yaml`)."""
 
@@ -314,6 +331,7 @@ class RouterConfig(_Strict):
     store: StoreConfig = Field(default_factory=StoreConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     polling: ReplicaPolling = Field(default_factory=ReplicaPolling)
+    replica_choice: ReplicaChoice = Field(default_factory=ReplicaChoice)
     calibration_log: str | None = Field(None, description="JSONL file of shadow calibration records.")
     reload_interval_s: float = Field(1.0, gt=0, description="Config file mtime poll interval.")
 

@@ -52,6 +52,11 @@ class RouterMetrics:
                                    ["specialist", "replica"], registry=r)
         self.replica_load = Gauge("consort_router_replica_queue_depth", "Polled waiting + running.",
                                   ["specialist", "replica"], registry=r)
+        self.replica_choice = Counter("consort_router_replica_choice",
+                                      "Replica choices by outcome: affine (sent where its prefix is cached), spill "
+                                      "(its prefix is on a replica too loaded), cold (cached nowhere), least_loaded "
+                                      "(affinity off or prompt shorter than a block).",
+                                      ["specialist", "outcome"], registry=r)
         self.routing_seconds = Histogram("consort_router_routing_seconds", "Time to the routing decision.",
                                          registry=r, buckets=LATENCY_BUCKETS)
         self.overhead = Histogram("consort_router_overhead_seconds",

@@ -12,6 +12,7 @@ from typing import Callable
 import aiohttp
 from aiohttp import web
 
+from .affinity import Affinity
 from .replicas import ReplicaState, choose_replica
 
 CONNECT_ERRORS = (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError)
@@ -59,6 +60,7 @@ async def open_upstream(
     preempting_penalty: float,
     on_attempt: Callable[[Attempt, bool], None] | None = None,
     adapter: str | None = None,
+    affinity: Affinity | None = None,
 ) -> Upstream:
     """POST to the best replica; on connection failure, 5xx or 429 retry another while one is left.
 
@@ -69,7 +71,7 @@ async def open_upstream(
     attempts: list[Attempt] = []
     last_error: Exception | None = None
     while True:
-        r = choose_replica(replicas, preempting_penalty, frozenset(tried), adapter)
+        r = choose_replica(replicas, preempting_penalty, frozenset(tried), adapter, affinity)
         if r is None:
             raise NoReplica(str(last_error) if last_error else "no ready replica")
         tried.add(r.url)
@@ -90,7 +92,7 @@ async def open_upstream(
             raise
         first = time.monotonic()
         if resp.status == 429 or resp.status >= 500:
-            another = choose_replica(replicas, preempting_penalty, frozenset(tried), adapter) is not None
+            another = choose_replica(replicas, preempting_penalty, frozenset(tried), adapter, affinity) is not None
             if another:
                 try:
                     body = await resp.read()

@@ -1,4 +1,5 @@
-"""Replica state and choice: least queue depth among warm replicas, penalty for preempting ones.
+"""Replica state and choice: warm replicas only, prefix-affine within a load slack, else least queue depth
+(with a penalty for preempting ones).
 
 The poller (`ReplicaPoller`) keeps `ReplicaState` fresh from each engine's `/ready` and `/v1/status`;
 `choose_replica` is the pure decision.
@@ -6,11 +7,14 @@ The poller (`ReplicaPoller`) keeps `ReplicaState` fresh from each engine's `/rea
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from dataclasses import dataclass
 
 import aiohttp
+
+from .affinity import Affinity
 
 log = logging.getLogger("consort.router.replicas")
 
@@ -44,23 +48,48 @@ class ReplicaState:
 
 def choose_replica(
     replicas: list[ReplicaState], preempting_penalty: float, exclude: frozenset[str] = frozenset(),
-    adapter: str | None = None,
+    adapter: str | None = None, affinity: Affinity | None = None,
 ) -> ReplicaState | None:
-    """The ready replica (not in `exclude`) with the least load; ties go to the fewest in flight, then URL.
+    """The ready replica (not in `exclude`) to send a request to.
 
     Adapter-aware: a request for an adapter goes to the replicas that report it loaded, when any
     does (during a rollout or a hot-load some replicas have it and some do not yet). When none does,
-    the least-loaded replica answers, typed (404 adapter_not_found) if it cannot serve it either."""
+    the least-loaded replica answers, typed (404 adapter_not_found) if it cannot serve it either.
+
+    Without `affinity` (or a prompt too short to hash): the least load; ties go to the fewest in
+    flight, then URL. With it, among the replicas whose load is within `load_slack` of the least:
+    the one holding the deepest prefix of the prompt; when none holds any, the one the prompt's
+    first block hashes to (rendezvous hashing), so prompts that share a beginning meet on one
+    replica and different ones spread. A replica further above the least load than the slack is
+    not worth its cache hits: the request spills to the least-loaded one."""
     candidates = [r for r in replicas if r.ready and r.url not in exclude]
     if adapter is not None:
         candidates = [r for r in candidates if adapter in r.adapters] or candidates
-    best = None
-    best_key = None
-    for r in candidates:
-        key = (r.load(preempting_penalty), r.inflight, r.url)
-        if best_key is None or key < best_key:
-            best, best_key = r, key
-    return best
+    if not candidates:
+        return None
+    loads = {r.url: r.load(preempting_penalty) for r in candidates}
+    least = min(candidates, key=lambda r: (loads[r.url], r.inflight, r.url))
+    if affinity is None or not affinity.hashes:
+        return least
+    near = [r for r in candidates if loads[r.url] <= loads[least.url] + affinity.load_slack]
+    held = [r for r in near if affinity.depth.get(r.url, 0) > 0]
+    if held:
+        return min(held, key=lambda r: (-affinity.depth[r.url], loads[r.url], r.inflight, r.url))
+    if any(affinity.depth.get(r.url, 0) > 0 for r in candidates):
+        return least  # the prefix is on a replica too busy to wait for: spill
+    first = affinity.hashes[0]
+    return max(near, key=lambda r: hashlib.blake2b(first + r.url.encode(), digest_size=8).digest())
+
+
+def choice_outcome(affinity: Affinity | None, chosen: ReplicaState) -> str:
+    """How a choice went, for consort_router_replica_choice_total: affine (sent where its prefix
+    is), spill (its prefix is elsewhere, on a replica too loaded), cold (no replica holds any of
+    it), least_loaded (no affinity asked: policy off, or a prompt shorter than one block)."""
+    if affinity is None or not affinity.hashes:
+        return "least_loaded"
+    if affinity.depth.get(chosen.url, 0) > 0:
+        return "affine"
+    return "spill" if affinity.depth else "cold"
 
 
 def parse_status(body: object) -> tuple[int, int, bool, tuple[str, ...]]:

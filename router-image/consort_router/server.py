@@ -32,7 +32,8 @@ from .config import RouterConfig
 from .metrics import RouterMetrics
 from .plan import Plan, PlanInput, plan_request
 from .proxy import Attempt, NoReplica, Upstream, copy_headers, error_code, open_upstream, relay_stream
-from .replicas import ReplicaPoller
+from .affinity import Affinity, PrefixIndex, prefix_hashes
+from .replicas import ReplicaPoller, choice_outcome
 from .routing import RouteDecision
 from .shadow import CalibrationLog, CalibrationRecord, disagree, shadow_body, text_of_response, text_of_sse
 from .state import Lanes, Runtime, build_runtime
@@ -70,6 +71,7 @@ class Router:
         self.calibration = CalibrationLog(self._path(config.calibration_log))
         self.session: aiohttp.ClientSession | None = None
         self.poller: ReplicaPoller | None = None
+        self.prefixes = PrefixIndex(config.replica_choice.index_blocks)
         self.shadow_inflight = 0
         self.tasks: set[asyncio.Task] = set()
         self._config_mtime = self._mtime()
@@ -134,7 +136,11 @@ class Router:
         return {f"{name}|{r.url}": r for name, reps in self.runtime.replicas.items() for r in reps}
 
     def swap_runtime(self, runtime: Runtime) -> None:
+        before = {r.url for reps in self.runtime.replicas.values() for r in reps}
         self.runtime = runtime
+        for url in before - {r.url for reps in runtime.replicas.values() for r in reps}:
+            self.prefixes.forget(url)  # a replica that left takes its cache with it
+        self.prefixes.capacity = runtime.config.replica_choice.index_blocks
         if self.poller:
             self.poller.track(self._tracked())
 
@@ -218,6 +224,17 @@ class Router:
         return res
 
     # ------------------------------------------------------------------ upstream
+    def affinity(self, cfg: RouterConfig, req: ParsedRequest, target: str, adapter: object) -> Affinity | None:
+        """The prompt's prefix blocks on lane `target` (salted by lane and adapter: other weights, other
+        KV) and how deep each replica holds them; None when the lane picks by load only."""
+        rc = cfg.replica_choice
+        if rc.policy != "prefix-affine":
+            return None
+        prompt = req.body.get("prompt")
+        text = req.text or (json.dumps(prompt) if isinstance(prompt, list) else "")  # token ids: their digits
+        hashes = prefix_hashes(text, f"{target}\0{adapter or ''}", rc.block_chars, rc.max_blocks)
+        return Affinity(hashes, self.prefixes.match(hashes), rc.load_slack)
+
     async def open_plan(self, rt: Runtime, plan: Plan, req: ParsedRequest, path: str,
                         rid: str) -> tuple[str, Upstream]:
         """The first of plan.targets that answers, before any byte reaches the client: a lane with no
@@ -237,11 +254,14 @@ class Router:
                 if retried:
                     self.metrics.retries.labels(target, "connect" if a.status == 0 else str(a.status)).inc()
 
-            payload = json.dumps(upstream_body(req.body, target, spec.adapter)).encode()
+            body = upstream_body(req.body, target, spec.adapter)
+            payload = json.dumps(body).encode()
+            affinity = self.affinity(cfg, req, target, plan.adapters.get(target) or body.get("adapter"))
             try:
                 up = await open_upstream(self.session, rt.replicas.get(target, []), path, payload,
                                          {"Content-Type": "application/json", "x-request-id": rid}, timeout,
-                                         cfg.polling.preempting_penalty, on_attempt, adapter=plan.adapters.get(target))
+                                         cfg.polling.preempting_penalty, on_attempt, adapter=plan.adapters.get(target),
+                                         affinity=affinity)
             except NoReplica as e:
                 failures.append(f"{target}: {e}")
                 continue
@@ -251,6 +271,9 @@ class Router:
                 up.replica.inflight -= 1
                 self.metrics.retries.labels(target, "fallback").inc()
                 continue
+            self.metrics.replica_choice.labels(target, choice_outcome(affinity, up.replica)).inc()
+            if affinity is not None and up.response.status < 400:
+                self.prefixes.record(affinity.hashes, up.replica.url)
             if i > 0:
                 log.info("request %s: %s served for %s (%s)", rid, target, plan.targets[0], "; ".join(failures))
             return target, up

@@ -1,0 +1,85 @@
+"""Prefix affinity: which replica most likely holds a prompt's prefix in its KV cache.
+
+The engines cache KV by a chain of block hashes (each block's hash covers every token before it), so
+a replica can reuse a prompt's prefix only if it served that prefix before. The router does not
+tokenize, so it keeps the same shape over text: the prompt is cut into fixed-size character blocks,
+each hash chaining the previous one, and `PrefixIndex` remembers for each hash the replicas that
+served a prompt containing that block (LRU, bounded). Two prompts that share their first k blocks
+share their first k hashes; the replica with the deepest match is the one to ask. `choose_replica`
+(replicas.py) balances that against queue depth.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Affinity:
+    """What one request brings to the replica choice."""
+
+    hashes: tuple[bytes, ...]   # chained block hashes of its prompt (may be empty: nothing to match)
+    depth: dict[str, int]       # replica url -> number of leading blocks it served before
+    load_slack: float           # the affine replica wins while its load <= least load + this
+
+
+def prefix_hashes(text: str, salt: str, block_chars: int, max_blocks: int) -> tuple[bytes, ...]:
+    """Chained hashes of the full `block_chars` blocks of `text` (a partial tail block is not cached by
+    the engines either), at most `max_blocks`. `salt` keeps lanes and adapters apart: the same text
+    on another adapter has other KV."""
+    out: list[bytes] = []
+    prev = hashlib.blake2b(salt.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+    n = min(len(text) // block_chars, max_blocks)
+    for i in range(n):
+        block = text[i * block_chars:(i + 1) * block_chars].encode("utf-8", "surrogatepass")
+        prev = hashlib.blake2b(prev + block, digest_size=16).digest()
+        out.append(prev)
+    return tuple(out)
+
+
+class PrefixIndex:
+    """Block hash -> replica urls that served it, least recently used hashes forgotten first."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.entries: OrderedDict[bytes, set[str]] = OrderedDict()
+
+    def match(self, hashes: tuple[bytes, ...]) -> dict[str, int]:
+        """url -> how many leading blocks of `hashes` it holds (only urls holding at least one)."""
+        depth: dict[str, int] = {}
+        alive: set[str] | None = None
+        for i, h in enumerate(hashes):
+            urls = self.entries.get(h)
+            if not urls:
+                break
+            # A chain: a replica holds block i only if it also holds blocks 0..i-1 (for this prompt).
+            alive = set(urls) if alive is None else alive & urls
+            if not alive:
+                break
+            for u in alive:
+                depth[u] = i + 1
+        return depth
+
+    def record(self, hashes: tuple[bytes, ...], url: str) -> None:
+        """`url` now holds every block of this prompt."""
+        for h in hashes:
+            urls = self.entries.get(h)
+            if urls is None:
+                self.entries[h] = {url}
+            else:
+                urls.add(url)
+                self.entries.move_to_end(h)
+        while len(self.entries) > self.capacity:
+            self.entries.popitem(last=False)
+
+    def forget(self, url: str) -> None:
+        """A replica that left (or restarted) holds nothing."""
+        for h in [h for h, urls in self.entries.items() if url in urls]:
+            urls = self.entries[h]
+            urls.discard(url)
+            if not urls:
+                del self.entries[h]
+
+    def __len__(self) -> int:
+        return len(self.entries)

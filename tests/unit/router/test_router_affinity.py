@@ -1,0 +1,105 @@
+"""Prefix affinity: chained text-block hashes, the LRU index, and choose_replica's balance of cache
+hits against queue depth."""
+from __future__ import annotations
+
+from collections import Counter
+
+from consort_router.affinity import Affinity, PrefixIndex, prefix_hashes
+from consort_router.replicas import ReplicaState, choice_outcome, choose_replica
+
+SYSTEM = "You are a careful C++ reviewer. " * 10   # 320 chars: two full 128-char blocks
+
+
+def rep(url, running=0, ready=True):
+    return ReplicaState(url=url, specialist="s", ready=ready, running=running)
+
+
+def hashes(text, salt="lane\0", block=128, max_blocks=64):
+    return prefix_hashes(text, salt, block, max_blocks)
+
+
+def test_hashes_chain_over_full_blocks_only():
+    h = hashes("x" * 300)
+    assert len(h) == 2                                  # the 44-char tail is not a block
+    assert hashes("x" * 300 + "tail") == h
+    assert hashes("y" + "x" * 299)[0] != h[0]
+    # Same second block text, different first: a different second hash (it chains).
+    a, b = hashes("a" * 128 + "z" * 128), hashes("b" * 128 + "z" * 128)
+    assert a[1] != b[1]
+    assert hashes("x" * 300, salt="other\0") != h      # another lane or adapter: another cache
+    assert len(hashes("x" * 10_000, max_blocks=5)) == 5
+    assert hashes("short") == ()
+
+
+def test_index_match_depth_and_chain():
+    idx = PrefixIndex(capacity=1000)
+    turn1 = hashes(SYSTEM + "first question " * 20)
+    idx.record(turn1, "a")
+    turn2 = hashes(SYSTEM + "first question " * 20 + "answer and a follow-up " * 20)
+    depth = idx.match(turn2)
+    assert depth == {"a": len(turn1)}                  # the new blocks are on nobody yet
+    idx.record(hashes(SYSTEM + "another user entirely " * 20), "b")
+    d = idx.match(turn2)
+    assert d["a"] == len(turn1) and d["b"] == 2        # b shares the system prompt's two blocks
+    assert idx.match(hashes("z" * 600)) == {}
+
+
+def test_index_is_lru_bounded_and_forgets_replicas():
+    idx = PrefixIndex(capacity=4)
+    old, new = hashes("o" * 128 * 3), hashes("n" * 128 * 3)
+    idx.record(old, "a")
+    idx.record(new, "b")
+    assert len(idx) == 4
+    assert idx.match(old) == {}                        # the oldest blocks went first
+    assert idx.match(new) == {"b": 3}
+    idx.forget("b")
+    assert idx.match(new) == {} and len(idx) == 1   # old[2] (on a) is left
+
+
+def test_deepest_match_wins_within_slack():
+    reps = [rep("a", running=3), rep("b", running=1), rep("c", running=0)]
+    h = hashes(SYSTEM)
+    aff = Affinity(h, {"a": 2, "b": 1}, load_slack=4.0)
+    chosen = choose_replica(reps, 8.0, affinity=aff)
+    assert chosen.url == "a" and choice_outcome(aff, chosen) == "affine"
+
+
+def test_too_loaded_affine_replica_spills_to_least_loaded():
+    reps = [rep("a", running=9), rep("b", running=2), rep("c", running=1)]
+    aff = Affinity(hashes(SYSTEM), {"a": 2}, load_slack=4.0)
+    chosen = choose_replica(reps, 8.0, affinity=aff)
+    assert chosen.url == "c" and choice_outcome(aff, chosen) == "spill"
+    # A shallower holder within the slack beats spilling.
+    aff = Affinity(hashes(SYSTEM), {"a": 2, "b": 1}, load_slack=4.0)
+    assert choose_replica(reps, 8.0, affinity=aff).url == "b"
+
+
+def test_cold_prompts_spread_and_shared_beginnings_meet():
+    reps = [rep("http://r0"), rep("http://r1"), rep("http://r2")]
+    picks = Counter()
+    for i in range(60):
+        aff = Affinity(hashes(f"conversation {i:03d} " * 20), {}, load_slack=4.0)
+        chosen = choose_replica(reps, 8.0, affinity=aff)
+        assert choice_outcome(aff, chosen) == "cold"
+        picks[chosen.url] += 1
+    assert len(picks) == 3 and min(picks.values()) >= 8    # rendezvous hashing spreads them
+    same = {choose_replica(reps, 8.0, affinity=Affinity(hashes(SYSTEM + f"q{i}" * 200), {}, 4.0)).url
+            for i in range(10)}
+    assert len(same) == 1                              # one first block: one replica
+
+
+def test_no_affinity_or_short_prompt_is_least_loaded():
+    reps = [rep("a", running=2), rep("b", running=1)]
+    assert choose_replica(reps, 8.0, affinity=None).url == "b"
+    aff = Affinity((), {}, 4.0)
+    chosen = choose_replica(reps, 8.0, affinity=aff)
+    assert chosen.url == "b" and choice_outcome(aff, chosen) == "least_loaded"
+
+
+def test_affinity_respects_ready_exclude_and_adapter():
+    reps = [rep("a", ready=False), rep("b", running=3), rep("c")]
+    reps[1].adapters = ("fix",)
+    aff = Affinity(hashes(SYSTEM), {"a": 2, "c": 2}, load_slack=10.0)
+    assert choose_replica(reps, 8.0, affinity=aff).url == "c"              # a is not ready
+    assert choose_replica(reps, 8.0, frozenset({"c"}), affinity=aff).url == "b"
+    assert choose_replica(reps, 8.0, adapter="fix", affinity=aff).url == "b"  # only b has the adapter
