@@ -16,11 +16,12 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "up": ("consort_operator.local", "run Specialists and an EnsembleRouter from manifests as local processes"),
     "crds": ("consort_operator.api.crds", "print the CRD YAML generated from the pydantic models"),
     "demo-model": ("consort_engine.demo_model", "write a small Llama-family checkpoint + tokenizer"),
-    "bench": ("consort_engine.bench", "benchmarks: `offline` (engine vs transformers), `serve` (HTTP latency), `local` (the ensemble on one box vs one engine)"),
+    "bench": ("consort_engine.bench", "benchmarks: `offline` (engine vs transformers), `serve` (HTTP latency), `local` (the ensemble on one box vs one engine), `affinity` (prefix-affine vs least-loaded replicas)"),
 }
 # `consort COMMAND SUB` implemented outside COMMAND's module: `bench local` starts `consort up`,
 # which the engine package (home of the other benchmarks) does not know about.
-NESTED: dict[tuple[str, str], str] = {("bench", "local"): "consort_operator.bench_local"}
+NESTED: dict[tuple[str, str], str] = {("bench", "local"): "consort_operator.bench_local",
+                                      ("bench", "affinity"): "consort_router.bench_affinity"}
 
 
 def usage() -> str:

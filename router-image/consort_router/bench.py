@@ -224,6 +224,76 @@ def report(res: dict) -> str:
     return "\n".join(lines)
 
 
+CONSORT = str(Path(sys.executable).with_name("consort"))
+
+
+def start_engine(model: str, name: str, extra_args: list[str], logdir: Path, cpus: str | None = None,
+                 ) -> tuple[subprocess.Popen, str]:
+    """A `consort engine` on a free loopback port (pinned to `cpus` with its threads set to match)."""
+    port = free_port()
+    env = dict(os.environ)
+    pin: list[str] = []
+    if cpus:
+        pin = ["taskset", "-c", cpus]
+        env["OMP_NUM_THREADS"] = str(len(cpu_list(cpus)))
+    p = subprocess.Popen([*pin, CONSORT, "engine", "--model", model, "--port", str(port), "--name", name,
+                          *extra_args], env=env, stdout=open(logdir / f"engine-{port}.log", "w"),
+                         stderr=subprocess.STDOUT)
+    return p, f"http://127.0.0.1:{port}"
+
+
+def router_config(lanes: dict[str, list[str]], default: str, **over) -> dict:
+    """A benchmark router: the given lanes (name -> replica urls), no classifier, shadow, verifier or
+    breaker warm-up; `over` replaces top-level sections."""
+    cfg = {"ensemble": "ens", "specialists": [{"name": n, "replicas": urls, "intents": ["bench"] if n == default
+                                               else []} for n, urls in lanes.items()],
+           "classifier": {"kind": "none"}, "default_specialist": default,
+           "verifier": {"enabled": False}, "shadow": {"enabled": False}, "breaker": {"fresh_samples": 0},
+           "store": {"kind": "none"}}
+    cfg.update(over)
+    return cfg
+
+
+def start_router(cfg: dict, logdir: Path, cpus: str | None = None) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    path = logdir / f"router-{port}.json"
+    path.write_text(json.dumps(cfg))
+    pin = ["taskset", "-c", cpus] if cpus else []
+    p = subprocess.Popen([*pin, CONSORT, "router", "--config", str(path), "--port", str(port)],
+                         stdout=open(logdir / f"router-{port}.log", "w"), stderr=subprocess.STDOUT)
+    return p, f"http://127.0.0.1:{port}"
+
+
+def wait_ready(urls: list[str], procs: list[subprocess.Popen], timeout_s: float = 600) -> bool:
+    """Every url's /ready answers 200 (False when a process exits or time runs out)."""
+    import urllib.request
+    deadline = time.monotonic() + timeout_s
+    pending = list(urls)
+    while pending:
+        try:
+            with urllib.request.urlopen(pending[0] + "/ready", timeout=2) as r:
+                if r.status == 200:
+                    pending.pop(0)
+                    continue
+        except OSError:
+            pass
+        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+            return False
+        time.sleep(0.2)
+    return True
+
+
+def stop_all(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m consort_router.bench", description=__doc__.splitlines()[0])
     src = ap.add_mutually_exclusive_group(required=True)
@@ -248,61 +318,27 @@ def main(argv: list[str] | None = None) -> int:
     if args.client_cpus:
         os.sched_setaffinity(0, cpu_list(args.client_cpus))
 
-    consort = str(Path(sys.executable).with_name("consort"))
     procs: list[subprocess.Popen] = []
     tmp = Path(tempfile.mkdtemp(prefix="consort-router-bench-"))
     try:
         if args.model:
-            port = free_port()
-            engine_url = f"http://127.0.0.1:{port}"
-            env = dict(os.environ)
-            pin: list[str] = []
-            if args.engine_cpus:
-                pin = ["taskset", "-c", args.engine_cpus]
-                env["OMP_NUM_THREADS"] = str(len(cpu_list(args.engine_cpus)))
-            procs.append(subprocess.Popen([*pin, consort, "engine", "--model", args.model, "--port", str(port),
-                                           "--name", args.engine_name, *args.engine_args.split()], env=env,
-                                          stdout=open(tmp / "engine.log", "w"), stderr=subprocess.STDOUT))
+            ep, engine_url = start_engine(args.model, args.engine_name, args.engine_args.split(), tmp, args.engine_cpus)
+            procs.append(ep)
         else:
             engine_url = args.engine_url.rstrip("/")
-        rport = free_port()
-        router_url = f"http://127.0.0.1:{rport}"
-        cfg = {"ensemble": "ens", "specialists": [{"name": args.engine_name, "replicas": [engine_url],
-                                                   "intents": ["bench"]}],
-               "classifier": {"kind": "none"}, "default_specialist": args.engine_name,
-               "verifier": {"enabled": False}, "shadow": {"enabled": False}, "breaker": {"fresh_samples": 0},
-               "store": {"kind": "none"}}
-        (tmp / "router.json").write_text(json.dumps(cfg))
-        rpin = ["taskset", "-c", args.router_cpus] if args.router_cpus else []
-        rp = subprocess.Popen([*rpin, consort, "router", "--config", str(tmp / "router.json"), "--port", str(rport)],
-                              stdout=open(tmp / "router.log", "w"), stderr=subprocess.STDOUT)
+        rp, router_url = start_router(router_config({args.engine_name: [engine_url]}, args.engine_name), tmp,
+                                      args.router_cpus)
         procs.append(rp)
-        deadline = time.monotonic() + 600
-        import urllib.request
-        while True:
-            try:
-                with urllib.request.urlopen(router_url + "/ready", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
-                print(f"bench: engine/router did not become ready; logs in {tmp}", file=sys.stderr)
-                return 1
-            time.sleep(0.2)
+        if not wait_ready([router_url], procs):
+            print(f"bench: engine/router did not become ready; logs in {tmp}", file=sys.stderr)
+            return 1
         res = asyncio.run(run(args, engine_url, router_url, rp.pid, args.engine_name))
         print(report(res))
         if args.json:
             print(json.dumps(res, indent=2))
         return 0
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-                try:
-                    p.wait(15)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+        stop_all(procs)
 
 
 if __name__ == "__main__":
