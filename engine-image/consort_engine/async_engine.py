@@ -201,7 +201,12 @@ class AsyncEngine:
         self.ready_at = time.monotonic()
         for cb in self._on_ready:
             self._loop.call_soon_threadsafe(cb)
-        self._loop_steps()
+        try:
+            self._loop_steps()
+        finally:
+            close = getattr(getattr(self.engine, "runner", None), "close", None)
+            if close is not None:
+                close()   # tensor-parallel worker ranks stop with the loop
 
     def _start_engine(self) -> None:
         self.state = "loading"

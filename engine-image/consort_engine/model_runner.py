@@ -25,6 +25,7 @@ from .models import MODELS
 from .lora import AdapterError, LoraAdapter, LoraContext, load_peft_adapter, segments_of
 from .models.packed import has_amx
 from .sequence import ScheduledBatch, Sequence
+from .tensor_parallel import SINGLE, TPGroup, TPWorkers
 
 MAX_KERNEL_QUERY = 16     # sequences with at most this many new tokens join the batched (kernel) group
 MiB = 1 << 20
@@ -80,10 +81,28 @@ def tune_cpu_memory(kv_cache: torch.Tensor) -> None:
     libc.mallopt(-1, 1 << 30)    # M_TRIM_THRESHOLD: keep freed activations for the next step
 
 
+def check_tp_split(cfg, size: int) -> None:
+    """Raises ValueError unless `size` ranks split the heads, KV heads and MLP evenly."""
+    group = TPGroup(0, size)
+    for n, what in ((cfg.num_attention_heads, "num_attention_heads"), (cfg.num_key_value_heads, "num_key_value_heads"),
+                    (cfg.intermediate_size, "intermediate_size")):
+        group.split(n, what)
+
+
 class ModelRunner:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, tp: TPGroup | None = None):
+        """`tp` None: the engine's runner (rank 0), which starts ranks 1..N-1 itself when
+        config.tensor_parallel_size > 1 (see tensor_parallel.py); a worker rank passes its group."""
         t0 = time.monotonic()
         self.config = config
+        self.workers: TPWorkers | None = None
+        if tp is None and config.tensor_parallel_size > 1:
+            if config.adapters:
+                raise ValueError("LoRA adapters are not supported with tensor_parallel_size > 1 yet")
+            check_tp_split(load_model_config(config.model), config.tensor_parallel_size)   # before any rank starts
+            self.workers = TPWorkers(config)
+            tp = self.workers.join_group(config.device)
+        self.tp = tp = tp or SINGLE
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype, config.device)           # weights and KV cache
         self.compute_dtype = compute_dtype(self.dtype, self.device)       # activations and GEMMs
@@ -103,7 +122,8 @@ class ModelRunner:
         torch.set_default_dtype(self.compute_dtype)
         try:
             with torch.device(self.device):
-                self.model = MODELS[cfg.model_type](cfg, self.max_model_len, self.backend, self.dtype, self.device)
+                self.model = MODELS[cfg.model_type](cfg, self.max_model_len, self.backend, self.dtype, self.device,
+                                                    tp)
         finally:
             torch.set_default_dtype(default_dtype)
         self.model.load_weights((name, t.to(self.dtype)) for name, t in iter_safetensors(config.model))
@@ -117,8 +137,12 @@ class ModelRunner:
             self.load_adapter(name, path)
 
         self.num_blocks = self._pool_blocks()
+        if tp.size > 1:   # every rank holds the same block ids: agree on the smallest pool
+            n = torch.tensor([self.num_blocks])
+            torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MIN)
+            self.num_blocks = int(n.item())
         kv_shape = (cfg.num_hidden_layers, 2, *pool_shape(self.backend, self.num_blocks, self.block_size,
-                                                          cfg.num_key_value_heads, cfg.head_dim))
+                                                          self.kv_heads, cfg.head_dim))
         # The CPU kernel never reads a slot before it is written, so untouched pages stay uncommitted;
         # the gather fallbacks read whole blocks and need finite values in the unused tail.
         alloc = torch.empty if self.backend == "cpu_kernel" else torch.zeros
@@ -132,9 +156,14 @@ class ModelRunner:
 
     # ------------------------------------------------------------------------------------------
     @property
+    def kv_heads(self) -> int:
+        """KV heads this rank holds (all of them without tensor parallelism)."""
+        return self.hf_config.num_key_value_heads // self.tp.size
+
+    @property
     def block_bytes(self) -> int:
         c = self.hf_config
-        return 2 * c.num_hidden_layers * self.block_size * c.num_key_value_heads * c.head_dim * self.dtype.itemsize
+        return 2 * c.num_hidden_layers * self.block_size * self.kv_heads * c.head_dim * self.dtype.itemsize
 
     def _pool_blocks(self) -> int:
         if self.config.num_blocks:
@@ -236,6 +265,9 @@ class ModelRunner:
 
     def load_adapter(self, name: str, path: str) -> LoraAdapter:
         """Read a PEFT LoRA adapter and attach it (between steps). AdapterError when it cannot be served."""
+        if self.tp.size > 1:
+            raise AdapterError("LoRA adapters are not supported with tensor_parallel_size > 1 yet",
+                               code="adapter_unsupported")
         if name in self.adapters:
             raise AdapterError(f"adapter {name!r} is already loaded", code="adapter_exists")
         if len(self.adapters) >= self.config.max_adapters:
@@ -254,6 +286,8 @@ class ModelRunner:
     @torch.inference_mode()
     def zero_slots(self, slots: list[int]) -> None:
         """Zero K and V of these pool slots in every layer (rejected draft tokens' tail)."""
+        if self.workers:
+            self.workers.call("zero_slots", slots)
         idx = torch.tensor(slots, dtype=torch.int64, device=self.device)
         blocks, offsets = idx // self.block_size, idx % self.block_size
         if self.backend == "cpu_kernel":       # [layers, 2, blocks, kv_heads, block_size, D]
@@ -266,6 +300,8 @@ class ModelRunner:
         """float32 logits [sampled rows, vocab] in batch order."""
         if not batch.seqs:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
+        if self.workers:
+            self.workers.call("execute", batch)   # every rank runs the same step (its collectives meet)
         inp = self.prepare(batch)
         self.lora_ctx.segments = inp.lora_segments
         try:
@@ -275,6 +311,12 @@ class ModelRunner:
         if inp.sample_idx.numel() == 0:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
         return self.model.compute_logits(h[inp.sample_idx]).float()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel worker ranks (no-op without them)."""
+        if self.workers:
+            self.workers.stop()
+            self.workers = None
 
     # ------------------------------------------------------------------------------------------
     def warmup(self) -> None:

@@ -761,6 +761,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--num-blocks", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split attention heads and the MLP over this many ranks (processes; GPUs on cuda)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
@@ -807,8 +809,11 @@ def config_from_args(a: argparse.Namespace) -> EngineConfig:
     for flag, value in (("--slo-ttft-ms", a.slo_ttft_ms), ("--slo-itl-ms", a.slo_itl_ms)):
         if value is not None and value <= 0:
             raise SystemExit(f"consort engine: {flag} must be a positive number of milliseconds, got {value}")
+    if a.tensor_parallel_size < 1:
+        raise SystemExit(f"consort engine: --tensor-parallel-size must be >= 1, got {a.tensor_parallel_size}")
     return EngineConfig(
         model=str(Path(a.model)), name=a.name or Path(a.model).resolve().name, device=a.device, dtype=a.dtype,
+        tensor_parallel_size=a.tensor_parallel_size,
         block_size=a.block_size, num_blocks=a.num_blocks, kv_memory_fraction=a.kv_memory_fraction,
         max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
         max_waiting=a.max_waiting, enable_prefix_caching=not a.no_prefix_caching, speculative=a.speculative,

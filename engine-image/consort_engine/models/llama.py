@@ -17,6 +17,7 @@ from ..loader import ModelConfig
 from . import ops
 from .packed import pack_linear
 from .rope import RotaryEmbedding
+from ..tensor_parallel import SINGLE, TPGroup, all_reduce
 
 
 class RMSNorm(nn.Module):
@@ -33,10 +34,17 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Module):
-    """y = x W^T + b, with W assembled from one or more checkpoint shards (fused projections)."""
+    """y = x W^T + b, with W assembled from one or more checkpoint shards (fused projections).
 
-    def __init__(self, in_features: int, shard_sizes: list[int], bias: bool):
+    Tensor parallel (`tp.size` > 1): `parallel="column"` holds this rank's rows of every shard
+    (`shard_sizes` are per rank), `parallel="row"` this rank's columns (`in_features` per rank) and
+    all-reduces the partial products, the bias added once after the sum."""
+
+    def __init__(self, in_features: int, shard_sizes: list[int], bias: bool, parallel: str | None = None,
+                 tp: TPGroup = SINGLE):
         super().__init__()
+        self.parallel = parallel if tp.size > 1 else None
+        self.tp = tp
         self.shard_offsets = [sum(shard_sizes[:i]) for i in range(len(shard_sizes))]
         self.shard_sizes = shard_sizes
         out = sum(shard_sizes)
@@ -48,18 +56,27 @@ class Linear(nn.Module):
 
     def pack(self) -> None:
         """Switch to a pre-packed CPU GEMM weight (see packed.py); the plain weight is released."""
-        self.packed = pack_linear(self.weight.data, None if self.bias is None else self.bias.data)
+        bias = None if self.bias is None or self.parallel == "row" else self.bias.data
+        self.packed = pack_linear(self.weight.data, bias)
         if self.packed is not None:
             self.weight.data = torch.zeros(1, dtype=self.weight.dtype).expand(self.weight.shape)
 
     def load_shard(self, name: str, shard: int, tensor: torch.Tensor) -> None:
         target = self.weight if name == "weight" else self.bias
         o, n = self.shard_offsets[shard], self.shard_sizes[shard]
+        if self.parallel == "column":
+            tensor = tensor[self.tp.rows(n)]
+        elif self.parallel == "row" and name == "weight":
+            tensor = tensor[:, self.tp.rows(self.weight.shape[1])]
         if tensor.shape[0] != n:
             raise ValueError(f"shard {shard}: expected {n} rows, checkpoint has {tuple(tensor.shape)}")
         target.data[o:o + n].copy_(tensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.parallel == "row":
+            y = self.packed(x) if self.packed is not None else F.linear(x, self.weight)
+            all_reduce(y, self.tp)
+            return y if self.bias is None else y.add_(self.bias)
         y = self.packed(x) if self.packed is not None else F.linear(x, self.weight, self.bias)
         if self.lora and self.lora_ctx is not None and self.lora_ctx.segments:
             self._add_lora(x, y)
@@ -76,13 +93,16 @@ class Linear(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: str, fast: bool):
+    def __init__(self, cfg: ModelConfig, backend: str, fast: bool, tp: TPGroup = SINGLE):
         super().__init__()
-        self.h, self.kvh, self.d, self.fast = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, fast
+        # This rank's heads: attention is independent per head, so heads split without communication.
+        self.h = tp.split(cfg.num_attention_heads, "num_attention_heads")
+        self.kvh = tp.split(cfg.num_key_value_heads, "num_key_value_heads")
+        self.d, self.fast = cfg.head_dim, fast
         self.qkv_proj = Linear(cfg.hidden_size, [self.h * self.d, self.kvh * self.d, self.kvh * self.d],
-                               cfg.attention_bias)
+                               cfg.attention_bias, "column", tp)
         self.o_proj = Linear(self.h * self.d, [cfg.hidden_size],
-                             cfg.attention_bias and cfg.model_type != "qwen2")
+                             cfg.attention_bias and cfg.model_type != "qwen2", "row", tp)
         self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps, fast) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps, fast) if cfg.qk_norm else None
         self.attn = PagedAttention(self.h, self.kvh, self.d, self.d ** -0.5, backend)
@@ -103,25 +123,26 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, fast: bool):
+    def __init__(self, cfg: ModelConfig, fast: bool, tp: TPGroup = SINGLE):
         super().__init__()
         if cfg.hidden_act not in ("silu", "swish"):
             raise ValueError(f"unsupported hidden_act {cfg.hidden_act!r}")
         self.fast = fast
-        self.gate_up_proj = Linear(cfg.hidden_size, [cfg.intermediate_size] * 2, cfg.mlp_bias)
-        self.down_proj = Linear(cfg.intermediate_size, [cfg.hidden_size], cfg.mlp_bias)
+        inter = tp.split(cfg.intermediate_size, "intermediate_size")
+        self.gate_up_proj = Linear(cfg.hidden_size, [inter] * 2, cfg.mlp_bias, "column", tp)
+        self.down_proj = Linear(inter, [cfg.hidden_size], cfg.mlp_bias, "row", tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(ops.silu_mul(self.gate_up_proj(x), self.fast))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: str, fast: bool):
+    def __init__(self, cfg: ModelConfig, backend: str, fast: bool, tp: TPGroup = SINGLE):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fast)
-        self.self_attn = Attention(cfg, backend, fast)
+        self.self_attn = Attention(cfg, backend, fast, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fast)
-        self.mlp = MLP(cfg, fast)
+        self.mlp = MLP(cfg, fast, tp)
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 rotary: RotaryEmbedding, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,13 +162,13 @@ class LlamaForCausalLM(nn.Module):
               "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
     def __init__(self, cfg: ModelConfig, max_len: int, backend: str, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, tp: TPGroup = SINGLE):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
         fast = backend == "cpu_kernel"      # the C kernels are compiled and apply (CPU, fp32/bf16)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, fast) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, fast, tp) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fast)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, [cfg.vocab_size], False)
         self.tied_head = None
