@@ -103,6 +103,10 @@ class Slo(Model):
 class SpecialistSpec(Model):
     model_config = Model.model_config | {"json_schema_extra": {"x-kubernetes-validations": [
         cel("!has(self.minReady) || !has(self.replicas) || self.minReady <= self.replicas", "minReady must not exceed replicas", field_path=".minReady"),
+        cel("!has(self.tensorParallelSize) || self.tensorParallelSize == 1 || !has(self.resources) || !has(self.resources.gpus) || self.resources.gpus == 0 || self.resources.gpus == self.tensorParallelSize",
+            "resources.gpus must equal tensorParallelSize (one GPU per rank), or be 0 (CPU ranks)", field_path=".tensorParallelSize"),
+        cel("!has(self.tensorParallelSize) || self.tensorParallelSize == 1 || !has(self.adapters) || size(self.adapters) == 0",
+            "LoRA adapters are not supported with tensorParallelSize > 1 yet", field_path=".tensorParallelSize"),
     ]}}
 
     model: ModelSource = Field(description="Checkpoint and tokenizer of this specialist (HF Llama-family: Llama, Qwen2/3, Mistral).")
@@ -111,6 +115,7 @@ class SpecialistSpec(Model):
     replicas: int = Field(default=1, ge=0, le=1000, description="Desired engine replicas (pods).")
     min_ready: int = Field(default=1, ge=0, le=1000, description="Replicas that must report warm before the Specialist is Ready (also the PodDisruptionBudget's minAvailable).")
     resources: GpuResources = Field(default_factory=GpuResources, json_schema_extra={"default": {}}, description="Accelerator, CPU and memory per replica.")
+    tensor_parallel_size: int = Field(default=1, ge=1, le=16, description="Ranks each replica splits the model over (attention heads and MLP; NCCL on GPUs, one GPU per rank, so resources.gpus must equal it; gloo on CPU, the replica's CPUs shared among the ranks). Must divide the checkpoint's attention heads, KV heads and intermediate size.")
     node_selector: dict[str, str] | None = Field(default=None, description="Node labels engine pods must match (e.g. a GPU product label).")
     tolerations: list[Toleration] | None = Field(default=None, description="Tolerations for engine pods (a toleration for the GPU resource taint is added automatically when gpus > 0).")
     image: str | None = Field(default=None, min_length=1, max_length=512, description="Engine image override; default: the operator's --engine-image.")
@@ -129,9 +134,14 @@ class SpecialistSpec(Model):
     port: int = Field(default=8000, ge=1024, le=65535, description="Engine HTTP port inside the pod.")
 
     @model_validator(mode="after")
-    def _min_ready(self) -> "SpecialistSpec":   # mirrors the CEL rule above
+    def _min_ready(self) -> "SpecialistSpec":   # mirrors the CEL rules above
         if self.min_ready > self.replicas:
             raise ValueError("minReady must not exceed replicas")
+        if self.tensor_parallel_size > 1:
+            if self.resources.gpus not in (0, self.tensor_parallel_size):
+                raise ValueError("resources.gpus must equal tensorParallelSize (one GPU per rank), or be 0 (CPU ranks)")
+            if self.adapters:
+                raise ValueError("LoRA adapters are not supported with tensorParallelSize > 1 yet")
         return self
 
     def adapter_names(self) -> list[str]:

@@ -105,6 +105,8 @@ def engine_args(name: str, spec: SpecialistSpec, model_dir: str, adapters: dict[
     device = device or ("cuda" if spec.resources.gpus > 0 else "cpu")
     args = ["--model", model_dir, "--host", host, "--port", str(spec.port if port is None else port), "--name", name,
             "--device", device, "--dtype", spec.dtype, "--block-size", str(spec.kv.block_size)]
+    if spec.tensor_parallel_size > 1:
+        args += ["--tensor-parallel-size", str(spec.tensor_parallel_size)]
     if device == "cpu":
         args += ["--threads", str(threads or max(1, math.ceil(quantity_value(spec.resources.cpu))))]
     if spec.max_context is not None:

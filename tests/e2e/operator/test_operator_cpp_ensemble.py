@@ -52,6 +52,8 @@ def test_invalid_manifests_are_rejected_by_kubectl_apply(cluster, crds, namespac
         "fallback is itself": (variant(fallback="algo"), "spec.fallback must name another Specialist, not this one"),
         "negative replicas": (variant(replicas=-1), "spec.replicas: Invalid value: -1: spec.replicas in body should be greater than or equal to 0"),
         "minReady above replicas": (variant(replicas=1, minReady=2), "minReady must not exceed replicas"),
+        "TP without a GPU per rank": (variant(tensorParallelSize=2, **{"resources.gpus": 1}),
+                                      "resources.gpus must equal tensorParallelSize"),
         "unknown field": (variant(gpuCount=2), 'unknown field "spec.gpuCount"'),
         "bad model source": (variant(**{"model.source": "s3://bucket/model"}), "spec.model.source in body should match"),
     }

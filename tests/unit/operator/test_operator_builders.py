@@ -238,3 +238,22 @@ def test_a_cpu_engine_runs_as_many_threads_as_its_cpu_request():
         assert "cpu" not in c["resources"]["limits"]          # a request, no limit: no CFS throttling
     gpu = S.engine_deployment("x", "ns", "u", spec(), CTX)["spec"]["template"]["spec"]["containers"][0]
     assert "--threads" not in gpu["args"]
+
+
+def test_tensor_parallel_size_reaches_the_engine_and_requests_one_gpu_per_rank():
+    from consort_engine.server import parse_args
+
+    s = spec(tensorParallelSize=2, resources={"gpus": 2})
+    d = S.engine_deployment("algo", "ns", "u", s, CTX)
+    c = d["spec"]["template"]["spec"]["containers"][0]
+    assert parse_args(c["args"]).tensor_parallel_size == 2
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    assert parse_args(S.engine_deployment("algo", "ns", "u", spec(), CTX)["spec"]["template"]["spec"]
+                      ["containers"][0]["args"]).tensor_parallel_size == 1
+    cpu = spec(tensorParallelSize=2, resources={"gpus": 0, "cpu": 4})
+    args = parse_args(S.engine_deployment("algo", "ns", "u", cpu, CTX)["spec"]["template"]["spec"]["containers"][0]["args"])
+    assert (args.tensor_parallel_size, args.device, args.threads) == (2, "cpu", 4)   # the ranks share the 4
+    with pytest.raises(ValueError, match="resources.gpus must equal tensorParallelSize"):
+        spec(tensorParallelSize=2)                        # default gpus: 1
+    with pytest.raises(ValueError, match="not supported with tensorParallelSize"):
+        spec(tensorParallelSize=2, resources={"gpus": 2}, adapters=[{"name": "v2", "source": "pvc://m/v2"}])
