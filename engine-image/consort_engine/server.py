@@ -117,6 +117,7 @@ class ServerContext:
                             "num_speculative_tokens": self.config.num_speculative_tokens},
             "max_model_len": getattr(runner, "max_model_len", self.max_model_len),
             "device": self.config.device,
+            "tensor_parallel_size": self.config.tensor_parallel_size,
             "dtype": self.config.dtype,
             "load_s": self.engine.load_s,
             "warmup_s": self.engine.warmup_s,
