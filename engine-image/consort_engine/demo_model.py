@@ -2,7 +2,8 @@
 
 The tokenizer is a byte-level BPE trained (deterministically, in seconds) on the libstdc++ headers
 under /usr/include/c++; weights are random (seeded) unless --train fits the model on the same text
-for a few minutes on the CPU.
+for a few minutes on the CPU. --mtp adds a multi-token-prediction block (models/mtp.py) distilled
+from the model's own greedy choices, so MTP drafting has something to accept.
 """
 from __future__ import annotations
 
@@ -135,9 +136,11 @@ def write_tokenizer(out: Path, tok, max_pos: int) -> None:
 def write_demo_model(out_dir: str | Path, *, arch: str = "llama", hidden: int = 256, layers: int = 4,
                      heads: int = 4, kv_heads: int = 2, ffn: int = 688, vocab: int = 4096,
                      max_pos: int = 2048, seed: int = 0, tie: bool = False, train: bool = False,
-                     train_seconds: float = 300.0, tokenizer=None) -> Path:
+                     train_seconds: float = 300.0, tokenizer=None, mtp: str | None = None,
+                     mtp_seconds: float = 120.0) -> Path:
     """Writes config.json, generation_config.json, model.safetensors, tokenizer.json and
-    tokenizer_config.json (with a chat template) into out_dir and returns it."""
+    tokenizer_config.json (with a chat template) into out_dir and returns it. mtp: None, or the MTP
+    block's tensor layout ("qwen3_next" or "deepseek_v3"), trained for mtp_seconds."""
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {sorted(ARCHS)}")
     out = Path(out_dir)
@@ -151,6 +154,9 @@ def write_demo_model(out_dir: str | Path, *, arch: str = "llama", hidden: int = 
     weights = random_weights(arch, s, tie=tie, seed=seed)
     if train:
         weights = train_weights(cfg, weights, tok, seconds=train_seconds, seed=seed)
+    if mtp:
+        cfg["num_nextn_predict_layers"] = 1
+        weights.update(mtp_tensors(train_mtp(cfg, weights, tok, seconds=mtp_seconds, seed=seed), mtp, layers))
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     (out / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": bos, "eos_token_id": [eos, end], "do_sample": False}, indent=2))
@@ -202,6 +208,94 @@ def train_weights(cfg: dict, weights: dict[str, torch.Tensor], tok, *, seconds: 
     return state
 
 
+def train_mtp(cfg: dict, weights: dict[str, torch.Tensor], tok, *, seconds: float, seed: int,
+              seq_len: int = 128, batch: int = 8, lr: float = 2e-3, depth: int = 2) -> dict[str, torch.Tensor]:
+    """An MTP block (Qwen3-Next names, `mtp.` prefix) fitted for `seconds` on the frozen model:
+    row p fuses embed(t[p+1]) with the model's final-norm hidden state at p, and its label is the
+    model's own greedy choice after t[p+1] (what verification accepts). Depth 2 chains the block's
+    output as the next row's hidden state, as drafting does."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm
+    torch.manual_seed(seed)
+    hf_cfg = AutoConfig.for_model(**cfg)
+    hf_cfg._attn_implementation = "sdpa"
+    model = AutoModelForCausalLM.from_config(hf_cfg)
+    model.load_state_dict(weights, strict=False)
+    if cfg["tie_word_embeddings"]:
+        model.tie_weights()
+    model.eval().requires_grad_(False)
+    h = cfg["hidden_size"]
+    block = torch.nn.ModuleDict({
+        "pre_fc_norm_embedding": LlamaRMSNorm(h, cfg["rms_norm_eps"]),
+        "pre_fc_norm_hidden": LlamaRMSNorm(h, cfg["rms_norm_eps"]),
+        "fc": torch.nn.Linear(2 * h, h, bias=False),
+        "layer": LlamaDecoderLayer(hf_cfg, layer_idx=0),
+        "norm": LlamaRMSNorm(h, cfg["rms_norm_eps"])})
+    block["layer"].load_state_dict({k.removeprefix(f"model.layers.{cfg['num_hidden_layers'] - 1}."): v
+                                    for k, v in weights.items()
+                                    if k.startswith(f"model.layers.{cfg['num_hidden_layers'] - 1}.")})
+    rotary, embed, head = model.model.rotary_emb, model.model.embed_tokens, model.get_output_embeddings()
+
+    def run(e: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        x = block["fc"](torch.cat((block["pre_fc_norm_embedding"](e), block["pre_fc_norm_hidden"](hidden)), -1))
+        pe = rotary(x, pos[None].expand(x.shape[0], -1))
+        return block["norm"](block["layer"](x, position_embeddings=pe, position_ids=pos[None]))
+
+    eos = tok.token_to_id("</s>")
+    ids: list[int] = []
+    for text in cpp_text(limit_bytes=2_000_000):
+        ids += tok.encode(text).ids + [eos]
+    data = torch.tensor(ids, dtype=torch.long)
+    n_windows = (len(data) - 1) // seq_len
+    opt = torch.optim.AdamW(block.parameters(), lr=lr, weight_decay=0.0)
+    g = torch.Generator().manual_seed(seed + 1)
+    start, step, acc_ema = time.monotonic(), 0, None
+    while time.monotonic() - start < seconds:
+        idx = torch.randint(0, n_windows, (batch,), generator=g) * seq_len
+        x = torch.stack([data[i:i + seq_len] for i in idx.tolist()])
+        with torch.no_grad():
+            out = model.model(input_ids=x, use_cache=False).last_hidden_state      # after the final norm
+            greedy = head(out).argmax(-1)                   # greedy[:, q]: the model's token after t[q]
+        hidden, loss, pos = out, 0.0, torch.arange(seq_len)
+        for d in range(1, depth + 1):
+            # rows p = d-1 .. T-2: token t[p+1], the previous depth's output for row p-1 (the model's own
+            # hidden state at p for depth 1); label: the model's greedy token after t[p+1], greedy[:, p+1]
+            e = embed(x[:, d:])
+            hidden = run(e, hidden[:, : seq_len - d], pos[d - 1: seq_len - 1])
+            logits = head(hidden)
+            labels = greedy[:, d:]
+            loss = loss + torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                            labels.reshape(-1)) / d
+            if d == 1:
+                acc = (logits.argmax(-1) == labels).float().mean().item()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        acc_ema = acc if acc_ema is None else 0.9 * acc_ema + 0.1 * acc
+        step += 1
+        if step % 20 == 0:
+            print(f"mtp step {step} loss {loss.item():.3f} top-1 agreement {acc_ema:.2f} "
+                  f"({time.monotonic() - start:.0f}s)", flush=True)
+    state = {f"mtp.{k}": v.detach().clone() for k, v in block.state_dict().items()}
+    return {k.replace("mtp.layer.", "mtp.layers.0."): v for k, v in state.items()}
+
+
+def mtp_tensors(state: dict[str, torch.Tensor], layout: str, num_hidden_layers: int) -> dict[str, torch.Tensor]:
+    """Qwen3-Next-named MTP tensors (`mtp.*`) as the checkpoint layout asks: qwen3_next or deepseek_v3
+    (`model.layers.{num_hidden_layers}.*` with eh_proj / enorm / hnorm / shared_head.norm)."""
+    if layout == "qwen3_next":
+        return dict(state)
+    if layout != "deepseek_v3":
+        raise ValueError(f"unknown MTP layout {layout!r}: qwen3_next or deepseek_v3")
+    names = {"mtp.fc.": "eh_proj.", "mtp.pre_fc_norm_embedding.": "enorm.", "mtp.pre_fc_norm_hidden.": "hnorm.",
+             "mtp.norm.": "shared_head.norm.", "mtp.layers.0.": ""}
+    out = {}
+    for k, v in state.items():
+        src = next(s for s in names if k.startswith(s))
+        out[f"model.layers.{num_hidden_layers}.{names[src]}{k[len(src):]}"] = v
+    return out
+
+
 def write_demo_adapter(model_dir: str | Path, out: str | Path, rank: int = 4, seed: int = 0) -> Path:
     """A random PEFT LoRA adapter on every attention/MLP projection of a Llama-layout checkpoint
     (demos and tests of adapter rollout: `demo://lora?seed=N` sources)."""
@@ -237,6 +331,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tie", action="store_true", help="tie the LM head to the embedding")
     ap.add_argument("--train", action="store_true", help="fit the model on the C++ corpus (CPU, minutes)")
     ap.add_argument("--train-seconds", type=float, default=300.0)
+    ap.add_argument("--mtp", nargs="?", const="qwen3_next", choices=["qwen3_next", "deepseek_v3"],
+                    help="add a multi-token-prediction block (tensor layout; default qwen3_next), "
+                         "distilled from the model on the CPU for --mtp-seconds")
+    ap.add_argument("--mtp-seconds", type=float, default=120.0)
     a = ap.parse_args(argv)
     if a.lora_for:
         print(write_demo_adapter(a.lora_for, a.out, rank=a.rank, seed=a.seed))
@@ -244,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     s = SIZES[a.size]
     out = write_demo_model(a.out, arch=a.arch, hidden=s.hidden, layers=s.layers, heads=s.heads,
                            kv_heads=s.kv_heads, ffn=s.ffn, vocab=s.vocab, max_pos=s.max_pos, seed=a.seed,
-                           tie=a.tie, train=a.train, train_seconds=a.train_seconds)
+                           tie=a.tie, train=a.train, train_seconds=a.train_seconds, mtp=a.mtp,
+                           mtp_seconds=a.mtp_seconds)
     print(out)
     return 0

@@ -64,6 +64,8 @@ class LLMEngine:
                                           enable_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, eos_token_ids=runner.eos_token_ids,
                                    max_model_len=self.max_model_len)
+        if getattr(runner, "has_mtp", False):
+            self.scheduler.drafter = "mtp"
         self.warm = False
         self.warmup_s: float | None = None
         self._warmup_started: float | None = None
@@ -147,7 +149,12 @@ class LLMEngine:
         if not batch.seqs:
             self.last_batch = batch
             return self.scheduler.take_pending_outputs()
+        mtp = self.scheduler.drafter == "mtp"
+        if mtp:
+            self._draft_mtp(batch)
         logits = self.runner.execute(batch)
+        if mtp:
+            self._keep_hidden(batch)
         token_ids, logprobs = self._sample(batch, logits)
         t2 = time.perf_counter()
         outputs = self.scheduler.postprocess(batch, token_ids, logprobs)
@@ -158,6 +165,30 @@ class LLMEngine:
         self.last_batch = batch
         self._record(batch, t3 - t0, (t1 - t0) + (t3 - t2))
         return outputs
+
+    def _draft_mtp(self, batch: ScheduledBatch) -> None:
+        """Run the MTP pass over every batch sequence's rows kept from its last step (their K/V in the
+        block's own layer) and write the drafts into the verify windows' placeholder tokens."""
+        from .model_runner import MTPRows
+        items, targets = [], []
+        for i, seq in enumerate(batch.seqs):
+            k = batch.num_draft[i] if batch.num_draft else 0
+            kept = seq.num_computed_tokens - seq.mtp_start
+            if seq.mtp_hidden is None or not 0 < kept <= seq.mtp_hidden.shape[0]:
+                continue     # nothing kept (or preempted since): the placeholders stay, verify rejects them
+            tokens = seq.token_ids[seq.mtp_start + 1: seq.num_computed_tokens + 1]
+            items.append(MTPRows(tokens, seq.mtp_hidden, seq.mtp_start, seq.block_table, k))
+            targets.append((seq, k))
+            seq.mtp_hidden = None
+        for (seq, k), draft in zip(targets, self.runner.mtp_draft(items)):
+            if k:
+                seq.token_ids[-k:] = draft
+
+    def _keep_hidden(self, batch: ScheduledBatch) -> None:
+        """Each sequence's normed hidden rows of this step, for the next step's MTP pass."""
+        hidden = self.runner.last_hidden
+        for seq, (a, b) in zip(batch.seqs, self.runner.last_item_rows):
+            seq.mtp_hidden, seq.mtp_start = hidden[a:b], seq.num_computed_tokens
 
     def _sample(self, batch: ScheduledBatch, logits: torch.Tensor) -> tuple[list[int], list | None]:
         """Token ids for every sampled row (batch.rows_sampled order). A verify window's rows hold
@@ -267,11 +298,11 @@ class LLMEngine:
         }
 
     def speculation_stats(self) -> dict:
-        """mode as configured; state on (n-gram drafts), fallback (mtp asked for, the checkpoint has no
-        MTP head: n-gram drafts instead) or off."""
+        """mode as configured; drafter ngram or mtp; state on, fallback (mtp asked for, the checkpoint has
+        no MTP block or runs tensor parallel: n-gram drafts instead) or off."""
         mode = self.config.speculative
-        state = "off" if mode == "off" else ("fallback" if mode == "mtp" else "on")
         sched = self.scheduler
+        state = "off" if mode == "off" else ("fallback" if mode == "mtp" and sched.drafter != "mtp" else "on")
         proposed, accepted = sched.num_draft_tokens, sched.num_accepted_tokens
-        return {"mode": mode, "state": state, "draft_tokens": proposed, "accepted_tokens": accepted,
+        return {"mode": mode, "state": state, "drafter": sched.drafter if mode != "off" else None, "draft_tokens": proposed, "accepted_tokens": accepted,
                 "acceptance_rate": accepted / proposed if proposed else None}

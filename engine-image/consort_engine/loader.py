@@ -147,3 +147,12 @@ def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]
         with safe_open(str(f), framework="pt", device="cpu") as fh:
             for name in fh.keys():
                 yield name, fh.get_tensor(name)
+
+
+def checkpoint_names(model_dir: str | Path) -> list[str]:
+    """Every tensor name of the checkpoint (headers only, no tensor is read)."""
+    names: list[str] = []
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt", device="cpu") as fh:
+            names += list(fh.keys())
+    return names

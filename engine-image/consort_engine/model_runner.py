@@ -20,8 +20,9 @@ import torch
 
 from .attention import AttentionMetadata, PrefillSpan, choose_backend, pool_shape
 from .config import EngineConfig
-from .loader import eos_token_ids, iter_safetensors, load_model_config, resolve_dtype
+from .loader import checkpoint_names, eos_token_ids, iter_safetensors, load_model_config, resolve_dtype
 from .models import MODELS
+from .models.mtp import has_mtp
 from .lora import AdapterError, LoraAdapter, LoraContext, load_peft_adapter, segments_of
 from .models.packed import has_amx
 from .sequence import ScheduledBatch, Sequence
@@ -38,6 +39,30 @@ class StepInputs:
     meta: AttentionMetadata
     sample_idx: torch.Tensor     # [S] int64: token row of each sampled sequence, in batch order
     lora_segments: list[tuple[int, int, str]] = field(default_factory=list)   # rows of adapter requests
+    order: list[int] = field(default_factory=list)       # item (sequence) index of each row group, row order
+    item_rows: list[tuple[int, int]] = field(default_factory=list)   # [start, end) rows of each item, item order
+
+
+@dataclass
+class RowGroup:
+    """One sequence's rows in a forward: `tokens` at positions start.. (their K/V go to those slots),
+    the last `num_sampled` rows sampled."""
+    tokens: list[int]
+    start: int
+    block_table: list[int]
+    num_sampled: int
+    adapter: str | None = None
+
+
+@dataclass
+class MTPRows:
+    """A sequence's MTP pass input: rows at positions start.. fuse tokens start+1.. with the target's
+    normed hidden states there; `num_draft` tokens are drafted after the last row (0: KV only)."""
+    tokens: list[int]
+    hidden: torch.Tensor
+    start: int
+    block_table: list[int]
+    num_draft: int
 
 
 def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -108,6 +133,12 @@ class ModelRunner:
         self.compute_dtype = compute_dtype(self.dtype, self.device)       # activations and GEMMs
         self.hf_config = cfg = load_model_config(config.model)
         self.eos_token_ids: set[int] = eos_token_ids(config.model, cfg)
+        # MTP drafting: one rank only (the block is not split for tensor parallelism yet)
+        self.has_mtp = (config.speculative == "mtp" and tp.size == 1
+                        and has_mtp(checkpoint_names(config.model), cfg.num_hidden_layers))
+        self.num_kv_layers = cfg.num_hidden_layers + self.has_mtp     # the MTP block's own KV layer last
+        self.last_hidden: torch.Tensor | None = None     # normed target hidden states of the last step (MTP)
+        self.last_item_rows: list[tuple[int, int]] = []
         self.vocab_size = cfg.vocab_size
         self.block_size = config.block_size
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
@@ -123,7 +154,7 @@ class ModelRunner:
         try:
             with torch.device(self.device):
                 self.model = MODELS[cfg.model_type](cfg, self.max_model_len, self.backend, self.dtype, self.device,
-                                                    tp)
+                                                    tp, mtp=self.has_mtp)
         finally:
             torch.set_default_dtype(default_dtype)
         self.model.load_weights((name, t.to(self.dtype)) for name, t in iter_safetensors(config.model))
@@ -141,7 +172,7 @@ class ModelRunner:
             n = torch.tensor([self.num_blocks])
             torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MIN)
             self.num_blocks = int(n.item())
-        kv_shape = (cfg.num_hidden_layers, 2, *pool_shape(self.backend, self.num_blocks, self.block_size,
+        kv_shape = (self.num_kv_layers, 2, *pool_shape(self.backend, self.num_blocks, self.block_size,
                                                           self.kv_heads, cfg.head_dim))
         # The CPU kernel never reads a slot before it is written, so untouched pages stay uncommitted;
         # the gather fallbacks read whole blocks and need finite values in the unused tail.
@@ -152,6 +183,9 @@ class ModelRunner:
         for i, layer in enumerate(self.model.layers):
             layer.self_attn.attn.k_cache = self.kv_cache[i, 0]
             layer.self_attn.attn.v_cache = self.kv_cache[i, 1]
+        if self.has_mtp:
+            attn = self.model.mtp.layer.self_attn.attn
+            attn.k_cache, attn.v_cache = self.kv_cache[-1, 0], self.kv_cache[-1, 1]
         self.load_seconds = time.monotonic() - t0
 
     # ------------------------------------------------------------------------------------------
@@ -163,7 +197,7 @@ class ModelRunner:
     @property
     def block_bytes(self) -> int:
         c = self.hf_config
-        return 2 * c.num_hidden_layers * self.block_size * self.kv_heads * c.head_dim * self.dtype.itemsize
+        return 2 * self.num_kv_layers * self.block_size * self.kv_heads * c.head_dim * self.dtype.itemsize
 
     def _pool_blocks(self) -> int:
         if self.config.num_blocks:
@@ -185,12 +219,20 @@ class ModelRunner:
 
     # ------------------------------------------------------------------------------------------
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
-        seqs, new = batch.seqs, batch.num_new_tokens
+        groups = []
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            s = seq.num_computed_tokens
+            groups.append(RowGroup(seq.token_ids[s:s + n], s, seq.block_table, batch.rows_sampled(i), seq.adapter))
+        return self.build_inputs(groups)
+
+    def build_inputs(self, groups: list[RowGroup]) -> StepInputs:
+        """Flat step inputs for row groups: short ones in the batched (kernel) group first, then prefill spans."""
+        new = [len(g.tokens) for g in groups]
         bs, flash = self.block_size, self.backend == "flash"
-        batched = [i for i in range(len(seqs)) if flash or new[i] <= self.max_kernel_query]
-        if len(batched) != len(seqs):
+        batched = [i for i in range(len(groups)) if flash or new[i] <= self.max_kernel_query]
+        if len(batched) != len(groups):
             in_group = set(batched)
-            order = batched + [i for i in range(len(seqs)) if i not in in_group]
+            order = batched + [i for i in range(len(groups)) if i not in in_group]
         else:
             order = batched
         nb = len(batched)
@@ -200,11 +242,12 @@ class ModelRunner:
         lens: list[int] = []
         tables: list[list[int]] = []
         for i in order:
-            s, n, seq = seqs[i].num_computed_tokens, new[i], seqs[i]
-            tokens += seq.token_ids[s:s + n]
+            g, n = groups[i], new[i]
+            s = g.start
+            tokens += g.tokens
             starts.append(s)
             lens.append(n)
-            tables.append(seq.block_table[: (s + n + bs - 1) // bs])
+            tables.append(g.block_table[: (s + n + bs - 1) // bs])
         max_blocks = max(len(t) for t in tables)
         flat: list[int] = []
         for t in tables:
@@ -242,11 +285,12 @@ class ModelRunner:
             meta.prefills.append(span)
 
         row_of = {i: r for r, i in enumerate(order)}
-        sample_rows: list[int] = []       # the last rows_sampled(i) rows of each sequence, in batch order
-        for i in range(len(seqs)):
-            k = batch.rows_sampled(i)
+        sample_rows: list[int] = []       # the last num_sampled rows of each group, in group order
+        item_rows = [(cu_list[row_of[i]], cu_list[row_of[i] + 1]) for i in range(len(groups))]
+        for i, g in enumerate(groups):
+            k = g.num_sampled
             if k:
-                end = cu_list[row_of[i] + 1]
+                end = item_rows[i][1]
                 sample_rows.extend(range(end - k, end))
         sample_idx = torch.tensor(sample_rows, dtype=torch.int64)
         ids = torch.tensor(tokens, dtype=torch.int64)
@@ -260,8 +304,8 @@ class ModelRunner:
             for span in meta.prefills:
                 if span.block_ids is not None:
                     span.block_ids = span.block_ids.to(dev, non_blocking=True)
-        lora = segments_of([seqs[i].adapter for i in order], lens) if self.adapters else []
-        return StepInputs(ids, positions, meta, sample_idx, lora)
+        lora = segments_of([groups[i].adapter for i in order], lens) if self.adapters else []
+        return StepInputs(ids, positions, meta, sample_idx, lora, order, item_rows)
 
     def load_adapter(self, name: str, path: str) -> LoraAdapter:
         """Read a PEFT LoRA adapter and attach it (between steps). AdapterError when it cannot be served."""
@@ -308,9 +352,47 @@ class ModelRunner:
             h = self.model(inp.input_ids, inp.positions, inp.meta)
         finally:
             self.lora_ctx.segments = []
+        if self.has_mtp:     # the next step's MTP pass fuses these with the tokens that follow them
+            self.last_hidden, self.last_item_rows = self.model.norm(h), inp.item_rows
         if inp.sample_idx.numel() == 0:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
         return self.model.compute_logits(h[inp.sample_idx]).float()
+
+    @torch.inference_mode()
+    def mtp_draft(self, items: list[MTPRows]) -> list[list[int]]:
+        """One batched MTP pass over every item's rows (writing the block's K/V there), then
+        max(num_draft) - 1 chained one-row steps: greedy draft tokens per item, item order."""
+        drafts: list[list[int]] = [[] for _ in items]
+        if not items:
+            return drafts
+        mtp, model = self.model.mtp, self.model
+        inp = self.build_inputs([RowGroup(it.tokens, it.start, it.block_table, 1 if it.num_draft else 0)
+                                 for it in items])
+        hidden = torch.cat([items[i].hidden[: len(items[i].tokens)] for i in inp.order])
+        out = mtp(model.embed_tokens(inp.input_ids), hidden, inp.positions, model.rotary, inp.meta)
+        active = [i for i, it in enumerate(items) if it.num_draft]
+        if not active:
+            return drafts
+        h = out[inp.sample_idx]
+        tokens = model.head(h).argmax(dim=-1)
+        step = 0
+        while True:
+            chosen = tokens.tolist()
+            for i, t in zip(active, chosen):
+                drafts[i].append(t)
+            step += 1
+            keep = [j for j, i in enumerate(active) if items[i].num_draft > step]
+            if not keep:
+                return drafts
+            if len(keep) != len(active):
+                idx = torch.tensor(keep, dtype=torch.int64, device=h.device)
+                h, tokens = h[idx], tokens[idx]
+                active = [active[j] for j in keep]
+            # draft number `step` sits at position L + step (L = the last real token's); its row is the one before
+            inp = self.build_inputs([RowGroup([0], items[i].start + len(items[i].tokens) + step - 1,
+                                              items[i].block_table, 1) for i in active])
+            h = mtp(model.embed_tokens(tokens), h, inp.positions, model.rotary, inp.meta)
+            tokens = model.head(h).argmax(dim=-1)
 
     def close(self) -> None:
         """Stop the tensor-parallel worker ranks (no-op without them)."""

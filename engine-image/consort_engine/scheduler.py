@@ -60,6 +60,9 @@ class Scheduler:
         # Pool slots that held rejected draft K/V inside kept blocks: the engine zeroes them after
         # the commit, so stale K/V can never be read (or shared through the prefix cache).
         self.stale_slots: list[int] = []
+        # ngram, or mtp (the engine sets it when the checkpoint's MTP block loaded): then _draft reserves
+        # the window with placeholder tokens that the engine replaces with the MTP block's drafts.
+        self.drafter = "ngram"
         self.watermark_blocks = max(1, int(config.preempt_watermark * block_manager.num_blocks + 0.999999))
 
         self.running: list[Sequence] = []          # kept sorted by run_order: victims at the tail
@@ -163,6 +166,7 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.num_cached_tokens = 0
         seq.num_preemptions += 1
+        seq.mtp_hidden = None       # recomputed from scratch: no hidden states carry over
         seq.status = _WAITING
         self._push_waiting(seq)
         preempted.append(seq)
@@ -284,7 +288,10 @@ class Scheduler:
                 self.max_model_len - seq.num_tokens - 1)
         if k <= 0:
             return 0
-        draft = propose_ngram(seq.token_ids, k, packed=seq.packed_tokens)
+        if self.drafter == "mtp":
+            draft = [seq.token_ids[-1]] * k if seq.mtp_hidden is not None else []
+        else:
+            draft = propose_ngram(seq.token_ids, k, packed=seq.packed_tokens)
         if not draft:
             return 0
         # Free blocks must cover the whole window: then this decode cannot trigger a preemption

@@ -69,6 +69,10 @@ class Sequence:
     first_token_time: float | None = None
     speculate: bool = True                             # False once a tool trigger was emitted
     packed_tokens: bytearray = field(default_factory=bytearray, repr=False)  # committed tokens, for n-gram lookup
+    # MTP drafting: the target's normed hidden states of the last step that ran this sequence (rows from
+    # position mtp_start on); the next step's MTP pass fuses the kept ones with the tokens after them.
+    mtp_hidden: object = field(default=None, repr=False)
+    mtp_start: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

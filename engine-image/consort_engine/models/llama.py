@@ -16,6 +16,7 @@ from ..lora import LoraAdapter, LoraContext
 from ..loader import ModelConfig
 from . import ops
 from .packed import pack_linear
+from .mtp import MTPBlock, mtp_param_name
 from .rope import RotaryEmbedding
 from ..tensor_parallel import SINGLE, TPGroup, all_reduce
 
@@ -162,7 +163,7 @@ class LlamaForCausalLM(nn.Module):
               "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
     def __init__(self, cfg: ModelConfig, max_len: int, backend: str, dtype: torch.dtype,
-                 device: torch.device, tp: TPGroup = SINGLE):
+                 device: torch.device, tp: TPGroup = SINGLE, mtp: bool = False):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -173,6 +174,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, [cfg.vocab_size], False)
         self.tied_head = None
         self.rotary = RotaryEmbedding(cfg.head_dim, max_len, cfg.rope_theta, cfg.rope_scaling, dtype, device)
+        # The checkpoint's MTP block (models/mtp.py), loaded only when it drafts; otherwise its tensors are skipped.
+        self.mtp = MTPBlock(cfg, backend, fast) if mtp else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -184,7 +187,10 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head, for the sampled rows only."""
-        x = self.norm(h)
+        return self.head(self.norm(h))
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """LM head of normed hidden states (the target's and the MTP block's)."""
         if self.lm_head is not None:
             return self.lm_head(x)
         if self.tied_head is not None:
@@ -227,6 +233,11 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if "rotary_emb" in name:
                 continue
+            mtp_name = mtp_param_name(name, self.cfg.num_hidden_layers)
+            if mtp_name is not None:
+                if not mtp_name or self.mtp is None:
+                    continue                                    # a shared copy, or MTP not drafting
+                name = "mtp." + mtp_name
             name = name.removeprefix("model.")
             if name == "lm_head.weight" and self.lm_head is None:
                 continue                                        # tied: the embedding is the head
@@ -237,7 +248,7 @@ class LlamaForCausalLM(nn.Module):
                 fused_path = module_path[: -len(frag)] + fused
                 modules[fused_path].load_shard(leaf, shard, tensor)
                 seen.add(f"{fused_path}.{leaf}#{shard}")
-            elif frag in ("o_proj", "down_proj", "lm_head"):
+            elif frag in ("o_proj", "down_proj", "lm_head", "fc"):
                 modules[module_path].load_shard(leaf, 0, tensor)
                 seen.add(f"{module_path}.{leaf}#0")
             elif name in params:
