@@ -137,7 +137,7 @@ def write_demo_model(out_dir: str | Path, *, arch: str = "llama", hidden: int = 
                      heads: int = 4, kv_heads: int = 2, ffn: int = 688, vocab: int = 4096,
                      max_pos: int = 2048, seed: int = 0, tie: bool = False, train: bool = False,
                      train_seconds: float = 300.0, tokenizer=None, mtp: str | None = None,
-                     mtp_seconds: float = 120.0) -> Path:
+                     mtp_seconds: float = 120.0, mtp_steps: int | None = None) -> Path:
     """Writes config.json, generation_config.json, model.safetensors, tokenizer.json and
     tokenizer_config.json (with a chat template) into out_dir and returns it. mtp: None, or the MTP
     block's tensor layout ("qwen3_next" or "deepseek_v3"), trained for mtp_seconds."""
@@ -156,7 +156,8 @@ def write_demo_model(out_dir: str | Path, *, arch: str = "llama", hidden: int = 
         weights = train_weights(cfg, weights, tok, seconds=train_seconds, seed=seed)
     if mtp:
         cfg["num_nextn_predict_layers"] = 1
-        weights.update(mtp_tensors(train_mtp(cfg, weights, tok, seconds=mtp_seconds, seed=seed), mtp, layers))
+        weights.update(mtp_tensors(train_mtp(cfg, weights, tok, seconds=mtp_seconds, seed=seed,
+                                                 max_steps=mtp_steps), mtp, layers))
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     (out / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": bos, "eos_token_id": [eos, end], "do_sample": False}, indent=2))
@@ -208,14 +209,35 @@ def train_weights(cfg: dict, weights: dict[str, torch.Tensor], tok, *, seconds: 
     return state
 
 
+class MTPReference(torch.nn.Module):
+    """The MTP block on transformers' Llama modules, Qwen3-Next parameter names (the reference the
+    engine's models/mtp.py is checked against, and what train_mtp fits)."""
+
+    def __init__(self, hf_cfg):
+        super().__init__()
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm
+        h, eps = hf_cfg.hidden_size, hf_cfg.rms_norm_eps
+        self.pre_fc_norm_embedding = LlamaRMSNorm(h, eps)
+        self.pre_fc_norm_hidden = LlamaRMSNorm(h, eps)
+        self.fc = torch.nn.Linear(2 * h, h, bias=False)
+        self.layers = torch.nn.ModuleList([LlamaDecoderLayer(hf_cfg, layer_idx=0)])
+        self.norm = LlamaRMSNorm(h, eps)
+
+    def forward(self, e: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, rotary) -> torch.Tensor:
+        """e: embeddings of tokens p+1, hidden: final-norm states at p [B, T, H], pos: p [T] -> [B, T, H]."""
+        x = self.fc(torch.cat((self.pre_fc_norm_embedding(e), self.pre_fc_norm_hidden(hidden)), -1))
+        pe = rotary(x, pos[None].expand(x.shape[0], -1))
+        return self.norm(self.layers[0](x, position_embeddings=pe, position_ids=pos[None]))
+
+
 def train_mtp(cfg: dict, weights: dict[str, torch.Tensor], tok, *, seconds: float, seed: int,
-              seq_len: int = 64, batch: int = 16, lr: float = 3e-3, depth: int = 2) -> dict[str, torch.Tensor]:
+              seq_len: int = 64, batch: int = 16, lr: float = 3e-3, depth: int = 2,
+              max_steps: int | None = None) -> dict[str, torch.Tensor]:
     """An MTP block (Qwen3-Next names, `mtp.` prefix) fitted for `seconds` on the frozen model:
     row p fuses embed(t[p+1]) with the model's final-norm hidden state at p, and its label is the
     model's own greedy choice after t[p+1] (what verification accepts). Depth 2 chains the block's
     output as the next row's hidden state, as drafting does."""
     from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm
     torch.manual_seed(seed)
     hf_cfg = AutoConfig.for_model(**cfg)
     hf_cfg._attn_implementation = "sdpa"
@@ -224,22 +246,13 @@ def train_mtp(cfg: dict, weights: dict[str, torch.Tensor], tok, *, seconds: floa
     if cfg["tie_word_embeddings"]:
         model.tie_weights()
     model.eval().requires_grad_(False)
-    h = cfg["hidden_size"]
-    block = torch.nn.ModuleDict({
-        "pre_fc_norm_embedding": LlamaRMSNorm(h, cfg["rms_norm_eps"]),
-        "pre_fc_norm_hidden": LlamaRMSNorm(h, cfg["rms_norm_eps"]),
-        "fc": torch.nn.Linear(2 * h, h, bias=False),
-        "layer": LlamaDecoderLayer(hf_cfg, layer_idx=0),
-        "norm": LlamaRMSNorm(h, cfg["rms_norm_eps"])})
-    block["layer"].load_state_dict({k.removeprefix(f"model.layers.{cfg['num_hidden_layers'] - 1}."): v
-                                    for k, v in weights.items()
-                                    if k.startswith(f"model.layers.{cfg['num_hidden_layers'] - 1}.")})
+    block = MTPReference(hf_cfg)
+    last = f"model.layers.{cfg['num_hidden_layers'] - 1}."          # start from the last decoder layer
+    block.layers[0].load_state_dict({k[len(last):]: v for k, v in weights.items() if k.startswith(last)})
     rotary, embed, head = model.model.rotary_emb, model.model.embed_tokens, model.get_output_embeddings()
 
     def run(e: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        x = block["fc"](torch.cat((block["pre_fc_norm_embedding"](e), block["pre_fc_norm_hidden"](hidden)), -1))
-        pe = rotary(x, pos[None].expand(x.shape[0], -1))
-        return block["norm"](block["layer"](x, position_embeddings=pe, position_ids=pos[None]))
+        return block(e, hidden, pos, rotary)
 
     eos = tok.token_to_id("</s>")
     ids: list[int] = []
@@ -250,7 +263,7 @@ def train_mtp(cfg: dict, weights: dict[str, torch.Tensor], tok, *, seconds: floa
     opt = torch.optim.AdamW(block.parameters(), lr=lr, weight_decay=0.0)
     g = torch.Generator().manual_seed(seed + 1)
     start, step, acc_ema = time.monotonic(), 0, None
-    while time.monotonic() - start < seconds:
+    while time.monotonic() - start < seconds and (max_steps is None or step < max_steps):
         idx = torch.randint(0, n_windows, (batch,), generator=g) * seq_len
         x = torch.stack([data[i:i + seq_len] for i in idx.tolist()])
         with torch.no_grad():
@@ -279,8 +292,7 @@ def train_mtp(cfg: dict, weights: dict[str, torch.Tensor], tok, *, seconds: floa
         if step % 10 == 0:
             print(f"mtp step {step} loss {loss.item():.3f} top-1 agreement {acc_ema:.2f} "
                   f"({time.monotonic() - start:.0f}s)", flush=True)
-    state = {f"mtp.{k}": v.detach().clone() for k, v in block.state_dict().items()}
-    return {k.replace("mtp.layer.", "mtp.layers.0."): v for k, v in state.items()}
+    return {f"mtp.{k}": v.detach().clone() for k, v in block.state_dict().items()}
 
 
 def mtp_tensors(state: dict[str, torch.Tensor], layout: str, num_hidden_layers: int) -> dict[str, torch.Tensor]:

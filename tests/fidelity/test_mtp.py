@@ -1,0 +1,162 @@
+"""MTP self-drafting on the demo model with an MTP block (`consort demo-model --mtp`).
+
+- The engine's drafts equal a full-recompute reference of the block on transformers' modules
+  (demo_model.MTPReference): the block's paged KV layer, positions and chaining are right.
+- Greedy output with the MTP drafter equals the output without a drafter, under concurrency,
+  chunked prefill and preemption; the pool does not leak.
+- Both checkpoint layouts (Qwen3-Next `mtp.*`, DeepSeek-V3 `model.layers.{N}.*`) load to the same drafter.
+- A briefly trained block has its drafts accepted (acceptance > 0, reported in the stats).
+"""
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from consort_engine.config import EngineConfig
+from consort_engine.demo_model import MTPReference, mtp_tensors, train_tokenizer, write_demo_model
+from consort_engine.engine import LLMEngine
+from consort_engine.models.mtp import mtp_param_name
+from consort_engine.sequence import SamplingParams
+
+N_LAYERS = 4
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_tokenizer(4096, limit_bytes=4_000_000)
+
+
+@pytest.fixture(scope="module")
+def mtp_models(tmp_path_factory, tokenizer):
+    """The same demo model (random weights) with the same briefly trained MTP block, in both layouts."""
+    root = tmp_path_factory.mktemp("mtp")
+    qwen = write_demo_model(root / "qwen3_next", max_pos=512, seed=0, tokenizer=tokenizer, mtp="qwen3_next",
+                            mtp_seconds=600, mtp_steps=30)
+    deepseek = root / "deepseek_v3"          # the same tensors under DeepSeek-V3 names
+    shutil.copytree(qwen, deepseek)
+    weights = load_file(str(qwen / "model.safetensors"))
+    mtp = {k: weights.pop(k) for k in [k for k in weights if k.startswith("mtp.")]}
+    weights.update(mtp_tensors(mtp, "deepseek_v3", N_LAYERS))
+    save_file(weights, str(deepseek / "model.safetensors"), metadata={"format": "pt"})
+    return {"qwen3_next": qwen, "deepseek_v3": deepseek}
+
+
+def engine(model, spec: str = "mtp", **kw) -> LLMEngine:
+    cfg = dict(model=str(model), dtype="float32", block_size=4, speculative=spec, num_speculative_tokens=3,
+               max_model_len=512)
+    cfg.update(kw)
+    return LLMEngine(EngineConfig(**cfg))
+
+
+def prompts(n: int, seed: int, vocab: int = 4096) -> list[list[int]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        base = [rng.randrange(7, vocab) for _ in range(rng.randrange(4, 40))]
+        out.append(base + base[: rng.randrange(0, len(base))])     # some copying for the drafts
+    return out
+
+
+def test_layout_names():
+    assert mtp_param_name("mtp.fc.weight", 4) == "fc.weight"
+    assert mtp_param_name("mtp.pre_fc_norm_embedding.weight", 4) == "enorm.weight"
+    assert mtp_param_name("mtp.pre_fc_norm_hidden.weight", 4) == "hnorm.weight"
+    assert mtp_param_name("mtp.layers.0.self_attn.q_proj.weight", 4) == "layer.self_attn.q_proj.weight"
+    assert mtp_param_name("mtp.norm.weight", 4) == "norm.weight"
+    assert mtp_param_name("model.layers.4.eh_proj.weight", 4) == "fc.weight"
+    assert mtp_param_name("model.layers.4.enorm.weight", 4) == "enorm.weight"
+    assert mtp_param_name("model.layers.4.shared_head.norm.weight", 4) == "norm.weight"
+    assert mtp_param_name("model.layers.4.mlp.down_proj.weight", 4) == "layer.mlp.down_proj.weight"
+    assert mtp_param_name("model.layers.4.shared_head.head.weight", 4) == ""      # the model's LM head
+    assert mtp_param_name("model.layers.4.embed_tokens.weight", 4) == ""
+    assert mtp_param_name("model.layers.3.mlp.down_proj.weight", 4) is None      # a decoder layer
+    assert mtp_param_name("lm_head.weight", 4) is None
+
+
+def reference_drafts(model_dir, context: list[int], k: int) -> list[int]:
+    """k chained drafts after `context`, recomputing the whole MTP sequence with transformers' modules."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    cfg = json.loads((model_dir / "config.json").read_text())
+    hf_cfg = AutoConfig.for_model(**cfg)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    block = MTPReference(hf_cfg).eval()
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
+        block.load_state_dict({n[4:]: f.get_tensor(n) for n in f.keys() if n.startswith("mtp.")})
+    embed, head, rotary = model.model.embed_tokens, model.get_output_embeddings(), model.model.rotary_emb
+    with torch.no_grad():
+        h = model.model(input_ids=torch.tensor([context[:-1]])).last_hidden_state    # positions 0..L-1
+        tokens, hidden, drafts = list(context[1:]), h, []
+        for _ in range(k):
+            pos = torch.arange(len(tokens))
+            out = block(embed(torch.tensor([tokens])), hidden, pos, rotary)
+            drafts.append(int(head(out[:, -1]).argmax(-1)))
+            tokens.append(drafts[-1])
+            hidden = torch.cat((hidden, out[:, -1:]), dim=1)
+    return drafts
+
+
+def test_engine_drafts_equal_the_reference(mtp_models):
+    model = mtp_models["qwen3_next"]
+    eng = engine(model, max_num_batched_tokens=16)       # the prompt runs as chunked prefill
+    assert eng.runner.has_mtp and eng.runner.kv_cache.shape[0] == N_LAYERS + 1
+    seen: list[tuple[list[int], list[int]]] = []
+    inner = eng._draft_mtp
+
+    def spy(batch):
+        inner(batch)
+        for seq, k in zip(batch.seqs, batch.num_draft or []):
+            if k:
+                seen.append((seq.token_ids[: seq.num_computed_tokens + 1], seq.token_ids[-k:]))
+
+    eng._draft_mtp = spy
+    eng.generate([prompts(1, seed=3)[0]], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    assert len(seen) >= 4
+    matched = sum(reference_drafts(model, ctx, len(d)) == d for ctx, d in seen[:6])
+    assert matched >= min(len(seen), 6) - 1, f"{matched} of {min(len(seen), 6)} draft windows matched"
+
+
+@pytest.mark.parametrize("case", [dict(), dict(num_blocks=40, max_num_batched_tokens=32)])
+def test_greedy_output_identical_with_and_without_the_drafter(mtp_models, case):
+    model = mtp_models["qwen3_next"]
+    ps = prompts(12, seed=1)
+    params = [SamplingParams(temperature=0.0, max_tokens=12 + 3 * i, ignore_eos=True) for i in range(12)]
+    reference = engine(model, "off").generate(ps, params)
+    eng = engine(model, **case)
+    assert eng.generate(ps, params) == reference
+    spec = eng.stats()["speculation"]
+    assert spec["state"] == "on" and spec["drafter"] == "mtp" and spec["draft_tokens"] > 0, spec
+    if case:
+        assert eng.stats()["num_preemptions"] > 0, "the small pool was meant to force preemption"
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+
+
+def test_both_layouts_draft_the_same(mtp_models):
+    ps = prompts(4, seed=2)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    stats = []
+    for layout in ("qwen3_next", "deepseek_v3"):
+        eng = engine(mtp_models[layout])
+        eng.generate(ps, params)
+        stats.append(eng.stats()["speculation"])
+    assert stats[0]["state"] == stats[1]["state"] == "on"
+    assert stats[0] == stats[1]
+
+
+def test_trained_block_drafts_are_accepted(mtp_models):
+    eng = engine(mtp_models["qwen3_next"])
+    eng.generate(prompts(4, seed=4), SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
+    spec = eng.stats()["speculation"]
+    assert spec["accepted_tokens"] > 0 and spec["acceptance_rate"] > 0, spec
+
+
+def test_mtp_without_a_block_falls_back_to_ngram(tmp_path, tokenizer):
+    model = write_demo_model(tmp_path / "plain", max_pos=512, seed=0, tokenizer=tokenizer)
+    eng = engine(model)
+    assert not eng.runner.has_mtp and eng.runner.kv_cache.shape[0] == N_LAYERS
+    assert eng.stats()["speculation"]["state"] == "fallback"
