@@ -3,7 +3,7 @@
 For each drafter, batch size (1 and 16 by default) and prompt kind, one greedy run of the same
 requests: acceptance rate (accepted / drafted tokens), engine steps and end-to-end tokens/s (output
 tokens over wall time of `generate`, warm-up excluded). Greedy outputs must equal the no-drafter
-run's: the bench fails otherwise. Prompt kinds, cut from the checkpoint's C++ corpus (libstdc++):
+run's (the last column; the exit status is 1 otherwise: use float32, where it is exact). Prompt kinds, cut from the checkpoint's C++ corpus (libstdc++):
 - copy-heavy: a header excerpt, then the instruction to repeat it and its first line again (the
   continuation echoes the context: what prompt lookup is for);
 - free-form: a header excerpt alone (the continuation is new text).
@@ -41,7 +41,7 @@ def run_one(model: Path, drafter: str, ps: list[list[int]], max_tokens: int, arg
                                     speculative=drafter, num_speculative_tokens=args.k,
                                     max_num_seqs=max(16, len(ps)), max_model_len=args.max_model_len))
     engine.warmup()
-    engine.generate([ps[0]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))   # MTP path warm
+    engine.generate([ps[0]], SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))   # verify path warm
     sched = engine.scheduler
     sched.num_draft_tokens = sched.num_accepted_tokens = 0
     steps0 = engine.num_steps
@@ -67,26 +67,23 @@ def main(args: argparse.Namespace) -> int:
             base = None
             for drafter in ("off", "ngram", "mtp"):
                 r = run_one(model, drafter, ps, args.max_tokens, args)
-                if base is None:
-                    base = r
-                elif r["outputs"] != base["outputs"]:
-                    print(f"FAIL: {drafter} greedy output differs from no drafter ({kind}, batch {batch})")
-                    return 1
-                r.update(kind=kind, batch=batch, speedup=r["tok_s"] / base["tok_s"])
+                base = base or dict(r)
+                same = sum(a == b for a, b in zip(r["outputs"], base["outputs"])) / len(ps)
+                r.update(kind=kind, batch=batch, speedup=r["tok_s"] / base["tok_s"], same=same)
                 del r["outputs"]
                 rows.append(r)
                 acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
                 print(f"{kind:<10} batch {batch:>2} {drafter:<5} ({r['state']}): acceptance {acc}, "
                       f"{r['tok_s']:.1f} tok/s, {r['steps']} steps", file=sys.stderr, flush=True)
-    print("| prompts | batch | drafter | acceptance | drafted | steps | tokens/s | vs none |")
-    print("|---|---:|---|---:|---:|---:|---:|---:|")
+    print("| prompts | batch | drafter | acceptance | drafted | steps | tokens/s | vs none | output = none's |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
         print(f"| {r['kind']} | {r['batch']} | {r['drafter']} | {acc} | {r['drafted']} | {r['steps']} | "
-              f"{r['tok_s']:.1f} | {r['speedup']:.2f}x |")
+              f"{r['tok_s']:.1f} | {r['speedup']:.2f}x | {r['same']:.0%} |")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
-    return 0
+    return 0 if all(r["same"] == 1.0 for r in rows) else 1
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
