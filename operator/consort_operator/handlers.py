@@ -32,6 +32,7 @@ from .kube import Kube, KubeError
 from .lifecycle import breaker as breaker_lc
 from .lifecycle import rollout as rollout_lc
 from .lifecycle import slo as slo_lc
+from .lifecycle import speculation as speculation_lc
 from .lifecycle import warmup as warmup_lc
 from .lifecycle.common import Event, set_condition
 from .metrics import (APPLIES, EVENTS, PHASES, RECONCILE_ERRORS, RECONCILE_SECONDS, RECONCILES,
@@ -429,6 +430,8 @@ async def reconcile_specialist(body: Any, owned: Owned, pod_index: Any, deployme
     events += ev
     status["breaker"] = brk
     status["conditions"] = conds
+    status["speculation"] = speculation_lc.pooled([p.speculation for _, p in warm if p is not None]) \
+        if spec.speculative.mode != "off" else None
 
     await write_status("Specialist", body, prev, status, SPECIALIST_STATUS_KEYS)
     runtime.set_phase((namespace, name), status["phase"])

@@ -192,6 +192,14 @@ class SloStatus(Model):
     itl: SloObjectiveStatus | None = Field(default=None, description="Inter-token latency (each request's own p95 gap).")
 
 
+class SpeculationStatus(Model):
+    drafter: Literal["ngram", "mtp"] | None = Field(default=None, description="What drafts on the warm replicas: ngram (prompt lookup) or mtp (the checkpoint's MTP block).")
+    state: Literal["on", "off", "fallback"] | None = Field(default=None, description="on; fallback when mtp was asked for and a replica drafts with ngram (no MTP block in the checkpoint); off.")
+    draft_tokens: int = Field(default=0, description="Draft tokens proposed on the warm replicas since they started.")
+    accepted_tokens: int = Field(default=0, description="Of those, accepted by verification.")
+    acceptance_rate: float | None = Field(default=None, description="accepted / draft tokens, when any were drafted.")
+
+
 class SpecialistStatus(Model):
     observed_generation: int | None = Field(default=None, description="metadata.generation this status reflects.")
     phase: Phase | None = Field(default=None, description="Pending (no replica running), Warming (fewer than minReady warm), Ready, Degraded (was Ready, fell below minReady) or Failed (warmup timed out or pods crash).")
@@ -207,4 +215,5 @@ class SpecialistStatus(Model):
     breaker: BreakerStatus | None = Field(default=None, description="Circuit-breaker state as decided by the router, made durable here.")
     replica_status: list[ReplicaStatus] | None = Field(default=None, description="Warm state per replica.")
     slo: SloStatus | None = Field(default=None, description="Attainment of spec.slo's latency objectives, pooled from the warm replicas' recent requests.")
+    speculation: SpeculationStatus | None = Field(default=None, description="Speculative decoding on the warm replicas (absent when spec.speculative.mode is off): drafter and acceptance, pooled.")
     conditions: list[Condition] | None = Field(default=None, description="Ready, Warm, AdapterRollout, Demoted and SLOMet.")

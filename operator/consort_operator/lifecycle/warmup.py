@@ -47,6 +47,7 @@ class ProbeResult:
     reason: str = ""
     adapters: dict[str, str] = field(default_factory=dict)   # name -> loaded | pending | ...
     slo: dict[str, Any] = field(default_factory=dict)        # the engine's /v1/status "slo" report
+    speculation: dict[str, Any] = field(default_factory=dict)   # its "speculation" report
 
 
 @dataclass(frozen=True)
