@@ -2,7 +2,8 @@
 
 For each drafter, batch size (1 and 16 by default) and prompt kind, greedy runs of the same
 requests: acceptance rate (accepted / drafted tokens), engine steps and end-to-end tokens/s (output
-tokens over wall time of `generate`, warm-up excluded, the fastest of --repeats runs). Greedy outputs must equal the no-drafter
+tokens over wall time of `generate`, warm-up excluded, the fastest of --repeats runs) and tokens
+per CPU-second of the process (steadier than wall time where other work shares the CPU). Greedy outputs must equal the no-drafter
 run's (the last column; the exit status is 1 otherwise: use float32, where it is exact). Prompt kinds, cut from the checkpoint's C++ corpus (libstdc++):
 - copy-heavy: a header excerpt, then the instruction to repeat it and its first line again (the
   continuation echoes the context: what prompt lookup is for);
@@ -44,23 +45,26 @@ def run_one(model: Path, drafter: str, ps: list[list[int]], max_tokens: int, arg
     engine.generate([ps[0]], SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))   # verify path warm
     sched = engine.scheduler
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    wall = float("inf")
+    wall = cpu = float("inf")
     for _ in range(args.repeats):          # the fastest of the repeats: a shared CPU is noisy
         sched.num_draft_tokens = sched.num_accepted_tokens = 0
         steps0 = engine.num_steps
         if args.device == "cuda":
             import torch
             torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         outs = engine.generate(ps, params)
-        wall = min(wall, time.perf_counter() - t0)
+        wall, cpu = min(wall, time.perf_counter() - t0), min(cpu, time.process_time() - c0)
     spec = engine.stats()["speculation"]
     return {"drafter": drafter, "state": spec["state"], "outputs": outs, "wall_s": wall,
-            "tok_s": sum(map(len, outs)) / wall, "steps": engine.num_steps - steps0,
+            "tok_s": sum(map(len, outs)) / wall, "tok_cpu_s": sum(map(len, outs)) / cpu, "steps": engine.num_steps - steps0,
             "acceptance": spec["acceptance_rate"], "drafted": spec["draft_tokens"]}
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
     model = Path(args.model)
     rows = []
     for kind in args.kinds.split(","):
@@ -71,18 +75,21 @@ def main(args: argparse.Namespace) -> int:
                 r = run_one(model, drafter, ps, args.max_tokens, args)
                 base = base or dict(r)
                 same = sum(a == b for a, b in zip(r["outputs"], base["outputs"])) / len(ps)
-                r.update(kind=kind, batch=batch, speedup=r["tok_s"] / base["tok_s"], same=same)
+                r.update(kind=kind, batch=batch, speedup=r["tok_s"] / base["tok_s"],
+                         cpu_speedup=r["tok_cpu_s"] / base["tok_cpu_s"], same=same)
                 del r["outputs"]
                 rows.append(r)
                 acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
                 print(f"{kind:<10} batch {batch:>2} {drafter:<5} ({r['state']}): acceptance {acc}, "
                       f"{r['tok_s']:.1f} tok/s, {r['steps']} steps", file=sys.stderr, flush=True)
-    print("| prompts | batch | drafter | acceptance | drafted | steps | tokens/s | vs none | output = none's |")
-    print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
+    print("| prompts | batch | drafter | acceptance | drafted | steps | tokens/s | vs none | tokens/CPU-s | vs none "
+          "| output = none's |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
         print(f"| {r['kind']} | {r['batch']} | {r['drafter']} | {acc} | {r['drafted']} | {r['steps']} | "
-              f"{r['tok_s']:.1f} | {r['speedup']:.2f}x | {r['same']:.0%} |")
+              f"{r['tok_s']:.1f} | {r['speedup']:.2f}x | {r['tok_cpu_s']:.1f} | {r['cpu_speedup']:.2f}x | "
+              f"{r['same']:.0%} |")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0 if all(r["same"] == 1.0 for r in rows) else 1
@@ -98,5 +105,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's choice); with 1, "
+                   "tokens per CPU-second is steady on a shared machine")
     p.add_argument("--repeats", type=int, default=3, help="runs per row; the fastest counts")
     p.add_argument("--json", default=None)
