@@ -235,7 +235,8 @@ def train_mtp(cfg: dict, weights: dict[str, torch.Tensor], tok, *, seconds: floa
               max_steps: int | None = None) -> dict[str, torch.Tensor]:
     """An MTP block (Qwen3-Next names, `mtp.` prefix) fitted for `seconds` on the frozen model:
     row p fuses embed(t[p+1]) with the model's final-norm hidden state at p, and its label is the
-    model's own greedy choice after t[p+1] (what verification accepts). Depth 2 chains the block's
+    model's own greedy choice after t[p+1] (what verification accepts). Every other batch continues
+    a corpus prefix with the model's own greedy tokens: the text it drafts for when serving. Depth 2 chains the block's
     output as the next row's hidden state, as drafting does."""
     from transformers import AutoConfig, AutoModelForCausalLM
     torch.manual_seed(seed)
@@ -267,6 +268,11 @@ def train_mtp(cfg: dict, weights: dict[str, torch.Tensor], tok, *, seconds: floa
         idx = torch.randint(0, n_windows, (batch,), generator=g) * seq_len
         x = torch.stack([data[i:i + seq_len] for i in idx.tolist()])
         with torch.no_grad():
+            if step % 2:      # every other batch: corpus prefix + the model's own greedy continuation,
+                half = seq_len // 2     # the text drafting actually sees (a small model's loops included)
+                x = model.generate(input_ids=x[:, :half], attention_mask=torch.ones_like(x[:, :half]),
+                                   max_new_tokens=seq_len - half, min_new_tokens=seq_len - half,
+                                   do_sample=False, pad_token_id=eos)[:, :seq_len]
             out = model.model(input_ids=x, use_cache=False).last_hidden_state      # after the final norm
             greedy = head(out).argmax(-1)                   # greedy[:, q]: the model's token after t[q]
         hidden, loss, pos = out, 0.0, torch.arange(seq_len)
