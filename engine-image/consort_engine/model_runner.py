@@ -424,6 +424,9 @@ class ModelRunner:
                              for k in range(math.ceil((ctx + 1) / bs))]
             seqs.append(s)
         self.execute(ScheduledBatch(seqs, [1] * n, [True] * n, mode="decode"))
+        if self.has_mtp:         # the MTP pass over those rows, one draft each (the chain is the same shapes)
+            self.mtp_draft([MTPRows(s.token_ids[ctx:ctx + 1], self.last_hidden[a:b], ctx - 1, s.block_table, 1)
+                            for s, (a, b) in zip(seqs, self.last_item_rows)])
         k = self.config.num_speculative_tokens if self.config.speculative != "off" else 0
         if k and ctx > k:        # the verify window: 1 + k query rows per sequence, every row sampled
             for s in seqs:
