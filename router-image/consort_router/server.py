@@ -714,10 +714,21 @@ async def serve(args: argparse.Namespace, store: BreakerStore | None = None) -> 
 
 
 def main(argv: list[str] | None = None, store: BreakerStore | None = None) -> int:
-    """`consort router`; `store` replaces the config's breaker store (the operator's router entry)."""
+    """`consort router`. The breaker store: `store` when given (tests), else the EnsembleRouter's status
+    when CONSORT_ENSEMBLE_ROUTER names one (router pods: kube_store.py), else the config's."""
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if store is None:
+        from .kube_store import store_from_env
+
+        try:
+            store = store_from_env()
+        except ValueError as e:
+            print(f"consort router: fatal: {e}", file=sys.stderr, flush=True)
+            return 2
+        if store is not None:
+            print(f"consort router: breaker state in {store.url}", flush=True)
     try:
         return asyncio.run(serve(args, store=store))
     except Exception as exc:  # noqa: BLE001 - any escape from serve() is fatal

@@ -172,8 +172,9 @@ def router_deployment(name: str, namespace: str, uid: str, spec: EnsembleRouterS
         "name": COMPONENT,
         "image": spec.image or ctx.router_image,
         "imagePullPolicy": ctx.image_pull_policy,
-        # `consort router` with its breaker state kept in this EnsembleRouter's status (router_store.py).
-        "command": ["python", "-m", "consort_operator.router_store"],
+        # The image's own entry point, `consort router`; CONSORT_ENSEMBLE_ROUTER below keeps its
+        # breaker state in this EnsembleRouter's status (consort_router/kube_store.py).
+        "command": ["consort", "router"],
         "args": ["--config", f"{CONFIG_DIR}/{CONFIG_FILE}", "--host", "0.0.0.0", "--port", str(ROUTER_PORT)],
         "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
         "env": [

@@ -184,7 +184,7 @@ def test_router_children_rbac_is_least_privilege():
     pod = dep["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == "cpp-router" and dep["spec"]["replicas"] == 3
     c = pod["containers"][0]
-    assert c["command"] == ["python", "-m", "consort_operator.router_store"]
+    assert c["command"] == ["consort", "router"]
     assert c["args"][:2] == ["--config", "/etc/consort/router/router.yaml"]
     from consort_router.server import parse_args   # the entry point takes the router's own flags
 
