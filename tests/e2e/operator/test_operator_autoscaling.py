@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from kube import NotYet, wait_for
+from kube import NotYet, condition, wait_for
 from opkit import REPO, get_json, wait_phase
 
 pytestmark = pytest.mark.e2e
@@ -146,6 +146,20 @@ def test_kubectl_scale_specialist_resizes_the_engines_the_monitors_select(cluste
     # Scale down through the same subresource: the operator follows.
     cluster.kubectl("scale", "specialist", "algo", "-n", namespace, "--replicas=1")
     wait_for(lambda: deployment_at(1), 90, "the operator to resize the engine Deployment to 1")
+    # The cluster's HPA controller reads the Specialist through /scale (no metrics API here, so it
+    # goes no further than that: ScalingActive stays False and it leaves the replicas alone).
+    cluster.kubectl("apply", "-n", namespace, "-f", str(EXAMPLES / "hpa.yaml"))
+
+    def hpa_reads_scale() -> dict:
+        hpa = get_json(cluster, "hpa", "algo", "-n", namespace)
+        able = condition(hpa, "AbleToScale") or {}
+        if able.get("status") != "True":
+            raise NotYet(f"AbleToScale {able}")
+        return hpa
+    hpa = wait_for(hpa_reads_scale, 90, "the HPA controller to read the Specialist's scale subresource")
+    assert condition(hpa, "AbleToScale")["reason"] == "SucceededGetScale" and hpa["status"]["currentReplicas"] == 1
+    cluster.kubectl("delete", "hpa", "algo", "-n", namespace)
+
     # The CRD's bounds hold through the subresource too (spec.replicas <= 1000).
     too_many = cluster.kubectl("scale", "specialist", "algo", "-n", namespace, "--replicas=1001", check=False)
     assert too_many.returncode != 0 and "spec.replicas" in too_many.stderr, too_many.stderr
