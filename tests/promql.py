@@ -66,3 +66,19 @@ def promtool() -> str:
 
 def run_promtool(*args: str, cwd: Path | None = None, input: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([promtool(), *args], cwd=cwd, input=input, capture_output=True, text=True, timeout=120)
+
+
+# vLLM's names (`vllm:...`) are kept so vLLM's dashboards and benchmark tools work unchanged;
+# promtool's lint reserves colons for recording rules. That is the one finding we accept.
+ACCEPTED_LINT = re.compile(r"^vllm:[A-Za-z0-9_:]+ metric names should not contain ':'$")
+
+
+def check_metrics(exposition: str) -> list[str]:
+    """`promtool check metrics` on one /metrics body: the findings left after the accepted one.
+    promtool exits 0 when clean, 3 on lint findings; anything else (1: unparsable) is a finding."""
+    out = run_promtool("check", "metrics", input=exposition)
+    lines = [ln.strip() for ln in (out.stdout + out.stderr).splitlines() if ln.strip()]
+    findings = [ln for ln in lines if not ACCEPTED_LINT.match(ln)]
+    if out.returncode not in (0, 3) or (out.returncode == 3 and not lines):
+        findings.append(f"promtool exited {out.returncode}")
+    return findings

@@ -1,0 +1,63 @@
+"""The chart's observability objects: the Grafana dashboard ConfigMap and the PrometheusRule render
+only when their values ask, carry the exact files CI tests (dashboards/, rules/), and the ConfigMap
+is accepted by the apiserver (server-side dry run)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from opkit import REPO
+
+pytestmark = pytest.mark.e2e
+
+CHART = REPO / "charts" / "consort"
+
+
+def render(cluster, *sets: str) -> list[dict]:
+    args = [a for s in sets for a in ("--set", s)]
+    out = cluster.helm("template", "consort", str(CHART), "-n", "consort-system", *args)
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def kinds(docs: list[dict]) -> list[str]:
+    return sorted(d["kind"] for d in docs)
+
+
+def test_off_by_default(cluster):
+    docs = render(cluster)
+    assert "PrometheusRule" not in kinds(docs)
+    assert not any(d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-dashboard") for d in docs)
+
+
+def test_dashboard_configmap_carries_the_dashboard_and_the_sidecar_label(cluster, namespace):
+    docs = render(cluster, "grafanaDashboard.enabled=true", "grafanaDashboard.annotations.grafana_folder=Consort")
+    cm = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-dashboard"))
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert cm["metadata"]["annotations"] == {"grafana_folder": "Consort"}
+    assert cm["metadata"]["namespace"] == "consort-system"
+    shipped = json.loads((CHART / "dashboards" / "consort-ensemble.json").read_text())
+    assert json.loads(cm["data"]["consort-ensemble.json"]) == shipped
+    cm["metadata"]["namespace"] = namespace
+    cluster.kubectl("apply", "--dry-run=server", "-f", "-", input=yaml.safe_dump(cm))
+    other = render(cluster, "grafanaDashboard.enabled=true", "grafanaDashboard.namespace=monitoring")
+    assert next(d for d in other if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-dashboard")
+                )["metadata"]["namespace"] == "monitoring"
+
+
+def test_prometheus_rule_is_the_tested_rules_file(cluster):
+    docs = render(cluster, "prometheusRule.enabled=true", "prometheusRule.labels.release=kube-prometheus-stack")
+    rule = next(d for d in docs if d["kind"] == "PrometheusRule")
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    assert rule["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    assert rule["spec"] == yaml.safe_load((CHART / "rules" / "consort-alerts.yaml").read_text())
+    assert {r["alert"] for g in rule["spec"]["groups"] for r in g["rules"]} >= {
+        "ConsortBreakerOpen", "ConsortNoWarmReplicas", "ConsortQueueHigh", "ConsortKVCacheNearFull",
+        "ConsortShadowDisagreementHigh", "ConsortErrorRatioHigh"}
+
+
+def test_schema_rejects_unknown_or_mistyped_values(cluster):
+    for bad, field in (("prometheusRule.enabled=maybe", "prometheusRule"), ("grafanaDashboard.color=red", "grafanaDashboard"),
+                       ("grafanaDashboard.namespace=Not_A_Namespace", "grafanaDashboard")):
+        out = cluster.helm("template", "x", str(CHART), "--set", bad, check=False)
+        assert out.returncode != 0 and field in out.stderr, (bad, out.stderr)
