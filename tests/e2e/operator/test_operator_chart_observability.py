@@ -1,13 +1,16 @@
 """The chart's observability objects: the Grafana dashboard ConfigMap and the PrometheusRule render
 only when their values ask, carry the exact files CI tests (dashboards/, rules/), and the ConfigMap
-is accepted by the apiserver (server-side dry run)."""
+is accepted by the apiserver (server-side dry run). And `promtool check metrics` on a real operator's
+/metrics after it reconciled a Specialist and an EnsembleRouter."""
 from __future__ import annotations
 
 import json
+import urllib.request
 
 import pytest
 import yaml
-from opkit import REPO
+from opkit import REPO, wait_phase
+from promql import check_metrics
 
 pytestmark = pytest.mark.e2e
 
@@ -61,3 +64,17 @@ def test_schema_rejects_unknown_or_mistyped_values(cluster):
                        ("grafanaDashboard.namespace=Not_A_Namespace", "grafanaDashboard")):
         out = cluster.helm("template", "x", str(CHART), "--set", bad, check=False)
         assert out.returncode != 0 and field in out.stderr, (bad, out.stderr)
+
+
+def test_operator_metrics_pass_promtool(cluster, namespace, operator_factory):
+    op = operator_factory(namespace)
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump_all([
+        {"apiVersion": "consort.dev/v1alpha1", "kind": "Specialist", "metadata": {"name": "lint", "labels": {"e": "lint"}},
+         "spec": {"model": {"source": "demo://tiny"}, "replicas": 1, "resources": {"gpus": 0}}},
+        {"apiVersion": "consort.dev/v1alpha1", "kind": "EnsembleRouter", "metadata": {"name": "lint"},
+         "spec": {"specialistSelector": {"matchLabels": {"e": "lint"}}, "replicas": 1}}]))
+    wait_phase(cluster, namespace, "specialist", "lint", "Ready", timeout=90)
+    with urllib.request.urlopen(f"http://127.0.0.1:{op.metrics_port}/metrics", timeout=5) as r:
+        body = r.read().decode()
+    assert 'consort_operator_reconcile_total{kind="Specialist"' in body and "_bucket{" in body
+    assert check_metrics(body) == [], "promtool check metrics findings on the operator's /metrics"

@@ -169,7 +169,27 @@ def rendered(kind: str) -> dict[Path, str]:
     tests = {"tests": [{"healthStatus": {"status": c.health, "message": c.message},
                         "inputPath": f"testdata/{c.name}.yaml"} for c in cases]}
     out[ARGOCD / kind / "health_test.yaml"] = yaml.safe_dump(tests, sort_keys=False, width=200)
+    out[ARGOCD.parent / "argocd-cm-patch.yaml"] = argocd_cm_patch()
     return out
+
+
+class LiteralDumper(yaml.SafeDumper):
+    """Multi-line strings as `|` blocks, so the patch reads like the Lua it carries."""
+
+
+LiteralDumper.add_representer(str, lambda d, v: d.represent_scalar(
+    "tag:yaml.org,2002:str", v, style="|" if "\n" in v else None))
+
+
+def argocd_cm_patch() -> str:
+    """examples/argocd/argocd-cm-patch.yaml: both health.lua files under the keys Argo CD reads
+    (resource.customizations.health.<group>_<Kind>), for `kubectl patch --patch-file`."""
+    data = {f"resource.customizations.health.{ARGOCD.name}_{kind}": (ARGOCD / kind / "health.lua").read_text()
+            for kind in sorted(KINDS)}
+    cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "argocd-cm", "namespace": "argocd"}, "data": data}
+    return ("# Generated from consort.dev/*/health.lua by tests/unit/operator/test_operator_argocd_health.py; do not edit.\n"
+            "# kubectl -n argocd patch configmap argocd-cm --patch-file examples/argocd/argocd-cm-patch.yaml\n"
+            + yaml.dump(cm, Dumper=LiteralDumper, sort_keys=False, width=200))
 
 
 def run_lua(script: str, obj: dict[str, Any]) -> dict[str, Any]:
@@ -202,6 +222,12 @@ def test_health_lua_matches_health_test_yaml(kind: str) -> None:
         assert got["status"] in ARGO_STATUSES
         seen.add(got["status"])
     assert seen == {"Healthy", "Progressing", "Degraded", "Suspended"}, seen
+
+
+def test_argocd_cm_patch_carries_the_tested_lua() -> None:
+    cm = yaml.safe_load((ARGOCD.parent / "argocd-cm-patch.yaml").read_text())
+    for kind in KINDS:
+        assert cm["data"][f"resource.customizations.health.consort.dev_{kind}"] == (ARGOCD / kind / "health.lua").read_text()
 
 
 def test_health_lua_tolerates_missing_optional_fields() -> None:
