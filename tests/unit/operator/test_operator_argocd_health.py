@@ -7,12 +7,14 @@ health_test.yaml; the test fails when the committed files differ from what the m
 """
 from __future__ import annotations
 
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import lupa.lua54 as lupa
+import lupa.lua51
+import lupa.lua54
 import pytest
 import yaml
 
@@ -192,9 +194,13 @@ def argocd_cm_patch() -> str:
             + yaml.dump(cm, Dumper=LiteralDumper, sort_keys=False, width=200))
 
 
-def run_lua(script: str, obj: dict[str, Any]) -> dict[str, Any]:
+# Argo CD runs gopher-lua, a Lua 5.1; the scripts must also hold on a current Lua.
+LUAS = {"lua5.1": lupa.lua51, "lua5.4": lupa.lua54}
+
+
+def run_lua(script: str, obj: dict[str, Any], dialect: str = "lua5.1") -> dict[str, Any]:
     """Argo CD's calling convention: the object is the global `obj`, the chunk returns {status, message}."""
-    lua = lupa.LuaRuntime(unpack_returned_tuples=True)
+    lua = LUAS[dialect].LuaRuntime(unpack_returned_tuples=True)
     lua.globals().obj = lua.table_from(obj, recursive=True)
     hs = lua.execute(script)
     return {"status": hs["status"], "message": hs["message"]}
@@ -209,19 +215,32 @@ def test_testdata_is_generated_from_the_status_models(kind: str) -> None:
     assert listed == {f"{c.name}.yaml" for c in KINDS[kind][2]}, "stray testdata files"
 
 
+@pytest.mark.parametrize("dialect", sorted(LUAS))
 @pytest.mark.parametrize("kind", sorted(KINDS))
-def test_health_lua_matches_health_test_yaml(kind: str) -> None:
+def test_health_lua_matches_health_test_yaml(kind: str, dialect: str) -> None:
     script = (ARGOCD / kind / "health.lua").read_text()
     tests = yaml.safe_load((ARGOCD / kind / "health_test.yaml").read_text())["tests"]
     assert len(tests) >= 8
     seen = set()
     for t in tests:
         obj = yaml.safe_load((ARGOCD / kind / t["inputPath"]).read_text())
-        got = run_lua(script, obj)
+        got = run_lua(script, obj, dialect)
         assert got == t["healthStatus"], f"{kind} {t['inputPath']}: {got} != {t['healthStatus']}"
         assert got["status"] in ARGO_STATUSES
         seen.add(got["status"])
     assert seen == {"Healthy", "Progressing", "Degraded", "Suspended"}, seen
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_lua_reads_only_status_fields_the_model_has(kind: str) -> None:
+    """A status field renamed in the model must not leave the Lua reading nil."""
+    spec_model, status_model, _ = KINDS[kind]
+    script = (ARGOCD / kind / "health.lua").read_text()
+    fields = {f.alias or n for n, f in status_model.model_fields.items()}
+    read = set(re.findall(r"\bstatus\.([A-Za-z]+)", script))
+    assert read and read <= fields, sorted(read - fields)
+    spec_fields = {f.alias or n for n, f in spec_model.model_fields.items()}
+    assert set(re.findall(r"\bobj\.spec\.([A-Za-z]+)", script)) <= spec_fields
 
 
 def test_argocd_cm_patch_carries_the_tested_lua() -> None:
