@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import procs
 import pytest
+import yaml
 from conftest import router_config
 from promql import check_metrics
 
@@ -36,3 +37,20 @@ def test_engine_and_router_metrics_pass_promtool(engines, make_router):
     assert "vllm:time_to_first_token_seconds_bucket{" in bodies["engine Algo"]
     bad = bodies["router"] + "# HELP consort_bad_counter x\n# TYPE consort_bad_counter counter\nconsort_bad_counter 1\n"
     assert check_metrics(bad), "promtool should flag a counter without _total"
+
+
+def test_replica_series_of_a_gone_replica_disappear(engines, make_router):
+    """ConsortNoWarmReplicas reads consort_router_replica_ready: a replica that left the lane must
+    not keep its last value (ready 1) in /metrics, or the alert could never fire."""
+    cfg = router_config(engines)
+    r = make_router(cfg)
+    old = engines["Algo"].url
+    procs.wait_until(lambda: f'consort_router_replica_ready{{replica="{old}",specialist="Algo"}} 1.0' in scrape(r.url),
+                     20, what="Algo's replica ready in /metrics")
+    dead = f"http://127.0.0.1:{procs.free_port()}"
+    cfg["specialists"] = [{**s, "replicas": [dead]} if s["name"] == "Algo" else s for s in cfg["specialists"]]
+    r.config_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    procs.wait_until(lambda: f'replica="{dead}"' in scrape(r.url), 20, what="the new replica in /metrics")
+    body = scrape(r.url)
+    assert f'replica="{old}"' not in body
+    assert f'consort_router_replica_ready{{replica="{dead}",specialist="Algo"}} 0.0' in body
