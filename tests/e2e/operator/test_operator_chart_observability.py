@@ -9,7 +9,8 @@ import urllib.request
 
 import pytest
 import yaml
-from opkit import REPO, wait_phase
+from kube import NotYet, wait_for
+from opkit import REPO
 from promql import check_metrics
 
 pytestmark = pytest.mark.e2e
@@ -73,8 +74,14 @@ def test_operator_metrics_pass_promtool(cluster, namespace, operator_factory):
          "spec": {"model": {"source": "demo://tiny"}, "replicas": 1, "resources": {"gpus": 0}}},
         {"apiVersion": "consort.dev/v1alpha1", "kind": "EnsembleRouter", "metadata": {"name": "lint"},
          "spec": {"specialistSelector": {"matchLabels": {"e": "lint"}}, "replicas": 1}}]))
-    wait_phase(cluster, namespace, "specialist", "lint", "Ready", timeout=90)
-    with urllib.request.urlopen(f"http://127.0.0.1:{op.metrics_port}/metrics", timeout=5) as r:
-        body = r.read().decode()
-    assert 'consort_operator_reconcile_total{kind="Specialist"' in body and "_bucket{" in body
+
+    def reconciled_both() -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{op.metrics_port}/metrics", timeout=5) as r:
+            body = r.read().decode()
+        if not all(f'consort_operator_reconcile_total{{kind="{k}"' in body for k in ("Specialist", "EnsembleRouter")):
+            raise NotYet("no reconcile of both kinds in /metrics yet")
+        return body
+
+    body = wait_for(reconciled_both, 60, "the operator reconciled the Specialist and the EnsembleRouter")
+    assert "consort_operator_reconcile_duration_seconds_bucket{" in body and "consort_operator_specialists{" in body
     assert check_metrics(body) == [], "promtool check metrics findings on the operator's /metrics"
