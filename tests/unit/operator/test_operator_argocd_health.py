@@ -152,14 +152,15 @@ KINDS = {"Specialist": (SpecialistSpec, SpecialistStatus, SPECIALIST_CASES),
 
 
 def manifest(kind: str, case: Case) -> dict[str, Any]:
-    """The object Argo CD hands the Lua: spec and status as the operator's models write them."""
+    """The object Argo CD hands the Lua: spec and status through the operator's models (a field they
+    lack fails validation); only the fields a case sets, so a new defaulted field changes no file."""
     spec_model, status_model, _ = KINDS[kind]
     obj = {"apiVersion": API_VERSION, "kind": kind,
            "metadata": {"name": "stl" if kind == "Specialist" else "cpp", "namespace": "default",
                         "generation": case.generation, "uid": "0b7c9f5e-2f47-4c1e-9a51-6f1b3a3c2d10"},
-           "spec": spec_model.model_validate(case.spec).wire()}
+           "spec": spec_model.model_validate(case.spec).wire(exclude_unset=True)}
     if case.status is not None:
-        obj["status"] = status_model.model_validate(case.status).wire()
+        obj["status"] = status_model.model_validate(case.status).wire(exclude_unset=True)
     return obj
 
 
