@@ -205,6 +205,8 @@ class Router:
         m.priority_floor.clear()
         for intent, f in self.lanes.floors.items():
             m.priority_floor.labels(intent).set(f)
+        m.replica_ready.clear()   # replicas come and go: a gone one's series must not linger
+        m.replica_load.clear()    # (a stale ready=1 would hide the ConsortNoWarmReplicas alert)
         for name, reps in self.runtime.replicas.items():
             for r in reps:
                 m.replica_ready.labels(name, r.url).set(1 if r.ready else 0)
