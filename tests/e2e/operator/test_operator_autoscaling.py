@@ -4,9 +4,6 @@ ScaledObject, the chart's ServiceMonitors and PodMonitor; and `kubectl scale spe
 /scale subresource with the operator resizing the engines."""
 from __future__ import annotations
 
-import subprocess
-from pathlib import Path
-
 import pytest
 import yaml
 from kube import NotYet, condition, wait_for
@@ -16,18 +13,6 @@ pytestmark = pytest.mark.e2e
 
 CHART = REPO / "charts" / "consort"
 EXAMPLES = REPO / "examples" / "autoscaling"
-THIRDPARTY = ("scaledobjects.keda.sh", "servicemonitors.monitoring.coreos.com", "podmonitors.monitoring.coreos.com")
-
-
-@pytest.fixture(scope="module")
-def thirdparty_crds(cluster) -> Path:
-    out = subprocess.run([str(REPO / "hack" / "thirdparty-crds.sh")], capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr
-    crd_dir = Path(out.stdout.strip().splitlines()[-1])
-    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(crd_dir))
-    for name in THIRDPARTY:
-        cluster.kubectl("wait", "--for=condition=Established", f"crd/{name}", "--timeout=60s")
-    return crd_dir
 
 
 def dry_run(cluster, namespace: str, docs: list[dict], check: bool = True):

@@ -1,6 +1,6 @@
 """The chart's observability objects: the Grafana dashboard ConfigMap and the PrometheusRule render
-only when their values ask, carry the exact files CI tests (dashboards/, rules/), and the ConfigMap
-is accepted by the apiserver (server-side dry run). And `promtool check metrics` on a real operator's
+only when their values ask, carry the exact files CI tests (dashboards/, rules/), and both are
+accepted by the apiserver (server-side dry run; the PrometheusRule against prometheus-operator's CRD). And `promtool check metrics` on a real operator's
 /metrics after it reconciled a Specialist and an EnsembleRouter."""
 from __future__ import annotations
 
@@ -49,9 +49,13 @@ def test_dashboard_configmap_carries_the_dashboard_and_the_sidecar_label(cluster
                 )["metadata"]["namespace"] == "monitoring"
 
 
-def test_prometheus_rule_is_the_tested_rules_file(cluster):
+def test_prometheus_rule_is_the_tested_rules_file(cluster, thirdparty_crds, namespace):
     docs = render(cluster, "prometheusRule.enabled=true", "prometheusRule.labels.release=kube-prometheus-stack")
     rule = next(d for d in docs if d["kind"] == "PrometheusRule")
+    # prometheus-operator's own CRD accepts it (server-side dry run against its schema)
+    applied = dict(rule, metadata={**rule["metadata"], "namespace": namespace})
+    out = cluster.kubectl("apply", "--dry-run=server", "-f", "-", input=yaml.safe_dump(applied))
+    assert "prometheusrule.monitoring.coreos.com/" in out.stdout and "(server dry run)" in out.stdout, out.stdout
     assert rule["apiVersion"] == "monitoring.coreos.com/v1"
     assert rule["metadata"]["labels"]["release"] == "kube-prometheus-stack"
     assert rule["spec"] == yaml.safe_load((CHART / "rules" / "consort-alerts.yaml").read_text())
