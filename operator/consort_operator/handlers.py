@@ -42,7 +42,7 @@ log = logging.getLogger("consort.operator")
 MANAGED = {"app.kubernetes.io/managed-by": MANAGED_BY}
 
 
-# ---- runtime configuration (set by main.py before the operator starts) ---------------------------
+# ---- runtime configuration (main.py builds it and hands it to Kopf as memo.runtime) ---------------
 
 @dataclass
 class Runtime:
@@ -57,6 +57,11 @@ class Runtime:
     prober: Prober | None = None
     wakers: dict[tuple[str, str, str], asyncio.Event] = field(default_factory=dict)
     phases: dict[tuple[str, str], str] = field(default_factory=dict)
+
+    def client(self) -> Kube:
+        if self.kube is None:
+            raise RuntimeError("not logged in")
+        return self.kube
 
     def pacing(self) -> specialist_lc.Pacing:
         return specialist_lc.Pacing(self.warm_signal, self.poll_seconds, self.idle_seconds)  # type: ignore[arg-type]
@@ -96,7 +101,10 @@ class Runtime:
             PHASES.labels(p).set(counts.get(p, 0))
 
 
-runtime = Runtime()
+def rt_of(memo: Any) -> Runtime:
+    """The operator's Runtime from Kopf's memo (Kopf copies the memo per object, shallowly: every
+    handler sees the one Runtime main.py put there)."""
+    return memo.runtime
 
 
 def now_utc() -> datetime:
@@ -106,7 +114,8 @@ def now_utc() -> datetime:
 # ---- operator settings and login ---------------------------------------------------------------
 
 @kopf.on.startup()
-async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+async def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
+    runtime = rt_of(memo)
     settings.persistence.finalizer = f"{GROUP}/operator"
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP, key="last-handled-configuration")
@@ -122,7 +131,8 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
 
 
 @kopf.on.cleanup()
-async def cleanup(**_: Any) -> None:
+async def cleanup(memo: Any, **_: Any) -> None:
+    runtime = rt_of(memo)
     if runtime.kube:
         await runtime.kube.close()
     if runtime.prober:
@@ -130,7 +140,7 @@ async def cleanup(**_: Any) -> None:
 
 
 @kopf.on.login()
-def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+def login(memo: Any, **kwargs: Any) -> kopf.ConnectionInfo | None:
     info = kopf.login_with_service_account(**kwargs)
     host = os.environ.get("KUBERNETES_SERVICE_HOST")
     if info is not None and host:
@@ -140,14 +150,10 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
         info = replace(info, server=f"https://{host}:{os.environ.get('KUBERNETES_SERVICE_PORT', '443')}")
     info = info or kopf.login_with_kubeconfig(**kwargs)
     if info is not None:
-        runtime.kube = Kube.from_connection_info(info)
+        rt_of(memo).kube = Kube.from_connection_info(info)
     return info
 
 
-def kube() -> Kube:
-    if runtime.kube is None:
-        raise RuntimeError("not logged in")
-    return runtime.kube
 
 
 # ---- indexes (Kopf's in-memory caches) and wake-ups -------------------------------------------
@@ -235,27 +241,31 @@ def _owner_kind(labels: Any) -> str | None:
 
 
 @kopf.on.event("v1", "pods", labels=MANAGED)
-async def pod_event(namespace: str, labels: Any, **_: Any) -> None:
+async def pod_event(namespace: str, labels: Any, memo: Any, **_: Any) -> None:
+    runtime = rt_of(memo)
     kind = _owner_kind(labels)
     if kind:
         runtime.wake(kind, namespace, labels.get("app.kubernetes.io/instance"))
 
 
 @kopf.on.event("apps", "v1", "deployments", labels=MANAGED)
-async def deployment_event(namespace: str, labels: Any, **_: Any) -> None:
+async def deployment_event(namespace: str, labels: Any, memo: Any, **_: Any) -> None:
+    runtime = rt_of(memo)
     kind = _owner_kind(labels)
     if kind:
         runtime.wake(kind, namespace, labels.get("app.kubernetes.io/instance"))
 
 
 @kopf.on.event(GROUP, VERSION, "specialists")
-async def specialist_event(namespace: str, name: str, **_: Any) -> None:
+async def specialist_event(namespace: str, name: str, memo: Any, **_: Any) -> None:
+    runtime = rt_of(memo)
     runtime.wake("Specialist", namespace, name)
     runtime.wake_all("EnsembleRouter", namespace)
 
 
 @kopf.on.event(GROUP, VERSION, "ensemblerouters")
-async def router_event(namespace: str, name: str, **_: Any) -> None:
+async def router_event(namespace: str, name: str, memo: Any, **_: Any) -> None:
+    runtime = rt_of(memo)
     runtime.wake("EnsembleRouter", namespace, name)
     runtime.wake_all("Specialist", namespace)   # breaker mirror
 
@@ -276,11 +286,11 @@ async def post_event(body: Any, kind: str, ev: Event) -> None:
     kopf.event(body, type=ev.type, reason=ev.reason, message=ev.message)
 
 
-async def ensure_children(body: Any, kind: str, children: list[dict[str, Any]], owned: Owned,
+async def ensure_children(rt: Runtime, body: Any, kind: str, children: list[dict[str, Any]], owned: Owned,
                           deployments: Any) -> list[Event]:
     """Create or update children whose desired content hash differs from the live one."""
     events: list[Event] = []
-    resync = time.monotonic() - owned.last_resync > runtime.resync_seconds
+    resync = time.monotonic() - owned.last_resync > rt.resync_seconds
     for child in children:
         ckind, meta = child["kind"], child["metadata"]
         key = (ckind, meta["name"])
@@ -297,13 +307,13 @@ async def ensure_children(body: Any, kind: str, children: list[dict[str, Any]], 
         else:
             if owned.hashes.get(key) == want and not resync:
                 continue
-            live_obj = await kube().get(ckind, meta["namespace"], meta["name"])
+            live_obj = await rt.client().get(ckind, meta["namespace"], meta["name"])
             live_hash = ((live_obj or {}).get("metadata", {}).get("annotations") or {}).get(ANNOTATION_HASH)
             if live_obj is not None and live_hash == want:
                 owned.hashes[key] = want
                 continue
             exists = live_obj is not None
-        result = await kube().apply(child)
+        result = await rt.client().apply(child)
         APPLIES.labels(ckind).inc()
         owned.hashes[key] = want
         owned.generations[key] = int(result.get("metadata", {}).get("generation") or 0)
@@ -340,7 +350,7 @@ ROUTER_STATUS_KEYS = frozenset(f.alias or n for n, f in EnsembleRouterStatus.mod
 
 # ---- Specialist ---------------------------------------------------------------------------------
 
-async def probe_replicas(namespace: str, pods: list[dict[str, Any]], port: int
+async def probe_replicas(runtime: Runtime, namespace: str, pods: list[dict[str, Any]], port: int
                          ) -> dict[str, warmup_lc.ProbeResult]:
     if runtime.warm_signal == "pod-ready" or runtime.prober is None:
         return {}
@@ -366,7 +376,7 @@ def _pod(p: dict[str, Any]) -> warmup_lc.PodObs:
         restarts=p["restarts"], waiting_reason=p["waiting_reason"], template_hash=p["template_hash"])
 
 
-async def observe_specialist(body: Any, pod_index: Any, deployment_index: Any,
+async def observe_specialist(rt: Runtime, body: Any, pod_index: Any, deployment_index: Any,
                              router_index: Any) -> specialist_lc.SpecialistObserved:
     """One typed snapshot: the engine Deployment and pods (Kopf's indexes), the engines' /ready and
     /v1/status (probes), and the breaker states of the EnsembleRouters that select this Specialist."""
@@ -378,7 +388,7 @@ async def observe_specialist(body: Any, pod_index: Any, deployment_index: Any,
         "available_replicas")}) if dep_raw else None
     pods_raw = list(pod_index.get((namespace, "engine", name), []))
     port = (body.get("spec") or {}).get("port") or SpecialistSpec.model_fields["port"].default
-    probes = await probe_replicas(namespace, pods_raw, port)
+    probes = await probe_replicas(rt, namespace, pods_raw, port)
     labels = dict(meta.get("labels") or {})
     router_states = tuple(r["breakerState"] for r in router_index.get(namespace, [])
                           if LabelSelector.model_validate(r["selector"] or {}).matches(labels))
@@ -386,39 +396,38 @@ async def observe_specialist(body: Any, pod_index: Any, deployment_index: Any,
                                             tuple(_pod(p) for p in pods_raw), probes, router_states)
 
 
-async def apply_decision(kind: str, body: Any, prev: dict[str, Any], decision: specialist_lc.Decision,
+async def apply_decision(rt: Runtime, kind: str, body: Any, prev: dict[str, Any], decision: specialist_lc.Decision,
                          owned: Owned, deployment_index: Any, status_keys: frozenset[str]) -> None:
     """Children (only what changed), then status (merge patch of what changed), then events."""
-    events = await ensure_children(body, kind, decision.children, owned, deployment_index)
-    await write_status(kind, body, prev, decision.status, status_keys)
+    events = await ensure_children(rt, body, kind, decision.children, owned, deployment_index)
+    await write_status(rt, kind, body, prev, decision.status, status_keys)
     meta = body["metadata"]
     if kind == "Specialist":   # the consort_operator_specialists{phase} gauge
-        runtime.set_phase((meta["namespace"], meta["name"]), decision.phase)
+        rt.set_phase((meta["namespace"], meta["name"]), decision.phase)
     for e in events + decision.events:
         await post_event(body, kind, e)
 
 
-async def reconcile_specialist(body: Any, owned: Owned, pod_index: Any, deployment_index: Any,
+async def reconcile_specialist(rt: Runtime, body: Any, owned: Owned, pod_index: Any, deployment_index: Any,
                                router_index: Any) -> float:
     """One pass: observe, decide (pure), apply. Returns the delay before the next pass."""
     prev = copy.deepcopy(dict(body.get("status") or {}))
-    observed = await observe_specialist(body, pod_index, deployment_index, router_index)
-    decision = specialist_lc.decide(dict(body.get("spec") or {}), observed, prev, now_utc(), runtime.ctx,
-                                    runtime.pacing())
-    await apply_decision("Specialist", body, prev, decision, owned, deployment_index, specialist_lc.STATUS_KEYS)
+    observed = await observe_specialist(rt, body, pod_index, deployment_index, router_index)
+    decision = specialist_lc.decide(dict(body.get("spec") or {}), observed, prev, now_utc(), rt.ctx, rt.pacing())
+    await apply_decision(rt, "Specialist", body, prev, decision, owned, deployment_index, specialist_lc.STATUS_KEYS)
     return decision.requeue_seconds
 
 
-async def write_status(kind: str, body: Any, prev: dict[str, Any], status: dict[str, Any], keys: set[str]) -> None:
+async def write_status(rt: Runtime, kind: str, body: Any, prev: dict[str, Any], status: dict[str, Any], keys: set[str]) -> None:
     patch = merge_patch(prev, status, keys)
     if not patch:
         return
     meta = body["metadata"]
-    await kube().patch_status(kind, meta["namespace"], meta["name"], patch)
+    await rt.client().patch_status(kind, meta["namespace"], meta["name"], patch)
     STATUS_WRITES.labels(kind).inc()
 
 
-async def _daemon_loop(kind: str, body: Any, stopped: Any, logger: Any, pass_fn: Any) -> None:
+async def _daemon_loop(rt: Runtime, kind: str, body: Any, stopped: Any, logger: Any, pass_fn: Any) -> None:
     meta = body["metadata"]
     key = (kind, meta["namespace"], meta["name"])
     failures = 0
@@ -443,17 +452,18 @@ async def _daemon_loop(kind: str, body: Any, stopped: Any, logger: Any, pass_fn:
                 f"reconcile of {kind} {key[1]}/{key[2]} failed ({failures}x): {e}")
         finally:
             RECONCILE_SECONDS.labels(kind).observe(time.perf_counter() - t0)
-        await runtime.sleep(key, delay)
+        await rt.sleep(key, delay)
 
 
 @kopf.daemon(GROUP, VERSION, "specialists", cancellation_timeout=5.0)
-async def specialist_daemon(stopped: Any, body: Any, logger: Any, pod_index: Any, deployment_index: Any,
+async def specialist_daemon(stopped: Any, body: Any, logger: Any, memo: Any, pod_index: Any, deployment_index: Any,
                             router_index: Any, **_: Any) -> None:
+    runtime = rt_of(memo)
     owned = Owned()
     key = (body["metadata"]["namespace"], body["metadata"]["name"])
     try:
-        await _daemon_loop("Specialist", body, stopped, logger,
-                           lambda: reconcile_specialist(body, owned, pod_index, deployment_index, router_index))
+        await _daemon_loop(runtime, "Specialist", body, stopped, logger,
+                           lambda: reconcile_specialist(runtime, body, owned, pod_index, deployment_index, router_index))
     finally:
         runtime.wakers.pop(("Specialist", *key), None)
         runtime.set_phase(key, None)
@@ -461,7 +471,7 @@ async def specialist_daemon(stopped: Any, body: Any, logger: Any, pod_index: Any
 
 # ---- EnsembleRouter ----------------------------------------------------------------------------
 
-async def reconcile_router(body: Any, owned: Owned, pod_index: Any, deployment_index: Any,
+async def reconcile_router(rt: Runtime, body: Any, owned: Owned, pod_index: Any, deployment_index: Any,
                            specialist_index: Any) -> float:
     """One pass: observe (selected Specialists, router pods), decide (pure), apply."""
     meta = body["metadata"]
@@ -474,24 +484,24 @@ async def reconcile_router(body: Any, owned: Owned, pod_index: Any, deployment_i
                      if selector.matches(s["labels"]))
     pods = tuple(p["ready"] for p in pod_index.get((namespace, "router", name), []) if not p["deleting"])
     observed = router_lc.RouterObserved(name, namespace, meta["uid"], meta.get("generation"), selected, pods)
-    decision = router_lc.decide(dict(body.get("spec") or {}), observed, prev, now_utc(), runtime.ctx,
-                                runtime.idle_seconds)
-    await apply_decision("EnsembleRouter", body, prev, decision, owned, deployment_index, ROUTER_STATUS_KEYS)
+    decision = router_lc.decide(dict(body.get("spec") or {}), observed, prev, now_utc(), rt.ctx, rt.idle_seconds)
+    await apply_decision(rt, "EnsembleRouter", body, prev, decision, owned, deployment_index, ROUTER_STATUS_KEYS)
     return decision.requeue_seconds
 
 
 @kopf.daemon(GROUP, VERSION, "ensemblerouters", cancellation_timeout=5.0)
-async def router_daemon(stopped: Any, body: Any, logger: Any, pod_index: Any, deployment_index: Any,
+async def router_daemon(stopped: Any, body: Any, logger: Any, memo: Any, pod_index: Any, deployment_index: Any,
                         specialist_index: Any, **_: Any) -> None:
+    runtime = rt_of(memo)
     owned = Owned()
     key = (body["metadata"]["namespace"], body["metadata"]["name"])
 
     async def one_pass() -> float:
-        delay = await reconcile_router(body, owned, pod_index, deployment_index, specialist_index)
+        delay = await reconcile_router(runtime, body, owned, pod_index, deployment_index, specialist_index)
         await asyncio.sleep(0.3)   # coalesce bursts of Specialist events into one pass
         return delay
 
     try:
-        await _daemon_loop("EnsembleRouter", body, stopped, logger, one_pass)
+        await _daemon_loop(runtime, "EnsembleRouter", body, stopped, logger, one_pass)
     finally:
         runtime.wakers.pop(("EnsembleRouter", *key), None)
