@@ -8,6 +8,7 @@ from typing import Any
 from consort_router.config import (AdmissionConfig, AuthConfig, BreakerConfig, ClassifierConfig, Detector,
                                    IntentRule, LimitsConfig, RouterConfig, ServiceSelector, ShadowConfig,
                                    SpecialistRoute, StoreConfig, VerifierConfig)
+from consort_router.config import ReplicaChoice as ReplicaChoiceConfig
 
 from ..api.base import GROUP
 from ..api.router import KIND, PLURAL, EnsembleRouterSpec
@@ -118,6 +119,8 @@ def router_config(name: str, spec: EnsembleRouterSpec, lanes: list[Lane]) -> Rou
                         protect_metrics=spec.auth.protect_metrics, protect_routing=spec.auth.protect_routing),
         store=StoreConfig(kind="file", path=f"{STATE_DIR}/breakers.json"),
         limits=LimitsConfig(),
+        replica_choice=ReplicaChoiceConfig(policy=spec.replica_choice.policy, load_slack=spec.replica_choice.load_slack,
+                                           block_chars=spec.replica_choice.block_chars),
     )
 
 
