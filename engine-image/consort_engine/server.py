@@ -30,6 +30,8 @@ from .lora import AdapterError
 from .metrics import EngineMetrics, SloTracker
 from .sequence import Sequence
 from .cpu import apply_threads
+from .guided import GrammarError, Grammars, GuidedSpec
+from .loader import eos_token_ids, load_model_config
 from .tokenizer import ChatTemplateError, IncrementalDetokenizer, StopStringMatcher, Tokenizer, TooManyTokens
 
 log = logging.getLogger("consort.server")
@@ -64,12 +66,22 @@ class ServerContext:
     started: float = field(default_factory=time.monotonic)
     startup_s: float | None = None
     in_flight: int = 0
+    _grammars: Grammars | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         c = self.config
         slo = SloTracker(None if c.slo_ttft_ms is None else c.slo_ttft_ms / 1000.0,
                          None if c.slo_itl_ms is None else c.slo_itl_ms / 1000.0)
         self.metrics = EngineMetrics(self.served_name, self.config.name, self.status, slo)
+
+    @property
+    def grammars(self) -> Grammars:
+        """The structured-output compiler, built on the first guided request (xgrammar reads the
+        whole vocabulary once; servers that never see one do not pay for it)."""
+        if self._grammars is None:
+            eos = sorted(eos_token_ids(self.config.model, load_model_config(self.config.model)))
+            self._grammars = Grammars(self.tokenizer.hf, self.vocab_size, eos)
+        return self._grammars
 
     def speculation_state(self) -> str:
         if self.config.speculative == "off":
@@ -393,6 +405,8 @@ async def handle_generation(request: web.Request, kind: str) -> web.StreamRespon
         req = P.parse_completion(decode_json(raw)) if kind == "completion" else P.parse_chat(decode_json(raw))
         check_target(ctx, req)
         P.check_logit_bias(req.sampling.logit_bias, ctx.vocab_size)
+        if req.sampling.guided is not None:
+            compile_guided(ctx, req.sampling.guided)
         per_prompt = [replace(req, prompt=p if isinstance(p, str) else None,
                               prompt_token_ids=p if isinstance(p, list) else None) for p in req.prompts] or [req]
         return req, [(r, build_prompt(ctx, r)) for r in per_prompt]
@@ -412,6 +426,8 @@ async def handle_generation(request: web.Request, kind: str) -> web.StreamRespon
             sampling = replace(req.sampling, max_tokens=max_tokens, logprobs=req.logprobs, seed=seed)
             seq = Sequence(prompt_token_ids=ids, sampling=sampling, priority=req.priority, arrival=arrival,
                            deadline=deadline, adapter=req.adapter)
+            if sampling.guided is not None:
+                seq.matcher = ctx.grammars.matcher(sampling.guided)   # compiled (cached) in prepare()
             choices.append(Choice(i * req.n + j, preq, seq, RequestTimes(arrival=arrival)))
     ctx.in_flight += 1
     try:
@@ -425,6 +441,14 @@ async def handle_generation(request: web.Request, kind: str) -> web.StreamRespon
         ctx.in_flight -= 1
         for c in choices:
             record(ctx, c, deadline)
+
+
+def compile_guided(ctx: ServerContext, g: GuidedSpec) -> None:
+    """Compile (or find cached) a request's grammar; one that does not compile is a typed 400."""
+    try:
+        ctx.grammars.compile(g)
+    except GrammarError as e:
+        raise P.bad("invalid_value", str(e), e.param) from None
 
 
 async def admit_choices(ctx: ServerContext, choices: list[Choice]) -> None:
