@@ -45,6 +45,20 @@ def choice_ebnf(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
+# xgrammar 0.2.8 writes length-bounded strings (maxLength/minLength) with a class that lets raw
+# control characters through, which strict JSON parsers (Python's json.loads) refuse; unbounded
+# strings already exclude them. Close the class the same way.
+_LOOSE_STRING_CHAR = r'[^\"\\\r\n]'
+_STRICT_STRING_CHAR = r'[^\0-\x1f\"\\\r\n]'
+
+
+def schema_ebnf(xgr: Any, schema: str) -> str:
+    """EBNF for a JSON schema: compact JSON (no free whitespace, or a weak model pads with spaces
+    until max_tokens), properties in the schema's order, strings without raw control characters."""
+    text = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True))
+    return text.replace(_LOOSE_STRING_CHAR, _STRICT_STRING_CHAR)
+
+
 class Grammars:
     """Compiler for one tokenizer + vocabulary, with an LRU cache of compiled grammars."""
 
@@ -76,11 +90,10 @@ class Grammars:
     def _compile(self, g: GuidedSpec) -> Any:
         c = self._compiler
         try:
-            if g.kind == "json_object":
-                return c.compile_builtin_json_grammar()
+            if g.kind == "json_object":     # OpenAI's JSON mode: an object (the builtin grammar allows arrays)
+                return c.compile_grammar(schema_ebnf(self._xgr, '{"type": "object"}'))
             if g.kind == "json_schema":
-                # Compact JSON (no free whitespace): a weak model otherwise pads with spaces until max_tokens.
-                return c.compile_json_schema(g.spec, any_whitespace=False, strict_mode=True)
+                return c.compile_grammar(schema_ebnf(self._xgr, g.spec))
             if g.kind == "regex":
                 return c.compile_regex(g.spec)
             if g.kind == "choice":

@@ -180,7 +180,8 @@ STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 def _schema_text(v: Any, param: str) -> str:
-    """A JSON schema given as an object or as JSON text -> canonical JSON (the compile-cache key)."""
+    """A JSON schema given as an object or as JSON text -> compact JSON (the compile-cache key; key
+    order kept: it is the order the properties are generated in)."""
     if isinstance(v, str):
         try:
             v = json.loads(v)
@@ -188,7 +189,7 @@ def _schema_text(v: Any, param: str) -> str:
             raise bad("invalid_value", f"'{param}' is not valid JSON", param) from None
     if not isinstance(v, dict):
         raise bad("invalid_type", f"'{param}' must be a JSON schema object", param)
-    return json.dumps(v, sort_keys=True)
+    return json.dumps(v, separators=(",", ":"))
 
 
 def _guided_of(kind: str, v: Any, param: str) -> GuidedSpec:
