@@ -15,6 +15,7 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field, replace
@@ -53,6 +54,9 @@ def process_age_s() -> float | None:
         return None
 
 
+_GRAMMARS_LOCK = threading.Lock()
+
+
 @dataclass
 class ServerContext:
     config: EngineConfig
@@ -78,9 +82,10 @@ class ServerContext:
     def grammars(self) -> Grammars:
         """The structured-output compiler, built on the first guided request (xgrammar reads the
         whole vocabulary once; servers that never see one do not pay for it)."""
-        if self._grammars is None:
-            eos = sorted(eos_token_ids(self.config.model, load_model_config(self.config.model)))
-            self._grammars = Grammars(self.tokenizer.hf, self.vocab_size, eos)
+        with _GRAMMARS_LOCK:      # first guided requests may arrive together, on worker threads
+            if self._grammars is None:
+                eos = sorted(eos_token_ids(self.config.model, load_model_config(self.config.model)))
+                self._grammars = Grammars(self.tokenizer.hf, self.vocab_size, eos)
         return self._grammars
 
     def speculation_state(self) -> str:
@@ -405,13 +410,13 @@ async def handle_generation(request: web.Request, kind: str) -> web.StreamRespon
         req = P.parse_completion(decode_json(raw)) if kind == "completion" else P.parse_chat(decode_json(raw))
         check_target(ctx, req)
         P.check_logit_bias(req.sampling.logit_bias, ctx.vocab_size)
-        if req.sampling.guided is not None:
-            compile_guided(ctx, req.sampling.guided)
         per_prompt = [replace(req, prompt=p if isinstance(p, str) else None,
                               prompt_token_ids=p if isinstance(p, list) else None) for p in req.prompts] or [req]
         return req, [(r, build_prompt(ctx, r)) for r in per_prompt]
 
     req, prompts = await asyncio.to_thread(prepare) if len(raw) > OFF_LOOP_BYTES else prepare()
+    if req.sampling.guided is not None:     # off the loop: a new schema can take 100s of ms to compile
+        await asyncio.to_thread(compile_guided, ctx, req.sampling.guided)
     req.request_id = request["request_id"]
     request["consort_adapter"] = req.adapter
     if req.ignored_fields:
@@ -427,7 +432,7 @@ async def handle_generation(request: web.Request, kind: str) -> web.StreamRespon
             seq = Sequence(prompt_token_ids=ids, sampling=sampling, priority=req.priority, arrival=arrival,
                            deadline=deadline, adapter=req.adapter)
             if sampling.guided is not None:
-                seq.matcher = ctx.grammars.matcher(sampling.guided)   # compiled (cached) in prepare()
+                seq.matcher = ctx.grammars.matcher(sampling.guided)   # compiled (cached) just above
             choices.append(Choice(i * req.n + j, preq, seq, RequestTimes(arrival=arrival)))
     ctx.in_flight += 1
     try:
