@@ -86,3 +86,14 @@ def test_aborted_guided_stream_frees_its_blocks(engine):
             if i > 5:
                 break
     wait_idle(engine)
+
+
+def test_n_siblings_each_follow_the_schema(client, engine):
+    fmt = {"type": "json_schema", "json_schema": {"name": "container", "schema": SCHEMA, "strict": True}}
+    out = client.chat.completions.create(model="spec", messages=MESSAGES, max_tokens=96, n=3, seed=11,
+                                         response_format=fmt)
+    assert len(out.choices) == 3
+    for ch in out.choices:
+        jsonschema.validate(json.loads(ch.message.content), SCHEMA)
+    assert len({ch.message.content for ch in out.choices}) > 1     # siblings sample apart (seed + i)
+    wait_idle(engine)
