@@ -16,7 +16,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "up": ("consort_operator.local", "run Specialists and an EnsembleRouter from manifests as local processes"),
     "crds": ("consort_operator.api.crds", "print the CRD YAML generated from the pydantic models"),
     "demo-model": ("consort_engine.demo_model", "write a small Llama-family checkpoint + tokenizer"),
-    "bench": ("consort_engine.bench", "benchmarks: `offline` (engine vs transformers), `serve` (HTTP latency), `structured` (guided vs free tok/s), `local` (the ensemble on one box vs one engine)"),
+    "bench": ("consort_engine.bench", "benchmarks: `offline` (engine vs transformers), `serve` (HTTP latency), `local` (the ensemble on one box vs one engine)"),
 }
 # `consort COMMAND SUB` implemented outside COMMAND's module: `bench local` starts `consort up`,
 # which the engine package (home of the other benchmarks) does not know about.
