@@ -15,6 +15,7 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field, replace
@@ -30,6 +31,8 @@ from .lora import AdapterError
 from .metrics import EngineMetrics, SloTracker
 from .sequence import Sequence
 from .cpu import apply_threads
+from .guided import GrammarError, Grammars, GuidedSpec
+from .loader import eos_token_ids, load_model_config
 from .tokenizer import ChatTemplateError, IncrementalDetokenizer, StopStringMatcher, Tokenizer, TooManyTokens
 
 log = logging.getLogger("consort.server")
@@ -51,6 +54,9 @@ def process_age_s() -> float | None:
         return None
 
 
+_GRAMMARS_LOCK = threading.Lock()
+
+
 @dataclass
 class ServerContext:
     config: EngineConfig
@@ -64,12 +70,23 @@ class ServerContext:
     started: float = field(default_factory=time.monotonic)
     startup_s: float | None = None
     in_flight: int = 0
+    _grammars: Grammars | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         c = self.config
         slo = SloTracker(None if c.slo_ttft_ms is None else c.slo_ttft_ms / 1000.0,
                          None if c.slo_itl_ms is None else c.slo_itl_ms / 1000.0)
         self.metrics = EngineMetrics(self.served_name, self.config.name, self.status, slo)
+
+    @property
+    def grammars(self) -> Grammars:
+        """The structured-output compiler, built on the first guided request (xgrammar reads the
+        whole vocabulary once; servers that never see one do not pay for it)."""
+        with _GRAMMARS_LOCK:      # first guided requests may arrive together, on worker threads
+            if self._grammars is None:
+                eos = sorted(eos_token_ids(self.config.model, load_model_config(self.config.model)))
+                self._grammars = Grammars(self.tokenizer.hf, self.vocab_size, eos)
+        return self._grammars
 
     def speculation_state(self) -> str:
         if self.config.speculative == "off":
@@ -399,6 +416,8 @@ async def handle_generation(request: web.Request, kind: str) -> web.StreamRespon
         return req, [(r, build_prompt(ctx, r)) for r in per_prompt]
 
     req, prompts = await asyncio.to_thread(prepare) if len(raw) > OFF_LOOP_BYTES else prepare()
+    if req.sampling.guided is not None:     # off the loop: a new schema can take 100s of ms to compile
+        await asyncio.to_thread(compile_guided, ctx, req.sampling.guided)
     req.request_id = request["request_id"]
     request["consort_adapter"] = req.adapter
     if req.ignored_fields:
@@ -413,6 +432,8 @@ async def handle_generation(request: web.Request, kind: str) -> web.StreamRespon
             sampling = replace(req.sampling, max_tokens=max_tokens, logprobs=req.logprobs, seed=seed)
             seq = Sequence(prompt_token_ids=ids, sampling=sampling, priority=req.priority, arrival=arrival,
                            deadline=deadline, adapter=req.adapter)
+            if sampling.guided is not None:
+                seq.matcher = ctx.grammars.matcher(sampling.guided)   # compiled (cached) just above
             choices.append(Choice(i * req.n + j, preq, seq, RequestTimes(arrival=arrival)))
     ctx.in_flight += 1
     try:
@@ -426,6 +447,14 @@ async def handle_generation(request: web.Request, kind: str) -> web.StreamRespon
         ctx.in_flight -= 1
         for c in choices:
             record(ctx, c, deadline)
+
+
+def compile_guided(ctx: ServerContext, g: GuidedSpec) -> None:
+    """Compile (or find cached) a request's grammar; one that does not compile is a typed 400."""
+    try:
+        ctx.grammars.compile(g)
+    except GrammarError as e:
+        raise P.bad("invalid_value", str(e), e.param) from None
 
 
 async def admit_choices(ctx: ServerContext, choices: list[Choice]) -> None:
