@@ -406,14 +406,17 @@ async def handle_generation(request: web.Request, kind: str) -> web.StreamRespon
         log.info("request %s: ignored unknown fields %s", req.request_id, ", ".join(req.ignored_fields))
     deadline = arrival + req.deadline_ms / 1000.0 if req.deadline_ms is not None else None
     choices = []
+    k = P.samples_per_prompt(req)
+    # best_of ranks by the sampled tokens' logprobs, so those are computed even when not returned
+    logprobs = req.logprobs if req.best_of is None else (req.logprobs or 0)
     for i, (preq, ids) in enumerate(prompts):
         max_tokens = P.resolve_max_tokens(preq, len(ids), ctx.max_model_len)
-        for j in range(req.n):
+        for j in range(k):
             seed = req.sampling.seed if req.sampling.seed is None else req.sampling.seed + j
-            sampling = replace(req.sampling, max_tokens=max_tokens, logprobs=req.logprobs, seed=seed)
+            sampling = replace(req.sampling, max_tokens=max_tokens, logprobs=logprobs, seed=seed)
             seq = Sequence(prompt_token_ids=ids, sampling=sampling, priority=req.priority, arrival=arrival,
                            deadline=deadline, adapter=req.adapter)
-            choices.append(Choice(i * req.n + j, preq, seq, RequestTimes(arrival=arrival)))
+            choices.append(Choice(i * k + j, preq, seq, RequestTimes(arrival=arrival)))
     ctx.in_flight += 1
     try:
         await admit_choices(ctx, choices)
@@ -503,6 +506,16 @@ def usage_of(choices: list[Choice], n: int, completion_tokens: int) -> dict:
                    sum(c.seq.num_cached_tokens for c in firsts))
 
 
+def best_choices(choices: list[Choice], k: int, n: int) -> list[Choice]:
+    """Of each prompt's k samples, the n with the highest cumulative logprob, renumbered i * n + rank."""
+    out = []
+    for i in range(0, len(choices), k):
+        group = choices[i:i + k]
+        keep = P.best_indices([sum(lp.logprob for lp in c.lps) for c in group], n)
+        out += [replace(group[j], index=(i // k) * n + r) for r, j in enumerate(keep)]
+    return out
+
+
 async def full_response(ctx: ServerContext, req: P.GenerationRequest, choices: list[Choice]) -> web.Response:
     async for c, d in merged(choices):
         c.text.append(d.text)
@@ -510,6 +523,10 @@ async def full_response(ctx: ServerContext, req: P.GenerationRequest, choices: l
         c.lps.extend(d.logprobs)
         c.last = d
     assert all(c.finished for c in choices)
+    k = P.samples_per_prompt(req)
+    usage = usage_of(choices, k, sum(len(c.ids) for c in choices))   # every sample counts, best_of too
+    if req.best_of is not None:
+        choices = best_choices(choices, k, req.n)
     body = P.envelope(req, ctx.served_name, chunk=False)
     body["choices"] = []
     for c in choices:
@@ -523,7 +540,7 @@ async def full_response(ctx: ServerContext, req: P.GenerationRequest, choices: l
         if req.return_token_ids and req.prompts:
             one["prompt_token_ids"] = list(c.seq.prompt_token_ids)
         body["choices"].append(one)
-    body["usage"] = usage_of(choices, req.n, sum(len(c.ids) for c in choices))
+    body["usage"] = usage
     if req.return_token_ids and not req.prompts:
         body["prompt_token_ids"] = list(choices[0].seq.prompt_token_ids)
     return web.json_response(body)
