@@ -24,6 +24,7 @@ from typing import Any, AsyncIterator
 from aiohttp import web
 
 from . import protocol as P
+from . import responses as R
 from .async_engine import AsyncEngine, EngineFailed, EngineNotReady
 from .config import EngineConfig
 from .lora import AdapterError
@@ -391,7 +392,11 @@ async def handle_generation(request: web.Request, kind: str) -> web.StreamRespon
     raw = await request.read()
 
     def prepare() -> tuple[P.GenerationRequest, list[tuple[P.GenerationRequest, list[int]]]]:
-        req = P.parse_completion(decode_json(raw)) if kind == "completion" else P.parse_chat(decode_json(raw))
+        body = decode_json(raw)
+        if kind == "responses":
+            request["responses_body"] = body
+            body = R.to_chat(body)
+        req = P.parse_completion(body) if kind == "completion" else P.parse_chat(body)
         check_target(ctx, req)
         P.check_logit_bias(req.sampling.logit_bias, ctx.vocab_size)
         per_prompt = [replace(req, prompt=p if isinstance(p, str) else None,
@@ -420,6 +425,8 @@ async def handle_generation(request: web.Request, kind: str) -> web.StreamRespon
     ctx.in_flight += 1
     try:
         await admit_choices(ctx, choices)
+        if kind == "responses":
+            return await responses_reply(request, ctx, request["responses_body"], choices)
         if req.stream:
             return await stream_response(request, ctx, req, choices)
         return await full_response(ctx, req, choices)
@@ -605,6 +612,59 @@ async def stream_response(request: web.Request, ctx: ServerContext, req: P.Gener
     return resp
 
 
+async def responses_reply(request: web.Request, ctx: ServerContext, body: dict,
+                          choices: list[Choice]) -> web.StreamResponse:
+    """/v1/responses: the chat generation's one choice as a Response, or as Responses SSE events."""
+    rid, created, model = R.new_id(), R.now(), ctx.served_name
+    c = choices[0]
+    if not body.get("stream"):
+        async for _, d in merged(choices):
+            c.text.append(d.text)
+            c.ids.extend(d.token_ids)
+            c.last = d
+        usage = usage_of(choices, 1, len(c.ids))
+        return web.json_response(R.response(rid, model, body, "".join(c.text), "completed", created,
+                                            c.last.finish_reason, usage))
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    seq = 0
+
+    async def send(kind: str, **fields) -> None:
+        nonlocal seq
+        await resp.write(f"event: {kind}\n".encode() + _sse(R.event(kind, seq, **fields)))
+        seq += 1
+
+    where = dict(item_id=R.item_id(rid), output_index=0, content_index=0)
+    await send("response.created", response=R.response(rid, model, body, None, "in_progress", created))
+    await send("response.in_progress", response=R.response(rid, model, body, None, "in_progress", created))
+    await send("response.output_item.added", output_index=0, item=R.message(rid, None, "in_progress"))
+    await send("response.content_part.added", part=R.text_part(""), **where)
+    try:
+        async for _, d in merged(choices):
+            c.text.append(d.text)
+            c.ids.extend(d.token_ids)
+            c.last = d
+            if d.text:
+                await send("response.output_text.delta", delta=d.text, logprobs=[], **where)
+    except EngineFailed as e:   # headers are out: the Responses stream's own error event
+        await send("error", code="engine_failed", message=str(e), param=None)
+        await resp.write_eof()
+        return resp
+    text = "".join(c.text)
+    await send("response.output_text.done", text=text, logprobs=[], **where)
+    await send("response.content_part.done", part=R.text_part(text), **where)
+    await send("response.output_item.done", output_index=0, item=R.message(rid, text, "completed"))
+    final = R.response(rid, model, body, text, "completed", created, c.last.finish_reason,
+                       usage_of(choices, 1, len(c.ids)))
+    await send("response.incomplete" if final["status"] == "incomplete" else "response.completed", response=final)
+    await resp.write_eof()
+    return resp
+
+
+async def responses(request: web.Request) -> web.StreamResponse:
+    return await handle_generation(request, "responses")
+
+
 async def completions(request: web.Request) -> web.StreamResponse:
     return await handle_generation(request, "completion")
 
@@ -751,6 +811,7 @@ def build_app(ctx: ServerContext) -> web.Application:
     app.on_response_prepare.append(stamp_headers)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/responses", responses)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/v1/status", status)
