@@ -36,9 +36,11 @@ def test_unsupported_and_malformed_requests_are_typed_400s(body, param):
 
 
 def test_response_object_validates_and_marks_length_as_incomplete():
-    usage = {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8, "prompt_tokens_details": {"cached_tokens": 2}}
+    usage = {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,
+             "prompt_tokens_details": {"cached_tokens": 2}}
     done = Response.model_validate(R.response("resp_1", "m", {"input": "x"}, "abc", "completed", 1.0, "stop", usage))
-    assert done.status == "completed" and done.output_text == "abc" and done.usage.input_tokens_details.cached_tokens == 2
+    assert done.status == "completed" and done.output_text == "abc"
+    assert (done.usage.input_tokens_details.cached_tokens, done.usage.input_tokens_details.cache_write_tokens) == (2, 3)
     cut = Response.model_validate(R.response("resp_1", "m", {"max_output_tokens": 3}, "abc", "completed", 1.0,
                                              "length", usage))
     assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"

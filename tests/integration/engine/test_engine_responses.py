@@ -28,7 +28,8 @@ def test_response_equals_the_chat_completion_it_means(engine, client):
         {"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
         {"role": "assistant", "content": "hello"}, {"role": "user", "content": "more"}])
     chat2 = client.chat.completions.create(model="spec", max_tokens=4, temperature=0, messages=[
-        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "more"}])
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "more"}])
     assert msgs.output_text == chat2.choices[0].message.content
 
 
