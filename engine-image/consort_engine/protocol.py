@@ -81,6 +81,7 @@ class GenerationRequest:
     skip_special_tokens: bool = True
     echo: bool = False                          # completions: the prompt text leads the choice's text
     n: int = 1                                  # samples per prompt
+    best_of: int | None = None                  # completions: sample this many per prompt, return the n best
     prompts: list = field(default_factory=list)  # completions with several prompts: each str or token ids
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     ignored_fields: list[str] = field(default_factory=list)   # unknown fields, ignored as vLLM does
@@ -373,13 +374,29 @@ def _one_prompt(prompt: Any) -> str | list[int]:
 
 
 def _check_choices(body: dict, req: GenerationRequest) -> None:
-    """n samples of each prompt, at most MAX_CHOICES in all; best_of only as n (nothing to rank by)."""
-    best_of = body.get("best_of")
+    """n samples of each prompt (best_of sampled, the n with the highest cumulative logprob returned, as
+    vLLM does), at most MAX_CHOICES sampled in all. best_of != n cannot stream: the ranking needs the end."""
+    best_of = _int(body, "best_of", None, lo=1, hi=MAX_CHOICES)
+    if best_of is not None and best_of < req.n:
+        raise bad("invalid_value", f"'best_of' ({best_of}) must be at least n ({req.n})", "best_of")
     if best_of is not None and best_of != req.n:
-        raise bad("unsupported_value", f"'best_of' is supported only equal to n ({req.n}), got {best_of!r}", "best_of")
-    total = req.n * max(1, len(req.prompts))
+        if req.stream:
+            raise bad("unsupported_value", "'best_of' other than n cannot be streamed", "best_of")
+        req.best_of = best_of
+    total = samples_per_prompt(req) * max(1, len(req.prompts))
     if total > MAX_CHOICES:
-        raise bad("invalid_value", f"{total} choices (prompts x n) exceed the limit of {MAX_CHOICES}", "n")
+        raise bad("invalid_value", f"{total} samples (prompts x best_of) exceed the limit of {MAX_CHOICES}",
+                  "best_of" if req.best_of else "n")
+
+
+def samples_per_prompt(req: GenerationRequest) -> int:
+    return req.best_of or req.n
+
+
+def best_indices(cumulative: list[float], n: int) -> list[int]:
+    """The n samples of one prompt with the highest cumulative logprob, in sampling order (stable ties)."""
+    ranked = sorted(range(len(cumulative)), key=lambda i: -cumulative[i])[:n]
+    return sorted(ranked)
 
 
 def parse_completion(body: Any) -> GenerationRequest:

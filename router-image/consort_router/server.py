@@ -425,6 +425,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await handle_generation(request, "chat", "/v1/chat/completions")
 
 
+async def responses(request: web.Request) -> web.StreamResponse:
+    return await handle_generation(request, "responses", "/v1/responses")
+
+
 async def handle_generation(request: web.Request, kind: str, path: str) -> web.StreamResponse:
     """Executes plan_request's Plan: reject, or open the first target that answers (failover before
     the first byte), spawn the shadow, relay, record what happened."""
@@ -660,6 +664,7 @@ def build_app(router: Router) -> web.Application:
     app.on_cleanup.append(router.stop)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/responses", responses)
     app.router.add_post("/v1/feedback", feedback)
     app.router.add_get("/v1/routing", routing_view)
     app.router.add_get("/v1/models", models)
