@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 CACHE ?= $(HOME)/.cache/consort
 
-.PHONY: venv controlplane node images test test-fast cluster cluster-real e2e-real cluster-down up crds lint clean
+.PHONY: venv controlplane thirdparty-crds node images prometheus-tools test test-fast cluster cluster-real e2e-real cluster-down up crds lint clean
 
 venv:
 	@scripts/bootstrap.sh
@@ -13,12 +13,21 @@ venv:
 controlplane:
 	@hack/controlplane.sh build
 
+# KEDA and prometheus-operator CRDs (pinned, from the Go module proxy) under $(CACHE)/crds/thirdparty,
+# which the e2e tests apply to check the autoscaling examples and the chart's monitors against.
+thirdparty-crds:
+	@hack/thirdparty-crds.sh >/dev/null
+
 # Every suite, the real node's user path (tests/e2e_real) included: it needs the images and the node.
-test: venv controlplane node images
+test: venv controlplane thirdparty-crds node images prometheus-tools
 	$(PY) -m pytest tests
 
+# promtool (Debian's prometheus package) for the alert-rule tests and `promtool check metrics`.
+prometheus-tools:
+	@hack/prometheus-tools.sh
+
 # Everything except the real-control-plane tests.
-test-fast: venv
+test-fast: venv prometheus-tools
 	$(PY) -m pytest tests -m "not e2e" --ignore=tests/e2e_real
 
 cluster: venv controlplane

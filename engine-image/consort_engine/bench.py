@@ -1,6 +1,7 @@
 """`consort bench offline|serve`: benchmark scripts with a report (not timed tests).
 
 offline: our engine vs transformers `generate` on the same checkpoint and workload (bench_offline.py).
+structured: guided JSON-schema decoding tok/s vs free decoding (bench_structured.py).
 spec:    none vs n-gram vs MTP drafting on one checkpoint: acceptance and tokens/s (bench_spec.py).
 serve:   TTFT / ITL percentiles and throughput of any OpenAI-compatible endpoint (bench_serve.py).
 local:   the ensemble on one box vs one engine: consort_operator/bench_local.py (it starts `consort up`).
@@ -16,13 +17,16 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="consort bench", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
-    from . import bench_offline, bench_serve, bench_spec
+    from . import bench_offline, bench_serve, bench_spec, bench_structured
     bench_offline.add_args(sub.add_parser("offline", help="engine vs transformers generate, one run"))
     bench_serve.add_args(sub.add_parser("serve", help="streaming latency against an OpenAI endpoint"))
+    bench_structured.add_args(sub.add_parser("structured", help="guided json_schema vs free decoding tok/s"))
     bench_spec.add_args(sub.add_parser("spec", help="speculative decoding: none vs n-gram vs MTP drafting"))
     args = p.parse_args(argv)
     if args.cmd == "offline":
         return bench_offline.run(args)
+    if args.cmd == "structured":
+        return bench_structured.run(args)
     if args.cmd == "spec":
         return bench_spec.main(args)
     return bench_serve.main(args)

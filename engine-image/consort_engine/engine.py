@@ -18,6 +18,7 @@ from .config import EngineConfig
 from .lora import AdapterError
 from .scheduler import Scheduler, StepOutput
 from .sequence import SamplingParams, ScheduledBatch, Sequence
+from .guided import advance
 from .speculative import typical_accepted
 
 __all__ = ["AdmissionRejected", "LLMEngine", "StepOutput"]
@@ -199,7 +200,10 @@ class LLMEngine:
             return [], None
         if not batch.num_draft:
             token_ids, logprobs = self.sampler.sample(logits, sampled_seqs)
-            return (token_ids.tolist() if isinstance(token_ids, torch.Tensor) else token_ids), logprobs
+            token_ids = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else token_ids
+            if any(s.matcher is not None for s in sampled_seqs):
+                advance([s.matcher for s in sampled_seqs], token_ids)
+            return token_ids, logprobs
         counts = [batch.rows_sampled(i) for i in range(len(batch.seqs)) if batch.sample[i]]
         greedy = logits.max(dim=-1).indices.tolist()   # the sampler's greedy rule, ties included
         starts = [0, *accumulate(counts)][:-1]
@@ -215,6 +219,9 @@ class LLMEngine:
             picked = picked.tolist() if isinstance(picked, torch.Tensor) else picked
             for r, t in zip(single, picked):
                 token_ids[r] = t
+            if any(s.matcher is not None for s in sampled_seqs):   # guided rows never carry drafts
+                advance([s.matcher if c == 1 else None for s, c in zip(sampled_seqs, counts)],
+                        [token_ids[r] for r in starts])
             if lps is not None:
                 logprobs = [None] * len(token_ids)
                 for r, lp in zip(single, lps):

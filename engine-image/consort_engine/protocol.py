@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import json
 import math
 import re
 import time
@@ -12,6 +13,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from .guided import GuidedSpec
 from .sequence import SamplingParams
 
 MAX_LOGPROBS = 20
@@ -79,6 +81,7 @@ class GenerationRequest:
     skip_special_tokens: bool = True
     echo: bool = False                          # completions: the prompt text leads the choice's text
     n: int = 1                                  # samples per prompt
+    best_of: int | None = None                  # completions: sample this many per prompt, return the n best
     prompts: list = field(default_factory=list)  # completions with several prompts: each str or token ids
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     ignored_fields: list[str] = field(default_factory=list)   # unknown fields, ignored as vLLM does
@@ -160,6 +163,9 @@ _COMMON = frozenset({
     "model", "max_tokens", "temperature", "top_p", "top_k", "typical_p", "seed", "stop", "stop_token_ids",
     "n", "stream", "stream_options", "ignore_eos", "user", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "logit_bias", "min_p", "skip_special_tokens",
+    # vLLM structured output extras
+    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+    "guided_decoding_backend", "guided_whitespace_pattern",
     # Consort extensions
     "priority", "deadline_ms", "adapter", "return_token_ids",
 })
@@ -168,6 +174,90 @@ COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo", "suffix", "best_of"
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format",
                          "tools", "tool_choice", "parallel_tool_calls", "store", "metadata", "service_tier",
                          "add_generation_prompt", "continue_final_message"}
+
+
+GUIDED_EXTRAS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def _schema_text(v: Any, param: str) -> str:
+    """A JSON schema given as an object or as JSON text -> compact JSON (the compile-cache key; key
+    order kept: it is the order the properties are generated in)."""
+    if isinstance(v, str):
+        try:
+            v = json.loads(v)
+        except ValueError:
+            raise bad("invalid_value", f"'{param}' is not valid JSON", param) from None
+    if not isinstance(v, dict):
+        raise bad("invalid_type", f"'{param}' must be a JSON schema object", param)
+    return json.dumps(v, separators=(",", ":"))
+
+
+def _guided_of(kind: str, v: Any, param: str) -> GuidedSpec:
+    """One vLLM-style constraint (json | regex | choice | grammar | json_object) -> GuidedSpec."""
+    if kind == "json":
+        return GuidedSpec("json_schema", _schema_text(v, param), param)
+    if kind == "json_object":
+        if v is not True:
+            raise bad("invalid_value", f"'{param}' must be true", param)
+        return GuidedSpec("json_object", "", param)
+    if kind == "choice":
+        if not (isinstance(v, list) and v and all(isinstance(c, str) and c for c in v)):
+            raise bad("invalid_type", f"'{param}' must be a non-empty list of non-empty strings", param)
+        return GuidedSpec("choice", json.dumps(v, ensure_ascii=False), param)
+    if not (isinstance(v, str) and v):
+        raise bad("invalid_type", f"'{param}' must be a non-empty string", param)
+    return GuidedSpec(kind, v, param)
+
+
+def _response_format(v: Any) -> GuidedSpec | None:
+    """OpenAI response_format: text (no constraint), json_object, or json_schema {name, schema, strict}."""
+    if v is None:
+        return None
+    if not isinstance(v, dict) or not isinstance(v.get("type"), str):
+        raise bad("invalid_type", "'response_format' must be an object with a 'type'", "response_format")
+    kind = v["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return GuidedSpec("json_object", "", "response_format")
+    if kind != "json_schema":
+        raise bad("invalid_value", f"'response_format.type' must be text, json_object or json_schema, got {kind!r}",
+                  "response_format.type")
+    js = v.get("json_schema")
+    if not isinstance(js, dict):
+        raise bad("missing_field", "'response_format.json_schema' is required for type json_schema",
+                  "response_format.json_schema")
+    if "schema" not in js:
+        raise bad("missing_field", "'response_format.json_schema.schema' is required",
+                  "response_format.json_schema.schema")
+    return GuidedSpec("json_schema", _schema_text(js["schema"], "response_format.json_schema.schema"),
+                      "response_format.json_schema.schema")
+
+
+def _guided(body: dict) -> GuidedSpec | None:
+    """The request's one output constraint, from response_format, vLLM's guided_* extras or its
+    structured_outputs object; several at once is a 400 (which should win is not obvious)."""
+    found: list[GuidedSpec] = []
+    rf = _response_format(body.get("response_format"))
+    if rf is not None:
+        found.append(rf)
+    for key in GUIDED_EXTRAS:
+        if body.get(key) is not None:
+            found.append(_guided_of(key.removeprefix("guided_"), body[key], key))
+    so = body.get("structured_outputs")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise bad("invalid_type", "'structured_outputs' must be an object", "structured_outputs")
+        for key, v in so.items():
+            if key not in STRUCTURED_KEYS:
+                continue          # vLLM's other knobs (backend, whitespace_pattern, ...) do not apply here
+            if v is not None and v is not False:
+                found.append(_guided_of(key, v, f"structured_outputs.{key}"))
+    if len(found) > 1:
+        raise bad("invalid_value", "only one structured output constraint may be given, got "
+                  + ", ".join(g.param for g in found), found[1].param)
+    return found[0] if found else None
 
 
 def _sampling(body: dict) -> SamplingParams:
@@ -198,6 +288,7 @@ def _sampling(body: dict) -> SamplingParams:
         presence_penalty=_num(body, "presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=_num(body, "frequency_penalty", 0.0, -2.0, 2.0),
         repetition_penalty=_num(body, "repetition_penalty", 1.0, 0.0, lo_open=True),
+        guided=_guided(body),
         min_p=_num(body, "min_p", 0.0, 0.0, 1.0),
         logit_bias=_logit_bias(body),
     )
@@ -283,13 +374,29 @@ def _one_prompt(prompt: Any) -> str | list[int]:
 
 
 def _check_choices(body: dict, req: GenerationRequest) -> None:
-    """n samples of each prompt, at most MAX_CHOICES in all; best_of only as n (nothing to rank by)."""
-    best_of = body.get("best_of")
+    """n samples of each prompt (best_of sampled, the n with the highest cumulative logprob returned, as
+    vLLM does), at most MAX_CHOICES sampled in all. best_of != n cannot stream: the ranking needs the end."""
+    best_of = _int(body, "best_of", None, lo=1, hi=MAX_CHOICES)
+    if best_of is not None and best_of < req.n:
+        raise bad("invalid_value", f"'best_of' ({best_of}) must be at least n ({req.n})", "best_of")
     if best_of is not None and best_of != req.n:
-        raise bad("unsupported_value", f"'best_of' is supported only equal to n ({req.n}), got {best_of!r}", "best_of")
-    total = req.n * max(1, len(req.prompts))
+        if req.stream:
+            raise bad("unsupported_value", "'best_of' other than n cannot be streamed", "best_of")
+        req.best_of = best_of
+    total = samples_per_prompt(req) * max(1, len(req.prompts))
     if total > MAX_CHOICES:
-        raise bad("invalid_value", f"{total} choices (prompts x n) exceed the limit of {MAX_CHOICES}", "n")
+        raise bad("invalid_value", f"{total} samples (prompts x best_of) exceed the limit of {MAX_CHOICES}",
+                  "best_of" if req.best_of else "n")
+
+
+def samples_per_prompt(req: GenerationRequest) -> int:
+    return req.best_of or req.n
+
+
+def best_indices(cumulative: list[float], n: int) -> list[int]:
+    """The n samples of one prompt with the highest cumulative logprob, in sampling order (stable ties)."""
+    ranked = sorted(range(len(cumulative)), key=lambda i: -cumulative[i])[:n]
+    return sorted(ranked)
 
 
 def parse_completion(body: Any) -> GenerationRequest:
@@ -356,7 +463,6 @@ def _message(i: int, m: Any) -> dict:
 def parse_chat(body: Any) -> GenerationRequest:
     body = _as_dict(body)
     ignored = unknown_fields(body, CHAT_FIELDS)
-    _require_neutral(body, "response_format", {"type": "text"})
     if body.get("tools"):
         raise bad("unsupported_value", "'tools' are not supported by this engine", "tools")
     _require_neutral(body, "tool_choice", "none")

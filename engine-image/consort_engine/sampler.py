@@ -2,7 +2,8 @@
 
 Batched tensor ops throughout. Penalties come first, on the rows that ask for them (logit_bias,
 repetition over prompt + output as transformers' RepetitionPenaltyLogitsProcessor, then OpenAI's
-frequency/presence over the output), so greedy requests see them too. All-greedy batches are then
+frequency/presence over the output), so greedy requests see them too. Structured output's grammar
+mask (guided.apply_mask) follows, as one masked_fill over the batch. All-greedy batches are then
 one argmax; otherwise temperature, top-k, top-p, min-p and typical-p (transformers' warper order)
 become per-row tensors and the draw is an exponential race (argmax p / E, E ~ Exp(1)), which samples
 exactly from p. A seeded request draws its noise from a generator seeded with
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from .guided import apply_mask
 from .sequence import SamplingParams, Sequence
 
 _SEED_MIX = 0x9E3779B97F4A7C15
@@ -39,6 +41,8 @@ class Sampler:
         params = [s.sampling for s in seqs]
         logits = logits.float()
         x = self.penalize(logits, seqs, params) if any(p.penalized for p in params) else logits
+        if any(s.matcher is not None for s in seqs):
+            x = apply_mask(x, [s.matcher for s in seqs])
         if all(p.temperature == 0.0 for p in params):
             tokens = x.max(dim=-1).indices
         else:

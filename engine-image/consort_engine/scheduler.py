@@ -278,11 +278,12 @@ class Scheduler:
 
         Greedy requests verify by exact argmax equality, sampled ones by typical acceptance (when
         spec_typical_tau > 0); requests asking for logprobs, or whose penalties depend on the tokens
-        before each row (repetition, frequency, presence, logit_bias), do not speculate. A draft never runs
+        before each row (repetition, frequency, presence, logit_bias), do not speculate; nor do guided (structured output)
+        requests: their grammar matcher advances only on committed tokens. A draft never runs
         past max_tokens or the context, and never needs a block the pool does not have free right
         now (speculation does not preempt anyone)."""
         sp = seq.sampling
-        if sp.logprobs is not None or sp.penalized or not seq.speculate or (not sp.greedy and self.config.spec_typical_tau <= 0):
+        if sp.logprobs is not None or sp.penalized or sp.guided is not None or not seq.speculate or (not sp.greedy and self.config.spec_typical_tau <= 0):
             return 0
         k = min(self.decode_span - 1, budget, sp.max_tokens - seq.num_output_tokens - 1,
                 self.max_model_len - seq.num_tokens - 1)
@@ -410,6 +411,8 @@ class Scheduler:
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         sp = seq.sampling
         if token in self.eos_token_ids and not sp.ignore_eos:
+            return "stop"
+        if seq.matcher is not None and seq.matcher.is_terminated():
             return "stop"
         if sp.stop_token_ids and token in sp.stop_token_ids:
             return "stop"

@@ -8,6 +8,10 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .guided import GuidedSpec
 
 _ids = itertools.count()
 
@@ -36,6 +40,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # prompt + generated tokens: positive logits / r, negative * r
     min_p: float = 0.0             # drop tokens below min_p * the top token's probability
     logit_bias: dict[int, float] = field(default_factory=dict)
+    guided: "GuidedSpec | None" = None  # structured output: the grammar the text must match
 
     @property
     def greedy(self) -> bool:
@@ -68,6 +73,7 @@ class Sequence:
     output_logprobs: list = field(default_factory=list)  # per generated token, when requested
     first_token_time: float | None = None
     speculate: bool = True                             # False once a tool trigger was emitted
+    matcher: Any = field(default=None, repr=False)     # xgrammar GrammarMatcher of a guided request
     packed_tokens: bytearray = field(default_factory=bytearray, repr=False)  # committed tokens, for n-gram lookup
     # MTP drafting: the target's normed hidden states of the last step that ran this sequence (rows from
     # position mtp_start on); the next step's MTP pass fuses the kept ones with the tokens after them.

@@ -15,6 +15,7 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field, replace
@@ -24,12 +25,15 @@ from typing import Any, AsyncIterator
 from aiohttp import web
 
 from . import protocol as P
+from . import responses as R
 from .async_engine import AsyncEngine, EngineFailed, EngineNotReady
 from .config import EngineConfig
 from .lora import AdapterError
 from .metrics import EngineMetrics, SloTracker
 from .sequence import Sequence
 from .cpu import apply_threads
+from .guided import GrammarError, Grammars, GuidedSpec
+from .loader import eos_token_ids, load_model_config
 from .tokenizer import ChatTemplateError, IncrementalDetokenizer, StopStringMatcher, Tokenizer, TooManyTokens
 
 log = logging.getLogger("consort.server")
@@ -51,6 +55,9 @@ def process_age_s() -> float | None:
         return None
 
 
+_GRAMMARS_LOCK = threading.Lock()
+
+
 @dataclass
 class ServerContext:
     config: EngineConfig
@@ -64,12 +71,23 @@ class ServerContext:
     started: float = field(default_factory=time.monotonic)
     startup_s: float | None = None
     in_flight: int = 0
+    _grammars: Grammars | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         c = self.config
         slo = SloTracker(None if c.slo_ttft_ms is None else c.slo_ttft_ms / 1000.0,
                          None if c.slo_itl_ms is None else c.slo_itl_ms / 1000.0)
         self.metrics = EngineMetrics(self.served_name, self.config.name, self.status, slo)
+
+    @property
+    def grammars(self) -> Grammars:
+        """The structured-output compiler, built on the first guided request (xgrammar reads the
+        whole vocabulary once; servers that never see one do not pay for it)."""
+        with _GRAMMARS_LOCK:      # first guided requests may arrive together, on worker threads
+            if self._grammars is None:
+                eos = sorted(eos_token_ids(self.config.model, load_model_config(self.config.model)))
+                self._grammars = Grammars(self.tokenizer.hf, self.vocab_size, eos)
+        return self._grammars
 
     def speculation_state(self) -> str:
         if self.config.speculative == "off":
@@ -391,7 +409,11 @@ async def handle_generation(request: web.Request, kind: str) -> web.StreamRespon
     raw = await request.read()
 
     def prepare() -> tuple[P.GenerationRequest, list[tuple[P.GenerationRequest, list[int]]]]:
-        req = P.parse_completion(decode_json(raw)) if kind == "completion" else P.parse_chat(decode_json(raw))
+        body = decode_json(raw)
+        if kind == "responses":
+            request["responses_body"] = body
+            body = R.to_chat(body)
+        req = P.parse_completion(body) if kind == "completion" else P.parse_chat(body)
         check_target(ctx, req)
         P.check_logit_bias(req.sampling.logit_bias, ctx.vocab_size)
         per_prompt = [replace(req, prompt=p if isinstance(p, str) else None,
@@ -399,6 +421,8 @@ async def handle_generation(request: web.Request, kind: str) -> web.StreamRespon
         return req, [(r, build_prompt(ctx, r)) for r in per_prompt]
 
     req, prompts = await asyncio.to_thread(prepare) if len(raw) > OFF_LOOP_BYTES else prepare()
+    if req.sampling.guided is not None:     # off the loop: a new schema can take 100s of ms to compile
+        await asyncio.to_thread(compile_guided, ctx, req.sampling.guided)
     req.request_id = request["request_id"]
     request["consort_adapter"] = req.adapter
     if req.ignored_fields:
@@ -406,17 +430,24 @@ async def handle_generation(request: web.Request, kind: str) -> web.StreamRespon
         log.info("request %s: ignored unknown fields %s", req.request_id, ", ".join(req.ignored_fields))
     deadline = arrival + req.deadline_ms / 1000.0 if req.deadline_ms is not None else None
     choices = []
+    k = P.samples_per_prompt(req)
+    # best_of ranks by the sampled tokens' logprobs, so those are computed even when not returned
+    logprobs = req.logprobs if req.best_of is None else (req.logprobs or 0)
     for i, (preq, ids) in enumerate(prompts):
         max_tokens = P.resolve_max_tokens(preq, len(ids), ctx.max_model_len)
-        for j in range(req.n):
+        for j in range(k):
             seed = req.sampling.seed if req.sampling.seed is None else req.sampling.seed + j
-            sampling = replace(req.sampling, max_tokens=max_tokens, logprobs=req.logprobs, seed=seed)
+            sampling = replace(req.sampling, max_tokens=max_tokens, logprobs=logprobs, seed=seed)
             seq = Sequence(prompt_token_ids=ids, sampling=sampling, priority=req.priority, arrival=arrival,
                            deadline=deadline, adapter=req.adapter)
-            choices.append(Choice(i * req.n + j, preq, seq, RequestTimes(arrival=arrival)))
+            if sampling.guided is not None:
+                seq.matcher = ctx.grammars.matcher(sampling.guided)   # compiled (cached) just above
+            choices.append(Choice(i * k + j, preq, seq, RequestTimes(arrival=arrival)))
     ctx.in_flight += 1
     try:
         await admit_choices(ctx, choices)
+        if kind == "responses":
+            return await responses_reply(request, ctx, request["responses_body"], choices)
         if req.stream:
             return await stream_response(request, ctx, req, choices)
         return await full_response(ctx, req, choices)
@@ -426,6 +457,14 @@ async def handle_generation(request: web.Request, kind: str) -> web.StreamRespon
         ctx.in_flight -= 1
         for c in choices:
             record(ctx, c, deadline)
+
+
+def compile_guided(ctx: ServerContext, g: GuidedSpec) -> None:
+    """Compile (or find cached) a request's grammar; one that does not compile is a typed 400."""
+    try:
+        ctx.grammars.compile(g)
+    except GrammarError as e:
+        raise P.bad("invalid_value", str(e), e.param) from None
 
 
 async def admit_choices(ctx: ServerContext, choices: list[Choice]) -> None:
@@ -503,6 +542,16 @@ def usage_of(choices: list[Choice], n: int, completion_tokens: int) -> dict:
                    sum(c.seq.num_cached_tokens for c in firsts))
 
 
+def best_choices(choices: list[Choice], k: int, n: int) -> list[Choice]:
+    """Of each prompt's k samples, the n with the highest cumulative logprob, renumbered i * n + rank."""
+    out = []
+    for i in range(0, len(choices), k):
+        group = choices[i:i + k]
+        keep = P.best_indices([sum(lp.logprob for lp in c.lps) for c in group], n)
+        out += [replace(group[j], index=(i // k) * n + r) for r, j in enumerate(keep)]
+    return out
+
+
 async def full_response(ctx: ServerContext, req: P.GenerationRequest, choices: list[Choice]) -> web.Response:
     async for c, d in merged(choices):
         c.text.append(d.text)
@@ -510,6 +559,10 @@ async def full_response(ctx: ServerContext, req: P.GenerationRequest, choices: l
         c.lps.extend(d.logprobs)
         c.last = d
     assert all(c.finished for c in choices)
+    k = P.samples_per_prompt(req)
+    usage = usage_of(choices, k, sum(len(c.ids) for c in choices))   # every sample counts, best_of too
+    if req.best_of is not None:
+        choices = best_choices(choices, k, req.n)
     body = P.envelope(req, ctx.served_name, chunk=False)
     body["choices"] = []
     for c in choices:
@@ -523,7 +576,7 @@ async def full_response(ctx: ServerContext, req: P.GenerationRequest, choices: l
         if req.return_token_ids and req.prompts:
             one["prompt_token_ids"] = list(c.seq.prompt_token_ids)
         body["choices"].append(one)
-    body["usage"] = usage_of(choices, req.n, sum(len(c.ids) for c in choices))
+    body["usage"] = usage
     if req.return_token_ids and not req.prompts:
         body["prompt_token_ids"] = list(choices[0].seq.prompt_token_ids)
     return web.json_response(body)
@@ -586,6 +639,59 @@ async def stream_response(request: web.Request, ctx: ServerContext, req: P.Gener
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
     return resp
+
+
+async def responses_reply(request: web.Request, ctx: ServerContext, body: dict,
+                          choices: list[Choice]) -> web.StreamResponse:
+    """/v1/responses: the chat generation's one choice as a Response, or as Responses SSE events."""
+    rid, created, model = R.new_id(), R.now(), ctx.served_name
+    c = choices[0]
+    if not body.get("stream"):
+        async for _, d in merged(choices):
+            c.text.append(d.text)
+            c.ids.extend(d.token_ids)
+            c.last = d
+        usage = usage_of(choices, 1, len(c.ids))
+        return web.json_response(R.response(rid, model, body, "".join(c.text), "completed", created,
+                                            c.last.finish_reason, usage))
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    seq = 0
+
+    async def send(kind: str, **fields) -> None:
+        nonlocal seq
+        await resp.write(f"event: {kind}\n".encode() + _sse(R.event(kind, seq, **fields)))
+        seq += 1
+
+    where = dict(item_id=R.item_id(rid), output_index=0, content_index=0)
+    await send("response.created", response=R.response(rid, model, body, None, "in_progress", created))
+    await send("response.in_progress", response=R.response(rid, model, body, None, "in_progress", created))
+    await send("response.output_item.added", output_index=0, item=R.message(rid, None, "in_progress"))
+    await send("response.content_part.added", part=R.text_part(""), **where)
+    try:
+        async for _, d in merged(choices):
+            c.text.append(d.text)
+            c.ids.extend(d.token_ids)
+            c.last = d
+            if d.text:
+                await send("response.output_text.delta", delta=d.text, logprobs=[], **where)
+    except EngineFailed as e:   # headers are out: the Responses stream's own error event
+        await send("error", code="engine_failed", message=str(e), param=None)
+        await resp.write_eof()
+        return resp
+    text = "".join(c.text)
+    await send("response.output_text.done", text=text, logprobs=[], **where)
+    await send("response.content_part.done", part=R.text_part(text), **where)
+    await send("response.output_item.done", output_index=0, item=R.message(rid, text, "completed"))
+    final = R.response(rid, model, body, text, "completed", created, c.last.finish_reason,
+                       usage_of(choices, 1, len(c.ids)))
+    await send("response.incomplete" if final["status"] == "incomplete" else "response.completed", response=final)
+    await resp.write_eof()
+    return resp
+
+
+async def responses(request: web.Request) -> web.StreamResponse:
+    return await handle_generation(request, "responses")
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -734,6 +840,7 @@ def build_app(ctx: ServerContext) -> web.Application:
     app.on_response_prepare.append(stamp_headers)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/responses", responses)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/v1/status", status)

@@ -22,33 +22,27 @@ from datetime import datetime, timezone
 from typing import Any
 
 import kopf
-from pydantic import ValidationError
-
 from .api.base import GROUP, VERSION
 from .api.base import LabelSelector
-from .api.router import EnsembleRouterSpec, EnsembleRouterStatus
-from .api.specialist import SpecialistSpec, SpecialistStatus
+from .api.router import EnsembleRouterStatus
+from .api.specialist import SpecialistSpec
 from .kube import Kube, KubeError
-from .lifecycle import breaker as breaker_lc
-from .lifecycle import rollout as rollout_lc
-from .lifecycle import slo as slo_lc
-from .lifecycle import speculation as speculation_lc
+from .lifecycle import router as router_lc
+from .lifecycle import specialist as specialist_lc
 from .lifecycle import warmup as warmup_lc
-from .lifecycle.common import Event, set_condition
+from .lifecycle.common import Event
 from .metrics import (APPLIES, EVENTS, PHASES, RECONCILE_ERRORS, RECONCILE_SECONDS, RECONCILES,
                       STATUS_WRITES)
 from .probe import Prober
 from .resolver import NullResolver, PodAddressResolver, PodRef
-from .resources import router as router_res
-from .resources import specialist as specialist_res
-from .resources.common import ANNOTATION_HASH, MANAGED_BY, BuildContext, content_hash
+from .resources.common import ANNOTATION_HASH, MANAGED_BY, BuildContext
 
 log = logging.getLogger("consort.operator")
 
 MANAGED = {"app.kubernetes.io/managed-by": MANAGED_BY}
 
 
-# ---- runtime configuration (set by main.py before the operator starts) ---------------------------
+# ---- runtime configuration (main.py builds it and hands it to Kopf as memo.runtime) ---------------
 
 @dataclass
 class Runtime:
@@ -63,6 +57,14 @@ class Runtime:
     prober: Prober | None = None
     wakers: dict[tuple[str, str, str], asyncio.Event] = field(default_factory=dict)
     phases: dict[tuple[str, str], str] = field(default_factory=dict)
+
+    def client(self) -> Kube:
+        if self.kube is None:
+            raise RuntimeError("not logged in")
+        return self.kube
+
+    def pacing(self) -> specialist_lc.Pacing:
+        return specialist_lc.Pacing(self.warm_signal, self.poll_seconds, self.idle_seconds)  # type: ignore[arg-type]
 
     def waker(self, key: tuple[str, str, str]) -> asyncio.Event:
         ev = self.wakers.get(key)
@@ -99,7 +101,10 @@ class Runtime:
             PHASES.labels(p).set(counts.get(p, 0))
 
 
-runtime = Runtime()
+def rt_of(memo: Any) -> Runtime:
+    """The operator's Runtime from Kopf's memo (Kopf copies the memo per object, shallowly: every
+    handler sees the one Runtime main.py put there)."""
+    return memo.runtime
 
 
 def now_utc() -> datetime:
@@ -109,7 +114,8 @@ def now_utc() -> datetime:
 # ---- operator settings and login ---------------------------------------------------------------
 
 @kopf.on.startup()
-async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+async def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
+    runtime = rt_of(memo)
     settings.persistence.finalizer = f"{GROUP}/operator"
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP, key="last-handled-configuration")
@@ -125,7 +131,8 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
 
 
 @kopf.on.cleanup()
-async def cleanup(**_: Any) -> None:
+async def cleanup(memo: Any, **_: Any) -> None:
+    runtime = rt_of(memo)
     if runtime.kube:
         await runtime.kube.close()
     if runtime.prober:
@@ -133,7 +140,7 @@ async def cleanup(**_: Any) -> None:
 
 
 @kopf.on.login()
-def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+def login(memo: Any, **kwargs: Any) -> kopf.ConnectionInfo | None:
     info = kopf.login_with_service_account(**kwargs)
     host = os.environ.get("KUBERNETES_SERVICE_HOST")
     if info is not None and host:
@@ -143,14 +150,10 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
         info = replace(info, server=f"https://{host}:{os.environ.get('KUBERNETES_SERVICE_PORT', '443')}")
     info = info or kopf.login_with_kubeconfig(**kwargs)
     if info is not None:
-        runtime.kube = Kube.from_connection_info(info)
+        rt_of(memo).kube = Kube.from_connection_info(info)
     return info
 
 
-def kube() -> Kube:
-    if runtime.kube is None:
-        raise RuntimeError("not logged in")
-    return runtime.kube
 
 
 # ---- indexes (Kopf's in-memory caches) and wake-ups -------------------------------------------
@@ -238,27 +241,31 @@ def _owner_kind(labels: Any) -> str | None:
 
 
 @kopf.on.event("v1", "pods", labels=MANAGED)
-async def pod_event(namespace: str, labels: Any, **_: Any) -> None:
+async def pod_event(namespace: str, labels: Any, memo: Any, **_: Any) -> None:
+    runtime = rt_of(memo)
     kind = _owner_kind(labels)
     if kind:
         runtime.wake(kind, namespace, labels.get("app.kubernetes.io/instance"))
 
 
 @kopf.on.event("apps", "v1", "deployments", labels=MANAGED)
-async def deployment_event(namespace: str, labels: Any, **_: Any) -> None:
+async def deployment_event(namespace: str, labels: Any, memo: Any, **_: Any) -> None:
+    runtime = rt_of(memo)
     kind = _owner_kind(labels)
     if kind:
         runtime.wake(kind, namespace, labels.get("app.kubernetes.io/instance"))
 
 
 @kopf.on.event(GROUP, VERSION, "specialists")
-async def specialist_event(namespace: str, name: str, **_: Any) -> None:
+async def specialist_event(namespace: str, name: str, memo: Any, **_: Any) -> None:
+    runtime = rt_of(memo)
     runtime.wake("Specialist", namespace, name)
     runtime.wake_all("EnsembleRouter", namespace)
 
 
 @kopf.on.event(GROUP, VERSION, "ensemblerouters")
-async def router_event(namespace: str, name: str, **_: Any) -> None:
+async def router_event(namespace: str, name: str, memo: Any, **_: Any) -> None:
+    runtime = rt_of(memo)
     runtime.wake("EnsembleRouter", namespace, name)
     runtime.wake_all("Specialist", namespace)   # breaker mirror
 
@@ -279,11 +286,11 @@ async def post_event(body: Any, kind: str, ev: Event) -> None:
     kopf.event(body, type=ev.type, reason=ev.reason, message=ev.message)
 
 
-async def ensure_children(body: Any, kind: str, children: list[dict[str, Any]], owned: Owned,
+async def ensure_children(rt: Runtime, body: Any, kind: str, children: list[dict[str, Any]], owned: Owned,
                           deployments: Any) -> list[Event]:
     """Create or update children whose desired content hash differs from the live one."""
     events: list[Event] = []
-    resync = time.monotonic() - owned.last_resync > runtime.resync_seconds
+    resync = time.monotonic() - owned.last_resync > rt.resync_seconds
     for child in children:
         ckind, meta = child["kind"], child["metadata"]
         key = (ckind, meta["name"])
@@ -300,13 +307,13 @@ async def ensure_children(body: Any, kind: str, children: list[dict[str, Any]], 
         else:
             if owned.hashes.get(key) == want and not resync:
                 continue
-            live_obj = await kube().get(ckind, meta["namespace"], meta["name"])
+            live_obj = await rt.client().get(ckind, meta["namespace"], meta["name"])
             live_hash = ((live_obj or {}).get("metadata", {}).get("annotations") or {}).get(ANNOTATION_HASH)
             if live_obj is not None and live_hash == want:
                 owned.hashes[key] = want
                 continue
             exists = live_obj is not None
-        result = await kube().apply(child)
+        result = await rt.client().apply(child)
         APPLIES.labels(ckind).inc()
         owned.hashes[key] = want
         owned.generations[key] = int(result.get("metadata", {}).get("generation") or 0)
@@ -337,13 +344,13 @@ def merge_patch(old: dict[str, Any], new: dict[str, Any], owned_keys: set[str]) 
     return patch
 
 
-SPECIALIST_STATUS_KEYS = {f.alias or n for n, f in SpecialistStatus.model_fields.items()}
-ROUTER_STATUS_KEYS = {f.alias or n for n, f in EnsembleRouterStatus.model_fields.items()} - {"breakerState"}
+# breakerState is the router's own to write (kube_store.py in the router pods)
+ROUTER_STATUS_KEYS = frozenset(f.alias or n for n, f in EnsembleRouterStatus.model_fields.items()) - {"breakerState"}
 
 
 # ---- Specialist ---------------------------------------------------------------------------------
 
-async def probe_replicas(namespace: str, pods: list[dict[str, Any]], port: int
+async def probe_replicas(runtime: Runtime, namespace: str, pods: list[dict[str, Any]], port: int
                          ) -> dict[str, warmup_lc.ProbeResult]:
     if runtime.warm_signal == "pod-ready" or runtime.prober is None:
         return {}
@@ -369,91 +376,58 @@ def _pod(p: dict[str, Any]) -> warmup_lc.PodObs:
         restarts=p["restarts"], waiting_reason=p["waiting_reason"], template_hash=p["template_hash"])
 
 
-async def reconcile_specialist(body: Any, owned: Owned, pod_index: Any, deployment_index: Any,
-                               router_index: Any) -> float:
-    """One pass. Returns the delay before the next poll."""
+async def observe_specialist(rt: Runtime, body: Any, pod_index: Any, deployment_index: Any,
+                             router_index: Any) -> specialist_lc.SpecialistObserved:
+    """One typed snapshot: the engine Deployment and pods (Kopf's indexes), the engines' /ready and
+    /v1/status (probes), and the breaker states of the EnsembleRouters that select this Specialist."""
     meta = body["metadata"]
-    name, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
-    generation = meta.get("generation")
-    prev = copy.deepcopy(dict(body.get("status") or {}))
-    now = now_utc()
-    events: list[Event] = []
-    try:
-        spec = SpecialistSpec.model_validate(dict(body.get("spec") or {}))
-    except ValidationError as e:
-        conds = set_condition(prev.get("conditions"), "Ready", False, "InvalidSpec", str(e)[:1000], now, generation)
-        status = {**prev, "phase": "Failed", "conditions": conds, "observedGeneration": generation}
-        await write_status("Specialist", body, prev, status, SPECIALIST_STATUS_KEYS)
-        return runtime.idle_seconds
-
-    exclude = rollout_lc.rolled_back(prev.get("adapters"))
-    children = specialist_res.specialist_children(name, namespace, uid, spec, runtime.ctx, exclude)
-    events += await ensure_children(body, "Specialist", children, owned, deployment_index)
-
+    name, namespace = meta["name"], meta["namespace"]
     dep_raw = _first(deployment_index.get((namespace, name)))
-    dep = warmup_lc.DeploymentObs(**{k: dep_raw[k] for k in ("generation", "observed_generation", "replicas",
-                                                               "updated_replicas", "ready_replicas", "available_replicas")}) if dep_raw else None
+    dep = warmup_lc.DeploymentObs(**{k: dep_raw[k] for k in (
+        "generation", "observed_generation", "replicas", "updated_replicas", "ready_replicas",
+        "available_replicas")}) if dep_raw else None
     pods_raw = list(pod_index.get((namespace, "engine", name), []))
-    pods = [_pod(p) for p in pods_raw]
-    probes = await probe_replicas(namespace, pods_raw, spec.port)
-
-    status, ev = warmup_lc.evaluate(spec, generation, dep, pods, probes, runtime.warm_signal, prev, now,  # type: ignore[arg-type]
-                                    selector=specialist_res.pod_selector_string(name))
-    events += ev
-
+    port = (body.get("spec") or {}).get("port") or SpecialistSpec.model_fields["port"].default
+    probes = await probe_replicas(rt, namespace, pods_raw, port)
     labels = dict(meta.get("labels") or {})
-    router_states = [r["breakerState"] for r in router_index.get(namespace, [])
-                     if LabelSelector.model_validate(r["selector"] or {}).matches(labels)]
-    # Correctness samples of the lane's current rotation, as the router collected them since the
-    # lane revision it was given (a Probation adapter is the lane's default adapter).
-    lane = rollout_lc.lane_adapter(spec, prev.get("adapters"))
-    samples: dict[str, tuple[int, int]] = {}
-    if lane is not None:
-        revision = router_res.Lane(name, namespace, spec, lane).revision
-        for st in router_states:
-            got = rollout_lc.samples_from_router(((st or {}).get("breakers") or {}).get(name), revision)
-            if got:
-                samples[lane] = got
-    warm = [(r["source"], probes.get(r["pod"])) for r in status["replicaStatus"] if r["warm"]]
-    obs = rollout_lc.observations_from_replicas(spec.adapter_names(), warm, samples)
-    adapters, active, ev = rollout_lc.evaluate(spec, status["warmReplicas"], obs, prev.get("adapters"), now)
-    events += ev
-    status["adapters"] = adapters or None
-    status["activeAdapter"] = active
-    conds = rollout_lc.rollout_condition(status["conditions"], adapters, now, generation) if (adapters or prev.get("adapters")) \
-        else set_condition(status["conditions"], "AdapterRollout", False, "NoAdapters", "no adapters configured", now, generation)
-
-    brk, conds, ev = breaker_lc.evaluate(name, spec.fallback, router_states, prev.get("breaker"), conds, now, generation)
-    events += ev
-    reports = [p.slo for _, p in warm if p is not None and p.slo]
-    status["slo"], conds, ev = slo_lc.evaluate(spec, reports, conds, now, generation)
-    events += ev
-    status["breaker"] = brk
-    status["conditions"] = conds
-    status["speculation"] = speculation_lc.pooled([p.speculation for _, p in warm if p is not None]) \
-        if spec.speculative.mode != "off" else None
-
-    await write_status("Specialist", body, prev, status, SPECIALIST_STATUS_KEYS)
-    runtime.set_phase((namespace, name), status["phase"])
-    for e in events:
-        await post_event(body, "Specialist", e)
-    settled = status["warmReplicas"] >= spec.replicas and status["replicas"] == spec.replicas
-    probing = runtime.warm_signal != "pod-ready"
-    if probing and not settled:
-        return runtime.poll_seconds
-    return runtime.idle_seconds if not probing else max(runtime.poll_seconds, min(10.0, runtime.idle_seconds))
+    router_states = tuple(r["breakerState"] for r in router_index.get(namespace, [])
+                          if LabelSelector.model_validate(r["selector"] or {}).matches(labels))
+    return specialist_lc.SpecialistObserved(name, namespace, meta["uid"], meta.get("generation"), dep,
+                                            tuple(_pod(p) for p in pods_raw), probes, router_states)
 
 
-async def write_status(kind: str, body: Any, prev: dict[str, Any], status: dict[str, Any], keys: set[str]) -> None:
+async def apply_decision(rt: Runtime, kind: str, body: Any, prev: dict[str, Any], decision: specialist_lc.Decision,
+                         owned: Owned, deployment_index: Any, status_keys: frozenset[str]) -> None:
+    """Children (only what changed), then status (merge patch of what changed), then events."""
+    events = await ensure_children(rt, body, kind, decision.children, owned, deployment_index)
+    await write_status(rt, kind, body, prev, decision.status, status_keys)
+    meta = body["metadata"]
+    if kind == "Specialist":   # the consort_operator_specialists{phase} gauge
+        rt.set_phase((meta["namespace"], meta["name"]), decision.phase)
+    for e in events + decision.events:
+        await post_event(body, kind, e)
+
+
+async def reconcile_specialist(rt: Runtime, body: Any, owned: Owned, pod_index: Any, deployment_index: Any,
+                               router_index: Any) -> float:
+    """One pass: observe, decide (pure), apply. Returns the delay before the next pass."""
+    prev = copy.deepcopy(dict(body.get("status") or {}))
+    observed = await observe_specialist(rt, body, pod_index, deployment_index, router_index)
+    decision = specialist_lc.decide(dict(body.get("spec") or {}), observed, prev, now_utc(), rt.ctx, rt.pacing())
+    await apply_decision(rt, "Specialist", body, prev, decision, owned, deployment_index, specialist_lc.STATUS_KEYS)
+    return decision.requeue_seconds
+
+
+async def write_status(rt: Runtime, kind: str, body: Any, prev: dict[str, Any], status: dict[str, Any], keys: set[str]) -> None:
     patch = merge_patch(prev, status, keys)
     if not patch:
         return
     meta = body["metadata"]
-    await kube().patch_status(kind, meta["namespace"], meta["name"], patch)
+    await rt.client().patch_status(kind, meta["namespace"], meta["name"], patch)
     STATUS_WRITES.labels(kind).inc()
 
 
-async def _daemon_loop(kind: str, body: Any, stopped: Any, logger: Any, pass_fn: Any) -> None:
+async def _daemon_loop(rt: Runtime, kind: str, body: Any, stopped: Any, logger: Any, pass_fn: Any) -> None:
     meta = body["metadata"]
     key = (kind, meta["namespace"], meta["name"])
     failures = 0
@@ -478,17 +452,18 @@ async def _daemon_loop(kind: str, body: Any, stopped: Any, logger: Any, pass_fn:
                 f"reconcile of {kind} {key[1]}/{key[2]} failed ({failures}x): {e}")
         finally:
             RECONCILE_SECONDS.labels(kind).observe(time.perf_counter() - t0)
-        await runtime.sleep(key, delay)
+        await rt.sleep(key, delay)
 
 
 @kopf.daemon(GROUP, VERSION, "specialists", cancellation_timeout=5.0)
-async def specialist_daemon(stopped: Any, body: Any, logger: Any, pod_index: Any, deployment_index: Any,
+async def specialist_daemon(stopped: Any, body: Any, logger: Any, memo: Any, pod_index: Any, deployment_index: Any,
                             router_index: Any, **_: Any) -> None:
+    runtime = rt_of(memo)
     owned = Owned()
     key = (body["metadata"]["namespace"], body["metadata"]["name"])
     try:
-        await _daemon_loop("Specialist", body, stopped, logger,
-                           lambda: reconcile_specialist(body, owned, pod_index, deployment_index, router_index))
+        await _daemon_loop(runtime, "Specialist", body, stopped, logger,
+                           lambda: reconcile_specialist(runtime, body, owned, pod_index, deployment_index, router_index))
     finally:
         runtime.wakers.pop(("Specialist", *key), None)
         runtime.set_phase(key, None)
@@ -496,88 +471,37 @@ async def specialist_daemon(stopped: Any, body: Any, logger: Any, pod_index: Any
 
 # ---- EnsembleRouter ----------------------------------------------------------------------------
 
-async def reconcile_router(body: Any, owned: Owned, pod_index: Any, deployment_index: Any,
+async def reconcile_router(rt: Runtime, body: Any, owned: Owned, pod_index: Any, deployment_index: Any,
                            specialist_index: Any) -> float:
+    """One pass: observe (selected Specialists, router pods), decide (pure), apply."""
     meta = body["metadata"]
-    name, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
-    generation = meta.get("generation")
+    name, namespace = meta["name"], meta["namespace"]
     prev = copy.deepcopy(dict(body.get("status") or {}))
-    now = now_utc()
-    events: list[Event] = []
-    conds = prev.get("conditions")
-    spec = EnsembleRouterSpec.model_validate(dict(body.get("spec") or {}))
-    selector = spec.specialist_selector
-    selected = sorted((s for s in specialist_index.get(namespace, []) if selector.matches(s["labels"])),
-                      key=lambda s: s["name"])
-    lanes, bad = [], []
-    for s in selected:
-        try:
-            lanes.append(router_res.Lane(s["name"], namespace, SpecialistSpec.model_validate(s["spec"]), s["laneAdapter"]))
-        except ValidationError:
-            bad.append(s["name"])
-    status: dict[str, Any] = {"observedGeneration": generation, "specialists": len(selected),
-                              "readySpecialists": sum(1 for s in selected if s["phase"] == "Ready"),
-                              "lanes": [{"name": s["name"], "phase": s["phase"], "warmReplicas": s["warmReplicas"],
-                                         "breaker": s["breaker"]} for s in selected] or None}
-    try:
-        config = router_res.router_config(name, spec, lanes)
-    except (ValidationError, ValueError) as e:
-        reason = "NoSpecialists" if not lanes else "InvalidConfig"
-        msg = "no Specialist matches spec.specialistSelector" if not lanes else _short_error(e)
-        before = (prev.get("conditions") and next((c for c in prev["conditions"] if c["type"] == "ConfigValid"), None)) or {}
-        conds = set_condition(conds, "ConfigValid", False, reason, msg, now, generation)
-        conds = set_condition(conds, "Ready", False, reason, msg, now, generation)
-        if before.get("status") != "False" or before.get("message") != msg:
-            events.append(Event("Warning", reason, msg))
-        status.update(phase="Invalid", conditions=conds)
-        await write_status("EnsembleRouter", body, prev, status, ROUTER_STATUS_KEYS)
-        for ev in events:
-            await post_event(body, "EnsembleRouter", ev)
-        return runtime.idle_seconds
-    skipped = router_res.skipped_references(spec, lanes)
-    conds = set_condition(conds, "ConfigValid", True, "Rendered", f"{len(lanes)} lane(s)" + (
-        f"; skipped (Specialist not in the ensemble): {', '.join(skipped)}" if skipped else ""), now, generation)
-    status["configHash"] = content_hash(config.model_dump(mode="json"))
-    children = router_res.router_children(name, namespace, uid, spec, config, runtime.ctx)
-    events += await ensure_children(body, "EnsembleRouter", children, owned, deployment_index)
-
-    pods = [p for p in pod_index.get((namespace, "router", name), []) if not p["deleting"]]
-    ready = sum(1 for p in pods if p["ready"])
-    status.update(replicas=len(pods), readyReplicas=ready, ready=f"{ready}/{spec.replicas}")
-    if ready == 0 and spec.replicas > 0:
-        phase, reason, msg = "Pending", "RouterNotReady", f"0/{spec.replicas} router replicas ready"
-    elif status["readySpecialists"] < len(selected):
-        phase, reason, msg = "Degraded", "SpecialistsNotReady", f"{status['readySpecialists']}/{len(selected)} Specialists Ready"
-    else:
-        phase, reason, msg = "Ready", "Serving", f"{ready}/{spec.replicas} router replicas, {len(selected)} Specialists Ready"
-    conds = set_condition(conds, "Ready", phase == "Ready", reason, msg, now, generation)
-    status.update(phase=phase, conditions=conds)
-    if phase != prev.get("phase"):
-        events.append(Event("Normal" if phase == "Ready" else "Warning", phase, msg))
-    await write_status("EnsembleRouter", body, prev, status, ROUTER_STATUS_KEYS)
-    for ev in events:
-        await post_event(body, "EnsembleRouter", ev)
-    return runtime.idle_seconds
-
-
-def _short_error(e: Exception) -> str:
-    if isinstance(e, ValidationError):
-        return "; ".join(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors())[:1000]
-    return str(e)[:1000]
+    selector = LabelSelector.model_validate(dict((body.get("spec") or {}).get("specialistSelector") or {}))
+    selected = tuple(router_lc.SelectedSpecialist(s["name"], s["spec"], s["phase"], s["warmReplicas"], s["breaker"],
+                                                  s["laneAdapter"])
+                     for s in sorted(specialist_index.get(namespace, []), key=lambda s: s["name"])
+                     if selector.matches(s["labels"]))
+    pods = tuple(p["ready"] for p in pod_index.get((namespace, "router", name), []) if not p["deleting"])
+    observed = router_lc.RouterObserved(name, namespace, meta["uid"], meta.get("generation"), selected, pods)
+    decision = router_lc.decide(dict(body.get("spec") or {}), observed, prev, now_utc(), rt.ctx, rt.idle_seconds)
+    await apply_decision(rt, "EnsembleRouter", body, prev, decision, owned, deployment_index, ROUTER_STATUS_KEYS)
+    return decision.requeue_seconds
 
 
 @kopf.daemon(GROUP, VERSION, "ensemblerouters", cancellation_timeout=5.0)
-async def router_daemon(stopped: Any, body: Any, logger: Any, pod_index: Any, deployment_index: Any,
+async def router_daemon(stopped: Any, body: Any, logger: Any, memo: Any, pod_index: Any, deployment_index: Any,
                         specialist_index: Any, **_: Any) -> None:
+    runtime = rt_of(memo)
     owned = Owned()
     key = (body["metadata"]["namespace"], body["metadata"]["name"])
 
     async def one_pass() -> float:
-        delay = await reconcile_router(body, owned, pod_index, deployment_index, specialist_index)
+        delay = await reconcile_router(runtime, body, owned, pod_index, deployment_index, specialist_index)
         await asyncio.sleep(0.3)   # coalesce bursts of Specialist events into one pass
         return delay
 
     try:
-        await _daemon_loop("EnsembleRouter", body, stopped, logger, one_pass)
+        await _daemon_loop(runtime, "EnsembleRouter", body, stopped, logger, one_pass)
     finally:
         runtime.wakers.pop(("EnsembleRouter", *key), None)

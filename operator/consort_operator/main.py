@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     from .resolver import from_flag
     from .resources.common import BuildContext
 
-    rt = handlers.runtime
+    rt = handlers.Runtime()
     rt.ctx = BuildContext(
         engine_image=args.engine_image, router_image=args.router_image, image_pull_policy=args.image_pull_policy,
         network_policy=args.network_policy, operator_namespace=args.operator_namespace,
@@ -106,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             peering_name=args.peering,
             priority=rt.peering_priority,
             settings=settings,
+            memo=kopf.Memo(runtime=rt),   # handlers read it as memo.runtime: no module globals
             stop_flag=stop,
         )
 

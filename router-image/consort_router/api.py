@@ -84,6 +84,19 @@ def _text_of_content(content: Any) -> str:
     return ""
 
 
+def _text_of_responses_input(obj: dict) -> list[str]:
+    """/v1/responses: `instructions` and `input` (a string or messages) as text; the engine checks the shape."""
+    inp = obj.get("input")
+    if inp is None:
+        raise bad("missing_field", "'input' is required", "input")
+    parts = [obj["instructions"]] if isinstance(obj.get("instructions"), str) else []
+    if isinstance(inp, str):
+        return parts + [inp]
+    if not isinstance(inp, list):
+        raise bad("invalid_type", "'input' must be a string or a list of messages", "input")
+    return parts + [_text_of_content(m.get("content")) for m in inp if isinstance(m, dict)]
+
+
 def parse_request(obj: dict, kind: str, header_intent: str | None) -> ParsedRequest:
     """Validate the fields the router reads; the engine validates the rest."""
     model = obj.get("model")
@@ -100,7 +113,9 @@ def parse_request(obj: dict, kind: str, header_intent: str | None) -> ParsedRequ
     stream = obj.get("stream", False)
     if not isinstance(stream, bool):
         raise bad("invalid_type", "'stream' must be a boolean", "stream")
-    if kind == "chat":
+    if kind == "responses":   # routed like chat: classified on the instructions and input text
+        text = "\n".join(_text_of_responses_input(obj))
+    elif kind == "chat":
         messages = obj.get("messages")
         if not isinstance(messages, list) or not messages:
             raise bad("missing_field", "'messages' must be a non-empty list", "messages")

@@ -205,6 +205,8 @@ class Router:
         m.priority_floor.clear()
         for intent, f in self.lanes.floors.items():
             m.priority_floor.labels(intent).set(f)
+        m.replica_ready.clear()   # replicas come and go: a gone one's series must not linger
+        m.replica_load.clear()    # (a stale ready=1 would hide the ConsortNoWarmReplicas alert)
         for name, reps in self.runtime.replicas.items():
             for r in reps:
                 m.replica_ready.labels(name, r.url).set(1 if r.ready else 0)
@@ -421,6 +423,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await handle_generation(request, "chat", "/v1/chat/completions")
+
+
+async def responses(request: web.Request) -> web.StreamResponse:
+    return await handle_generation(request, "responses", "/v1/responses")
 
 
 async def handle_generation(request: web.Request, kind: str, path: str) -> web.StreamResponse:
@@ -658,6 +664,7 @@ def build_app(router: Router) -> web.Application:
     app.on_cleanup.append(router.stop)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/responses", responses)
     app.router.add_post("/v1/feedback", feedback)
     app.router.add_get("/v1/routing", routing_view)
     app.router.add_get("/v1/models", models)
@@ -714,10 +721,21 @@ async def serve(args: argparse.Namespace, store: BreakerStore | None = None) -> 
 
 
 def main(argv: list[str] | None = None, store: BreakerStore | None = None) -> int:
-    """`consort router`; `store` replaces the config's breaker store (the operator's router entry)."""
+    """`consort router`. The breaker store: `store` when given (tests), else the EnsembleRouter's status
+    when CONSORT_ENSEMBLE_ROUTER names one (router pods: kube_store.py), else the config's."""
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if store is None:
+        from .kube_store import store_from_env
+
+        try:
+            store = store_from_env()
+        except ValueError as e:
+            print(f"consort router: fatal: {e}", file=sys.stderr, flush=True)
+            return 2
+        if store is not None:
+            print(f"consort router: breaker state in {store.url}", flush=True)
     try:
         return asyncio.run(serve(args, store=store))
     except Exception as exc:  # noqa: BLE001 - any escape from serve() is fatal

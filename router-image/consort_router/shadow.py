@@ -28,7 +28,10 @@ def shadow_body(body: dict, target: str, cfg: ShadowConfig) -> dict:
     if isinstance(out.get("prompt"), list) and out["prompt"] and all(isinstance(p, (str, list)) for p in out["prompt"]):
         out["prompt"] = out["prompt"][0]
     out["priority"] = cfg.priority
-    if cfg.max_tokens is not None:
+    if cfg.max_tokens is not None and "input" in out:   # /v1/responses spells it max_output_tokens
+        mt = out.get("max_output_tokens")
+        out["max_output_tokens"] = cfg.max_tokens if not isinstance(mt, int) else min(mt, cfg.max_tokens)
+    elif cfg.max_tokens is not None:
         mt = out.get("max_tokens") or out.get("max_completion_tokens")
         capped = cfg.max_tokens if not isinstance(mt, int) else min(mt, cfg.max_tokens)
         out.pop("max_completion_tokens", None)
@@ -37,9 +40,12 @@ def shadow_body(body: dict, target: str, cfg: ShadowConfig) -> dict:
 
 
 def text_of_response(body: object) -> str:
-    """The first choice's text of a non-streamed completion or chat completion."""
+    """The first choice's text of a non-streamed completion or chat completion (or a Response's)."""
     if not isinstance(body, dict):
         return ""
+    if body.get("object") == "response":
+        return "".join(p.get("text", "") for item in body.get("output") or () if isinstance(item, dict)
+                       for p in item.get("content") or () if isinstance(p, dict) and isinstance(p.get("text"), str))
     choices = body.get("choices") or []
     if not choices or not isinstance(choices[0], dict):
         return ""
@@ -65,6 +71,8 @@ def text_of_sse(raw: bytes) -> str:
             obj = json.loads(data)
         except ValueError:
             continue
+        if obj.get("type") == "response.output_text.delta" and isinstance(obj.get("delta"), str):
+            parts.append(obj["delta"])   # a /v1/responses stream
         for c in obj.get("choices") or ():
             if not isinstance(c, dict) or c.get("index", 0) != 0:
                 continue

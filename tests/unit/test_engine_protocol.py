@@ -30,7 +30,12 @@ def test_prompt_forms():
     assert several.prompts == ["a", [7, 8]] and several.n == 3 and several.prompt == "a"
     assert err(P.parse_completion, {"prompt": ["a", ""]}).code == "empty_prompt"
     assert err(P.parse_completion, {"prompt": ["a", "b"], "n": 40}).param == "n"          # 80 choices > 64
-    assert err(P.parse_completion, {"prompt": "a", "n": 2, "best_of": 4}).param == "best_of"
+    ranked = P.parse_completion({"prompt": "a", "n": 2, "best_of": 4})
+    assert (ranked.n, ranked.best_of, P.samples_per_prompt(ranked)) == (2, 4, 4)
+    assert P.parse_completion({"prompt": "a", "n": 2, "best_of": 2}).best_of is None     # best_of == n: plain n
+    assert err(P.parse_completion, {"prompt": "a", "n": 3, "best_of": 2}).code == "invalid_value"
+    assert err(P.parse_completion, {"prompt": "a", "best_of": 3, "stream": True}).code == "unsupported_value"
+    assert err(P.parse_completion, {"prompt": ["a", "b"], "best_of": 40}).param == "best_of"   # 80 samples > 64
     assert err(P.parse_completion, {"prompt": ""}).code == "empty_prompt"
     assert err(P.parse_completion, {"prompt": []}).code == "empty_prompt"
     assert err(P.parse_completion, {"prompt": [1, "a"]}).code == "invalid_type"
@@ -68,7 +73,7 @@ def test_completion_rejects(body, code, param):
 def test_unknown_fields_are_ignored_and_reported_known_unsupported_ones_stay_400():
     r = P.parse_completion({"prompt": "x", "bogus": 1, "stream_options": {"include_usage": True, "nope": True}})
     assert r.ignored_fields == ["bogus", "stream_options.nope"] and r.include_usage
-    assert err(P.parse_completion, {"prompt": "x", "bogus": 1, "best_of": 3}).param == "best_of"
+    assert err(P.parse_completion, {"prompt": "x", "bogus": 1, "suffix": "z"}).param == "suffix"
 
 
 def test_chat_parsing():
@@ -111,3 +116,9 @@ def test_penalties_min_p_and_logit_bias_reach_the_sampling_params():
     assert (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty, sp.min_p) == (0.5, -1.0, 1.3, 0.1)
     assert sp.logit_bias == {7: -100.0, 12: 2.5} and sp.penalized
     assert not P.parse_completion({"prompt": "x", "min_p": 0.2}).sampling.penalized   # min_p is a warper
+
+
+def test_best_indices_keeps_the_highest_cumulative_logprobs_in_sampling_order():
+    assert P.best_indices([-3.0, -1.0, -2.0, -0.5], 2) == [1, 3]
+    assert P.best_indices([-1.0, -1.0, -1.0], 2) == [0, 1]      # ties: the earlier samples
+    assert P.best_indices([-2.0], 1) == [0]

@@ -25,3 +25,13 @@ app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end -}}
+
+{{- /* The namespaces the operator watches, as a prometheus-operator namespaceSelector. */ -}}
+{{- define "consort.watchedNamespaceSelector" -}}
+namespaceSelector:
+{{- if .Values.watchNamespaces }}
+  matchNames: {{ toJson .Values.watchNamespaces }}
+{{- else }}
+  any: true
+{{- end }}
+{{- end -}}

@@ -95,6 +95,12 @@ class Verifier(Model):
     max_concurrency: int = Field(default=2, ge=1, le=256, description="Compilations at once per router replica.")
 
 
+class ReplicaChoice(Model):
+    policy: Literal["prefix-affine", "least-loaded"] = Field(default="prefix-affine", description="How a lane picks among its warm replicas: prefix-affine sends a request to the replica most likely to hold its prompt's prefix in KV cache (chained hashes of its text blocks) while that replica's queue depth is within loadSlack of the least-loaded one; least-loaded uses queue depth only.")
+    load_slack: float = Field(default=4.0, ge=0.0, le=1000.0, description="Queue-depth units the affine replica may carry above the least-loaded one before a request spills to the least-loaded one.")
+    block_chars: int = Field(default=128, ge=8, le=65_536, description="Prompt characters per hashed block (engines cache whole KV blocks; 128 characters is about two 16-token blocks).")
+
+
 class RouterService(Model):
     type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = Field(default="ClusterIP", description="Service type of the router's front door.")
     port: int = Field(default=80, ge=1, le=65535, description="Service port (targets the router's container port 8080).")
@@ -122,6 +128,7 @@ class EnsembleRouterSpec(Model):
     breaker: Breaker = Field(default_factory=Breaker, json_schema_extra={"default": {}}, description="Per-specialist correctness circuit breakers.")
     admission: Admission = Field(default_factory=Admission, json_schema_extra={"default": {}}, description="Escalation on sustained 429 spikes.")
     verifier: Verifier = Field(default_factory=Verifier, json_schema_extra={"default": {}}, description="The built-in C++ verifier.")
+    replica_choice: ReplicaChoice = Field(default_factory=ReplicaChoice, json_schema_extra={"default": {}}, description="How each lane picks one of its warm engine replicas per request.")
     replicas: int = Field(default=2, ge=0, le=100, description="Router replicas.")
     image: str | None = Field(default=None, min_length=1, max_length=512, description="Router image override; default: the operator's --router-image.")
     resources: RouterResources = Field(default_factory=RouterResources, json_schema_extra={"default": {}}, description="Router pod resources.")

@@ -8,6 +8,7 @@ from typing import Any
 from consort_router.config import (AdmissionConfig, AuthConfig, BreakerConfig, ClassifierConfig, Detector,
                                    IntentRule, LimitsConfig, RouterConfig, ServiceSelector, ShadowConfig,
                                    SpecialistRoute, StoreConfig, VerifierConfig)
+from consort_router.config import ReplicaChoice as ReplicaChoiceConfig
 
 from ..api.base import GROUP
 from ..api.router import KIND, PLURAL, EnsembleRouterSpec
@@ -118,6 +119,8 @@ def router_config(name: str, spec: EnsembleRouterSpec, lanes: list[Lane]) -> Rou
                         protect_metrics=spec.auth.protect_metrics, protect_routing=spec.auth.protect_routing),
         store=StoreConfig(kind="file", path=f"{STATE_DIR}/breakers.json"),
         limits=LimitsConfig(),
+        replica_choice=ReplicaChoiceConfig(policy=spec.replica_choice.policy, load_slack=spec.replica_choice.load_slack,
+                                           block_chars=spec.replica_choice.block_chars),
     )
 
 
@@ -172,8 +175,9 @@ def router_deployment(name: str, namespace: str, uid: str, spec: EnsembleRouterS
         "name": COMPONENT,
         "image": spec.image or ctx.router_image,
         "imagePullPolicy": ctx.image_pull_policy,
-        # `consort router` with its breaker state kept in this EnsembleRouter's status (router_store.py).
-        "command": ["python", "-m", "consort_operator.router_store"],
+        # The image's own entry point, `consort router`; CONSORT_ENSEMBLE_ROUTER below keeps its
+        # breaker state in this EnsembleRouter's status (consort_router/kube_store.py).
+        "command": ["consort", "router"],
         "args": ["--config", f"{CONFIG_DIR}/{CONFIG_FILE}", "--host", "0.0.0.0", "--port", str(ROUTER_PORT)],
         "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
         "env": [

@@ -2,10 +2,29 @@
 (`consort operator ...` against the test cluster's kubeconfig)."""
 from __future__ import annotations
 
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from opkit import REPO, Operator
+
+THIRDPARTY = ("scaledobjects.keda.sh", "servicemonitors.monitoring.coreos.com", "podmonitors.monitoring.coreos.com",
+              "prometheusrules.monitoring.coreos.com")
+
+
+@pytest.fixture(scope="session")
+def thirdparty_crds(cluster) -> Path:
+    """KEDA's and prometheus-operator's CRDs (hack/thirdparty-crds.sh: pinned, from the Go module proxy)
+    applied to the test apiserver."""
+    out = subprocess.run([str(REPO / "hack" / "thirdparty-crds.sh")], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    crd_dir = Path(out.stdout.strip().splitlines()[-1])
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(crd_dir))
+    for name in THIRDPARTY:
+        cluster.kubectl("wait", "--for=condition=Established", f"crd/{name}", "--timeout=60s")
+    return crd_dir
+
 
 @pytest.fixture(scope="session")
 def crds(cluster):

@@ -33,7 +33,7 @@ ROUTER = {"apiVersion": "consort.dev/v1alpha1", "kind": "EnsembleRouter", "metad
 class RouterProc:
     def __init__(self, config: str, port: int, env: dict, log):
         self.port = port
-        self.proc = start_process([sys.executable, "-m", "consort_operator.router_store", "--config", config,
+        self.proc = start_process([sys.executable, "-m", "consort_router.server", "--config", config,
                                    "--port", str(port)], log.stem, log.parent, env=env)
 
     def routing(self) -> dict:
@@ -49,7 +49,7 @@ def test_breaker_state_survives_router_restarts_and_demotes_the_specialist(clust
     from consort_router.breaker import BreakerState
     from consort_router.config import RouterConfig
 
-    from consort_operator.router_store import EnsembleRouterStatusStore
+    from consort_router.kube_store import EnsembleRouterStatusStore
 
     operator_factory(namespace, "--warm-signal", "pod-ready", "--pod-address", "none")
     docs = [specialist("algo", "stl", "codegen"), specialist("stl", "algo", "ranges"), ROUTER]

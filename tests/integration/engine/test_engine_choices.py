@@ -54,6 +54,23 @@ def test_several_prompts_and_n_stream_every_choice_with_its_index(engine, client
     assert usage is not None and usage.completion_tokens == 24 and usage.prompt_tokens == full.usage.prompt_tokens
 
 
+def test_best_of_returns_the_n_samples_with_the_highest_cumulative_logprob(engine, client):
+    """best_of=4, n=2 draws the same four seeded samples as n=4 and keeps the two most likely."""
+    kw = dict(model="spec", prompt=LONG, max_tokens=5, temperature=1.0, seed=5, extra_body=GREEDY)
+    four = client.completions.create(n=4, logprobs=0, **kw)
+    sums = [sum(c.logprobs.token_logprobs) for c in four.choices]
+    best = sorted(sorted(range(4), key=lambda i: -sums[i])[:2])
+    r = client.completions.create(n=2, best_of=4, **kw)
+    assert [c.index for c in r.choices] == [0, 1] and all(c.logprobs is None for c in r.choices)
+    assert [c.text for c in r.choices] == [four.choices[i].text for i in best]
+    assert r.usage.completion_tokens == 20 and r.usage.prompt_tokens == four.usage.prompt_tokens  # all 4 counted
+    with_lp = client.completions.create(n=1, best_of=3, logprobs=1, **kw)
+    assert len(with_lp.choices) == 1 and len(with_lp.choices[0].logprobs.top_logprobs[0]) == 1
+    resp = httpx.post(engine.url + "/v1/completions", json=dict(prompt="x", n=1, best_of=2, stream=True))
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "best_of"
+    assert status(engine)["kv_free_blocks"] == status(engine)["kv_total_blocks"]
+
+
 def test_chat_n_returns_n_messages(engine, client):
     r = client.chat.completions.create(model="spec", messages=[{"role": "user", "content": "sort a vector"}],
                                        max_tokens=4, temperature=0.9, seed=3, n=3)

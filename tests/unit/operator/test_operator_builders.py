@@ -184,7 +184,7 @@ def test_router_children_rbac_is_least_privilege():
     pod = dep["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == "cpp-router" and dep["spec"]["replicas"] == 3
     c = pod["containers"][0]
-    assert c["command"] == ["python", "-m", "consort_operator.router_store"]
+    assert c["command"] == ["consort", "router"]
     assert c["args"][:2] == ["--config", "/etc/consort/router/router.yaml"]
     from consort_router.server import parse_args   # the entry point takes the router's own flags
 
@@ -257,3 +257,17 @@ def test_tensor_parallel_size_reaches_the_engine_and_requests_one_gpu_per_rank()
         spec(tensorParallelSize=2)                        # default gpus: 1
     with pytest.raises(ValueError, match="not supported with tensorParallelSize"):
         spec(tensorParallelSize=2, resources={"gpus": 2}, adapters=[{"name": "v2", "source": "pvc://m/v2"}])
+
+
+def test_replica_choice_reaches_the_router_config():
+    from consort_operator.resources.router import Lane, router_config
+    lanes = [Lane("algo", "ns", spec(), None)]
+    default = router_config("cpp", EnsembleRouterSpec.model_validate({}), lanes)
+    assert default.replica_choice.policy == "prefix-affine" and default.replica_choice.load_slack == 4.0
+    cfg = router_config("cpp", EnsembleRouterSpec.model_validate(
+        {"replicaChoice": {"policy": "least-loaded", "loadSlack": 2, "blockChars": 64}}), lanes)
+    assert (cfg.replica_choice.policy, cfg.replica_choice.load_slack, cfg.replica_choice.block_chars) == \
+        ("least-loaded", 2.0, 64)
+    assert RouterConfig.model_validate(cfg.model_dump()).replica_choice == cfg.replica_choice
+    with pytest.raises(ValueError):
+        EnsembleRouterSpec.model_validate({"replicaChoice": {"policy": "random"}})

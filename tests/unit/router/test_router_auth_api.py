@@ -83,3 +83,29 @@ def test_error_body_and_headers():
                                   "retry_after_ms": 1500}}
     assert e.headers() == {"Retry-After": "2"}
     assert ApiError(401, "invalid_api_key", "m").headers() == {"WWW-Authenticate": "Bearer"}
+
+
+def test_parse_request_responses_reads_instructions_and_input_text():
+    r = parse_request({"model": "cpp", "instructions": "sys", "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "hi"}]}, {"role": "assistant", "content": "yo"}],
+        "stream": True}, "responses", None)
+    assert (r.text, r.stream) == ("sys\nhi\nyo", True)
+    assert parse_request({"input": "plain"}, "responses", None).text == "plain"
+    for body, code in [({"model": "cpp"}, "missing_field"), ({"input": 3}, "invalid_type")]:
+        with pytest.raises(ApiError) as e:
+            parse_request(body, "responses", None)
+        assert (e.value.status, e.value.code, e.value.param) == (400, code, "input")
+
+
+def test_shadow_reads_and_caps_responses():
+    from consort_router.config import ShadowConfig
+    from consort_router.shadow import shadow_body, text_of_response, text_of_sse
+
+    out = shadow_body({"model": "cpp", "input": "x", "max_output_tokens": 500, "stream": True}, "STL",
+                      ShadowConfig(max_tokens=64))
+    assert (out["max_output_tokens"], out["stream"], "max_tokens" in out) == (64, False, False)
+    body = {"object": "response", "output": [{"type": "message", "content": [{"type": "output_text", "text": "ab"}]}]}
+    assert text_of_response(body) == "ab"
+    sse = (b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","delta":"a"}\n\n'
+           b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","delta":"b"}\n\n')
+    assert text_of_sse(sse) == "ab"

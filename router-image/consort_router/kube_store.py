@@ -1,8 +1,8 @@
-"""Breaker state that survives router restarts: a `consort_router.breaker.BreakerStore` over the
-EnsembleRouter's `status.breakerState`, plus the router entry point that uses it in a cluster.
+"""Breaker state that survives router restarts: a `BreakerStore` (breaker.py) over the
+EnsembleRouter's `status.breakerState`.
 
-The router pod runs `python -m consort_operator.router_store --config ... --port ...` (the router's
-own flags): the same `consort_router` server, with this store instead of a file. Its Role (built in
+`consort router` uses it instead of the config's store when CONSORT_ENSEMBLE_ROUTER=NAMESPACE/NAME is
+set, as the operator sets it in router pods. The pod's Role (built by the operator's
 `resources/router.py`) allows exactly `get` on its own EnsembleRouter and `get`/`patch` on its
 status. The operator mirrors the states into each Specialist's `status.breaker` and `Demoted`
 condition (lifecycle/breaker.py).
@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import ssl
-import sys
 import threading
 import urllib.error
 import urllib.request
@@ -105,21 +104,3 @@ def store_from_env() -> EnsembleRouterStatusStore | None:
         return None
     namespace, name = ref.split("/", 1)
     return EnsembleRouterStatusStore(namespace, name)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`consort router` (same flags, same server) with the EnsembleRouter status store."""
-    from consort_router.server import main as router_main
-
-    try:
-        store = store_from_env()
-    except ValueError as e:
-        print(f"consort router: {e}", file=sys.stderr)
-        return 2
-    where = store.url if store else "(no EnsembleRouter: CONSORT_ENSEMBLE_ROUTER unset; breaker state per config)"
-    print(f"consort router: breaker state in {where}", flush=True)
-    return router_main(argv, store=store)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

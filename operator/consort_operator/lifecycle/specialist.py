@@ -1,0 +1,129 @@
+"""A Specialist's whole reconcile decision, pure: (spec, observed, previous status, now) -> Decision.
+
+The daemon in `handlers.py` observes (one typed snapshot from Kopf's indexes and the engines' probes),
+calls `decide`, and applies what it returns (children by server-side apply, status by merge patch,
+events). The lifecycles themselves live in warmup.py, rollout.py, breaker.py and slo.py; `decide`
+composes them in order and types the result: the status is the `SpecialistStatus` model serialised
+by alias, so a field the CRD does not know fails here, not silently in the apiserver's pruning.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from pydantic import ValidationError
+
+from ..api.specialist import SpecialistSpec, SpecialistStatus
+from ..resources import router as router_res
+from ..resources import specialist as specialist_res
+from ..resources.common import BuildContext
+from . import breaker as breaker_lc
+from . import rollout as rollout_lc
+from . import slo as slo_lc
+from . import speculation as speculation_lc
+from . import warmup as warmup_lc
+from .common import Event, set_condition
+
+
+@dataclass(frozen=True)
+class SpecialistObserved:
+    """Everything one pass reads about a Specialist, gathered before deciding."""
+
+    name: str
+    namespace: str
+    uid: str
+    generation: int | None
+    deployment: warmup_lc.DeploymentObs | None = None
+    pods: tuple[warmup_lc.PodObs, ...] = ()
+    probes: dict[str, warmup_lc.ProbeResult] = field(default_factory=dict)
+    # breakerState of every EnsembleRouter whose selector picks this Specialist
+    router_states: tuple[dict[str, Any], ...] = ()
+
+
+@dataclass(frozen=True)
+class Pacing:
+    """How the daemon paces itself: the warm-signal policy and its poll intervals."""
+
+    warm_signal: warmup_lc.WarmSignal = "engine-or-pod-ready"
+    poll_seconds: float = 2.0       # while some replica is cold (engines give no Kubernetes events)
+    idle_seconds: float = 30.0      # settled
+
+
+@dataclass
+class Decision:
+    children: list[dict[str, Any]]      # desired objects (content-hash annotated); empty: touch nothing
+    status: dict[str, Any]              # the whole status, camelCase, by alias from the typed model
+    events: list[Event]
+    requeue_seconds: float
+    phase: str | None
+
+
+STATUS_KEYS = frozenset(f.alias or n for n, f in SpecialistStatus.model_fields.items())
+
+
+def typed_status(status: dict[str, Any]) -> dict[str, Any]:
+    """The status through its pydantic model and back, by alias: unknown or misspelt fields raise."""
+    return SpecialistStatus.model_validate(status).wire()
+
+
+def decide(spec_raw: dict[str, Any], observed: SpecialistObserved, prev: dict[str, Any], now: datetime,
+           ctx: BuildContext, pacing: Pacing) -> Decision:
+    o = observed
+    try:
+        spec = SpecialistSpec.model_validate(spec_raw)
+    except ValidationError as e:
+        conds = set_condition(prev.get("conditions"), "Ready", False, "InvalidSpec", str(e)[:1000], now, o.generation)
+        kept = {k: v for k, v in prev.items() if k in STATUS_KEYS}
+        status = typed_status({**kept, "phase": "Failed", "conditions": conds, "observedGeneration": o.generation})
+        return Decision([], status, [], pacing.idle_seconds, "Failed")
+
+    events: list[Event] = []
+    children = specialist_res.specialist_children(o.name, o.namespace, o.uid, spec, ctx,
+                                                  rollout_lc.rolled_back(prev.get("adapters")))
+    status, ev = warmup_lc.evaluate(spec, o.generation, o.deployment, list(o.pods), o.probes, pacing.warm_signal,
+                                    prev, now, selector=specialist_res.pod_selector_string(o.name))
+    events += ev
+
+    # Correctness samples of the lane's current rotation, as the router collected them since the
+    # lane revision it was given (a Probation adapter is the lane's default adapter).
+    lane = rollout_lc.lane_adapter(spec, prev.get("adapters"))
+    samples: dict[str, tuple[int, int]] = {}
+    if lane is not None:
+        revision = router_res.Lane(o.name, o.namespace, spec, lane).revision
+        for st in o.router_states:
+            got = rollout_lc.samples_from_router(((st or {}).get("breakers") or {}).get(o.name), revision)
+            if got:
+                samples[lane] = got
+    warm = [(r["source"], o.probes.get(r["pod"])) for r in status["replicaStatus"] if r["warm"]]
+    obs = rollout_lc.observations_from_replicas(spec.adapter_names(), warm, samples)
+    adapters, active, ev = rollout_lc.evaluate(spec, status["warmReplicas"], obs, prev.get("adapters"), now)
+    events += ev
+    status["adapters"] = adapters or None
+    status["activeAdapter"] = active
+    if adapters or prev.get("adapters"):
+        conds = rollout_lc.rollout_condition(status["conditions"], adapters, now, o.generation)
+    else:
+        conds = set_condition(status["conditions"], "AdapterRollout", False, "NoAdapters", "no adapters configured",
+                              now, o.generation)
+
+    brk, conds, ev = breaker_lc.evaluate(o.name, spec.fallback, list(o.router_states), prev.get("breaker"), conds,
+                                         now, o.generation)
+    events += ev
+    reports = [p.slo for _, p in warm if p is not None and p.slo]
+    status["slo"], conds, ev = slo_lc.evaluate(spec, reports, conds, now, o.generation)
+    events += ev
+    status["breaker"] = brk
+    status["conditions"] = conds
+    status["speculation"] = speculation_lc.pooled([p.speculation for _, p in warm if p is not None]) \
+        if spec.speculative.mode != "off" else None
+
+    settled = status["warmReplicas"] >= spec.replicas and status["replicas"] == spec.replicas
+    probing = pacing.warm_signal != "pod-ready"
+    if probing and not settled:
+        requeue = pacing.poll_seconds
+    elif probing:
+        requeue = max(pacing.poll_seconds, min(10.0, pacing.idle_seconds))
+    else:
+        requeue = pacing.idle_seconds
+    return Decision(children, typed_status(status), events, requeue, status["phase"])

@@ -1,0 +1,133 @@
+"""Structured output: request parsing, the batch bitmask, matcher advance and EOS, on the demo
+tokenizer with real xgrammar, and a real (CPU) engine decoding guided and free rows in one batch."""
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+
+from consort_engine import protocol as P
+from consort_engine.demo_model import write_demo_model
+from consort_engine.guided import GrammarError, Grammars, GuidedSpec, _unpack, apply_mask, choice_ebnf
+from consort_engine.tokenizer import Tokenizer
+
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+          "maximum": 99}}, "required": ["ok", "n"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_demo_model(tmp_path_factory.mktemp("guided") / "demo", seed=0)
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir) -> Tokenizer:
+    return Tokenizer.from_dir(model_dir)
+
+
+@pytest.fixture(scope="module")
+def grammars(model_dir, tok) -> Grammars:
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    eos = tok.hf.token_to_id(tok.eos_token)
+    return Grammars(tok.hf, vocab, [eos])
+
+
+def test_parse_each_form():
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    g = P.parse_chat({**chat, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA,
+                                                                                       "strict": True}}}).sampling.guided
+    assert g == GuidedSpec("json_schema", json.dumps(SCHEMA, separators=(",", ":")), "response_format.json_schema.schema")
+    assert P.parse_chat({**chat, "response_format": {"type": "json_object"}}).sampling.guided.kind == "json_object"
+    assert P.parse_chat({**chat, "response_format": {"type": "text"}}).sampling.guided is None
+    c = P.parse_completion({"prompt": "a", "guided_choice": ["yes", "no"]}).sampling.guided
+    assert (c.kind, json.loads(c.spec), c.param) == ("choice", ["yes", "no"], "guided_choice")
+    r = P.parse_completion({"prompt": "a", "structured_outputs": {"regex": "[0-9]+"}}).sampling.guided
+    assert (r.kind, r.spec, r.param) == ("regex", "[0-9]+", "structured_outputs.regex")
+    assert P.parse_completion({"prompt": "a", "guided_json": json.dumps(SCHEMA)}).sampling.guided.kind == "json_schema"
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_json": "{nope"}, "guided_json"),
+    ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+])
+def test_bad_forms_are_typed_400s(body, param):
+    with pytest.raises(P.ApiError) as e:
+        P.parse_chat({"messages": [{"role": "user", "content": "hi"}], **body})
+    assert e.value.status == 400 and e.value.param == param
+
+
+def test_uncompilable_names_the_field(grammars):
+    with pytest.raises(GrammarError) as e:
+        grammars.compile(GuidedSpec("regex", "a(b", "guided_regex"))
+    assert e.value.param == "guided_regex" and "does not compile" in str(e.value)
+    with pytest.raises(GrammarError):
+        grammars.compile(GuidedSpec("grammar", "root ::= undefined_rule", "guided_grammar"))
+
+
+def test_compile_cache_returns_same_object(grammars):
+    g = GuidedSpec("json_schema", json.dumps(SCHEMA, separators=(",", ":")), "x")
+    assert grammars.compile(g) is grammars.compile(GuidedSpec(g.kind, g.spec, "other"))
+
+
+def test_unpack_bit_order():
+    mask = torch.tensor([[0b101, -1]], dtype=torch.int32)   # tokens 0 and 2 in word 0; all of word 1
+    allowed = _unpack(mask, 40)
+    assert allowed[0, :3].tolist() == [True, False, True]
+    assert not allowed[0, 3:32].any() and allowed[0, 32:].all()
+
+
+def test_mask_follows_grammar_and_eos_only_at_end(grammars, tok):
+    vocab, eos = grammars.vocab_size, tok.hf.token_to_id(tok.eos_token)
+    m = grammars.matcher(GuidedSpec("choice", json.dumps(["yes", "no"]), "guided_choice"))
+    logits = torch.zeros(2, vocab)
+    out = apply_mask(logits, [m, None])
+    assert torch.isfinite(out[1]).all()                        # unguided row untouched
+    allowed = torch.isfinite(out[0]).nonzero().view(-1).tolist()
+    assert eos not in allowed and allowed
+    assert all("yes".startswith(t) or "no".startswith(t) for t in (tok.decode([a], False) for a in allowed))
+    for t in tok.hf.encode("yes", add_special_tokens=False).ids:
+        assert m.accept_token(t)
+    allowed = torch.isfinite(apply_mask(logits, [m, None])[0]).nonzero().view(-1).tolist()
+    assert allowed == [eos]                                     # the grammar is complete: only EOS
+    assert m.accept_token(eos) and m.is_terminated()
+
+
+def test_choice_ebnf_escapes():
+    assert choice_ebnf(['a"b', "c\\d"]) == 'root ::= "a\\"b" | "c\\\\d"'
+
+
+def _engine(model_dir, speculative: str = "off"):
+    from consort_engine.config import EngineConfig
+    from consort_engine.engine import LLMEngine
+    return LLMEngine(EngineConfig(name="demo", model=str(model_dir), device="cpu", dtype="float32",
+                                  num_blocks=64, speculative=speculative))
+
+
+@pytest.mark.parametrize("speculative", ["off", "ngram"])
+def test_engine_guided_and_free_rows_in_one_batch(model_dir, tok, grammars, speculative):
+    from consort_engine.sequence import SamplingParams, Sequence
+    eng = _engine(model_dir, speculative)
+    eng.warmup()
+    spec = GuidedSpec("json_schema", json.dumps(SCHEMA, separators=(",", ":")), "x")
+    prompt = tok.hf.encode("hello there", add_special_tokens=False).ids
+    seqs = []
+    for seed in range(4):
+        s = Sequence(list(prompt), SamplingParams(temperature=1.0, seed=seed, max_tokens=64, guided=spec))
+        s.matcher = grammars.matcher(spec)
+        seqs.append(s)
+    free = Sequence(list(prompt), SamplingParams(temperature=0.0, max_tokens=24))
+    for s in [*seqs, free]:
+        eng.scheduler.add(s)
+    while eng.has_unfinished():
+        eng.step()
+    for s in seqs:
+        assert s.finish_reason == "stop" and s.matcher.is_terminated()
+        jsonschema.validate(json.loads(tok.decode(s.output_token_ids, True)), SCHEMA)
+    assert free.num_output_tokens == 24 or free.finish_reason == "stop"
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
