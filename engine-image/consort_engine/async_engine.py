@@ -39,7 +39,7 @@ class EngineFailed(Exception):
 
 @dataclass
 class _Add:
-    seq: Sequence
+    seqs: list[Sequence]     # admitted together, in one command: all of them or none
     future: concurrent.futures.Future
 
 
@@ -139,27 +139,34 @@ class AsyncEngine:
         return len(self._streams)
 
     # ---- requests (loop thread) -------------------------------------------------------------
-    async def add(self, seq: Sequence) -> RequestStream:
-        """Admit `seq` or raise: the engine's AdmissionRejected, EngineNotReady, EngineFailed."""
+    async def add(self, seqs: list[Sequence]) -> list[RequestStream]:
+        """Admit every sequence of `seqs` in one command, so they enter the same step (the n samples of a
+        prompt share its prefill), or none of them; raise the engine's AdmissionRejected,
+        EngineNotReady, EngineFailed."""
         if self.state != "ready":
             if self.state == "failed":
                 raise EngineFailed(self.error or "engine failed to start")
             # Time spent starting so far is the best guess of what is left (as the core's admission does).
             elapsed_ms = (time.monotonic() - self._created) * 1000.0
             raise EngineNotReady(self.state, max(250, int(elapsed_ms)))
-        stream = RequestStream(seq)
-        self._streams[seq.seq_id] = stream
+        streams = [RequestStream(seq) for seq in seqs]
+        for stream in streams:
+            self._streams[stream.seq.seq_id] = stream
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._cmds.put(_Add(seq, fut))
+        self._cmds.put(_Add(list(seqs), fut))
         try:
             await asyncio.wrap_future(fut)
         except BaseException:
-            self._streams.pop(seq.seq_id, None)
+            for seq in seqs:
+                self._streams.pop(seq.seq_id, None)
             if not fut.done() or fut.cancelled() or fut.exception() is None:
-                self._cmds.put(_Abort(seq.seq_id, "abort"))   # cancelled while waiting: undo if it got in
+                for seq in seqs:   # cancelled while waiting: undo if they got in
+                    self._cmds.put(_Abort(seq.seq_id, "abort"))
             raise
-        stream.admitted_at = time.monotonic()
-        return stream
+        now = time.monotonic()
+        for stream in streams:
+            stream.admitted_at = now
+        return streams
 
     def abort(self, seq_id: int, reason: str = "abort") -> None:
         """Stop a sequence now (client gone, stop string found); its blocks are freed by the engine thread."""
@@ -240,7 +247,7 @@ class AsyncEngine:
             if not cmd.future.set_running_or_notify_cancel():
                 return
             try:
-                engine.add_request(cmd.seq)
+                engine.add_requests(cmd.seqs)
             except BaseException as e:  # AdmissionRejected and validation errors go back to the handler
                 cmd.future.set_exception(e)
             else:

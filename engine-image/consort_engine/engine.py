@@ -107,7 +107,24 @@ class LLMEngine:
         decode = self._decode_step.value if self._decode_step.count else self._step_time.value
         return StepEstimates(decode_step_s=decode, prefill_tokens_per_s=tps)
 
-    def add_request(self, seq: Sequence) -> None:
+    def add_requests(self, seqs: list[Sequence]) -> None:
+        """Queue seqs together, all or none. A seq with the same prompt and adapter as an earlier one
+        (the n samples of a prompt) waits for that one's prefill and takes its blocks from the prefix
+        cache: one prefill, not n."""
+        first: dict[tuple, Sequence] = {}
+        added: list[Sequence] = []
+        try:
+            for seq in seqs:
+                key = (seq.adapter, tuple(seq.token_ids))
+                self.add_request(seq, after=first.get(key))
+                first.setdefault(key, seq)
+                added.append(seq)
+        except BaseException:
+            for seq in added:       # a half-admitted request would run unseen
+                self.abort(seq.seq_id)
+            raise
+
+    def add_request(self, seq: Sequence, after: Sequence | None = None) -> None:
         """Queue a request, or raise ValueError (bad input) / AdmissionRejected (overload)."""
         self.validate(seq)
         elapsed = time.monotonic() - self._warmup_started if self._warmup_started else 0.0
@@ -116,7 +133,7 @@ class LLMEngine:
         if rejection is not None:
             raise AdmissionRejected(rejection.code, rejection.retry_after_ms, rejection.message,
                                     rejection.permanent)
-        self.scheduler.add(seq)
+        self.scheduler.add(seq, after)
 
     def abort(self, seq_id: int, reason: str = "abort") -> None:
         """Cancel a request (client gone, stop string matched): its KV blocks are free at once."""

@@ -69,6 +69,10 @@ class Scheduler:
         self._heap: list[tuple[int, float, int, Sequence]] = []
         self._waiting: dict[int, Sequence] = {}     # heap entries not in here are stale (aborted)
         self._waiting_load: dict[int, list[int]] = {}  # priority -> [prefill tokens, blocks needed]
+        # Siblings parked behind the seq that computes their shared prompt (n samples of one prompt):
+        # they queue once its prefill is done and find its blocks in the prefix cache, so n samples
+        # cost one prefill, not n. child seq_id -> (child, the seq it waits for).
+        self._parked: dict[int, tuple[Sequence, Sequence]] = {}
 
         self.num_preemptions = 0
         self.last_preemption_time: float | None = None
@@ -82,22 +86,33 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        return len(self._waiting) + len(self._parked)
 
     def has_unfinished(self) -> bool:
-        return bool(self.running or self._waiting)
+        return bool(self.running or self._waiting or self._parked)
 
     @property
     def waiting(self) -> list[Sequence]:
-        """Waiting seqs, in no particular order (see waiting_in_order)."""
-        return list(self._waiting.values())
+        """Waiting seqs (parked siblings too), in no particular order (see waiting_in_order)."""
+        return list(self._waiting.values()) + [child for child, _ in self._parked.values()]
 
     def waiting_in_order(self) -> list[Sequence]:
         return sorted(self._waiting.values(), key=run_order)
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence, after: Sequence | None = None) -> None:
+        """Queue seq; with `after` (a seq with the same prompt), only once after's prompt is computed."""
         seq.status = _WAITING
-        self._push_waiting(seq)
+        if after is not None and not after.is_finished and self.block_manager.enable_caching:
+            self._parked[seq.seq_id] = (seq, after)
+        else:
+            self._push_waiting(seq)
+
+    def _unpark(self) -> None:
+        """Queue the parked siblings whose prompt is now computed (and cached), or whose twin is gone."""
+        for seq_id, (child, twin) in list(self._parked.items()):
+            if twin.is_finished or twin.num_computed_tokens >= twin.num_prompt_tokens:
+                del self._parked[seq_id]
+                self._push_waiting(child)
 
     def _waiting_cost(self, seq: Sequence) -> tuple[int, int]:
         return seq.num_tokens, blocks_for(seq.num_tokens + self.num_lookahead, self.block_manager.block_size)
@@ -133,8 +148,11 @@ class Scheduler:
     # ------------------------------------------------------------------ cancel / finish
     def abort(self, seq_id: int) -> Sequence | None:
         """Cancel a request; its blocks go back to the pool at once."""
+        parked = self._parked.pop(seq_id, None)
         seq = self._waiting.get(seq_id)
-        if seq is not None:
+        if parked is not None:
+            seq = parked[0]
+        elif seq is not None:
             self._remove_waiting(seq)
             if len(self._heap) > 2 * len(self._waiting) + 64:   # drop stale heap entries
                 self._heap = [e for e in self._heap if e[2] in self._waiting]
@@ -175,10 +193,12 @@ class Scheduler:
 
     def count_adapter_users(self, adapter: str) -> int:
         return sum(1 for s in self.running if s.adapter == adapter) + \
-            sum(1 for s in self._waiting.values() if s.adapter == adapter)
+            sum(1 for s in self.waiting if s.adapter == adapter)
 
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> ScheduledBatch:
+        if self._parked:
+            self._unpark()
         bm = self.block_manager
         running = self.running
         budget = self.config.max_num_batched_tokens

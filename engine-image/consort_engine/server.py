@@ -365,9 +365,9 @@ def check_target(ctx: ServerContext, req: P.GenerationRequest) -> None:
                          "adapter")
 
 
-async def admit(ctx: ServerContext, seq: Sequence):
+async def admit(ctx: ServerContext, seqs: list[Sequence]) -> list:
     try:
-        return await ctx.engine.add(seq)
+        return await ctx.engine.add(seqs)
     except EngineNotReady as e:
         raise P.admission_error("warming", e.retry_after_ms, f"the engine is {e.state}; retry when /ready is 200")
     except EngineFailed as e:
@@ -468,11 +468,11 @@ def compile_guided(ctx: ServerContext, g: GuidedSpec) -> None:
 
 
 async def admit_choices(ctx: ServerContext, choices: list[Choice]) -> None:
-    """Admit every choice. The n samples of a prompt run its prefill once: the block manager gives
-    the siblings the first one's full prompt blocks by hash as they are allocated, in the same step,
-    and each layer writes those blocks' K/V before any sequence attends to them."""
-    for c in choices:
-        stream = await admit(ctx, c.seq)
+    """Admit every choice in one engine command. The n samples of a prompt run its prefill once: the
+    block manager gives the siblings the first one's full prompt blocks by hash as they are allocated,
+    in the same step, and each layer writes those blocks' K/V before any sequence attends to them."""
+    streams = await admit(ctx, [c.seq for c in choices])
+    for c, stream in zip(choices, streams):
         c.times.admitted = stream.admitted_at
         c.deltas = generate(ctx, c.req, c.seq, c.times, stream)
 

@@ -167,3 +167,29 @@ def test_preempting_flag_follows_recent_preemptions():
     engine.generate(random_prompts(12, lo=20, hi=40, seed=5), GREEDY)
     stats = engine.stats()
     assert stats["num_preemptions"] > 0 and stats["preempting"] is True
+
+
+def test_siblings_added_together_share_one_prefill_and_all_or_none():
+    """The n samples of a prompt, admitted in one command: one prefill, the rest from the prefix cache."""
+    prompt = random_prompts(1, lo=41, hi=42, seed=9)[0]          # 41 tokens: 10 full blocks of 4
+    engine = make_engine()
+    engine.warmup()
+    seqs = [Sequence(list(prompt), GREEDY) for _ in range(4)]
+    engine.add_requests(seqs)
+    assert engine.stats()["waiting"] == 4
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.stats()["prefix_cache_hits"] == 3 * 40
+    assert len({tuple(s.output_token_ids) for s in seqs}) == 1
+    assert engine.block_manager.num_free_blocks == 512
+    # A sibling whose twin is aborted before its prefill still runs (it is queued, not lost).
+    a, b = Sequence(list(prompt), GREEDY), Sequence(list(prompt), GREEDY)
+    engine.add_requests([a, b])
+    engine.abort(a.seq_id)
+    while engine.has_unfinished():
+        engine.step()
+    assert b.output_token_ids == seqs[0].output_token_ids and a.finish_reason == "abort"
+    # All or none: an invalid member leaves nothing queued.
+    with pytest.raises(ValueError):
+        engine.add_requests([Sequence(list(prompt), GREEDY), Sequence([], GREEDY)])
+    assert not engine.has_unfinished() and engine.block_manager.num_free_blocks == 512
