@@ -28,6 +28,7 @@ from . import protocol as P
 from . import responses as R
 from .async_engine import AsyncEngine, EngineFailed, EngineNotReady
 from .config import EngineConfig
+from .adapter_sync import AdapterSync
 from .lora import AdapterError
 from .metrics import EngineMetrics, SloTracker
 from .sequence import Sequence
@@ -71,6 +72,7 @@ class ServerContext:
     started: float = field(default_factory=time.monotonic)
     startup_s: float | None = None
     in_flight: int = 0
+    adapter_sync: AdapterSync | None = None     # --adapters-file: the adapters this engine must serve
     _grammars: Grammars | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -98,11 +100,23 @@ class ServerContext:
         return state if state in ("on", "off", "fallback") else "on"
 
     def adapters_state(self) -> dict[str, str]:
-        reported = self.engine.stats().get("adapters")
-        if isinstance(reported, dict):
-            return {str(k): str(v) for k, v in reported.items()}
-        loaded = "loaded" if self.engine.ready else "pending"
-        return {name: loaded for name in self.config.adapters}
+        """name -> loaded | pending | failed."""
+        if not self.engine.ready:
+            wanted = self.adapter_sync.desired if self.adapter_sync is not None else self.config.adapters
+            return {name: "pending" for name in wanted}
+        paths = self.engine.stats().get("adapter_paths") or {}
+        if self.adapter_sync is not None:
+            return self.adapter_sync.states(paths)
+        return {str(name): "loaded" for name in paths}
+
+    def pending_adapters(self) -> list[str]:
+        """The adapters /ready waits for: those the engine started with and still serves. A hot-load
+        never takes a serving replica out of rotation; it shows in /v1/status until it is done."""
+        states = self.adapters_state()
+        if self.adapter_sync is not None:
+            wanted = self.adapter_sync.startup & set(self.adapter_sync.desired)
+            return sorted(n for n in wanted if states.get(n) == "pending")
+        return sorted(n for n in self.config.adapters if states.get(n) != "loaded")
 
     def status(self) -> dict:
         s = self.engine.stats()
@@ -115,6 +129,7 @@ class ServerContext:
             "warm": self.engine.ready,
             "error": self.engine.error,
             "adapters": self.adapters_state(),
+            "adapter_errors": dict(self.adapter_sync.errors) if self.adapter_sync is not None else {},
             "queue_depth": s.get("waiting", 0),
             "running": s.get("running", 0),
             "waiting": s.get("waiting", 0),
@@ -711,7 +726,7 @@ async def ready(request: web.Request) -> web.Response:
     ctx: ServerContext = request.app[CTX]
     state = ctx.engine.state
     adapters = ctx.adapters_state()
-    pending = sorted(n for n, s in adapters.items() if s not in ("loaded", "active", "ready"))
+    pending = ctx.pending_adapters()
     if state == "ready" and not pending:
         return web.json_response({"status": "ready", "specialist": ctx.config.name, "startup_s": ctx.startup_s})
     reason = {"starting": "engine starting", "loading": "loading the model", "warming": "warming up",
@@ -886,6 +901,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="tool-call trigger token (repeatable; default <QUERY_TOOL> and <SCRIPT_START>): "
                         "speculation stops at it")
     p.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH")
+    p.add_argument("--adapters-file", default=None, metavar="PATH",
+                   help="JSON list of the adapters to serve (the Specialist's mounted ConfigMap): loaded before "
+                        "/ready, then re-read every few seconds and hot-loaded / unloaded to match")
     p.add_argument("--max-adapters", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slo-ttft-ms", type=int, default=None, help="published time-to-first-token objective (p95)")
@@ -912,6 +930,8 @@ def config_from_args(a: argparse.Namespace) -> EngineConfig:
         if not P.ADAPTER_NAME.fullmatch(name):
             raise SystemExit(f"consort engine: adapter name {name!r} must be a DNS label (lowercase, digits, '-')")
         adapters[name] = path
+    if adapters and a.adapters_file:
+        raise SystemExit("consort engine: --adapter and --adapters-file exclude each other (the file is the whole list)")
     if not 0.0 <= a.spec_typical_tau <= 1.0:
         raise SystemExit(f"consort engine: --spec-typical-tau must be in [0, 1], got {a.spec_typical_tau}")
     for flag, value in (("--slo-ttft-ms", a.slo_ttft_ms), ("--slo-itl-ms", a.slo_itl_ms)):
@@ -971,6 +991,9 @@ async def serve(args: argparse.Namespace) -> int:
     print(f"consort engine: specialist {config.name!r}, model {config.model}, device {config.device}, "
           f"dtype {config.dtype}, {threads} CPU thread(s)", flush=True)
     ctx = build_context(config, args.served_model_name)
+    if args.adapters_file:
+        ctx.adapter_sync = AdapterSync(args.adapters_file, config.model, ctx.engine.call)
+        await asyncio.to_thread(ctx.adapter_sync.initial)
     app = build_app(ctx)
     # shutdown_timeout: how long runner.cleanup() (on SIGTERM) lets accepted requests finish after
     # the listener closes; new connections are refused meanwhile, so routers retry them elsewhere.
@@ -998,10 +1021,16 @@ async def serve(args: argparse.Namespace) -> int:
     ctx.engine._on_failed.append(stop.set)
     print("consort engine: loading model ...", flush=True)
     ctx.engine.start()
+    if ctx.adapter_sync is not None:
+        def loaded_paths() -> dict[str, str] | None:
+            return ctx.engine.stats().get("adapter_paths") or {} if ctx.engine.ready else None
+        sync_task = asyncio.create_task(ctx.adapter_sync.run(loaded_paths, stop))
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    if ctx.adapter_sync is not None:
+        await sync_task
     s = ctx.engine.stats()
     if ctx.engine.state != "failed":
         print(f"consort engine: draining: {s.get('running', 0)} running and {s.get('waiting', 0)} waiting "

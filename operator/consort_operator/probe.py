@@ -37,17 +37,19 @@ class Prober:
                     warm = resp.status == 200
                 reason = "" if warm else str((body or {}).get("reason") or f"HTTP {resp.status}")
                 adapters: dict[str, str] = {}
+                errors: dict[str, str] = {}
                 slo: dict[str, Any] = {}
                 spec: dict[str, Any] = {}
                 async with self.session.get(f"{base}/v1/status") as resp:
                     if resp.status == 200:
                         st = await resp.json(content_type=None)
                         adapters = {str(k): str(v) for k, v in (st.get("adapters") or {}).items()}
+                        errors = {str(k): str(v)[:300] for k, v in (st.get("adapter_errors") or {}).items()}
                         slo = st.get("slo") if isinstance(st.get("slo"), dict) else {}
                         spec = st.get("speculation") if isinstance(st.get("speculation"), dict) else {}
                 PROBES.labels("warm" if warm else "cold").inc()
                 return ProbeResult(reachable=True, warm=warm, reason=reason, adapters=adapters, slo=slo,
-                                   speculation=spec)
+                                   speculation=spec, adapter_errors=errors)
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, OSError) as e:
                 PROBES.labels("unreachable").inc()
                 return ProbeResult(reachable=False, reason=f"{type(e).__name__}: {e}"[:200])

@@ -155,12 +155,21 @@ Phase = Literal["Pending", "Warming", "Ready", "Degraded", "Failed"]
 BreakerState = Literal["Closed", "Open", "HalfOpen"]
 
 
+class AdapterReplicaStatus(Model):
+    pod: str = Field(description="The engine pod.")
+    state: Literal["loaded", "pending", "failed", "unknown"] = Field(
+        description="The engine's report: loaded, pending (hot-load not done yet), failed, or unknown (warm by pod readiness only, not probed).")
+    message: str | None = Field(default=None, description="Why the hot-load failed.")
+
+
 class AdapterStatus(Model):
     name: str = Field(description="Adapter name.")
     state: AdapterState = Field(description="Loading (not yet on every warm replica), Probation (collecting samples), Active, RolledBack (failed the floor) or Retired (removed from spec).")
     since: str = Field(description="RFC 3339 time of the last state change.")
     source: str | None = Field(default=None, description="The adapter source this state refers to (a new source restarts the rollout).")
     loaded_replicas: int = Field(default=0, description="Warm replicas that report the adapter loaded.")
+    replicas: list[AdapterReplicaStatus] | None = Field(
+        default=None, description="Per warm replica: the hot-load's progress (engines follow the adapters ConfigMap; no pod restarts).")
     samples: int = Field(default=0, description="Correctness samples in the probation window.")
     passes: int = Field(default=0, description="Passing samples in the probation window.")
     rate: float | None = Field(default=None, description="passes / samples when samples > 0.")

@@ -30,6 +30,11 @@ class AdapterObs:
     loaded_replicas: int = 0     # warm replicas whose engine reports the adapter loaded
     samples: int = 0             # correctness samples in the probation window (router)
     passes: int = 0
+    replicas: tuple[dict[str, str], ...] = ()   # per warm replica: {pod, state[, message]} (AdapterReplicaStatus)
+
+    @property
+    def failures(self) -> list[str]:
+        return [f"{r['pod']}: {r.get('message') or 'failed'}" for r in self.replicas if r["state"] == "failed"]
 
 
 def _status(name: str, state: str, now: datetime, source: str, obs: AdapterObs, message: str) -> dict[str, Any]:
@@ -37,6 +42,8 @@ def _status(name: str, state: str, now: datetime, source: str, obs: AdapterObs, 
            "loadedReplicas": obs.loaded_replicas, "samples": obs.samples, "passes": obs.passes, "message": message}
     if obs.samples:
         out["rate"] = round(obs.passes / obs.samples, 4)
+    if obs.replicas and state != "RolledBack":     # a rolled-back adapter is unloaded on purpose
+        out["replicas"] = [dict(r) for r in obs.replicas]
     return out
 
 
@@ -74,6 +81,8 @@ def evaluate(spec: SpecialistSpec, warm_replicas: int, observations: dict[str, A
                 new_state, message = "Probation", f"loaded on {obs.loaded_replicas} warm replica(s); collecting samples"
             else:
                 message = f"loaded on {obs.loaded_replicas}/{warm_replicas} warm replica(s)"
+                if obs.failures:   # stays Loading: a new source (or removing it) is the way out
+                    message += "; hot-load failed on " + "; ".join(obs.failures)
         elif state == "Probation":
             decided, message = _decide(spec.rollout, obs, since, now)
             if decided:
@@ -85,8 +94,7 @@ def evaluate(spec: SpecialistSpec, warm_replicas: int, observations: dict[str, A
             events.append(Event(etype, reason, f"adapter {name}: {message}"))
         st = _status(name, new_state, since, source, obs, message)
         if new_state in ("Active", "RolledBack") and new_state == state:
-            st.update({k: old[k] for k in ("samples", "passes", "rate", "loadedReplicas") if k in old})
-            st["loadedReplicas"] = obs.loaded_replicas
+            st.update({k: old[k] for k in ("samples", "passes", "rate") if k in old})
         out.append(st)
     retired = []
     for name, old in before.items():
@@ -149,22 +157,31 @@ def rollout_condition(conditions: list[dict[str, Any]] | None, adapters: list[di
                          "no adapter rollout in progress", now, generation)
 
 
-def observations_from_replicas(adapter_names: list[str], replicas: list[tuple[str, Any]],
+def observations_from_replicas(adapter_names: list[str], replicas: list[tuple[str, str, Any]],
                                samples: dict[str, tuple[int, int]] | None = None) -> dict[str, AdapterObs]:
     """Fold the warm replicas' signals (+ router samples, when known) into observations.
 
-    `replicas` holds (warm signal source, ProbeResult | None) per WARM replica. A replica warm by the
-    engine's own answer reports its adapters; one warm by the pod's Ready condition has passed the
-    readinessProbe on /ready, which is 200 only once every configured adapter is loaded.
+    `replicas` holds (pod, warm signal source, ProbeResult | None) per WARM replica. A replica warm by
+    the engine's own answer reports each adapter's hot-load (the engines follow the adapters
+    ConfigMap). One warm by the pod's Ready condition only was not probed: its readinessProbe covers
+    the adapters listed when it started, not a later hot-load, so it counts as loaded ("unknown" in
+    the per-replica status); run the engine warm signal to see rotations replica by replica.
     """
     out = {}
     for name in adapter_names:
         loaded = 0
-        for source, probe in replicas:
+        rows: list[dict[str, str]] = []
+        for pod, source, probe in replicas:
             if source == "engine" and probe is not None:
-                loaded += probe.adapters.get(name) in LOADED_STATES
-            elif source == "pod-ready":
-                loaded += 1
+                state = probe.adapters.get(name, "pending")
+                state = state if state in ("loaded", "pending", "failed") else "loaded" if state in LOADED_STATES else "pending"
+                row = {"pod": pod, "state": state}
+                if state == "failed" and probe.adapter_errors.get(name):
+                    row["message"] = probe.adapter_errors[name]
+            else:
+                state, row = "unknown", {"pod": pod, "state": "unknown"}
+            loaded += state in ("loaded", "unknown")
+            rows.append(row)
         s, ok = (samples or {}).get(name, (0, 0))
-        out[name] = AdapterObs(loaded_replicas=loaded, samples=s, passes=ok)
+        out[name] = AdapterObs(loaded_replicas=loaded, samples=s, passes=ok, replicas=tuple(sorted(rows, key=lambda r: r["pod"])))
     return out

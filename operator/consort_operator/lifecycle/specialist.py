@@ -95,8 +95,9 @@ def decide(spec_raw: dict[str, Any], observed: SpecialistObserved, prev: dict[st
             got = rollout_lc.samples_from_router(((st or {}).get("breakers") or {}).get(o.name), revision)
             if got:
                 samples[lane] = got
-    warm = [(r["source"], o.probes.get(r["pod"])) for r in status["replicaStatus"] if r["warm"]]
-    obs = rollout_lc.observations_from_replicas(spec.adapter_names(), warm, samples)
+    warm_pods = [(r["pod"], r["source"], o.probes.get(r["pod"])) for r in status["replicaStatus"] if r["warm"]]
+    warm = [(source, probe) for _, source, probe in warm_pods]
+    obs = rollout_lc.observations_from_replicas(spec.adapter_names(), warm_pods, samples)
     adapters, active, ev = rollout_lc.evaluate(spec, status["warmReplicas"], obs, prev.get("adapters"), now)
     events += ev
     status["adapters"] = adapters or None

@@ -45,7 +45,8 @@ class ProbeResult:
     reachable: bool
     warm: bool = False
     reason: str = ""
-    adapters: dict[str, str] = field(default_factory=dict)   # name -> loaded | pending | ...
+    adapters: dict[str, str] = field(default_factory=dict)   # name -> loaded | pending | failed
+    adapter_errors: dict[str, str] = field(default_factory=dict)   # name -> why its hot-load failed
     slo: dict[str, Any] = field(default_factory=dict)        # the engine's /v1/status "slo" report
     speculation: dict[str, Any] = field(default_factory=dict)   # its "speculation" report
 

@@ -4,6 +4,7 @@ No I/O here; `handlers.py` applies what these return.
 """
 from __future__ import annotations
 
+import json
 import math
 import re
 import shlex
@@ -18,6 +19,11 @@ from .common import (LABEL_SPECIALIST, BuildContext, common_labels, container_se
 COMPONENT = "engine"
 CONTAINER = "engine"
 MODELS_ROOT = "/models"
+# The adapters the engines serve live in a ConfigMap mounted here, not in the pod template: the
+# engine follows the file (hot-load / unload), so an adapter rotation restarts no pod.
+ADAPTERS_DIR = "/etc/consort/adapters"
+ADAPTERS_FILE = "adapters.json"
+DEMO_ADAPTERS_DIR = "/tmp/consort-adapters"    # demo://lora adapters: the engine writes them on first use
 
 
 def selector_labels(name: str) -> dict[str, str]:
@@ -96,7 +102,7 @@ def _download_script(downloads: list[tuple[str, str | None, str]]) -> str:
 
 def engine_args(name: str, spec: SpecialistSpec, model_dir: str, adapters: dict[str, str],
                 host: str = "0.0.0.0", port: int | None = None, device: str | None = None,
-                threads: int | None = None) -> list[str]:
+                threads: int | None = None, adapters_file: str | None = None) -> list[str]:
     """Flags of `consort engine` for this spec (consort_engine.server.parse_args).
 
     A CPU engine runs `threads`, else ceil(resources.cpu) threads: its pod gets a CPU request and
@@ -129,6 +135,8 @@ def engine_args(name: str, spec: SpecialistSpec, model_dir: str, adapters: dict[
     args += ["--max-adapters", str(spec.max_adapters)]
     args += ["--slo-ttft-ms", str(spec.slo.ttft_ms), "--slo-itl-ms", str(spec.slo.itl_ms)]
     args += ["--drain-timeout", str(DRAIN_S)]
+    if adapters_file:
+        args += ["--adapters-file", adapters_file]
     for adapter_name, path in adapters.items():
         args += ["--adapter", f"{adapter_name}={path}"]
     return args
@@ -163,8 +171,7 @@ def rollout_strategy(spec: SpecialistSpec) -> dict[str, Any]:
     return {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": unavailable}}
 
 
-def engine_deployment(name: str, namespace: str, uid: str, spec: SpecialistSpec, ctx: BuildContext,
-                      exclude_adapters: frozenset[str] = frozenset()) -> dict[str, Any]:
+def engine_deployment(name: str, namespace: str, uid: str, spec: SpecialistSpec, ctx: BuildContext) -> dict[str, Any]:
     owner = owner_reference(KIND, name, uid)
     labels = engine_labels(name, ctx)
     src = Sources()
@@ -172,7 +179,10 @@ def engine_deployment(name: str, namespace: str, uid: str, spec: SpecialistSpec,
     init_containers: list[dict[str, Any]] = []
     image = spec.image or ctx.engine_image
     tok_dir = src.resolve(spec.model.tokenizer) if spec.model.tokenizer else None
-    adapters = {a.name: src.resolve(a.source) for a in spec.adapters or [] if a.name not in exclude_adapters}
+    # Adapter sources that need a volume (pvc://) or a download (hf://) shape the template: adding
+    # one of those rolls the pods, the fallback; demo:// and paths on volumes already there do not.
+    # Every listed adapter's volume, rolled back or not: a rollback must not roll the pods either.
+    desired_adapters(spec, frozenset(), src)
     if src.downloads:
         init_containers.append({
             "name": "fetch", "image": image, "imagePullPolicy": ctx.image_pull_policy,
@@ -230,10 +240,12 @@ def engine_deployment(name: str, namespace: str, uid: str, spec: SpecialistSpec,
         tolerations.append({"key": r.gpu_resource_name, "operator": "Exists", "effect": "NoSchedule"})
 
     volumes = list(src.volumes.values()) + [
+        {"name": "adapters", "configMap": {"name": adapters_configmap_name(name)}},
         {"name": "tmp", "emptyDir": {}},
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}},
     ]
     mounts = list(src.mounts.values()) + [
+        {"name": "adapters", "mountPath": ADAPTERS_DIR, "readOnly": True},
         {"name": "tmp", "mountPath": "/tmp"},
         {"name": "dshm", "mountPath": "/dev/shm"},
     ]
@@ -242,7 +254,7 @@ def engine_deployment(name: str, namespace: str, uid: str, spec: SpecialistSpec,
         "image": image,
         "imagePullPolicy": ctx.image_pull_policy,
         "command": ["consort", "engine"],
-        "args": engine_args(name, spec, model_dir, adapters),
+        "args": engine_args(name, spec, model_dir, {}, adapters_file=f"{ADAPTERS_DIR}/{ADAPTERS_FILE}"),
         "ports": [{"name": "http", "containerPort": spec.port, "protocol": "TCP"}],
         "env": [{"name": "HOME", "value": "/tmp"}, {"name": "HF_HOME", "value": "/tmp/hf"},
                 {"name": "CONSORT_SPECIALIST", "value": name}],
@@ -346,13 +358,45 @@ def engine_network_policy(name: str, namespace: str, uid: str, spec: SpecialistS
     })
 
 
+def desired_adapters(spec: SpecialistSpec, exclude: frozenset[str], src: Sources) -> list[dict[str, str]]:
+    """The adapters the engines must serve (rolled-back ones excluded), each with its path in the pod."""
+    out = []
+    for a in spec.adapters or []:
+        if a.name in exclude:
+            continue
+        if a.source.startswith("demo://lora"):
+            path = f"{DEMO_ADAPTERS_DIR}/lora-{parse_demo(a.source)[1]}"
+        else:
+            path = src.resolve(a.source)
+        out.append({"name": a.name, "path": path, "source": a.source})
+    return out
+
+
+def adapters_configmap_name(name: str) -> str:
+    return f"{name}-adapters"
+
+
+def adapters_configmap(name: str, namespace: str, uid: str, spec: SpecialistSpec, ctx: BuildContext,
+                       exclude_adapters: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """The file every engine replica follows (`consort engine --adapters-file`)."""
+    adapters = desired_adapters(spec, exclude_adapters, Sources())
+    return stamp_hash({
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": object_meta(adapters_configmap_name(name), namespace, engine_labels(name, ctx),
+                                owner_reference(KIND, name, uid)),
+        "data": {ADAPTERS_FILE: json.dumps({"adapters": adapters}, indent=1, sort_keys=True) + "\n"},
+    })
+
+
 def specialist_children(name: str, namespace: str, uid: str, spec: SpecialistSpec, ctx: BuildContext,
                         exclude_adapters: frozenset[str] = frozenset()) -> list[dict[str, Any]]:
-    """Everything one Specialist owns, in apply order."""
+    """Everything one Specialist owns, in apply order (the adapters ConfigMap before the pods mounting it)."""
     children = [
+        adapters_configmap(name, namespace, uid, spec, ctx, exclude_adapters),
         engine_service(name, namespace, uid, spec, ctx),
         engine_pdb(name, namespace, uid, spec, ctx),
-        engine_deployment(name, namespace, uid, spec, ctx, exclude_adapters),
+        engine_deployment(name, namespace, uid, spec, ctx),
     ]
     if ctx.network_policy:
         children.insert(0, engine_network_policy(name, namespace, uid, spec, ctx))

@@ -87,6 +87,7 @@ def test_adapter_rollout_promotes_and_rolls_back_from_router_samples(cluster, na
     cols = cluster.kubectl("get", "specialist", "algo", "-n", namespace, "--no-headers").stdout.split()
     assert cols[3] == "v1", cols
 
+    template = get_json(cluster, "deployment", "algo", "-n", namespace)["spec"]["template"]
     # Rotation to v2: it takes the lane under a new revision; its samples fail the floor.
     cluster.kubectl("apply", "-n", namespace, "-f", "-", input=specialist(["v1", "v2"]))
     wait_states(cluster, namespace, {"v1": "Active", "v2": "Probation"}, timeout=90)
@@ -97,12 +98,14 @@ def test_adapter_rollout_promotes_and_rolls_back_from_router_samples(cluster, na
     wait_lane(cluster, namespace, "v1")
 
     def v2_unloaded() -> list[str]:
-        args = get_json(cluster, "deployment", "algo", "-n", namespace)["spec"]["template"]["spec"]["containers"][0]["args"]
-        adapters = [args[i + 1] for i, a in enumerate(args) if a == "--adapter"]
+        data = get_json(cluster, "configmap", "algo-adapters", "-n", namespace)["data"]["adapters.json"]
+        adapters = [f"{a['name']}={a['path']}" for a in json.loads(data)["adapters"]]
         if adapters != ["v1=/adapters/v1"]:
-            raise NotYet(f"--adapter {adapters}")
+            raise NotYet(f"adapters.json lists {adapters}")
         return adapters
     wait_for(v2_unloaded, 60, "the engines to stop loading the rolled-back adapter")
+    # The rotation and the rollback went through the engines' adapters file: the pods were never rolled.
+    assert get_json(cluster, "deployment", "algo", "-n", namespace)["spec"]["template"] == template
     events = get_json(cluster, "events", "-n", namespace, "--field-selector", "involvedObject.name=algo,involvedObject.kind=Specialist")["items"]
     reasons = {(e["type"], e["reason"]) for e in events}
     assert {("Normal", "AdapterProbation"), ("Normal", "AdapterPromoted"), ("Warning", "AdapterRolledBack")} <= reasons, reasons

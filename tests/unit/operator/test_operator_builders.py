@@ -1,6 +1,8 @@
 """Pure builders: Specialist/EnsembleRouter spec -> the Kubernetes objects the operator applies."""
 from __future__ import annotations
 
+import json
+
 import pytest
 from consort_router.config import RouterConfig
 
@@ -61,7 +63,7 @@ def test_engine_args_are_accepted_by_the_real_engine_cli():
     assert (args.speculative, args.num_speculative_tokens) == ("ngram", 4)
     assert args.max_model_len == 4096 and args.dtype == "bfloat16" and args.device == "cuda"
     assert args.name == "template" and args.port == 8000 and args.host == "0.0.0.0"
-    assert args.adapter == ["v2=/models/pvc/models/adapters/v2"]
+    assert args.adapter == [] and args.adapters_file == "/etc/consort/adapters/adapters.json"
     assert (args.max_num_seqs, args.max_num_batched_tokens, args.max_waiting) == (64, 4096, 10)
     assert args.model == "/models/pvc/models/algo"
 
@@ -84,7 +86,7 @@ def test_sources_pvc_hf_and_tokenizer_assembly():
 def test_service_pdb_networkpolicy():
     s = spec(replicas=4, minReady=3, port=9000)
     objs = by_kind(S.specialist_children("algo", "ns", "u", s, CTX))
-    assert set(objs) == {"Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy"}
+    assert set(objs) == {"ConfigMap", "Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy"}
     assert objs["Service"]["spec"]["ports"][0]["port"] == 9000
     assert objs["PodDisruptionBudget"]["spec"]["minAvailable"] == 3
     np = objs["NetworkPolicy"]["spec"]
@@ -104,11 +106,26 @@ def test_content_hash_is_stable_and_tracks_changes():
     assert h(a) == h(b) != h(c)
 
 
-def test_rolled_back_adapters_are_not_loaded():
-    s = spec(adapters=[{"name": "v1", "source": "pvc://m/v1"}, {"name": "v2", "source": "pvc://m/v2"}])
-    d = S.engine_deployment("algo", "ns", "u", s, CTX, exclude_adapters=frozenset({"v2"}))
-    args = d["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert "v1=/models/pvc/m/v1" in args and not any(a.startswith("v2=") for a in args)
+def test_adapters_live_in_a_configmap_so_a_rotation_or_rollback_restarts_no_pod():
+    one = spec(adapters=[{"name": "v1", "source": "pvc://m/v1"}])
+    two = spec(adapters=[{"name": "v1", "source": "pvc://m/v1"}, {"name": "v2", "source": "pvc://m/v2"},
+                         {"name": "demo", "source": "demo://lora?seed=3"}])
+    h = lambda o: o["metadata"]["annotations"][ANNOTATION_HASH]  # noqa: E731
+    d1, d2 = S.engine_deployment("algo", "ns", "u", one, CTX), S.engine_deployment("algo", "ns", "u", two, CTX)
+    assert h(d1) == h(d2)            # same template: the rotation is a hot-load
+    pod = d2["spec"]["template"]["spec"]
+    args = pod["containers"][0]["args"]
+    assert "--adapter" not in args and args[args.index("--adapters-file") + 1] == "/etc/consort/adapters/adapters.json"
+    assert {"name": "adapters", "configMap": {"name": "algo-adapters"}} in pod["volumes"]
+    assert not any(i["name"].startswith("demo-model-lora") for i in pod.get("initContainers") or [])
+    cm = S.adapters_configmap("algo", "ns", "u", two, CTX, exclude_adapters=frozenset({"v2"}))
+    listed = json.loads(cm["data"]["adapters.json"])["adapters"]
+    assert listed == [{"name": "v1", "path": "/models/pvc/m/v1", "source": "pvc://m/v1"},
+                      {"name": "demo", "path": "/tmp/consort-adapters/lora-3", "source": "demo://lora?seed=3"}]
+    assert cm["metadata"]["ownerReferences"][0]["name"] == "algo"
+    # A source on a volume the pods lack changes the template: that rotation rolls the pods (the fallback).
+    other = spec(adapters=[{"name": "v1", "source": "pvc://m/v1"}, {"name": "x", "source": "pvc://other/x"}])
+    assert h(S.engine_deployment("algo", "ns", "u", other, CTX)) != h(d1)
 
 
 def lanes():
@@ -199,18 +216,15 @@ def test_router_children_rbac_is_least_privilege():
         assert o["metadata"]["ownerReferences"][0]["kind"] == "EnsembleRouter"
 
 
-def test_demo_model_and_demo_lora_init_containers_run_in_order_with_the_engines_requests():
+def test_demo_model_init_container_has_the_engines_requests_and_demo_loras_are_the_engines_to_write():
     s = SpecialistSpec.model_validate({"model": {"source": "demo://tiny?seed=2"}, "resources": {"cpu": "400m", "memory": "2Gi"},
                                        "adapters": [{"name": "fresh", "source": "demo://lora?seed=7"}]})
     pod = S.engine_deployment("algo", "ns", "uid-1", s, CTX)["spec"]["template"]["spec"]
-    model, lora = pod["initContainers"]
+    [model] = pod["initContainers"]     # the engine writes demo://lora adapters itself (adapter_sync)
     assert model["command"] == ["consort", "demo-model", "/models/demo/tiny-2", "--size", "tiny", "--seed", "2"]
-    assert lora["command"] == ["consort", "demo-model", "/models/demo/lora-7", "--lora-for", "/models/demo/tiny-2",
-                               "--seed", "7"]
     engine = pod["containers"][0]
-    assert "fresh=/models/demo/lora-7" in engine["args"]
     # An init container asking for more than the engine would raise the whole pod's request.
-    assert model["resources"] == lora["resources"] == engine["resources"]
+    assert model["resources"] == engine["resources"]
 
 
 def test_demo_lora_is_an_adapter_source_only():

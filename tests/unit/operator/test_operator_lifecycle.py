@@ -150,10 +150,24 @@ def test_probation_window_end_decides_on_the_samples_it_has():
     assert empty[0]["state"] == "Probation" and "without correctness samples" in empty[0]["message"]
 
 
-def test_adapter_loaded_signal_from_engine_or_readiness():
-    engine_probe = ProbeResult(reachable=True, warm=True, adapters={"v1": "loaded", "v2": "pending"})
-    obs = rollout.observations_from_replicas(["v1", "v2"], [("engine", engine_probe), ("pod-ready", None)])
-    assert obs["v1"].loaded_replicas == 2 and obs["v2"].loaded_replicas == 1
+def test_adapter_hot_load_progress_per_replica_from_engine_or_readiness():
+    a = ProbeResult(reachable=True, warm=True, adapters={"v1": "loaded", "v2": "pending"})
+    b = ProbeResult(reachable=True, warm=True, adapters={"v1": "loaded", "v2": "failed"},
+                    adapter_errors={"v2": "no adapter_config.json in /x"})
+    obs = rollout.observations_from_replicas(["v1", "v2"], [("e-a", "engine", a), ("e-c", "pod-ready", None),
+                                                            ("e-b", "engine", b)])
+    assert obs["v1"].loaded_replicas == 3 and obs["v2"].loaded_replicas == 1
+    assert obs["v2"].replicas == ({"pod": "e-a", "state": "pending"},
+                                  {"pod": "e-b", "state": "failed", "message": "no adapter_config.json in /x"},
+                                  {"pod": "e-c", "state": "unknown"})
+    s = spec(adapters=[{"name": "v1", "source": "pvc://m/v1"}, {"name": "v2", "source": "pvc://m/v2"}])
+    st, _, _ = rollout.evaluate(s, 3, obs, None, T0)
+    v1, v2 = st
+    assert v1["state"] == "Probation" and [r["state"] for r in v1["replicas"]] == ["loaded", "loaded", "unknown"]
+    assert v2["state"] == "Loading" and "hot-load failed on e-b: no adapter_config.json in /x" in v2["message"]
+    # Through the typed status (what the CRD keeps): per-replica rows survive.
+    from consort_operator.api.specialist import AdapterStatus
+    assert AdapterStatus.model_validate(v2).wire()["replicas"][1]["message"].startswith("no adapter_config")
 
 
 def router_state(state, samples, since=1_790_000_000.0):
