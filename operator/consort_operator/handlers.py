@@ -14,10 +14,9 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
-import os
 import random
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
@@ -26,7 +25,7 @@ from .api.base import GROUP, VERSION
 from .api.base import LabelSelector
 from .api.router import EnsembleRouterStatus
 from .api.specialist import SpecialistSpec
-from .kube import Kube, KubeError
+from .kube import Kube, KubeError, connection_info, load_configuration
 from .lifecycle import router as router_lc
 from .lifecycle import specialist as specialist_lc
 from .lifecycle import warmup as warmup_lc
@@ -140,20 +139,14 @@ async def cleanup(memo: Any, **_: Any) -> None:
 
 
 @kopf.on.login()
-def login(memo: Any, **kwargs: Any) -> kopf.ConnectionInfo | None:
-    info = kopf.login_with_service_account(**kwargs)
-    host = os.environ.get("KUBERNETES_SERVICE_HOST")
-    if info is not None and host:
-        # Kopf's service-account login names https://kubernetes.default.svc, which needs cluster DNS;
-        # client-go (and kubectl in a pod) use the injected Service address instead, and so do we.
-        host = f"[{host}]" if ":" in host else host
-        info = replace(info, server=f"https://{host}:{os.environ.get('KUBERNETES_SERVICE_PORT', '443')}")
-    info = info or kopf.login_with_kubeconfig(**kwargs)
-    if info is not None:
-        rt_of(memo).kube = Kube.from_connection_info(info)
-    return info
-
-
+async def login(memo: Any, **_: Any) -> kopf.ConnectionInfo:
+    """One identity for Kopf's watches and our own calls, loaded by kubernetes_asyncio."""
+    runtime = rt_of(memo)
+    cfg = await load_configuration()
+    if runtime.kube is not None:       # a re-login (credentials expired): the new client replaces the old
+        await runtime.kube.close()
+    runtime.kube = Kube(cfg)
+    return await connection_info(cfg)
 
 
 # ---- indexes (Kopf's in-memory caches) and wake-ups -------------------------------------------

@@ -1,17 +1,24 @@
-"""A small asyncio Kubernetes client over aiohttp: server-side apply, get, status merge-patch.
+"""The operator's Kubernetes client: kubernetes_asyncio (maintained), one ApiClient per process.
 
-Credentials come from the same `kopf.ConnectionInfo` Kopf logs in with, so the operator has one
-identity and one login path (service account in a pod, kubeconfig outside).
+Credentials are loaded once by kubernetes_asyncio's own loaders (the service account in a pod,
+kubeconfig outside), and Kopf logs in with the same ones (`connection_info`), so the operator has
+one identity and one login path. The verbs are the few the reconcile needs: server-side apply,
+get, list, status merge-patch, delete.
 """
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
-import aiohttp
+from kubernetes_asyncio import client as k8s
+from kubernetes_asyncio import config as k8s_config
+from kubernetes_asyncio.client.exceptions import ApiException
 
 from .api.base import GROUP, VERSION
 from .resources.common import FIELD_MANAGER
+
+SA_TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount/token"
 
 # kind -> (api prefix, plural); everything the operator owns or reads.
 RESOURCES: dict[str, tuple[str, str]] = {
@@ -27,6 +34,7 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "Specialist": (f"/apis/{GROUP}/{VERSION}", "specialists"),
     "EnsembleRouter": (f"/apis/{GROUP}/{VERSION}", "ensemblerouters"),
 }
+JSON_ONLY = {200: "object", 201: "object"}     # deserialised as plain dicts, camelCase as on the wire
 
 
 class KubeError(Exception):
@@ -47,81 +55,85 @@ def object_path(kind: str, namespace: str, name: str | None = None, sub: str | N
     return path
 
 
+async def load_configuration() -> k8s.Configuration:
+    """In a pod: the service account (its rotating token re-read by the client), with the API
+    Service's injected address rather than a DNS name; outside: $KUBECONFIG or ~/.kube/config."""
+    cfg = k8s.Configuration()
+    if os.environ.get("KUBERNETES_SERVICE_HOST") and os.path.exists(SA_TOKEN):
+        k8s_config.load_incluster_config(client_configuration=cfg)
+    else:
+        await k8s_config.load_kube_config(client_configuration=cfg)
+    return cfg
+
+
+async def connection_info(cfg: k8s.Configuration) -> Any:
+    """The same credentials as a `kopf.ConnectionInfo`, for Kopf's own watches (as kopf.login_via_client
+    does for the synchronous `kubernetes` package)."""
+    import kopf
+
+    header = await cfg.get_api_key_with_prefix("BearerToken")
+    parts = header.split(" ", 1) if header else []
+    scheme, token = (None, None) if not parts else (None, parts[0]) if len(parts) == 1 else (parts[0], parts[1])
+    return kopf.ConnectionInfo(server=cfg.host, ca_path=cfg.ssl_ca_cert, insecure=not cfg.verify_ssl,
+                               username=cfg.username or None, password=cfg.password or None, scheme=scheme,
+                               token=token, certificate_path=cfg.cert_file, private_key_path=cfg.key_file)
+
+
 class Kube:
-    def __init__(self, server: str, ssl_context: Any, headers: dict[str, str], limit: int = 32):
-        self.server = server.rstrip("/")
-        self._ssl = ssl_context
-        self._headers = headers
-        self._limit = limit
-        self._session: aiohttp.ClientSession | None = None
-
-    @classmethod
-    def from_connection_info(cls, info: Any) -> "Kube":
-        return cls(info.server, info.as_ssl_context(), info.as_http_headers())
-
-    @property
-    def session(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self._limit, ssl=self._ssl),
-                headers={**self._headers, "User-Agent": "consort-operator"},
-                timeout=aiohttp.ClientTimeout(total=30),
-            )
-        return self._session
+    def __init__(self, configuration: k8s.Configuration):
+        self.configuration = configuration
+        self.api = k8s.ApiClient(configuration)
+        self.api.user_agent = "consort-operator"
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+        await self.api.close()
 
-    async def _request(self, method: str, path: str, what: str, *, params: dict[str, str] | None = None,
-                       data: bytes | None = None, content_type: str | None = None) -> Any:
+    async def _call(self, method: str, path: str, what: str, *, query: list[tuple[str, str]] | None = None,
+                    body: Any = None, content_type: str | None = None) -> Any:
         headers = {"Accept": "application/json"}
         if content_type:
             headers["Content-Type"] = content_type
-        async with self.session.request(method, self.server + path, params=params, data=data, headers=headers) as resp:
-            text = await resp.text()
+        try:
+            return await self.api.call_api(path, method, query_params=query or [], header_params=headers, body=body,
+                                           response_types_map=JSON_ONLY, auth_settings=["BearerToken"],
+                                           _return_http_data_only=True, _request_timeout=30)
+        except ApiException as e:
             try:
-                body = json.loads(text) if text else None
-            except json.JSONDecodeError:
-                body = text
-            if resp.status >= 400:
-                raise KubeError(resp.status, body, what)
-            return body
+                parsed = json.loads(e.body) if e.body else None
+            except (TypeError, ValueError):
+                parsed = e.body
+            raise KubeError(int(e.status or 0), parsed, what) from None
 
     async def apply(self, obj: dict[str, Any], field_manager: str = FIELD_MANAGER, force: bool = True) -> dict[str, Any]:
         """Server-side apply (an unchanged object is a no-op at the server: no resourceVersion bump)."""
         meta = obj["metadata"]
-        path = object_path(obj["kind"], meta["namespace"], meta["name"])
-        params = {"fieldManager": field_manager, "fieldValidation": "Strict"}
-        if force:
-            params["force"] = "true"
-        return await self._request("PATCH", path, f"apply {obj['kind']} {meta['namespace']}/{meta['name']}",
-                                   params=params, data=json.dumps(obj).encode(),
-                                   content_type="application/apply-patch+yaml")
+        query = [("fieldManager", field_manager), ("fieldValidation", "Strict")] + ([("force", "true")] if force else [])
+        return await self._call("PATCH", object_path(obj["kind"], meta["namespace"], meta["name"]),
+                                f"apply {obj['kind']} {meta['namespace']}/{meta['name']}", query=query, body=obj,
+                                content_type="application/apply-patch+yaml")
 
     async def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         try:
-            return await self._request("GET", object_path(kind, namespace, name), f"get {kind} {namespace}/{name}")
+            return await self._call("GET", object_path(kind, namespace, name), f"get {kind} {namespace}/{name}")
         except KubeError as e:
             if e.status == 404:
                 return None
             raise
 
     async def list(self, kind: str, namespace: str, label_selector: str | None = None) -> list[dict[str, Any]]:
-        params = {"labelSelector": label_selector} if label_selector else None
-        body = await self._request("GET", object_path(kind, namespace), f"list {kind} in {namespace}", params=params)
+        query = [("labelSelector", label_selector)] if label_selector else []
+        body = await self._call("GET", object_path(kind, namespace), f"list {kind} in {namespace}", query=query)
         return list(body.get("items") or [])
 
     async def patch_status(self, kind: str, namespace: str, name: str, status: dict[str, Any]) -> dict[str, Any]:
         """Merge-patch the status subresource (never spec)."""
-        return await self._request("PATCH", object_path(kind, namespace, name, "status"),
-                                   f"patch {kind} {namespace}/{name} status",
-                                   data=json.dumps({"status": status}).encode(),
-                                   content_type="application/merge-patch+json")
+        return await self._call("PATCH", object_path(kind, namespace, name, "status"),
+                                f"patch {kind} {namespace}/{name} status", body={"status": status},
+                                content_type="application/merge-patch+json")
 
     async def delete(self, kind: str, namespace: str, name: str) -> None:
         try:
-            await self._request("DELETE", object_path(kind, namespace, name), f"delete {kind} {namespace}/{name}")
+            await self._call("DELETE", object_path(kind, namespace, name), f"delete {kind} {namespace}/{name}")
         except KubeError as e:
             if e.status != 404:
                 raise
