@@ -62,12 +62,25 @@ def test_prompt_forms():
     ({"prompt": "x", "stop": 5}, "invalid_type", "stop"),
     ({"prompt": "x", "logprobs": 21}, "invalid_value", "logprobs"),
     ({"prompt": "x", "deadline_ms": 0}, "invalid_value", "deadline_ms"),
-    ({"prompt": "x", "echo": True, "logprobs": 2}, "unsupported_value", "echo"),
+    ({"prompt": "x", "prompt_logprobs": 21}, "invalid_value", "prompt_logprobs"),
+    ({"prompt": "x", "prompt_logprobs": 1, "stream": True}, "unsupported_value", "prompt_logprobs"),
 ])
 def test_completion_rejects(body, code, param):
     e = err(P.parse_completion, body)
     assert (e.status, e.code, e.param) == (400, code, param)
     assert e.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_prompt_logprobs_width():
+    """echo + logprobs k and vLLM's prompt_logprobs k ask the engine for the prompt's logprobs (the wider)."""
+    width = lambda body: P.prompt_logprobs_width(P.parse_completion({"prompt": "x", **body}))
+    assert width({"echo": True, "logprobs": 2}) == 2
+    assert width({"logprobs": 2}) is None and width({"echo": True}) is None
+    assert width({"echo": True, "logprobs": 0}) == 0
+    assert width({"prompt_logprobs": 4, "logprobs": 1, "echo": True}) == 4
+    assert width({"prompt_logprobs": 1, "logprobs": 3, "echo": True}) == 3
+    chat = P.parse_chat({"messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 0})
+    assert P.prompt_logprobs_width(chat) == 0 and not chat.ignored_fields
 
 
 def test_unknown_fields_are_ignored_and_reported_known_unsupported_ones_stay_400():
