@@ -115,3 +115,25 @@ def test_prompt_logprobs_skip_the_prefix_cache_and_siblings_share_them(model):
     check(twin, ref, K, f"{arch} twin")
     check(sibling, ref, K, f"{arch} sibling")
     assert twin.output_token_ids == sibling.output_token_ids
+
+
+def test_prompt_logprobs_survive_a_preemption_mid_prefill(model):
+    """A higher-priority arrival preempts a long prompt between chunks: on recompute the positions
+    already collected are not collected again, and the rest still equal transformers'."""
+    arch, ckpt, hf = model
+    engine = LLMEngine(EngineConfig(model=str(ckpt), dtype="float32", block_size=4, num_blocks=50,
+                                    max_num_batched_tokens=32))
+    engine.warmup()
+    long_p, urgent_p = prompts(1, seed=21)[0], prompts(3, seed=22)[2]
+    low = Sequence(list(long_p), SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=K))
+    engine.add_request(low)
+    engine.step()
+    engine.step()
+    collected = len(low.prompt_logprobs)
+    assert 0 < collected < len(long_p) - 1, "the long prompt is mid-prefill"
+    high = Sequence(list(urgent_p), SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), priority=5)
+    engine.add_request(high)
+    while engine.has_unfinished():
+        engine.step()
+    assert low.num_preemptions >= 1 and low.num_cached_tokens == 0
+    check(low, reference(hf, long_p), K, f"{arch} preempted")

@@ -120,6 +120,13 @@ def test_prompt_logprobs_equal_the_logprobs_of_the_same_tokens_generated(engine)
         assert {k: v["logprob"] for k, v in a.items()} == pytest.approx(
             {k: b[k]["logprob"] for k in a}, abs=1e-4)
     Completion.model_validate(alone)
+    # chat: vLLM puts them on the response (one prompt, whatever n)
+    chat = httpx.post(engine.url + "/v1/chat/completions", timeout=60, json={
+        "model": "spec", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "prompt_logprobs": 1,
+        "n": 2}).json()
+    cplp = chat["prompt_logprobs"]
+    assert len(cplp) == chat["usage"]["prompt_tokens"] and cplp[0] is None
+    assert all(1 <= len(e) <= 2 and min(v["rank"] for v in e.values()) == 1 for e in cplp[1:])
     status = engine.status()
     assert status["kv_free_blocks"] == status["kv_total_blocks"]
 
