@@ -573,7 +573,8 @@ async def full_response(ctx: ServerContext, req: P.GenerationRequest, choices: l
         c.text.append(d.text)
         c.ids.extend(d.token_ids)
         c.lps.extend(d.logprobs)
-        c.prompt_lps = d.prompt_logprobs or c.prompt_lps
+        if d.prompt_logprobs is not None:     # (empty, so falsy, for a one-token prompt)
+            c.prompt_lps = d.prompt_logprobs
         c.last = d
     assert all(c.finished for c in choices)
     k = P.samples_per_prompt(req)
@@ -648,7 +649,8 @@ async def stream_response(request: web.Request, ctx: ServerContext, req: P.Gener
             n_out += len(d.token_ids)
             c.last = d
             if c.index in unsent_echo:
-                c.prompt_lps = d.prompt_logprobs or c.prompt_lps
+                if d.prompt_logprobs is not None:
+                    c.prompt_lps = d.prompt_logprobs
                 await send_echo(c)
             if not (d.text or d.finish_reason or (req.return_token_ids and d.token_ids) or d.logprobs):
                 continue

@@ -153,6 +153,16 @@ def test_echo_logprobs_stream_the_prompt_first_and_n_choices_share_it(engine):
     assert "".join(ch["text"] for c in chunks for ch in c["choices"]) == full["choices"][0]["text"]
     assert chunks[-1]["usage"]["completion_tokens"] == NEW and chunks[-1]["usage"]["prompt_tokens"] == n_prompt
 
+    one = post(engine, {**body, "prompt": [7], "prompt_logprobs": 1})       # a one-token prompt: nothing to score
+    lp1 = one["choices"][0]["logprobs"]
+    assert lp1["token_logprobs"][0] is None and len(lp1["tokens"]) == 1 + NEW
+    assert one["choices"][0]["prompt_logprobs"] == [None]
+    with httpx.stream("POST", engine.url + "/v1/completions", timeout=60,
+                      json={**body, "prompt": [7], "stream": True}) as r:
+        one_lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert json.loads(one_lines[0][len("data: "):])["choices"][0]["logprobs"]["token_logprobs"] == [None]
+    assert one_lines[-1] == "data: [DONE]"
+
     two = post(engine, {**body, "n": 2, "temperature": 1.0, "seed": 3})
     validate_echo(two)
     a, b = (c["logprobs"] for c in two["choices"])
