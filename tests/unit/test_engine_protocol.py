@@ -83,6 +83,25 @@ def test_prompt_logprobs_width():
     assert P.prompt_logprobs_width(chat) == 0 and not chat.ignored_fields
 
 
+def test_prompt_logprob_shapes():
+    """Echo items: the first prompt token None, then top-k cut to the request's k; vLLM's prompt_logprobs:
+    the prompt token itself first (its own rank), then the top-k not already there."""
+    from consort_engine.sequence import PromptLogprobs
+    plp = PromptLogprobs([-0.5, -3.0], [1, 4], [[7, 8, 9], [7, 8, 9]], [[-0.5, -1.0, -2.0], [-0.2, -1.5, -2.5]])
+    items = P.prompt_token_logprobs([5, 7, 6], plp, 2)
+    assert [(i.token_id, i.logprob, i.top) for i in items] == [
+        (5, None, []), (7, -0.5, [(7, -0.5), (8, -1.0)]), (6, -3.0, [(7, -0.2), (8, -1.5)])]
+    text = lambda t: f"<{t}>"
+    lp = P.completion_logprobs(items, text, 0)
+    assert lp["token_logprobs"] == [None, -0.5, -3.0] and lp["top_logprobs"][0] is None
+    assert lp["text_offset"] == [0, 3, 6] and lp["tokens"] == ["<5>", "<7>", "<6>"]
+    vl = P.vllm_prompt_logprobs([5, 7, 6], plp, 2, text)
+    assert vl[0] is None
+    assert vl[1] == {"7": {"logprob": -0.5, "rank": 1, "decoded_token": "<7>"},
+                     "8": {"logprob": -1.0, "rank": 2, "decoded_token": "<8>"}}
+    assert list(vl[2]) == ["6", "7", "8"] and vl[2]["6"]["rank"] == 4 and vl[2]["7"]["rank"] == 1
+
+
 def test_unknown_fields_are_ignored_and_reported_known_unsupported_ones_stay_400():
     r = P.parse_completion({"prompt": "x", "bogus": 1, "stream_options": {"include_usage": True, "nope": True}})
     assert r.ignored_fields == ["bogus", "stream_options.nope"] and r.include_usage
