@@ -87,9 +87,10 @@ class BlockManager:
         """Cached blocks reusable for seq's leading full blocks, and their hashes.
 
         The block holding the last token is never reused: at least one token must run
-        through the model so that there are logits to sample from.
+        through the model so that there are logits to sample from. A sequence that still needs
+        its prompt logprobs reuses nothing: they come from the logits at every prompt position.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or seq.needs_prompt_logprobs:
             return [], []
         bs = self.block_size
         tokens = seq.token_ids

@@ -173,6 +173,8 @@ class LLMEngine:
         logits = self.runner.execute(batch)
         if mtp:
             self._keep_hidden(batch)
+        for i, lps in getattr(self.runner, "last_prompt_logprobs", ()):
+            batch.seqs[i].prompt_logprobs.extend(lps)
         token_ids, logprobs = self._sample(batch, logits)
         t2 = time.perf_counter()
         outputs = self.scheduler.postprocess(batch, token_ids, logprobs)

@@ -25,10 +25,11 @@ from .models import MODELS
 from .models.mtp import has_mtp
 from .lora import AdapterError, LoraAdapter, LoraContext, load_peft_adapter, segments_of
 from .models.packed import has_amx
-from .sequence import ScheduledBatch, Sequence
+from .sequence import PromptLogprobs, ScheduledBatch, Sequence
 from .tensor_parallel import SINGLE, TPGroup, TPWorkers
 
 MAX_KERNEL_QUERY = 16     # sequences with at most this many new tokens join the batched (kernel) group
+PROMPT_LOGITS_ELEMENTS = 1 << 25   # full-vocab fp32 logit rows per slice for prompt logprobs (128 MiB)
 MiB = 1 << 20
 
 
@@ -139,6 +140,8 @@ class ModelRunner:
         self.num_kv_layers = cfg.num_hidden_layers + self.has_mtp     # the MTP block's own KV layer last
         self.last_hidden: torch.Tensor | None = None     # normed target hidden states of the last step (MTP)
         self.last_item_rows: list[tuple[int, int]] = []
+        # (batch index, the prompt logprobs this step computed for it), for sequences that ask (rank 0)
+        self.last_prompt_logprobs: list[tuple[int, PromptLogprobs]] = []
         self.vocab_size = cfg.vocab_size
         self.block_size = config.block_size
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
@@ -354,9 +357,57 @@ class ModelRunner:
             self.lora_ctx.segments = []
         if self.has_mtp:     # the next step's MTP pass fuses these with the tokens that follow them
             self.last_hidden, self.last_item_rows = self.model.norm(h), inp.item_rows
+        self.last_prompt_logprobs = []
+        if self.tp.rank == 0 and any(s.needs_prompt_logprobs for s in batch.seqs):
+            self.last_prompt_logprobs = self.prompt_logprobs(batch, inp.item_rows, h)
         if inp.sample_idx.numel() == 0:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
         return self.model.compute_logits(h[inp.sample_idx]).float()
+
+    def prompt_logprobs(self, batch: ScheduledBatch, item_rows: list[tuple[int, int]],
+                        h: torch.Tensor) -> list[tuple[int, PromptLogprobs]]:
+        """Logprobs of the prompt tokens this step's rows predict, for the sequences that ask only.
+
+        The row at position q predicts token q + 1, so a chunk over positions s..s+n-1 yields prompt
+        tokens s+1..min(s+n, P-1) (the last prompt row is the sampled one); positions already
+        collected (before a preemption) are skipped. Every asking row goes through the head in
+        slices of bounded size: log_softmax, the prompt token's logprob and rank, and the top-k."""
+        spans: list[tuple[int, int, int, int]] = []      # (batch index, first row, first position, rows)
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            if not seq.needs_prompt_logprobs:
+                continue
+            s = seq.num_computed_tokens
+            lo, hi = max(s, len(seq.prompt_logprobs)), min(s + n, seq.num_prompt_tokens - 1)
+            if hi > lo:
+                spans.append((i, item_rows[i][0] + lo - s, lo, hi - lo))
+        if not spans:
+            return []
+        dev = h.device
+        rows = torch.cat([torch.arange(r, r + c) for _, r, _, c in spans]).to(dev)
+        targets = torch.tensor([t for i, _, q, c in spans for t in batch.seqs[i].prompt_token_ids[q + 1:q + 1 + c]],
+                               dtype=torch.int64, device=dev).view(-1, 1)
+        k = min(max(batch.seqs[i].sampling.prompt_logprobs for i, *_ in spans), self.vocab_size)
+        step = max(1, PROMPT_LOGITS_ELEMENTS // self.vocab_size)
+        chosen, ranks, top_v, top_i = [], [], [], []
+        for a in range(0, rows.numel(), step):
+            lp = torch.log_softmax(self.model.compute_logits(h[rows[a:a + step]]).float(), dim=-1)
+            c = lp.gather(1, targets[a:a + step])
+            chosen.append(c.view(-1))
+            ranks.append((lp > c).sum(dim=-1) + 1)
+            v, ix = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+            top_v.append(v)
+            top_i.append(ix)
+        chosen_l, ranks_l = torch.cat(chosen).tolist(), torch.cat(ranks).tolist()
+        top_v_l, top_i_l = torch.cat(top_v).tolist(), torch.cat(top_i).tolist()
+        out, a = [], 0
+        for i, _, _, c in spans:
+            kk = batch.seqs[i].sampling.prompt_logprobs
+            ids, vals = top_i_l[a:a + c], top_v_l[a:a + c]
+            if kk < k:       # a request asking fewer alternatives than the batch's widest
+                ids, vals = [t[:kk] for t in ids], [t[:kk] for t in vals]
+            out.append((i, PromptLogprobs(chosen_l[a:a + c], ranks_l[a:a + c], ids, vals)))
+            a += c
+        return out
 
     @torch.inference_mode()
     def mtp_draft(self, items: list[MTPRows]) -> list[list[int]]:

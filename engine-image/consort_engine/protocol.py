@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .guided import GuidedSpec
-from .sequence import SamplingParams
+from .sequence import PromptLogprobs, SamplingParams
 
 MAX_LOGPROBS = 20
 MAX_CHOICES = 64     # prompts x n in one request
@@ -80,6 +80,7 @@ class GenerationRequest:
     logprobs: int | None = None                 # top-k alternatives per token (0 = chosen only)
     skip_special_tokens: bool = True
     echo: bool = False                          # completions: the prompt text leads the choice's text
+    prompt_logprobs: int | None = None          # vLLM's: each prompt token's logprob + top-k, in the response
     n: int = 1                                  # samples per prompt
     best_of: int | None = None                  # completions: sample this many per prompt, return the n best
     prompts: list = field(default_factory=list)  # completions with several prompts: each str or token ids
@@ -168,6 +169,7 @@ _COMMON = frozenset({
     "guided_decoding_backend", "guided_whitespace_pattern",
     # Consort extensions
     "priority", "deadline_ms", "adapter", "return_token_ids",
+    "prompt_logprobs",     # vLLM's extra
 })
 STREAM_OPTIONS = frozenset({"include_usage", "continuous_usage_stats"})
 COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo", "suffix", "best_of"}
@@ -348,6 +350,10 @@ def _common(body: dict, req: GenerationRequest) -> GenerationRequest:
     req.n = _int(body, "n", 1, lo=1, hi=MAX_CHOICES)
     req.return_token_ids = _bool(body, "return_token_ids")
     req.skip_special_tokens = _bool(body, "skip_special_tokens", True)
+    req.prompt_logprobs = _int(body, "prompt_logprobs", None, lo=0, hi=MAX_LOGPROBS)
+    if req.prompt_logprobs is not None and req.stream:
+        raise bad("unsupported_value", "'prompt_logprobs' cannot be streamed (as in vLLM); with 'echo' and "
+                  "'logprobs' a completions stream carries the prompt's logprobs", "prompt_logprobs")
     _str(body, "user")
     return req
 
@@ -389,6 +395,13 @@ def _check_choices(body: dict, req: GenerationRequest) -> None:
                   "best_of" if req.best_of else "n")
 
 
+def prompt_logprobs_width(req: GenerationRequest) -> int | None:
+    """Top-k alternatives the engine computes per prompt token: echo + logprobs k (the prompt's
+    logprobs lead the choice's), vLLM's prompt_logprobs k, the wider of both; None: none computed."""
+    ks = [k for k in (req.logprobs if req.echo else None, req.prompt_logprobs) if k is not None]
+    return max(ks) if ks else None
+
+
 def samples_per_prompt(req: GenerationRequest) -> int:
     return req.best_of or req.n
 
@@ -422,9 +435,6 @@ def parse_completion(body: Any) -> GenerationRequest:
     lp = _int(body, "logprobs", None, lo=0, hi=MAX_LOGPROBS)
     req.logprobs = lp
     req.echo = _bool(body, "echo")
-    if req.echo and lp is not None:
-        raise bad("unsupported_value", "'echo' with 'logprobs' needs the prompt's logprobs, which this engine "
-                  "does not compute; drop one of them", "echo")
     req = _common(body, req)
     _check_choices(body, req)
     return req
@@ -575,12 +585,32 @@ def check_token_ids(ids: list[int], vocab_size: int, param: str = "prompt") -> N
 @dataclass
 class TokenLogprob:
     token_id: int
-    logprob: float
+    logprob: float | None                       # None: the first prompt token (nothing predicts it)
     top: list[tuple[int, float]] = field(default_factory=list)   # (token_id, logprob), best first
 
 
 def _lp(x: float) -> float:
     return x if math.isfinite(x) else -9999.0
+
+
+def prompt_token_logprobs(prompt: list[int], plp: PromptLogprobs, k: int) -> list[TokenLogprob]:
+    """The prompt's tokens as TokenLogprob items with their top-k (k <= the width computed); the first
+    token's logprob is None, as OpenAI and vLLM report it."""
+    return [TokenLogprob(prompt[0], None)] + [
+        TokenLogprob(t, lp, list(zip(ids[:k], vals[:k])))
+        for t, lp, ids, vals in zip(prompt[1:], plp.logprobs, plp.top_ids, plp.top_logprobs)]
+
+
+def vllm_prompt_logprobs(prompt: list[int], plp: PromptLogprobs, k: int, token_text) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: None for the first token, then per token {id: {logprob, rank,
+    decoded_token}} holding the prompt token itself and the top-k (rank 1 = the most likely)."""
+    out: list[dict | None] = [None]
+    for t, lp, rank, ids, vals in zip(prompt[1:], plp.logprobs, plp.ranks, plp.top_ids, plp.top_logprobs):
+        entry = {str(t): {"logprob": _lp(lp), "rank": rank, "decoded_token": token_text(t)}}
+        for r, (tid, v) in enumerate(zip(ids[:k], vals[:k]), 1):
+            entry.setdefault(str(tid), {"logprob": _lp(v), "rank": r, "decoded_token": token_text(tid)})
+        out.append(entry)
+    return out
 
 
 def completion_logprobs(items: list[TokenLogprob], token_text, text_offset: int) -> dict:
@@ -589,8 +619,12 @@ def completion_logprobs(items: list[TokenLogprob], token_text, text_offset: int)
     for it in items:
         s = token_text(it.token_id)
         tokens.append(s)
-        token_lps.append(_lp(it.logprob))
-        tops.append({token_text(t): _lp(lp) for t, lp in it.top})
+        if it.logprob is None:      # the first prompt token of an echo
+            token_lps.append(None)
+            tops.append(None)
+        else:
+            token_lps.append(_lp(it.logprob))
+            tops.append({token_text(t): _lp(lp) for t, lp in it.top})
         offsets.append(off)
         off += len(s)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}

@@ -21,7 +21,7 @@ from .admission import (AdmissionRequest, QueueSnapshot, Rejection, StepEstimate
                         decide_admission)
 from .block_manager import BlockManager, blocks_for
 from .config import EngineConfig
-from .sequence import ScheduledBatch, Sequence, SequenceStatus
+from .sequence import PromptLogprobs, ScheduledBatch, Sequence, SequenceStatus
 from .speculative import propose_ngram
 
 _RUNNING = SequenceStatus.RUNNING
@@ -36,6 +36,7 @@ class StepOutput:
     finished: bool
     finish_reason: str | None
     logprobs: list | None = None     # per new token, whatever the sampler returned
+    prompt_logprobs: PromptLogprobs | None = None   # with a sequence's first output, when asked for
 
 
 def run_order(seq: Sequence) -> tuple[int, float, int]:
@@ -112,6 +113,9 @@ class Scheduler:
         for seq_id, (child, twin) in list(self._parked.items()):
             if twin.is_finished or twin.num_computed_tokens >= twin.num_prompt_tokens:
                 del self._parked[seq_id]
+                if (child.needs_prompt_logprobs and twin.prompt_logprobs is not None
+                        and not twin.needs_prompt_logprobs):
+                    child.prompt_logprobs = twin.prompt_logprobs   # the same prompt's: complete, never changes
                 self._push_waiting(child)
 
     def _waiting_cost(self, seq: Sequence) -> tuple[int, int]:
@@ -406,7 +410,8 @@ class Scheduler:
             seq.num_computed_tokens = before + n if rows == 1 else before + len(emit)
             new_lps = [lp for lp in lps[:len(new)] if lp is not None]
             seq.output_logprobs.extend(new_lps)
-            if seq.first_token_time is None:
+            first = seq.first_token_time is None
+            if first:
                 seq.first_token_time = now
             if reason is None:
                 if rows > 1:
@@ -423,7 +428,8 @@ class Scheduler:
                 seq.finish_reason = reason
                 bm.free(seq)
                 finished_any = True
-            outputs.append(StepOutput(seq.seq_id, new, reason is not None, reason, new_lps or None))
+            outputs.append(StepOutput(seq.seq_id, new, reason is not None, reason, new_lps or None,
+                                      seq.prompt_logprobs if first else None))
         if finished_any:
             self.running = [s for s in self.running if s.status is _RUNNING]
         return outputs

@@ -34,6 +34,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None    # None = no logprobs; k = chosen token + top-k
+    prompt_logprobs: int | None = None  # None = none; k = each prompt token's logprob (and rank) + top-k
     # Logits processors (OpenAI / vLLM semantics); the neutral values leave the logits untouched.
     presence_penalty: float = 0.0  # - p once for every token already generated
     frequency_penalty: float = 0.0  # - f per occurrence in the generated tokens
@@ -54,6 +55,26 @@ class SamplingParams:
 
 
 @dataclass
+class PromptLogprobs:
+    """Logprobs of prompt tokens 1.. (token 0 has nothing before it), computed during prefill and
+    appended chunk by chunk: each token's own logprob and rank (1 = the most likely), and the top-k
+    alternatives (k = sampling.prompt_logprobs) as (ids, logprobs), best first."""
+    logprobs: list[float] = field(default_factory=list)
+    ranks: list[int] = field(default_factory=list)
+    top_ids: list[list[int]] = field(default_factory=list)
+    top_logprobs: list[list[float]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.logprobs)
+
+    def extend(self, other: "PromptLogprobs") -> None:
+        self.logprobs += other.logprobs
+        self.ranks += other.ranks
+        self.top_ids += other.top_ids
+        self.top_logprobs += other.top_logprobs
+
+
+@dataclass
 class Sequence:
     prompt_token_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -71,6 +92,7 @@ class Sequence:
     finish_reason: str | None = None                   # stop | length | abort
     num_preemptions: int = 0
     output_logprobs: list = field(default_factory=list)  # per generated token, when requested
+    prompt_logprobs: PromptLogprobs | None = None      # when sampling.prompt_logprobs asks (set at init)
     first_token_time: float | None = None
     speculate: bool = True                             # False once a tool trigger was emitted
     matcher: Any = field(default=None, repr=False)     # xgrammar GrammarMatcher of a guided request
@@ -82,6 +104,8 @@ class Sequence:
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+        if self.sampling.prompt_logprobs is not None:
+            self.prompt_logprobs = PromptLogprobs()
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -98,6 +122,12 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked for and not all computed yet: such a sequence runs its whole prompt
+        through the model (no prefix-cache hits, which would skip positions)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
     @property
     def is_finished(self) -> bool:

@@ -31,7 +31,7 @@ from .config import EngineConfig
 from .adapter_sync import AdapterSync
 from .lora import AdapterError
 from .metrics import EngineMetrics, SloTracker
-from .sequence import Sequence
+from .sequence import PromptLogprobs, Sequence
 from .cpu import apply_threads
 from .guided import GrammarError, Grammars, GuidedSpec
 from .loader import eos_token_ids, load_model_config
@@ -171,6 +171,7 @@ class Delta:
     finish_reason: str | None = None
     stop_reason: Any = None
     num_output_tokens: int = 0      # all tokens generated so far (set on every delta)
+    prompt_logprobs: PromptLogprobs | None = None   # on the first delta, when the request asks
 
 
 @dataclass
@@ -226,6 +227,7 @@ async def generate(ctx: ServerContext, req: P.GenerationRequest, seq: Sequence, 
     k = req.logprobs
     total = 0
     async for out in stream:
+        plp = getattr(out, "prompt_logprobs", None)
         ids = list(out.new_token_ids or [])
         total += len(ids)
         times.on_tokens(time.monotonic(), len(ids))
@@ -235,7 +237,7 @@ async def generate(ctx: ServerContext, req: P.GenerationRequest, seq: Sequence, 
         text, stopped = matcher.feed(detok.step(ids) if ids else "")
         if stopped:
             ctx.engine.abort(seq.seq_id, "stop")
-            yield Delta(text, ids, lps, "stop", matcher.matched, total)
+            yield Delta(text, ids, lps, "stop", matcher.matched, total, plp)
             return
         if out.finished:
             tail, stopped = matcher.feed(detok.flush())
@@ -246,9 +248,9 @@ async def generate(ctx: ServerContext, req: P.GenerationRequest, seq: Sequence, 
             stop_reason = matcher.matched if stopped else None
             if reason == "stop" and stop_reason is None and ids and ids[-1] in req.sampling.stop_token_ids:
                 stop_reason = ids[-1]
-            yield Delta(text, ids, lps, reason, stop_reason, total)
+            yield Delta(text, ids, lps, reason, stop_reason, total, plp)
             return
-        yield Delta(text, ids, lps, num_output_tokens=total)
+        yield Delta(text, ids, lps, num_output_tokens=total, prompt_logprobs=plp)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -411,6 +413,7 @@ class Choice:
     text: list[str] = field(default_factory=list)
     ids: list[int] = field(default_factory=list)
     lps: list[P.TokenLogprob] = field(default_factory=list)
+    prompt_lps: PromptLogprobs | None = None     # the prompt's logprobs, when asked for
 
     @property
     def finished(self) -> bool:
@@ -452,7 +455,8 @@ async def handle_generation(request: web.Request, kind: str) -> web.StreamRespon
         max_tokens = P.resolve_max_tokens(preq, len(ids), ctx.max_model_len)
         for j in range(k):
             seed = req.sampling.seed if req.sampling.seed is None else req.sampling.seed + j
-            sampling = replace(req.sampling, max_tokens=max_tokens, logprobs=logprobs, seed=seed)
+            sampling = replace(req.sampling, max_tokens=max_tokens, logprobs=logprobs, seed=seed,
+                               prompt_logprobs=P.prompt_logprobs_width(req))
             seq = Sequence(prompt_token_ids=ids, sampling=sampling, priority=req.priority, arrival=arrival,
                            deadline=deadline, adapter=req.adapter)
             if sampling.guided is not None:
@@ -550,6 +554,18 @@ def echoed_prompt(ctx: ServerContext, req: P.GenerationRequest, seq: Sequence) -
     return req.prompt if req.prompt is not None else ctx.tokenizer.decode(seq.prompt_token_ids, skip_special_tokens=False)
 
 
+def echoed_logprobs(c: Choice) -> list[P.TokenLogprob]:
+    """With `echo` and `logprobs` k, the prompt's tokens lead the choice's logprobs (the first one None)."""
+    if not (c.req.echo and c.req.logprobs is not None):
+        return []
+    return P.prompt_token_logprobs(c.seq.prompt_token_ids, c.prompt_lps, c.req.logprobs)
+
+
+def prompt_logprobs_of(ctx: ServerContext, c: Choice) -> list[dict | None]:
+    return P.vllm_prompt_logprobs(c.seq.prompt_token_ids, c.prompt_lps, c.req.prompt_logprobs,
+                                  ctx.tokenizer.id_to_token)
+
+
 def usage_of(choices: list[Choice], n: int, completion_tokens: int) -> dict:
     """OpenAI's usage: each prompt counted once, whatever n; every choice's generated tokens."""
     firsts = choices[::n]
@@ -572,6 +588,8 @@ async def full_response(ctx: ServerContext, req: P.GenerationRequest, choices: l
         c.text.append(d.text)
         c.ids.extend(d.token_ids)
         c.lps.extend(d.logprobs)
+        if d.prompt_logprobs is not None:     # (empty, so falsy, for a one-token prompt)
+            c.prompt_lps = d.prompt_logprobs
         c.last = d
     assert all(c.finished for c in choices)
     k = P.samples_per_prompt(req)
@@ -584,13 +602,17 @@ async def full_response(ctx: ServerContext, req: P.GenerationRequest, choices: l
         logprobs = None
         if req.logprobs is not None:
             logprobs = (P.chat_logprobs(c.lps, ctx.tokenizer.id_to_token) if req.kind == "chat"
-                        else P.completion_logprobs(c.lps, ctx.tokenizer.id_to_token, 0))
+                        else P.completion_logprobs(echoed_logprobs(c) + c.lps, ctx.tokenizer.id_to_token, 0))
         one = P.choice(c.req, echoed_prompt(ctx, c.req, c.seq) + "".join(c.text), c.last.finish_reason, chunk=False,
                        logprobs=logprobs, token_ids=c.ids if req.return_token_ids else None,
                        stop_reason=c.last.stop_reason, index=c.index)
         if req.return_token_ids and req.prompts:
             one["prompt_token_ids"] = list(c.seq.prompt_token_ids)
+        if req.prompt_logprobs is not None and req.kind == "completion":   # vLLM: per choice
+            one["prompt_logprobs"] = prompt_logprobs_of(ctx, c)
         body["choices"].append(one)
+    if req.prompt_logprobs is not None and req.kind == "chat":   # vLLM: the response's (one prompt)
+        body["prompt_logprobs"] = prompt_logprobs_of(ctx, choices[0])
     body["usage"] = usage
     if req.return_token_ids and not req.prompts:
         body["prompt_token_ids"] = list(choices[0].seq.prompt_token_ids)
@@ -617,16 +639,34 @@ async def stream_response(request: web.Request, ctx: ServerContext, req: P.Gener
             chunk["prompt_token_ids"] = list(c.seq.prompt_token_ids)
         return chunk
 
+    # With echo the prompt comes first, as vLLM streams it; with logprobs too, once its logprobs are
+    # out (they come with the choice's first output).
+    echo_later = req.echo and req.logprobs is not None
+    unsent_echo = {c.index for c in choices} if req.echo else set()
+
+    async def send_echo(c: Choice) -> None:
+        unsent_echo.discard(c.index)
+        text = echoed_prompt(ctx, c.req, c.seq)
+        logprobs = None
+        if echo_later:
+            logprobs = P.completion_logprobs(echoed_logprobs(c), ctx.tokenizer.id_to_token, 0)
+        offsets[c.index] += len(text)
+        await resp.write(_sse(chunk_of(c, P.choice(c.req, text, None, chunk=True, logprobs=logprobs,
+                                                   index=c.index))))
+
     for c in choices:
         if req.kind == "chat":   # OpenAI sends the role first
             await resp.write(_sse(chunk_of(c, P.choice(c.req, "", None, chunk=True, first=True, index=c.index))))
-        if req.echo:             # the prompt first, as vLLM streams it
-            text = echoed_prompt(ctx, c.req, c.seq)
-            await resp.write(_sse(chunk_of(c, P.choice(c.req, text, None, chunk=True, index=c.index))))
+        if req.echo and not echo_later:
+            await send_echo(c)
     try:
         async for c, d in merged(choices):
             n_out += len(d.token_ids)
             c.last = d
+            if c.index in unsent_echo:
+                if d.prompt_logprobs is not None:
+                    c.prompt_lps = d.prompt_logprobs
+                await send_echo(c)
             if not (d.text or d.finish_reason or (req.return_token_ids and d.token_ids) or d.logprobs):
                 continue
             logprobs = None

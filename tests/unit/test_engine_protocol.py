@@ -62,12 +62,44 @@ def test_prompt_forms():
     ({"prompt": "x", "stop": 5}, "invalid_type", "stop"),
     ({"prompt": "x", "logprobs": 21}, "invalid_value", "logprobs"),
     ({"prompt": "x", "deadline_ms": 0}, "invalid_value", "deadline_ms"),
-    ({"prompt": "x", "echo": True, "logprobs": 2}, "unsupported_value", "echo"),
+    ({"prompt": "x", "prompt_logprobs": 21}, "invalid_value", "prompt_logprobs"),
+    ({"prompt": "x", "prompt_logprobs": 1, "stream": True}, "unsupported_value", "prompt_logprobs"),
 ])
 def test_completion_rejects(body, code, param):
     e = err(P.parse_completion, body)
     assert (e.status, e.code, e.param) == (400, code, param)
     assert e.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_prompt_logprobs_width():
+    """echo + logprobs k and vLLM's prompt_logprobs k ask the engine for the prompt's logprobs (the wider)."""
+    width = lambda body: P.prompt_logprobs_width(P.parse_completion({"prompt": "x", **body}))
+    assert width({"echo": True, "logprobs": 2}) == 2
+    assert width({"logprobs": 2}) is None and width({"echo": True}) is None
+    assert width({"echo": True, "logprobs": 0}) == 0
+    assert width({"prompt_logprobs": 4, "logprobs": 1, "echo": True}) == 4
+    assert width({"prompt_logprobs": 1, "logprobs": 3, "echo": True}) == 3
+    chat = P.parse_chat({"messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 0})
+    assert P.prompt_logprobs_width(chat) == 0 and not chat.ignored_fields
+
+
+def test_prompt_logprob_shapes():
+    """Echo items: the first prompt token None, then top-k cut to the request's k; vLLM's prompt_logprobs:
+    the prompt token itself first (its own rank), then the top-k not already there."""
+    from consort_engine.sequence import PromptLogprobs
+    plp = PromptLogprobs([-0.5, -3.0], [1, 4], [[7, 8, 9], [7, 8, 9]], [[-0.5, -1.0, -2.0], [-0.2, -1.5, -2.5]])
+    items = P.prompt_token_logprobs([5, 7, 6], plp, 2)
+    assert [(i.token_id, i.logprob, i.top) for i in items] == [
+        (5, None, []), (7, -0.5, [(7, -0.5), (8, -1.0)]), (6, -3.0, [(7, -0.2), (8, -1.5)])]
+    text = lambda t: f"<{t}>"
+    lp = P.completion_logprobs(items, text, 0)
+    assert lp["token_logprobs"] == [None, -0.5, -3.0] and lp["top_logprobs"][0] is None
+    assert lp["text_offset"] == [0, 3, 6] and lp["tokens"] == ["<5>", "<7>", "<6>"]
+    vl = P.vllm_prompt_logprobs([5, 7, 6], plp, 2, text)
+    assert vl[0] is None
+    assert vl[1] == {"7": {"logprob": -0.5, "rank": 1, "decoded_token": "<7>"},
+                     "8": {"logprob": -1.0, "rank": 2, "decoded_token": "<8>"}}
+    assert list(vl[2]) == ["6", "7", "8"] and vl[2]["6"]["rank"] == 4 and vl[2]["7"]["rank"] == 1
 
 
 def test_unknown_fields_are_ignored_and_reported_known_unsupported_ones_stay_400():

@@ -83,5 +83,5 @@ def test_echo_leads_the_completion_with_the_prompt(engine, client):
     ids = post(engine, "/tokenize", {"prompt": prompt}).json()["tokens"]
     by_ids = client.completions.create(model="spec", prompt=ids, max_tokens=2, temperature=0, echo=True)
     assert by_ids.choices[0].text.startswith(post(engine, "/detokenize", {"tokens": ids}).json()["prompt"])
-    r = post(engine, "/v1/completions", {"prompt": prompt, "echo": True, "logprobs": 1})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
+    r = post(engine, "/v1/completions", {"prompt": prompt, "prompt_logprobs": 1, "stream": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
