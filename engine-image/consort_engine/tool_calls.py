@@ -23,9 +23,10 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .guided import GuidedSpec
+if TYPE_CHECKING:
+    from .guided import GuidedSpec
 
 TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
@@ -146,6 +147,7 @@ def _params(tool: dict) -> dict:
 
 def guided_schema(tc: ToolChoice) -> GuidedSpec | None:
     """The structured-output constraint that enforces `required` or a named choice (None otherwise)."""
+    from .guided import GuidedSpec    # guided.py needs torch; the prompt side here does not
     if tc.mode == "named":
         i, tool = next((i, t) for i, t in enumerate(tc.tools) if t["function"]["name"] == tc.name)
         return GuidedSpec("json_schema", json.dumps(_params(tool), separators=(",", ":")),
@@ -504,3 +506,18 @@ def finish_reason(tc: ToolChoice, called: bool, engine_reason: str) -> str:
     if called and tc.mode in ("auto", "required") and engine_reason == "stop":
         return "tool_calls"
     return engine_reason
+
+
+def chunk_pieces(events: list[Event]) -> list[tuple[str, list[dict] | None]]:
+    """Streamer events -> (content, tool_calls) payloads, one SSE chunk each: consecutive content
+    joined, one tool-call delta per chunk (clients that read `delta.tool_calls[0]` see every one)."""
+    out: list[tuple[str, list[dict] | None]] = []
+    for kind, v in events:
+        if kind == "content":
+            if out and out[-1][1] is None:
+                out[-1] = (out[-1][0] + v, None)
+            else:
+                out.append((v, None))
+        else:
+            out.append(("", [v]))
+    return out
