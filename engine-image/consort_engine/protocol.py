@@ -467,13 +467,17 @@ def _message(i: int, m: Any) -> dict:
     return out
 
 
+def _tool_choice(body: dict) -> T.ToolChoice | None:
+    try:
+        return T.parse_tools(body)
+    except T.ToolsError as e:
+        raise bad(e.code, e.message, e.param) from None
+
+
 def _tools(body: dict, req: GenerationRequest) -> None:
     """tools / tool_choice / parallel_tool_calls; `required` and a named choice become the request's
     structured-output constraint (so they cannot be combined with another one)."""
-    try:
-        req.tools = T.parse_tools(body)
-    except T.ToolsError as e:
-        raise bad(e.code, e.message, e.param) from None
+    req.tools = _tool_choice(body)
     guided = T.guided_schema(req.tools) if req.tools is not None else None
     if guided is not None:
         if req.sampling.guided is not None:
@@ -527,7 +531,7 @@ def resolve_max_tokens(req: GenerationRequest, num_prompt_tokens: int, max_model
 # /tokenize and /detokenize (vLLM's shapes)
 
 TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
-                             "continue_final_message", "return_token_strs", "adapter"})
+                             "continue_final_message", "return_token_strs", "adapter", "tools"})
 
 
 @dataclass
@@ -540,6 +544,7 @@ class TokenizeRequest:
     continue_final_message: bool = False
     return_token_strs: bool = False
     adapter: str | None = None               # same tokenizer; named only so the model check matches generation
+    tools: T.ToolChoice | None = None        # rendered with the messages, as a chat request renders them
     ignored_fields: list[str] = field(default_factory=list)
 
 
@@ -555,6 +560,7 @@ def parse_tokenize(body: Any) -> TokenizeRequest:
         if not isinstance(messages, list) or not messages:
             raise bad("invalid_type", "'messages' must be a non-empty list", "messages")
         req.messages = [_message(i, m) for i, m in enumerate(messages)]
+        req.tools = _tool_choice({"tools": body.get("tools")})
         req.add_special_tokens = _bool(body, "add_special_tokens", False)
         req.add_generation_prompt = _bool(body, "add_generation_prompt", True)
         req.continue_final_message = _bool(body, "continue_final_message", False)
