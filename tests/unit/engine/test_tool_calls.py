@@ -263,3 +263,19 @@ def test_template_that_knows_tools_gets_them_and_arguments_as_objects(demo):
     assert text.startswith("TOOLS:get_weather;now;[system]be brief[user]")
     assert '<call get_weather {"city": "Paris", "days": 1}>' in text      # an object, not a JSON string
     assert text.endswith("[tool]sunny[tool]warm") and "# Tools" not in text
+
+
+def test_a_call_whose_head_streamed_stays_a_call_when_its_json_breaks_later():
+    text = '<tool_call>{"name": "now", "arguments": {"a": 1,, }}</tool_call> ok'
+    s = T.ToolCallStreamer(auto())
+    events = s.feed(text[:42]) + s.feed(text[42:]) + s.finish()     # the head is complete in the first piece
+    got = T.assemble(events)
+    assert [c["function"]["name"] for c in got.tool_calls] == ["now"] and got.content == " ok"
+    assert got.tool_calls[0]["function"]["arguments"] == '{"a": 1,, }'
+    whole = T.parse_output(auto(), text)                                # all at once: not a call, content
+    assert whole.tool_calls == [] and whole.content == text
+
+
+def test_auto_or_none_without_tools_is_no_tools():
+    assert P.parse_chat({"messages": CHAT["messages"], "tool_choice": "auto"}).tools is None
+    assert P.parse_chat({"messages": CHAT["messages"], "parallel_tool_calls": True}).tools is None
