@@ -13,6 +13,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import tool_calls as T
 from .guided import GuidedSpec
 from .sequence import PromptLogprobs, SamplingParams
 
@@ -84,6 +85,7 @@ class GenerationRequest:
     n: int = 1                                  # samples per prompt
     best_of: int | None = None                  # completions: sample this many per prompt, return the n best
     prompts: list = field(default_factory=list)  # completions with several prompts: each str or token ids
+    tools: T.ToolChoice | None = None            # chat: tools given (rendered; parsed unless tool_choice none)
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     ignored_fields: list[str] = field(default_factory=list)   # unknown fields, ignored as vLLM does
 
@@ -465,18 +467,40 @@ def _message(i: int, m: Any) -> dict:
         content = ""
     elif not isinstance(content, str):
         raise bad("invalid_type", f"'{param}.content' must be a string or a list of text parts", f"{param}.content")
+    if role == "assistant" and m.get("tool_calls") is not None:
+        try:
+            T.check_history_tool_calls(f"{param}.tool_calls", m["tool_calls"])
+        except T.ToolsError as e:
+            raise bad(e.code, e.message, e.param) from None
     out = {k: v for k, v in m.items() if k not in ("role", "content")}
     out.update(role=role, content=content)
     return out
 
 
+def _tool_choice(body: dict) -> T.ToolChoice | None:
+    try:
+        return T.parse_tools(body)
+    except T.ToolsError as e:
+        raise bad(e.code, e.message, e.param) from None
+
+
+def _tools(body: dict, req: GenerationRequest) -> None:
+    """tools / tool_choice / parallel_tool_calls; `required` and a named choice become the request's
+    structured-output constraint (so they cannot be combined with another one)."""
+    req.tools = _tool_choice(body)
+    guided = T.guided_schema(req.tools) if req.tools is not None else None
+    if guided is not None:
+        if req.sampling.guided is not None:
+            raise bad("invalid_value", f"tool_choice {req.tools.mode} constrains the output and cannot be combined "
+                      f"with '{req.sampling.guided.param}'", "tool_choice")
+        req.sampling.guided = guided
+
+
 def parse_chat(body: Any) -> GenerationRequest:
     body = _as_dict(body)
     ignored = unknown_fields(body, CHAT_FIELDS)
-    if body.get("tools"):
-        raise bad("unsupported_value", "'tools' are not supported by this engine", "tools")
-    _require_neutral(body, "tool_choice", "none")
     req = GenerationRequest(kind="chat", model=None, sampling=_sampling(body), ignored_fields=ignored)
+    _tools(body, req)
     messages = body.get("messages")
     if messages is None:
         raise bad("missing_field", "'messages' is required", "messages")
@@ -517,7 +541,7 @@ def resolve_max_tokens(req: GenerationRequest, num_prompt_tokens: int, max_model
 # /tokenize and /detokenize (vLLM's shapes)
 
 TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
-                             "continue_final_message", "return_token_strs", "adapter"})
+                             "continue_final_message", "return_token_strs", "adapter", "tools"})
 
 
 @dataclass
@@ -530,6 +554,7 @@ class TokenizeRequest:
     continue_final_message: bool = False
     return_token_strs: bool = False
     adapter: str | None = None               # same tokenizer; named only so the model check matches generation
+    tools: T.ToolChoice | None = None        # rendered with the messages, as a chat request renders them
     ignored_fields: list[str] = field(default_factory=list)
 
 
@@ -545,6 +570,7 @@ def parse_tokenize(body: Any) -> TokenizeRequest:
         if not isinstance(messages, list) or not messages:
             raise bad("invalid_type", "'messages' must be a non-empty list", "messages")
         req.messages = [_message(i, m) for i, m in enumerate(messages)]
+        req.tools = _tool_choice({"tools": body.get("tools")})
         req.add_special_tokens = _bool(body, "add_special_tokens", False)
         req.add_generation_prompt = _bool(body, "add_generation_prompt", True)
         req.continue_final_message = _bool(body, "continue_final_message", False)
@@ -658,9 +684,10 @@ def envelope(req: GenerationRequest, model: str, chunk: bool) -> dict:
     return {"id": response_id(req), "object": obj, "created": int(time.time()), "model": model}
 
 
-def choice(req: GenerationRequest, text: str, finish_reason: str | None, *, chunk: bool, first: bool = False,
+def choice(req: GenerationRequest, text: str | None, finish_reason: str | None, *, chunk: bool, first: bool = False,
            logprobs: dict | None = None, token_ids: list[int] | None = None, stop_reason: Any = None,
-           index: int = 0) -> dict:
+           index: int = 0, tool_calls: list[dict] | None = None) -> dict:
+    """One choice; chat `tool_calls` go into the message (content None when there is none) or the delta."""
     if req.kind == "chat":
         if chunk:
             delta: dict[str, Any] = {}
@@ -668,10 +695,14 @@ def choice(req: GenerationRequest, text: str, finish_reason: str | None, *, chun
                 delta["role"] = "assistant"
             if text or first:
                 delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
             c: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
-            c = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                 "finish_reason": finish_reason}
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if tool_calls:
+                message["tool_calls"] = tool_calls
+            c = {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
     else:
         c = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     if finish_reason is not None and stop_reason is not None:

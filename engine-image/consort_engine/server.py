@@ -26,6 +26,7 @@ from aiohttp import web
 
 from . import protocol as P
 from . import responses as R
+from . import tool_calls as T
 from .async_engine import AsyncEngine, EngineFailed, EngineNotReady
 from .config import EngineConfig
 from .adapter_sync import AdapterSync
@@ -340,8 +341,10 @@ async def read_json(request: web.Request) -> Any:
 def render_chat(tokenizer: Tokenizer, req: P.GenerationRequest | P.TokenizeRequest) -> str:
     """The request's messages through the chat template; a template error is the client's (400)."""
     try:
+        tools = getattr(req, "tools", None)
         return tokenizer.apply_chat_template(req.messages, add_generation_prompt=req.add_generation_prompt,
-                                             continue_final_message=req.continue_final_message)
+                                             continue_final_message=req.continue_final_message,
+                                             tools=tools.tools if tools is not None else None)
     except ChatTemplateError as e:
         raise P.bad("chat_template_error", str(e), "messages")
 
@@ -603,9 +606,14 @@ async def full_response(ctx: ServerContext, req: P.GenerationRequest, choices: l
         if req.logprobs is not None:
             logprobs = (P.chat_logprobs(c.lps, ctx.tokenizer.id_to_token) if req.kind == "chat"
                         else P.completion_logprobs(echoed_logprobs(c) + c.lps, ctx.tokenizer.id_to_token, 0))
-        one = P.choice(c.req, echoed_prompt(ctx, c.req, c.seq) + "".join(c.text), c.last.finish_reason, chunk=False,
-                       logprobs=logprobs, token_ids=c.ids if req.return_token_ids else None,
-                       stop_reason=c.last.stop_reason, index=c.index)
+        text, reason, calls = echoed_prompt(ctx, c.req, c.seq) + "".join(c.text), c.last.finish_reason, None
+        if req.tools is not None and req.tools.parses:
+            parsed = T.parse_output(req.tools, text)
+            text, calls = (parsed.content if parsed.tool_calls else parsed.content or ""), parsed.tool_calls or None
+            reason = T.finish_reason(req.tools, bool(calls), reason)
+        one = P.choice(c.req, text, reason, chunk=False, logprobs=logprobs,
+                       token_ids=c.ids if req.return_token_ids else None, stop_reason=c.last.stop_reason,
+                       index=c.index, tool_calls=calls)
         if req.return_token_ids and req.prompts:
             one["prompt_token_ids"] = list(c.seq.prompt_token_ids)
         if req.prompt_logprobs is not None and req.kind == "completion":   # vLLM: per choice
@@ -631,6 +639,7 @@ async def stream_response(request: web.Request, ctx: ServerContext, req: P.Gener
     n_out = 0
     offsets = {c.index: 0 for c in choices}
     unsent_prompt_ids = {c.index for c in choices} if req.return_token_ids else set()
+    parsers = {c.index: T.ToolCallStreamer(req.tools) for c in choices} if req.tools and req.tools.parses else {}
 
     def chunk_of(c: Choice, choice: dict) -> dict:
         chunk = dict(base, choices=[choice])
@@ -667,7 +676,13 @@ async def stream_response(request: web.Request, ctx: ServerContext, req: P.Gener
                 if d.prompt_logprobs is not None:
                     c.prompt_lps = d.prompt_logprobs
                 await send_echo(c)
-            if not (d.text or d.finish_reason or (req.return_token_ids and d.token_ids) or d.logprobs):
+            pieces, finish = [(d.text, None)], d.finish_reason
+            if c.index in parsers:     # text -> content and tool-call deltas (a tag split over tokens waits)
+                parser = parsers[c.index]
+                pieces = T.chunk_pieces(parser.feed(d.text) + (parser.finish() if finish else [])) or [("", None)]
+                finish = finish and T.finish_reason(req.tools, parser.called, finish)
+            if not (any(t or tc for t, tc in pieces) or finish or (req.return_token_ids and d.token_ids)
+                    or d.logprobs):
                 continue
             logprobs = None
             if req.logprobs is not None:
@@ -676,12 +691,16 @@ async def stream_response(request: web.Request, ctx: ServerContext, req: P.Gener
                 else:
                     logprobs = P.completion_logprobs(d.logprobs, ctx.tokenizer.id_to_token, offsets[c.index])
             offsets[c.index] += len(d.text)
-            chunk = chunk_of(c, P.choice(c.req, d.text, d.finish_reason, chunk=True, logprobs=logprobs,
-                                         token_ids=d.token_ids if req.return_token_ids else None,
-                                         stop_reason=d.stop_reason, index=c.index))
-            if req.include_usage and req.continuous_usage:
-                chunk["usage"] = usage_of(choices, req.n, n_out)
-            await resp.write(_sse(chunk))
+            for i, (text, calls) in enumerate(pieces):   # logprobs/ids with the first, finish with the last
+                last = i == len(pieces) - 1
+                chunk = chunk_of(c, P.choice(c.req, text, finish if last else None, chunk=True,
+                                             logprobs=logprobs if i == 0 else None,
+                                             token_ids=(d.token_ids if i == 0 else []) if req.return_token_ids
+                                             else None, stop_reason=d.stop_reason, index=c.index,
+                                             tool_calls=calls))
+                if req.include_usage and req.continuous_usage:
+                    chunk["usage"] = usage_of(choices, req.n, n_out)
+                await resp.write(_sse(chunk))
     except EngineFailed as e:   # headers are out: report in-band, as OpenAI-compatible servers do
         err = P.ApiError(500, "engine_failed", str(e), type="server_error")
         await resp.write(_sse(err.body()))

@@ -13,6 +13,8 @@ from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
+from .tool_calls import messages_for_template
+
 
 class ChatTemplateError(ValueError):
     """The template is missing, or raised while rendering these messages (a client error)."""
@@ -127,16 +129,20 @@ class Tokenizer:
 
     # ---- chat -----------------------------------------------------------------------------
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            continue_final_message: bool = False, **kwargs: Any) -> str:
-        """Render like transformers' `apply_chat_template(..., tokenize=False)`."""
+                            continue_final_message: bool = False, tools: list[dict] | None = None,
+                            **kwargs: Any) -> str:
+        """Render like transformers' `apply_chat_template(..., tools=..., tokenize=False)`. A template that
+        ignores tools or tool calls sees them as Qwen2.5's template writes them (tool_calls.py)."""
         if not self.chat_template:
             raise ChatTemplateError("this model has no chat template; use /v1/completions")
         if self._compiled is None:
             self._compiled = _compile_template(self.chat_template)
+        if tools or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages):
+            messages = messages_for_template(messages, tools, self.chat_template)
         import jinja2
         try:
             text = self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         **self.special_tokens, **kwargs)
+                                         tools=tools or None, **self.special_tokens, **kwargs)
         except jinja2.exceptions.TemplateError as e:
             raise ChatTemplateError(f"chat template: {e}") from e
         if continue_final_message and messages:
