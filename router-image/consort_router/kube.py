@@ -26,7 +26,8 @@ def configuration(env: Mapping[str, str] = os.environ) -> Configuration:
     api = env.get("CONSORT_KUBE_API")
     if not api:
         try:
-            load_incluster_config(cfg, token_filename=token_file, cert_filename=ca_file)
+            load_incluster_config(cfg, token_filename=token_file, cert_filename=ca_file,
+                                  environ={"KUBERNETES_SERVICE_PORT": "443", **env})
         except ConfigException as e:
             raise ValueError(f"no Kubernetes API: not in a pod ({e}) and CONSORT_KUBE_API is unset") from e
         return cfg
