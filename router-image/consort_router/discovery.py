@@ -100,7 +100,12 @@ async def watch_slices(api: DiscoveryV1Api, namespace: str, services: frozenset[
 
 
 async def discovery_loop(router: "Router") -> None:
-    async with kube.api_client() as client:
+    try:
+        cfg = kube.configuration()
+    except ValueError as e:   # said once, loudly: the Service-backed lanes stay without replicas
+        log.error("EndpointSlice discovery is off: %s", e)
+        return
+    async with kube.api_client(cfg) as client:
         api = DiscoveryV1Api(client)
         wake = asyncio.Event()
         watching: dict[str, frozenset[str]] = {}

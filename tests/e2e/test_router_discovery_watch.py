@@ -14,7 +14,6 @@ import base64
 import json
 import re
 import time
-from pathlib import Path
 
 import httpx
 import pytest
