@@ -103,3 +103,46 @@ def test_the_router_lists_ready_endpoints_through_kubernetes_asyncio(cluster, na
             return ready_urls(await list_slices(DiscoveryV1Api(client), sel), sel)
 
     assert asyncio.run(urls()) == ["http://192.0.2.11:8000", "http://192.0.2.12:8000"]
+
+
+def test_the_watch_resumes_where_it_ended_and_restarts_after_failing(cluster, namespace, tmp_path, monkeypatch, caplog):
+    """Watches the apiserver ends (after 1 s here) resume from the last resourceVersion: no replayed
+    events, so no spurious re-lists. A watch refused (the token went bad) backs off and restarts, and
+    the events it missed meanwhile still wake the re-list."""
+    from consort_router import discovery, kube
+    from kubernetes_asyncio.client import DiscoveryV1Api
+
+    monkeypatch.setattr(discovery, "WATCH_S", 1)
+    kc = json.loads(cluster.kubeconfig.read_text())
+    (tmp_path / "ca.crt").write_bytes(base64.b64decode(kc["clusters"][0]["cluster"]["certificate-authority-data"]))
+    token = kc["users"][0]["user"]["token"]
+    (tmp_path / "token").write_text(token)
+    cfg = kube.configuration({"CONSORT_KUBE_API": kc["clusters"][0]["cluster"]["server"],
+                              "CONSORT_KUBE_TOKEN_FILE": str(tmp_path / "token"), "CONSORT_KUBE_CA_FILE": str(tmp_path / "ca.crt")})
+    apply_slice(cluster, namespace, "a-1", "a", 8000, [{"addresses": ["192.0.2.10"], "conditions": {"ready": False}}])
+
+    async def scenario() -> dict:
+        async with kube.api_client(cfg) as client:
+            wake = asyncio.Event()
+            task = asyncio.create_task(discovery.watch_slices(DiscoveryV1Api(client), namespace, frozenset({"a"}), wake))
+            try:
+                await asyncio.wait_for(wake.wait(), 10)       # a-1's ADDED
+                wake.clear()
+                await asyncio.sleep(3.5)                      # three or so watches ended and resumed
+                replayed = wake.is_set()
+                (tmp_path / "token").write_text("not-a-token")
+                await asyncio.sleep(2.5)                      # refused (401), backing off
+                refused_wake = wake.is_set()
+                (tmp_path / "token").write_text(token)
+                await asyncio.to_thread(apply_slice, cluster, namespace, "a-2", "a", 8000,
+                                        [{"addresses": ["192.0.2.11"], "conditions": {"ready": False}}])
+                await asyncio.wait_for(wake.wait(), 15)       # the restarted watch delivers a-2's ADDED
+                return {"replayed": replayed, "refused_wake": refused_wake}
+            finally:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+    with caplog.at_level("WARNING", logger="consort.router.discovery"):
+        got = asyncio.run(scenario())
+    assert got == {"replayed": False, "refused_wake": False}
+    assert any("401" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
