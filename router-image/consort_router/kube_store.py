@@ -102,6 +102,8 @@ class EnsembleRouterStatusStore:
         self._run(self._client.close(), self.timeout)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(self.timeout)
+        if not self._thread.is_alive():
+            self._loop.close()
 
     async def _write_pending(self) -> None:
         """The one writer: writes the newest payload until none is left (the guard makes a `save`
