@@ -1,33 +1,34 @@
 """Cluster mode: a specialist's replicas are the ready endpoints of its Service's EndpointSlices.
 
-Lists `discovery.k8s.io/v1` EndpointSlices labelled `kubernetes.io/service-name=<service>` with the
-pod's service-account token (in-cluster) and swaps the replica list into the runtime. A watch on
+Lists `discovery.k8s.io/v1` EndpointSlices labelled `kubernetes.io/service-name=<service>` through
+kubernetes_asyncio (kube.py: the pod's service account) and swaps the replica list into the runtime. A watch on
 those slices (one per namespace) wakes the re-list the moment one changes, so a pod that turns Ready
 is routed, and one that starts terminating is dropped, within a round trip rather than an interval;
 the re-list every `polling.discovery_interval_s` stays as the resync if a watch breaks. Endpoints
 whose `conditions.ready` is false are left out; the poller still gates on each engine's own /ready.
 
-Environment overrides (for running outside a pod): CONSORT_KUBE_API (https://host:port),
-CONSORT_KUBE_TOKEN_FILE, CONSORT_KUBE_CA_FILE.
+Outside a pod: CONSORT_KUBE_API, CONSORT_KUBE_TOKEN_FILE, CONSORT_KUBE_CA_FILE (kube.py).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import ssl
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import aiohttp
+from kubernetes_asyncio.client import ApiException, DiscoveryV1Api
+from kubernetes_asyncio.watch import Watch
 
+from . import kube
 from .config import ServiceSelector
 
 if TYPE_CHECKING:
     from .server import Router
 
 log = logging.getLogger("consort.router.discovery")
-SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+LIST_TIMEOUT_S = 10
+WATCH_S = 300   # the apiserver ends each watch after this; the next one resumes where it stopped
 
 
 def ready_urls(slices: list[dict], sel: ServiceSelector) -> list[str]:
@@ -45,34 +46,16 @@ def ready_urls(slices: list[dict], sel: ServiceSelector) -> list[str]:
     return sorted(set(urls))
 
 
-def api_settings() -> tuple[str, str | None, ssl.SSLContext | bool]:
-    api = os.environ.get("CONSORT_KUBE_API")
-    if not api:
-        host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT", "443")
-        if not host:
-            raise RuntimeError("no Kubernetes API: not in a pod and CONSORT_KUBE_API is unset")
-        api = f"https://{host}:{port}"
-    token_file = os.environ.get("CONSORT_KUBE_TOKEN_FILE", f"{SA_DIR}/token")
-    token = open(token_file).read().strip() if os.path.exists(token_file) else None
-    ca = os.environ.get("CONSORT_KUBE_CA_FILE", f"{SA_DIR}/ca.crt")
-    ctx: ssl.SSLContext | bool = ssl.create_default_context(cafile=ca) if os.path.exists(ca) else True
-    return api.rstrip("/"), token, ctx
+def service_selector(services: frozenset[str] | set[str]) -> str:
+    """Pure: the label selector of these Services' EndpointSlices."""
+    return f"kubernetes.io/service-name in ({','.join(sorted(services))})"
 
 
-def slices_request(api: str, token: str | None, namespace: str, services: frozenset[str] | set[str]) -> dict:
-    """url, params and headers of a list (or, with watch=1 added, a watch) of these Services' EndpointSlices."""
-    return {"url": f"{api}/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices",
-            "params": {"labelSelector": f"kubernetes.io/service-name in ({','.join(sorted(services))})"},
-            "headers": {"Authorization": f"Bearer {token}"} if token else {}}
-
-
-async def list_slices(session: aiohttp.ClientSession, api: str, token: str | None, ssl_ctx,
-                      sel: ServiceSelector) -> list[dict]:
-    req = slices_request(api, token, sel.namespace, {sel.service})
-    async with session.get(req["url"], params=req["params"], headers=req["headers"], ssl=ssl_ctx,
-                           timeout=aiohttp.ClientTimeout(total=10)) as resp:
-        resp.raise_for_status()
-        return (await resp.json()).get("items") or []
+async def list_slices(api: DiscoveryV1Api, sel: ServiceSelector) -> list[dict]:
+    """The Service's EndpointSlices as the apiserver's JSON (camelCase keys, what `ready_urls` reads)."""
+    got = await api.list_namespaced_endpoint_slice(sel.namespace, label_selector=service_selector({sel.service}),
+                                                   _request_timeout=LIST_TIMEOUT_S)
+    return api.api_client.sanitize_for_serialization(got).get("items") or []
 
 
 def watched_services(specialists) -> dict[str, frozenset[str]]:
@@ -84,56 +67,75 @@ def watched_services(specialists) -> dict[str, frozenset[str]]:
     return {ns: frozenset(names) for ns, names in out.items()}
 
 
-async def watch_slices(session: aiohttp.ClientSession, api: str, token: str | None, ssl_ctx, namespace: str,
-                       services: frozenset[str], wake: asyncio.Event) -> None:
+async def watch_slices(api: DiscoveryV1Api, namespace: str, services: frozenset[str], wake: asyncio.Event) -> None:
     """Sets `wake` on every event of a watch on these Services' EndpointSlices (the re-list reads
-    them); reconnects when the apiserver ends the watch or the connection drops."""
-    req = slices_request(api, token, namespace, services)
-    params = {**req["params"], "watch": "1", "timeoutSeconds": "300"}
+    them). The apiserver ends each watch after WATCH_S; the next resumes from the last resourceVersion
+    seen (from scratch, with a wake-up, when that is too old). A broken watch backs off and restarts."""
+    selector = service_selector(services)
+    version: str | None = None
+    backoff = 1.0
     while True:
+        watch = Watch(return_type="object")   # events stay dicts: only their arrival matters here
+        failed = ""
         try:
-            async with session.get(req["url"], params=params, headers=req["headers"], ssl=ssl_ctx,
-                                   timeout=aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=330)) as resp:
-                resp.raise_for_status()
-                async for line in resp.content:   # one JSON event per line
-                    if line.strip():
-                        wake.set()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            log.warning("EndpointSlice watch in %s failed (re-listing every interval meanwhile): %s", namespace, e)
-            await asyncio.sleep(2)
+            async with watch.stream(api.list_namespaced_endpoint_slice, namespace, label_selector=selector,
+                                    resource_version=version, timeout_seconds=WATCH_S,
+                                    _request_timeout=(10, WATCH_S + 30)) as events:
+                async for _ in events:
+                    wake.set()
+                    backoff = 1.0
+        except ApiException as e:
+            if e.status == 410:   # that resourceVersion is compacted away: start over, and re-list now
+                watch.resource_version = None
+                wake.set()
+            else:
+                failed = kube.describe(e)
+        except Exception as e:  # noqa: BLE001 - connection, timeout, malformed event: retry, never die
+            failed = kube.describe(e)
+        version = watch.resource_version
+        if failed:
+            log.warning("EndpointSlice watch in %s failed (re-listing every interval meanwhile): %s", namespace, failed)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 30.0)
 
 
 async def discovery_loop(router: "Router") -> None:
-    api, token, ssl_ctx = api_settings()
-    assert router.session is not None
-    wake = asyncio.Event()
-    watching: dict[str, frozenset[str]] = {}
-    watches: list[asyncio.Task] = []
-    trigger = "start"
     try:
-        while True:
-            rt = router.runtime
-            wanted = watched_services(rt.config.specialists)
-            if wanted != watching:    # first round, or a config reload changed the Services
-                for t in watches:
-                    t.cancel()
-                watches = [asyncio.create_task(watch_slices(router.session, api, token, ssl_ctx, ns, names, wake),
-                                               name=f"endpointslice-watch-{ns}") for ns, names in wanted.items()]
-                watching = wanted
-            await relist(router, api, token, ssl_ctx)
-            router.metrics.discovery_relists.labels(trigger).inc()
-            try:
-                await asyncio.wait_for(wake.wait(), rt.config.polling.discovery_interval_s)
-                trigger = "watch"
-            except asyncio.TimeoutError:
-                trigger = "interval"
-            wake.clear()
-    finally:
-        for t in watches:
-            t.cancel()
+        cfg = kube.configuration()
+    except ValueError as e:   # said once, loudly: the Service-backed lanes stay without replicas
+        log.error("EndpointSlice discovery is off: %s", e)
+        return
+    async with kube.api_client(cfg) as client:
+        api = DiscoveryV1Api(client)
+        wake = asyncio.Event()
+        watching: dict[str, frozenset[str]] = {}
+        watches: list[asyncio.Task] = []
+        trigger = "start"
+        try:
+            while True:
+                rt = router.runtime
+                wanted = watched_services(rt.config.specialists)
+                if wanted != watching:    # first round, or a config reload changed the Services
+                    for t in watches:
+                        t.cancel()
+                    watches = [asyncio.create_task(watch_slices(api, ns, names, wake), name=f"endpointslice-watch-{ns}")
+                               for ns, names in wanted.items()]
+                    watching = wanted
+                await relist(router, api)
+                router.metrics.discovery_relists.labels(trigger).inc()
+                try:
+                    await asyncio.wait_for(wake.wait(), rt.config.polling.discovery_interval_s)
+                    trigger = "watch"
+                except asyncio.TimeoutError:
+                    trigger = "interval"
+                wake.clear()
+        finally:
+            for t in watches:
+                t.cancel()
+            await asyncio.gather(*watches, return_exceptions=True)   # their sessions close before the client's
 
 
-async def relist(router: "Router", api: str, token: str | None, ssl_ctx) -> None:
+async def relist(router: "Router", api: DiscoveryV1Api) -> None:
     """Lists every Service-backed lane's EndpointSlices and swaps changed replica lists in."""
     rt = router.runtime
     changed = False
@@ -141,9 +143,9 @@ async def relist(router: "Router", api: str, token: str | None, ssl_ctx) -> None
         if s.service is None:
             continue
         try:
-            urls = ready_urls(await list_slices(router.session, api, token, ssl_ctx, s.service), s.service)
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
-            log.warning("EndpointSlice list for %s failed: %s", s.name, e)
+            urls = ready_urls(await list_slices(api, s.service), s.service)
+        except (ApiException, aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+            log.warning("EndpointSlice list for %s failed: %s", s.name, kube.describe(e))
             continue
         if router.lanes.discovered.get(s.name) != urls:
             router.lanes.discovered[s.name] = urls

@@ -7,95 +7,117 @@ set, as the operator sets it in router pods. The pod's Role (built by the operat
 status. The operator mirrors the states into each Specialist's `status.breaker` and `Demoted`
 condition (lifecycle/breaker.py).
 
-Standard library only (the router image has no Kubernetes client). Credentials: the pod's service
-account (token + CA under /var/run/secrets/kubernetes.io/serviceaccount, KUBERNETES_SERVICE_HOST),
-or CONSORT_KUBE_SERVER / CONSORT_KUBE_TOKEN_FILE / CONSORT_KUBE_CA_FILE (tests, out of cluster).
-`save` never blocks the event loop: a background thread writes the latest payload.
+Through kubernetes_asyncio (kube.py: the pod's service account, or CONSORT_KUBE_API and friends).
+`BreakerStore` is synchronous and `save` must never block the router's event loop, so the store owns
+a thread running its own event loop, where its client lives: `save` hands the latest payload to it
+(one write in flight, the newest payload last), `load` and `flush` wait for it.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
-import ssl
 import threading
-import urllib.error
-import urllib.request
+from collections.abc import Coroutine
+from concurrent.futures import Future
+from typing import Any
+
+import aiohttp
+from kubernetes_asyncio.client import ApiClient, ApiException, Configuration, CustomObjectsApi
+
+from . import kube
 
 log = logging.getLogger("consort.router.store")
 
-SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
-GROUP_VERSION = "consort.dev/v1alpha1"
+GROUP, VERSION, PLURAL = "consort.dev", "v1alpha1", "ensemblerouters"
+# Failures of one call: the store logs them and goes on (the next save retries with newer state).
+CALL_ERRORS = (ApiException, aiohttp.ClientError, TimeoutError, OSError, ValueError)
 
 
 class EnsembleRouterStatusStore:
-    def __init__(self, namespace: str, name: str, server: str | None = None, token_file: str | None = None,
-                 ca_file: str | None = None, timeout: float = 5.0):
-        host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT", "443")
-        self.server = (server or os.environ.get("CONSORT_KUBE_SERVER")
-                       or (f"https://{host}:{port}" if host else None))
-        if not self.server:
-            raise ValueError("no Kubernetes API server: not in a pod and CONSORT_KUBE_SERVER unset")
-        self.token_file = token_file or os.environ.get("CONSORT_KUBE_TOKEN_FILE") or f"{SA_DIR}/token"
-        ca = ca_file or os.environ.get("CONSORT_KUBE_CA_FILE") or f"{SA_DIR}/ca.crt"
-        self.ssl = ssl.create_default_context(cafile=ca)
-        self.url = f"{self.server.rstrip('/')}/apis/{GROUP_VERSION}/namespaces/{namespace}/ensemblerouters/{name}/status"
-        self.timeout = timeout
+    def __init__(self, namespace: str, name: str, cfg: Configuration | None = None, timeout: float = 5.0):
+        cfg = cfg or kube.configuration()   # ValueError here, in the caller, when there is no API server
+        self.namespace, self.name, self.timeout = namespace, name, timeout
+        self.url = f"{cfg.host}/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}/{name}/status"
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="breaker-store", daemon=True)
+        self._thread.start()
+        self._client: ApiClient = self._run(self._open(cfg))
+        self._api = CustomObjectsApi(self._client)
+        self._guard = threading.Lock()   # _pending and _writer, shared by the caller's thread and the store's
         self._pending: dict | None = None
-        self._cv = threading.Condition()
-        self._writer: threading.Thread | None = None
+        self._writer: Future | None = None
 
-    def _request(self, method: str, body: dict | None = None) -> dict:
-        with open(self.token_file) as f:       # re-read: projected tokens rotate
-            token = f.read().strip()
-        headers = {"Authorization": f"Bearer {token}", "Accept": "application/json"}
-        data = None
-        if body is not None:
-            data = json.dumps(body).encode()
-            headers["Content-Type"] = "application/merge-patch+json"
-        req = urllib.request.Request(self.url, data=data, method=method, headers=headers)
-        with urllib.request.urlopen(req, timeout=self.timeout, context=self.ssl) as resp:
-            return json.loads(resp.read() or b"{}")
+    async def _open(self, cfg: Configuration) -> ApiClient:
+        return kube.api_client(cfg)       # its aiohttp session belongs to the store's loop
+
+    def _run(self, coro: Coroutine[Any, Any, Any], timeout: float | None = None) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    # ---- the two calls (raise ApiException etc.; the BreakerStore methods below log instead)
+    def get(self) -> dict:
+        """The EnsembleRouter, read through its status subresource."""
+        return self._run(self._api.get_namespaced_custom_object_status(
+            GROUP, VERSION, self.namespace, PLURAL, self.name, _request_timeout=self.timeout))
+
+    def patch(self, body: dict) -> dict:
+        return self._run(self._patch(body))
+
+    async def _patch(self, body: dict) -> dict:
+        # A dict body would go out as a JSON Patch (the first type the API lists); this is a merge patch.
+        return await self._api.patch_namespaced_custom_object_status(
+            GROUP, VERSION, self.namespace, PLURAL, self.name, body,
+            _content_type="application/merge-patch+json", _request_timeout=self.timeout)
 
     # ---- BreakerStore
     def load(self) -> dict:
         try:
-            obj = self._request("GET")
-        except (urllib.error.URLError, OSError, ValueError) as e:
-            log.warning("could not load breaker state from %s: %s", self.url, e)
+            obj = self.get()
+        except CALL_ERRORS as e:
+            log.warning("could not load breaker state from %s: %s", self.url, kube.describe(e))
             return {}
         state = (obj.get("status") or {}).get("breakerState")
         return state if isinstance(state, dict) else {}
 
     def save(self, data: dict) -> None:
-        with self._cv:
+        with self._guard:
             self._pending = json.loads(json.dumps(data))
-            self._cv.notify()
-            if self._writer is None or not self._writer.is_alive():
-                self._writer = threading.Thread(target=self._write_loop, name="breaker-store", daemon=True)
-                self._writer.start()
+            if self._writer is None:
+                self._writer = asyncio.run_coroutine_threadsafe(self._write_pending(), self._loop)
 
     def flush(self, timeout: float = 10.0) -> None:
-        """Write what is pending now (router shutdown)."""
-        with self._cv:
-            data, self._pending = self._pending, None
-        if data is not None:
-            self._patch(data)
+        """Wait until what was saved is written (router shutdown)."""
+        with self._guard:
+            writer = self._writer
+        if writer is not None:
+            try:
+                writer.result(timeout)
+            except TimeoutError:
+                log.warning("breaker state not written to %s within %.0f s", self.url, timeout)
 
-    def _patch(self, data: dict) -> None:
-        try:
-            self._request("PATCH", {"status": {"breakerState": data}})
-        except (urllib.error.URLError, OSError, ValueError) as e:
-            log.warning("could not save breaker state to %s: %s", self.url, e)
+    def close(self) -> None:
+        """Flush, then close the client and stop the store's thread."""
+        self.flush()
+        self._run(self._client.close(), self.timeout)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(self.timeout)
+        if not self._thread.is_alive():
+            self._loop.close()
 
-    def _write_loop(self) -> None:
+    async def _write_pending(self) -> None:
+        """The one writer: writes the newest payload until none is left (the guard makes a `save`
+        during a write either hand over to this loop or start the next writer, never neither)."""
         while True:
-            with self._cv:
-                while self._pending is None:
-                    if not self._cv.wait(timeout=60):
-                        return
+            with self._guard:
                 data, self._pending = self._pending, None
-            self._patch(data)
+                if data is None:
+                    self._writer = None
+                    return
+            try:
+                await self._patch({"status": {"breakerState": data}})
+            except Exception as e:  # noqa: BLE001 - the one writer outlives any failed write
+                log.warning("could not save breaker state to %s: %s", self.url, kube.describe(e))
 
 
 def store_from_env() -> EnsembleRouterStatusStore | None:

@@ -714,9 +714,9 @@ async def serve(args: argparse.Namespace, store: BreakerStore | None = None) -> 
     await stop.wait()
     print("consort router: shutting down", flush=True)
     await runner.cleanup()
-    flush = getattr(router.lanes.store, "flush", None)   # stores that write in the background
-    if flush is not None:
-        flush()
+    close = getattr(router.lanes.store, "close", None)   # stores that write in the background: flush, close
+    if close is not None:
+        close()
     return 0
 
 

@@ -8,7 +8,6 @@ import base64
 import json
 import sys
 import time
-import urllib.error
 import urllib.request
 
 import pytest
@@ -49,7 +48,9 @@ def test_breaker_state_survives_router_restarts_and_demotes_the_specialist(clust
     from consort_router.breaker import BreakerState
     from consort_router.config import RouterConfig
 
+    from consort_router import kube
     from consort_router.kube_store import EnsembleRouterStatusStore
+    from kubernetes_asyncio.client import ApiException
 
     operator_factory(namespace, "--warm-signal", "pod-ready", "--pod-address", "none")
     docs = [specialist("algo", "stl", "codegen"), specialist("stl", "algo", "ranges"), ROUTER]
@@ -62,8 +63,9 @@ def test_breaker_state_survives_router_restarts_and_demotes_the_specialist(clust
     kc = yaml.safe_load(cluster.kubeconfig.read_text())
     server = kc["clusters"][0]["cluster"]["server"]
     (tmp_path / "ca.crt").write_bytes(base64.b64decode(kc["clusters"][0]["cluster"]["certificate-authority-data"]))
-    env = {**cluster.env(), "CONSORT_ENSEMBLE_ROUTER": f"{namespace}/front", "CONSORT_KUBE_SERVER": server,
-           "CONSORT_KUBE_TOKEN_FILE": str(tmp_path / "token"), "CONSORT_KUBE_CA_FILE": str(tmp_path / "ca.crt")}
+    as_router = {"CONSORT_KUBE_API": server, "CONSORT_KUBE_TOKEN_FILE": str(tmp_path / "token"),
+                 "CONSORT_KUBE_CA_FILE": str(tmp_path / "ca.crt")}
+    env = {**cluster.env(), "CONSORT_ENSEMBLE_ROUTER": f"{namespace}/front", **as_router}
 
     # Its config as rendered by the operator, with local static replicas instead of EndpointSlices
     # (kwok pod IPs are never contacted; nothing listens on the engine port, which is fine here).
@@ -87,7 +89,7 @@ def test_breaker_state_survives_router_restarts_and_demotes_the_specialist(clust
         router.stop()
 
     # A sustained breach, as the router records it: algo open (shadow-only; stl takes its traffic).
-    store = EnsembleRouterStatusStore(namespace, "front", server, str(tmp_path / "token"), str(tmp_path / "ca.crt"))
+    store = EnsembleRouterStatusStore(namespace, "front", kube.configuration(as_router))
     states = store.load()
     now = time.time()
     states["breakers"]["algo"] = BreakerState(state="open", samples=(0.0,) * 15 + (1.0,) * 5, total=20, since=now,
@@ -126,11 +128,12 @@ def test_breaker_state_survives_router_restarts_and_demotes_the_specialist(clust
         router.stop()
 
     # Least privilege: the router's token reaches only its own EnsembleRouter status.
-    other = EnsembleRouterStatusStore(namespace, "another", server, str(tmp_path / "token"), str(tmp_path / "ca.crt"))
-    with pytest.raises(urllib.error.HTTPError) as err:
-        other._request("GET")
-    assert err.value.code == 403
-    store._request("PATCH", {"spec": {"replicas": 5}})   # through the status subresource spec does not change
+    other = EnsembleRouterStatusStore(namespace, "another", kube.configuration(as_router))
+    with pytest.raises(ApiException) as err:
+        other.get()
+    assert err.value.status == 403
+    assert other.load() == {}   # the BreakerStore side logs and goes on
+    store.patch({"spec": {"replicas": 5}})   # through the status subresource spec does not change
     assert get_json(cluster, "ensemblerouter", "front", "-n", namespace)["spec"]["replicas"] == 1
 
     # Recovery: closed again -> Restored, Demoted False.
@@ -146,3 +149,5 @@ def test_breaker_state_survives_router_restarts_and_demotes_the_specialist(clust
         return sp
     sp = wait_for(restored, 60, "the operator to mirror the closed breaker")
     assert condition(sp, "Demoted")["status"] == "False"
+    store.close()
+    other.close()
