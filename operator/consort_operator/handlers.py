@@ -343,9 +343,11 @@ ROUTER_STATUS_KEYS = frozenset(f.alias or n for n, f in EnsembleRouterStatus.mod
 
 # ---- Specialist ---------------------------------------------------------------------------------
 
-async def probe_replicas(runtime: Runtime, namespace: str, pods: list[dict[str, Any]], port: int
-                         ) -> dict[str, warmup_lc.ProbeResult]:
-    if runtime.warm_signal == "pod-ready" or runtime.prober is None:
+async def probe_replicas(runtime: Runtime, namespace: str, pods: list[dict[str, Any]], port: int,
+                         adapters: bool = False) -> dict[str, warmup_lc.ProbeResult]:
+    """The engines' own answers. Under the pod-ready warm signal only where adapters are listed: a
+    hot-load does not show in pod readiness, and routing to an adapter before it is loaded fails."""
+    if runtime.prober is None or (runtime.warm_signal == "pod-ready" and not adapters):
         return {}
     targets = {}
     for p in pods:
@@ -381,7 +383,7 @@ async def observe_specialist(rt: Runtime, body: Any, pod_index: Any, deployment_
         "available_replicas")}) if dep_raw else None
     pods_raw = list(pod_index.get((namespace, "engine", name), []))
     port = (body.get("spec") or {}).get("port") or SpecialistSpec.model_fields["port"].default
-    probes = await probe_replicas(rt, namespace, pods_raw, port)
+    probes = await probe_replicas(rt, namespace, pods_raw, port, adapters=bool((body.get("spec") or {}).get("adapters")))
     labels = dict(meta.get("labels") or {})
     router_states = tuple(r["breakerState"] for r in router_index.get(namespace, [])
                           if LabelSelector.model_validate(r["selector"] or {}).matches(labels))

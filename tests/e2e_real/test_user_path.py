@@ -259,10 +259,17 @@ def test_adapter_rotation_is_a_hot_load_with_no_failed_request_and_no_restart(in
     assert after["metadata"]["uid"] == before["metadata"]["uid"], "the rotation replaced the engine pod"
     restarts = [s["restartCount"] for s in after["status"].get("containerStatuses") or []]
     assert restarts == [0], restarts
-    status = c.kubectl_json("get", "specialist", "algo", "-n", NS).get("status") or {}
-    fresh = next(a for a in status.get("adapters") or [] if a["name"] == "fresh")
-    assert fresh["state"] in ("Probation", "Active") and fresh["loadedReplicas"] == 1, fresh
-    assert [r["pod"] for r in fresh["replicas"]] == [before["metadata"]["name"]], fresh
+
+    def promoted() -> dict:
+        status = c.kubectl_json("get", "specialist", "algo", "-n", NS).get("status") or {}
+        fresh = next((a for a in status.get("adapters") or [] if a["name"] == "fresh"), None)
+        if not fresh or fresh["state"] not in ("Probation", "Active"):
+            raise NotYet(f"adapter status {fresh}")
+        return fresh
+    fresh = wait_for(promoted, 120, "the operator to see the hot-load and move fresh to Probation", interval=2)
+    assert fresh["loadedReplicas"] == 1, fresh
+    # The operator probed the engine (pod-ready warm signal or not): the replica's own report.
+    assert fresh["replicas"] == [{"pod": before["metadata"]["name"], "state": "loaded"}], fresh
 
 
 def test_nothing_dialled_outside_the_node(installed):

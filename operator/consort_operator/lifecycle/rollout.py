@@ -161,18 +161,18 @@ def observations_from_replicas(adapter_names: list[str], replicas: list[tuple[st
                                samples: dict[str, tuple[int, int]] | None = None) -> dict[str, AdapterObs]:
     """Fold the warm replicas' signals (+ router samples, when known) into observations.
 
-    `replicas` holds (pod, warm signal source, ProbeResult | None) per WARM replica. A replica warm by
-    the engine's own answer reports each adapter's hot-load (the engines follow the adapters
-    ConfigMap). One warm by the pod's Ready condition only was not probed: its readinessProbe covers
-    the adapters listed when it started, not a later hot-load, so it counts as loaded ("unknown" in
-    the per-replica status); run the engine warm signal to see rotations replica by replica.
+    `replicas` holds (pod, warm signal source, ProbeResult | None) per WARM replica. An engine that
+    answered reports each adapter's hot-load (the engines follow the adapters ConfigMap), whatever
+    signal made the replica warm. One that could not be asked (no pod address) counts as loaded
+    ("unknown" in the per-replica status): its readinessProbe covers the adapters listed when it
+    started, not a later hot-load.
     """
     out = {}
     for name in adapter_names:
         loaded = 0
         rows: list[dict[str, str]] = []
         for pod, source, probe in replicas:
-            if source == "engine" and probe is not None:
+            if probe is not None and probe.reachable:
                 state = probe.adapters.get(name, "pending")
                 state = state if state in ("loaded", "pending", "failed") else "loaded" if state in LOADED_STATES else "pending"
                 row = {"pod": pod, "state": state}

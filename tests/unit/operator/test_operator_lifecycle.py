@@ -157,6 +157,9 @@ def test_adapter_hot_load_progress_per_replica_from_engine_or_readiness():
     obs = rollout.observations_from_replicas(["v1", "v2"], [("e-a", "engine", a), ("e-c", "pod-ready", None),
                                                             ("e-b", "engine", b)])
     assert obs["v1"].loaded_replicas == 3 and obs["v2"].loaded_replicas == 1
+    # Warm by pod readiness, yet probed: the engine's answer counts (a hot-load is not in readiness).
+    ready_only = rollout.observations_from_replicas(["v2"], [("e-a", "pod-ready", a)])
+    assert ready_only["v2"].loaded_replicas == 0 and ready_only["v2"].replicas[0]["state"] == "pending"
     assert obs["v2"].replicas == ({"pod": "e-a", "state": "pending"},
                                   {"pod": "e-b", "state": "failed", "message": "no adapter_config.json in /x"},
                                   {"pod": "e-c", "state": "unknown"})
