@@ -6,6 +6,7 @@ time-to-first-token from live state.
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from itertools import accumulate
@@ -22,6 +23,8 @@ from .guided import advance
 from .speculative import typical_accepted
 
 __all__ = ["AdmissionRejected", "LLMEngine", "StepOutput"]
+
+log = logging.getLogger("consort.engine")
 
 PREEMPTING_WINDOW_S = 10.0   # `preempting` in stats: a preemption happened this recently
 EWMA_ALPHA = 0.2
@@ -61,10 +64,23 @@ class LLMEngine:
         self.runner = runner
         self.sampler = sampler
         self.max_model_len: int = runner.max_model_len
+        hybrid = getattr(runner, "is_hybrid", False)
+        caching = config.enable_prefix_caching
+        if hybrid and caching:
+            # A cached prefix's KV is useless without the mixers' state at that token: never reuse it.
+            log.warning("prefix caching is off for %s: hybrid (attention + Mamba2) model", config.name)
+            caching = False
         self.block_manager = BlockManager(runner.num_blocks, runner.block_size, namespace=config.name,
-                                          enable_caching=config.enable_prefix_caching)
+                                          enable_caching=caching,
+                                          state_slots=config.max_num_seqs if hybrid else 0)
         self.scheduler = Scheduler(config, self.block_manager, eos_token_ids=runner.eos_token_ids,
                                    max_model_len=self.max_model_len)
+        if hybrid and self.scheduler.speculate:
+            # Verify would advance the mixers' state over rejected drafts (no snapshot/restore yet).
+            log.warning("speculative decoding (%s) is off for %s: hybrid (attention + Mamba2) model",
+                        config.speculative, config.name)
+            self.scheduler.speculate = False
+            self.scheduler.decode_span = self.scheduler.num_lookahead = 1
         if getattr(runner, "has_mtp", False):
             self.scheduler.drafter = "mtp"
         self.warm = False

@@ -26,6 +26,7 @@ from .models.mtp import has_mtp
 from .lora import AdapterError, LoraAdapter, LoraContext, load_peft_adapter, segments_of
 from .models.packed import has_amx
 from .sequence import ScheduledBatch, Sequence
+from .state_pool import build_state_metadata, state_bytes_per_seq
 from .tensor_parallel import SINGLE, TPGroup, TPWorkers
 
 MAX_KERNEL_QUERY = 16     # sequences with at most this many new tokens join the batched (kernel) group
@@ -52,6 +53,7 @@ class RowGroup:
     block_table: list[int]
     num_sampled: int
     adapter: str | None = None
+    state_slot: int = -1          # hybrid models: the sequence's conv/SSM state slot
 
 
 @dataclass
@@ -134,9 +136,11 @@ class ModelRunner:
         self.hf_config = cfg = load_model_config(config.model)
         self.eos_token_ids: set[int] = eos_token_ids(config.model, cfg)
         # MTP drafting: one rank only (the block is not split for tensor parallelism yet)
-        self.has_mtp = (config.speculative == "mtp" and tp.size == 1
+        # Hybrid (attention + Mamba2): KV only for the attention layers, a state slot per sequence for the rest.
+        self.is_hybrid = cfg.is_hybrid
+        self.has_mtp = (config.speculative == "mtp" and tp.size == 1 and not self.is_hybrid
                         and has_mtp(checkpoint_names(config.model), cfg.num_hidden_layers))
-        self.num_kv_layers = cfg.num_hidden_layers + self.has_mtp     # the MTP block's own KV layer last
+        self.num_kv_layers = len(cfg.attention_layers) + self.has_mtp     # the MTP block's own KV layer last
         self.last_hidden: torch.Tensor | None = None     # normed target hidden states of the last step (MTP)
         self.last_item_rows: list[tuple[int, int]] = []
         self.vocab_size = cfg.vocab_size
@@ -167,6 +171,16 @@ class ModelRunner:
         for name, path in config.adapters.items():
             self.load_adapter(name, path)
 
+        self.conv_state = self.ssm_state = None
+        self.state_bytes_per_seq = 0
+        if self.is_hybrid:    # [max_num_seqs, mixers, ...]: one row per running sequence (state_pool.py)
+            mixers = self.model.mixers
+            (cd, ck), (sh, sp, sn) = mixers[0].state_shapes()
+            s = config.max_num_seqs
+            self.conv_state = torch.zeros(s, len(mixers), cd, ck, dtype=self.compute_dtype, device=self.device)
+            self.ssm_state = torch.zeros(s, len(mixers), sh, sp, sn, dtype=torch.float32, device=self.device)
+            self.state_bytes_per_seq = (self.conv_state[0].numel() * self.conv_state.element_size()
+                                        + self.ssm_state[0].numel() * 4)
         self.num_blocks = self._pool_blocks()
         if tp.size > 1:   # every rank holds the same block ids: agree on the smallest pool
             n = torch.tensor([self.num_blocks])
@@ -180,9 +194,10 @@ class ModelRunner:
         self.kv_cache = alloc(kv_shape, dtype=self.dtype, device=self.device)
         if self.device.type == "cpu":
             tune_cpu_memory(self.kv_cache)
-        for i, layer in enumerate(self.model.layers):
-            layer.self_attn.attn.k_cache = self.kv_cache[i, 0]
-            layer.self_attn.attn.v_cache = self.kv_cache[i, 1]
+        attn_modules = [layer.self_attn for layer in self.model.layers if layer.self_attn is not None]
+        for i, module in enumerate(attn_modules):
+            module.attn.k_cache = self.kv_cache[i, 0]
+            module.attn.v_cache = self.kv_cache[i, 1]
         if self.has_mtp:
             attn = self.model.mtp.layer.self_attn.attn
             attn.k_cache, attn.v_cache = self.kv_cache[-1, 0], self.kv_cache[-1, 1]
@@ -196,8 +211,13 @@ class ModelRunner:
 
     @property
     def block_bytes(self) -> int:
+        return self.block_size * self.kv_bytes_per_token
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of every attention layer (only those: a hybrid's mixers hold no per-token state)."""
         c = self.hf_config
-        return 2 * self.num_kv_layers * self.block_size * self.kv_heads * c.head_dim * self.dtype.itemsize
+        return 2 * self.num_kv_layers * self.kv_heads * c.head_dim * self.dtype.itemsize
 
     def _pool_blocks(self) -> int:
         if self.config.num_blocks:
@@ -208,6 +228,10 @@ class ModelRunner:
                      + 3 * c.intermediate_size) * 4
         scores = c.num_attention_heads * min(tokens, self.max_model_len) * self.max_model_len * 4
         logits = 4 * self.config.max_num_seqs * c.vocab_size * 4
+        # hybrids: the state pools are already allocated (not in `free` any more), the mixers' projections are wide
+        if self.is_hybrid:
+            m = self.model.mixers[0]
+            per_token += 3 * (2 * m.inner + m.conv_dim + m.heads) * 4
         reserve = 2 * (tokens * per_token + scores + logits) + 256 * MiB
         free = mem_available(self.device) - reserve
         n = int(max(free, 0) * self.config.kv_memory_fraction) // self.block_bytes
@@ -222,7 +246,8 @@ class ModelRunner:
         groups = []
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             s = seq.num_computed_tokens
-            groups.append(RowGroup(seq.token_ids[s:s + n], s, seq.block_table, batch.rows_sampled(i), seq.adapter))
+            groups.append(RowGroup(seq.token_ids[s:s + n], s, seq.block_table, batch.rows_sampled(i), seq.adapter,
+                                   seq.state_slot))
         return self.build_inputs(groups)
 
     def build_inputs(self, groups: list[RowGroup]) -> StepInputs:
@@ -304,8 +329,20 @@ class ModelRunner:
             for span in meta.prefills:
                 if span.block_ids is not None:
                     span.block_ids = span.block_ids.to(dev, non_blocking=True)
+        if self.is_hybrid:
+            meta.state = self._state_metadata(groups, item_rows)
         lora = segments_of([groups[i].adapter for i in order], lens) if self.adapters else []
         return StepInputs(ids, positions, meta, sample_idx, lora, order, item_rows)
+
+    def _state_metadata(self, groups: list[RowGroup], item_rows: list[tuple[int, int]]):
+        """The mixers' view of a step; a sequence's first chunk starts from zero state (a fresh slot,
+        or a preempted sequence recomputing: no prefix reuse for hybrids, so start 0 means fresh)."""
+        fresh = [g.state_slot for g in groups if g.start == 0]
+        if fresh:
+            idx = torch.tensor(fresh, dtype=torch.int64, device=self.device)
+            self.conv_state[idx] = 0
+            self.ssm_state[idx] = 0
+        return build_state_metadata(self.conv_state, self.ssm_state, item_rows, [g.state_slot for g in groups])
 
     def load_adapter(self, name: str, path: str) -> LoraAdapter:
         """Read a PEFT LoRA adapter and attach it (between steps). AdapterError when it cannot be served."""
@@ -413,6 +450,7 @@ class ModelRunner:
                             self.num_blocks * bs - 1))
         seq = Sequence(prompt_token_ids=[i % self.vocab_size for i in range(prompt + 1)])
         seq.block_table = list(range(math.ceil((prompt + 1) / bs)))
+        seq.state_slot = 0          # hybrids: scratch state, zeroed again by a request's first chunk
         self.execute(ScheduledBatch([seq], [prompt], [True], mode="prefill"))
         n = max(1, min(self.config.max_num_seqs, 32, self.num_blocks))
         ctx = max(1, min(prompt, (self.num_blocks // n) * bs - 1))
@@ -420,6 +458,7 @@ class ModelRunner:
         for j in range(n):
             s = Sequence(prompt_token_ids=[(j + i) % self.vocab_size for i in range(ctx + 1)])
             s.num_computed_tokens = ctx
+            s.state_slot = j
             s.block_table = [(j * math.ceil((ctx + 1) / bs) + k) % self.num_blocks
                              for k in range(math.ceil((ctx + 1) / bs))]
             seqs.append(s)
@@ -427,7 +466,7 @@ class ModelRunner:
         if self.has_mtp:         # the MTP pass over those rows, one draft each (the chain is the same shapes)
             self.mtp_draft([MTPRows(s.token_ids[ctx:ctx + 1], self.last_hidden[a:b], ctx - 1, s.block_table, 1)
                             for s, (a, b) in zip(seqs, self.last_item_rows)])
-        k = self.config.num_speculative_tokens if self.config.speculative != "off" else 0
+        k = self.config.num_speculative_tokens if self.config.speculative != "off" and not self.is_hybrid else 0
         if k and ctx > k:        # the verify window: 1 + k query rows per sequence, every row sampled
             for s in seqs:
                 s.num_computed_tokens = ctx - k

@@ -1,0 +1,101 @@
+"""Mamba2 state-space math as pure tensor functions (transformers' torch reference, with state in and out).
+
+- `chunk_scan`: the chunked SSD scan over one sequence's chunk of tokens, starting from a saved SSM
+  state and returning the state after the last token (chunked prefill continues from it).
+- `state_update`: one token per sequence for a whole decode batch: a single batched recurrence step.
+- `conv_chunk` / `conv_step`: the causal depthwise conv1d over the (conv state | new tokens) window.
+No Python loop runs per token: the scan loops over nothing (every chunk in one einsum), decode is
+one tensor op per layer for all running sequences.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def segment_sum(x: torch.Tensor) -> torch.Tensor:
+    """[..., L] -> [..., L, L]: out[i, j] = sum(x[j+1..i]) for j <= i, -inf above the diagonal."""
+    n = x.size(-1)
+    x = x[..., None].expand(*x.size(), n)
+    x = x.masked_fill(~torch.tril(torch.ones(n, n, device=x.device, dtype=torch.bool), diagonal=-1), 0)
+    out = torch.cumsum(x, dim=-2)
+    return out.masked_fill(~torch.tril(torch.ones(n, n, device=x.device, dtype=torch.bool), diagonal=0), -torch.inf)
+
+
+def conv_chunk(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal depthwise conv + SiLU of one sequence's new tokens.
+
+    x [n, C], state [C, K-1] (the inputs before them, zeros for a fresh sequence), weight [C, K].
+    Returns (out [n, C], new state [C, K-1])."""
+    n = x.shape[0]
+    window = torch.cat((state.to(x.dtype), x.t()), dim=1)                   # [C, K-1+n]
+    out = F.conv1d(window[None], weight[:, None, :], bias, groups=weight.shape[0])[0]   # [C, n]
+    return F.silu(out).t()[:n], window[:, -state.shape[1]:]
+
+
+def conv_step(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor,
+              bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per sequence: x [B, C], state [B, C, K-1] -> (out [B, C], new state [B, C, K-1])."""
+    window = torch.cat((state.to(x.dtype), x[:, :, None]), dim=2)            # [B, C, K]
+    out = (window * weight[None]).sum(-1)
+    if bias is not None:
+        out = out + bias
+    return F.silu(out), window[:, :, 1:]
+
+
+def state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
+                 B: torch.Tensor, C: torch.Tensor, D: torch.Tensor,
+                 dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One recurrence step for a batch: state [B, H, P, N] (float32), x [B, H, P], dt [B, H],
+    A [H] (negative), B/C [B, G, N], D/dt_bias [H]. Returns (y [B, H, P], new state)."""
+    b, h, p = x.shape
+    g = B.shape[1]
+    dt = F.softplus(dt + dt_bias.to(dt.dtype))                              # [B, H]
+    dA = torch.exp(dt.float() * A.float())                                  # [B, H]
+    Bh = B.repeat_interleave(h // g, dim=1)                                  # [B, H, N]
+    Ch = C.repeat_interleave(h // g, dim=1)
+    dBx = (dt[..., None, None] * Bh[:, :, None, :] * x[..., None]).float()   # [B, H, P, N]
+    new = state * dA[..., None, None] + dBx
+    y = torch.einsum("bhpn,bhn->bhp", new.to(Ch.dtype), Ch) + x * D[None, :, None]
+    return y.to(x.dtype), new
+
+
+def chunk_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+               D: torch.Tensor, dt_bias: torch.Tensor, chunk_size: int, state: torch.Tensor,
+               dt_limit: tuple[float, float] = (0.0, float("inf"))) -> tuple[torch.Tensor, torch.Tensor]:
+    """SSD over one sequence's n new tokens: x [n, H, P], dt [n, H], B/C [n, G, N], state [H, P, N]
+    (float32, the state before them). Returns (y [n, H, P], state after the last token)."""
+    n, h, p = x.shape
+    g = B.shape[1]
+    dt = F.softplus(dt + dt_bias.to(dt.dtype))
+    dt = torch.clamp(dt, min=dt_limit[0], max=dt_limit[1])
+    xf = x.float()
+    Bf = B.float().repeat_interleave(h // g, dim=1)
+    Cf = C.float().repeat_interleave(h // g, dim=1)
+    pad = (chunk_size - n % chunk_size) % chunk_size
+    d_res = D[:, None].float() * xf
+    xs = xf * dt[..., None].float()
+    As = A.float() * dt.float()                                              # [n, H]
+
+    def chunks(t: torch.Tensor) -> torch.Tensor:     # [n, ...] -> [1, c, l, ...] (batch of one, zero-padded)
+        t = F.pad(t, (0, 0) * (t.dim() - 1) + (0, pad))
+        return t.reshape(1, -1, chunk_size, *t.shape[1:])
+
+    xs, As, Bf, Cf = chunks(xs), chunks(As), chunks(Bf), chunks(Cf)
+    As = As.permute(0, 3, 1, 2)                                              # [1, H, c, l]
+    A_cumsum = torch.cumsum(As, dim=-1)
+    L = torch.exp(segment_sum(As))
+    G = torch.einsum("bclhn,bcshn->bclsh", Cf, Bf)
+    M = G * L.permute(0, 2, 3, 4, 1)
+    y_diag = torch.einsum("bclsh,bcshp->bclhp", M, xs)
+    decay_states = torch.exp(A_cumsum[:, :, :, -1:] - A_cumsum)
+    B_decay = Bf * decay_states.permute(0, -2, -1, 1)[..., None]
+    states = torch.einsum("bclhn,bclhp->bchpn", B_decay, xs)
+    states = torch.cat([state[None, None].to(states.dtype), states], dim=1)
+    decay_chunk = torch.exp(segment_sum(F.pad(A_cumsum[:, :, :, -1], (1, 0)))).transpose(1, 3)
+    new_states = torch.einsum("bzch,bzhpn->bchpn", decay_chunk, states)
+    states, final = new_states[:, :-1], new_states[0, -1]
+    y_off = torch.einsum("bclhn,bchpn->bclhp", Cf, states) * torch.exp(A_cumsum).permute(0, 2, 3, 1)[..., None]
+    y = (y_diag + y_off).reshape(-1, h, p)[:n] + d_res
+    return y.to(x.dtype), final
