@@ -234,7 +234,7 @@ class ModelRunner:
             per_token += 3 * (2 * m.inner + m.conv_dim + m.heads) * 4
         reserve = 2 * (tokens * per_token + scores + logits) + 256 * MiB
         free = mem_available(self.device) - reserve
-        n = int(max(free, 0) * self.config.kv_memory_fraction) // self.block_bytes
+        n = int(max(free, 0) * self.config.kv_memory_fraction) // max(self.block_bytes, 1)   # 0: no attention layer
         # more than every running sequence at full length can never be used
         n = min(n, self.config.max_num_seqs * math.ceil(self.max_model_len / self.block_size))
         if n < 1:
