@@ -75,12 +75,7 @@ class LLMEngine:
                                           state_slots=config.max_num_seqs if hybrid else 0)
         self.scheduler = Scheduler(config, self.block_manager, eos_token_ids=runner.eos_token_ids,
                                    max_model_len=self.max_model_len)
-        if hybrid and self.scheduler.speculate:
-            # Verify would advance the mixers' state over rejected drafts (no snapshot/restore yet).
-            log.warning("speculative decoding (%s) is off for %s: hybrid (attention + Mamba2) model",
-                        config.speculative, config.name)
-            self.scheduler.speculate = False
-            self.scheduler.decode_span = self.scheduler.num_lookahead = 1
+        self.hybrid = hybrid
         if getattr(runner, "has_mtp", False):
             self.scheduler.drafter = "mtp"
         self.warm = False
@@ -191,7 +186,14 @@ class LLMEngine:
             self._keep_hidden(batch)
         token_ids, logprobs = self._sample(batch, logits)
         t2 = time.perf_counter()
+        windows = self.hybrid and batch.num_draft
+        if windows:
+            before = [s.num_computed_tokens for s in batch.seqs]
         outputs = self.scheduler.postprocess(batch, token_ids, logprobs)
+        if windows:    # the mixers' state back to the last kept token of each verify window
+            self.runner.commit_windows({s.state_slot: s.num_computed_tokens - b
+                                        for s, b, k in zip(batch.seqs, before, batch.num_draft)
+                                        if k and s.state_slot >= 0})
         if self.scheduler.stale_slots:
             self.runner.zero_slots(self.scheduler.stale_slots)
             self.scheduler.stale_slots = []

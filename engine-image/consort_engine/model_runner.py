@@ -172,6 +172,7 @@ class ModelRunner:
             self.load_adapter(name, path)
 
         self.conv_state = self.ssm_state = None
+        self.window_snapshots = None     # the last step's verify windows (hybrids, state_pool.WindowSnapshots)
         self.state_bytes_per_seq = 0
         if self.is_hybrid:    # [max_num_seqs, mixers, ...]: one row per running sequence (state_pool.py)
             mixers = self.model.mixers
@@ -342,7 +343,18 @@ class ModelRunner:
             idx = torch.tensor(fresh, dtype=torch.int64, device=self.device)
             self.conv_state[idx] = 0
             self.ssm_state[idx] = 0
-        return build_state_metadata(self.conv_state, self.ssm_state, item_rows, [g.state_slot for g in groups])
+        meta = build_state_metadata(self.conv_state, self.ssm_state, item_rows, [g.state_slot for g in groups],
+                                    [g.num_sampled > 1 for g in groups])
+        self.window_snapshots = meta.snapshots
+        return meta
+
+    @torch.inference_mode()
+    def commit_windows(self, kept: dict[int, int]) -> None:
+        """After a verify step of a hybrid: state slot -> window tokens kept; the mixers' state goes
+        back to the one after the last kept token (WindowSnapshots.commit)."""
+        snaps, self.window_snapshots = self.window_snapshots, None
+        if snaps is not None and kept:
+            snaps.commit(self.conv_state, self.ssm_state, kept)
 
     def load_adapter(self, name: str, path: str) -> LoraAdapter:
         """Read a PEFT LoRA adapter and attach it (between steps). AdapterError when it cannot be served."""
@@ -466,7 +478,7 @@ class ModelRunner:
         if self.has_mtp:         # the MTP pass over those rows, one draft each (the chain is the same shapes)
             self.mtp_draft([MTPRows(s.token_ids[ctx:ctx + 1], self.last_hidden[a:b], ctx - 1, s.block_table, 1)
                             for s, (a, b) in zip(seqs, self.last_item_rows)])
-        k = self.config.num_speculative_tokens if self.config.speculative != "off" and not self.is_hybrid else 0
+        k = self.config.num_speculative_tokens if self.config.speculative != "off" else 0
         if k and ctx > k:        # the verify window: 1 + k query rows per sequence, every row sampled
             for s in seqs:
                 s.num_computed_tokens = ctx - k

@@ -5,6 +5,11 @@ The runner holds one pool per kind, [max_num_seqs, mixer layers, ...]; a running
 slot index (Sequence.state_slot), taken on admission with its KV blocks and given back with them on
 finish, abort or preemption (block_manager.py). A preempted sequence recomputes from scratch, like
 its KV: a fresh slot is zeroed when its first chunk runs.
+
+Speculative verify: a window (last token + K drafts) steps the recurrence row by row, batched over
+every window of the step, and keeps a snapshot of each slot's state after every window position
+(WindowSnapshots). Once acceptance is known, commit() puts back the state after the last kept
+token (the pool already holds it when every draft was accepted): rejected drafts leave no trace.
 """
 from __future__ import annotations
 
@@ -21,6 +26,32 @@ class StateMetadata:
     decode_rows: torch.Tensor | None = None     # [B] int64: rows of single-token groups (one batched step)
     decode_slots: torch.Tensor | None = None    # [B] int64: their slots
     chunks: list[tuple[int, int, int]] = field(default_factory=list)   # (start row, end row, slot) scans
+    # verify windows, position by position: (rows, slots, window indices) of the windows that long
+    window_steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    snapshots: "WindowSnapshots | None" = None
+
+
+@dataclass
+class WindowSnapshots:
+    """State of each verify window's slot after each of its positions: [position, window, mixers, ...]."""
+    slots: list[int]
+    lengths: list[int]
+    conv: torch.Tensor
+    ssm: torch.Tensor
+
+    def commit(self, pool_conv: torch.Tensor, pool_ssm: torch.Tensor, kept: dict[int, int]) -> None:
+        """kept: slot -> tokens of its window whose state stands (1..length). Restores the state after
+        the last kept one where drafts were rejected."""
+        restore = [(w, kept[s] - 1) for w, (s, n) in enumerate(zip(self.slots, self.lengths))
+                   if s in kept and kept[s] < n]
+        if not restore:
+            return
+        dev = pool_conv.device
+        win = torch.tensor([w for w, _ in restore], dtype=torch.int64, device=dev)
+        pos = torch.tensor([p for _, p in restore], dtype=torch.int64, device=dev)
+        slots = torch.tensor([self.slots[w] for w, _ in restore], dtype=torch.int64, device=dev)
+        pool_conv[slots] = self.conv[pos, win]
+        pool_ssm[slots] = self.ssm[pos, win]
 
 
 class StateSlots:
@@ -52,19 +83,32 @@ def state_bytes_per_seq(mixers) -> int:
 
 
 def build_state_metadata(conv: torch.Tensor, ssm: torch.Tensor, rows: list[tuple[int, int]],
-                         slots: list[int]) -> StateMetadata:
-    """Split a step's row groups (item order, [start, end) rows, slot) into the batched decode rows
-    and the per-sequence scan chunks."""
-    dec_rows, dec_slots, chunks = [], [], []
-    for (a, b), s in zip(rows, slots):
+                         slots: list[int], windows: list[bool]) -> StateMetadata:
+    """Split a step's row groups (item order: [start, end) rows, slot, whether it is a verify window)
+    into the batched decode rows, the verify windows and the per-sequence scan chunks."""
+    dec_rows, dec_slots, chunks, wins = [], [], [], []
+    for (a, b), s, w in zip(rows, slots, windows):
         assert s >= 0, "a hybrid model's sequence runs without a state slot"
         if b - a == 1:
             dec_rows.append(a)
             dec_slots.append(s)
+        elif w:
+            wins.append((a, b - a, s))
         elif b > a:
             chunks.append((a, b, s))
+    dev = conv.device
     meta = StateMetadata(conv, ssm, chunks=chunks)
     if dec_rows:
-        meta.decode_rows = torch.tensor(dec_rows, dtype=torch.int64, device=conv.device)
-        meta.decode_slots = torch.tensor(dec_slots, dtype=torch.int64, device=conv.device)
+        meta.decode_rows = torch.tensor(dec_rows, dtype=torch.int64, device=dev)
+        meta.decode_slots = torch.tensor(dec_slots, dtype=torch.int64, device=dev)
+    if wins:
+        longest = max(n for _, n, _ in wins)
+        for j in range(longest):
+            live = [i for i, (_, n, _) in enumerate(wins) if n > j]
+            meta.window_steps.append((torch.tensor([wins[i][0] + j for i in live], dtype=torch.int64, device=dev),
+                                      torch.tensor([wins[i][2] for i in live], dtype=torch.int64, device=dev),
+                                      torch.tensor(live, dtype=torch.int64, device=dev)))
+        meta.snapshots = WindowSnapshots([s for *_, s in wins], [n for _, n, _ in wins],
+                                         conv.new_empty(longest, len(wins), *conv.shape[1:]),
+                                         ssm.new_empty(longest, len(wins), *ssm.shape[1:]))
     return meta

@@ -122,18 +122,50 @@ def test_hybrid_kv_pool_is_attention_layers_only(hybrid):
     assert r.conv_state.shape == (engine.config.max_num_seqs, mixers, 128 + 2 * 2 * 16, 3)
 
 
-def test_hybrid_turns_speculation_off(tmp_path, caplog):
-    """No state snapshot/restore around verify yet: speculation is off for hybrids, with a log line."""
+@pytest.mark.parametrize("case", ["concurrent", "preempt", "chunked"])
+def test_hybrid_speculative_greedy_matches_transformers(hybrid, case, monkeypatch):
+    """Speculation on a hybrid: verify windows step the mixers row by row with a state snapshot per
+    position; rejected drafts roll the state back to the last kept token. Same greedy tokens.
+
+    Random weights rarely repeat an n-gram, so the n-gram proposer is swapped for one that drafts
+    transformers' own continuation with every third token wrong: windows accept 0..K drafts."""
+    name, ckpt, prompts, max_tokens, refs = hybrid
+    by_prompt = {tuple(p): r.tokens for p, r in zip(prompts, refs)}
+
+    def propose(token_ids, k, packed=None):
+        for p, ref in sorted(by_prompt.items(), key=lambda kv: -len(kv[0])):    # longest prompt first
+            if tuple(token_ids[:len(p)]) == p and len(token_ids) - len(p) <= len(ref):
+                g = len(token_ids) - len(p)
+                return [t if (g + j) % 3 != 2 else (t + 1) % 512 for j, t in enumerate(ref[g:g + k])]
+        return []
+    monkeypatch.setattr("consort_engine.scheduler.propose_ngram", propose)
+    engine = LLMEngine(EngineConfig(model=str(ckpt), dtype="float32", block_size=4, max_num_seqs=8,
+                                    speculative="ngram", num_speculative_tokens=3, **CASES[case]))
+    engine.warmup()
+    outs = engine.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
+                                     for m in max_tokens])
+    stats = engine.stats()
+    assert stats["kv_free_blocks"] == stats["kv_total_blocks"]
+    slots = engine.block_manager.state_slots
+    assert slots.num_free == slots.num_slots
+    sch = engine.scheduler
+    assert sch.num_accepted_tokens > 0, "no draft was accepted: the windows were not exercised"
+    assert sch.num_draft_tokens > sch.num_accepted_tokens, "no draft was rejected: the rollback was not exercised"
+    exact = sum(out == list(ref.tokens) for out, ref in zip(outs, refs))
+    assert exact >= N - 1, f"{name}/{case}: only {exact}/{N} speculative requests matched transformers"
+
+
+def test_hybrid_turns_prefix_caching_off(tmp_path, caplog):
+    """A cached prefix's KV without the mixers' state at that token is useless: prefix reuse is off
+    for hybrids, with a log line, and n samples of one prompt each prefill."""
     ckpt = make_checkpoint("bamba", tmp_path)
     with caplog.at_level("WARNING", logger="consort.engine"):
-        engine = LLMEngine(EngineConfig(model=str(ckpt), dtype="float32", block_size=4, speculative="ngram",
-                                        **CASES["concurrent"]))
-    assert "speculative decoding (ngram) is off" in caplog.text and "prefix caching is off" in caplog.text
-    assert not engine.scheduler.speculate and engine.scheduler.decode_span == 1
+        engine = LLMEngine(EngineConfig(model=str(ckpt), dtype="float32", block_size=4, **CASES["concurrent"]))
+    assert "prefix caching is off" in caplog.text
     prompts, max_tokens = workload(512)
-    refs = hf_greedy(ckpt, prompts[:3], max_tokens[:3])
-    # repetitive prompts: n-gram drafting would have proposed drafts here
-    outs = engine.generate(prompts[:3], [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
-                                         for m in max_tokens[:3]])
-    assert engine.scheduler.num_draft_tokens == 0
-    assert sum(o == r.tokens for o, r in zip(outs, refs)) >= 2
+    refs = hf_greedy(ckpt, prompts[:2], max_tokens[:2])
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens[1], ignore_eos=True)
+    engine.generate([prompts[1]], params)
+    outs = engine.generate([prompts[1], prompts[1]], params)
+    assert engine.block_manager.prefix_hits == 0
+    assert outs[0] == outs[1] == refs[1].tokens

@@ -102,6 +102,22 @@ class Mamba2Mixer(nn.Module):
         """Per sequence: conv state [conv_dim, d_conv - 1], SSM state [heads, head_dim, d_state]."""
         return (self.conv_dim, self.d_conv - 1), (self.heads, self.head_dim, self.d_state)
 
+    def _step(self, xbc: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, y: torch.Tensor, rows: torch.Tensor,
+              slots: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor):
+        """One recurrence step for `rows` (one token each) from their slots' state, written back.
+        Returns the new (conv, SSM) states."""
+        n, gs = self.inner, self.groups * self.d_state
+        out, conv_new = ssd.conv_step(xbc[rows], conv_state[slots], self.conv1d.weight[:, 0], self.conv1d.bias)
+        conv_new = conv_new.to(conv_state.dtype)
+        conv_state[slots] = conv_new
+        xs, B, C = out.split([n, gs, gs], dim=-1)
+        b = xs.shape[0]
+        ys, ssm_new = ssd.state_update(ssm_state[slots], xs.view(b, self.heads, self.head_dim), dt[rows], A,
+                                       B.view(b, self.groups, -1), C.view(b, self.groups, -1), self.D, self.dt_bias)
+        ssm_state[slots] = ssm_new
+        y[rows] = ys.reshape(b, -1)
+        return conv_new, ssm_new
+
     def forward(self, x: torch.Tensor, st: StateMetadata) -> torch.Tensor:
         proj = self.in_proj(x)
         gate, xbc, dt = proj.split([self.inner, self.conv_dim, self.heads], dim=-1)
@@ -111,16 +127,11 @@ class Mamba2Mixer(nn.Module):
         y = torch.empty(x.shape[0], self.inner, dtype=x.dtype, device=x.device)
         n, gs = self.inner, self.groups * self.d_state
         if st.decode_rows is not None:          # one batched step for every single-token row
-            rows, slots = st.decode_rows, st.decode_slots
-            out, conv_new = ssd.conv_step(xbc[rows], conv_state[slots], w, self.conv1d.bias)
-            conv_state[slots] = conv_new.to(conv_state.dtype)
-            xs, B, C = out.split([n, gs, gs], dim=-1)
-            b = xs.shape[0]
-            ys, ssm_new = ssd.state_update(ssm_state[slots], xs.view(b, self.heads, self.head_dim), dt[rows], A,
-                                           B.view(b, self.groups, -1), C.view(b, self.groups, -1), self.D,
-                                           self.dt_bias)
-            ssm_state[slots] = ssm_new
-            y[rows] = ys.reshape(b, -1)
+            self._step(xbc, dt, A, y, st.decode_rows, st.decode_slots, conv_state, ssm_state)
+        for j, (rows, slots, live) in enumerate(st.window_steps):   # verify windows: a batched step per position
+            conv_new, ssm_new = self._step(xbc, dt, A, y, rows, slots, conv_state, ssm_state)
+            st.snapshots.conv[j, live, self.index] = conv_new
+            st.snapshots.ssm[j, live, self.index] = ssm_new
         for start, end, slot in st.chunks:     # prefill chunks: the SSD scan from the slot's state
             out, conv_new = ssd.conv_chunk(xbc[start:end], conv_state[slot], w, self.conv1d.bias)
             conv_state[slot] = conv_new.to(conv_state.dtype)
