@@ -26,7 +26,7 @@ from .models.mtp import has_mtp
 from .lora import AdapterError, LoraAdapter, LoraContext, load_peft_adapter, segments_of
 from .models.packed import has_amx
 from .sequence import ScheduledBatch, Sequence
-from .state_pool import build_state_metadata, state_bytes_per_seq
+from .state_pool import build_state_metadata, seqs_per_pool
 from .tensor_parallel import SINGLE, TPGroup, TPWorkers
 
 MAX_KERNEL_QUERY = 16     # sequences with at most this many new tokens join the batched (kernel) group
@@ -219,6 +219,10 @@ class ModelRunner:
         """K and V of every attention layer (only those: a hybrid's mixers hold no per-token state)."""
         c = self.hf_config
         return 2 * self.num_kv_layers * self.kv_heads * c.head_dim * self.dtype.itemsize
+
+    def seqs_in_pool(self, pool_bytes: int, context_len: int) -> int:
+        """How many sequences of context_len tokens one pool of pool_bytes holds (KV + hybrid state)."""
+        return seqs_per_pool(pool_bytes, context_len, self.block_size, self.block_bytes, self.state_bytes_per_seq)
 
     def _pool_blocks(self) -> int:
         if self.config.num_blocks:

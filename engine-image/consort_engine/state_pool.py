@@ -73,15 +73,6 @@ class StateSlots:
         self._free.append(slot)
 
 
-def state_bytes_per_seq(mixers) -> int:
-    """Bytes of conv (model dtype counted as 4) + SSM (float32) state one sequence holds, all mixers."""
-    total = 0
-    for m in mixers:
-        conv, ssm = m.state_shapes()
-        total += 4 * (conv[0] * conv[1] + ssm[0] * ssm[1] * ssm[2])
-    return total
-
-
 def build_state_metadata(conv: torch.Tensor, ssm: torch.Tensor, rows: list[tuple[int, int]],
                          slots: list[int], windows: list[bool]) -> StateMetadata:
     """Split a step's row groups (item order: [start, end) rows, slot, whether it is a verify window)
@@ -112,3 +103,10 @@ def build_state_metadata(conv: torch.Tensor, ssm: torch.Tensor, rows: list[tuple
                                          conv.new_empty(longest, len(wins), *conv.shape[1:]),
                                          ssm.new_empty(longest, len(wins), *ssm.shape[1:]))
     return meta
+
+
+def seqs_per_pool(pool_bytes: int, context_len: int, block_size: int, block_bytes: int, state_bytes: int) -> int:
+    """Sequences of `context_len` tokens that fit in `pool_bytes`: each holds its KV blocks (attention
+    layers only) plus, for a hybrid, its conv/SSM state (bytes per sequence, not per token)."""
+    per_seq = -(-context_len // block_size) * block_bytes + state_bytes
+    return pool_bytes // per_seq if per_seq else 0
