@@ -13,6 +13,7 @@ token (the pool already holds it when every draft was accepted): rejected drafts
 """
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 
 import torch
@@ -23,8 +24,8 @@ class StateMetadata:
     """What the mixers of one step read: the pools and which rows use which slot."""
     conv: torch.Tensor                          # [slots, mixers, conv_dim, d_conv - 1]
     ssm: torch.Tensor                           # [slots, mixers, heads, head_dim, d_state] float32
-    decode_rows: torch.Tensor | None = None     # [B] int64: rows of single-token groups (one batched step)
-    decode_slots: torch.Tensor | None = None    # [B] int64: their slots
+    decode_rows: torch.Tensor | slice | None = None   # rows of single-token groups (one batched step)
+    decode_slots: torch.Tensor | slice | None = None  # their slots (a slice when consecutive: views, no gather)
     chunks: list[tuple[int, int, int]] = field(default_factory=list)   # (start row, end row, slot) scans
     # verify windows, position by position: (rows, slots, window indices) of the windows that long
     window_steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
@@ -55,22 +56,31 @@ class WindowSnapshots:
 
 
 class StateSlots:
-    """Free list of state slot ids 0..n-1."""
+    """Free state slot ids 0..n-1, lowest first: sequences admitted together get consecutive slots in
+    run order, so a decode batch's slots are usually a slice (see as_index)."""
 
     def __init__(self, n: int) -> None:
         self.num_slots = n
-        self._free = list(range(n - 1, -1, -1))
+        self._free = list(range(n))       # a heap
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
     def take(self) -> int:
-        return self._free.pop()
+        return heapq.heappop(self._free)
 
     def give(self, slot: int) -> None:
         assert 0 <= slot < self.num_slots and slot not in self._free, f"state slot {slot} freed twice"
-        self._free.append(slot)
+        heapq.heappush(self._free, slot)
+
+
+def as_index(ids: list[int], device: torch.device) -> torch.Tensor | slice:
+    """A slice when the ids are consecutive and ascending (indexing then makes views, not copies:
+    in steady state a decode batch's rows and slots usually are), else an int64 index tensor."""
+    if ids[-1] - ids[0] == len(ids) - 1 and all(b == a + 1 for a, b in zip(ids, ids[1:])):
+        return slice(ids[0], ids[-1] + 1)
+    return torch.tensor(ids, dtype=torch.int64, device=device)
 
 
 def build_state_metadata(conv: torch.Tensor, ssm: torch.Tensor, rows: list[tuple[int, int]],
@@ -90,8 +100,7 @@ def build_state_metadata(conv: torch.Tensor, ssm: torch.Tensor, rows: list[tuple
     dev = conv.device
     meta = StateMetadata(conv, ssm, chunks=chunks)
     if dec_rows:
-        meta.decode_rows = torch.tensor(dec_rows, dtype=torch.int64, device=dev)
-        meta.decode_slots = torch.tensor(dec_slots, dtype=torch.int64, device=dev)
+        meta.decode_rows, meta.decode_slots = as_index(dec_rows, dev), as_index(dec_slots, dev)
     if wins:
         longest = max(n for _, n, _ in wins)
         for j in range(longest):
