@@ -169,3 +169,48 @@ def test_hybrid_turns_prefix_caching_off(tmp_path, caplog):
     outs = engine.generate([prompts[1], prompts[1]], params)
     assert engine.block_manager.prefix_hits == 0
     assert outs[0] == outs[1] == refs[1].tokens
+
+
+@pytest.mark.parametrize("n,groups", [(1, 1), (37, 2), (64, 4)])
+def test_ssd_functions_match_transformers_reference(n, groups):
+    """Our chunk scan (state in, state out, B/C per group) and batched state update equal transformers'
+    torch reference (mamba2_chunk_scan with initial_states, mamba2_selective_state_update)."""
+    from transformers.models.bamba import modeling_bamba as ref
+
+    from consort_engine.models import ssd
+    torch.manual_seed(n)
+    h, p, d = 8, 16, 16
+    x, dt = torch.randn(n, h, p), torch.randn(n, h)
+    A, D, dt_bias = -torch.rand(h) * 4, torch.randn(h), torch.randn(h)
+    B, C, state = torch.randn(n, groups, d), torch.randn(n, groups, d), torch.randn(h, p, d)
+    y, final = ssd.chunk_scan(x, dt, A, B, C, D, dt_bias, 16, state)
+    y_ref, final_ref = ref.mamba2_chunk_scan(x[None], dt[None], A, B[None], C[None], 16, D=D, dt_bias=dt_bias,
+                                             initial_states=state[None], dt_softplus=True, return_final_states=True)
+    torch.testing.assert_close(y, y_ref[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(final, final_ref[0], atol=1e-4, rtol=1e-4)
+    # one decode step for a batch of 3 sequences
+    s0 = torch.randn(3, h, p, d)
+    xb, dtb, Bb, Cb = torch.randn(3, h, p), torch.randn(3, h), torch.randn(3, groups, d), torch.randn(3, groups, d)
+    yb, new = ssd.state_update(s0.clone(), xb, dtb, A, Bb, Cb, D, dt_bias)
+    s_ref = s0.clone()
+    yb_ref = ref.mamba2_selective_state_update(
+        s_ref, xb, dtb[..., None].expand(-1, -1, p), A[:, None, None].expand(-1, p, d), Bb, Cb,
+        D[:, None].expand(-1, p), dt_bias=dt_bias[:, None].expand(-1, p), dt_softplus=True)
+    torch.testing.assert_close(yb, yb_ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(new, s_ref, atol=1e-4, rtol=1e-4)
+
+
+def test_state_slots_and_pool_capacity():
+    from consort_engine.state_pool import StateSlots, as_index, seqs_per_pool
+    slots = StateSlots(4)
+    taken = [slots.take() for _ in range(3)]
+    assert taken == [0, 1, 2]
+    slots.give(1)
+    assert slots.take() == 1 and slots.num_free == 1      # lowest first: batches stay consecutive
+    with pytest.raises(AssertionError):
+        slots.give(3)                                       # never taken: a double free
+    assert as_index([3, 4, 5], torch.device("cpu")) == slice(3, 6)
+    assert as_index([3, 5], torch.device("cpu")).tolist() == [3, 5]
+    # 2048 tokens in blocks of 16: 128 blocks of 4 KiB + 100 KiB of state per sequence
+    assert seqs_per_pool(64 << 20, 2048, 16, 4096, 100 << 10) == (64 << 20) // (128 * 4096 + (100 << 10))
+    assert seqs_per_pool(64 << 20, 2048, 16, 4096, 0) == 128

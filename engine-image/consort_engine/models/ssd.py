@@ -67,37 +67,42 @@ def chunk_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tens
                D: torch.Tensor, dt_bias: torch.Tensor, chunk_size: int, state: torch.Tensor,
                dt_limit: tuple[float, float] = (0.0, float("inf"))) -> tuple[torch.Tensor, torch.Tensor]:
     """SSD over one sequence's n new tokens: x [n, H, P], dt [n, H], B/C [n, G, N], state [H, P, N]
-    (float32, the state before them). Returns (y [n, H, P], state after the last token)."""
+    (float32, the state before them). Returns (y [n, H, P], state after the last token).
+
+    transformers' mamba2 torch scan, except that B and C stay per group (G groups of K = H / G heads)
+    instead of being repeated per head: the C.B scores are computed once per group. Padding the tail
+    chunk with dt = 0 leaves the state unchanged, so the final state is the one after token n."""
     n, h, p = x.shape
     g = B.shape[1]
+    k = h // g
     dt = F.softplus(dt + dt_bias.to(dt.dtype))
     dt = torch.clamp(dt, min=dt_limit[0], max=dt_limit[1])
     xf = x.float()
-    Bf = B.float().repeat_interleave(h // g, dim=1)
-    Cf = C.float().repeat_interleave(h // g, dim=1)
     pad = (chunk_size - n % chunk_size) % chunk_size
     d_res = D[:, None].float() * xf
     xs = xf * dt[..., None].float()
     As = A.float() * dt.float()                                              # [n, H]
 
-    def chunks(t: torch.Tensor) -> torch.Tensor:     # [n, ...] -> [1, c, l, ...] (batch of one, zero-padded)
+    def chunks(t: torch.Tensor) -> torch.Tensor:     # [n, ...] -> [c, l, ...] (zero-padded)
         t = F.pad(t, (0, 0) * (t.dim() - 1) + (0, pad))
-        return t.reshape(1, -1, chunk_size, *t.shape[1:])
+        return t.reshape(-1, chunk_size, *t.shape[1:])
 
-    xs, As, Bf, Cf = chunks(xs), chunks(As), chunks(Bf), chunks(Cf)
-    As = As.permute(0, 3, 1, 2)                                              # [1, H, c, l]
+    xs = chunks(xs).view(-1, chunk_size, g, k, p)                             # [c, l, g, k, p]
+    Bf, Cf = chunks(B.float()), chunks(C.float())                             # [c, l, g, N]
+    As = chunks(As).permute(2, 0, 1)                                          # [H, c, l]
     A_cumsum = torch.cumsum(As, dim=-1)
-    L = torch.exp(segment_sum(As))
-    G = torch.einsum("bclhn,bcshn->bclsh", Cf, Bf)
-    M = G * L.permute(0, 2, 3, 4, 1)
-    y_diag = torch.einsum("bclsh,bcshp->bclhp", M, xs)
-    decay_states = torch.exp(A_cumsum[:, :, :, -1:] - A_cumsum)
-    B_decay = Bf * decay_states.permute(0, -2, -1, 1)[..., None]
-    states = torch.einsum("bclhn,bclhp->bchpn", B_decay, xs)
-    states = torch.cat([state[None, None].to(states.dtype), states], dim=1)
-    decay_chunk = torch.exp(segment_sum(F.pad(A_cumsum[:, :, :, -1], (1, 0)))).transpose(1, 3)
-    new_states = torch.einsum("bzch,bzhpn->bchpn", decay_chunk, states)
-    states, final = new_states[:, :-1], new_states[0, -1]
-    y_off = torch.einsum("bclhn,bchpn->bclhp", Cf, states) * torch.exp(A_cumsum).permute(0, 2, 3, 1)[..., None]
+    L = torch.exp(segment_sum(As))                                           # [H, c, l, s]
+    scores = torch.einsum("clgn,csgn->cgls", Cf, Bf)                          # [c, g, l, s]: once per group
+    M = scores[:, :, None] * L.view(g, k, *L.shape[1:]).permute(2, 0, 1, 3, 4)   # [c, g, k, l, s]
+    y_diag = torch.einsum("cgkls,csgkp->clgkp", M, xs)
+    decay_states = torch.exp(A_cumsum[:, :, -1:] - A_cumsum)                 # [H, c, l]
+    xs_decay = xs * decay_states.view(g, k, *decay_states.shape[1:]).permute(2, 3, 0, 1)[..., None]
+    states = torch.einsum("clgn,clgkp->cgkpn", Bf, xs_decay)                  # [c, g, k, p, N]
+    states = torch.cat([state[None].to(states.dtype), states.reshape(-1, h, p, states.shape[-1])], dim=0)
+    decay_chunk = torch.exp(segment_sum(F.pad(A_cumsum[:, :, -1], (1, 0))))   # [H, z, c]
+    new_states = torch.einsum("hcz,zhpn->chpn", decay_chunk, states)
+    states, final = new_states[:-1], new_states[-1]
+    c_states = torch.einsum("clgn,cgkpn->clgkp", Cf, states.view(-1, g, k, p, states.shape[-1]))
+    y_off = c_states * torch.exp(A_cumsum).view(g, k, *A_cumsum.shape[1:]).permute(2, 3, 0, 1)[..., None]
     y = (y_diag + y_off).reshape(-1, h, p)[:n] + d_res
     return y.to(x.dtype), final
