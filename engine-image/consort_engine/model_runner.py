@@ -110,6 +110,8 @@ def tune_cpu_memory(kv_cache: torch.Tensor) -> None:
 
 def check_tp_split(cfg, size: int) -> None:
     """Raises ValueError unless `size` ranks split the heads, KV heads and MLP evenly."""
+    if cfg.is_hybrid:
+        raise ValueError(f"tensor parallelism is not supported for {cfg.model_type} (hybrid) models yet")
     group = TPGroup(0, size)
     for n, what in ((cfg.num_attention_heads, "num_attention_heads"), (cfg.num_key_value_heads, "num_key_value_heads"),
                     (cfg.intermediate_size, "intermediate_size")):

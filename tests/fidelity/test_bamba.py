@@ -214,3 +214,15 @@ def test_state_slots_and_pool_capacity():
     # 2048 tokens in blocks of 16: 128 blocks of 4 KiB + 100 KiB of state per sequence
     assert seqs_per_pool(64 << 20, 2048, 16, 4096, 100 << 10) == (64 << 20) // (128 * 4096 + (100 << 10))
     assert seqs_per_pool(64 << 20, 2048, 16, 4096, 0) == 128
+
+
+def test_hybrid_unsupported_features_are_typed_errors(tmp_path):
+    """Tensor parallelism fails before any rank starts; a LoRA adapter is a typed adapter error."""
+    from consort_engine.lora import AdapterError
+    ckpt = make_checkpoint("bamba", tmp_path)
+    with pytest.raises(ValueError, match="tensor parallelism is not supported for bamba"):
+        LLMEngine(EngineConfig(model=str(ckpt), dtype="float32", tensor_parallel_size=2, num_blocks=64))
+    engine = LLMEngine(EngineConfig(model=str(ckpt), dtype="float32", num_blocks=64))
+    with pytest.raises(AdapterError) as e:
+        engine.load_adapter("a", str(tmp_path / "no-such-adapter"))
+    assert e.value.code == "adapter_unsupported"
