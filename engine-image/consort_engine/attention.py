@@ -49,6 +49,7 @@ class AttentionMetadata:
     # flash-attn varlen path (CUDA): one call covers every token
     cu_context_lens: torch.Tensor | None = None
     max_query_len_all: int = 0
+    state: object = None                     # hybrid models: state_pool.StateMetadata of the mixer layers
 
 
 def pool_shape(backend: str, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple:

@@ -3,6 +3,7 @@
 offline: our engine vs transformers `generate` on the same checkpoint and workload (bench_offline.py).
 structured: guided JSON-schema decoding tok/s vs free decoding (bench_structured.py).
 spec:    none vs n-gram vs MTP drafting on one checkpoint: acceptance and tokens/s (bench_spec.py).
+hybrid:  hybrid (attention + Mamba2) vs pure attention: KV bytes/token, seqs per pool, tok/s (bench_hybrid.py).
 serve:   TTFT / ITL percentiles and throughput of any OpenAI-compatible endpoint (bench_serve.py).
 local:   the ensemble on one box vs one engine: consort_operator/bench_local.py (it starts `consort up`).
 Heavy imports stay inside the subcommands.
@@ -17,11 +18,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="consort bench", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
-    from . import bench_offline, bench_serve, bench_spec, bench_structured
+    from . import bench_hybrid, bench_offline, bench_serve, bench_spec, bench_structured
     bench_offline.add_args(sub.add_parser("offline", help="engine vs transformers generate, one run"))
     bench_serve.add_args(sub.add_parser("serve", help="streaming latency against an OpenAI endpoint"))
     bench_structured.add_args(sub.add_parser("structured", help="guided json_schema vs free decoding tok/s"))
     bench_spec.add_args(sub.add_parser("spec", help="speculative decoding: none vs n-gram vs MTP drafting"))
+    bench_hybrid.add_args(sub.add_parser("hybrid", help="hybrid (attention + Mamba2) vs pure attention: KV and tok/s"))
     args = p.parse_args(argv)
     if args.cmd == "offline":
         return bench_offline.run(args)
@@ -29,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
         return bench_structured.run(args)
     if args.cmd == "spec":
         return bench_spec.main(args)
+    if args.cmd == "hybrid":
+        return bench_hybrid.main(args)
     return bench_serve.main(args)
 
 

@@ -19,6 +19,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable
 
 from .sequence import Sequence
+from .state_pool import StateSlots
 
 HashFn = Callable[[int, str, "str | None", tuple[int, ...]], Hashable]
 
@@ -39,13 +40,15 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, namespace: str = "",
-                 enable_caching: bool = True, hash_fn: HashFn = chain_hash) -> None:
+                 enable_caching: bool = True, hash_fn: HashFn = chain_hash, state_slots: int = 0) -> None:
         assert num_blocks > 0 and block_size > 0
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.namespace = namespace
         self.enable_caching = enable_caching
         self._hash_fn = hash_fn
+        # Hybrid models: a conv/SSM state slot per running sequence, taken and given back with its blocks.
+        self.state_slots = StateSlots(state_slots) if state_slots else None
 
         # Per-block state, indexed by physical block id.
         self.ref_count: list[int] = [0] * num_blocks
@@ -144,6 +147,10 @@ class BlockManager:
         hits, hashes = self._match_prefix(seq)
         if self._blocks_needed(seq, hits, num_lookahead) + reserve > self.num_free_blocks:
             return False
+        if self.state_slots is not None:
+            if not self.state_slots.num_free:
+                return False
+            seq.state_slot = self.state_slots.take()
         for b in hits:     # take hits before allocating, so eviction cannot pick them
             if self.ref_count[b] == 0:
                 del self._free_cached[b]
@@ -253,6 +260,9 @@ class BlockManager:
             self._release(b)
         seq.block_table = []
         self._seq_hashes.pop(seq.seq_id, None)
+        if self.state_slots is not None and seq.state_slot >= 0:
+            self.state_slots.give(seq.state_slot)
+            seq.state_slot = -1
 
     def _release(self, b: int) -> None:
         rc = self.ref_count[b] - 1
@@ -270,6 +280,7 @@ class BlockManager:
         The partial tail block is not shared (no copy-on-write): child recomputes it.
         """
         assert not child.block_table and child.token_ids[:parent.num_tokens] == parent.token_ids
+        assert self.state_slots is None, "fork shares KV without the matching state: not for hybrid models"
         bs = self.block_size
         shared = min(parent.num_computed_tokens, parent.num_tokens - 1) // bs
         fresh = blocks_for(child.num_tokens, bs) - shared
@@ -318,3 +329,7 @@ class BlockManager:
         assert all((self.ref_count[b] == 0) == (b in free) for b in range(self.num_blocks)), "leak"
         for h, b in self._by_hash.items():
             assert self._hash[b] == h and self._content[b] != _NO_CONTENT
+        if self.state_slots is not None:
+            held = [s.state_slot for s in live if s.block_table]
+            assert -1 not in held and len(set(held)) == len(held), "state slot missing or shared"
+            assert len(held) + self.state_slots.num_free == self.state_slots.num_slots, "state slot leak"

@@ -6,6 +6,7 @@ time-to-first-token from live state.
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from itertools import accumulate
@@ -22,6 +23,8 @@ from .guided import advance
 from .speculative import typical_accepted
 
 __all__ = ["AdmissionRejected", "LLMEngine", "StepOutput"]
+
+log = logging.getLogger("consort.engine")
 
 PREEMPTING_WINDOW_S = 10.0   # `preempting` in stats: a preemption happened this recently
 EWMA_ALPHA = 0.2
@@ -61,10 +64,18 @@ class LLMEngine:
         self.runner = runner
         self.sampler = sampler
         self.max_model_len: int = runner.max_model_len
+        hybrid = getattr(runner, "is_hybrid", False)
+        caching = config.enable_prefix_caching
+        if hybrid and caching:
+            # A cached prefix's KV is useless without the mixers' state at that token: never reuse it.
+            log.warning("prefix caching is off for %s: hybrid (attention + Mamba2) model", config.name)
+            caching = False
         self.block_manager = BlockManager(runner.num_blocks, runner.block_size, namespace=config.name,
-                                          enable_caching=config.enable_prefix_caching)
+                                          enable_caching=caching,
+                                          state_slots=config.max_num_seqs if hybrid else 0)
         self.scheduler = Scheduler(config, self.block_manager, eos_token_ids=runner.eos_token_ids,
                                    max_model_len=self.max_model_len)
+        self.hybrid = hybrid
         if getattr(runner, "has_mtp", False):
             self.scheduler.drafter = "mtp"
         self.warm = False
@@ -177,7 +188,14 @@ class LLMEngine:
             batch.seqs[i].prompt_logprobs.extend(lps)
         token_ids, logprobs = self._sample(batch, logits)
         t2 = time.perf_counter()
+        windows = self.hybrid and batch.num_draft
+        if windows:
+            before = [s.num_computed_tokens for s in batch.seqs]
         outputs = self.scheduler.postprocess(batch, token_ids, logprobs)
+        if windows:    # the mixers' state back to the last kept token of each verify window
+            self.runner.commit_windows({s.state_slot: s.num_computed_tokens - b
+                                        for s, b, k in zip(batch.seqs, before, batch.num_draft)
+                                        if k and s.state_slot >= 0})
         if self.scheduler.stale_slots:
             self.runner.zero_slots(self.scheduler.stale_slots)
             self.scheduler.stale_slots = []

@@ -15,8 +15,9 @@ from safetensors import safe_open
 
 SUPPORTED = {
     "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+    "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "BambaForCausalLM": "bamba",
 }
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "bamba")
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16, "fp16": torch.float16}
@@ -47,7 +48,21 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
     torch_dtype: str | None = None
+    # Hybrid attention + Mamba2 (bamba): the layers that are attention (None: every layer); the others are mixers.
+    attn_layer_indices: list[int] | None = None
+    partial_rotary_factor: float = 1.0
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def attention_layers(self) -> list[int]:
+        """Indices of the attention layers: the ones that hold paged KV."""
+        if self.attn_layer_indices is None:
+            return list(range(self.num_hidden_layers))
+        return sorted(self.attn_layer_indices)
+
+    @property
+    def is_hybrid(self) -> bool:
+        return len(self.attention_layers) < self.num_hidden_layers
 
 
 def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -76,12 +91,13 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     raw = json.loads((model_dir / "config.json").read_text())
     archs = raw.get("architectures") or []
     model_type = raw.get("model_type") or (SUPPORTED.get(archs[0]) if archs else None)
-    if model_type not in ("llama", "mistral", "qwen2", "qwen3"):
+    if model_type not in MODEL_TYPES:
         raise ValueError(f"unsupported model_type {model_type!r} (architectures {archs}); "
-                         "supported: llama, mistral, qwen2, qwen3")
+                         f"supported: {', '.join(MODEL_TYPES)}")
     heads = int(raw["num_attention_heads"])
     theta, scaling = _rope(raw)
     sliding = raw.get("sliding_window")
+    hybrid = model_type == "bamba"
     if model_type in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
         sliding = None
     return ModelConfig(
@@ -106,6 +122,9 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         bos_token_id=raw.get("bos_token_id"),
         eos_token_id=_as_list(raw.get("eos_token_id")),
         torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+        attn_layer_indices=[int(i) for i in raw.get("attn_layer_indices") or []] if hybrid else None,
+        # transformers hardcodes Bamba's partial rotary factor (0.5) whatever the config says
+        partial_rotary_factor=0.5 if hybrid else 1.0,
         raw=raw,
     )
 

@@ -26,6 +26,7 @@ from .models.mtp import has_mtp
 from .lora import AdapterError, LoraAdapter, LoraContext, load_peft_adapter, segments_of
 from .models.packed import has_amx
 from .sequence import PromptLogprobs, ScheduledBatch, Sequence
+from .state_pool import build_state_metadata, seqs_per_pool
 from .tensor_parallel import SINGLE, TPGroup, TPWorkers
 
 MAX_KERNEL_QUERY = 16     # sequences with at most this many new tokens join the batched (kernel) group
@@ -53,6 +54,7 @@ class RowGroup:
     block_table: list[int]
     num_sampled: int
     adapter: str | None = None
+    state_slot: int = -1          # hybrid models: the sequence's conv/SSM state slot
 
 
 @dataclass
@@ -109,6 +111,8 @@ def tune_cpu_memory(kv_cache: torch.Tensor) -> None:
 
 def check_tp_split(cfg, size: int) -> None:
     """Raises ValueError unless `size` ranks split the heads, KV heads and MLP evenly."""
+    if cfg.is_hybrid:
+        raise ValueError(f"tensor parallelism is not supported for {cfg.model_type} (hybrid) models yet")
     group = TPGroup(0, size)
     for n, what in ((cfg.num_attention_heads, "num_attention_heads"), (cfg.num_key_value_heads, "num_key_value_heads"),
                     (cfg.intermediate_size, "intermediate_size")):
@@ -135,9 +139,11 @@ class ModelRunner:
         self.hf_config = cfg = load_model_config(config.model)
         self.eos_token_ids: set[int] = eos_token_ids(config.model, cfg)
         # MTP drafting: one rank only (the block is not split for tensor parallelism yet)
-        self.has_mtp = (config.speculative == "mtp" and tp.size == 1
+        # Hybrid (attention + Mamba2): KV only for the attention layers, a state slot per sequence for the rest.
+        self.is_hybrid = cfg.is_hybrid
+        self.has_mtp = (config.speculative == "mtp" and tp.size == 1 and not self.is_hybrid
                         and has_mtp(checkpoint_names(config.model), cfg.num_hidden_layers))
-        self.num_kv_layers = cfg.num_hidden_layers + self.has_mtp     # the MTP block's own KV layer last
+        self.num_kv_layers = len(cfg.attention_layers) + self.has_mtp     # the MTP block's own KV layer last
         self.last_hidden: torch.Tensor | None = None     # normed target hidden states of the last step (MTP)
         self.last_item_rows: list[tuple[int, int]] = []
         # (batch index, the prompt logprobs this step computed for it), for sequences that ask (rank 0)
@@ -170,6 +176,17 @@ class ModelRunner:
         for name, path in config.adapters.items():
             self.load_adapter(name, path)
 
+        self.conv_state = self.ssm_state = None
+        self.window_snapshots = None     # the last step's verify windows (hybrids, state_pool.WindowSnapshots)
+        self.state_bytes_per_seq = 0
+        if self.is_hybrid:    # [max_num_seqs, mixers, ...]: one row per running sequence (state_pool.py)
+            mixers = self.model.mixers
+            (cd, ck), (sh, sp, sn) = mixers[0].state_shapes()
+            s = config.max_num_seqs
+            self.conv_state = torch.zeros(s, len(mixers), cd, ck, dtype=self.compute_dtype, device=self.device)
+            self.ssm_state = torch.zeros(s, len(mixers), sh, sp, sn, dtype=torch.float32, device=self.device)
+            self.state_bytes_per_seq = (self.conv_state[0].numel() * self.conv_state.element_size()
+                                        + self.ssm_state[0].numel() * 4)
         self.num_blocks = self._pool_blocks()
         if tp.size > 1:   # every rank holds the same block ids: agree on the smallest pool
             n = torch.tensor([self.num_blocks])
@@ -183,9 +200,10 @@ class ModelRunner:
         self.kv_cache = alloc(kv_shape, dtype=self.dtype, device=self.device)
         if self.device.type == "cpu":
             tune_cpu_memory(self.kv_cache)
-        for i, layer in enumerate(self.model.layers):
-            layer.self_attn.attn.k_cache = self.kv_cache[i, 0]
-            layer.self_attn.attn.v_cache = self.kv_cache[i, 1]
+        attn_modules = [layer.self_attn for layer in self.model.layers if layer.self_attn is not None]
+        for i, module in enumerate(attn_modules):
+            module.attn.k_cache = self.kv_cache[i, 0]
+            module.attn.v_cache = self.kv_cache[i, 1]
         if self.has_mtp:
             attn = self.model.mtp.layer.self_attn.attn
             attn.k_cache, attn.v_cache = self.kv_cache[-1, 0], self.kv_cache[-1, 1]
@@ -199,8 +217,17 @@ class ModelRunner:
 
     @property
     def block_bytes(self) -> int:
+        return self.block_size * self.kv_bytes_per_token
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of every attention layer (only those: a hybrid's mixers hold no per-token state)."""
         c = self.hf_config
-        return 2 * self.num_kv_layers * self.block_size * self.kv_heads * c.head_dim * self.dtype.itemsize
+        return 2 * self.num_kv_layers * self.kv_heads * c.head_dim * self.dtype.itemsize
+
+    def seqs_in_pool(self, pool_bytes: int, context_len: int) -> int:
+        """How many sequences of context_len tokens one pool of pool_bytes holds (KV + hybrid state)."""
+        return seqs_per_pool(pool_bytes, context_len, self.block_size, self.block_bytes, self.state_bytes_per_seq)
 
     def _pool_blocks(self) -> int:
         if self.config.num_blocks:
@@ -211,9 +238,13 @@ class ModelRunner:
                      + 3 * c.intermediate_size) * 4
         scores = c.num_attention_heads * min(tokens, self.max_model_len) * self.max_model_len * 4
         logits = 4 * self.config.max_num_seqs * c.vocab_size * 4
+        # hybrids: the state pools are already allocated (not in `free` any more), the mixers' projections are wide
+        if self.is_hybrid:
+            m = self.model.mixers[0]
+            per_token += 3 * (2 * m.inner + m.conv_dim + m.heads) * 4
         reserve = 2 * (tokens * per_token + scores + logits) + 256 * MiB
         free = mem_available(self.device) - reserve
-        n = int(max(free, 0) * self.config.kv_memory_fraction) // self.block_bytes
+        n = int(max(free, 0) * self.config.kv_memory_fraction) // max(self.block_bytes, 1)   # 0: no attention layer
         # more than every running sequence at full length can never be used
         n = min(n, self.config.max_num_seqs * math.ceil(self.max_model_len / self.block_size))
         if n < 1:
@@ -225,7 +256,8 @@ class ModelRunner:
         groups = []
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             s = seq.num_computed_tokens
-            groups.append(RowGroup(seq.token_ids[s:s + n], s, seq.block_table, batch.rows_sampled(i), seq.adapter))
+            groups.append(RowGroup(seq.token_ids[s:s + n], s, seq.block_table, batch.rows_sampled(i), seq.adapter,
+                                   seq.state_slot))
         return self.build_inputs(groups)
 
     def build_inputs(self, groups: list[RowGroup]) -> StepInputs:
@@ -307,8 +339,31 @@ class ModelRunner:
             for span in meta.prefills:
                 if span.block_ids is not None:
                     span.block_ids = span.block_ids.to(dev, non_blocking=True)
+        if self.is_hybrid:
+            meta.state = self._state_metadata(groups, item_rows)
         lora = segments_of([groups[i].adapter for i in order], lens) if self.adapters else []
         return StepInputs(ids, positions, meta, sample_idx, lora, order, item_rows)
+
+    def _state_metadata(self, groups: list[RowGroup], item_rows: list[tuple[int, int]]):
+        """The mixers' view of a step; a sequence's first chunk starts from zero state (a fresh slot,
+        or a preempted sequence recomputing: no prefix reuse for hybrids, so start 0 means fresh)."""
+        fresh = [g.state_slot for g in groups if g.start == 0]
+        if fresh:
+            idx = torch.tensor(fresh, dtype=torch.int64, device=self.device)
+            self.conv_state[idx] = 0
+            self.ssm_state[idx] = 0
+        meta = build_state_metadata(self.conv_state, self.ssm_state, item_rows, [g.state_slot for g in groups],
+                                    [g.num_sampled > 1 for g in groups])
+        self.window_snapshots = meta.snapshots
+        return meta
+
+    @torch.inference_mode()
+    def commit_windows(self, kept: dict[int, int]) -> None:
+        """After a verify step of a hybrid: state slot -> window tokens kept; the mixers' state goes
+        back to the one after the last kept token (WindowSnapshots.commit)."""
+        snaps, self.window_snapshots = self.window_snapshots, None
+        if snaps is not None and kept:
+            snaps.commit(self.conv_state, self.ssm_state, kept)
 
     def load_adapter(self, name: str, path: str) -> LoraAdapter:
         """Read a PEFT LoRA adapter and attach it (between steps). AdapterError when it cannot be served."""
@@ -464,6 +519,7 @@ class ModelRunner:
                             self.num_blocks * bs - 1))
         seq = Sequence(prompt_token_ids=[i % self.vocab_size for i in range(prompt + 1)])
         seq.block_table = list(range(math.ceil((prompt + 1) / bs)))
+        seq.state_slot = 0          # hybrids: scratch state, zeroed again by a request's first chunk
         self.execute(ScheduledBatch([seq], [prompt], [True], mode="prefill"))
         n = max(1, min(self.config.max_num_seqs, 32, self.num_blocks))
         ctx = max(1, min(prompt, (self.num_blocks // n) * bs - 1))
@@ -471,6 +527,7 @@ class ModelRunner:
         for j in range(n):
             s = Sequence(prompt_token_ids=[(j + i) % self.vocab_size for i in range(ctx + 1)])
             s.num_computed_tokens = ctx
+            s.state_slot = j
             s.block_table = [(j * math.ceil((ctx + 1) / bs) + k) % self.num_blocks
                              for k in range(math.ceil((ctx + 1) / bs))]
             seqs.append(s)

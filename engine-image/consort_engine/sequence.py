@@ -101,6 +101,7 @@ class Sequence:
     # position mtp_start on); the next step's MTP pass fuses the kept ones with the tokens after them.
     mtp_hidden: object = field(default=None, repr=False)
     mtp_start: int = 0
+    state_slot: int = -1                               # hybrid models: row of the conv/SSM state pools (state_pool.py)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -4,7 +4,8 @@ Import them as `from fidelity_helpers import ...` (tests/fidelity is on sys.path
 
 - ``make_checkpoint(arch, tmp_path, **overrides) -> Path``: a transformers model (fixed seed) saved
   with save_pretrained + the demo BPE tokenizer (512 tokens, trained once per session). arch in
-  llama (GQA, llama3 rope scaling), qwen2 (q/k/v bias, tied embeddings), qwen3 (q/k RMSNorm), mistral.
+  llama (GQA, llama3 rope scaling), qwen2 (q/k/v bias, tied embeddings), qwen3 (q/k RMSNorm), mistral,
+  bamba (hybrid attention + Mamba2; pass attn_layer_indices to place the attention layers).
 - ``hf_greedy(model_dir, prompts, max_new_tokens, dtype=torch.float32) -> list[Reference]``:
   transformers greedy decoding, one prompt at a time, with the top-5 logprobs of every step.
 - ``check_logprobs_close(ref, tokens, top)``: vLLM's check_logprobs_close semantics: tokens equal,
@@ -49,6 +50,10 @@ def make_checkpoint(arch: str, tmp_path: Path, **overrides) -> Path:
     elif arch == "mistral":
         common["sliding_window"] = None
         cls, cfg_cls = transformers.MistralForCausalLM, transformers.MistralConfig
+    elif arch == "bamba":     # hybrid: Mamba2 mixers everywhere but attn_layer_indices (override it)
+        common.update(num_hidden_layers=4, attn_layer_indices=[1], mamba_n_heads=8, mamba_d_state=16,
+                      mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16, mamba_n_groups=2)
+        cls, cfg_cls = transformers.BambaForCausalLM, transformers.BambaConfig
     else:
         raise ValueError(arch)
     common.update(overrides)

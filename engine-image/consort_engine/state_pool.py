@@ -1,0 +1,121 @@
+"""Per-sequence recurrent state of hybrid (attention + Mamba2) models: slots, not blocks.
+
+A mixer layer's conv and SSM state is a fixed number of bytes per sequence, whatever its length.
+The runner holds one pool per kind, [max_num_seqs, mixer layers, ...]; a running sequence owns one
+slot index (Sequence.state_slot), taken on admission with its KV blocks and given back with them on
+finish, abort or preemption (block_manager.py). A preempted sequence recomputes from scratch, like
+its KV: a fresh slot is zeroed when its first chunk runs.
+
+Speculative verify: a window (last token + K drafts) steps the recurrence row by row, batched over
+every window of the step, and keeps a snapshot of each slot's state after every window position
+(WindowSnapshots). Once acceptance is known, commit() puts back the state after the last kept
+token (the pool already holds it when every draft was accepted): rejected drafts leave no trace.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class StateMetadata:
+    """What the mixers of one step read: the pools and which rows use which slot."""
+    conv: torch.Tensor                          # [slots, mixers, conv_dim, d_conv - 1]
+    ssm: torch.Tensor                           # [slots, mixers, heads, head_dim, d_state] float32
+    decode_rows: torch.Tensor | slice | None = None   # rows of single-token groups (one batched step)
+    decode_slots: torch.Tensor | slice | None = None  # their slots (a slice when consecutive: views, no gather)
+    chunks: list[tuple[int, int, int]] = field(default_factory=list)   # (start row, end row, slot) scans
+    # verify windows, position by position: (rows, slots, window indices) of the windows that long
+    window_steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    snapshots: "WindowSnapshots | None" = None
+
+
+@dataclass
+class WindowSnapshots:
+    """State of each verify window's slot after each of its positions: [position, window, mixers, ...]."""
+    slots: list[int]
+    lengths: list[int]
+    conv: torch.Tensor
+    ssm: torch.Tensor
+
+    def commit(self, pool_conv: torch.Tensor, pool_ssm: torch.Tensor, kept: dict[int, int]) -> None:
+        """kept: slot -> tokens of its window whose state stands (1..length). Restores the state after
+        the last kept one where drafts were rejected."""
+        restore = [(w, kept[s] - 1) for w, (s, n) in enumerate(zip(self.slots, self.lengths))
+                   if s in kept and kept[s] < n]
+        if not restore:
+            return
+        dev = pool_conv.device
+        win = torch.tensor([w for w, _ in restore], dtype=torch.int64, device=dev)
+        pos = torch.tensor([p for _, p in restore], dtype=torch.int64, device=dev)
+        slots = torch.tensor([self.slots[w] for w, _ in restore], dtype=torch.int64, device=dev)
+        pool_conv[slots] = self.conv[pos, win]
+        pool_ssm[slots] = self.ssm[pos, win]
+
+
+class StateSlots:
+    """Free state slot ids 0..n-1, lowest first: sequences admitted together get consecutive slots in
+    run order, so a decode batch's slots are usually a slice (see as_index)."""
+
+    def __init__(self, n: int) -> None:
+        self.num_slots = n
+        self._free = list(range(n))       # a heap
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def take(self) -> int:
+        return heapq.heappop(self._free)
+
+    def give(self, slot: int) -> None:
+        assert 0 <= slot < self.num_slots and slot not in self._free, f"state slot {slot} freed twice"
+        heapq.heappush(self._free, slot)
+
+
+def as_index(ids: list[int], device: torch.device) -> torch.Tensor | slice:
+    """A slice when the ids are consecutive and ascending (indexing then makes views, not copies:
+    in steady state a decode batch's rows and slots usually are), else an int64 index tensor."""
+    if ids[-1] - ids[0] == len(ids) - 1 and all(b == a + 1 for a, b in zip(ids, ids[1:])):
+        return slice(ids[0], ids[-1] + 1)
+    return torch.tensor(ids, dtype=torch.int64, device=device)
+
+
+def build_state_metadata(conv: torch.Tensor, ssm: torch.Tensor, rows: list[tuple[int, int]],
+                         slots: list[int], windows: list[bool]) -> StateMetadata:
+    """Split a step's row groups (item order: [start, end) rows, slot, whether it is a verify window)
+    into the batched decode rows, the verify windows and the per-sequence scan chunks."""
+    dec_rows, dec_slots, chunks, wins = [], [], [], []
+    for (a, b), s, w in zip(rows, slots, windows):
+        assert s >= 0, "a hybrid model's sequence runs without a state slot"
+        if b - a == 1:
+            dec_rows.append(a)
+            dec_slots.append(s)
+        elif w:
+            wins.append((a, b - a, s))
+        elif b > a:
+            chunks.append((a, b, s))
+    dev = conv.device
+    meta = StateMetadata(conv, ssm, chunks=chunks)
+    if dec_rows:
+        meta.decode_rows, meta.decode_slots = as_index(dec_rows, dev), as_index(dec_slots, dev)
+    if wins:
+        longest = max(n for _, n, _ in wins)
+        for j in range(longest):
+            live = [i for i, (_, n, _) in enumerate(wins) if n > j]
+            meta.window_steps.append((torch.tensor([wins[i][0] + j for i in live], dtype=torch.int64, device=dev),
+                                      torch.tensor([wins[i][2] for i in live], dtype=torch.int64, device=dev),
+                                      torch.tensor(live, dtype=torch.int64, device=dev)))
+        meta.snapshots = WindowSnapshots([s for *_, s in wins], [n for _, n, _ in wins],
+                                         conv.new_empty(longest, len(wins), *conv.shape[1:]),
+                                         ssm.new_empty(longest, len(wins), *ssm.shape[1:]))
+    return meta
+
+
+def seqs_per_pool(pool_bytes: int, context_len: int, block_size: int, block_bytes: int, state_bytes: int) -> int:
+    """Sequences of `context_len` tokens that fit in `pool_bytes`: each holds its KV blocks (attention
+    layers only) plus, for a hybrid, its conv/SSM state (bytes per sequence, not per token)."""
+    per_seq = -(-context_len // block_size) * block_bytes + state_bytes
+    return pool_bytes // per_seq if per_seq else 0

@@ -1,0 +1,228 @@
+"""Hybrid attention + Mamba2 (transformers' BambaForCausalLM) through the whole engine vs transformers.
+
+Tiny random checkpoints written by transformers (its torch fallback runs the reference on CPU: no
+mamba_ssm kernels), several attention layer placements. The engine keeps KV blocks for the attention
+layers only and the mixers' conv/SSM state in per-sequence slots: greedy tokens must equal
+transformers' under concurrency (mixed lengths: decodes batched in one state update while prompts
+scan), chunked prefill (a small token budget: the scan continues from the saved state across chunk
+boundaries that do not line up with the SSD chunk size) and preemption (recompute: the slot is freed
+and the sequence prefills again from zero state).
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from fidelity_helpers import check_logprobs_close, hf_greedy, make_checkpoint
+
+from consort_engine.config import EngineConfig
+from consort_engine.engine import LLMEngine
+from consort_engine.sequence import SamplingParams, Sequence
+
+N = 10
+LONG = 150           # the long prompt: several SSD chunks (16) and several prefill chunks in "chunked"
+
+CASES = {
+    #             pool blocks, token budget
+    "concurrent": dict(num_blocks=1024, max_num_batched_tokens=512),
+    "preempt": dict(num_blocks=70, max_num_batched_tokens=512),
+    "chunked": dict(num_blocks=1024, max_num_batched_tokens=24),
+}
+PLACEMENTS = {"attn-1": [1], "attn-0-3": [0, 3], "attn-2": [2]}
+
+
+def workload(vocab: int) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(5)
+    prompts, max_tokens = [], []
+    for i in range(N):
+        n = LONG if i == 0 else rng.randrange(1, 60)     # a one-token prompt decodes from zero state
+        prompts.append([rng.randrange(3, vocab) for _ in range(n)])
+        max_tokens.append(rng.randrange(6, 18))
+    return prompts, max_tokens
+
+
+@pytest.fixture(scope="module", params=list(PLACEMENTS))
+def hybrid(request, tmp_path_factory):
+    ckpt = make_checkpoint("bamba", tmp_path_factory.mktemp(request.param),
+                           attn_layer_indices=PLACEMENTS[request.param])
+    prompts, max_tokens = workload(512)
+    return request.param, ckpt, prompts, max_tokens, hf_greedy(ckpt, prompts, max_tokens)
+
+
+def run_engine(ckpt, prompts, max_tokens, case: str, **kw):
+    engine = LLMEngine(EngineConfig(model=str(ckpt), dtype="float32", block_size=4, max_num_seqs=8,
+                                    **CASES[case], **kw))
+    engine.warmup()
+    chunks: dict[int, list[int]] = {}
+    logits: dict[int, list[torch.Tensor]] = {}
+    execute = engine.runner.execute
+
+    def spy(batch):
+        out = execute(batch)
+        row = 0
+        for s, n, smp in zip(batch.seqs, batch.num_new_tokens, batch.sample):
+            chunks.setdefault(s.seq_id, []).append(n)
+            if smp:
+                logits.setdefault(s.seq_id, []).append(out[row].clone())
+                row += 1
+        return out
+    engine.runner.execute = spy
+    seqs = [Sequence(list(p), SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, logprobs=5))
+            for p, m in zip(prompts, max_tokens)]
+    for s in seqs:
+        engine.add_request(s)
+    steps = 0
+    while any(not s.is_finished for s in seqs):
+        engine.step()
+        engine.block_manager.check_invariants(engine.scheduler.running)
+        steps += 1
+        assert steps < 2000
+    return engine, seqs, chunks, logits
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_hybrid_greedy_matches_transformers(hybrid, case):
+    name, ckpt, prompts, max_tokens, refs = hybrid
+    engine, seqs, chunks, logits = run_engine(ckpt, prompts, max_tokens, case)
+    runner, stats = engine.runner, engine.stats()
+    assert runner.is_hybrid and runner.num_kv_layers == len(PLACEMENTS[name])
+    assert stats["kv_free_blocks"] == stats["kv_total_blocks"], "every block is released at the end"
+    slots = engine.block_manager.state_slots
+    assert slots.num_free == slots.num_slots == 8, "every state slot is released at the end"
+    assert not engine.block_manager.enable_caching
+    if case == "preempt":
+        assert stats["num_preemptions"] > 0
+    if case == "chunked":
+        long_chunks = chunks[seqs[0].seq_id]
+        assert sum(1 for n in long_chunks if n > 1) >= LONG // 24, long_chunks
+        assert max(long_chunks) <= 24
+    exact = 0
+    for i, (s, ref) in enumerate(zip(seqs, refs)):
+        assert s.finish_reason == "length" and len(s.output_token_ids) == max_tokens[i]
+        top = [lp["top"] for lp in s.output_logprobs]
+        matched = check_logprobs_close(ref, s.output_token_ids, top, name=f"{name}/{case} request {i}")
+        exact += matched == max_tokens[i]
+        # logits of the matched steps agree with transformers' to fp32 rounding
+        for step in range(matched):
+            torch.testing.assert_close(logits[s.seq_id][step], ref.logits[step], atol=2e-3, rtol=1e-3)
+    assert exact >= N - 1, f"only {exact}/{N} requests matched transformers exactly in fp32"
+
+
+def test_hybrid_kv_pool_is_attention_layers_only(hybrid):
+    """The pool holds K/V of the attention layers only: a hybrid's bytes per token shrink by the mixer share."""
+    name, ckpt, *_ = hybrid
+    engine = LLMEngine(EngineConfig(model=str(ckpt), dtype="float32", block_size=4, **CASES["concurrent"]))
+    r = engine.runner
+    c = r.hf_config
+    assert r.kv_cache.shape[0] == len(PLACEMENTS[name]) < c.num_hidden_layers
+    assert r.kv_bytes_per_token == 2 * len(PLACEMENTS[name]) * c.num_key_value_heads * c.head_dim * 4
+    mixers = c.num_hidden_layers - len(PLACEMENTS[name])
+    assert r.ssm_state.shape == (engine.config.max_num_seqs, mixers, 8, 16, 16)
+    assert r.conv_state.shape == (engine.config.max_num_seqs, mixers, 128 + 2 * 2 * 16, 3)
+
+
+@pytest.mark.parametrize("case", ["concurrent", "preempt", "chunked"])
+def test_hybrid_speculative_greedy_matches_transformers(hybrid, case, monkeypatch):
+    """Speculation on a hybrid: verify windows step the mixers row by row with a state snapshot per
+    position; rejected drafts roll the state back to the last kept token. Same greedy tokens.
+
+    Random weights rarely repeat an n-gram, so the n-gram proposer is swapped for one that drafts
+    transformers' own continuation with every third token wrong: windows accept 0..K drafts."""
+    name, ckpt, prompts, max_tokens, refs = hybrid
+    by_prompt = {tuple(p): r.tokens for p, r in zip(prompts, refs)}
+
+    def propose(token_ids, k, packed=None):
+        for p, ref in sorted(by_prompt.items(), key=lambda kv: -len(kv[0])):    # longest prompt first
+            if tuple(token_ids[:len(p)]) == p and len(token_ids) - len(p) <= len(ref):
+                g = len(token_ids) - len(p)
+                return [t if (g + j) % 3 != 2 else (t + 1) % 512 for j, t in enumerate(ref[g:g + k])]
+        return []
+    monkeypatch.setattr("consort_engine.scheduler.propose_ngram", propose)
+    engine = LLMEngine(EngineConfig(model=str(ckpt), dtype="float32", block_size=4, max_num_seqs=8,
+                                    speculative="ngram", num_speculative_tokens=3, **CASES[case]))
+    engine.warmup()
+    outs = engine.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
+                                     for m in max_tokens])
+    stats = engine.stats()
+    assert stats["kv_free_blocks"] == stats["kv_total_blocks"]
+    slots = engine.block_manager.state_slots
+    assert slots.num_free == slots.num_slots
+    sch = engine.scheduler
+    assert sch.num_accepted_tokens > 0, "no draft was accepted: the windows were not exercised"
+    assert sch.num_draft_tokens > sch.num_accepted_tokens, "no draft was rejected: the rollback was not exercised"
+    exact = sum(out == list(ref.tokens) for out, ref in zip(outs, refs))
+    assert exact >= N - 1, f"{name}/{case}: only {exact}/{N} speculative requests matched transformers"
+
+
+def test_hybrid_turns_prefix_caching_off(tmp_path, caplog):
+    """A cached prefix's KV without the mixers' state at that token is useless: prefix reuse is off
+    for hybrids, with a log line, and n samples of one prompt each prefill."""
+    ckpt = make_checkpoint("bamba", tmp_path)
+    with caplog.at_level("WARNING", logger="consort.engine"):
+        engine = LLMEngine(EngineConfig(model=str(ckpt), dtype="float32", block_size=4, **CASES["concurrent"]))
+    assert "prefix caching is off" in caplog.text
+    prompts, max_tokens = workload(512)
+    refs = hf_greedy(ckpt, prompts[:2], max_tokens[:2])
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens[1], ignore_eos=True)
+    engine.generate([prompts[1]], params)
+    outs = engine.generate([prompts[1], prompts[1]], params)
+    assert engine.block_manager.prefix_hits == 0
+    assert outs[0] == outs[1] == refs[1].tokens
+
+
+@pytest.mark.parametrize("n,groups", [(1, 1), (37, 2), (64, 4)])
+def test_ssd_functions_match_transformers_reference(n, groups):
+    """Our chunk scan (state in, state out, B/C per group) and batched state update equal transformers'
+    torch reference (mamba2_chunk_scan with initial_states, mamba2_selective_state_update)."""
+    from transformers.models.bamba import modeling_bamba as ref
+
+    from consort_engine.models import ssd
+    torch.manual_seed(n)
+    h, p, d = 8, 16, 16
+    x, dt = torch.randn(n, h, p), torch.randn(n, h)
+    A, D, dt_bias = -torch.rand(h) * 4, torch.randn(h), torch.randn(h)
+    B, C, state = torch.randn(n, groups, d), torch.randn(n, groups, d), torch.randn(h, p, d)
+    y, final = ssd.chunk_scan(x, dt, A, B, C, D, dt_bias, 16, state)
+    y_ref, final_ref = ref.mamba2_chunk_scan(x[None], dt[None], A, B[None], C[None], 16, D=D, dt_bias=dt_bias,
+                                             initial_states=state[None], dt_softplus=True, return_final_states=True)
+    torch.testing.assert_close(y, y_ref[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(final, final_ref[0], atol=1e-4, rtol=1e-4)
+    # one decode step for a batch of 3 sequences
+    s0 = torch.randn(3, h, p, d)
+    xb, dtb, Bb, Cb = torch.randn(3, h, p), torch.randn(3, h), torch.randn(3, groups, d), torch.randn(3, groups, d)
+    yb, new = ssd.state_update(s0.clone(), xb, dtb, A, Bb, Cb, D, dt_bias)
+    s_ref = s0.clone()
+    yb_ref = ref.mamba2_selective_state_update(
+        s_ref, xb, dtb[..., None].expand(-1, -1, p), A[:, None, None].expand(-1, p, d), Bb, Cb,
+        D[:, None].expand(-1, p), dt_bias=dt_bias[:, None].expand(-1, p), dt_softplus=True)
+    torch.testing.assert_close(yb, yb_ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(new, s_ref, atol=1e-4, rtol=1e-4)
+
+
+def test_state_slots_and_pool_capacity():
+    from consort_engine.state_pool import StateSlots, as_index, seqs_per_pool
+    slots = StateSlots(4)
+    taken = [slots.take() for _ in range(3)]
+    assert taken == [0, 1, 2]
+    slots.give(1)
+    assert slots.take() == 1 and slots.num_free == 1      # lowest first: batches stay consecutive
+    with pytest.raises(AssertionError):
+        slots.give(3)                                       # never taken: a double free
+    assert as_index([3, 4, 5], torch.device("cpu")) == slice(3, 6)
+    assert as_index([3, 5], torch.device("cpu")).tolist() == [3, 5]
+    # 2048 tokens in blocks of 16: 128 blocks of 4 KiB + 100 KiB of state per sequence
+    assert seqs_per_pool(64 << 20, 2048, 16, 4096, 100 << 10) == (64 << 20) // (128 * 4096 + (100 << 10))
+    assert seqs_per_pool(64 << 20, 2048, 16, 4096, 0) == 128
+
+
+def test_hybrid_unsupported_features_are_typed_errors(tmp_path):
+    """Tensor parallelism fails before any rank starts; a LoRA adapter is a typed adapter error."""
+    from consort_engine.lora import AdapterError
+    ckpt = make_checkpoint("bamba", tmp_path)
+    with pytest.raises(ValueError, match="tensor parallelism is not supported for bamba"):
+        LLMEngine(EngineConfig(model=str(ckpt), dtype="float32", tensor_parallel_size=2, num_blocks=64))
+    engine = LLMEngine(EngineConfig(model=str(ckpt), dtype="float32", num_blocks=64))
+    with pytest.raises(AdapterError) as e:
+        engine.load_adapter("a", str(tmp_path / "no-such-adapter"))
+    assert e.value.code == "adapter_unsupported"
