@@ -62,6 +62,11 @@ up: venv
 bench-tool:
 	@hack/bench-tool.sh >/dev/null
 
+# `make up`'s ensemble (examples/local) under a bounded guidellm run (concurrency 1,4,16, 15 s each),
+# then everything stops; reports under $(CACHE)/bench-serve/. See docs/benchmark-tools.md.
+bench-serve: venv
+	@PY=$(PY) hack/bench-serve.sh
+
 crds: venv
 	$(VENV)/bin/consort crds --out-dir crds
 	$(VENV)/bin/consort crds --out-dir charts/consort/crds
