@@ -91,6 +91,8 @@ def steps(engine) -> int:
 
 
 def test_disconnect_mid_stream_frees_every_block(engine):
+    log_before = engine.proc.log_path.read_text(errors="replace")
+
     async def run():
         body = {"prompt": "template <class T>", "max_tokens": 450, "temperature": 0, "ignore_eos": True,
                 "stream": True}
@@ -115,6 +117,40 @@ def test_disconnect_mid_stream_frees_every_block(engine):
     aborted = [ln for ln in httpx.get(engine.url + "/metrics").text.splitlines()
                if ln.startswith("consort_requests_aborted_total{")]
     assert aborted and float(aborted[0].rsplit(" ", 1)[1]) >= 1, aborted
+    new_lines = engine.proc.log_path.read_text(errors="replace")[len(log_before):]
+    assert "Traceback" not in new_lines, new_lines[-3000:]   # a client leaving is not a server error
+
+
+def test_many_streams_dropped_at_once_log_no_traceback(engine):
+    """A benchmark tool ending its run (guidellm's max_duration) drops every in-flight stream at once,
+    and with the event loop that busy a write can meet a transport that is already closing: a client
+    leaving is not a server error, so no traceback, and every block frees."""
+    log_before = engine.proc.log_path.read_text(errors="replace")
+    body = {"messages": [{"role": "user", "content": "template <class T>"}], "max_tokens": 400,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+
+    async def stream(s: aiohttp.ClientSession, started: asyncio.Event, counter: list[int]) -> None:
+        async with s.post(engine.url + "/v1/chat/completions", json=body) as r:
+            assert r.status == 200
+            async for line in r.content:
+                if line.startswith(b"data: {"):
+                    counter[0] += 1
+                    if counter[0] >= 3 * 32:
+                        started.set()
+
+    async def run():
+        started, counter = asyncio.Event(), [0]
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+            tasks = [asyncio.create_task(stream(s, started, counter)) for _ in range(32)]
+            await asyncio.wait_for(started.wait(), 60)
+            for t in tasks:       # all at once, mid-stream
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    asyncio.run(run())
+    wait_idle(engine, timeout=20)
+    new_lines = engine.proc.log_path.read_text(errors="replace")[len(log_before):]
+    assert "Traceback" not in new_lines and "Error handling request" not in new_lines, new_lines[-3000:]
 
 
 def test_disconnect_non_stream_frees_every_block(engine):
