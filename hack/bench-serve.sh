@@ -71,7 +71,7 @@ HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 timeout 1200 "$GUIDELLM" run \
   --data "kind=synthetic_text,prompt_tokens=$PROMPT_TOKENS,output_tokens=$OUTPUT_TOKENS" \
   --profile kind=concurrent --override profile.streams "$STREAMS" \
   --constraint "kind=max_duration,seconds=$SECONDS_EACH" \
-  --output kind=console --output "kind=json,path=$OUT/benchmarks.json" --output "kind=csv,path=$OUT/benchmarks.csv" \
+  --output "kind=json,path=$OUT/benchmarks.json" --output "kind=csv,path=$OUT/benchmarks.csv" \
   "${progress[@]}" 2>&1 | tee "$OUT/guidellm.log"
 rc=${PIPESTATUS[0]}
 set -e
