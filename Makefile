@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 CACHE ?= $(HOME)/.cache/consort
 
-.PHONY: venv controlplane thirdparty-crds node images prometheus-tools test test-fast cluster cluster-real e2e-real cluster-down up crds lint clean
+.PHONY: venv controlplane thirdparty-crds node images prometheus-tools test test-fast cluster cluster-real e2e-real cluster-down up crds lint clean bench-tool bench-serve
 
 venv:
 	@scripts/bootstrap.sh
@@ -56,6 +56,16 @@ cluster-down:
 
 up: venv
 	$(VENV)/bin/consort up -f examples/local
+
+# An off-the-shelf benchmark tool (guidellm) in its own venv under $(CACHE)/bench-tools (cached;
+# on demand only, not part of `make test`).
+bench-tool:
+	@hack/bench-tool.sh >/dev/null
+
+# `make up`'s ensemble (examples/local) under a bounded guidellm run (concurrency 1,4,16, 15 s each),
+# then everything stops; reports under $(CACHE)/bench-serve/. See docs/benchmark-tools.md.
+bench-serve: venv
+	@PY=$(PY) hack/bench-serve.sh
 
 crds: venv
 	$(VENV)/bin/consort crds --out-dir crds

@@ -45,6 +45,7 @@ class StartupError(RuntimeError):
     """A fatal start-up problem; main() prints it as the last line and exits 1."""
 
 CTX = web.AppKey("consort_ctx", object)
+STREAM = "consort_stream"   # request key: the prepared SSE response of a streaming request
 
 
 def process_age_s() -> float | None:
@@ -475,6 +476,13 @@ async def handle_generation(request: web.Request, kind: str) -> web.StreamRespon
         return await full_response(ctx, req, choices)
     except EngineFailed as e:
         raise P.ApiError(500, "engine_failed", str(e), type="server_error")
+    except ConnectionResetError:
+        if STREAM not in request:
+            raise
+        # The client left mid-stream (a benchmark tool cancels every in-flight request when its run ends):
+        # not a server error, so no traceback. The choices are unfinished: the finally aborts them.
+        log.info("request %s: client disconnected mid-stream", req.request_id)
+        return request[STREAM]
     finally:
         ctx.in_flight -= 1
         for c in choices:
@@ -634,6 +642,7 @@ def _sse(obj: dict) -> bytes:
 async def stream_response(request: web.Request, ctx: ServerContext, req: P.GenerationRequest,
                           choices: list[Choice]) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    request[STREAM] = resp
     await resp.prepare(request)
     base = P.envelope(req, ctx.served_name, chunk=True)
     n_out = 0
@@ -729,6 +738,7 @@ async def responses_reply(request: web.Request, ctx: ServerContext, body: dict,
         return web.json_response(R.response(rid, model, body, "".join(c.text), "completed", created,
                                             c.last.finish_reason, usage))
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    request[STREAM] = resp
     await resp.prepare(request)
     seq = 0
 
