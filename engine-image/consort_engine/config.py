@@ -18,6 +18,7 @@ class EngineConfig:
     max_num_seqs: int = 128             # running sequences per step
     max_num_batched_tokens: int = 2048  # per-step token budget (decode tokens + prefill chunks)
     preempt_watermark: float = 0.05     # preempt until this fraction of the pool is free, never just one block
+    hybrid_swap: bool = True            # hybrids: preemption parks KV + state in host memory (False: recompute)
     max_waiting: int = 1024             # waiting-queue bound: beyond it, 429 queue_full
     enable_prefix_caching: bool = True
     speculative: str = "off"            # off | ngram | mtp  (next issue)

@@ -73,8 +73,11 @@ class LLMEngine:
         self.block_manager = BlockManager(runner.num_blocks, runner.block_size, namespace=config.name,
                                           enable_caching=caching,
                                           state_slots=config.max_num_seqs if hybrid else 0)
+        # Swap preemption needs the whole pool in this process (no tensor-parallel ranks to replay it).
+        swap = hybrid and config.hybrid_swap and config.tensor_parallel_size == 1
         self.scheduler = Scheduler(config, self.block_manager, eos_token_ids=runner.eos_token_ids,
-                                   max_model_len=self.max_model_len)
+                                   max_model_len=self.max_model_len,
+                                   swap_bytes=(runner.block_bytes, runner.state_bytes_per_seq) if swap else None)
         self.hybrid = hybrid
         if getattr(runner, "has_mtp", False):
             self.scheduler.drafter = "mtp"
@@ -174,6 +177,8 @@ class LLMEngine:
     def step(self) -> list[StepOutput]:
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
+        if self.scheduler.swap_bytes is not None:
+            self._swap(batch)
         t1 = time.perf_counter()
         if not batch.seqs:
             self.last_batch = batch
@@ -203,6 +208,18 @@ class LLMEngine:
         self.last_batch = batch
         self._record(batch, t3 - t0, (t1 - t0) + (t3 - t2))
         return outputs
+
+    def _swap(self, batch: ScheduledBatch) -> None:
+        """Hybrids: copy this step's victims out before the forward reuses their blocks and slots,
+        then the readmitted ones back into theirs (in that order: a readmitted sequence may get a
+        victim's blocks)."""
+        for seq in batch.preempted:
+            if seq.swapped is not None and not seq.swapped.copied:
+                self.runner.swap_out(seq.swapped)
+        for seq in batch.seqs:
+            if seq.swapped is not None:
+                self.runner.swap_in(seq.swapped, seq.block_table, seq.state_slot)
+                seq.swapped = None
 
     def _draft_mtp(self, batch: ScheduledBatch) -> None:
         """Run the MTP pass over every batch sequence's rows kept from its last step (their K/V in the
@@ -328,6 +345,7 @@ class LLMEngine:
             "kv_usage": bm.num_used_blocks / bm.num_blocks,
             "preempting": last is not None and time.monotonic() - last < PREEMPTING_WINDOW_S,
             "num_preemptions": sched.num_preemptions,
+            "num_preemptions_swapped": sched.num_swapped,
             "prefix_cache_queries": bm.prefix_queries,
             "prefix_cache_hits": bm.prefix_hits,
             "step_time_ewma_s": self._step_time.value,

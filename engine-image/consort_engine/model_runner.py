@@ -26,7 +26,7 @@ from .models.mtp import has_mtp
 from .lora import AdapterError, LoraAdapter, LoraContext, load_peft_adapter, segments_of
 from .models.packed import has_amx
 from .sequence import PromptLogprobs, ScheduledBatch, Sequence
-from .state_pool import build_state_metadata, seqs_per_pool
+from .state_pool import SwappedState, build_state_metadata, seqs_per_pool
 from .tensor_parallel import SINGLE, TPGroup, TPWorkers
 
 MAX_KERNEL_QUERY = 16     # sequences with at most this many new tokens join the batched (kernel) group
@@ -76,6 +76,15 @@ def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
             and os.environ.get("CONSORT_BF16_COMPUTE") != "1"):
         return torch.float32
     return dtype
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """A host copy of t: pinned memory filled without blocking on CUDA, a plain copy on the CPU."""
+    if t.device.type != "cuda":
+        return t.clone()
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t, non_blocking=True)
+    return out
 
 
 def mem_available(device: torch.device) -> int:
@@ -384,6 +393,24 @@ class ModelRunner:
     def unload_adapter(self, name: str) -> None:
         self.model.detach_adapter(name)
         del self.adapters[name]
+
+    @torch.inference_mode()
+    def swap_out(self, sw: SwappedState) -> None:
+        """Copy a preempted hybrid sequence's computed KV blocks and its state slot to host memory
+        (pinned on CUDA, so the copy is asynchronous and ordered before the step that reuses them)."""
+        blocks = torch.tensor(sw.src_blocks, dtype=torch.int64, device=self.device)
+        sw.kv = to_host(self.kv_cache[:, :, blocks])     # block dim 2 in both pool layouts
+        sw.conv = to_host(self.conv_state[sw.src_slot])
+        sw.ssm = to_host(self.ssm_state[sw.src_slot])
+
+    @torch.inference_mode()
+    def swap_in(self, sw: SwappedState, block_table: list[int], slot: int) -> None:
+        """Put a swapped sequence's KV into the first blocks of its new table and its state into its new slot."""
+        assert sw.copied, "swap_in before swap_out"
+        blocks = torch.tensor(block_table[:len(sw.src_blocks)], dtype=torch.int64, device=self.device)
+        self.kv_cache[:, :, blocks] = sw.kv.to(self.device, non_blocking=True)
+        self.conv_state[slot] = sw.conv.to(self.device, non_blocking=True)
+        self.ssm_state[slot] = sw.ssm.to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     def zero_slots(self, slots: list[int]) -> None:

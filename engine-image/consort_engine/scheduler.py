@@ -6,7 +6,9 @@ their block tables (a decode that finds no block preempts the lowest-priority, l
 possibly itself); (2) running chunked prefills; (3) admission from the waiting heap in
 (priority DESC, arrival ASC) order while the token budget, the seat limit and the pool allow.
 Preemption is recompute: blocks are freed (their full blocks stay in the prefix cache, so the
-recompute mostly hits), generated tokens are kept and recomputed with the prompt.
+recompute mostly hits), generated tokens are kept and recomputed with the prompt. Hybrid models
+(no prefix cache) swap instead: the victim's KV and state go to host memory and come back at
+readmission (state_pool.SwappedState), and the victim is chosen by state_pool.pick_victim.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from .block_manager import BlockManager, blocks_for
 from .config import EngineConfig
 from .sequence import PromptLogprobs, ScheduledBatch, Sequence, SequenceStatus
 from .speculative import propose_ngram
+from .state_pool import SwappedState, pick_victim
 
 _RUNNING = SequenceStatus.RUNNING
 _WAITING = SequenceStatus.WAITING
@@ -46,7 +49,8 @@ def run_order(seq: Sequence) -> tuple[int, float, int]:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager,
-                 eos_token_ids: Iterable[int] = (), max_model_len: int | None = None) -> None:
+                 eos_token_ids: Iterable[int] = (), max_model_len: int | None = None,
+                 swap_bytes: tuple[int, int] | None = None) -> None:
         self.config = config
         self.block_manager = block_manager
         self.eos_token_ids: set[int] = set(eos_token_ids)
@@ -75,7 +79,10 @@ class Scheduler:
         # cost one prefill, not n. child seq_id -> (child, the seq it waits for).
         self._parked: dict[int, tuple[Sequence, Sequence]] = {}
 
+        # Hybrids: (KV bytes per block, state bytes per sequence) when preemption swaps (see module doc).
+        self.swap_bytes = swap_bytes
         self.num_preemptions = 0
+        self.num_swapped = 0              # preemptions that parked KV + state in host memory
         self.last_preemption_time: float | None = None
         # Outputs produced outside postprocess (a seq finished while being preempted).
         self._pending_outputs: list[StepOutput] = []
@@ -119,7 +126,8 @@ class Scheduler:
                 self._push_waiting(child)
 
     def _waiting_cost(self, seq: Sequence) -> tuple[int, int]:
-        return seq.num_tokens, blocks_for(seq.num_tokens + self.num_lookahead, self.block_manager.block_size)
+        computed = seq.swapped.num_computed_tokens if seq.swapped is not None else 0
+        return seq.num_tokens - computed, blocks_for(seq.num_tokens + self.num_lookahead, self.block_manager.block_size)
 
     def _push_waiting(self, seq: Sequence) -> None:
         heapq.heappush(self._heap, (-seq.priority, seq.arrival, seq.seq_id, seq))
@@ -177,6 +185,10 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, preempted: list[Sequence]) -> None:
         bm = self.block_manager
+        swap = None
+        if self.swap_bytes is not None and seq.num_computed_tokens:
+            kept = blocks_for(seq.num_computed_tokens, bm.block_size)
+            swap = SwappedState(seq.num_computed_tokens, seq.block_table[:kept], seq.state_slot)
         bm.free(seq)
         if blocks_for(len(seq.token_ids) + self.num_lookahead, bm.block_size) > bm.num_blocks:
             # It has outgrown the whole pool: it could never be readmitted (and would block the
@@ -189,10 +201,12 @@ class Scheduler:
         seq.num_cached_tokens = 0
         seq.num_preemptions += 1
         seq.mtp_hidden = None       # recomputed from scratch: no hidden states carry over
+        seq.swapped = swap          # the engine copies it out before this step's forward reuses the blocks
         seq.status = _WAITING
         self._push_waiting(seq)
         preempted.append(seq)
         self.num_preemptions += 1
+        self.num_swapped += swap is not None
         self.last_preemption_time = time.monotonic()
 
     def count_adapter_users(self, adapter: str) -> int:
@@ -273,6 +287,8 @@ class Scheduler:
                 if not bm.try_allocate(head, self.num_lookahead):
                     break
                 self._pop_waiting()
+                if head.swapped is not None:     # resumes where it stopped: the engine swaps it in
+                    head.num_computed_tokens = head.swapped.num_computed_tokens
                 head.status = _RUNNING
                 bisect.insort(running, head, key=run_order)
                 remaining = head.num_tokens - head.num_computed_tokens
@@ -333,7 +349,7 @@ class Scheduler:
         running = self.running
         target = need + self.watermark_blocks
         while bm.num_free_blocks < target and running[-1] is not seq:
-            self._preempt(running.pop(), preempted)
+            self._preempt(self._pop_victim(target - bm.num_free_blocks, after=seq), preempted)
         if need <= bm.num_free_blocks:
             return True
         assert running[-1] is seq
@@ -357,7 +373,22 @@ class Scheduler:
         target = need + self.watermark_blocks
         while (running and running[-1].priority < head.priority
                and (bm.num_free_blocks < target or len(running) >= self.config.max_num_seqs)):
-            self._preempt(running.pop(), preempted)
+            self._preempt(self._pop_victim(target - bm.num_free_blocks), preempted)
+
+    def _pop_victim(self, need: int, after: Sequence | None = None) -> Sequence:
+        """Take the next victim out of running: the tail (lowest priority, latest arrival), or for
+        swapping hybrids pick_victim's choice among the tail's priority class, never `after` or a
+        sequence ahead of it (those are already in this step's batch)."""
+        running = self.running
+        if self.swap_bytes is None:
+            return running.pop()
+        lo = len(running) - 1
+        floor = running[lo].priority
+        while lo > 0 and running[lo - 1].priority == floor and running[lo - 1] is not after:
+            lo -= 1
+        block_bytes, state_bytes = self.swap_bytes
+        k = lo + pick_victim([len(s.block_table) for s in running[lo:]], need, block_bytes, state_bytes)
+        return running.pop(k)
 
     # ------------------------------------------------------------------ commit
     def postprocess(self, batch: ScheduledBatch, sampled_token_ids: list[int],

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .guided import GuidedSpec
+    from .state_pool import SwappedState
 
 _ids = itertools.count()
 
@@ -102,6 +103,7 @@ class Sequence:
     mtp_hidden: object = field(default=None, repr=False)
     mtp_start: int = 0
     state_slot: int = -1                               # hybrid models: row of the conv/SSM state pools (state_pool.py)
+    swapped: "SwappedState | None" = field(default=None, repr=False)  # hybrids, preempted: KV + state in host memory
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

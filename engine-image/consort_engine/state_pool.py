@@ -3,8 +3,15 @@
 A mixer layer's conv and SSM state is a fixed number of bytes per sequence, whatever its length.
 The runner holds one pool per kind, [max_num_seqs, mixer layers, ...]; a running sequence owns one
 slot index (Sequence.state_slot), taken on admission with its KV blocks and given back with them on
-finish, abort or preemption (block_manager.py). A preempted sequence recomputes from scratch, like
-its KV: a fresh slot is zeroed when its first chunk runs.
+finish, abort or preemption (block_manager.py). A sequence's first chunk runs on a zeroed slot.
+
+Preemption swaps instead of recomputing (SwappedState): prefix caching is off for hybrids, so a
+recompute would run the whole sequence again, while the bytes that let it resume are its attention
+layers' KV (a few layers) plus one state slot. The scheduler records what to copy; the engine has the
+runner copy it to host memory (pinned on CUDA) before the step that reuses the blocks runs, and back
+into the blocks and slot the sequence gets when it is readmitted. Which runner goes is pick_victim's
+choice: a state copy is a fixed cost per victim, so it prefers one victim that frees enough blocks
+over several small ones.
 
 Speculative verify: a window (last token + K drafts) steps the recurrence row by row, batched over
 every window of the step, and keeps a snapshot of each slot's state after every window position
@@ -73,6 +80,35 @@ class StateSlots:
     def give(self, slot: int) -> None:
         assert 0 <= slot < self.num_slots and slot not in self._free, f"state slot {slot} freed twice"
         heapq.heappush(self._free, slot)
+
+
+@dataclass
+class SwappedState:
+    """A preempted hybrid sequence's computed KV blocks and conv/SSM state, parked in host memory.
+    The scheduler fills what to copy (src_*); the runner fills the host tensors (swap_out) and copies
+    them into the sequence's new blocks and slot at readmission (swap_in)."""
+    num_computed_tokens: int
+    src_blocks: list[int]
+    src_slot: int
+    kv: torch.Tensor | None = None         # [kv layers, 2, blocks, ...] in the pool's layout
+    conv: torch.Tensor | None = None       # [mixers, conv_dim, d_conv - 1]
+    ssm: torch.Tensor | None = None        # [mixers, heads, head_dim, d_state]
+
+    @property
+    def copied(self) -> bool:
+        return self.kv is not None
+
+
+def pick_victim(blocks: list[int], need: int, block_bytes: int, state_bytes: int) -> int:
+    """Which of the candidate runners (their block counts, run order: latest last) to preempt so that
+    `need` more blocks come free, weighing the bytes a swap copies (its blocks + one state slot, twice)
+    against the blocks it frees. One that alone frees enough: the cheapest such copy; else the one
+    freeing the most (fewest victims, so fewest fixed state copies). Ties go to the latest arrival."""
+    cost = [b * block_bytes + state_bytes for b in blocks]
+    enough = [i for i, b in enumerate(blocks) if b >= need]
+    if enough:
+        return min(enough, key=lambda i: (cost[i], -i))
+    return max(range(len(blocks)), key=lambda i: (blocks[i], i))
 
 
 def as_index(ids: list[int], device: torch.device) -> torch.Tensor | slice:

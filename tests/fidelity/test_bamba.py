@@ -5,8 +5,9 @@ mamba_ssm kernels), several attention layer placements. The engine keeps KV bloc
 layers only and the mixers' conv/SSM state in per-sequence slots: greedy tokens must equal
 transformers' under concurrency (mixed lengths: decodes batched in one state update while prompts
 scan), chunked prefill (a small token budget: the scan continues from the saved state across chunk
-boundaries that do not line up with the SSD chunk size) and preemption (recompute: the slot is freed
-and the sequence prefills again from zero state).
+boundaries that do not line up with the SSD chunk size) and preemption (swap: KV + state parked in
+host memory and put back into new blocks and a new slot; and recompute: the slot is freed and the
+sequence prefills again from zero state).
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ CASES = {
     #             pool blocks, token budget
     "concurrent": dict(num_blocks=1024, max_num_batched_tokens=512),
     "preempt": dict(num_blocks=70, max_num_batched_tokens=512),
+    "preempt-recompute": dict(num_blocks=70, max_num_batched_tokens=512, hybrid_swap=False),
     "chunked": dict(num_blocks=1024, max_num_batched_tokens=24),
 }
 PLACEMENTS = {"attn-1": [1], "attn-0-3": [0, 3], "attn-2": [2]}
@@ -91,8 +93,16 @@ def test_hybrid_greedy_matches_transformers(hybrid, case):
     slots = engine.block_manager.state_slots
     assert slots.num_free == slots.num_slots == 8, "every state slot is released at the end"
     assert not engine.block_manager.enable_caching
-    if case == "preempt":
+    if case.startswith("preempt"):
         assert stats["num_preemptions"] > 0
+    executed = sum(sum(c) for c in chunks.values())
+    exactly_once = sum(len(p) + m - 1 for p, m in zip(prompts, max_tokens))
+    if case == "preempt":     # swapped victims resume: no token runs through the model twice
+        assert stats["num_preemptions_swapped"] == stats["num_preemptions"]
+        assert executed == exactly_once, (executed, exactly_once)
+    if case == "preempt-recompute":
+        assert stats["num_preemptions_swapped"] == 0
+        assert executed > exactly_once
     if case == "chunked":
         long_chunks = chunks[seqs[0].seq_id]
         assert sum(1 for n in long_chunks if n > 1) >= LONG // 24, long_chunks

@@ -76,9 +76,19 @@ class GreedySampler:
         return token_ids, logprobs
 
 
-def make_scheduler(num_blocks: int = 64, block_size: int = 4, **cfg) -> Scheduler:
+def make_scheduler(num_blocks: int = 64, block_size: int = 4, swap: bool = False, **cfg) -> Scheduler:
+    """swap: as for a hybrid model (state slots, no prefix cache, swap preemption; a state slot
+    weighs as much as 4 KV blocks)."""
     config = EngineConfig(model="none", block_size=block_size, num_blocks=num_blocks, **cfg)
-    return Scheduler(config, BlockManager(num_blocks, block_size, namespace="test"))
+    bm = BlockManager(num_blocks, block_size, namespace="test", enable_caching=not swap,
+                      state_slots=config.max_num_seqs if swap else 0)
+    return Scheduler(config, bm, swap_bytes=(256, 1024) if swap else None)
+
+
+def swapped_in(batch) -> None:
+    """What the engine does after schedule() for swap preemption, minus the copies."""
+    for s in batch.seqs:
+        s.swapped = None
 
 
 def make_seq(n_prompt: int, max_tokens: int = 8, priority: int = 0, arrival: float = 0.0,
@@ -91,5 +101,6 @@ def make_seq(n_prompt: int, max_tokens: int = 8, priority: int = 0, arrival: flo
 def synthetic_step(sched: Scheduler, token: int = 7):
     """One scheduler step with synthetic model output: every sampled row gets `token`."""
     batch = sched.schedule()
+    swapped_in(batch)
     outs = sched.postprocess(batch, [token] * sum(batch.rows_sampled(i) for i in range(len(batch))))
     return batch, outs

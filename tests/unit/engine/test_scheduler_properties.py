@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from engine_fakes import make_scheduler
+from engine_fakes import make_scheduler, swapped_in
 
 from consort_engine.sequence import SamplingParams, Sequence, SequenceStatus
 
@@ -21,17 +21,24 @@ event_st = st.one_of(st.tuples(st.just("add"), request_st),
 
 @settings(max_examples=120, deadline=None)
 @given(events=st.lists(event_st, min_size=4, max_size=60), num_blocks=st.integers(12, 32),
-       budget=st.sampled_from([8, 16, 64]), max_seqs=st.integers(1, 8), speculate=st.booleans())
-def test_random_traffic_keeps_invariants_and_finishes_everything(events, num_blocks, budget, max_seqs, speculate):
+       budget=st.sampled_from([8, 16, 64]), max_seqs=st.integers(1, 8), speculate=st.booleans(),
+       swap=st.booleans())
+def test_random_traffic_keeps_invariants_and_finishes_everything(events, num_blocks, budget, max_seqs, speculate,
+                                                                 swap):
     sched = make_scheduler(num_blocks=num_blocks, max_num_batched_tokens=budget, max_num_seqs=max_seqs,
                            preempt_watermark=0.1, speculative="ngram" if speculate else "off",
-                           num_speculative_tokens=3)
+                           num_speculative_tokens=3, swap=swap)
     bm = sched.block_manager
     seqs: list[Sequence] = []
     clock = [0.0]
 
     def step():
         batch = sched.schedule()
+        for s in batch.preempted:    # a swap keeps exactly the computed tokens' blocks of the victim
+            if s.swapped is not None:
+                assert len(s.swapped.src_blocks) == -(-s.swapped.num_computed_tokens // bm.block_size)
+                assert s.swapped.num_computed_tokens < s.num_tokens
+        swapped_in(batch)
         assert batch.num_tokens <= budget and len(batch) <= max_seqs
         assert sched.num_running <= max_seqs
         assert len({s.seq_id for s in batch.seqs}) == len(batch)
