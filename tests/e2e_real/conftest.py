@@ -63,3 +63,20 @@ def real_cluster(tmp_path_factory: pytest.TempPathFactory):
         down = _run([str(CONTROLPLANE), "down"], timeout=180, env=env)
         if down.returncode != 0:
             sys.stderr.write(f"[real_cluster] stopping the cluster failed:\n{down.stderr}\n")
+
+
+# Figures the steps measure (request counts under a pod deletion or an adapter rotation), printed in
+# the terminal summary so a passing run shows them too (pytest hides a passing test's stdout).
+FIGURES: list[str] = []
+
+
+@pytest.fixture
+def figure():
+    return FIGURES.append
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if FIGURES:
+        terminalreporter.section("e2e_real figures")
+        for line in FIGURES:
+            terminalreporter.write_line(line)

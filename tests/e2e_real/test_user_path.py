@@ -159,7 +159,7 @@ def routing_replicas(base: str, specialist: str) -> list[dict]:
     return (lane or {}).get("replicas") or []
 
 
-def test_deleting_an_engine_pod_keeps_traffic_flowing_and_it_rejoins_when_warm(installed):
+def test_deleting_an_engine_pod_keeps_traffic_flowing_and_it_rejoins_when_warm(installed, figure):
     from openai import OpenAI
 
     c, forward = installed
@@ -196,6 +196,7 @@ def test_deleting_an_engine_pod_keeps_traffic_flowing_and_it_rejoins_when_warm(i
     finally:
         stop.set()
         worker.join(90)
+    figure(f"engine pod deleted under traffic: {len(served) + len(errors)} requests, {len(errors)} failed")
     assert served, "no request completed during the outage window"
     assert not errors, f"{len(errors)} client errors while an engine pod was replaced: {errors[:5]}"
     # The liveness probe (/health, answered by the event loop while the engine steps) killed no busy engine.
@@ -210,7 +211,7 @@ def test_kubectl_diff_is_clean_after_reconcile(installed):
     assert diff.returncode == 0, f"kubectl diff shows drift after reconcile:\n{diff.stdout[-3000:]}"
 
 
-def test_adapter_rotation_is_a_hot_load_with_no_failed_request_and_no_restart(installed):
+def test_adapter_rotation_is_a_hot_load_with_no_failed_request_and_no_restart(installed, figure):
     """A new adapter reaches the running engine through its mounted adapters ConfigMap (the kubelet
     refreshes the volume; the engine follows the file): same pod, no restart, steady traffic all 200."""
     from openai import OpenAI
@@ -253,7 +254,7 @@ def test_adapter_rotation_is_a_hot_load_with_no_failed_request_and_no_restart(in
         stop.set()
         worker.join(90)
     failed = [x for x in codes if x != "ok"]
-    print(f"steady load through the adapter rotation: {len(codes)} requests, {len(failed)} failed")
+    figure(f"steady load through the adapter rotation: {len(codes)} requests, {len(failed)} failed")
     assert codes and not failed, failed[:5]
     after = engine_pod(c, "algo")
     assert after["metadata"]["uid"] == before["metadata"]["uid"], "the rotation replaced the engine pod"
