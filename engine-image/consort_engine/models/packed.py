@@ -1,6 +1,12 @@
-"""Pre-packed CPU GEMM weights: the weight is reordered once at load time into the BLAS library's
-blocked format (MKL sgemm pack), so small-batch decode matmuls skip the per-call repacking.
-Bitwise the same results as F.linear in float32.
+"""Pre-packed CPU GEMM weights: the weight is reordered once at load time into a GEMM library's
+blocked format, so small-batch decode matmuls skip the per-call repacking.
+
+float32 goes through oneDNN's packed inner product. Measured on the 2-core AMD EPYC (avx512, no
+AMX) machine, 2 threads, GFLOP/s oneDNN vs MKL's packed sgemm (hack/gemm_backends.py prints the
+table): decode rows M=8: 89-115 vs 56-70; M=32: 135-150 vs 105-114, and the LM head (512 x 32000)
+122 vs 67; M=64: 141-149 vs 94-140; M=256 level; only 2,048-row prefill chunks favour MKL (158-170 vs
+176-183). A decode step is mostly small-M GEMMs, the LM head the largest, so oneDNN; MKL's pack is
+the fallback where oneDNN is missing. Results equal F.linear to float32 rounding (summation order).
 
 bfloat16 on a CPU without AMX: oneDNN's bf16 GEMM runs ~1.7x slower than MKL's fp32 GEMM there,
 so the bf16 weight is widened once (exactly) and multiplied in fp32, the output rounded to bf16.
@@ -33,8 +39,15 @@ def _mkl(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Ten
     return run
 
 
+def _fp32(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The float32 packed GEMM: oneDNN where present (see the module doc), else MKL's."""
+    if torch.backends.mkldnn.is_available():
+        return _onednn(weight, bias)
+    return _mkl(weight, bias)
+
+
 def _fp32_compute(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
-    inner = _mkl(weight.float(), None if bias is None else bias.float())
+    inner = _fp32(weight.float(), None if bias is None else bias.float())
     out_dtype = weight.dtype
 
     def run(x: torch.Tensor) -> torch.Tensor:
@@ -63,11 +76,12 @@ def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[to
     if weight.device.type != "cpu" or weight.dim() != 2:
         return None
     try:
-        if weight.dtype == torch.float32 and torch.backends.mkl.is_available():
-            fn = _mkl(weight, bias)
+        fp32 = torch.backends.mkldnn.is_available() or torch.backends.mkl.is_available()
+        if weight.dtype == torch.float32 and fp32:
+            fn = _fp32(weight, bias)
         elif weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available() and has_amx():
             fn = _onednn(weight, bias)
-        elif weight.dtype == torch.bfloat16 and torch.backends.mkl.is_available():
+        elif weight.dtype == torch.bfloat16 and fp32:
             fn = _fp32_compute(weight, bias)
         else:
             return None
