@@ -23,6 +23,7 @@ from .block_manager import BlockManager, blocks_for
 from .config import EngineConfig
 from .sequence import PromptLogprobs, ScheduledBatch, Sequence, SequenceStatus
 from .spec_decoder import SpecDecoder
+from .speculative import propose_ngram
 
 _RUNNING = SequenceStatus.RUNNING
 _WAITING = SequenceStatus.WAITING
@@ -52,7 +53,8 @@ class Scheduler:
         self.eos_token_ids: set[int] = set(eos_token_ids)
         self.max_model_len = max_model_len or sys.maxsize
         # Proposal, verification, rollback and the acceptance counters live in the SpecDecoder.
-        self.spec = SpecDecoder(config, block_manager, self.max_model_len)
+        # (propose_ngram is looked up here, at construction, so a test can swap the proposer.)
+        self.spec = SpecDecoder(config, block_manager, self.max_model_len, propose_ngram)
         # Tokens one decode step may add: 1, or 1 + K when speculating (verify the draft window).
         self.speculate = self.spec.enabled
         self.decode_span = 1 + self.spec.k

@@ -26,7 +26,9 @@ from .speculative import propose_ngram, typical_accepted
 
 
 class SpecDecoder:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int,
+                 propose_ngram: Callable[..., list[int]] = propose_ngram) -> None:
+        self.propose_ngram = propose_ngram
         self.config = config
         self.block_manager = block_manager
         self.max_model_len = max_model_len
@@ -65,7 +67,7 @@ class SpecDecoder:
         if self.drafter == "mtp":
             draft = [seq.token_ids[-1]] * k if seq.mtp_hidden is not None else []
         else:
-            draft = propose_ngram(seq.token_ids, k, packed=seq.packed_tokens)
+            draft = self.propose_ngram(seq.token_ids, k, packed=seq.packed_tokens)
         if not draft:
             return 0
         # Free blocks must cover the whole window: then this decode cannot trigger a preemption
