@@ -19,7 +19,7 @@ from .config import EngineConfig
 from .lora import AdapterError
 from .scheduler import Scheduler, StepOutput
 from .sequence import SamplingParams, ScheduledBatch, Sequence
-from .guided import advance
+from .guided import advance, apply_mask
 
 __all__ = ["AdmissionRejected", "LLMEngine", "StepOutput"]
 
@@ -213,8 +213,12 @@ class LLMEngine:
                 advance([s.matcher for s in sampled_seqs], token_ids)
             return token_ids, logprobs
         counts = [batch.rows_sampled(i) for i in range(len(batch.seqs)) if batch.sample[i]]
-        greedy = logits.max(dim=-1).indices.tolist()   # the sampler's greedy rule, ties included
         starts = [0, *accumulate(counts)][:-1]
+        windows = [(r, s.matcher, s.token_ids[-(c - 1):]) for s, r, c in zip(sampled_seqs, starts, counts)
+                   if c > 1 and s.matcher is not None]
+        if windows:      # guided verify rows: one grammar mask row per position, so argmax is legal
+            logits = apply_mask(logits, [], windows)
+        greedy = logits.max(dim=-1).indices.tolist()   # the sampler's greedy rule, ties included
         single = [r for r, c in zip(starts, counts) if c == 1]
         token_ids = list(greedy)
         for seq, r, c in zip(sampled_seqs, starts, counts):
@@ -227,7 +231,7 @@ class LLMEngine:
             picked = picked.tolist() if isinstance(picked, torch.Tensor) else picked
             for r, t in zip(single, picked):
                 token_ids[r] = t
-            if any(s.matcher is not None for s in sampled_seqs):   # guided rows never carry drafts
+            if any(s.matcher is not None for s in sampled_seqs):   # windows' matchers advance in postprocess
                 advance([s.matcher if c == 1 else None for s, c in zip(sampled_seqs, counts)],
                         [token_ids[r] for r in starts])
             if lps is not None:

@@ -390,6 +390,8 @@ class Scheduler:
             new, reason = [], None
             for token in emit:
                 seq.token_ids.append(token)
+                if rows > 1:
+                    self.spec.commit_token(seq, token)
                 new.append(token)
                 if token in self.tool_trigger_ids:
                     seq.speculate = False

@@ -21,6 +21,7 @@ import torch
 
 from .block_manager import BlockManager
 from .config import EngineConfig
+from .guided import advance, grammar_prefix
 from .sequence import ScheduledBatch, Sequence
 from .speculative import propose_ngram, typical_accepted
 
@@ -48,10 +49,14 @@ class SpecDecoder:
     def eligible(self, seq: Sequence) -> bool:
         """Greedy requests verify by exact argmax equality, sampled ones by typical acceptance (when
         spec_typical_tau > 0); requests asking for logprobs, or whose penalties depend on the tokens
-        before each row (repetition, frequency, presence, logit_bias), do not speculate; nor do
-        guided (structured output) requests: their grammar matcher advances only on committed tokens."""
+        before each row (repetition, frequency, presence, logit_bias), do not speculate. Guided
+        (structured output) requests speculate when greedy with n-gram drafts: their drafts are
+        checked against the grammar here (MTP drafts exist only after scheduling) and their verify
+        rows masked (engine._sample); sampled guided requests do not speculate."""
         sp = seq.sampling
-        return not (sp.logprobs is not None or sp.penalized or sp.guided is not None or not seq.speculate
+        guided = sp.guided is not None or seq.matcher is not None
+        return not (sp.logprobs is not None or sp.penalized or not seq.speculate
+                    or (guided and (not sp.greedy or self.drafter != "ngram"))
                     or (not sp.greedy and self.config.spec_typical_tau <= 0))
 
     def propose(self, seq: Sequence, budget: int) -> int:
@@ -68,6 +73,8 @@ class SpecDecoder:
             draft = [seq.token_ids[-1]] * k if seq.mtp_hidden is not None else []
         else:
             draft = self.propose_ngram(seq.token_ids, k, packed=seq.packed_tokens)
+            if draft and seq.matcher is not None:    # cut at the first token the grammar refuses
+                draft = draft[:grammar_prefix(seq.matcher, draft)]
         if not draft:
             return 0
         # Free blocks must cover the whole window: then this decode cannot trigger a preemption
@@ -134,6 +141,13 @@ class SpecDecoder:
         self.num_accepted_tokens += accepted
         cut = next((p for p in range(accepted) if draft[p] in self.tool_trigger_ids), None)
         return draft[:cut + 1] if cut is not None else draft[:accepted] + targets[accepted:accepted + 1]
+
+    @staticmethod
+    def commit_token(seq: Sequence, token: int) -> None:
+        """A verify window's emitted token, in order: a guided sequence's matcher advances over the
+        accepted tokens only (one-row steps advance it in engine._sample)."""
+        if seq.matcher is not None:
+            advance([seq.matcher], [token])
 
     # ------------------------------------------------------------------ rollback
     def release(self, seq: Sequence, window_end: int) -> None:
