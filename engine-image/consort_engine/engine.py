@@ -19,8 +19,7 @@ from .config import EngineConfig
 from .lora import AdapterError
 from .scheduler import Scheduler, StepOutput
 from .sequence import SamplingParams, ScheduledBatch, Sequence
-from .guided import advance
-from .speculative import typical_accepted
+from .guided import advance, apply_mask
 
 __all__ = ["AdmissionRejected", "LLMEngine", "StepOutput"]
 
@@ -79,8 +78,9 @@ class LLMEngine:
                                    max_model_len=self.max_model_len,
                                    swap_bytes=(runner.block_bytes, runner.state_bytes_per_seq) if swap else None)
         self.hybrid = hybrid
+        self.spec = self.scheduler.spec
         if getattr(runner, "has_mtp", False):
-            self.scheduler.drafter = "mtp"
+            self.spec.drafter = "mtp"
         self.warm = False
         self.warmup_s: float | None = None
         self._warmup_started: float | None = None
@@ -183,27 +183,19 @@ class LLMEngine:
         if not batch.seqs:
             self.last_batch = batch
             return self.scheduler.take_pending_outputs()
-        mtp = self.scheduler.drafter == "mtp"
+        mtp = self.spec.drafter == "mtp"
         if mtp:
             self._draft_mtp(batch)
         logits = self.runner.execute(batch)
         if mtp:
-            self._keep_hidden(batch)
+            self.spec.keep_hidden(batch, self.runner)
         for i, lps in getattr(self.runner, "last_prompt_logprobs", ()):
             batch.seqs[i].prompt_logprobs.extend(lps)
         token_ids, logprobs = self._sample(batch, logits)
         t2 = time.perf_counter()
-        windows = self.hybrid and batch.num_draft
-        if windows:
-            before = [s.num_computed_tokens for s in batch.seqs]
+        before = [s.num_computed_tokens for s in batch.seqs] if self.hybrid and batch.num_draft else None
         outputs = self.scheduler.postprocess(batch, token_ids, logprobs)
-        if windows:    # the mixers' state back to the last kept token of each verify window
-            self.runner.commit_windows({s.state_slot: s.num_computed_tokens - b
-                                        for s, b, k in zip(batch.seqs, before, batch.num_draft)
-                                        if k and s.state_slot >= 0})
-        if self.scheduler.stale_slots:
-            self.runner.zero_slots(self.scheduler.stale_slots)
-            self.scheduler.stale_slots = []
+        self.spec.commit(batch, before, self.runner)
         t3 = time.perf_counter()
         self.last_batch = batch
         self._record(batch, t3 - t0, (t1 - t0) + (t3 - t2))
@@ -222,28 +214,7 @@ class LLMEngine:
                 seq.swapped = None
 
     def _draft_mtp(self, batch: ScheduledBatch) -> None:
-        """Run the MTP pass over every batch sequence's rows kept from its last step (their K/V in the
-        block's own layer) and write the drafts into the verify windows' placeholder tokens."""
-        from .model_runner import MTPRows
-        items, targets = [], []
-        for i, seq in enumerate(batch.seqs):
-            k = batch.num_draft[i] if batch.num_draft else 0
-            kept = seq.num_computed_tokens - seq.mtp_start
-            if seq.mtp_hidden is None or not 0 < kept <= seq.mtp_hidden.shape[0]:
-                continue     # nothing kept (or preempted since): the placeholders stay, verify rejects them
-            tokens = seq.token_ids[seq.mtp_start + 1: seq.num_computed_tokens + 1]
-            items.append(MTPRows(tokens, seq.mtp_hidden, seq.mtp_start, seq.block_table, k))
-            targets.append((seq, k))
-            seq.mtp_hidden = None
-        for (seq, k), draft in zip(targets, self.runner.mtp_draft(items)):
-            if k:
-                seq.token_ids[-k:] = draft
-
-    def _keep_hidden(self, batch: ScheduledBatch) -> None:
-        """Each sequence's normed hidden rows of this step, for the next step's MTP pass."""
-        hidden = self.runner.last_hidden
-        for seq, (a, b) in zip(batch.seqs, self.runner.last_item_rows):
-            seq.mtp_hidden, seq.mtp_start = hidden[a:b], seq.num_computed_tokens
+        self.spec.draft_mtp(batch, self.runner)
 
     def _sample(self, batch: ScheduledBatch, logits: torch.Tensor) -> tuple[list[int], list | None]:
         """Token ids for every sampled row (batch.rows_sampled order). A verify window's rows hold
@@ -259,13 +230,17 @@ class LLMEngine:
                 advance([s.matcher for s in sampled_seqs], token_ids)
             return token_ids, logprobs
         counts = [batch.rows_sampled(i) for i in range(len(batch.seqs)) if batch.sample[i]]
-        greedy = logits.max(dim=-1).indices.tolist()   # the sampler's greedy rule, ties included
         starts = [0, *accumulate(counts)][:-1]
+        windows = [(r, s.matcher, s.token_ids[-(c - 1):]) for s, r, c in zip(sampled_seqs, starts, counts)
+                   if c > 1 and s.matcher is not None]
+        if windows:      # guided verify rows: one grammar mask row per position, so argmax is legal
+            logits = apply_mask(logits, [], windows)
+        greedy = logits.max(dim=-1).indices.tolist()   # the sampler's greedy rule, ties included
         single = [r for r, c in zip(starts, counts) if c == 1]
         token_ids = list(greedy)
         for seq, r, c in zip(sampled_seqs, starts, counts):
             if c > 1 and not seq.sampling.greedy:
-                token_ids[r:r + c] = self._typical_window(seq, logits[r:r + c], seq.token_ids[-(c - 1):])
+                token_ids[r:r + c] = self.spec.typical_window(seq, logits[r:r + c], seq.token_ids[-(c - 1):], self._sample_one)
         logprobs: list | None = None
         if single:
             rows = torch.tensor(single, dtype=torch.int64, device=logits.device)
@@ -273,7 +248,7 @@ class LLMEngine:
             picked = picked.tolist() if isinstance(picked, torch.Tensor) else picked
             for r, t in zip(single, picked):
                 token_ids[r] = t
-            if any(s.matcher is not None for s in sampled_seqs):   # guided rows never carry drafts
+            if any(s.matcher is not None for s in sampled_seqs):   # windows' matchers advance in postprocess
                 advance([s.matcher if c == 1 else None for s, c in zip(sampled_seqs, counts)],
                         [token_ids[r] for r in starts])
             if lps is not None:
@@ -282,21 +257,8 @@ class LLMEngine:
                     logprobs[r] = lp
         return token_ids, logprobs
 
-    def _typical_window(self, seq: Sequence, logits: torch.Tensor, draft: list[int]) -> list[int]:
-        """Row choices for a sampled request's window: drafts kept by typical acceptance, then one
-        token sampled with the request's own parameters (seed included) at the first refusal. A
-        sampled token that happens to equal the next draft keeps that draft too."""
-        k = len(draft)
-        probs = torch.softmax(logits.float() / seq.sampling.temperature, dim=-1)
-        tau = self.config.spec_typical_tau
-        a = 0
-        while True:
-            a += typical_accepted(probs[a:k], draft[a:], tau)
-            token = self.sampler.sample(logits[a:a + 1], [seq])[0][0]
-            if a < k and token == draft[a]:
-                a += 1
-                continue
-            return draft[:a] + [token] * (k + 1 - a)   # rows past the refusal are never read
+    def _sample_one(self, logits: torch.Tensor, seq: Sequence) -> int:
+        return self.sampler.sample(logits, [seq])[0][0]
 
     def _record(self, batch: ScheduledBatch, step_s: float, overhead_s: float) -> None:
         self.num_steps += 1
@@ -360,11 +322,4 @@ class LLMEngine:
         }
 
     def speculation_stats(self) -> dict:
-        """mode as configured; drafter ngram or mtp; state on, fallback (mtp asked for, the checkpoint has
-        no MTP block or runs tensor parallel: n-gram drafts instead) or off."""
-        mode = self.config.speculative
-        sched = self.scheduler
-        state = "off" if mode == "off" else ("fallback" if mode == "mtp" and sched.drafter != "mtp" else "on")
-        proposed, accepted = sched.num_draft_tokens, sched.num_accepted_tokens
-        return {"mode": mode, "state": state, "drafter": sched.drafter if mode != "off" else None, "draft_tokens": proposed, "accepted_tokens": accepted,
-                "acceptance_rate": accepted / proposed if proposed else None}
+        return self.spec.stats()

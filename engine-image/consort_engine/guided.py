@@ -7,8 +7,13 @@ compile is a typed 400) and gives each sequence its own GrammarMatcher. Every sa
 sampler fills one int32 bitmask [rows, ceil(V/32)] (all ones for unguided rows), unpacks it on the
 logits' device and sets disallowed logits to -inf. The engine advances each matcher with the token
 the sequence accepted; the grammar's stop tokens are the model's EOS ids, so EOS is allowed only
-where the grammar may end, and a terminated matcher finishes the sequence ("stop"). Guided
-sequences do not speculate (scheduler._draft), so a matcher never has to roll back a draft.
+where the grammar may end, and a terminated matcher finishes the sequence ("stop").
+
+Greedy guided sequences speculate (n-gram drafts), as in vLLM: SpecDecoder.propose walks the
+matcher over the draft and cuts it at the first token the grammar refuses (grammar_prefix, then
+matcher.rollback); at verify the window's K+1 rows each get their own bitmask row (fill_window:
+fill, accept the draft token, fill the next row, ..., roll back), so the argmax at every row is
+grammar-legal; after verification the matcher advances over the emitted tokens only.
 """
 from __future__ import annotations
 
@@ -115,15 +120,52 @@ def _unpack(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     return bits.view(bitmask.shape[0], -1)[:, :vocab].bool()
 
 
-def apply_mask(logits: torch.Tensor, matchers: list[Any]) -> torch.Tensor:
+def grammar_prefix(matcher: Any, draft: list[int]) -> int:
+    """How many leading draft tokens the grammar accepts; the matcher walks them and rolls back,
+    so it ends where it began (drafts are checked before verify, the matcher advances on commit)."""
+    n = 0
+    if not matcher.is_terminated():
+        for t in draft:
+            if not matcher.accept_token(t):
+                break
+            n += 1
+            if matcher.is_terminated():
+                break
+    if n:
+        matcher.rollback(n)
+    return n
+
+
+def fill_window(matcher: Any, draft: list[int], bitmask: torch.Tensor, row: int) -> None:
+    """One bitmask row per verify position (rows row .. row + len(draft)): the tokens the grammar
+    allows before each draft token and after the last. The draft passed grammar_prefix, so the
+    walk succeeds; rows past a terminated grammar stay all-ones (they are never read)."""
+    n = 0
+    for t in [*draft, None]:
+        if matcher.is_terminated():
+            break
+        matcher.fill_next_token_bitmask(bitmask, row + n)
+        if t is None or not matcher.accept_token(t):
+            break
+        n += 1
+    if n:
+        matcher.rollback(n)
+
+
+def apply_mask(logits: torch.Tensor, matchers: list[Any],
+               windows: list[tuple[int, Any, list[int]]] = ()) -> torch.Tensor:
     """Logits with each guided row's disallowed tokens at -inf (None matcher: row untouched).
-    One bitmask for the batch, filled on the CPU by the matchers, one masked_fill on the device."""
+    matchers: one per row from row 0; windows: (first row, matcher, draft) of a speculative verify
+    window, len(draft) + 1 rows. One bitmask for the batch, filled on the CPU by the matchers, one
+    masked_fill on the device."""
     rows, vocab = logits.shape
     words = (vocab + _BITS - 1) // _BITS
     bitmask = torch.full((rows, words), -1, dtype=torch.int32)
     for i, m in enumerate(matchers):
         if m is not None and not m.is_terminated():
             m.fill_next_token_bitmask(bitmask, i)
+    for row, m, draft in windows:
+        fill_window(m, draft, bitmask, row)
     allowed = _unpack(bitmask.to(logits.device, non_blocking=True), vocab)
     return logits.masked_fill(~allowed, -float("inf"))
 

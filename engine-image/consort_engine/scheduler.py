@@ -24,6 +24,7 @@ from .admission import (AdmissionRequest, QueueSnapshot, Rejection, StepEstimate
 from .block_manager import BlockManager, blocks_for
 from .config import EngineConfig
 from .sequence import PromptLogprobs, ScheduledBatch, Sequence, SequenceStatus
+from .spec_decoder import SpecDecoder
 from .speculative import propose_ngram
 from .state_pool import SwappedState, pick_victim
 
@@ -55,19 +56,14 @@ class Scheduler:
         self.block_manager = block_manager
         self.eos_token_ids: set[int] = set(eos_token_ids)
         self.max_model_len = max_model_len or sys.maxsize
+        # Proposal, verification, rollback and the acceptance counters live in the SpecDecoder.
+        # (propose_ngram is looked up here, at construction, so a test can swap the proposer.)
+        self.spec = SpecDecoder(config, block_manager, self.max_model_len, propose_ngram)
         # Tokens one decode step may add: 1, or 1 + K when speculating (verify the draft window).
-        self.speculate = config.speculative != "off"
-        self.decode_span = 1 + (config.num_speculative_tokens if self.speculate else 0)
+        self.speculate = self.spec.enabled
+        self.decode_span = 1 + self.spec.k
         self.num_lookahead = self.decode_span
-        self.num_draft_tokens = 0        # proposed / accepted by verification, cumulative
-        self.num_accepted_tokens = 0
         self.tool_trigger_ids = frozenset(config.tool_trigger_ids)
-        # Pool slots that held rejected draft K/V inside kept blocks: the engine zeroes them after
-        # the commit, so stale K/V can never be read (or shared through the prefix cache).
-        self.stale_slots: list[int] = []
-        # ngram, or mtp (the engine sets it when the checkpoint's MTP block loaded): then _draft reserves
-        # the window with placeholder tokens that the engine replaces with the MTP block's drafts.
-        self.drafter = "ngram"
         self.watermark_blocks = max(1, int(config.preempt_watermark * block_manager.num_blocks + 0.999999))
 
         self.running: list[Sequence] = []          # kept sorted by run_order: victims at the tail
@@ -247,7 +243,7 @@ class Scheduler:
                 continue
             if n > budget:
                 continue
-            k = self._draft(seq, budget - n) if n == 1 and self.speculate else 0
+            k = self.spec.propose(seq, budget - n) if n == 1 and self.speculate else 0
             if k:
                 n += k
             need = (computed + n + bs - 1) // bs - len(seq.block_table)
@@ -313,34 +309,38 @@ class Scheduler:
         return ScheduledBatch(seqs=seqs, num_new_tokens=nums, sample=sample, mode=mode, preempted=preempted,
                               num_draft=drafts if verify else [])
 
-    def _draft(self, seq: Sequence, budget: int) -> int:
-        """Append up to K n-gram draft tokens to a decode's window; how many were appended.
+    # The spec counters and stale slots, where tests, benches and metrics have always read them.
+    @property
+    def drafter(self) -> str:
+        return self.spec.drafter
 
-        Greedy requests verify by exact argmax equality, sampled ones by typical acceptance (when
-        spec_typical_tau > 0); requests asking for logprobs, or whose penalties depend on the tokens
-        before each row (repetition, frequency, presence, logit_bias), do not speculate; nor do guided (structured output)
-        requests: their grammar matcher advances only on committed tokens. A draft never runs
-        past max_tokens or the context, and never needs a block the pool does not have free right
-        now (speculation does not preempt anyone)."""
-        sp = seq.sampling
-        if sp.logprobs is not None or sp.penalized or sp.guided is not None or not seq.speculate or (not sp.greedy and self.config.spec_typical_tau <= 0):
-            return 0
-        k = min(self.decode_span - 1, budget, sp.max_tokens - seq.num_output_tokens - 1,
-                self.max_model_len - seq.num_tokens - 1)
-        if k <= 0:
-            return 0
-        if self.drafter == "mtp":
-            draft = [seq.token_ids[-1]] * k if seq.mtp_hidden is not None else []
-        else:
-            draft = propose_ngram(seq.token_ids, k, packed=seq.packed_tokens)
-        if not draft:
-            return 0
-        # Free blocks must cover the whole window: then this decode cannot trigger a preemption
-        # (which could pick seq itself and would requeue it with the drafts in its tokens).
-        if self.block_manager.slots_needed(seq, 1 + len(draft)) > self.block_manager.num_free_blocks:
-            return 0
-        seq.token_ids.extend(draft)
-        return len(draft)
+    @drafter.setter
+    def drafter(self, value: str) -> None:
+        self.spec.drafter = value
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return self.spec.num_draft_tokens
+
+    @num_draft_tokens.setter
+    def num_draft_tokens(self, value: int) -> None:
+        self.spec.num_draft_tokens = value
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        return self.spec.num_accepted_tokens
+
+    @num_accepted_tokens.setter
+    def num_accepted_tokens(self, value: int) -> None:
+        self.spec.num_accepted_tokens = value
+
+    @property
+    def stale_slots(self) -> list[int]:
+        return self.spec.stale_slots
+
+    @stale_slots.setter
+    def stale_slots(self, value: list[int]) -> None:
+        self.spec.stale_slots = value
 
     def _preempt_for_decode(self, seq: Sequence, need: int, preempted: list[Sequence]) -> bool:
         """Free blocks for a decode by preempting from the tail (lowest priority, latest arrival)
@@ -417,20 +417,12 @@ class Scheduler:
             j += rows
             emit = targets[:1]
             if rows > 1:    # verify: drafts equal to the model's own choices (engine._sample) stand
-                k = rows - 1
-                draft = seq.token_ids[-k:]
-                del seq.token_ids[-k:]
-                accepted = 0
-                while accepted < k and draft[accepted] == targets[accepted]:
-                    accepted += 1
-                self.num_draft_tokens += k
-                self.num_accepted_tokens += accepted
-                # + one token of the model's own, unless the run crossed a tool trigger: it ends there
-                cut = next((p for p in range(accepted) if draft[p] in self.tool_trigger_ids), None)
-                emit = draft[:cut + 1] if cut is not None else draft[:accepted] + targets[accepted:accepted + 1]
+                emit = self.spec.accept(seq, targets)
             new, reason = [], None
             for token in emit:
                 seq.token_ids.append(token)
+                if rows > 1:
+                    self.spec.commit_token(seq, token)
                 new.append(token)
                 if token in self.tool_trigger_ids:
                     seq.speculate = False
@@ -446,12 +438,7 @@ class Scheduler:
                 seq.first_token_time = now
             if reason is None:
                 if rows > 1:
-                    computed = seq.num_computed_tokens
-                    assert computed == seq.num_tokens - 1, "write pointer must sit at the last kept token"
-                    bm.rollback(seq, seq.num_tokens)     # blocks past the kept tokens go back
-                    kept = len(seq.block_table) * bs
-                    self.stale_slots += [seq.block_table[p // bs] * bs + p % bs
-                                         for p in range(computed, min(before + n, kept))]
+                    self.spec.release(seq, before + n)
                 if seq.num_computed_tokens // bs != before // bs:
                     bm.cache_computed_blocks(seq)
             else:

@@ -131,3 +131,26 @@ def test_engine_guided_and_free_rows_in_one_batch(model_dir, tok, grammars, spec
         jsonschema.validate(json.loads(tok.decode(s.output_token_ids, True)), SCHEMA)
     assert free.num_output_tokens == 24 or free.finish_reason == "stop"
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+
+
+def test_draft_is_cut_at_the_first_refused_token_and_window_rows_follow_the_draft(grammars, tok):
+    """grammar_prefix walks a draft and rolls back; fill_window gives row j the mask after draft[:j]:
+    the same rows one-token decoding would get, and the matcher ends where it began."""
+    from consort_engine.guided import fill_window, grammar_prefix
+    spec = GuidedSpec("regex", "ab(c|d)+", "guided_regex")
+    ids = [tok.hf.encode(t, add_special_tokens=False).ids for t in ("a", "b", "c", "x", "d")]
+    assert all(len(i) == 1 for i in ids)
+    a, b, c, x, d = (i[0] for i in ids)
+    m = grammars.matcher(spec)
+    assert grammar_prefix(m, [a, b, c, x, d]) == 3 and grammar_prefix(m, [b]) == 0   # rolled back: 'b' first is refused
+    vocab = grammars.vocab_size
+    logits = torch.zeros(4, vocab)
+    masked = apply_mask(logits, [], [(0, m, [a, b, c])])
+    one = grammars.matcher(spec)
+    for row, t in enumerate([a, b, c, None]):
+        expect = apply_mask(torch.zeros(1, vocab), [one])
+        assert torch.equal(torch.isinf(masked[row]), torch.isinf(expect[0])), row
+        if t is not None:
+            assert one.accept_token(t)
+    assert masked[3, d].item() == 0 and torch.isinf(masked[3, x]) and torch.isinf(masked[0, b])
+    assert m.accept_token(a)          # the window left the matcher at its start
