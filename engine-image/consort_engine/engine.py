@@ -258,7 +258,8 @@ class LLMEngine:
         return token_ids, logprobs
 
     def _sample_one(self, logits: torch.Tensor, seq: Sequence) -> int:
-        return self.sampler.sample(logits, [seq])[0][0]
+        """One token from one verify-window row; a guided row was masked at its position in _sample."""
+        return self.sampler.sample(logits, [seq], masked=seq.matcher is not None)[0][0]
 
     def _record(self, batch: ScheduledBatch, step_s: float, overhead_s: float) -> None:
         self.num_steps += 1

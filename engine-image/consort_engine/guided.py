@@ -9,11 +9,12 @@ logits' device and sets disallowed logits to -inf. The engine advances each matc
 the sequence accepted; the grammar's stop tokens are the model's EOS ids, so EOS is allowed only
 where the grammar may end, and a terminated matcher finishes the sequence ("stop").
 
-Greedy guided sequences speculate (n-gram drafts), as in vLLM: SpecDecoder.propose walks the
+Guided sequences speculate (n-gram drafts), as in vLLM: SpecDecoder.propose walks the
 matcher over the draft and cuts it at the first token the grammar refuses (grammar_prefix, then
 matcher.rollback); at verify the window's K+1 rows each get their own bitmask row (fill_window:
 fill, accept the draft token, fill the next row, ..., roll back), so the argmax at every row is
-grammar-legal; after verification the matcher advances over the emitted tokens only.
+grammar-legal (sampled requests: typical acceptance over those masked rows, and the token drawn at
+the first refusal comes from its own row's mask, Sampler.sample(masked=True)); after verification the matcher advances over the emitted tokens only.
 """
 from __future__ import annotations
 

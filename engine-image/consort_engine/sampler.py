@@ -37,11 +37,14 @@ def _token_counts(rows: list[list[int]], vocab: int, device: torch.device) -> to
 
 
 class Sampler:
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list | None]:
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence],
+               masked: bool = False) -> tuple[list[int], list | None]:
+        """masked: the rows already carry their grammar masks (a verify window's rows, each masked at
+        its own position); otherwise each guided row is masked at its matcher's current state."""
         params = [s.sampling for s in seqs]
         logits = logits.float()
         x = self.penalize(logits, seqs, params) if any(p.penalized for p in params) else logits
-        if any(s.matcher is not None for s in seqs):
+        if not masked and any(s.matcher is not None for s in seqs):
             x = apply_mask(x, [s.matcher for s in seqs])
         if all(p.temperature == 0.0 for p in params):
             tokens = x.max(dim=-1).indices

@@ -50,13 +50,14 @@ class SpecDecoder:
         """Greedy requests verify by exact argmax equality, sampled ones by typical acceptance (when
         spec_typical_tau > 0); requests asking for logprobs, or whose penalties depend on the tokens
         before each row (repetition, frequency, presence, logit_bias), do not speculate. Guided
-        (structured output) requests speculate when greedy with n-gram drafts: their drafts are
-        checked against the grammar here (MTP drafts exist only after scheduling) and their verify
-        rows masked (engine._sample); sampled guided requests do not speculate."""
+        (structured output) requests speculate with n-gram drafts: their drafts are checked against
+        the grammar here (MTP drafts exist only after scheduling), their verify rows masked each at
+        its own position (engine._sample), and sampled ones run typical acceptance over those masked
+        rows (the token drawn at the first refusal is legal after the kept drafts)."""
         sp = seq.sampling
         guided = sp.guided is not None or seq.matcher is not None
         return not (sp.logprobs is not None or sp.penalized or not seq.speculate
-                    or (guided and (not sp.greedy or self.drafter != "ngram"))
+                    or (guided and self.drafter != "ngram")
                     or (not sp.greedy and self.config.spec_typical_tau <= 0))
 
     def propose(self, seq: Sequence, budget: int) -> int:

@@ -80,3 +80,33 @@ def test_guided_greedy_output_is_identical_with_speculation_and_drafts_are_accep
             assert out in CHOICES, out
     stats = engines["ngram"].stats()
     assert stats["kv_free_blocks"] == stats["kv_total_blocks"]
+
+
+def test_sampled_guided_requests_speculate_and_every_output_matches_the_schema(setup):
+    """Sampled guided rows: typical acceptance over the verify rows, each masked at its own window
+    position, and the token drawn at the first refusal comes from that position's mask: every seed's
+    output still parses and has the schema's keys, and guided drafts are proposed and accepted."""
+    tok, grammars, engines = setup
+    spec, text = CASES["json_schema"]
+    base = tok.hf.encode(text, add_special_tokens=False).ids
+    engine = engines["ngram"]
+    sched = engine.scheduler
+    drafted, accepted = sched.num_draft_tokens, sched.num_accepted_tokens
+    seqs = [Sequence(list(base), SamplingParams(temperature=0.7, seed=seed, max_tokens=64, guided=spec))
+            for seed in range(6)]
+    for s in seqs:
+        s.matcher = grammars.matcher(spec)
+        engine.scheduler.add(s)
+    for _ in range(2000):
+        if not engine.has_unfinished():
+            break
+        engine.step()
+    assert not engine.has_unfinished()
+    assert sched.num_draft_tokens > drafted and sched.num_accepted_tokens > accepted
+    for s in seqs:
+        assert s.finish_reason == "stop", (s.finish_reason, tok.decode(s.output_token_ids, True))
+        out = json.loads(tok.decode(s.output_token_ids, True))
+        assert set(out) == {"name", "count", "kind"} and out["kind"] in ("vector", "map", "set"), out
+        assert isinstance(out["count"], int) and 0 <= out["count"] <= 1000, out
+    stats = engine.stats()
+    assert stats["kv_free_blocks"] == stats["kv_total_blocks"]
