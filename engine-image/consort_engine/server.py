@@ -230,6 +230,10 @@ async def generate(ctx: ServerContext, req: P.GenerationRequest, seq: Sequence, 
     total = 0
     async for out in stream:
         plp = getattr(out, "prompt_logprobs", None)
+        if req.max_tokens == 0:   # echo only: prefill ran (prompt logprobs); its sampled token is dropped
+            ctx.engine.abort(seq.seq_id, "length")
+            yield Delta("", [], [], "length", None, 0, plp)
+            return
         ids = list(out.new_token_ids or [])
         total += len(ids)
         times.on_tokens(time.monotonic(), len(ids))
@@ -456,7 +460,7 @@ async def handle_generation(request: web.Request, kind: str) -> web.StreamRespon
     # best_of ranks by the sampled tokens' logprobs, so those are computed even when not returned
     logprobs = req.logprobs if req.best_of is None else (req.logprobs or 0)
     for i, (preq, ids) in enumerate(prompts):
-        max_tokens = P.resolve_max_tokens(preq, len(ids), ctx.max_model_len)
+        max_tokens = max(1, P.resolve_max_tokens(preq, len(ids), ctx.max_model_len))   # 0: echo only, one dropped
         for j in range(k):
             seed = req.sampling.seed if req.sampling.seed is None else req.sampling.seed + j
             sampling = replace(req.sampling, max_tokens=max_tokens, logprobs=logprobs, seed=seed,
