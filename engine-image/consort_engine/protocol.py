@@ -316,13 +316,13 @@ def _logit_bias(body: dict) -> dict[int, float]:
     return out
 
 
-def _max_tokens(body: dict, keys: tuple[str, ...]) -> int | None:
+def _max_tokens(body: dict, keys: tuple[str, ...], lo: int = 1) -> int | None:
     value = None
     for key in keys:
         v = _int(body, key, lo=None)
         if v is not None:
-            if v <= 0:
-                raise bad("invalid_value", f"'{key}' must be at least 1, got {v}", key)
+            if v < lo:
+                raise bad("invalid_value", f"'{key}' must be at least {lo}, got {v}", key)
             value = v
     return value
 
@@ -431,7 +431,8 @@ def parse_completion(body: Any) -> GenerationRequest:
         req.prompt = prompt
     else:
         req.prompt_token_ids = prompt
-    req.max_tokens = _max_tokens(body, ("max_tokens",))
+    # echo with max_tokens 0 (as vLLM allows): the prompt back, with its logprobs, and nothing generated
+    req.max_tokens = _max_tokens(body, ("max_tokens",), lo=0 if body.get("echo") is True else 1)
     if req.max_tokens is None:
         req.max_tokens = 16   # the OpenAI completions default
     lp = _int(body, "logprobs", None, lo=0, hi=MAX_LOGPROBS)

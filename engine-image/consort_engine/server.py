@@ -230,6 +230,10 @@ async def generate(ctx: ServerContext, req: P.GenerationRequest, seq: Sequence, 
     total = 0
     async for out in stream:
         plp = getattr(out, "prompt_logprobs", None)
+        if req.max_tokens == 0:   # echo only: prefill ran (prompt logprobs); its sampled token is dropped
+            ctx.engine.abort(seq.seq_id, "length")
+            yield Delta("", [], [], "length", None, 0, plp)
+            return
         ids = list(out.new_token_ids or [])
         total += len(ids)
         times.on_tokens(time.monotonic(), len(ids))
@@ -456,7 +460,7 @@ async def handle_generation(request: web.Request, kind: str) -> web.StreamRespon
     # best_of ranks by the sampled tokens' logprobs, so those are computed even when not returned
     logprobs = req.logprobs if req.best_of is None else (req.logprobs or 0)
     for i, (preq, ids) in enumerate(prompts):
-        max_tokens = P.resolve_max_tokens(preq, len(ids), ctx.max_model_len)
+        max_tokens = max(1, P.resolve_max_tokens(preq, len(ids), ctx.max_model_len))   # 0: echo only, one dropped
         for j in range(k):
             seed = req.sampling.seed if req.sampling.seed is None else req.sampling.seed + j
             sampling = replace(req.sampling, max_tokens=max_tokens, logprobs=logprobs, seed=seed,
@@ -726,50 +730,58 @@ async def stream_response(request: web.Request, ctx: ServerContext, req: P.Gener
 
 async def responses_reply(request: web.Request, ctx: ServerContext, body: dict,
                           choices: list[Choice]) -> web.StreamResponse:
-    """/v1/responses: the chat generation's one choice as a Response, or as Responses SSE events."""
+    """/v1/responses: the chat generation's one choice as a Response, or as Responses SSE events.
+    With tools its text goes through the chat tool-call parser: content and function_call items."""
     rid, created, model = R.new_id(), R.now(), ctx.served_name
     c = choices[0]
+    tc = c.req.tools if c.req.tools is not None and c.req.tools.parses else None
+    parser = T.ToolCallStreamer(tc) if tc is not None else None
+    items = R.OutputItems(rid)
+
+    def pieces(text: str) -> list[T.Event]:
+        return parser.feed(text) if parser is not None else [("content", text)]
+
+    def final() -> dict:
+        return R.response(rid, model, body, items.items, "completed", created, c.last.finish_reason,
+                          usage_of(choices, 1, len(c.ids)))
+
     if not body.get("stream"):
         async for _, d in merged(choices):
             c.text.append(d.text)
             c.ids.extend(d.token_ids)
             c.last = d
-        usage = usage_of(choices, 1, len(c.ids))
-        return web.json_response(R.response(rid, model, body, "".join(c.text), "completed", created,
-                                            c.last.finish_reason, usage))
+        items.feed(pieces("".join(c.text)) + (parser.finish() if parser is not None else []))
+        items.finish()
+        return web.json_response(final())
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     request[STREAM] = resp
     await resp.prepare(request)
     seq = 0
 
-    async def send(kind: str, **fields) -> None:
+    async def send(events: list[R.Event]) -> None:
         nonlocal seq
-        await resp.write(f"event: {kind}\n".encode() + _sse(R.event(kind, seq, **fields)))
-        seq += 1
+        for kind, fields in events:
+            await resp.write(f"event: {kind}\n".encode() + _sse(R.event(kind, seq, **fields)))
+            seq += 1
 
-    where = dict(item_id=R.item_id(rid), output_index=0, content_index=0)
-    await send("response.created", response=R.response(rid, model, body, None, "in_progress", created))
-    await send("response.in_progress", response=R.response(rid, model, body, None, "in_progress", created))
-    await send("response.output_item.added", output_index=0, item=R.message(rid, None, "in_progress"))
-    await send("response.content_part.added", part=R.text_part(""), **where)
+    await send([("response.created", dict(response=R.response(rid, model, body, None, "in_progress", created))),
+                ("response.in_progress", dict(response=R.response(rid, model, body, None, "in_progress", created)))])
+    if parser is None:      # plain text: the message item opens before the first token, as OpenAI's does
+        await send(items.open_message())
     try:
         async for _, d in merged(choices):
             c.text.append(d.text)
             c.ids.extend(d.token_ids)
             c.last = d
-            if d.text:
-                await send("response.output_text.delta", delta=d.text, logprobs=[], **where)
+            await send(items.feed(pieces(d.text)))
     except EngineFailed as e:   # headers are out: the Responses stream's own error event
-        await send("error", code="engine_failed", message=str(e), param=None)
+        await send([("error", dict(code="engine_failed", message=str(e), param=None))])
         await resp.write_eof()
         return resp
-    text = "".join(c.text)
-    await send("response.output_text.done", text=text, logprobs=[], **where)
-    await send("response.content_part.done", part=R.text_part(text), **where)
-    await send("response.output_item.done", output_index=0, item=R.message(rid, text, "completed"))
-    final = R.response(rid, model, body, text, "completed", created, c.last.finish_reason,
-                       usage_of(choices, 1, len(c.ids)))
-    await send("response.incomplete" if final["status"] == "incomplete" else "response.completed", response=final)
+    await send(items.feed(parser.finish() if parser is not None else []) + items.finish())
+    done = final()
+    await send([("response.incomplete" if done["status"] == "incomplete" else "response.completed",
+                 dict(response=done))])
     await resp.write_eof()
     return resp
 

@@ -94,7 +94,8 @@ def _text_of_responses_input(obj: dict) -> list[str]:
         return parts + [inp]
     if not isinstance(inp, list):
         raise bad("invalid_type", "'input' must be a string or a list of messages", "input")
-    return parts + [_text_of_content(m.get("content")) for m in inp if isinstance(m, dict)]
+    # messages' content; a function_call_output item's `output` (a tool result) is input text too
+    return parts + [_text_of_content(m.get("content", m.get("output"))) for m in inp if isinstance(m, dict)]
 
 
 def parse_request(obj: dict, kind: str, header_intent: str | None) -> ParsedRequest:

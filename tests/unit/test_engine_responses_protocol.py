@@ -23,9 +23,10 @@ def test_input_and_instructions_become_chat_messages():
 
 @pytest.mark.parametrize("body,param", [
     ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
-    ({"input": "x", "tools": [{"type": "function", "name": "f"}]}, "tools"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({}, "input"), ({"input": ""}, "input"), ({"input": []}, "input"), ({"input": 3}, "input"),
-    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0]"),
+    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
+    ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0]"),
     ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input[0].content[0]"),
     ({"input": "x", "instructions": ["no"]}, "instructions"),
 ])
@@ -35,13 +36,16 @@ def test_unsupported_and_malformed_requests_are_typed_400s(body, param):
     assert e.value.status == 400 and e.value.param == param
 
 
+ABC = [R.message("msg_1", "abc", "completed")]
+
+
 def test_response_object_validates_and_marks_length_as_incomplete():
     usage = {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,
              "prompt_tokens_details": {"cached_tokens": 2}}
-    done = Response.model_validate(R.response("resp_1", "m", {"input": "x"}, "abc", "completed", 1.0, "stop", usage))
+    done = Response.model_validate(R.response("resp_1", "m", {"input": "x"}, ABC, "completed", 1.0, "stop", usage))
     assert done.status == "completed" and done.output_text == "abc"
     assert (done.usage.input_tokens_details.cached_tokens, done.usage.input_tokens_details.cache_write_tokens) == (2, 3)
-    cut = Response.model_validate(R.response("resp_1", "m", {"max_output_tokens": 3}, "abc", "completed", 1.0,
+    cut = Response.model_validate(R.response("resp_1", "m", {"max_output_tokens": 3}, ABC, "completed", 1.0,
                                              "length", usage))
     assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
     assert Response.model_validate(R.response("resp_1", "m", {}, None, "in_progress", 1.0)).output == []

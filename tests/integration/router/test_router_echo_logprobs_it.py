@@ -94,3 +94,31 @@ def test_echo_logprobs_through_the_router(engines, make_router):
     bad = r.post("/v1/completions", {"model": "STL", "prompt": "x", "prompt_logprobs": 1, "stream": True})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt_logprobs"
     wait_engine_idle(engines["STL"])
+
+
+def test_echo_with_max_tokens_0_returns_the_prompt_only(engines, make_router):
+    """vLLM's prompt scoring: echo + max_tokens 0 gives the prompt, its logprobs, nothing generated."""
+    r = make_router(router_config(engines))
+    c = r.client()
+    prompt = "std::map<int, int> m; m[1] ="
+    n_prompt = len(httpx.post(engines["STL"].url + "/tokenize", json={"prompt": prompt}, timeout=30).json()["tokens"])
+    full = c.completions.create(model="STL", prompt=prompt, max_tokens=2, temperature=0, logprobs=K, echo=True)
+    raw = c.completions.with_raw_response.create(model="STL", prompt=prompt, max_tokens=0, logprobs=K, echo=True,
+                                                 extra_body={"prompt_logprobs": K})
+    validate_echo(raw.http_response.json())
+    out = raw.parse()
+    ch = out.choices[0]
+    assert ch.text == prompt and ch.finish_reason == "length"
+    assert len(ch.logprobs.tokens) == n_prompt and ch.logprobs.token_logprobs[0] is None
+    assert ch.logprobs.token_logprobs == pytest.approx(full.choices[0].logprobs.token_logprobs[:n_prompt], abs=1e-5)
+    assert len(ch.model_extra["prompt_logprobs"]) == n_prompt
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (n_prompt, 0)
+    plain = c.completions.create(model="STL", prompt=prompt, max_tokens=0, echo=True)
+    assert plain.choices[0].text == prompt and plain.choices[0].logprobs is None
+    chunks = list(c.completions.create(model="STL", prompt=prompt, max_tokens=0, logprobs=K, echo=True, stream=True,
+                                       stream_options={"include_usage": True}))
+    assert "".join(x.text for k in chunks for x in k.choices) == prompt
+    assert chunks[-1].usage.completion_tokens == 0
+    no_echo = r.post("/v1/completions", {"model": "STL", "prompt": "x", "max_tokens": 0})
+    assert no_echo.status_code == 400 and no_echo.json()["error"]["param"] == "max_tokens"
+    wait_engine_idle(engines["STL"])

@@ -49,3 +49,32 @@ def test_responses_errors_are_typed_through_the_router(engines, make_router):
         res = r.post("/v1/responses", body)
         assert res.status_code == 400, res.text
         assert (res.json()["error"]["code"], res.json()["error"]["param"]) == (code, param)
+
+
+def test_responses_function_tools_through_the_router(engines, make_router):
+    """Flat function tools pass through: a named call as a function_call item, streamed events in order."""
+    import json
+    from openai.types.responses import Response, ResponseStreamEvent
+
+    tool = {"type": "function", "name": "lookup", "strict": True, "parameters": {
+        "type": "object", "additionalProperties": False, "required": ["q"],
+        "properties": {"q": {"type": "string", "maxLength": 10}}}}
+    c = make_router(router_config(engines)).client()
+    kw = dict(model="STL", input="std::vector<int> v;", tools=[tool], tool_choice={"type": "function", "name": "lookup"},
+              max_output_tokens=48, temperature=0)
+    r = c.responses.create(**kw)
+    Response.model_validate(r.model_dump())
+    assert [o.type for o in r.output] == ["function_call"] and r.output[0].name == "lookup"
+    assert set(json.loads(r.output[0].arguments)) == {"q"}
+    adapter = TypeAdapter(ResponseStreamEvent)
+    events = list(c.responses.create(stream=True, **kw))
+    for e in events:
+        adapter.validate_python(e.model_dump())
+    assert [e.type for e in events][-3:] == ["response.function_call_arguments.done", "response.output_item.done",
+                                              "response.completed"]
+    assert events[-3].arguments == r.output[0].arguments
+    back = c.responses.create(model="STL", max_output_tokens=4, temperature=0, tools=[tool], tool_choice="none",
+                              input=[{"role": "user", "content": "std::vector<int> v;"},
+                                     r.output[0].model_dump(exclude_none=True),
+                                     {"type": "function_call_output", "call_id": r.output[0].call_id, "output": "ok"}])
+    assert back.output[0].type == "message" and back.usage.input_tokens > r.usage.input_tokens
