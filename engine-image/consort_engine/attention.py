@@ -164,6 +164,12 @@ class PagedAttention(torch.nn.Module):
         return o.reshape(q.shape[0], -1)
 
 
+def default_block_size(device_type: str) -> int:
+    """KV block size when none is given: 256 on CUDA (flash-attn's paged-KV granularity, so flash reads
+    the pool in place), 16 on CPU (the C kernel's sweet spot; finer prefix sharing)."""
+    return 256 if device_type == "cuda" else 16
+
+
 def choose_backend(device: torch.device, dtype: torch.dtype, block_size: int) -> str:
     """flash (CUDA + flash-attn, block_size % 256 == 0), triton (other CUDA cases), cpu_kernel (CPU,
     fp32/bf16, a C compiler) or torch.
