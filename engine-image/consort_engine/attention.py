@@ -8,7 +8,8 @@ A step's tokens are laid out as [batched group | prefill spans]:
 - prefill spans (one per sequence chunk) use SDPA: causal over the chunk's own K/V when nothing
   precedes it, otherwise over the gathered context with a bottom-right causal mask.
 With flash-attn installed on CUDA (and block_size a multiple of 256, its paged-KV constraint) every
-token goes through flash_attn_varlen_func with the block table instead.
+token goes through flash_attn_varlen_func with the block table instead; on CUDA otherwise the batched
+group goes through a Triton kernel that reads the pool in place (triton_attention.py, any block size).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from .cpu_kernels import cpu_kernels, kernel
+from .triton_attention import paged_attention as triton_paged_attention, triton_available
 
 try:  # pragma: no cover - only on CUDA machines with flash-attn
     from flash_attn import flash_attn_varlen_func
@@ -66,7 +68,7 @@ class PagedAttention(torch.nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, backend: str):
         super().__init__()
         self.h, self.kvh, self.d, self.scale = num_heads, num_kv_heads, head_dim, scale
-        self.backend = backend            # cpu_kernel | torch | flash
+        self.backend = backend            # cpu_kernel | triton | torch | flash
         self.heads_first = backend == "cpu_kernel"
         self.k_cache = self.v_cache = torch.empty(0)
 
@@ -104,6 +106,9 @@ class PagedAttention(torch.nn.Module):
         if tb:
             if self.backend == "cpu_kernel":
                 self._kernel(q, out, meta)
+            elif self.backend == "triton":
+                triton_paged_attention(q[:tb], kc, vc, meta.block_tables, meta.context_lens,
+                                       meta.cu_query_lens, self.scale, out=out[:tb])
             else:
                 out[:tb] = self._gathered_decode(q[:tb], meta, bs)
         for p in meta.prefills:
@@ -159,14 +164,25 @@ class PagedAttention(torch.nn.Module):
         return o.reshape(q.shape[0], -1)
 
 
-def choose_backend(device: torch.device, dtype: torch.dtype, block_size: int) -> str:
-    """flash (CUDA + flash-attn), cpu_kernel (CPU, fp32/bf16, a C compiler) or torch.
+def default_block_size(device_type: str) -> int:
+    """KV block size when none is given: 256 on CUDA (flash-attn's paged-KV granularity, so flash reads
+    the pool in place), 16 on CPU (the C kernel's sweet spot; finer prefix sharing)."""
+    return 256 if device_type == "cuda" else 16
 
-    CONSORT_ATTENTION_BACKEND=torch forces the portable path (tests compare the two)."""
-    if os.environ.get("CONSORT_ATTENTION_BACKEND") == "torch":
-        return "torch"
+
+def choose_backend(device: torch.device, dtype: torch.dtype, block_size: int) -> str:
+    """flash (CUDA + flash-attn, block_size % 256 == 0), triton (other CUDA cases), cpu_kernel (CPU,
+    fp32/bf16, a C compiler) or torch.
+
+    CONSORT_ATTENTION_BACKEND=torch forces the portable path (tests compare the two); =triton forces the
+    Triton kernel (on CPU only under TRITON_INTERPRET=1, which is how tests run it without a GPU)."""
+    forced = os.environ.get("CONSORT_ATTENTION_BACKEND")
+    if forced == "torch" or (forced == "triton" and triton_available()):
+        return forced
     if device.type == "cuda":
-        return "flash" if flash_attn_varlen_func is not None and block_size % 256 == 0 else "torch"
+        if flash_attn_varlen_func is not None and block_size % 256 == 0:
+            return "flash"
+        return "triton" if triton_available() else "torch"
     if dtype in (torch.float32, torch.bfloat16) and cpu_kernels() is not None:
         return "cpu_kernel"
     return "torch"

@@ -164,7 +164,7 @@ class ModelRunner:
             self.max_model_len = min(self.max_model_len, cfg.sliding_window)
         self.backend = choose_backend(self.device, self.dtype, self.block_size)
         self.max_kernel_query = (max(1, 256 // (cfg.num_attention_heads // cfg.num_key_value_heads))
-                                 if self.backend == "cpu_kernel" else 1)
+                                 if self.backend in ("cpu_kernel", "triton") else 1)
         self.max_kernel_query = min(self.max_kernel_query, MAX_KERNEL_QUERY)
 
         default_dtype = torch.get_default_dtype()

@@ -27,6 +27,7 @@ from aiohttp import web
 from . import protocol as P
 from . import responses as R
 from . import tool_calls as T
+from .attention import default_block_size
 from .async_engine import AsyncEngine, EngineFailed, EngineNotReady
 from .config import EngineConfig
 from .adapter_sync import AdapterSync
@@ -963,7 +964,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--name", default=None, help="specialist name (default: the checkpoint dir's name)")
     p.add_argument("--served-model-name", default=None, help="model id in responses (default: --name)")
     p.add_argument("--num-blocks", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default: 256 on cuda, 16 on cpu)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split attention heads and the MLP over this many ranks (processes; GPUs on cuda)")
@@ -1023,7 +1024,7 @@ def config_from_args(a: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=str(Path(a.model)), name=a.name or Path(a.model).resolve().name, device=a.device, dtype=a.dtype,
         tensor_parallel_size=a.tensor_parallel_size,
-        block_size=a.block_size, num_blocks=a.num_blocks, kv_memory_fraction=a.kv_memory_fraction,
+        block_size=a.block_size or default_block_size(a.device), num_blocks=a.num_blocks, kv_memory_fraction=a.kv_memory_fraction,
         max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
         max_waiting=a.max_waiting, enable_prefix_caching=not a.no_prefix_caching, speculative=a.speculative,
         num_speculative_tokens=a.num_speculative_tokens, spec_typical_tau=a.spec_typical_tau,

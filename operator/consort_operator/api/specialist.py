@@ -47,7 +47,7 @@ class KVCache(Model):
             "set at most one of kv.memoryFraction and kv.numBlocks"),
     ]}}
 
-    block_size: Literal[8, 16, 32] = Field(default=16, description="Tokens per KV block: 8 for prefix-heavy specialists (Template, STL), 16 default, 32 for long generations.")
+    block_size: Literal[8, 16, 32, 256] | None = Field(default=None, description="Tokens per KV block: 8 for prefix-heavy specialists (Template, STL), 32 for long generations, 256 for flash-attn's in-place paged KV. Unset: 256 when the specialist requests GPUs, 16 on CPU.")
     memory_fraction: float | None = Field(default=None, ge=0.05, le=0.98,
                                           description="Share of accelerator memory left after the weights that the KV pool takes (sized once at start; the pool never grows). Default: the engine's own (0.5 on CPU, 0.9 on GPU).")
     num_blocks: int | None = Field(default=None, ge=1, le=10_000_000, description="Exact KV pool size in blocks (overrides memoryFraction sizing).")

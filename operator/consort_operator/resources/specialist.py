@@ -110,7 +110,9 @@ def engine_args(name: str, spec: SpecialistSpec, model_dir: str, adapters: dict[
     every core of the node, and engines sharing a node would oversubscribe it."""
     device = device or ("cuda" if spec.resources.gpus > 0 else "cpu")
     args = ["--model", model_dir, "--host", host, "--port", str(spec.port if port is None else port), "--name", name,
-            "--device", device, "--dtype", spec.dtype, "--block-size", str(spec.kv.block_size)]
+            "--device", device, "--dtype", spec.dtype]
+    if spec.kv.block_size is not None:     # unset: the engine picks by device (256 on cuda, 16 on cpu)
+        args += ["--block-size", str(spec.kv.block_size)]
     if spec.tensor_parallel_size > 1:
         args += ["--tensor-parallel-size", str(spec.tensor_parallel_size)]
     if device == "cpu":

@@ -50,6 +50,22 @@ def test_engine_deployment_gpu_probes_security_and_owner():
     assert d["spec"]["selector"]["matchLabels"].items() <= d["spec"]["template"]["metadata"]["labels"].items()
 
 
+@pytest.mark.parametrize("kv,gpus,want", [({}, 1, 256), ({}, 0, 16), ({"blockSize": 16}, 1, 16),
+                                          ({"blockSize": 256}, 0, 256), ({"blockSize": 32}, 2, 32)])
+def test_block_size_defaults_by_device_and_explicit_values_win(kv, gpus, want):
+    from consort_engine.server import config_from_args, parse_args
+
+    d = S.engine_deployment("x", "ns", "u", spec(kv=kv, resources={"gpus": gpus, "cpu": 2}), CTX)
+    argv = d["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert ("--block-size" in argv) == ("blockSize" in kv)
+    assert config_from_args(parse_args(argv)).block_size == want
+
+
+def test_block_size_rejects_values_outside_the_enum():
+    with pytest.raises(ValueError):
+        spec(kv={"blockSize": 64})
+
+
 def test_engine_args_are_accepted_by_the_real_engine_cli():
     from consort_engine.server import parse_args
 

@@ -64,7 +64,7 @@ def test_specialist_crd_rules_columns_and_subresources():
     assert "!has(self.spec.fallback) || self.spec.fallback != self.metadata.name" in rules
     spec = root["properties"]["spec"]
     assert "!has(self.minReady) || !has(self.replicas) || self.minReady <= self.replicas" in [r["rule"] for r in spec["x-kubernetes-validations"]]
-    assert spec["properties"]["kv"]["properties"]["blockSize"]["enum"] == [8, 16, 32]
+    assert spec["properties"]["kv"]["properties"]["blockSize"]["enum"] == [8, 16, 32, 256]
     assert spec["properties"]["speculative"]["properties"]["mode"]["enum"] == ["off", "ngram", "mtp"]
     assert spec["properties"]["replicas"]["minimum"] == 0
     assert spec["properties"]["adapters"]["x-kubernetes-list-type"] == "map"
@@ -87,7 +87,7 @@ MINIMAL = {"model": {"source": "pvc://models/algo"}}
 
 def test_pydantic_models_accept_a_minimal_spec_with_defaults():
     s = SpecialistSpec.model_validate(MINIMAL)
-    assert s.kv.block_size == 16 and s.replicas == 1 and s.min_ready == 1 and s.speculative.mode == "off"
+    assert s.kv.block_size is None and s.replicas == 1 and s.min_ready == 1 and s.speculative.mode == "off"
     assert s.slo.window_seconds == 86400 and s.rollout.probation_window_seconds == 3600
     assert EnsembleRouterSpec.model_validate({}).replicas == 2
 
