@@ -453,20 +453,29 @@ def run_server(model_dir: Path, dtype: str, wl: Workload, args: argparse.Namespa
 
 def run_agree(model_dir: Path, dtypes: list[str], wl: Workload, args: argparse.Namespace) -> int:
     """Offline and HTTP back to back per dtype (same argv, same machine load): the ratio should be ~1."""
+    # Other work on a shared machine comes and goes: alternate the order each round (ABBA) and report
+    # every pair with its load, so a burst that hit one side shows up instead of hiding in a mean.
     rows = []
     for dtype in dtypes:
-        off = run_engine(model_dir, dtype, wl, args, extras=False)
-        gc.collect()
-        srv = run_server(model_dir, dtype, wl, args)
-        rows.append((dtype, off["tok_s"], srv["tok_s"]))
-    print(f"| dtype | offline tok/s | server tok/s | offline / server |  ({len(wl.prompts)} requests, "
-          f"{args.threads} threads, load {os.getloadavg()[0]:.2f})")
-    print("|---|---|---|---|")
-    for dtype, off, srv in rows:
-        print(f"| {dtype} | {off:.1f} | {srv:.1f} | {off / srv:.2f} |")
+        for r in range(args.rounds):
+            order = ("offline", "server") if r % 2 == 0 else ("server", "offline")
+            got = {}
+            for side in order:
+                got[side] = (run_engine(model_dir, dtype, wl, args, extras=False) if side == "offline"
+                             else run_server(model_dir, dtype, wl, args))["tok_s"]
+                gc.collect()
+            rows.append((dtype, r, got["offline"], got["server"], os.getloadavg()[0]))
+    print(f"| dtype | round | offline tok/s | server tok/s | offline / server | load (1-min) |  "
+          f"({len(wl.prompts)} requests, {args.threads} threads)")
+    print("|---|---|---|---|---|---|")
+    for dtype, r, off, srv, load in rows:
+        print(f"| {dtype} | {r} | {off:.1f} | {srv:.1f} | {off / srv:.2f} | {load:.2f} |")
+    for dtype in dtypes:
+        ratios = [o / v for d, _, o, v, _ in rows if d == dtype]
+        print(f"{dtype}: median offline / server = {statistics.median(ratios):.2f} over {len(ratios)} round(s)")
     if args.json:
-        Path(args.json).write_text(json.dumps([{"dtype": d, "offline_tok_s": o, "server_tok_s": v}
-                                               for d, o, v in rows], indent=2))
+        Path(args.json).write_text(json.dumps([{"dtype": d, "round": r, "offline_tok_s": o, "server_tok_s": v,
+                                                "load": ld} for d, r, o, v, ld in rows], indent=2))
     return 0
 
 
@@ -523,8 +532,6 @@ def report(results: list[DtypeResult], wl: Workload, args: argparse.Namespace) -
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
     # The server's thread sizing (torch + the C kernels' OpenMP pool), not torch's default.
     args.threads = apply_threads(args.threads or None)
     dtypes = ["float32", "bfloat16"] if args.dtype == "both" else [args.dtype]
@@ -573,6 +580,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vs-server", action="store_true",
                    help="run the workload offline and through a real `consort engine` HTTP server, back to back "
                         "(interleaved per dtype), and print both tok/s and their ratio")
+    p.add_argument("--rounds", type=int, default=2, help="--vs-server: offline/server pairs, order alternating")
     p.add_argument("--no-startup", action="store_true", help="skip the start-up-to-ready measurement")
     p.add_argument("--engine-only", action="store_true", help="skip the transformers baseline (no ratio)")
     p.add_argument("--rebuild", action="store_true", help="rebuild the cached benchmark checkpoint")
