@@ -4,6 +4,7 @@ offline: our engine vs transformers `generate` on the same checkpoint and worklo
 structured: guided JSON-schema decoding tok/s vs free decoding (bench_structured.py).
 spec:    none vs n-gram vs MTP drafting on one checkpoint: acceptance and tokens/s (bench_spec.py).
 hybrid:  hybrid (attention + Mamba2) vs pure attention: KV bytes/token, seqs per pool, tok/s (bench_hybrid.py).
+roofline: decode step at 32 running vs its roofline floor (bench_roofline.py).
 serve:   TTFT / ITL percentiles and throughput of any OpenAI-compatible endpoint (bench_serve.py).
 local:   the ensemble on one box vs one engine: consort_operator/bench_local.py (it starts `consort up`).
 Heavy imports stay inside the subcommands.
@@ -18,8 +19,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="consort bench", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
-    from . import bench_hybrid, bench_offline, bench_serve, bench_spec, bench_structured
+    from . import bench_hybrid, bench_offline, bench_roofline, bench_serve, bench_spec, bench_structured
     bench_offline.add_args(sub.add_parser("offline", help="engine vs transformers generate, one run"))
+    bench_roofline.add_args(sub.add_parser("roofline", help="decode step at 32 running vs its GEMM/bandwidth floor"))
     bench_serve.add_args(sub.add_parser("serve", help="streaming latency against an OpenAI endpoint"))
     bench_structured.add_args(sub.add_parser("structured", help="guided json_schema vs free decoding tok/s"))
     bench_spec.add_args(sub.add_parser("spec", help="speculative decoding: none vs n-gram vs MTP drafting"))
@@ -27,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.cmd == "offline":
         return bench_offline.run(args)
+    if args.cmd == "roofline":
+        return bench_roofline.run(args)
     if args.cmd == "structured":
         return bench_structured.run(args)
     if args.cmd == "spec":

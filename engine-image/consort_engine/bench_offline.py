@@ -28,6 +28,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .cpu import apply_threads
+
 BENCH_SPEC = {
     "arch": "llama", "hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8,
     "num_key_value_heads": 4, "intermediate_size": 1408, "vocab_size": 32000,
@@ -158,15 +160,27 @@ def ticker(label: str, progress, every: float = 5.0):
 # our engine
 
 
+def server_argv(model_dir: Path, dtype: str, args: argparse.Namespace) -> list[str]:
+    """The `consort engine` flags this benchmark's settings stand for: the offline run and the HTTP
+    server are built from the same argv, so they cannot drift apart (they did: see docs/engine-speed.md)."""
+    argv = ["--model", str(model_dir), "--port", "0", "--name", "bench", "--dtype", dtype,
+            "--device", args.device, "--block-size", str(args.block_size),
+            "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+            "--speculative", args.speculative]
+    if args.num_blocks:
+        argv += ["--num-blocks", str(args.num_blocks)]
+    if args.threads:
+        argv += ["--threads", str(args.threads)]
+    return argv
+
+
 def engine_config(model_dir: Path, dtype: str, args: argparse.Namespace):
-    from .config import EngineConfig
-    return EngineConfig(model=str(model_dir), name="bench", device=args.device, dtype=dtype,
-                        block_size=args.block_size, num_blocks=args.num_blocks,
-                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                        speculative=args.speculative)
+    """Exactly the EngineConfig `consort engine <server_argv>` builds (server.config_from_args)."""
+    from .server import config_from_args, parse_args
+    return config_from_args(parse_args(server_argv(model_dir, dtype, args)))
 
 
-def run_engine(model_dir: Path, dtype: str, wl: Workload, args: argparse.Namespace) -> dict:
+def run_engine(model_dir: Path, dtype: str, wl: Workload, args: argparse.Namespace, extras: bool = True) -> dict:
     from .engine import LLMEngine
     from .sequence import SamplingParams
 
@@ -191,8 +205,9 @@ def run_engine(model_dir: Path, dtype: str, wl: Workload, args: argparse.Namespa
            "preemptions": engine.stats().get("num_preemptions", 0), "speculation": engine.stats()["speculation"]}
     log(f"engine[{dtype}]: {wl.useful_tokens} tokens in {wall:.2f} s = {res['tok_s']:.1f} tok/s "
         f"({engine.num_steps} steps)")
-    res["overhead"] = decode_overhead(engine, args)
-    res["prefix_ttft"] = prefix_ttft(engine, args)
+    if extras:
+        res["overhead"] = decode_overhead(engine, args)
+        res["prefix_ttft"] = prefix_ttft(engine, args)
     del engine
     gc.collect()
     return res
@@ -343,10 +358,8 @@ def _free_port() -> int:
 def startup_to_ready(model_dir: Path, dtype: str, args: argparse.Namespace, timeout: float = 300.0) -> dict:
     port = _free_port()
     consort = str(Path(sys.executable).with_name("consort"))
-    cmd = [consort, "engine", "--model", str(model_dir), "--port", str(port), "--name", "bench", "--dtype", dtype,
-           "--device", args.device, "--block-size", str(args.block_size)]
-    if args.num_blocks:
-        cmd += ["--num-blocks", str(args.num_blocks)]
+    argv = server_argv(model_dir, dtype, args)
+    cmd = [consort, "engine", *argv[:argv.index("--port") + 1], str(port), *argv[argv.index("--port") + 2:]]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
@@ -376,6 +389,94 @@ def startup_to_ready(model_dir: Path, dtype: str, args: argparse.Namespace, time
     own = next((ln.strip() for ln in lines if "ready in" in ln), "")
     log(f"start-up[{dtype}]: process start -> /ready 200 in {ready_s:.2f} s ({own})")
     return {"ready_s": ready_s, "engine_log": own}
+
+
+def run_server(model_dir: Path, dtype: str, wl: Workload, args: argparse.Namespace, timeout: float = 600.0) -> dict:
+    """The same workload through a real `consort engine` process: every request sent at once (as the
+    offline run adds them all at once), token-id prompts, greedy, EOS ignored, non-streaming."""
+    import asyncio
+
+    import aiohttp
+
+    port = _free_port()
+    consort = str(Path(sys.executable).with_name("consort"))
+    argv = server_argv(model_dir, dtype, args)
+    argv[argv.index("--port") + 1] = str(port)
+    proc = subprocess.Popen([consort, "engine", *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    url = f"http://127.0.0.1:{port}"
+
+    async def one(session, prompt: list[int], n: int) -> int:
+        body = {"model": "bench", "prompt": prompt, "max_tokens": n, "temperature": 0.0, "ignore_eos": True}
+        async with session.post(f"{url}/v1/completions", json=body) as r:
+            data = await r.json()
+            if r.status != 200:
+                raise RuntimeError(f"server answered {r.status}: {data}")
+            return int(data["usage"]["completion_tokens"])
+
+    async def drive() -> tuple[float, list[int]]:
+        t_end = time.perf_counter() + timeout
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
+            while True:
+                if proc.poll() is not None or time.perf_counter() > t_end:
+                    raise RuntimeError("consort engine never became ready:\n" + "".join(lines[-30:]))
+                try:
+                    async with session.get(f"{url}/ready") as r:
+                        if r.status == 200:
+                            break
+                except aiohttp.ClientError:
+                    pass
+                await asyncio.sleep(0.1)
+            t0 = time.perf_counter()
+            got = await asyncio.gather(*(one(session, p, n) for p, n in zip(wl.prompts, wl.output_lens)))
+            return time.perf_counter() - t0, list(got)
+
+    try:
+        with ticker(f"server[{dtype}]", lambda: "running"):
+            wall, got = asyncio.run(drive())
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+        reader.join(5)
+    if got != wl.output_lens:
+        raise RuntimeError(f"server produced {sum(got)} tokens, wanted {wl.useful_tokens}")
+    res = {"wall_s": wall, "useful_tokens": wl.useful_tokens, "tok_s": wl.useful_tokens / wall}
+    log(f"server[{dtype}]: {wl.useful_tokens} tokens in {wall:.2f} s = {res['tok_s']:.1f} tok/s")
+    return res
+
+
+def run_agree(model_dir: Path, dtypes: list[str], wl: Workload, args: argparse.Namespace) -> int:
+    """Offline and HTTP back to back per dtype (same argv, same machine load): the ratio should be ~1."""
+    # Other work on a shared machine comes and goes: alternate the order each round (ABBA) and report
+    # every pair with its load, so a burst that hit one side shows up instead of hiding in a mean.
+    rows = []
+    for dtype in dtypes:
+        for r in range(args.rounds):
+            order = ("offline", "server") if r % 2 == 0 else ("server", "offline")
+            got = {}
+            for side in order:
+                got[side] = (run_engine(model_dir, dtype, wl, args, extras=False) if side == "offline"
+                             else run_server(model_dir, dtype, wl, args))["tok_s"]
+                gc.collect()
+            rows.append((dtype, r, got["offline"], got["server"], os.getloadavg()[0]))
+    print(f"| dtype | round | offline tok/s | server tok/s | offline / server | load (1-min) |  "
+          f"({len(wl.prompts)} requests, {args.threads} threads)")
+    print("|---|---|---|---|---|---|")
+    for dtype, r, off, srv, load in rows:
+        print(f"| {dtype} | {r} | {off:.1f} | {srv:.1f} | {off / srv:.2f} | {load:.2f} |")
+    for dtype in dtypes:
+        ratios = [o / v for d, _, o, v, _ in rows if d == dtype]
+        print(f"{dtype}: median offline / server = {statistics.median(ratios):.2f} over {len(ratios)} round(s)")
+    if args.json:
+        Path(args.json).write_text(json.dumps([{"dtype": d, "round": r, "offline_tok_s": o, "server_tok_s": v,
+                                                "load": ld} for d, r, o, v, ld in rows], indent=2))
+    return 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -431,17 +532,16 @@ def report(results: list[DtypeResult], wl: Workload, args: argparse.Namespace) -
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    args.threads = torch.get_num_threads()
+    # The server's thread sizing (torch + the C kernels' OpenMP pool), not torch's default.
+    args.threads = apply_threads(args.threads or None)
     dtypes = ["float32", "bfloat16"] if args.dtype == "both" else [args.dtype]
     n = args.requests if args.requests else (16 if args.quick else 64)
-    model_dir = bench_model(args.rebuild)
+    model_dir = Path(args.model) if args.model else bench_model(args.rebuild)
     wl = make_workload(n, seed=args.seed, vocab=BENCH_SPEC["vocab_size"])
     log(f"workload: {n} requests, {wl.prompt_tokens} prompt tokens, {wl.useful_tokens} output tokens")
     results = []
+    if args.vs_server:
+        return run_agree(model_dir, dtypes, wl, args)
     for dtype in dtypes:
         log(f"--- {dtype} ---")
         eng = run_engine(model_dir, dtype, wl, args)
@@ -459,18 +559,28 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
+    from .config import EngineConfig
+
     p.add_argument("--dtype", choices=["float32", "bfloat16", "both"], default="both")
     p.add_argument("--requests", type=int, default=None, help="number of requests (default 64; 16 with --quick)")
     p.add_argument("--quick", action="store_true", help="16 requests: a fast sanity run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-blocks", type=int, default=4096, help="KV pool (4096 x 16 tokens covers the workload)")
-    p.add_argument("--max-num-seqs", type=int, default=128)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    # Defaults are `consort engine`'s own (EngineConfig's), so a bare bench runs the engine a bare server runs.
+    p.add_argument("--block-size", type=int, default=EngineConfig.block_size)
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="KV pool (default: sized from free memory, as the server does)")
+    p.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
     p.add_argument("--speculative", default="off", choices=["off", "ngram"],
                    help="engine speculation (greedy output is identical; the report adds acceptance)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="CPU threads (default: as `consort engine`: the cgroup quota, else the usable cores)")
+    p.add_argument("--model", default=None, metavar="DIR", help="checkpoint to bench (default: the cached bench model)")
+    p.add_argument("--vs-server", action="store_true",
+                   help="run the workload offline and through a real `consort engine` HTTP server, back to back "
+                        "(interleaved per dtype), and print both tok/s and their ratio")
+    p.add_argument("--rounds", type=int, default=2, help="--vs-server: offline/server pairs, order alternating")
     p.add_argument("--no-startup", action="store_true", help="skip the start-up-to-ready measurement")
     p.add_argument("--engine-only", action="store_true", help="skip the transformers baseline (no ratio)")
     p.add_argument("--rebuild", action="store_true", help="rebuild the cached benchmark checkpoint")
