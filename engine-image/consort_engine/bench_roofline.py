@@ -1,6 +1,6 @@
 """`consort bench roofline`: the decode step at N running sequences against its roofline floor.
 
-Measures this machine's fp32 GEMM rate (torch matmuls of the decode step's own shapes) and memory
+Measures this machine's fp32 GEMM rate (the step's shapes at decode and at 2,048 rows, the best) and memory
 bandwidth (a sum over a tensor far larger than the caches), computes the step's FLOPs and bytes
 (weights once + the KV every sequence reads), floor = max(flops / rate, bytes / bw), then times the
 real engine step (bench_offline.decode_overhead: step time, forward share, time outside it).
@@ -76,14 +76,26 @@ def _best(fn, reps: int) -> float:
     return best
 
 
-def gemm_rate(s: Shape, running: int, dtype, reps: int = 20) -> float:
-    """FLOP/s of the step's own matmuls ([running, in] @ [in, out]), the lm_head included."""
+def gemm_rate(s: Shape, running: int, dtype, reps: int = 20, peak_rows: int = 2048) -> float:
+    """The machine's attainable GEMM FLOP/s for this model's weights: the best of the step's own
+    shapes at `running` rows and at `peak_rows` rows (where GEMMs run at the machine's peak), each
+    through the engine's own packed GEMM (models/packed.py) and plain torch matmul. The floor is
+    what the FLOPs would cost at that rate; a small-row GEMM below it is part of the gap, not of
+    the floor."""
     import torch
 
-    mats = [(torch.randn(running, i, dtype=dtype), torch.randn(i, o, dtype=dtype))
-            for i, o in s.gemms() + [(s.hidden, s.vocab)]]
-    flops = sum(2 * running * b.shape[0] * b.shape[1] for _, b in mats)
-    return flops / _best(lambda: [a @ b for a, b in mats], reps)
+    from .models.packed import pack_linear
+
+    best = 0.0
+    for rows in (running, peak_rows):
+        weights = [torch.randn(o, i, dtype=dtype) for i, o in s.gemms() + [(s.hidden, s.vocab)]]
+        xs = [torch.randn(rows, w.shape[1], dtype=dtype) for w in weights]
+        flops = sum(2 * rows * w.numel() for w in weights)
+        packed = [pack_linear(w, None) for w in weights]
+        if all(f is not None for f in packed):
+            best = max(best, flops / _best(lambda: [f(x) for f, x in zip(packed, xs)], max(2, reps * running // rows)))
+        best = max(best, flops / _best(lambda: [x @ w.t() for w, x in zip(weights, xs)], max(2, reps * running // rows)))
+    return best
 
 
 def bandwidth(nbytes: int = 1 << 30, reps: int = 5) -> float:
