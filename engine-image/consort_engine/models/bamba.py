@@ -22,8 +22,7 @@ from ..lora import AdapterError
 from ..state_pool import StateMetadata
 from ..tensor_parallel import SINGLE, TPGroup
 from . import ssd
-from .llama import MLP, Attention, Linear, RMSNorm
-from .packed import pack_linear
+from .llama import MLP, Attention, CausalLM, Linear, RMSNorm
 from .rope import RotaryEmbedding
 
 
@@ -172,9 +171,7 @@ class BambaLayer(nn.Module):
         return self.feed_forward(x), residual
 
 
-class BambaForCausalLM(nn.Module):
-    packed_modules = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-                      "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+class BambaForCausalLM(CausalLM):
     single_modules = ("o_proj", "down_proj", "lm_head", "in_proj", "out_proj")
 
     def __init__(self, cfg: ModelConfig, max_len: int, backend: str, dtype: torch.dtype,
@@ -206,69 +203,10 @@ class BambaForCausalLM(nn.Module):
     def mixers(self) -> list[Mamba2Mixer]:
         return [layer.mamba for layer in self.layers if layer.mamba is not None]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        h, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            h, residual = layer(h, residual, positions, self.rotary, meta)
-        return h + residual
-
-    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.head(self.norm(h))
-
-    def head(self, x: torch.Tensor) -> torch.Tensor:
-        if self.lm_head is not None:
-            return self.lm_head(x)
-        if self.tied_head is not None:
-            return self.tied_head(x)
-        return F.linear(x, self.embed_tokens.weight)
-
     def shard_shapes(self) -> dict:
         raise AdapterError("LoRA adapters are not supported for hybrid (bamba) models yet",
                            code="adapter_unsupported")
 
-    def pack_weights(self) -> int:
-        linears = [m for m in self.modules() if isinstance(m, Linear)]
-        for m in linears:
-            m.pack()
-        if self.lm_head is None:
-            self.tied_head = pack_linear(self.embed_tokens.weight.data, None)
-        return sum(m.packed is not None for m in linears) + (self.tied_head is not None)
-
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        params = dict(self.named_parameters())
-        modules = dict(self.named_modules())
-        seen: set[str] = set()
-        for name, tensor in weights:
-            name = name.removeprefix("model.").replace("final_layernorm.", "norm.")
-            if name == "lm_head.weight" and self.lm_head is None:
-                continue
-            module_path, _, leaf = name.rpartition(".")
-            frag = module_path.rpartition(".")[2]
-            if frag in self.packed_modules:
-                fused, shard = self.packed_modules[frag]
-                fused_path = module_path[: -len(frag)] + fused
-                modules[fused_path].load_shard(leaf, shard, tensor)
-                seen.add(f"{fused_path}.{leaf}#{shard}")
-            elif frag in self.single_modules:
-                modules[module_path].load_shard(leaf, 0, tensor)
-                seen.add(f"{module_path}.{leaf}#0")
-            elif name in params:
-                if params[name].shape != tensor.shape:
-                    raise ValueError(f"{name}: expected {tuple(params[name].shape)}, got {tuple(tensor.shape)}")
-                params[name].data.copy_(tensor)
-                seen.add(name)
-            else:
-                raise ValueError(f"unexpected tensor in checkpoint: {name}")
-        missing = []
-        for pname in params:
-            mpath, _, leaf = pname.rpartition(".")
-            mod = modules[mpath]
-            if isinstance(mod, Linear):
-                ok = all(f"{pname}#{i}" in seen for i in range(len(mod.shard_sizes)))
-            else:
-                ok = pname in seen
-            if not ok:
-                missing.append(pname)
-        if missing:
-            raise ValueError(f"checkpoint lacks {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+        self.load_tensors((name.removeprefix("model.").replace("final_layernorm.", "norm."), tensor)
+                          for name, tensor in weights)
