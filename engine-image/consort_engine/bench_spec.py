@@ -47,7 +47,7 @@ def run_one(model: Path, drafter: str, ps: list[list[int]], max_tokens: int, arg
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     wall = cpu = float("inf")
     for _ in range(args.repeats):          # the fastest of the repeats: a shared CPU is noisy
-        sched.num_draft_tokens = sched.num_accepted_tokens = 0
+        sched.spec.num_draft_tokens = sched.spec.num_accepted_tokens = 0
         steps0 = engine.num_steps
         if args.device == "cuda":
             import torch

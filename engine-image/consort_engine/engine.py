@@ -317,10 +317,8 @@ class LLMEngine:
             "scheduler_overhead_s": self._sched_overhead.value,
             "num_steps": self.num_steps,
             "warm": self.warm,
-            "speculation": self.speculation_stats(),
+            "speculation": self.spec.stats(),
             "adapters": {name: "loaded" for name in getattr(self.runner, "adapters", {})},
             "adapter_paths": {name: a.path for name, a in getattr(self.runner, "adapters", {}).items()},
         }
 
-    def speculation_stats(self) -> dict:
-        return self.spec.stats()

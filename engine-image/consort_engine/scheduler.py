@@ -309,39 +309,6 @@ class Scheduler:
         return ScheduledBatch(seqs=seqs, num_new_tokens=nums, sample=sample, mode=mode, preempted=preempted,
                               num_draft=drafts if verify else [])
 
-    # The spec counters and stale slots, where tests, benches and metrics have always read them.
-    @property
-    def drafter(self) -> str:
-        return self.spec.drafter
-
-    @drafter.setter
-    def drafter(self, value: str) -> None:
-        self.spec.drafter = value
-
-    @property
-    def num_draft_tokens(self) -> int:
-        return self.spec.num_draft_tokens
-
-    @num_draft_tokens.setter
-    def num_draft_tokens(self, value: int) -> None:
-        self.spec.num_draft_tokens = value
-
-    @property
-    def num_accepted_tokens(self) -> int:
-        return self.spec.num_accepted_tokens
-
-    @num_accepted_tokens.setter
-    def num_accepted_tokens(self, value: int) -> None:
-        self.spec.num_accepted_tokens = value
-
-    @property
-    def stale_slots(self) -> list[int]:
-        return self.spec.stale_slots
-
-    @stale_slots.setter
-    def stale_slots(self, value: list[int]) -> None:
-        self.spec.stale_slots = value
-
     def _preempt_for_decode(self, seq: Sequence, need: int, preempted: list[Sequence]) -> bool:
         """Free blocks for a decode by preempting from the tail (lowest priority, latest arrival)
         until the watermark is free. False when seq itself had to go."""

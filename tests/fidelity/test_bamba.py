@@ -159,8 +159,8 @@ def test_hybrid_speculative_greedy_matches_transformers(hybrid, case, monkeypatc
     slots = engine.block_manager.state_slots
     assert slots.num_free == slots.num_slots
     sch = engine.scheduler
-    assert sch.num_accepted_tokens > 0, "no draft was accepted: the windows were not exercised"
-    assert sch.num_draft_tokens > sch.num_accepted_tokens, "no draft was rejected: the rollback was not exercised"
+    assert sch.spec.num_accepted_tokens > 0, "no draft was accepted: the windows were not exercised"
+    assert sch.spec.num_draft_tokens > sch.spec.num_accepted_tokens, "no draft was rejected: the rollback was not exercised"
     exact = sum(out == list(ref.tokens) for out, ref in zip(outs, refs))
     assert exact >= N - 1, f"{name}/{case}: only {exact}/{N} speculative requests matched transformers"
 

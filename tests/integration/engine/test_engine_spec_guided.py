@@ -62,13 +62,13 @@ def test_guided_greedy_output_is_identical_with_speculation_and_drafts_are_accep
     prompts = [base, base + [11], base[:-1]]      # a small batch: windows next to one-row steps
     off = run(engines["off"], grammars, prompts, spec)
     sched = engines["ngram"].scheduler
-    drafted, accepted = sched.num_draft_tokens, sched.num_accepted_tokens
+    drafted, accepted = sched.spec.num_draft_tokens, sched.spec.num_accepted_tokens
     on = run(engines["ngram"], grammars, prompts, spec)
     assert [s.output_token_ids for s in on] == [s.output_token_ids for s in off]
     assert [s.finish_reason for s in on] == [s.finish_reason for s in off]
-    assert sched.num_draft_tokens > drafted, f"{kind}: no guided row drafted"
+    assert sched.spec.num_draft_tokens > drafted, f"{kind}: no guided row drafted"
     if kind != "choice":    # the gibberish model spells a choice its own way (" o" "f"), not the drafts' " of"
-        assert sched.num_accepted_tokens > accepted, f"{kind}: no guided draft accepted"
+        assert sched.spec.num_accepted_tokens > accepted, f"{kind}: no guided draft accepted"
     for s in on:             # the grammar held: the gibberish model's output has the requested shape
         assert s.finish_reason == "stop", s.finish_reason
         out = tok.decode(s.output_token_ids, True)
@@ -91,7 +91,7 @@ def test_sampled_guided_requests_speculate_and_every_output_matches_the_schema(s
     base = tok.hf.encode(text, add_special_tokens=False).ids
     engine = engines["ngram"]
     sched = engine.scheduler
-    drafted, accepted = sched.num_draft_tokens, sched.num_accepted_tokens
+    drafted, accepted = sched.spec.num_draft_tokens, sched.spec.num_accepted_tokens
     seqs = [Sequence(list(base), SamplingParams(temperature=0.7, seed=seed, max_tokens=64, guided=spec))
             for seed in range(6)]
     for s in seqs:
@@ -102,7 +102,7 @@ def test_sampled_guided_requests_speculate_and_every_output_matches_the_schema(s
             break
         engine.step()
     assert not engine.has_unfinished()
-    assert sched.num_draft_tokens > drafted and sched.num_accepted_tokens > accepted
+    assert sched.spec.num_draft_tokens > drafted and sched.spec.num_accepted_tokens > accepted
     for s in seqs:
         assert s.finish_reason == "stop", (s.finish_reason, tok.decode(s.output_token_ids, True))
         out = json.loads(tok.decode(s.output_token_ids, True))

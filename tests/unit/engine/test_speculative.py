@@ -100,7 +100,7 @@ def test_with_tau_zero_drafts_only_for_greedy_requests_without_logprobs_never_pa
     by_id = {o.seq_id: o for o in outs}
     assert by_id[greedy.seq_id].new_token_ids == [1, 9] and by_id[greedy.seq_id].finish_reason == "length"
     assert greedy.output_token_ids == [2, 1, 9] and greedy.block_table == []
-    assert sched.num_accepted_tokens == 1 and sched.num_draft_tokens == 1
+    assert sched.spec.num_accepted_tokens == 1 and sched.spec.num_draft_tokens == 1
 
 
 def test_rejected_drafts_roll_back_computed_tokens_and_blocks():
@@ -117,8 +117,8 @@ def test_rejected_drafts_roll_back_computed_tokens_and_blocks():
     assert seq.num_computed_tokens == 11 and len(seq.block_table) == 3
     assert sched.block_manager.num_free_blocks == 61
     # the rejected draft's K/V at position 11 sits in a kept block: listed for zeroing
-    assert sched.stale_slots == [seq.block_table[2] * 4 + 3]
-    assert sched.num_draft_tokens == 3 and sched.num_accepted_tokens == 0
+    assert sched.spec.stale_slots == [seq.block_table[2] * 4 + 3]
+    assert sched.spec.num_draft_tokens == 3 and sched.spec.num_accepted_tokens == 0
     batch = sched.schedule()                           # next window starts at the kept token
     assert batch.seqs == [seq] and seq.num_computed_tokens == 11
 
@@ -143,8 +143,8 @@ def test_a_tool_trigger_ends_the_accepted_run_and_speculation_for_that_request()
             if trigger in out.new_token_ids:
                 assert out.new_token_ids.index(trigger) == len(out.new_token_ids) - 1, out  # nothing past it
                 cut_runs += len(out.new_token_ids) > 1
-        engine.runner.zero_slots(engine.scheduler.stale_slots)
-        engine.scheduler.stale_slots = []
+        engine.runner.zero_slots(engine.scheduler.spec.stale_slots)
+        engine.scheduler.spec.stale_slots = []
     assert [s.output_token_ids for s in seqs] == reference
     assert drafted_after_trigger == 0 and cut_runs > 0
     assert not any(s.speculate for s in seqs if trigger in s.output_token_ids)
