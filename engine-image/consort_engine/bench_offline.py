@@ -355,35 +355,43 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def startup_to_ready(model_dir: Path, dtype: str, args: argparse.Namespace, timeout: float = 300.0) -> dict:
+@contextmanager
+def engine_process(model_dir: Path, dtype: str, args: argparse.Namespace):
+    """A `consort engine` child on the bench's argv and a free loopback port: yields (process, its
+    output lines so far, base URL); SIGTERM (then kill) on the way out."""
     port = _free_port()
     consort = str(Path(sys.executable).with_name("consort"))
     argv = server_argv(model_dir, dtype, args)
-    cmd = [consort, "engine", *argv[:argv.index("--port") + 1], str(port), *argv[argv.index("--port") + 2:]]
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    argv[argv.index("--port") + 1] = str(port)
+    proc = subprocess.Popen([consort, "engine", *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
     reader.start()
-    ready_s = None
     try:
+        yield proc, lines, f"http://127.0.0.1:{port}"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+        reader.join(5)
+
+
+def startup_to_ready(model_dir: Path, dtype: str, args: argparse.Namespace, timeout: float = 300.0) -> dict:
+    t0 = time.perf_counter()
+    ready_s = None
+    with engine_process(model_dir, dtype, args) as (proc, lines, url):
         while time.perf_counter() - t0 < timeout and proc.poll() is None:
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2) as r:
+                with urllib.request.urlopen(f"{url}/ready", timeout=2) as r:
                     if r.status == 200:
                         ready_s = time.perf_counter() - t0
                         break
             except OSError:
                 pass
             time.sleep(0.05)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-        reader.join(5)
     if ready_s is None:
         raise RuntimeError("consort engine never reported /ready 200:\n" + "".join(lines[-30:]))
     own = next((ln.strip() for ln in lines if "ready in" in ln), "")
@@ -398,17 +406,7 @@ def run_server(model_dir: Path, dtype: str, wl: Workload, args: argparse.Namespa
 
     import aiohttp
 
-    port = _free_port()
-    consort = str(Path(sys.executable).with_name("consort"))
-    argv = server_argv(model_dir, dtype, args)
-    argv[argv.index("--port") + 1] = str(port)
-    proc = subprocess.Popen([consort, "engine", *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
-    reader.start()
-    url = f"http://127.0.0.1:{port}"
-
-    async def one(session, prompt: list[int], n: int) -> int:
+    async def one(url: str, session, prompt: list[int], n: int) -> int:
         body = {"model": "bench", "prompt": prompt, "max_tokens": n, "temperature": 0.0, "ignore_eos": True}
         async with session.post(f"{url}/v1/completions", json=body) as r:
             data = await r.json()
@@ -416,7 +414,7 @@ def run_server(model_dir: Path, dtype: str, wl: Workload, args: argparse.Namespa
                 raise RuntimeError(f"server answered {r.status}: {data}")
             return int(data["usage"]["completion_tokens"])
 
-    async def drive() -> tuple[float, list[int]]:
+    async def drive(proc, lines: list[str], url: str) -> tuple[float, list[int]]:
         t_end = time.perf_counter() + timeout
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
             while True:
@@ -430,20 +428,11 @@ def run_server(model_dir: Path, dtype: str, wl: Workload, args: argparse.Namespa
                     pass
                 await asyncio.sleep(0.1)
             t0 = time.perf_counter()
-            got = await asyncio.gather(*(one(session, p, n) for p, n in zip(wl.prompts, wl.output_lens)))
+            got = await asyncio.gather(*(one(url, session, p, n) for p, n in zip(wl.prompts, wl.output_lens)))
             return time.perf_counter() - t0, list(got)
 
-    try:
-        with ticker(f"server[{dtype}]", lambda: "running"):
-            wall, got = asyncio.run(drive())
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-        reader.join(5)
+    with engine_process(model_dir, dtype, args) as (proc, lines, url), ticker(f"server[{dtype}]", lambda: "running"):
+        wall, got = asyncio.run(drive(proc, lines, url))
     if got != wl.output_lens:
         raise RuntimeError(f"server produced {sum(got)} tokens, wanted {wl.useful_tokens}")
     res = {"wall_s": wall, "useful_tokens": wl.useful_tokens, "tok_s": wl.useful_tokens / wall}
