@@ -22,17 +22,25 @@ def _hf_greedy_cuda(model_dir, prompts, n, dtype):
     return out
 
 
-@pytest.mark.parametrize("block_size", [16, 256])
-@pytest.mark.parametrize("backend", ["flash", "triton", "torch"])
+def _has_flash_attn() -> bool:
+    from consort_engine import attention
+    return attention.flash_attn_varlen_func is not None
+
+
+# flash-attn reads paged KV only with block_size % 256 == 0: (flash, 16) is never a case (the
+# engine picks triton there), so it is not parametrized rather than skipped.
+CASES = [pytest.param("flash", 256, marks=pytest.mark.skipif(not torch.cuda.is_available() or not _has_flash_attn(),
+                                                             reason="needs flash-attn")),
+         ("triton", 16), ("triton", 256), ("torch", 16), ("torch", 256)]
+
+
+@pytest.mark.parametrize(("backend", "block_size"), CASES)
 def test_greedy_equals_transformers_on_the_same_gpu(backend, block_size, tmp_path, monkeypatch):
     from fidelity_helpers import make_checkpoint
-    from consort_engine import attention
     from consort_engine.config import EngineConfig
     from consort_engine.model_runner import ModelRunner
     from test_model_runner import make_prompts, run_mixed_schedule
 
-    if backend == "flash" and (attention.flash_attn_varlen_func is None or block_size % 256):
-        pytest.skip("flash-attn reads paged KV only with flash-attn installed and block_size % 256 == 0")
     if backend != "flash":
         monkeypatch.setenv("CONSORT_ATTENTION_BACKEND", backend)
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -48,7 +56,7 @@ def test_greedy_equals_transformers_on_the_same_gpu(backend, block_size, tmp_pat
     for i, (s, ref) in enumerate(zip(seqs, refs)):
         if dtype == "float32":
             assert s.output_token_ids == ref, f"seq {i}"
-        else:   # bf16 kernels differ in summation order: the first token must agree, then most of them
+        else:   # bf16 kernels differ in summation order: the first token must agree
             assert s.output_token_ids[0] == ref[0], f"seq {i}"
 
 
