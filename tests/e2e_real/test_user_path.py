@@ -11,6 +11,7 @@ import json
 import subprocess
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -159,31 +160,46 @@ def routing_replicas(base: str, specialist: str) -> list[dict]:
     return (lane or {}).get("replicas") or []
 
 
-def test_deleting_an_engine_pod_keeps_traffic_flowing_and_it_rejoins_when_warm(installed, figure):
+@contextmanager
+def steady_traffic(forward, send, pause: float, limit: int = 3000):
+    """send(client) in a background thread until the block ends (bounded: at most `limit` requests):
+    yields (what send returned, one line per failed request), filled as it goes."""
     from openai import OpenAI
 
-    c, forward = installed
-    victim = engine_pod(c, "stl")
+    results: list = []
     errors: list[str] = []
-    served: list[str] = []
     stop = threading.Event()
 
-    def traffic() -> None:
-        while not stop.is_set():
+    def loop() -> None:
+        while not stop.is_set() and len(results) + len(errors) < limit:
             try:
                 client = OpenAI(base_url=f"{forward.ensure()}/v1", api_key="unused", max_retries=0, timeout=60)
-                raw = client.completions.with_raw_response.create(model=ROUTER, prompt="std::vector<int> v;",
-                                                                  max_tokens=4, extra_headers={"x-consort-intent": "stl"})
-                served.append(raw.headers.get("x-consort-specialist", "?"))
+                results.append(send(client))
             except NotYet:
                 time.sleep(0.5)
             except Exception as exc:  # noqa: BLE001 - every failure is recorded and asserted on
                 errors.append(f"{type(exc).__name__}: {exc}")
-            time.sleep(0.2)
+            time.sleep(pause)
 
-    worker = threading.Thread(target=traffic, daemon=True)
+    worker = threading.Thread(target=loop, daemon=True)
     worker.start()
     try:
+        yield results, errors
+    finally:
+        stop.set()
+        worker.join(90)
+
+
+def test_deleting_an_engine_pod_keeps_traffic_flowing_and_it_rejoins_when_warm(installed, figure):
+    c, forward = installed
+    victim = engine_pod(c, "stl")
+
+    def send(client) -> str:
+        raw = client.completions.with_raw_response.create(model=ROUTER, prompt="std::vector<int> v;",
+                                                          max_tokens=4, extra_headers={"x-consort-intent": "stl"})
+        return raw.headers.get("x-consort-specialist", "?")
+
+    with steady_traffic(forward, send, pause=0.2) as (served, errors):
         time.sleep(2)
         c.kubectl("delete", "pod", "-n", NS, victim["metadata"]["name"], "--wait=false")
 
@@ -193,9 +209,6 @@ def test_deleting_an_engine_pod_keeps_traffic_flowing_and_it_rejoins_when_warm(i
         wait_for(lambda: any(new_ip in json.dumps(r) for r in routing_replicas(forward.ensure(), "stl")), 120,
                  f"the router to route to the replacement ({new_ip})", interval=1)
         time.sleep(3)
-    finally:
-        stop.set()
-        worker.join(90)
     figure(f"engine pod deleted under traffic: {len(served) + len(errors)} requests, {len(errors)} failed")
     assert served, "no request completed during the outage window"
     assert not errors, f"{len(errors)} client errors while an engine pod was replaced: {errors[:5]}"
@@ -219,24 +232,12 @@ def test_adapter_rotation_is_a_hot_load_with_no_failed_request_and_no_restart(in
     c, forward = installed
     before = engine_pod(c, "algo")
     ip = before["status"]["podIP"]
-    codes: list[str] = []
-    stop = threading.Event()
 
-    def steady_load() -> None:       # bounded: stops when told, or after 3000 requests
-        while not stop.is_set() and len(codes) < 3000:
-            try:
-                client = OpenAI(base_url=f"{forward.ensure()}/v1", api_key="unused", max_retries=0, timeout=60)
-                client.completions.create(model="algo", prompt="int f() {", max_tokens=4)
-                codes.append("ok")
-            except NotYet:
-                time.sleep(0.5)
-            except Exception as exc:  # noqa: BLE001 - every failure is recorded and asserted on
-                codes.append(f"{type(exc).__name__}: {exc}")
-            time.sleep(0.1)
+    def send(client) -> str:
+        client.completions.create(model="algo", prompt="int f() {", max_tokens=4)
+        return "ok"
 
-    worker = threading.Thread(target=steady_load, daemon=True)
-    worker.start()
-    try:
+    with steady_traffic(forward, send, pause=0.1) as (ok, failed):
         time.sleep(2)
         patch = {"spec": {"adapters": [{"name": "fresh", "source": "demo://lora?seed=1"}]}}
         c.kubectl("patch", "specialist", "algo", "-n", NS, "--type=merge", "-p", json.dumps(patch))
@@ -250,12 +251,8 @@ def test_adapter_rotation_is_a_hot_load_with_no_failed_request_and_no_restart(in
         assert raw.parse().choices[0].text is not None
         assert raw.headers.get("x-consort-adapter") == "fresh"
         time.sleep(2)
-    finally:
-        stop.set()
-        worker.join(90)
-    failed = [x for x in codes if x != "ok"]
-    figure(f"steady load through the adapter rotation: {len(codes)} requests, {len(failed)} failed")
-    assert codes and not failed, failed[:5]
+    figure(f"steady load through the adapter rotation: {len(ok) + len(failed)} requests, {len(failed)} failed")
+    assert ok and not failed, failed[:5]
     after = engine_pod(c, "algo")
     assert after["metadata"]["uid"] == before["metadata"]["uid"], "the rotation replaced the engine pod"
     restarts = [s["restartCount"] for s in after["status"].get("containerStatuses") or []]
