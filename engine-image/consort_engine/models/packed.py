@@ -1,12 +1,17 @@
-"""Pre-packed CPU GEMM weights: the weight is reordered once at load time into a GEMM library's
+"""Pre-packed CPU GEMM weights: the weight is reordered once at load time into a GEMM kernel's
 blocked format, so small-batch decode matmuls skip the per-call repacking.
 
-float32 goes through oneDNN's packed inner product. Measured on the 2-core AMD EPYC (avx512, no
-AMX) machine, 2 threads, GFLOP/s oneDNN vs MKL's packed sgemm (hack/gemm_backends.py prints the
-table): decode rows M=8: 89-115 vs 56-70; M=32: 135-150 vs 105-114, and the LM head (512 x 32000)
-122 vs 67; M=64: 141-149 vs 94-140; M=256 level; only 2,048-row prefill chunks favour MKL (158-170 vs
-176-183). A decode step is mostly small-M GEMMs, the LM head the largest, so oneDNN; MKL's pack is
-the fallback where oneDNN is missing. Results equal F.linear to float32 rounding (summation order).
+float32 has three backends (`fp32_backend`, CONSORT_GEMM=consort|onednn|mkl overrides):
+- consort: the engine's own AVX2 + FMA kernel (csrc/cpu_kernels.c `gemm_f32`: 16-column panels,
+  6x16 / 4x16 register tiles, the next panel prefetched). Default where it builds and the CPU has no
+  AVX-512. On the 2-core AMD EPYC (Zen 3, AVX2, no AVX-512), 2 threads, best of 5 in rotation
+  (hack/gemm_backends.py), GFLOP/s consort / oneDNN: 32 rows 127/116 (512x1024), 138/115 (512x2816),
+  143/124 (1408x512), LM head 512x32000 66/50; 1-7 rows 1.4-2.7x oneDNN; 2,048-row prefill chunks
+  level (0.92-1.01). The whole decode step at 32 running: 41.6 -> 33.9 ms (docs/engine-speed.md).
+- onednn: oneDNN's packed inner product; the default with AVX-512, where it was measured (Zen 4:
+  32 rows 135-150 GFLOP/s against MKL's 105-114, the LM head 122 vs 67).
+- mkl: MKL's packed sgemm, where oneDNN is missing.
+Results equal F.linear to float32 rounding (summation order).
 
 bfloat16 on a CPU without AMX: oneDNN's bf16 GEMM runs ~1.7x slower than MKL's fp32 GEMM there,
 so the bf16 weight is widened once (exactly) and multiplied in fp32, the output rounded to bf16.
@@ -19,6 +24,7 @@ plain weight is kept (returns None).
 """
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import torch
@@ -39,15 +45,64 @@ def _mkl(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Ten
     return run
 
 
-def _fp32(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The float32 packed GEMM: oneDNN where present (see the module doc), else MKL's."""
-    if torch.backends.mkldnn.is_available():
+def _consort(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The engine's own AVX2 + FMA kernel (csrc/cpu_kernels.c, `gemm_f32`) over its panel layout."""
+    from ..cpu_kernels import cpu_kernels
+
+    lib = cpu_kernels()
+    if lib is None or not hasattr(lib, "gemm_f32"):
+        return None
+    n, k = weight.shape
+    size = lib.gemm_packed_floats_f32(n, k)
+    raw = torch.empty(size + 16, dtype=torch.float32)             # 64-byte aligned panels (aligned loads)
+    start = (-raw.data_ptr() % 64) // 4
+    packed = raw[start:start + size]
+    w = weight.contiguous()
+    lib.gemm_pack_f32(w.data_ptr(), n, k, packed.data_ptr())
+    b = None if bias is None else bias.float().contiguous()
+    gemm = lib.gemm_f32
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, k)
+        if x2.stride(1) != 1:
+            x2 = x2.contiguous()
+        y = torch.empty(x2.shape[0], n, dtype=torch.float32)
+        if x2.shape[0]:
+            gemm(x2.data_ptr(), x2.stride(0), x2.shape[0], k, packed.data_ptr(), n, y.data_ptr(), n,
+                 None if b is None else b.data_ptr())
+        return y.view(*lead, n)
+    return run
+
+
+def fp32_backend() -> str:
+    """consort | onednn | mkl: CONSORT_GEMM, else the engine's kernel where it is built (AVX2 + FMA) and
+    the CPU has no AVX-512 (where it was measured faster, see the module doc), else oneDNN, else MKL."""
+    from ..cpu_kernels import cpu_kernels
+
+    forced = os.environ.get("CONSORT_GEMM", "")
+    ours = cpu_kernels() is not None and hasattr(cpu_kernels(), "gemm_f32")
+    if forced in ("consort", "onednn", "mkl"):
+        return forced
+    if ours and not has_cpu_flag("avx512f"):
+        return "consort"
+    return "onednn" if torch.backends.mkldnn.is_available() else "mkl"
+
+
+def _fp32(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The float32 packed GEMM of `fp32_backend()`."""
+    backend = fp32_backend()
+    if backend == "consort":
+        return _consort(weight, bias)
+    if backend == "onednn" and torch.backends.mkldnn.is_available():
         return _onednn(weight, bias)
     return _mkl(weight, bias)
 
 
 def _fp32_compute(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
     inner = _fp32(weight.float(), None if bias is None else bias.float())
+    if inner is None:
+        return None
     out_dtype = weight.dtype
 
     def run(x: torch.Tensor) -> torch.Tensor:
@@ -55,12 +110,16 @@ def _fp32_compute(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[
     return run
 
 
-def has_amx() -> bool:
+def has_cpu_flag(flag: str) -> bool:
     try:
         with open("/proc/cpuinfo") as f:
-            return any("amx_bf16" in line for line in f if line.startswith("flags"))
+            return any(flag in line.split() for line in f if line.startswith("flags"))
     except OSError:
         return False
+
+
+def has_amx() -> bool:
+    return has_cpu_flag("amx_bf16")
 
 
 def _onednn(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -84,6 +143,8 @@ def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[to
         elif weight.dtype == torch.bfloat16 and fp32:
             fn = _fp32_compute(weight, bias)
         else:
+            return None
+        if fn is None:
             return None
         g = torch.Generator().manual_seed(0)
         tol = 1e-4 if weight.dtype == torch.float32 else 2e-2

@@ -1,11 +1,16 @@
-"""Packed CPU GEMM weights (models/packed.py) compute x W^T + b like F.linear at every row count."""
+"""Packed CPU GEMM weights (models/packed.py) compute x W^T + b like F.linear at every row count,
+through every float32 backend: the engine's own kernel (csrc gemm_f32), oneDNN and MKL."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from consort_engine.models.packed import pack_linear
+from consort_engine.cpu_kernels import cpu_kernels
+from consort_engine.models import packed
+from consort_engine.models.packed import fp32_backend, pack_linear
+
+HAS_OURS = cpu_kernels() is not None and hasattr(cpu_kernels(), "gemm_f32")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -22,6 +27,51 @@ def test_packed_linear_matches_f_linear(dtype, bias):
         assert got.dtype == dtype and got.shape == ref.shape
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol * ref.abs().max().item())
+
+
+BACKENDS = [pytest.param("consort", marks=pytest.mark.skipif(not HAS_OURS, reason="kernel needs AVX2 + FMA")),
+            "onednn", "mkl"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("n,k", [(96, 64), (7, 48), (100, 33), (1000, 130), (64, 1)])
+def test_every_fp32_backend_matches_f_linear_at_every_row_shape(backend, n, k, monkeypatch):
+    """Row counts cover each register tile (6, 4, 2, 1 rows and their mixes) and the 240-row block
+    edge; n covers partial panels (16 columns) and partial panel groups (64)."""
+    monkeypatch.setenv("CONSORT_GEMM", backend)
+    assert fp32_backend() == backend
+    g = torch.Generator().manual_seed(n * 1000 + k)
+    w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    for bias in (None, b):
+        fn = pack_linear(w, bias)
+        assert fn is not None
+        for m in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 14, 32, 239, 240, 241, 500):
+            x = torch.randn(m, k, generator=g)
+            got, ref = fn(x), F.linear(x, w, bias)
+            assert got.shape == ref.shape
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * max(ref.abs().max().item() if m else 0, 1.0))
+
+
+@pytest.mark.skipif(not HAS_OURS, reason="kernel needs AVX2 + FMA")
+def test_engine_kernel_takes_strided_and_batched_inputs(monkeypatch):
+    monkeypatch.setenv("CONSORT_GEMM", "consort")
+    w = torch.randn(50, 40)
+    fn = pack_linear(w, None)
+    rows = torch.randn(9, 80)[:, ::2]                   # a column stride: copied to contiguous rows first
+    sliced = torch.randn(9, 60)[:, 10:50]               # a row stride of 60: read in place
+    batched = torch.randn(2, 3, 40)
+    for x in (rows, sliced, batched):
+        torch.testing.assert_close(fn(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_fp32_backend_follows_the_override_and_the_cpu(monkeypatch):
+    monkeypatch.setenv("CONSORT_GEMM", "onednn")
+    assert fp32_backend() == "onednn"
+    monkeypatch.delenv("CONSORT_GEMM")
+    monkeypatch.setattr(packed, "has_cpu_flag", lambda flag: flag == "avx512f")
+    assert fp32_backend() == ("onednn" if torch.backends.mkldnn.is_available() else "mkl")
+    monkeypatch.setattr(packed, "has_cpu_flag", lambda flag: False)
+    assert fp32_backend() == ("consort" if HAS_OURS else "onednn")
 
 
 def test_packing_skips_what_it_cannot_pack():
