@@ -144,6 +144,7 @@ class DecodeGraphs:
         self.meta = {b: self._metadata(self.buffers[b]) for b in self.buckets}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.num_runs = 0          # steps that went through the static buffers (replays on CUDA)
 
     def _metadata(self, buf: DecodeBuffers) -> AttentionMetadata:
         """The bucket's attention metadata over its static buffers; the ints are bounds, not lengths."""
@@ -171,6 +172,7 @@ class DecodeGraphs:
         read them before the next replay."""
         n = inp.input_ids.numel()
         b = bucket_for(n, self.buckets)
+        self.num_runs += 1
         if not self.capture:
             fill_decode_buffers(self.buffers[b], inp, self.scratch_block, self.runner.block_size)
             return self._forward(b)[:n]
