@@ -157,6 +157,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def check_static_decode_equals_eager(demo, n: int) -> None:
     runner = ModelRunner(EngineConfig(model=str(demo), block_size=BS, num_blocks=128, dtype="float32",
                                       max_num_seqs=MAX_NUM_SEQS))
+    assert runner.backend == os.environ.get("CONSORT_ATTENTION_BACKEND", "cpu_kernel")
     assert runner.scratch_block == 128 and runner.num_blocks == 128 and runner.kv_cache.shape[2] == 129
     graphs = DecodeGraphs(runner, capture=False)
     bucket = bucket_for(n, graphs.buckets)
