@@ -7,6 +7,8 @@ their block tables (allocated by the block manager) and never mutates them.
 dtype (config.dtype) is the weights' and the KV cache's; compute_dtype is the activations' (they
 differ only for bf16 on a CPU without AMX, see compute_dtype()). On CPU the attention, K/V store
 and element-wise layers run as C kernels (cpu_kernels.py) and the GEMM weights are pre-packed.
+On CUDA a step's inputs reach the device through pinned staging buffers (host_staging.py) and pure
+decode steps replay CUDA graphs captured at warm-up (cuda_graphs.py).
 """
 from __future__ import annotations
 
