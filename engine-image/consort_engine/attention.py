@@ -112,7 +112,7 @@ class PagedAttention(torch.nn.Module):
                 self._kernel(q, out, meta)
             elif self.backend == "triton":
                 triton_paged_attention(q[:tb], kc, vc, meta.block_tables, meta.context_lens,
-                                       meta.cu_query_lens, self.scale, out=out[:tb])
+                                       meta.cu_query_lens, self.scale, out=out[:tb], single_query=meta.single_query)
             else:
                 out[:tb] = self._gathered_decode(q[:tb], meta, bs)
         for p in meta.prefills:
