@@ -194,7 +194,8 @@ def run_engine(model_dir: Path, dtype: str, wl: Workload, args: argparse.Namespa
     warm_s = time.perf_counter() - t0
     graphs = getattr(engine.runner, "decode_graphs", None)
     log(f"engine[{dtype}]: loaded in {load_s:.2f} s, warmed up in {warm_s:.2f} s; "
-        f"{engine.block_manager.num_blocks} KV blocks" + (f", {len(graphs.graphs)} decode CUDA graphs" if graphs else ""))
+        f"{engine.block_manager.num_blocks} KV blocks"
+        + (f", {len(graphs.graphs)} decode CUDA graphs" if graphs else ""))
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in wl.output_lens]
     t0 = time.perf_counter()
     with ticker(f"engine[{dtype}]", lambda: f"{engine.num_steps} steps"):
