@@ -108,21 +108,25 @@ def fill_decode_buffers(dst: DecodeBuffers, inp: StepInputs, scratch_block: int,
     rows as they are, the pad rows as a one-token sequence in the scratch block (slot 0 of it,
     context 1, every table entry the scratch block). Block-table columns past a row's blocks are never read."""
     meta = inp.meta
-    n, b = inp.input_ids.numel(), dst.input_ids.numel()
-    w = meta.block_tables.shape[1]
-    assert n <= b and w <= dst.block_tables.shape[1], (n, b, w)
+    n, w = inp.input_ids.numel(), meta.block_tables.shape[1]
+    assert n <= dst.input_ids.numel() and w <= dst.block_tables.shape[1], (n, w)
     dst.input_ids[:n].copy_(inp.input_ids)
-    dst.input_ids[n:].zero_()
     dst.positions[:n].copy_(inp.positions)
-    dst.positions[n:].zero_()
     dst.slot_mapping[:n].copy_(meta.slot_mapping)
-    dst.slot_mapping[n:].fill_(scratch_block * block_size)
     dst.context_lens[:n].copy_(meta.context_lens)
-    dst.context_lens[n:].fill_(1)
-    torch.arange(b + 1, out=dst.cu_query_lens)        # one query row per sequence, pad rows included
     dst.block_tables[:n, :w].copy_(meta.block_tables)
     dst.block_tables[:n, w:].fill_(scratch_block)
+    pad_rows(dst, n, scratch_block, block_size)
+
+
+def pad_rows(dst: DecodeBuffers, n: int, scratch_block: int, block_size: int) -> None:
+    """Rows n.. of a bucket: token 0 at position 0 of a one-token sequence living in the scratch block."""
+    dst.input_ids[n:].zero_()
+    dst.positions[n:].zero_()
+    dst.slot_mapping[n:].fill_(scratch_block * block_size)
+    dst.context_lens[n:].fill_(1)
     dst.block_tables[n:].fill_(scratch_block)
+    torch.arange(dst.input_ids.numel() + 1, out=dst.cu_query_lens)   # one query row per sequence, pad rows too
 
 
 class DecodeGraphs:
@@ -195,11 +199,8 @@ class DecodeGraphs:
         order = self.buckets[::-1]
         log.info("capturing %d decode CUDA graphs (batch sizes %d..%d)", len(order), order[-1], order[0])
         for i, b in enumerate(order):
-            buf = self.buffers[b]
-            buf.context_lens.fill_(1)          # every row a pad row: its K/V in the scratch block only
-            buf.slot_mapping.fill_(self.scratch_block * self.runner.block_size)
-            buf.block_tables.fill_(self.scratch_block)
-            torch.arange(b + 1, out=buf.cu_query_lens)
+            # every row a pad row: the warm-up and the capture write K/V into the scratch block only
+            pad_rows(self.buffers[b], 0, self.scratch_block, self.runner.block_size)
             self._forward(b)
             torch.cuda.synchronize(self.runner.device)
             graph = torch.cuda.CUDAGraph()

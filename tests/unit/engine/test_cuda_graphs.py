@@ -16,7 +16,7 @@ import torch
 from consort_engine import bench_offline, server
 from consort_engine.config import EngineConfig
 from consort_engine.cuda_graphs import (DecodeBuffers, DecodeGraphs, bucket_for, capture_sizes,
-                                        decode_graph_eligible, fill_decode_buffers, use_decode_graphs)
+                                        decode_graph_eligible, fill_decode_buffers, pad_rows, use_decode_graphs)
 from consort_engine.host_staging import ALIGN, pack, packed_layout, unpack
 from consort_engine.model_runner import ModelRunner, RowGroup
 from consort_engine.sequence import SamplingParams, ScheduledBatch, Sequence
@@ -219,6 +219,22 @@ def test_static_padded_decode_on_the_other_backends(demo, backend, monkeypatch, 
     monkeypatch.setenv("CONSORT_ATTENTION_BACKEND", backend)
     for n in (3, 5):
         check_static_decode_equals_eager(demo, n)
+
+
+def test_the_all_pad_step_captures_run_over_touches_only_the_scratch_block(demo):
+    """What capture_all runs (eagerly to warm up, then under capture) before any request: every row a pad row."""
+    runner = ModelRunner(EngineConfig(model=str(demo), block_size=BS, num_blocks=128, dtype="float32",
+                                      max_num_seqs=MAX_NUM_SEQS))
+    graphs = DecodeGraphs(runner, capture=False)
+    _prefilled(runner, 2)
+    before = _slots(runner).clone()
+    for b in graphs.buckets[::-1]:
+        pad_rows(graphs.buffers[b], 0, runner.scratch_block, BS)
+        assert torch.isfinite(graphs._forward(b)).all()
+    after = _slots(runner)
+    real = slice(0, runner.num_blocks * BS)
+    assert torch.equal(_bits(after[:, :, real]), _bits(before[:, :, real]))
+    assert not torch.equal(after[:, :, runner.scratch_block * BS], before[:, :, runner.scratch_block * BS])
 
 
 def test_steps_a_graph_cannot_replay_run_eagerly(demo):
