@@ -17,9 +17,10 @@ shapes, tensor addresses and Python-side values, so:
 Only steps where every sequence has exactly one new token and one sampled row, without LoRA, prompt
 logprobs, hybrid state or tensor parallelism, replay a graph; everything else runs eagerly as before.
 
-`DecodeGraphs(runner, capture=False)` runs the very same static-buffer path eagerly (no CUDA graph:
-a "replay" is the forward over the padded static buffers); that is how the CPU tests prove the
-padding and scratch-block logic that the captured graphs replay.
+`DecodeGraphs(runner, capture=False)` runs the very same path eagerly: inputs staged in host buffers
+with the bucket's layout, copied into the static buffers, and then the forward over them instead of a
+replay. That is how the CPU tests prove the staging, padding and scratch-block logic that the captured
+graphs replay; only the capture and the replay call themselves need CUDA.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .attention import AttentionMetadata
-from .host_staging import packed_layout, unpack
+from .host_staging import PinnedStaging, packed_layout, unpack
 
 if TYPE_CHECKING:   # pragma: no cover
     from .model_runner import ModelRunner, StepInputs
@@ -143,7 +144,8 @@ class DecodeGraphs:
         # every bucket's buffers are a prefix of these (its layout is packed_layout of its own shapes)
         self.flat64 = torch.zeros(n64, dtype=torch.int64, device=dev)
         self.flat32 = torch.zeros(n32, dtype=torch.int32, device=dev)
-        self.staging = runner.staging if capture else None   # the runner's pinned buffers (CUDA)
+        # the runner's pinned buffers on CUDA; plain host ones for the eager CPU mode (the same code path)
+        self.staging = runner.staging or PinnedStaging(dev)
         self.buffers = {b: DecodeBuffers.views(self.flat64, self.flat32, b, self.max_blocks) for b in self.buckets}
         self.meta = {b: self._metadata(self.buffers[b]) for b in self.buckets}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -177,16 +179,16 @@ class DecodeGraphs:
         n = inp.input_ids.numel()
         b = bucket_for(n, self.buckets)
         self.num_runs += 1
-        if not self.capture:
-            fill_decode_buffers(self.buffers[b], inp, self.scratch_block, self.runner.block_size)
-            return self._forward(b)[:n]
-        n64, n32 = DecodeBuffers.sizes(b, self.max_blocks)   # pragma: no cover - CUDA only from here
+        # staged in host memory with the bucket's layout, then one copy per dtype into the static prefix
+        n64, n32 = DecodeBuffers.sizes(b, self.max_blocks)
         h64, h32 = self.staging.host(torch.int64, n64), self.staging.host(torch.int32, n32)
         fill_decode_buffers(DecodeBuffers.views(h64, h32, b, self.max_blocks), inp, self.scratch_block,
                             self.runner.block_size)
         self.staging.upload(h64, self.flat64[:n64])
         self.staging.upload(h32, self.flat32[:n32])
-        self.graphs[b].replay()
+        if not self.capture:
+            return self._forward(b)[:n]
+        self.graphs[b].replay()       # pragma: no cover - CUDA only
         return self.outputs[b][:n]
 
     @torch.inference_mode()

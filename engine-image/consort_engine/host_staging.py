@@ -8,7 +8,8 @@ persistent pinned CPU tensors the same way). Before a pinned buffer is rewritten
 last read it is waited for (an event; in practice long done: every step ends by reading its
 sampled tokens back).
 
-`packed_layout`, `pack` and `unpack` are the pure part (tested on CPU); CPU steps never stage.
+`packed_layout`, `pack` and `unpack` are the pure part. CPU steps never stage; PinnedStaging on a CPU
+device (plain host buffers, no events) exists so the CPU tests run the decode graphs' input path.
 """
 from __future__ import annotations
 
@@ -52,11 +53,12 @@ def unpack(flat: torch.Tensor, shapes: Sequence[Sequence[int]]) -> list[torch.Te
     return out
 
 
-class PinnedStaging:  # pragma: no cover - CUDA only (its pure part is pack/unpack above)
-    """One persistent pinned host buffer per dtype and the event of the last copy out of it."""
+class PinnedStaging:
+    """One persistent host buffer per dtype (pinned on CUDA) and the event of the last copy out of it."""
 
     def __init__(self, device: torch.device):
         self.device = device
+        self.pinned = device.type == "cuda"
         self._host: dict[torch.dtype, torch.Tensor] = {}
         self._copied: dict[torch.dtype, torch.cuda.Event] = {}
 
@@ -68,14 +70,14 @@ class PinnedStaging:  # pragma: no cover - CUDA only (its pure part is pack/unpa
         buf = self._host.get(dtype)
         if buf is None or buf.numel() < numel:
             size = max(numel, 2 * buf.numel() if buf is not None else 4096)
-            buf = self._host[dtype] = torch.empty(size, dtype=dtype, pin_memory=True)
+            buf = self._host[dtype] = torch.empty(size, dtype=dtype, pin_memory=self.pinned)
         return buf
 
     def upload(self, host: torch.Tensor, out: torch.Tensor) -> None:
         """out (a flat device tensor) <- the first out.numel() elements of host, without blocking."""
         out.copy_(host[:out.numel()], non_blocking=True)
-        ev = self._copied.setdefault(host.dtype, torch.cuda.Event())
-        ev.record()
+        if self.pinned:     # pragma: no cover - CUDA only
+            self._copied.setdefault(host.dtype, torch.cuda.Event()).record()
 
     def to_device(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Same-dtype host tensors -> device views of one fresh flat tensor, filled by one copy."""

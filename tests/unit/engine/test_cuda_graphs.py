@@ -17,7 +17,7 @@ from consort_engine import bench_offline, server
 from consort_engine.config import EngineConfig
 from consort_engine.cuda_graphs import (DecodeBuffers, DecodeGraphs, bucket_for, capture_sizes,
                                         decode_graph_eligible, fill_decode_buffers, pad_rows, use_decode_graphs)
-from consort_engine.host_staging import ALIGN, pack, packed_layout, unpack
+from consort_engine.host_staging import ALIGN, PinnedStaging, pack, packed_layout, unpack
 from consort_engine.model_runner import ModelRunner, RowGroup
 from consort_engine.sequence import SamplingParams, ScheduledBatch, Sequence
 
@@ -90,10 +90,30 @@ def test_pack_and_unpack_round_trip_at_aligned_offsets():
         pack([torch.zeros(100, dtype=torch.int64)], flat)                          # does not fit
 
 
+def test_staging_reuses_one_host_buffer_per_dtype_and_grows_it():
+    staging = PinnedStaging(torch.device("cpu"))       # the CUDA one is pinned and waits for its last copy
+    first = staging.to_device([torch.arange(5), torch.arange(6).view(2, 3)])
+    assert [t.tolist() for t in first] == [list(range(5)), [[0, 1, 2], [3, 4, 5]]]
+    buf = staging.host(torch.int64, 1)
+    second = staging.to_device([torch.full((7,), 9)])
+    assert second[0].tolist() == [9] * 7 and first[0].tolist() == list(range(5)), "results are not host views"
+    assert staging.host(torch.int64, 1).data_ptr() == buf.data_ptr()              # reused across steps
+    big = staging.to_device([torch.arange(10_000), torch.ones(3, dtype=torch.int64)])
+    assert torch.equal(big[0], torch.arange(10_000)) and staging.host(torch.int64, 1).numel() >= 10_016
+    ints = staging.to_device([torch.tensor([1, 2], dtype=torch.int32)])
+    assert ints[0].dtype == torch.int32 and ints[0].tolist() == [1, 2]
+
+
 def test_a_bucket_layout_is_a_prefix_of_the_largest_and_pads_into_the_scratch_block():
     n64, n32 = DecodeBuffers.sizes(12, 6)
     flat64, flat32 = torch.full((n64,), -7, dtype=torch.int64), torch.full((n32,), -7, dtype=torch.int32)
     assert DecodeBuffers.sizes(4, 6)[0] <= n64 and DecodeBuffers.sizes(4, 6)[1] <= n32
+    big64, big32 = DecodeBuffers.sizes(512, 9)
+    for b in capture_sizes(512):      # every bucket's layout is a prefix of the largest's flat tensors
+        small64, small32 = DecodeBuffers.sizes(b, 9)
+        assert small64 <= big64 and small32 <= big32
+        views = DecodeBuffers.views(torch.zeros(big64, dtype=torch.int64), torch.zeros(big32, dtype=torch.int32), b, 9)
+        assert views.block_tables.shape == (b, 9) and views.cu_query_lens.shape == (b + 1,)
     buf = DecodeBuffers.views(flat64, flat32, 4, 6)
     from consort_engine.attention import AttentionMetadata
     from consort_engine.model_runner import StepInputs
