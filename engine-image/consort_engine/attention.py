@@ -8,7 +8,8 @@ A step's tokens are laid out as [batched group | prefill spans]:
 - prefill spans (one per sequence chunk) use SDPA: causal over the chunk's own K/V when nothing
   precedes it, otherwise over the gathered context with a bottom-right causal mask.
 With flash-attn installed on CUDA (and block_size a multiple of 256, its paged-KV constraint) every
-token goes through flash_attn_varlen_func with the block table instead; on CUDA otherwise the batched
+token goes through flash_attn_varlen_func with the block table instead (decode CUDA graphs: through
+flash_attn_with_kvcache, which reads the lengths from a tensor); on CUDA otherwise the batched
 group goes through a Triton kernel that reads the pool in place (triton_attention.py, any block size).
 """
 from __future__ import annotations
@@ -23,9 +24,9 @@ from .cpu_kernels import cpu_kernels, kernel
 from .triton_attention import paged_attention as triton_paged_attention, triton_available
 
 try:  # pragma: no cover - only on CUDA machines with flash-attn
-    from flash_attn import flash_attn_varlen_func
+    from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 except Exception:  # noqa: BLE001 - any import failure means "not available"
-    flash_attn_varlen_func = None
+    flash_attn_varlen_func = flash_attn_with_kvcache = None
 
 
 @dataclass
@@ -52,6 +53,9 @@ class AttentionMetadata:
     cu_context_lens: torch.Tensor | None = None
     max_query_len_all: int = 0
     state: object = None                     # hybrid models: state_pool.StateMetadata of the mixer layers
+    # decode CUDA graphs (cuda_graphs.py): every row is its sequence's one new token and the ints above
+    # are bounds frozen at capture; flash reads the lengths from context_lens (flash_attn_with_kvcache)
+    single_query: bool = False
 
 
 def pool_shape(backend: str, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple:
@@ -108,7 +112,7 @@ class PagedAttention(torch.nn.Module):
                 self._kernel(q, out, meta)
             elif self.backend == "triton":
                 triton_paged_attention(q[:tb], kc, vc, meta.block_tables, meta.context_lens,
-                                       meta.cu_query_lens, self.scale, out=out[:tb])
+                                       meta.cu_query_lens, self.scale, out=out[:tb], single_query=meta.single_query)
             else:
                 out[:tb] = self._gathered_decode(q[:tb], meta, bs)
         for p in meta.prefills:
@@ -157,6 +161,11 @@ class PagedAttention(torch.nn.Module):
         return o.reshape(b, -1)
 
     def _flash(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:  # pragma: no cover
+        if meta.single_query:    # decode graphs: lengths only from tensors, one query row per sequence
+            o = flash_attn_with_kvcache(q.contiguous().unsqueeze(1), self.k_cache, self.v_cache,
+                                        cache_seqlens=meta.context_lens, block_table=meta.block_tables,
+                                        softmax_scale=self.scale, causal=True)
+            return o.reshape(q.shape[0], -1)
         o = flash_attn_varlen_func(q.contiguous(), self.k_cache, self.v_cache, cu_seqlens_q=meta.cu_query_lens,
                                    cu_seqlens_k=meta.cu_context_lens, max_seqlen_q=meta.max_query_len_all,
                                    max_seqlen_k=meta.max_context_len, softmax_scale=self.scale,

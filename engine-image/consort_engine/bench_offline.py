@@ -171,6 +171,8 @@ def server_argv(model_dir: Path, dtype: str, args: argparse.Namespace) -> list[s
         argv += ["--num-blocks", str(args.num_blocks)]
     if args.threads:
         argv += ["--threads", str(args.threads)]
+    if args.enforce_eager:
+        argv.append("--enforce-eager")
     return argv
 
 
@@ -190,8 +192,10 @@ def run_engine(model_dir: Path, dtype: str, wl: Workload, args: argparse.Namespa
     t0 = time.perf_counter()
     engine.warmup()
     warm_s = time.perf_counter() - t0
+    graphs = getattr(engine.runner, "decode_graphs", None)
     log(f"engine[{dtype}]: loaded in {load_s:.2f} s, warmed up in {warm_s:.2f} s; "
-        f"{engine.block_manager.num_blocks} KV blocks")
+        f"{engine.block_manager.num_blocks} KV blocks"
+        + (f", {len(graphs.graphs)} decode CUDA graphs" if graphs else ""))
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in wl.output_lens]
     t0 = time.perf_counter()
     with ticker(f"engine[{dtype}]", lambda: f"{engine.num_steps} steps"):
@@ -563,6 +567,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
     p.add_argument("--speculative", default="off", choices=["off", "ngram"],
                    help="engine speculation (greedy output is identical; the report adds acceptance)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="cuda: no decode CUDA graphs (run twice, with and without, to compare)")
     p.add_argument("--threads", type=int, default=0,
                    help="CPU threads (default: as `consort engine`: the cgroup quota, else the usable cores)")
     p.add_argument("--model", default=None, metavar="DIR", help="checkpoint to bench (default: the cached bench model)")

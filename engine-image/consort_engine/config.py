@@ -31,6 +31,7 @@ class EngineConfig:
     adapters: dict[str, str] = field(default_factory=dict)  # name -> PEFT dir (next issue)
     max_adapters: int = 4
     seed: int = 0
+    enforce_eager: bool = False         # cuda: no decode CUDA graphs (every step runs eagerly); cpu never captures
     slo_ttft_ms: int | None = None      # published objectives (p95 targets): judged per request, exported
     slo_itl_ms: int | None = None
     max_body_bytes: int = 4 * 1024 * 1024   # HTTP request bodies above this get 413 (server only)

@@ -7,10 +7,13 @@ their block tables (allocated by the block manager) and never mutates them.
 dtype (config.dtype) is the weights' and the KV cache's; compute_dtype is the activations' (they
 differ only for bf16 on a CPU without AMX, see compute_dtype()). On CPU the attention, K/V store
 and element-wise layers run as C kernels (cpu_kernels.py) and the GEMM weights are pre-packed.
+On CUDA a step's inputs reach the device through pinned staging buffers (host_staging.py) and pure
+decode steps replay CUDA graphs captured at warm-up (cuda_graphs.py).
 """
 from __future__ import annotations
 
 import ctypes
+import logging
 import math
 import os
 import time
@@ -20,6 +23,8 @@ import torch
 
 from .attention import AttentionMetadata, PrefillSpan, choose_backend, pool_shape
 from .config import EngineConfig
+from .cuda_graphs import DecodeGraphs, use_decode_graphs
+from .host_staging import PinnedStaging
 from .loader import checkpoint_names, eos_token_ids, iter_safetensors, load_model_config, resolve_dtype
 from .models import MODELS
 from .models.mtp import has_mtp
@@ -32,6 +37,8 @@ from .tensor_parallel import SINGLE, TPGroup, TPWorkers
 MAX_KERNEL_QUERY = 16     # sequences with at most this many new tokens join the batched (kernel) group
 PROMPT_LOGITS_ELEMENTS = 1 << 25   # full-vocab fp32 logit rows per slice for prompt logprobs (128 MiB)
 MiB = 1 << 20
+
+log = logging.getLogger("consort.engine")
 
 
 @dataclass
@@ -201,7 +208,10 @@ class ModelRunner:
             n = torch.tensor([self.num_blocks])
             torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MIN)
             self.num_blocks = int(n.item())
-        kv_shape = (self.num_kv_layers, 2, *pool_shape(self.backend, self.num_blocks, self.block_size,
+        # one block past the block manager's range (num_blocks usable ones): the decode graphs' padding
+        # rows write and read their K/V there, so they never touch a real sequence's blocks
+        self.scratch_block = self.num_blocks
+        kv_shape = (self.num_kv_layers, 2, *pool_shape(self.backend, self.num_blocks + 1, self.block_size,
                                                           self.kv_heads, cfg.head_dim))
         # The CPU kernel never reads a slot before it is written, so untouched pages stay uncommitted;
         # the gather fallbacks read whole blocks and need finite values in the unused tail.
@@ -216,6 +226,9 @@ class ModelRunner:
         if self.has_mtp:
             attn = self.model.mtp.layer.self_attn.attn
             attn.k_cache, attn.v_cache = self.kv_cache[-1, 0], self.kv_cache[-1, 1]
+        # CUDA: step inputs go through persistent pinned buffers; decode graphs are captured at warm-up
+        self.staging = PinnedStaging(self.device) if self.device.type == "cuda" else None
+        self.decode_graphs: DecodeGraphs | None = None
         self.load_seconds = time.monotonic() - t0
 
     # ------------------------------------------------------------------------------------------
@@ -261,16 +274,17 @@ class ModelRunner:
         return n
 
     # ------------------------------------------------------------------------------------------
-    def prepare(self, batch: ScheduledBatch) -> StepInputs:
+    def prepare(self, batch: ScheduledBatch, on_host: bool = False) -> StepInputs:
         groups = []
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             s = seq.num_computed_tokens
             groups.append(RowGroup(seq.token_ids[s:s + n], s, seq.block_table, batch.rows_sampled(i), seq.adapter,
                                    seq.state_slot))
-        return self.build_inputs(groups)
+        return self.build_inputs(groups, on_host)
 
-    def build_inputs(self, groups: list[RowGroup]) -> StepInputs:
-        """Flat step inputs for row groups: short ones in the batched (kernel) group first, then prefill spans."""
+    def build_inputs(self, groups: list[RowGroup], on_host: bool = False) -> StepInputs:
+        """Flat step inputs for row groups: short ones in the batched (kernel) group first, then prefill spans.
+        On the device's, unless on_host (the decode graphs copy them into their static buffers themselves)."""
         new = [len(g.tokens) for g in groups]
         bs, flash = self.block_size, self.backend == "flash"
         batched = [i for i in range(len(groups)) if flash or new[i] <= self.max_kernel_query]
@@ -338,20 +352,27 @@ class ModelRunner:
                 sample_rows.extend(range(end - k, end))
         sample_idx = torch.tensor(sample_rows, dtype=torch.int64)
         ids = torch.tensor(tokens, dtype=torch.int64)
-        if self.device.type != "cpu":
-            dev = self.device
-            ids, positions, sample_idx = (x.to(dev, non_blocking=True) for x in (ids, positions, sample_idx))
-            meta.slot_mapping = meta.slot_mapping.to(dev, non_blocking=True)
-            for name in ("block_tables", "context_lens", "cu_query_lens", "cu_context_lens"):
-                if getattr(meta, name) is not None:
-                    setattr(meta, name, getattr(meta, name).to(dev, non_blocking=True))
-            for span in meta.prefills:
-                if span.block_ids is not None:
-                    span.block_ids = span.block_ids.to(dev, non_blocking=True)
+        if self.device.type != "cpu" and not on_host:
+            ids, positions, sample_idx = self._upload(ids, positions, sample_idx, meta)
         if self.is_hybrid:
             meta.state = self._state_metadata(groups, item_rows)
         lora = segments_of([groups[i].adapter for i in order], lens) if self.adapters else []
         return StepInputs(ids, positions, meta, sample_idx, lora, order, item_rows)
+
+    def _upload(self, ids: torch.Tensor, positions: torch.Tensor, sample_idx: torch.Tensor,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # pragma: no cover
+        """A step's host inputs to the device: the int64 ones in one pinned copy, the int32 ones in
+        another (host_staging.py); meta's tensors are replaced by their device views."""
+        spans = [p for p in meta.prefills if p.block_ids is not None]
+        longs = self.staging.to_device([ids, positions, sample_idx, meta.slot_mapping] + [p.block_ids for p in spans])
+        ids, positions, sample_idx, meta.slot_mapping = longs[:4]
+        for p, block_ids in zip(spans, longs[4:]):
+            p.block_ids = block_ids
+        names = [n for n in ("block_tables", "context_lens", "cu_query_lens", "cu_context_lens")
+                 if getattr(meta, n) is not None]
+        for name, t in zip(names, self.staging.to_device([getattr(meta, n) for n in names])):
+            setattr(meta, name, t)
+        return ids, positions, sample_idx
 
     def _state_metadata(self, groups: list[RowGroup], item_rows: list[tuple[int, int]]):
         """The mixers' view of a step; a sequence's first chunk starts from zero state (a fresh slot,
@@ -431,12 +452,16 @@ class ModelRunner:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
         if self.workers:
             self.workers.call("execute", batch)   # every rank runs the same step (its collectives meet)
-        inp = self.prepare(batch)
-        self.lora_ctx.segments = inp.lora_segments
-        try:
-            h = self.model(inp.input_ids, inp.positions, inp.meta)
-        finally:
-            self.lora_ctx.segments = []
+        graph = self.decode_graphs is not None and self.decode_graphs.can_run(batch)
+        inp = self.prepare(batch, on_host=graph)
+        if graph:       # h: the sampled rows already (every row of a pure decode step, in batch order)
+            h = self.decode_graphs.run(inp)
+        else:
+            self.lora_ctx.segments = inp.lora_segments
+            try:
+                h = self.model(inp.input_ids, inp.positions, inp.meta)
+            finally:
+                self.lora_ctx.segments = []
         if self.has_mtp:     # the next step's MTP pass fuses these with the tokens that follow them
             self.last_hidden, self.last_item_rows = self.model.norm(h), inp.item_rows
         self.last_prompt_logprobs = []
@@ -444,7 +469,7 @@ class ModelRunner:
             self.last_prompt_logprobs = self.prompt_logprobs(batch, inp.item_rows, h)
         if inp.sample_idx.numel() == 0:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
-        return self.model.compute_logits(h[inp.sample_idx]).float()
+        return self.model.compute_logits(h if graph else h[inp.sample_idx]).float()
 
     def prompt_logprobs(self, batch: ScheduledBatch, item_rows: list[tuple[int, int]],
                         h: torch.Tensor) -> list[tuple[int, PromptLogprobs]]:
@@ -539,7 +564,7 @@ class ModelRunner:
         before any request owns a block.
 
         The K/V they write is garbage nobody reads: every block is written by its owner before
-        it is attended.
+        it is attended. Then, on CUDA unless enforce_eager, the decode graphs are captured (cuda_graphs.py).
         """
         bs = self.block_size
         prompt = max(1, min(self.config.max_num_batched_tokens, 512, self.max_model_len - 1,
@@ -569,3 +594,10 @@ class ModelRunner:
             self.execute(ScheduledBatch(seqs, [1 + k] * n, [True] * n, mode="spec_verify", num_draft=[k] * n))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        if self.decode_graphs is None and use_decode_graphs(self.device.type, self.config.enforce_eager, self.backend,
+                                                            self.tp.size, self.is_hybrid):
+            self.decode_graphs = DecodeGraphs(self, capture=True)    # pragma: no cover - CUDA only
+            self.decode_graphs.capture_all()
+        elif self.device.type == "cuda" and self.decode_graphs is None:
+            log.info("decode CUDA graphs off (enforce_eager=%s, backend %s, tp %d, hybrid %s): every step eager",
+                     self.config.enforce_eager, self.backend, self.tp.size, self.is_hybrid)

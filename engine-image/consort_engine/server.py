@@ -988,6 +988,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "/ready, then re-read every few seconds and hot-loaded / unloaded to match")
     p.add_argument("--max-adapters", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="cuda: no decode CUDA graphs, every step runs eagerly (cpu never captures)")
     p.add_argument("--slo-ttft-ms", type=int, default=None, help="published time-to-first-token objective (p95)")
     p.add_argument("--slo-itl-ms", type=int, default=None, help="published inter-token latency objective (p95)")
     p.add_argument("--threads", type=int, default=None,
@@ -1028,7 +1030,7 @@ def config_from_args(a: argparse.Namespace) -> EngineConfig:
         max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
         max_waiting=a.max_waiting, enable_prefix_caching=not a.no_prefix_caching, speculative=a.speculative,
         num_speculative_tokens=a.num_speculative_tokens, spec_typical_tau=a.spec_typical_tau,
-        adapters=adapters, max_adapters=a.max_adapters, seed=a.seed,
+        adapters=adapters, max_adapters=a.max_adapters, seed=a.seed, enforce_eager=a.enforce_eager,
         slo_ttft_ms=a.slo_ttft_ms, slo_itl_ms=a.slo_itl_ms, max_body_bytes=a.max_body_bytes,
         **({} if a.tool_trigger is None else {"tool_triggers": list(a.tool_trigger)}))
 

@@ -64,18 +64,22 @@ if triton is not None:
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     context_lens: torch.Tensor, cu_query_lens: torch.Tensor, scale: float,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, single_query: bool = False) -> torch.Tensor:
     """q [Tb, H, D]; caches [blocks, block_size, KVH, D]; block_tables [B, max_blocks] int32;
-    context_lens [B] (after this step); cu_query_lens [B + 1]. Returns (or fills) out [Tb, H * D]."""
+    context_lens [B] (after this step); cu_query_lens [B + 1]. Returns (or fills) out [Tb, H * D].
+    single_query: one row per sequence (decode graphs), so row i is sequence i: cu_query_lens[:-1]."""
     tb, h, d = q.shape
     _, block_size, kvh, _ = k_cache.shape
     assert k_cache.stride(3) == 1 and v_cache.stride() == k_cache.stride() and q.stride(2) == 1
     if out is None:
         out = torch.empty(tb, h * d, dtype=q.dtype, device=q.device)
     b = block_tables.shape[0]
-    query_lens = (cu_query_lens[1:] - cu_query_lens[:-1]).long()
-    row_seq = torch.repeat_interleave(torch.arange(b, device=q.device, dtype=torch.int32), query_lens,
-                                      output_size=tb)
+    if single_query:
+        row_seq = cu_query_lens[:-1]
+    else:
+        query_lens = (cu_query_lens[1:] - cu_query_lens[:-1]).long()
+        row_seq = torch.repeat_interleave(torch.arange(b, device=q.device, dtype=torch.int32), query_lens,
+                                          output_size=tb)
     _paged_attention_kernel[(tb, h)](
         q, k_cache, v_cache, out, block_tables, context_lens, cu_query_lens, row_seq, scale,
         q.stride(0), q.stride(1), out.stride(0), d,
