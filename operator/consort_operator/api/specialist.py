@@ -119,6 +119,7 @@ class SpecialistSpec(Model):
     node_selector: dict[str, str] | None = Field(default=None, description="Node labels engine pods must match (e.g. a GPU product label).")
     tolerations: list[Toleration] | None = Field(default=None, description="Tolerations for engine pods (a toleration for the GPU resource taint is added automatically when gpus > 0).")
     image: str | None = Field(default=None, min_length=1, max_length=512, description="Engine image override; default: the operator's --engine-image.")
+    enforce_eager: bool = Field(default=False, description="GPU engines: run every step eagerly instead of replaying the decode CUDA graphs captured at warm-up (vLLM's --enforce-eager; a faster start and less GPU memory, slower decode). No effect on CPU engines, which never capture.")
     kv: KVCache = Field(default_factory=KVCache, json_schema_extra={"default": {}}, description="Paged KV-cache layout of this specialist's engine (one pool per replica).")
     scheduler: SchedulerKnobs = Field(default_factory=SchedulerKnobs, json_schema_extra={"default": {}}, description="Per-engine continuous-batching scheduler limits.")
     adapters: list[Adapter] | None = Field(default=None, max_length=64, json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},

@@ -72,9 +72,11 @@ def test_engine_args_are_accepted_by_the_real_engine_cli():
     s = spec(kv={"blockSize": 8, "numBlocks": 2048, "prefixCaching": False}, maxContext=4096,
              speculative={"mode": "ngram", "numTokens": 4}, dtype="bfloat16",
              adapters=[{"name": "v2", "source": "pvc://models/adapters/v2"}],
-             scheduler={"maxNumSeqs": 64, "maxNumBatchedTokens": 4096, "maxWaiting": 10})
+             scheduler={"maxNumSeqs": 64, "maxNumBatchedTokens": 4096, "maxWaiting": 10}, enforceEager=True)
     d = S.engine_deployment("template", "ns", "u", s, CTX)
     args = parse_args(d["spec"]["template"]["spec"]["containers"][0]["args"])
+    assert args.enforce_eager is True
+    assert parse_args(S.engine_deployment("t", "ns", "u", spec(), CTX)["spec"]["template"]["spec"]["containers"][0]["args"]).enforce_eager is False
     assert (args.block_size, args.num_blocks, args.no_prefix_caching) == (8, 2048, True)
     assert (args.speculative, args.num_speculative_tokens) == ("ngram", 4)
     assert args.max_model_len == 4096 and args.dtype == "bfloat16" and args.device == "cuda"
