@@ -50,5 +50,8 @@ def apply_threads(requested: int | None) -> int:
     os.environ["OMP_NUM_THREADS"] = str(n)   # the C kernels' OpenMP runtime reads it when it loads
     import torch
 
+    from .cpu_kernels import sync_threads
+
     torch.set_num_threads(n)
+    sync_threads()     # the C kernels run their own team size (they are called from the engine's loop thread)
     return n

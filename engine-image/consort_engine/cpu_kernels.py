@@ -73,6 +73,9 @@ def _build() -> ctypes.CDLL | None:
             fn = getattr(lib, f"{name}_{suffix}", None)
             if fn is not None:
                 fn.argtypes, fn.restype = argtypes, restype
+    lib.set_num_threads.argtypes, lib.set_num_threads.restype = [I], None
+    lib.team_size.argtypes, lib.team_size.restype = [], I
+    lib.set_num_threads(torch.get_num_threads())
     return lib
 
 
@@ -81,6 +84,14 @@ def cpu_kernels() -> ctypes.CDLL | None:
     if _lib is False:
         _lib = _build()
     return _lib
+
+
+def sync_threads() -> None:
+    """The kernels' team size follows torch's thread count (cpu.apply_threads calls this; a library
+    built later reads it at load). OpenMP's own default is per calling thread, and the engine loop's
+    thread never saw torch.set_num_threads."""
+    if _lib:
+        _lib.set_num_threads(torch.get_num_threads())
 
 
 def kernel(name: str, dtype: torch.dtype, kv_dtype: torch.dtype | None = None):

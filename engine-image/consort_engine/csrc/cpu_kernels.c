@@ -15,8 +15,14 @@
  *
  * Built at run time with the system C compiler (-O3 -march=native -fopenmp) and called through
  * ctypes; OpenMP resolves to the libgomp torch already loaded, so the thread pool is shared.
+ *
+ * Team size: every parallel region runs kernel_threads threads (set_num_threads, from the engine's
+ * thread plan), not OpenMP's per-thread default. The engine calls the kernels from its loop thread,
+ * whose default is libgomp's start-up value (every core of the node), not what torch.set_num_threads
+ * set in the main thread: engines sharing cores would each run a full team and oversubscribe them.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -24,6 +30,20 @@
 #define MAX_ROWS 256 /* G * qlen per work item */
 
 typedef uint16_t bf16_t;
+
+static int kernel_threads = 0;   /* 0: OpenMP's default */
+#define NT (kernel_threads > 0 ? kernel_threads : omp_get_max_threads())
+
+void set_num_threads(int n) { kernel_threads = n; }
+
+/* The team size a parallel region of these kernels gets (tests check the plan reaches every thread). */
+int team_size(void) {
+    int n = 0;
+    _Pragma("omp parallel num_threads(NT)")
+    _Pragma("omp single")
+    n = omp_get_num_threads();
+    return n;
+}
 
 static inline float bf16_to_f32(bf16_t x) {
     uint32_t u = ((uint32_t)x) << 16;
@@ -187,7 +207,7 @@ DEFINE_ITEM(f32_bf16kv, f32, float, bf16, bf16_t)
         if (G * max_q > MAX_ROWS) return -1;                                                      \
         const int64_t scratch_len = (int64_t)G * max_q * (2 * D + max_ctx) + D + 16;              \
         int err = 0;                                                                              \
-        _Pragma("omp parallel")                                                                   \
+        _Pragma("omp parallel num_threads(NT)")                                                                   \
         {                                                                                         \
             float *scratch = (float *)aligned_alloc(64, sizeof(float) * ((scratch_len + 15) / 16 * 16)); \
             if (!scratch) err = -2;                                                               \
@@ -221,7 +241,7 @@ DEFINE_KERNEL(f32_bf16kv, float, bf16_t)
     void store_kv_##SUFFIX(const TS *k, int64_t k_stride, const TS *v, int64_t v_stride, TC *kc,  \
                            TC *vc, const int64_t *slots, int n, int KVH, int D, int BS,            \
                            int64_t blk_stride, int64_t tok_stride, int64_t head_stride) {         \
-        _Pragma("omp parallel for if (n >= 256)")                                                 \
+        _Pragma("omp parallel for if (n >= 256) num_threads(NT)")                                                 \
         for (int t = 0; t < n; t++) {                                                             \
             const int64_t s = slots[t];                                                           \
             if (s < 0) continue;                                                                  \
@@ -264,7 +284,7 @@ static inline void put_bf16(bf16_t *p, int64_t i, float v) { p[i] = f32_to_bf16(
 #define DEFINE_RMSNORM(SUFFIX, T)                                                                 \
     void rms_norm_##SUFFIX(const T *x, int64_t x_stride, T *out, int64_t out_stride, const T *w,  \
                            int n_tok, int n_head, int D, float eps) {                             \
-        _Pragma("omp parallel for if (n_tok >= 64)")                                              \
+        _Pragma("omp parallel for if (n_tok >= 64) num_threads(NT)")                                              \
         for (int t = 0; t < n_tok; t++)                                                           \
             for (int h = 0; h < n_head; h++) {                                                    \
                 const T *xr = x + t * x_stride + (int64_t)h * D;                                  \
@@ -284,7 +304,7 @@ static inline void put_bf16(bf16_t *p, int64_t i, float v) { p[i] = f32_to_bf16(
 #define DEFINE_ADD_RMSNORM(SUFFIX, T)                                                             \
     void add_rms_norm_##SUFFIX(T *residual, const T *x, T *out, const T *w, int n, int D,         \
                                float eps) {                                                       \
-        _Pragma("omp parallel for if (n >= 64)")                                                  \
+        _Pragma("omp parallel for if (n >= 64) num_threads(NT)")                                                  \
         for (int t = 0; t < n; t++) {                                                             \
             T *r = residual + (int64_t)t * D;                                                     \
             const T *xr = x + (int64_t)t * D;                                                     \
@@ -307,7 +327,7 @@ static inline void put_bf16(bf16_t *p, int64_t i, float v) { p[i] = f32_to_bf16(
     void rope_##SUFFIX(T *x, int64_t x_stride, int n_tok, int n_head, int D,                      \
                        const int64_t *positions, const T *cos_t, const T *sin_t) {                \
         const int half = D / 2;                                                                   \
-        _Pragma("omp parallel for if (n_tok >= 64)")                                              \
+        _Pragma("omp parallel for if (n_tok >= 64) num_threads(NT)")                                              \
         for (int t = 0; t < n_tok; t++) {                                                         \
             const T *c = cos_t + positions[t] * half, *s = sin_t + positions[t] * half;           \
             for (int h = 0; h < n_head; h++) {                                                    \
@@ -325,7 +345,7 @@ static inline void put_bf16(bf16_t *p, int64_t i, float v) { p[i] = f32_to_bf16(
 /* out[t, f] = silu(gu[t, f]) * gu[t, F + f]   (gate and up halves of the fused projection) */
 #define DEFINE_SILU_MUL(SUFFIX, T)                                                                \
     void silu_mul_##SUFFIX(const T *gu, T *out, int n, int F) {                                   \
-        _Pragma("omp parallel for if (n >= 16)")                                                  \
+        _Pragma("omp parallel for if (n >= 16) num_threads(NT)")                                                  \
         for (int t = 0; t < n; t++) {                                                             \
             const T *g = gu + (int64_t)t * 2 * F, *u = g + F;                                     \
             T *o = out + (int64_t)t * F;                                                          \
@@ -377,7 +397,7 @@ int64_t gemm_packed_floats_f32(int64_t N, int64_t K) {
 
 void gemm_pack_f32(const float *w, int64_t N, int64_t K, float *packed) {
     int64_t panels = gemm_packed_floats_f32(N, K) / (K * GEMM_NR);
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for schedule(static) num_threads(NT)
     for (int64_t p = 0; p < panels; p++) {
         float *dst = packed + p * K * GEMM_NR;
         for (int64_t k = 0; k < K; k++)
@@ -467,7 +487,7 @@ static void gemm_group(const float *x, int64_t ldx, int64_t m0, int64_t m1, int6
 void gemm_f32(const float *x, int64_t ldx, int64_t M, int64_t K, const float *packed, int64_t N,
               float *y, int64_t ldy, const float *bias) {
     const int64_t groups = gemm_packed_floats_f32(N, K) / (K * GEMM_NR * GEMM_GROUP);
-    #pragma omp parallel
+    #pragma omp parallel num_threads(NT)
     {
         float scratch[6 * GEMM_NR * GEMM_GROUP] __attribute__((aligned(32)));
         for (int64_t mb = 0; mb < M; mb += GEMM_MBLK) {

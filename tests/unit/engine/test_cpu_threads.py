@@ -26,3 +26,31 @@ def test_threads_from_plan_then_quota_then_cores():
     assert engine_threads(None, quota=0.4, usable_cores=8) == 1
     assert engine_threads(None, quota=2.0, usable_cores=8) == 2
     assert engine_threads(None, quota=None, usable_cores=2) == 2
+
+
+def test_the_c_kernels_run_the_planned_team_from_any_thread():
+    """torch.set_num_threads only sets OpenMP's default for the calling thread; the engine calls the C
+    kernels from its loop thread, which must still run the planned team (not every core)."""
+    import threading
+
+    import torch
+
+    from consort_engine.cpu import apply_threads
+    from consort_engine.cpu_kernels import cpu_kernels
+
+    lib = cpu_kernels()
+    if lib is None:
+        import pytest
+        pytest.skip("no C compiler: the kernels are not built")
+    before = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            assert apply_threads(n) == min(n, len(__import__("os").sched_getaffinity(0)))
+            seen = []
+            t = threading.Thread(target=lambda: seen.append(lib.team_size()))
+            t.start()
+            t.join()
+            assert seen == [torch.get_num_threads()], (n, seen)
+            assert lib.team_size() == torch.get_num_threads()
+    finally:
+        apply_threads(before)
