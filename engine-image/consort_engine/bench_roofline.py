@@ -117,13 +117,23 @@ def run(args: argparse.Namespace) -> int:
     model_dir = Path(args.model) if args.model else bench_offline.bench_model(False)
     shape = Shape.from_config(json.loads((model_dir / "config.json").read_text()))
     dtype = getattr(torch, args.dtype)
-    rate, bw = gemm_rate(shape, args.running, dtype), bandwidth()
-    context = args.prompt_len + args.steps // 2          # mean cached length over the timed steps
-    floor = decode_floor(shape, args.running, context, torch.finfo(dtype).bits // 8, rate, bw)
     engine = LLMEngine(bench_offline.engine_config(model_dir, args.dtype, args))
     engine.warmup()
-    m = bench_offline.decode_overhead(engine, args, running=args.running, prompt_len=args.prompt_len,
-                                      steps=args.steps)
+    # The floor's rate and the step are timed in turn, `repeats` times, and each side keeps its best: on a
+    # shared machine a neighbour's burst would otherwise land on one side only and swing the ratio.
+    rate = bw = 0.0
+    m: dict = {}
+    for r in range(args.repeats):
+        rate, bw = max(rate, gemm_rate(shape, args.running, dtype)), max(bw, bandwidth())
+        engine.last_batch = None        # the previous round's full decode batch is not this round's
+        got = bench_offline.decode_overhead(engine, args, running=args.running, prompt_len=args.prompt_len,
+                                            steps=args.steps)
+        if not m or got["step_ms"] < m["step_ms"]:
+            m = got
+        bench_offline.log(f"  round {r + 1}/{args.repeats}: GEMM {rate / 1e9:.1f} GFLOP/s, {bw / 1e9:.1f} GB/s (best so far), "
+            f"step {got['step_ms']:.2f} ms")
+    context = args.prompt_len + args.steps // 2          # mean cached length over the timed steps
+    floor = decode_floor(shape, args.running, context, torch.finfo(dtype).bits // 8, rate, bw)
     measured = m["step_ms"] / 1000
     print(f"| running | GEMM GFLOP/s | GB/s | FLOPs/step | bytes/step | floor ms | measured ms | "
           f"measured / floor | forward ms | outside forward % |  ({args.dtype}, {args.threads} threads)")
@@ -144,3 +154,5 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--running", type=int, default=32, help="sequences in the decode batch")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--repeats", type=int, default=3,
+                   help="rounds of (GEMM rate, bandwidth, decode steps); each side keeps its best")

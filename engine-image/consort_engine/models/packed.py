@@ -4,10 +4,11 @@ blocked format, so small-batch decode matmuls skip the per-call repacking.
 float32 has three backends (`fp32_backend`, CONSORT_GEMM=consort|onednn|mkl overrides):
 - consort: the engine's own AVX2 + FMA kernel (csrc/cpu_kernels.c `gemm_f32`: 16-column panels,
   6x16 / 4x16 register tiles, the next panel prefetched). Default where it builds and the CPU has no
-  AVX-512. On the 2-core AMD EPYC (Zen 3, AVX2, no AVX-512), 2 threads, best of 5 in rotation
-  (hack/gemm_backends.py), GFLOP/s consort / oneDNN: 32 rows 127/116 (512x1024), 138/115 (512x2816),
-  143/124 (1408x512), LM head 512x32000 66/50; 1-7 rows 1.4-2.7x oneDNN; 2,048-row prefill chunks
-  level (0.92-1.01). The whole decode step at 32 running: 41.6 -> 33.9 ms (docs/engine-speed.md).
+  AVX-512. On the 2-core AMD EPYC (Zen 3, AVX2, no AVX-512), 2 threads, the 33 GEMMs of one decode
+  step at 32 rows with distinct (cache-cold) weights, as the engine runs them, in rotation: 128-138
+  GFLOP/s best against oneDNN's 112-115 (1.2x), and the decode step 41.6 -> 33.9 ms side by side
+  (docs/engine-speed.md). A single shape repeated over a cache-hot weight (hack/gemm_backends.py) is
+  noisier: 0.77-1.33x oneDNN at 32 rows run to run, 1.6-1.7x at 1 row, 1.03-1.14x at 2,048 rows.
 - onednn: oneDNN's packed inner product; the default with AVX-512, where it was measured (Zen 4:
   32 rows 135-150 GFLOP/s against MKL's 105-114, the LM head 122 vs 67).
 - mkl: MKL's packed sgemm, where oneDNN is missing.
