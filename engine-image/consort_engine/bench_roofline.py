@@ -111,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
 
     from . import bench_offline
     from .engine import LLMEngine
+    from .models import packed
 
     args.threads = bench_offline.apply_threads(args.threads or None)
     args.dtype = "float32" if args.dtype == "both" else args.dtype
@@ -136,7 +137,8 @@ def run(args: argparse.Namespace) -> int:
     floor = decode_floor(shape, args.running, context, torch.finfo(dtype).bits // 8, rate, bw)
     measured = m["step_ms"] / 1000
     print(f"| running | GEMM GFLOP/s | GB/s | FLOPs/step | bytes/step | floor ms | measured ms | "
-          f"measured / floor | forward ms | outside forward % |  ({args.dtype}, {args.threads} threads)")
+          f"measured / floor | forward ms | outside forward % |  ({args.dtype}, {args.threads} threads, "
+          f"GEMM {packed.fp32_backend()})")
     print("|---|---|---|---|---|---|---|---|---|---|")
     print(f"| {args.running} | {rate / 1e9:.1f} | {bw / 1e9:.1f} | {floor.flops / 1e9:.2f} G | "
           f"{floor.bytes / 1e6:.1f} MB | {1000 * floor.floor_s:.2f} | {1000 * measured:.2f} | "

@@ -2,15 +2,16 @@
 blocked format, so small-batch decode matmuls skip the per-call repacking.
 
 float32 has three backends (`fp32_backend`, CONSORT_GEMM=consort|onednn|mkl overrides):
-- consort: the engine's own AVX2 + FMA kernel (csrc/cpu_kernels.c `gemm_f32`: 16-column panels,
-  6x16 / 4x16 register tiles, the next panel prefetched). Default where it builds and the CPU has no
-  AVX-512. On the 2-core AMD EPYC (Zen 3, AVX2, no AVX-512), 2 threads, the 33 GEMMs of one decode
-  step at 32 rows with distinct (cache-cold) weights, as the engine runs them, in rotation: 128-138
-  GFLOP/s best against oneDNN's 112-115 (1.2x), and the decode step 41.6 -> 33.9 ms side by side
-  (docs/engine-speed.md). A single shape repeated over a cache-hot weight (hack/gemm_backends.py) is
-  noisier: 0.77-1.33x oneDNN at 32 rows run to run, 1.6-1.7x at 1 row, 1.03-1.14x at 2,048 rows.
-- onednn: oneDNN's packed inner product; the default with AVX-512, where it was measured (Zen 4:
-  32 rows 135-150 GFLOP/s against MKL's 105-114, the LM head 122 vs 67).
+- consort: the engine's own kernel (csrc/cpu_kernels.c `gemm_f32`: 16-column panels, register tiles
+  of up to 12 rows x 2 panels of zmm accumulators with AVX-512, 6 rows x 1 panel of ymm ones with
+  AVX2, the next panels prefetched). The default wherever it builds. Measured (docs/engine-speed.md):
+  on the 2-core AMD EPYC Zen 4 (AVX-512), the 33 GEMMs of one decode step with cache-cold weights in
+  rotation at 32 rows 191 GFLOP/s against oneDNN's 166 (1.15x), 8 rows 1.5x, 64 rows 1.06x, 2,048-row
+  prefill chunks 0.93x; the decode step at 32 running 21.96 -> 19.7-20.1 ms, the anchor workload level
+  (prefill's small loss and decode's gain cancel). On the Zen 3 machine (AVX2): 128-138 GFLOP/s against
+  oneDNN's 112-115 at 32 rows, the decode step 41.6 -> 33.9 ms.
+- onednn: oneDNN's packed inner product (the earlier default with AVX-512; Zen 4: 32 rows 135-150
+  GFLOP/s against MKL's 105-114, the LM head 122 vs 67).
 - mkl: MKL's packed sgemm, where oneDNN is missing.
 Results equal F.linear to float32 rounding (summation order).
 
@@ -77,15 +78,15 @@ def _consort(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch
 
 
 def fp32_backend() -> str:
-    """consort | onednn | mkl: CONSORT_GEMM, else the engine's kernel where it is built (AVX2 + FMA) and
-    the CPU has no AVX-512 (where it was measured faster, see the module doc), else oneDNN, else MKL."""
+    """consort | onednn | mkl: CONSORT_GEMM, else the engine's kernel where it is built (AVX2 + FMA, with
+    AVX-512 where the CPU has it), else oneDNN, else MKL."""
     from ..cpu_kernels import cpu_kernels
 
     forced = os.environ.get("CONSORT_GEMM", "")
     ours = cpu_kernels() is not None and hasattr(cpu_kernels(), "gemm_f32")
     if forced in ("consort", "onednn", "mkl"):
         return forced
-    if ours and not has_cpu_flag("avx512f"):
+    if ours:
         return "consort"
     return "onednn" if torch.backends.mkldnn.is_available() else "mkl"
 

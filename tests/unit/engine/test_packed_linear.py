@@ -36,8 +36,9 @@ BACKENDS = [pytest.param("consort", marks=pytest.mark.skipif(not HAS_OURS, reaso
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("n,k", [(96, 64), (7, 48), (100, 33), (1000, 130), (64, 1)])
 def test_every_fp32_backend_matches_f_linear_at_every_row_shape(backend, n, k, monkeypatch):
-    """Row counts cover each register tile (6, 4, 2, 1 rows and their mixes) and the 240-row block
-    edge; n covers partial panels (16 columns) and partial panel groups (64)."""
+    """Row counts cover each register tile (AVX2: 6, 4, 2, 1 rows; AVX-512: 1-12) and every way rows
+    are cut into tiles (up to 2 x 12 + 1), and the 240-row block edge; n covers partial panels (16
+    columns) and partial panel groups (64)."""
     monkeypatch.setenv("CONSORT_GEMM", backend)
     assert fp32_backend() == backend
     g = torch.Generator().manual_seed(n * 1000 + k)
@@ -45,7 +46,7 @@ def test_every_fp32_backend_matches_f_linear_at_every_row_shape(backend, n, k, m
     for bias in (None, b):
         fn = pack_linear(w, bias)
         assert fn is not None
-        for m in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 14, 32, 239, 240, 241, 500):
+        for m in (*range(26), 32, 239, 240, 241, 500):
             x = torch.randn(m, k, generator=g)
             got, ref = fn(x), F.linear(x, w, bias)
             assert got.shape == ref.shape
@@ -64,14 +65,25 @@ def test_engine_kernel_takes_strided_and_batched_inputs(monkeypatch):
         torch.testing.assert_close(fn(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
-def test_fp32_backend_follows_the_override_and_the_cpu(monkeypatch):
-    monkeypatch.setenv("CONSORT_GEMM", "onednn")
-    assert fp32_backend() == "onednn"
+def test_fp32_backend_follows_the_override_then_prefers_the_engine_kernel(monkeypatch):
+    for forced in ("onednn", "mkl", "consort"):
+        monkeypatch.setenv("CONSORT_GEMM", forced)
+        assert fp32_backend() == forced
     monkeypatch.delenv("CONSORT_GEMM")
-    monkeypatch.setattr(packed, "has_cpu_flag", lambda flag: flag == "avx512f")
+    assert fp32_backend() == ("consort" if HAS_OURS else "onednn" if torch.backends.mkldnn.is_available() else "mkl")
+    monkeypatch.setenv("CONSORT_CPU_KERNEL", "0")                    # kernels off: a library backend
+    monkeypatch.setattr("consort_engine.cpu_kernels._lib", False)
     assert fp32_backend() == ("onednn" if torch.backends.mkldnn.is_available() else "mkl")
-    monkeypatch.setattr(packed, "has_cpu_flag", lambda flag: False)
-    assert fp32_backend() == ("consort" if HAS_OURS else "onednn")
+
+
+@pytest.mark.skipif(not HAS_OURS, reason="kernel needs AVX2 + FMA")
+def test_engine_kernel_uses_avx512_tiles_where_the_cpu_has_them():
+    """The build is -march=native: on an AVX-512 CPU the tiles are zmm ones (the 12-row tile exists)."""
+    from consort_engine.cpu_kernels import cpu_kernels as lib
+
+    assert hasattr(lib(), "gemm_f32")
+    tiles = lib().gemm_tile_max_rows()
+    assert tiles == (12 if packed.has_cpu_flag("avx512f") else 6)
 
 
 def test_packing_skips_what_it_cannot_pack():

@@ -1,0 +1,74 @@
+"""The CPU paged-attention kernel (csrc/cpu_kernels.c) reads K/V in place through block tables and equals
+softmax(q K^T) V over each sequence's visible context: decode rows and verify windows of several query
+rows in one call, grouped-query heads, items split across kv heads where a sequence's rows do not fit
+one item, head sizes with and without a specialised loop, and a bfloat16 pool under float32 queries."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from consort_engine.attention import AttentionMetadata, PagedAttention
+from consort_engine.cpu_kernels import cpu_kernels
+
+pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="needs a C compiler")
+
+
+def reference(q, kc, vc, block_tables, ctx_lens, qlens, h, kvh, d):
+    """Per sequence: gather its blocks from the heads-first pool, bottom-right causal SDPA."""
+    out, row = [], 0
+    for b, (ctx, n) in enumerate(zip(ctx_lens, qlens)):
+        blocks = block_tables[b, :(ctx + kc.shape[2] - 1) // kc.shape[2]].long()
+        ks = kc[blocks].transpose(1, 2).reshape(-1, kvh, d)[:ctx].float()
+        vs = vc[blocks].transpose(1, 2).reshape(-1, kvh, d)[:ctx].float()
+        qs = q[row:row + n].float().transpose(0, 1).unsqueeze(0)                       # [1, H, n, D]
+        mask = torch.arange(ctx)[None, :] <= torch.arange(ctx - n, ctx)[:, None]
+        o = F.scaled_dot_product_attention(qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
+                                           attn_mask=mask, scale=d ** -0.5, enable_gqa=True)
+        out.append(o[0].transpose(0, 1).reshape(n, h * d))
+        row += n
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("h,kvh,d,qlens", [
+    (8, 4, 64, [1] * 32),                  # the bench model's decode step
+    (8, 4, 64, [1, 3, 1, 5, 2]),           # decode rows and verify windows together
+    (4, 4, 64, [1, 2, 1]),                 # MHA (G = 1)
+    (16, 2, 128, [1, 4]),                  # G = 8, the 128 specialisation
+    (6, 3, 40, [2, 1, 1]),                 # a head size without a specialised loop
+    (64, 8, 64, [5, 1, 5]),                # 64 heads x 5 rows: items of 4 of the 8 kv heads
+    (32, 32, 64, [9, 1]),                  # MHA x 9 rows: items of 16 kv heads
+])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_kernel_equals_sdpa_over_the_gathered_context(h, kvh, d, qlens, kv_dtype):
+    g = torch.Generator().manual_seed(h * 100 + kvh + d + len(qlens))
+    bs = 16
+    ctx_lens = [int(torch.randint(n, 90, (1,), generator=g)) + n for n in qlens]   # >= the query rows
+    max_blocks = max((c + bs - 1) // bs for c in ctx_lens)
+    num_blocks = len(qlens) * max_blocks + 16
+    attn = PagedAttention(h, kvh, d, d ** -0.5, "cpu_kernel")
+    attn.k_cache = torch.randn(num_blocks, kvh, bs, d, generator=g).to(kv_dtype)
+    attn.v_cache = torch.randn(num_blocks, kvh, bs, d, generator=g).to(kv_dtype)
+    perm = torch.randperm(num_blocks, generator=g)[:len(qlens) * max_blocks]       # scattered blocks
+    block_tables = perm.view(len(qlens), max_blocks).to(torch.int32)
+    t = sum(qlens)
+    q = torch.randn(t, h, d, generator=g)
+    meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.int64), num_batched_tokens=t,
+                             block_tables=block_tables, context_lens=torch.tensor(ctx_lens, dtype=torch.int32),
+                             cu_query_lens=torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32))
+    out = torch.full((t, h * d), float("nan"))
+    attn._kernel(q, out, meta)
+    ref = reference(q, attn.k_cache, attn.v_cache, block_tables, ctx_lens, qlens, h, kvh, d)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_rows_beyond_an_item_are_a_typed_failure_not_a_crash():
+    """G x query rows of one kv head above the kernel's row budget: the call fails and says so."""
+    attn = PagedAttention(64, 1, 64, 0.125, "cpu_kernel")
+    attn.k_cache = attn.v_cache = torch.zeros(8, 1, 16, 64)
+    meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.int64), num_batched_tokens=5,
+                             block_tables=torch.zeros(1, 1, dtype=torch.int32),
+                             context_lens=torch.tensor([5], dtype=torch.int32),
+                             cu_query_lens=torch.tensor([0, 5], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="paged_attention kernel failed"):
+        attn._kernel(torch.zeros(5, 64, 64), torch.empty(5, 64 * 64), meta)
