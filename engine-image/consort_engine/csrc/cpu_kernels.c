@@ -6,9 +6,11 @@
  * Layout: any [num_blocks, ...] pool where element (block, offset, kv head, d) sits at
  * block * blk_stride + offset * tok_stride + head * head_stride + d: flash-attn's
  * [num_blocks, block_size, kv_heads, D] or the CPU-friendly [num_blocks, kv_heads, block_size, D]
- * (each head's block is one contiguous run; the next block is software-prefetched, one row per
- * row computed: blocks are scattered, so the hardware prefetcher cannot guess the jump, and a burst
- * of a whole block's prefetches at once measured ~8% slower).
+ * (each head's block is one contiguous run). Blocks are scattered, so the hardware prefetcher cannot
+ * guess the jumps: the kernel prefetches into L2 (not L1, which the 16 KiB runs in flight would
+ * thrash: prefetcht0 measured 19 GB/s, prefetcht1 29 GB/s over the bench model's 8 layers), one
+ * row per row computed, so DRAM stays busy in both passes: the K pass fetches the next K block and
+ * this block's V, the V pass the next item's K blocks.
  * Sequence b owns query rows cu_q[b] .. cu_q[b+1]-1 (the last qlen tokens of its context of
  * ctx_lens[b] tokens, causal): query i sits at position ctx - qlen + i and sees keys 0..pos.
  * Work item = (sequence, its kv heads, or a group of them where the rows would not fit): each K/V row
@@ -127,7 +129,7 @@ static inline void axpy(float *restrict y, float a, const float *restrict x, int
         const TQ *q, int64_t q_stride, const TKV *kc, const TKV *vc, TQ *out, int64_t out_stride,  \
         const int32_t *bt, int ctx, int q0, int qlen, int kh0, int hg, int H, int KVH, const int D, \
         int BS, int64_t blk_stride, int64_t tok, int64_t head_stride, float scale, float *scratch, \
-        const char *next_k) {                                                                     \
+        const int32_t *next_bt, int next_nb, int64_t next_head) {                                 \
         const int G = H / KVH, rq = G * qlen, rows = hg * rq;                                     \
         const int64_t tokb = tok * (int64_t)sizeof(TKV), headb = head_stride * (int64_t)sizeof(TKV); \
         float *qf = scratch;                          /* [rows, D] */                             \
@@ -146,8 +148,7 @@ static inline void axpy(float *restrict y, float a, const float *restrict x, int
                 }                                                                                 \
         const int64_t head = (int64_t)kh0 * head_stride;                                          \
         const int nblocks = (ctx + BS - 1) / BS;                                                  \
-        /* K pass: scores. Prefetch, one row per row computed: the next block's K and this block's V  \
-           (blocks are scattered, so the hardware prefetcher cannot guess the jumps). */           \
+        /* K pass: scores; prefetches the next block's K and this block's V. */                   \
         for (int b = 0, j = 0; b < nblocks; b++) {                                                \
             const TKV *kb = kc + (int64_t)bt[b] * blk_stride + head;                              \
             const char *nx = b + 1 < nblocks ? (const char *)(kc + (int64_t)bt[b + 1] * blk_stride + head) : 0; \
@@ -156,8 +157,8 @@ static inline void axpy(float *restrict y, float a, const float *restrict x, int
             for (int c = 0; c < hg; c++)                                                          \
                 for (int o = 0; o < n; o++) {                                                     \
                     for (int off = 0; off < D * (int)sizeof(TKV); off += 64) {                    \
-                        if (nx) __builtin_prefetch(nx + c * headb + o * tokb + off, 0, 3);        \
-                        __builtin_prefetch(vx + c * headb + o * tokb + off, 0, 3);                \
+                        if (nx) __builtin_prefetch(nx + c * headb + o * tokb + off, 0, 2);        \
+                        __builtin_prefetch(vx + c * headb + o * tokb + off, 0, 2);                \
                     }                                                                             \
                     const float *kr = kv_row_##KS(row, kb + c * head_stride + o * tok, D);        \
                     float *sc = s + (int64_t)c * rq * ctx + j + o;                                \
@@ -180,15 +181,15 @@ static inline void axpy(float *restrict y, float a, const float *restrict x, int
             for (int j = L; j < ctx; j++) sr[j] = 0.f;                                            \
             memset(acc + (int64_t)r * D, 0, sizeof(float) * (size_t)D);                           \
         }                                                                                         \
-        /* V pass (in cache from the K pass's prefetches); its first block prefetches the next      \
-           item's first K block. */                                                               \
+        /* V pass (in L2 from the K pass's prefetches); prefetches the next item's K blocks. */     \
         for (int b = 0, j = 0; b < nblocks; b++) {                                                \
             const TKV *vb = vc + (int64_t)bt[b] * blk_stride + head;                              \
             const int n = ctx - j < BS ? ctx - j : BS;                                            \
             for (int c = 0; c < hg; c++)                                                          \
                 for (int o = 0; o < n; o++) {                                                     \
-                    if (b == 0 && next_k) for (int off = 0; off < D * (int)sizeof(TKV); off += 64) \
-                        __builtin_prefetch(next_k + c * headb + o * tokb + off, 0, 3);            \
+                    if (b < next_nb) for (int off = 0; off < D * (int)sizeof(TKV); off += 64)     \
+                        __builtin_prefetch((const char *)(kc + (int64_t)next_bt[b] * blk_stride + next_head) \
+                                           + c * headb + o * tokb + off, 0, 2);                   \
                     const float *vr = kv_row_##KS(row, vb + c * head_stride + o * tok, D);        \
                     const float *sc = s + (int64_t)c * rq * ctx + j + o;                          \
                     float *ac = acc + (int64_t)c * rq * D;                                        \
@@ -219,7 +220,7 @@ static int heads_per_item(int H, int KVH, int max_q) {
 }
 
 /* This thread's items [lo, hi) of B * groups (sequence-major): contiguous, so an item can prefetch the
- * next one's first K block, and cut where the running cost (context x query rows + a fixed part per
+ * next one's K blocks, and cut where the running cost (context x query rows + a fixed part per
  * item) crosses t / nt of the total, so threads finish together however the contexts differ. */
 static void attention_share(const int32_t *ctx_lens, const int32_t *cu_q, int B, int groups, int t, int nt,
                             int *lo, int *hi) {
@@ -261,19 +262,20 @@ static void attention_share(const int32_t *ctx_lens, const int32_t *cu_q, int B,
                 const int b = it / groups, kh0 = it % groups * hg, qlen = cu_q[b + 1] - cu_q[b];  \
                 if (!scratch || qlen <= 0) continue;                                              \
                 const int32_t *bt = block_tables + (int64_t)b * max_blocks;                       \
+                /* the next item's K blocks, prefetched during this item's V pass */                \
                 const int nxt = it + 1 < hi ? it + 1 : -1;                                        \
-                const char *next_k = nxt < 0 || ctx_lens[nxt / groups] <= 0 ? 0 :                 \
-                    (const char *)(kc + (int64_t)block_tables[(int64_t)(nxt / groups) * max_blocks] * blk_stride \
-                                   + (int64_t)(nxt % groups * hg) * head_stride);                 \
+                const int32_t *next_bt = nxt < 0 ? 0 : block_tables + (int64_t)(nxt / groups) * max_blocks; \
+                const int next_nb = nxt < 0 ? 0 : (ctx_lens[nxt / groups] + BS - 1) / BS;        \
+                const int64_t next_head = nxt < 0 ? 0 : (int64_t)(nxt % groups * hg) * head_stride; \
                 if (D == 64)                                                                      \
                     item_##SUFFIX(q, q_stride, kc, vc, out, out_stride, bt, ctx_lens[b], cu_q[b], \
-                                  qlen, kh0, hg, H, KVH, 64, BS, blk_stride, tok_stride, head_stride, scale, scratch, next_k); \
+                                  qlen, kh0, hg, H, KVH, 64, BS, blk_stride, tok_stride, head_stride, scale, scratch, next_bt, next_nb, next_head); \
                 else if (D == 128)                                                                \
                     item_##SUFFIX(q, q_stride, kc, vc, out, out_stride, bt, ctx_lens[b], cu_q[b], \
-                                  qlen, kh0, hg, H, KVH, 128, BS, blk_stride, tok_stride, head_stride, scale, scratch, next_k); \
+                                  qlen, kh0, hg, H, KVH, 128, BS, blk_stride, tok_stride, head_stride, scale, scratch, next_bt, next_nb, next_head); \
                 else                                                                              \
                     item_##SUFFIX(q, q_stride, kc, vc, out, out_stride, bt, ctx_lens[b], cu_q[b], \
-                                  qlen, kh0, hg, H, KVH, D, BS, blk_stride, tok_stride, head_stride, scale, scratch, next_k); \
+                                  qlen, kh0, hg, H, KVH, D, BS, blk_stride, tok_stride, head_stride, scale, scratch, next_bt, next_nb, next_head); \
             }                                                                                     \
             free(scratch);                                                                        \
         }                                                                                         \
@@ -493,10 +495,11 @@ static void gemm_tile_##R##x##V(const float *restrict x, int64_t ldx, const floa
         _Pragma("GCC unroll 16") for (int v = 0; v < GEMM_VPP * V; v++) acc[r][v] = GEMM_ZERO();         \
     for (int64_t k = 0; k < K; k++) {                                                                     \
         GEMM_VEC w[GEMM_VPP * V];                                                                         \
-        /* the panels after this tile's: at 1-64 rows a panel is used by few tiles, so its first touch \
-           would otherwise stall on L3/DRAM (panels are contiguous, this thread takes them in order) */ \
+        /* the panels after this tile's, into L2: at 1-64 rows a panel is used by few tiles, so its   \
+           first touch would otherwise stall on L3/DRAM (panels are contiguous, this thread takes them \
+           in order); into L1 they would evict the panels in use (measured 5-30% slower at 8-64 rows) */ \
         _Pragma("GCC unroll 16") for (int v = 0; v < V; v++)                                              \
-            _mm_prefetch((const char *)(pw + (V + v) * ps + k * GEMM_NR), _MM_HINT_T0);                    \
+            _mm_prefetch((const char *)(pw + (V + v) * ps + k * GEMM_NR), _MM_HINT_T1);                    \
         _Pragma("GCC unroll 16") for (int v = 0; v < GEMM_VPP * V; v++)                                   \
             w[v] = GEMM_LOAD(pw + (v / GEMM_VPP) * ps + k * GEMM_NR + (v % GEMM_VPP) * GEMM_VLEN);        \
         _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {                                            \
