@@ -29,7 +29,7 @@ SIGNATURES = {   # name (per dtype suffix) -> (argtypes, restype)
     "add_rms_norm": ([P, P, P, P, I, I, F32], None),
     "rope": ([P, L, I, I, I, P, P, P], None),
     "silu_mul": ([P, P, I, I], None),
-    "gemm": ([P, L, L, L, P, L, P, L, P], None),          # AVX2 + FMA builds only (see the .c)
+    "gemm": ([P, L, L, L, P, L, P, L, P], I),             # AVX2 + FMA builds only (see the .c)
     "gemm_pack": ([P, L, L, P], None),
     "gemm_packed_floats": ([L, L], L),
 }

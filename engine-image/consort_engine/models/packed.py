@@ -70,9 +70,9 @@ def _consort(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch
         if x2.stride(1) != 1:
             x2 = x2.contiguous()
         y = torch.empty(x2.shape[0], n, dtype=torch.float32)
-        if x2.shape[0]:
-            gemm(x2.data_ptr(), x2.stride(0), x2.shape[0], k, packed.data_ptr(), n, y.data_ptr(), n,
-                 None if b is None else b.data_ptr())
+        if x2.shape[0] and gemm(x2.data_ptr(), x2.stride(0), x2.shape[0], k, packed.data_ptr(), n, y.data_ptr(), n,
+                                None if b is None else b.data_ptr()):
+            raise MemoryError(f"gemm_f32: no memory for {min(x2.shape[0], 240)} x {k} packed rows")
         return y.view(*lead, n)
     return run
 
