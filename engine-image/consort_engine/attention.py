@@ -5,8 +5,10 @@ A step's tokens are laid out as [batched group | prefill spans]:
 - the batched group (decode tokens, short queries such as spec-verify windows) is attended in ONE
   call per layer: on CPU a C kernel that reads the pool in place through the block tables
   (csrc/cpu_kernels.c); otherwise a gather of the blocks + SDPA with a length mask.
-- prefill spans (one per sequence chunk) use SDPA: causal over the chunk's own K/V when nothing
-  precedes it, otherwise over the gathered context with a bottom-right causal mask.
+- prefill spans (one per sequence chunk): on CPU with a float32 pool and head size 64/128 (AVX-512
+  builds) all of them in one call of the C prefill kernel, in place like the batched group; otherwise
+  SDPA: causal over the chunk's own K/V when nothing precedes it, else over the gathered context with
+  a bottom-right causal mask.
 With flash-attn installed on CUDA (and block_size a multiple of 256, its paged-KV constraint) every
 token goes through flash_attn_varlen_func with the block table instead (decode CUDA graphs: through
 flash_attn_with_kvcache, which reads the lengths from a tensor); on CUDA otherwise the batched
@@ -49,6 +51,11 @@ class AttentionMetadata:
     max_context_len: int = 0
     max_query_len: int = 0
     prefills: list[PrefillSpan] = field(default_factory=list)
+    # the prefill spans as one group for the CPU prefill kernel: rows [num_batched_tokens, T), per span
+    # its block table, context and query rows (relative to num_batched_tokens)
+    prefill_block_tables: torch.Tensor | None = None
+    prefill_context_lens: torch.Tensor | None = None
+    prefill_cu_query_lens: torch.Tensor | None = None
     # flash-attn varlen path (CUDA): one call covers every token
     cu_context_lens: torch.Tensor | None = None
     max_query_len_all: int = 0
@@ -115,6 +122,8 @@ class PagedAttention(torch.nn.Module):
                                        meta.cu_query_lens, self.scale, out=out[:tb], single_query=meta.single_query)
             else:
                 out[:tb] = self._gathered_decode(q[:tb], meta, bs)
+        if meta.prefills and self._prefill_kernel(q, out, meta):
+            return out
         for p in meta.prefills:
             qs = q[p.start:p.end].transpose(0, 1).unsqueeze(0)               # [1, H, n, D]
             if p.cached == 0:
@@ -147,6 +156,27 @@ class PagedAttention(torch.nn.Module):
             self.scale)
         if rc != 0:
             raise RuntimeError(f"paged_attention kernel failed ({rc})")
+
+    def _prefill_kernel(self, q: torch.Tensor, out: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """Every prefill span through the C kernel (float32 pool, head size 64/128, AVX-512 build), reading
+        the pool in place; False where it does not apply (then SDPA runs)."""
+        if self.backend != "cpu_kernel" or q.dtype != torch.float32 or self.k_cache.dtype != torch.float32 \
+                or meta.prefill_block_tables is None:
+            return False
+        fn = getattr(cpu_kernels(), "prefill_attention_f32", None)
+        if fn is None:
+            return False
+        tb, bt, kc = meta.num_batched_tokens, meta.prefill_block_tables, self.k_cache
+        qp, op = q[tb:], out[tb:]
+        rc = fn(qp.data_ptr(), qp.stride(0), kc.data_ptr(), self.v_cache.data_ptr(), op.data_ptr(), op.stride(0),
+                bt.data_ptr(), bt.shape[1], meta.prefill_context_lens.data_ptr(), meta.prefill_cu_query_lens.data_ptr(),
+                bt.shape[0], self.h, self.kvh, self.d, self.block_size, kc.stride(0), kc.stride(2), kc.stride(1),
+                self.scale)
+        if rc == -3:
+            return False
+        if rc != 0:
+            raise RuntimeError(f"prefill_attention kernel failed ({rc})")
+        return True
 
     def _gathered_decode(self, q: torch.Tensor, meta: AttentionMetadata, bs: int) -> torch.Tensor:
         """One query token per sequence: gather the blocks, SDPA with a length mask."""

@@ -335,6 +335,10 @@ class ModelRunner:
         if flash:   # pragma: no cover - CUDA + flash-attn only
             meta.cu_context_lens = torch.cat([torch.zeros(1, dtype=torch.int64), ctx.cumsum(0)]).to(torch.int32)
             meta.max_query_len_all = max(lens)
+        if nb < b and self.backend == "cpu_kernel":
+            meta.prefill_block_tables = bt[nb:]
+            meta.prefill_context_lens = ctx[nb:].to(torch.int32)
+            meta.prefill_cu_query_lens = (cu[nb:] - cu[nb]).to(torch.int32)
         for r in range(nb, b):
             c = starts[r] + lens[r]
             span = PrefillSpan(start=cu_list[r], end=cu_list[r + 1], cached=starts[r], context_len=c)

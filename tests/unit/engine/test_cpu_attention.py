@@ -72,3 +72,52 @@ def test_rows_beyond_an_item_are_a_typed_failure_not_a_crash():
                              cu_query_lens=torch.tensor([0, 5], dtype=torch.int32))
     with pytest.raises(RuntimeError, match="paged_attention kernel failed"):
         attn._kernel(torch.zeros(5, 64, 64), torch.empty(5, 64 * 64), meta)
+
+
+HAS_PREFILL = cpu_kernels() is not None and hasattr(cpu_kernels(), "prefill_attention_f32")
+
+
+@pytest.mark.skipif(not HAS_PREFILL, reason="the prefill kernel is built for AVX-512 CPUs")
+@pytest.mark.parametrize("h,kvh,d,bs,spans", [
+    (8, 4, 64, 16, [(0, 300), (0, 17), (40, 33)]),        # (cached, new): fresh chunks and one after a cache hit
+    (8, 4, 64, 8, [(5, 1), (0, 16), (100, 64)]),          # a block size below the 16-key chunk
+    (16, 2, 128, 32, [(0, 45), (64, 16)]),               # G = 8, head size 128
+    (4, 4, 64, 16, [(0, 130)]),                           # MHA
+])
+def test_prefill_kernel_equals_causal_sdpa(h, kvh, d, bs, spans):
+    g = torch.Generator().manual_seed(h + d + bs + len(spans))
+    ctx_lens = [c + n for c, n in spans]
+    qlens = [n for _, n in spans]
+    max_blocks = max((c + bs - 1) // bs for c in ctx_lens)
+    num_blocks = len(spans) * max_blocks + 4
+    attn = PagedAttention(h, kvh, d, d ** -0.5, "cpu_kernel")
+    attn.k_cache = torch.randn(num_blocks, kvh, bs, d, generator=g)
+    attn.v_cache = torch.randn(num_blocks, kvh, bs, d, generator=g)
+    perm = torch.randperm(num_blocks, generator=g)[:len(spans) * max_blocks]
+    block_tables = perm.view(len(spans), max_blocks).to(torch.int32)
+    t = sum(qlens)
+    q = torch.randn(t, h, d, generator=g)
+    meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.int64), num_batched_tokens=0,
+                             prefill_block_tables=block_tables,
+                             prefill_context_lens=torch.tensor(ctx_lens, dtype=torch.int32),
+                             prefill_cu_query_lens=torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()],
+                                                                dtype=torch.int32))
+    out = torch.full((t, h * d), float("nan"))
+    assert attn._prefill_kernel(q, out, meta)
+    ref = reference(q, attn.k_cache, attn.v_cache, block_tables, ctx_lens, qlens, h, kvh, d)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not HAS_PREFILL, reason="the prefill kernel is built for AVX-512 CPUs")
+def test_prefill_kernel_declines_what_it_does_not_cover():
+    """Other head sizes and a bf16 pool go through SDPA: the kernel says no instead of computing."""
+    meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.int64), num_batched_tokens=0,
+                             prefill_block_tables=torch.zeros(1, 1, dtype=torch.int32),
+                             prefill_context_lens=torch.tensor([4], dtype=torch.int32),
+                             prefill_cu_query_lens=torch.tensor([0, 4], dtype=torch.int32))
+    attn = PagedAttention(2, 2, 40, 0.1, "cpu_kernel")
+    attn.k_cache = attn.v_cache = torch.zeros(2, 2, 16, 40)
+    assert not attn._prefill_kernel(torch.zeros(4, 2, 40), torch.empty(4, 80), meta)
+    attn = PagedAttention(2, 2, 64, 0.1, "cpu_kernel")
+    attn.k_cache = attn.v_cache = torch.zeros(2, 2, 16, 64, dtype=torch.bfloat16)
+    assert not attn._prefill_kernel(torch.zeros(4, 2, 64), torch.empty(4, 128), meta)
