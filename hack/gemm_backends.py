@@ -31,16 +31,6 @@ def rates(fns: dict, x: torch.Tensor, flops: float, rounds: int = 5) -> dict[str
     return best
 
 
-def packed_with(backend: str, w: torch.Tensor):
-    import os
-
-    os.environ["CONSORT_GEMM"] = backend
-    try:
-        return packed._fp32(w, None)
-    finally:
-        del os.environ["CONSORT_GEMM"]
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--threads", type=int, default=0)
@@ -48,14 +38,14 @@ def main() -> None:
     a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
-    names = ["consort", "onednn", "mkl"]
+    names = list(packed.FP32_BACKENDS)
     print(f"{torch.get_num_threads()} threads; GFLOP/s, best of 5; default backend here: {packed.fp32_backend()}")
     print("| rows | in x out | " + " | ".join(names) + " | consort / oneDNN |")
     print("|---|---|" + "---|" * (len(names) + 1))
     for m in a.rows:
         for k, n in SHAPES:
             w, x = torch.randn(n, k), torch.randn(m, k)
-            fns = {name: f for name in names if (f := packed_with(name, w)) is not None}
+            fns = {name: f for name, pack in packed.FP32_BACKENDS.items() if (f := pack(w, None)) is not None}
             r = rates(fns, x, 2.0 * m * k * n)
             cells = " | ".join(f"{r[name]:.0f}" if name in r else "-" for name in names)
             ratio = f"{r['consort'] / r['onednn']:.2f}" if "consort" in r and "onednn" in r else "-"

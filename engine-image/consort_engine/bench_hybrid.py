@@ -70,8 +70,8 @@ def measure(name: str, path: Path, params: int, args) -> dict:
 
 def main(args: argparse.Namespace) -> int:
     if args.threads:
-        import torch
-        torch.set_num_threads(args.threads)
+        from .cpu_kernels import set_threads
+        set_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(args.out) if args.out else Path(tmp)
         rows = []

@@ -63,8 +63,8 @@ def run_one(model: Path, drafter: str, ps: list[list[int]], max_tokens: int, arg
 
 def main(args: argparse.Namespace) -> int:
     if args.threads:
-        import torch
-        torch.set_num_threads(args.threads)
+        from .cpu_kernels import set_threads
+        set_threads(args.threads)
     model = Path(args.model)
     rows = []
     for kind in args.kinds.split(","):

@@ -48,10 +48,7 @@ def apply_threads(requested: int | None) -> int:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     n = engine_threads(requested, cgroup_cpu_limit(), cores)
     os.environ["OMP_NUM_THREADS"] = str(n)   # the C kernels' OpenMP runtime reads it when it loads
-    import torch
+    from .cpu_kernels import set_threads
 
-    from .cpu_kernels import sync_threads
-
-    torch.set_num_threads(n)
-    sync_threads()     # the C kernels run their own team size (they are called from the engine's loop thread)
+    set_threads(n)
     return n

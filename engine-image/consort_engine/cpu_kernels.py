@@ -87,12 +87,13 @@ def cpu_kernels() -> ctypes.CDLL | None:
     return _lib
 
 
-def sync_threads() -> None:
-    """The kernels' team size follows torch's thread count (cpu.apply_threads calls this; a library
-    built later reads it at load). OpenMP's own default is per calling thread, and the engine loop's
-    thread never saw torch.set_num_threads."""
+def set_threads(n: int) -> None:
+    """torch's pool and the kernels' team: n threads each. The kernels keep their own team size (a
+    library built later reads torch's count at load) because OpenMP's default is per calling thread,
+    and the engine's loop thread, which calls them, never saw torch.set_num_threads."""
+    torch.set_num_threads(n)
     if _lib:
-        _lib.set_num_threads(torch.get_num_threads())
+        _lib.set_num_threads(n)
 
 
 def kernel(name: str, dtype: torch.dtype, kv_dtype: torch.dtype | None = None):

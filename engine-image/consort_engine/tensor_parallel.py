@@ -68,11 +68,10 @@ def init_process_group(rank: int, size: int, port: int, device: str) -> TPGroup:
 
 def _worker_main(config, rank: int, port: int, threads: int) -> None:
     """A rank > 0: load its shard, then replay rank 0's calls until told to exit."""
-    from .cpu_kernels import sync_threads
+    from .cpu_kernels import set_threads
     from .model_runner import ModelRunner
 
-    torch.set_num_threads(threads)
-    sync_threads()
+    set_threads(threads)
     group = init_process_group(rank, config.tensor_parallel_size, port, config.device)
     runner = ModelRunner(config, group)
     while True:
@@ -100,10 +99,9 @@ class TPWorkers:
             p.start()
 
     def join_group(self, device: str) -> TPGroup:
-        from .cpu_kernels import sync_threads
+        from .cpu_kernels import set_threads
 
-        torch.set_num_threads(self.threads)
-        sync_threads()
+        set_threads(self.threads)
         return init_process_group(0, self.size, self.port, device)
 
     def call(self, method: str, *args) -> None:

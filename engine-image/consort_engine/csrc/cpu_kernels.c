@@ -225,17 +225,20 @@ static int heads_per_item(int H, int KVH, int max_q) {
 /* This thread's items [lo, hi) of B * groups (sequence-major): contiguous, so an item can prefetch the
  * next one's K blocks, and cut where the running cost (context x query rows + a fixed part per
  * item) crosses t / nt of the total, so threads finish together however the contexts differ. */
+static inline int64_t item_cost(const int32_t *ctx_lens, const int32_t *cu_q, int b) {
+    return (int64_t)ctx_lens[b] * (cu_q[b + 1] - cu_q[b]) + 64;
+}
+
 static void attention_share(const int32_t *ctx_lens, const int32_t *cu_q, int B, int groups, int t, int nt,
                             int *lo, int *hi) {
     int64_t total = 0, run = 0;
-    for (int b = 0; b < B; b++) total += groups * ((int64_t)ctx_lens[b] * (cu_q[b + 1] - cu_q[b]) + 64);
+    for (int b = 0; b < B; b++) total += groups * item_cost(ctx_lens, cu_q, b);
     *lo = *hi = B * groups;
     int first = 1;
     for (int it = 0; it < B * groups; it++) {
-        const int b = it / groups;
         if (first && run * nt >= total * t) { *lo = it; first = 0; }
         if (run * nt >= total * (t + 1)) { *hi = it; return; }
-        run += (int64_t)ctx_lens[b] * (cu_q[b + 1] - cu_q[b]) + 64;
+        run += item_cost(ctx_lens, cu_q, it / groups);
     }
 }
 

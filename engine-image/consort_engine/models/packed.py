@@ -4,12 +4,12 @@ blocked format, so small-batch decode matmuls skip the per-call repacking.
 float32 has three backends (`fp32_backend`, CONSORT_GEMM=consort|onednn|mkl overrides):
 - consort: the engine's own kernel (csrc/cpu_kernels.c `gemm_f32`: 16-column panels, register tiles
   of up to 12 rows x 2 panels of zmm accumulators with AVX-512, 6 rows x 1 panel of ymm ones with
-  AVX2, the next panels prefetched). The default wherever it builds. Measured (docs/engine-speed.md):
-  on the 2-core AMD EPYC Zen 4 (AVX-512), the 33 GEMMs of one decode step with cache-cold weights in
-  rotation at 32 rows 191 GFLOP/s against oneDNN's 166 (1.15x), 8 rows 1.5x, 64 rows 1.06x, 2,048-row
-  prefill chunks 0.93x; the decode step at 32 running 21.96 -> 19.7-20.1 ms, the anchor workload level
-  (prefill's small loss and decode's gain cancel). On the Zen 3 machine (AVX2): 128-138 GFLOP/s against
-  oneDNN's 112-115 at 32 rows, the decode step 41.6 -> 33.9 ms.
+  AVX2, x packed k-major per tile, the next panels prefetched into L2). The default wherever it builds.
+  Measured (docs/engine-speed.md): on the 2-core AMD EPYC Zen 4 (AVX-512), the 33 GEMMs of one decode
+  step with cache-cold weights in rotation at 32 rows 195-200 GFLOP/s against oneDNN's 163-180, 8 rows
+  ~1.4x, 256 rows level, 2,048-row prefill chunks 0.97x; the anchor workload level with oneDNN, the
+  decode step ~10% faster. On the Zen 3 machine (AVX2): 128-138 GFLOP/s against oneDNN's 112-115 at
+  32 rows, the decode step 41.6 -> 33.9 ms.
 - onednn: oneDNN's packed inner product (the earlier default with AVX-512; Zen 4: 32 rows 135-150
   GFLOP/s against MKL's 105-114, the LM head 122 vs 67).
 - mkl: MKL's packed sgemm, where oneDNN is missing.
@@ -48,7 +48,8 @@ def _mkl(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Ten
 
 
 def _consort(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """The engine's own AVX2 + FMA kernel (csrc/cpu_kernels.c, `gemm_f32`) over its panel layout."""
+    """The engine's own kernel (csrc/cpu_kernels.c `gemm_f32`, AVX2 + FMA builds) over its panel layout;
+    None where it is not built."""
     from ..cpu_kernels import cpu_kernels
 
     lib = cpu_kernels()
@@ -72,7 +73,7 @@ def _consort(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch
         y = torch.empty(x2.shape[0], n, dtype=torch.float32)
         if x2.shape[0] and gemm(x2.data_ptr(), x2.stride(0), x2.shape[0], k, packed.data_ptr(), n, y.data_ptr(), n,
                                 None if b is None else b.data_ptr()):
-            raise MemoryError(f"gemm_f32: no memory for {min(x2.shape[0], 240)} x {k} packed rows")
+            raise MemoryError(f"gemm_f32: no memory to pack the rows of x ({x2.shape[0]} x {k})")
         return y.view(*lead, n)
     return run
 
@@ -83,22 +84,19 @@ def fp32_backend() -> str:
     from ..cpu_kernels import cpu_kernels
 
     forced = os.environ.get("CONSORT_GEMM", "")
-    ours = cpu_kernels() is not None and hasattr(cpu_kernels(), "gemm_f32")
-    if forced in ("consort", "onednn", "mkl"):
+    if forced in FP32_BACKENDS:
         return forced
-    if ours:
+    if hasattr(cpu_kernels(), "gemm_f32"):
         return "consort"
     return "onednn" if torch.backends.mkldnn.is_available() else "mkl"
 
 
 def _fp32(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """The float32 packed GEMM of `fp32_backend()`."""
+    """The float32 packed GEMM of `fp32_backend()` (MKL's where oneDNN is asked for but missing)."""
     backend = fp32_backend()
-    if backend == "consort":
-        return _consort(weight, bias)
-    if backend == "onednn" and torch.backends.mkldnn.is_available():
-        return _onednn(weight, bias)
-    return _mkl(weight, bias)
+    if backend == "onednn" and not torch.backends.mkldnn.is_available():
+        backend = "mkl"
+    return FP32_BACKENDS[backend](weight, bias)
 
 
 def _fp32_compute(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -130,6 +128,10 @@ def _onednn(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.
     def run(x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return run
+
+
+# name -> packer (weight, bias) -> x -> x W^T + b, or None where it does not build
+FP32_BACKENDS = {"consort": _consort, "onednn": _onednn, "mkl": _mkl}
 
 
 def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor] | None:

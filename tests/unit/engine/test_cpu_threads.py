@@ -1,5 +1,12 @@
 """Engine thread sizing from a plan, a cgroup CPU quota (v1 and v2) or the affinity."""
-from consort_engine.cpu import cgroup_cpu_limit, engine_threads
+import os
+import threading
+
+import pytest
+import torch
+
+from consort_engine.cpu import apply_threads, cgroup_cpu_limit, engine_threads
+from consort_engine.cpu_kernels import cpu_kernels
 
 
 def test_cgroup_v2_and_v1_quotas(tmp_path):
@@ -28,24 +35,15 @@ def test_threads_from_plan_then_quota_then_cores():
     assert engine_threads(None, quota=None, usable_cores=2) == 2
 
 
+@pytest.mark.skipif(cpu_kernels() is None, reason="needs a C compiler (the kernels are built at run time)")
 def test_the_c_kernels_run_the_planned_team_from_any_thread():
     """torch.set_num_threads only sets OpenMP's default for the calling thread; the engine calls the C
     kernels from its loop thread, which must still run the planned team (not every core)."""
-    import threading
-
-    import torch
-
-    from consort_engine.cpu import apply_threads
-    from consort_engine.cpu_kernels import cpu_kernels
-
     lib = cpu_kernels()
-    if lib is None:
-        import pytest
-        pytest.skip("no C compiler: the kernels are not built")
     before = torch.get_num_threads()
     try:
         for n in (1, 2):
-            assert apply_threads(n) == min(n, len(__import__("os").sched_getaffinity(0)))
+            assert apply_threads(n) == min(n, len(os.sched_getaffinity(0)))
             seen = []
             t = threading.Thread(target=lambda: seen.append(lib.team_size()))
             t.start()
