@@ -1,9 +1,14 @@
-"""How many CPU threads an engine may use: pure functions of the cgroup files and the affinity.
+"""How many CPU threads and how much memory an engine may use: pure functions of the cgroup files,
+/proc/meminfo and the affinity.
 
 An engine that takes torch's default (every core it sees) oversubscribes the machine as soon as a
 second engine runs beside it: three engines on two cores ran at 0.22x of one. So the engine sizes
 its torch and OpenMP pools to its share: `--threads N` when a supervisor (`consort up`) planned
 it, else the container's CPU quota (a pod's `resources.limits.cpu`), else the cores it may run on.
+
+The same holds for memory: /proc/meminfo describes the node, not the pod. A CPU engine sized its KV
+pool from it, committed lazily, and grew past its pod's `resources.limits.memory` mid-serving (an OOM
+kill of every accepted request); the pool is sized from what the cgroup leaves instead.
 """
 from __future__ import annotations
 
@@ -12,18 +17,47 @@ import os
 from pathlib import Path
 
 CGROUP = Path("/sys/fs/cgroup")
+V1_NO_LIMIT = 1 << 62    # cgroup v1 writes "no limit" as 2^63 - 1 rounded down to a page
 
 
-def cgroup_cpu_limit(root: Path = CGROUP) -> float | None:
+def _self_cgroup() -> str:
+    try:
+        return Path("/proc/self/cgroup").read_text()
+    except OSError:
+        return ""
+
+
+def cgroup_dirs(root: Path, controller: str, self_cgroup: str) -> list[Path]:
+    """Directories that may hold this process's `controller` files, most specific first: v2 before v1;
+    under each mount the process's own cgroup (`self_cgroup` is /proc/self/cgroup: a host or a systemd
+    unit sees the whole tree) before the mount itself (a container sees its own cgroup there)."""
+    v2, v1 = [], []
+    for line in self_cgroup.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        controllers, path = parts[1], parts[2].lstrip("/")
+        if controllers == "":
+            v2.append(root / path)
+        elif controller in controllers.split(","):
+            v1 += [root / controllers / path, root / controller / path]
+    v1_mounts = [root / controller] + [root / m for m in (f"{controller},cpuacct", f"cpuacct,{controller}")
+                                       if controller == "cpu"]
+    dirs = v2 + [root] + v1 + v1_mounts
+    return list(dict.fromkeys(dirs))
+
+
+def cgroup_cpu_limit(root: Path = CGROUP, self_cgroup: str | None = None) -> float | None:
     """CPUs allowed by the CFS quota (cgroup v2 `cpu.max`, v1 `cpu.cfs_quota_us` / `cpu.cfs_period_us`),
     or None when there is no quota."""
-    v2 = root / "cpu.max"
-    try:
-        quota, period = v2.read_text().split()[:2]
-        return None if quota == "max" else int(quota) / int(period)
-    except (OSError, ValueError):
-        pass
-    for d in (root / "cpu", root / "cpu,cpuacct", root / "cpuacct,cpu"):
+    dirs = cgroup_dirs(root, "cpu", _self_cgroup() if self_cgroup is None else self_cgroup)
+    for d in dirs:
+        try:
+            quota, period = (d / "cpu.max").read_text().split()[:2]
+            return None if quota == "max" else int(quota) / int(period)
+        except (OSError, ValueError):
+            pass
+    for d in dirs:
         try:
             quota = int((d / "cpu.cfs_quota_us").read_text())
             period = int((d / "cpu.cfs_period_us").read_text())
@@ -31,6 +65,50 @@ def cgroup_cpu_limit(root: Path = CGROUP) -> float | None:
             continue
         return None if quota <= 0 or period <= 0 else quota / period
     return None
+
+
+def cgroup_memory_available(root: Path = CGROUP, self_cgroup: str | None = None) -> int | None:
+    """Bytes the cgroup's memory limit still leaves (limit - usage + reclaimable page cache), or None
+    without a limit: v2 `memory.max` / `memory.current`, v1 `memory.limit_in_bytes` (and the
+    hierarchical limit of the parents) / `memory.usage_in_bytes`; both count page cache as usage,
+    which the kernel reclaims before it OOM-kills, so inactive file pages count as available."""
+    for d in cgroup_dirs(root, "memory", _self_cgroup() if self_cgroup is None else self_cgroup):
+        try:
+            limit_text = (d / "memory.max").read_text().strip()
+            usage = int((d / "memory.current").read_text())
+            stat_key, v1 = "inactive_file", False
+        except (OSError, ValueError):
+            try:
+                limit_text = (d / "memory.limit_in_bytes").read_text().strip()
+                usage = int((d / "memory.usage_in_bytes").read_text())
+                stat_key, v1 = "total_inactive_file", True
+            except (OSError, ValueError):
+                continue
+        stat = _memory_stat(d / "memory.stat")
+        limit = None if limit_text == "max" else int(limit_text)
+        if v1 and "hierarchical_memory_limit" in stat:
+            limit = min(limit, stat["hierarchical_memory_limit"])
+        if limit is None or limit >= V1_NO_LIMIT:
+            return None
+        return max(0, limit - usage + stat.get(stat_key, 0))
+    return None
+
+
+def _memory_stat(path: Path) -> dict[str, int]:
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return {}
+    return {k: int(v) for k, v in (line.split()[:2] for line in lines if len(line.split()) >= 2)}
+
+
+def memory_available(meminfo: str, cgroup_available: int | None) -> int:
+    """Bytes an engine may still commit: the node's MemAvailable, capped by its cgroup's headroom."""
+    for line in meminfo.splitlines():
+        if line.startswith("MemAvailable:"):
+            node = int(line.split()[1]) * 1024
+            return node if cgroup_available is None else min(node, cgroup_available)
+    raise RuntimeError("MemAvailable missing from /proc/meminfo")
 
 
 def engine_threads(requested: int | None, quota: float | None, usable_cores: int) -> int:

@@ -23,6 +23,7 @@ import torch
 
 from .attention import AttentionMetadata, PrefillSpan, choose_backend, pool_shape
 from .config import EngineConfig
+from .cpu import cgroup_memory_available, memory_available
 from .cuda_graphs import DecodeGraphs, use_decode_graphs
 from .host_staging import PinnedStaging
 from .loader import checkpoint_names, eos_token_ids, iter_safetensors, load_model_config, resolve_dtype
@@ -95,14 +96,12 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
 
 
 def mem_available(device: torch.device) -> int:
-    """Bytes free for the pool: cudaMemGetInfo on CUDA, MemAvailable from /proc/meminfo on CPU."""
+    """Bytes free for the pool: cudaMemGetInfo on CUDA; on CPU MemAvailable from /proc/meminfo, capped
+    by what the cgroup's memory limit leaves (a pod's `resources.limits.memory`)."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("MemAvailable missing from /proc/meminfo")
+        return memory_available(f.read(), cgroup_memory_available())
 
 
 def tune_cpu_memory(kv_cache: torch.Tensor) -> None:
@@ -265,12 +264,19 @@ class ModelRunner:
             m = self.model.mixers[0]
             per_token += 3 * (2 * m.inner + m.conv_dim + m.heads) * 4
         reserve = 2 * (tokens * per_token + scores + logits) + 256 * MiB
-        free = mem_available(self.device) - reserve
+        available = mem_available(self.device)
+        free = available - reserve
         n = int(max(free, 0) * self.config.kv_memory_fraction) // max(self.block_bytes, 1)   # 0: no attention layer
         # more than every running sequence at full length can never be used
         n = min(n, self.config.max_num_seqs * math.ceil(self.max_model_len / self.block_size))
+        where = "free device memory" if self.device.type == "cuda" else "MemAvailable capped by the cgroup memory limit"
         if n < 1:
-            raise RuntimeError(f"no memory left for the KV pool (free {free / MiB:.0f} MiB after reserve)")
+            raise RuntimeError(f"no memory left for the KV pool: {available / MiB:.0f} MiB available ({where}) "
+                               f"less a {reserve / MiB:.0f} MiB activation reserve; give the engine more memory "
+                               "or set the pool's size (--num-blocks, Specialist spec.kv.numBlocks)")
+        log.info("KV pool: %d blocks (%.0f MiB) of %.0f MiB available (%s) less a %.0f MiB activation reserve, "
+                 "kv_memory_fraction %.2f", n, n * self.block_bytes / MiB, available / MiB, where, reserve / MiB,
+                 self.config.kv_memory_fraction)
         return n
 
     # ------------------------------------------------------------------------------------------

@@ -49,7 +49,7 @@ class KVCache(Model):
 
     block_size: Literal[8, 16, 32, 256] | None = Field(default=None, description="Tokens per KV block: 8 for prefix-heavy specialists (Template, STL), 32 for long generations, 256 for flash-attn's in-place paged KV. Unset: 256 when the specialist requests GPUs, 16 on CPU.")
     memory_fraction: float | None = Field(default=None, ge=0.05, le=0.98,
-                                          description="Share of accelerator memory left after the weights that the KV pool takes (sized once at start; the pool never grows). Default: the engine's own (0.5 on CPU, 0.9 on GPU).")
+                                          description="Share of the memory left after the weights and an activation reserve that the KV pool takes (GPU: free device memory; CPU: the node's available memory capped by the pod's memory limit). Sized once at start; the pool never grows. Default: the engine's own (0.5 on CPU, 0.9 on GPU).")
     num_blocks: int | None = Field(default=None, ge=1, le=10_000_000, description="Exact KV pool size in blocks (overrides memoryFraction sizing).")
     prefix_caching: bool = Field(default=True, description="Reuse KV blocks across requests sharing a prefix (key: specialist, adapter, token-prefix hash).")
 
