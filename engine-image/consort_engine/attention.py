@@ -27,8 +27,11 @@ from .triton_attention import paged_attention as triton_paged_attention, triton_
 
 try:  # pragma: no cover - only on CUDA machines with flash-attn
     from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
-except Exception:  # noqa: BLE001 - any import failure means "not available"
+    FLASH_IMPORT_ERROR = ""
+except Exception as e:  # noqa: BLE001 - any import failure means "not available"; CUDA runners log why
     flash_attn_varlen_func = flash_attn_with_kvcache = None
+    # a wheel built for another torch fails here (undefined symbol), which would otherwise go unseen
+    FLASH_IMPORT_ERROR = f"{type(e).__name__}: {e}"
 
 
 @dataclass
@@ -210,8 +213,9 @@ def default_block_size(device_type: str) -> int:
 
 
 def choose_backend(device: torch.device, dtype: torch.dtype, block_size: int) -> str:
-    """flash (CUDA + flash-attn, block_size % 256 == 0), triton (other CUDA cases), cpu_kernel (CPU,
-    fp32/bf16, a C compiler) or torch.
+    """flash (CUDA + flash-attn, fp16/bf16, block_size % 256 == 0), triton (other CUDA cases), cpu_kernel
+    (CPU, fp32/bf16, a C compiler) or torch. flash-attn has no fp32 kernels (it rejects the call), so
+    a float32 specialist on CUDA takes Triton even with 256-token blocks.
 
     CONSORT_ATTENTION_BACKEND=torch forces the portable path (tests compare the two); =triton forces the
     Triton kernel (on CPU only under TRITON_INTERPRET=1, which is how tests run it without a GPU)."""
@@ -219,7 +223,7 @@ def choose_backend(device: torch.device, dtype: torch.dtype, block_size: int) ->
     if forced == "torch" or (forced == "triton" and triton_available()):
         return forced
     if device.type == "cuda":
-        if flash_attn_varlen_func is not None and block_size % 256 == 0:
+        if flash_attn_varlen_func is not None and block_size % 256 == 0 and dtype in (torch.float16, torch.bfloat16):
             return "flash"
         return "triton" if triton_available() else "torch"
     if dtype in (torch.float32, torch.bfloat16) and cpu_kernels() is not None:

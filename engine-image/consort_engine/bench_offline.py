@@ -309,16 +309,17 @@ def run_hf(model_dir: Path, dtype: str, wl: Workload, args: argparse.Namespace) 
 
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).eval()
+    device = torch.device(getattr(args, "device", "cpu"))       # the engine's device: side by side on it
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).eval().to(device)
     model.generation_config.eos_token_id = None     # ignore EOS: every row runs max_new_tokens
     model.generation_config.pad_token_id = 0
-    log(f"transformers[{dtype}]: loaded in {time.perf_counter() - t0:.2f} s "
+    log(f"transformers[{dtype}]: loaded on {device} in {time.perf_counter() - t0:.2f} s "
         f"(attn {getattr(model.config, '_attn_implementation', '?')})")
 
     def batch_generate(prompts: list[list[int]], max_new: int):
         width = max(len(p) for p in prompts)
-        ids = torch.zeros((len(prompts), width), dtype=torch.long)
-        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        ids = torch.zeros((len(prompts), width), dtype=torch.long, device=device)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long, device=device)
         for i, p in enumerate(prompts):        # left padding
             ids[i, width - len(p):] = torch.tensor(p)
             mask[i, width - len(p):] = 1

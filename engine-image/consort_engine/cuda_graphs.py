@@ -199,17 +199,24 @@ class DecodeGraphs:
         t0 = time.monotonic()
         pool = torch.cuda.graph_pool_handle()
         order = self.buckets[::-1]
+        # warm-up and capture on one side stream (torch's recipe): cuBLAS / cuBLASLt set up their
+        # workspace per stream, so a warm-up on another stream than the capture's leaves that set-up
+        # to the capture itself
+        side, main = torch.cuda.Stream(self.runner.device), torch.cuda.current_stream(self.runner.device)
         log.info("capturing %d decode CUDA graphs (batch sizes %d..%d)", len(order), order[-1], order[0])
         for i, b in enumerate(order):
             # every row a pad row: the warm-up and the capture write K/V into the scratch block only
             pad_rows(self.buffers[b], 0, self.scratch_block, self.runner.block_size)
-            self._forward(b)
-            torch.cuda.synchronize(self.runner.device)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                self._forward(b)
+            side.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool, stream=side):
                 self.outputs[b] = self._forward(b)
             self.graphs[b] = graph
             if (i + 1) % 16 == 0:
                 log.info("decode CUDA graphs: %d/%d captured (%.1f s)", i + 1, len(order), time.monotonic() - t0)
+        main.wait_stream(side)
         torch.cuda.synchronize(self.runner.device)
         log.info("captured %d decode CUDA graphs in %.2f s", len(self.graphs), time.monotonic() - t0)

@@ -20,8 +20,9 @@ from consort_engine.config import EngineConfig
 from consort_engine.model_runner import ModelRunner
 from consort_engine.sequence import ScheduledBatch, SamplingParams, Sequence
 
-BS = 4
+BS = 4          # the block size of most cases here (the driver takes the runner's)
 NEW = 6
+SHARED = 32     # seq 5's prompt starts with seq 4's first 32 tokens: full blocks of 4, 8 and 16 tokens
 
 
 class Driver:
@@ -33,7 +34,7 @@ class Driver:
         random.Random(seed).shuffle(self.free)
 
     def ensure_blocks(self, seq: Sequence, upto: int) -> None:
-        while len(seq.block_table) * BS < upto:
+        while len(seq.block_table) * self.runner.block_size < upto:
             seq.block_table.append(self.free.pop())
 
     def step(self, work: list[tuple[Sequence, int]]) -> list[tuple[Sequence, torch.Tensor]]:
@@ -76,11 +77,13 @@ def run_mixed_schedule(runner: ModelRunner, prompts: list[list[int]], shared_pre
     # prefix: batched group), seq4 rest (long chunk over a cached prefix: SDPA with offset mask)
     record(d.step([(seqs[0], 1), (seqs[1], len(prompts[1])), (seqs[2], len(prompts[2])),
                    (seqs[3], len(prompts[3]) - 20), (seqs[4], len(prompts[4]) - 12)]))
-    # prefix-cache hit: seq5 starts on seq4's first full blocks, already computed
+    # prefix-cache hit: seq5 starts on seq4's first full blocks, already computed (none when a block
+    # is longer than the shared prefix: a partly filled block is never shared)
+    bs = runner.block_size
     for child, parent in shared_prefix_of.items():
-        shared = (12 // BS) * BS
-        assert prompts[child][:shared] == prompts[parent][:shared]
-        seqs[child].block_table = list(seqs[parent].block_table[: shared // BS])
+        shared = (SHARED // bs) * bs
+        assert prompts[child][:SHARED] == prompts[parent][:SHARED]
+        seqs[child].block_table = list(seqs[parent].block_table[: shared // bs])
         seqs[child].num_computed_tokens = shared
         seqs[child].num_cached_tokens = shared
     while True:
@@ -95,7 +98,7 @@ def make_prompts(vocab: int) -> tuple[list[list[int]], dict[int, int]]:
     g = torch.Generator().manual_seed(7)
     lens = [3, 9, 30, 29, 45]
     prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
-    prompts.append(prompts[4][:12] + torch.randint(3, vocab, (9,), generator=g).tolist())
+    prompts.append(prompts[4][:SHARED] + torch.randint(3, vocab, (9,), generator=g).tolist())
     return prompts, {5: 4}
 
 
@@ -125,6 +128,24 @@ def test_fp32_logits_and_greedy_tokens_match_transformers(arch, backend, checkpo
         assert len(got[i]) == NEW
         for step, (ours, theirs) in enumerate(zip(got[i], ref.logits)):
             torch.testing.assert_close(ours, theirs, atol=2e-4, rtol=1e-4, msg=f"seq {i} step {step}")
+
+
+@pytest.mark.parametrize("block_size", [16, 256])
+@pytest.mark.parametrize("backend", ["cpu_kernel", "torch"])
+def test_the_gpu_block_sizes_match_transformers_on_cpu(backend, block_size, checkpoint, monkeypatch):
+    """The schedule tests/gpu runs, at its block sizes (16: triton; 256: flash-attn's pages), here on CPU:
+    a failure there is then the CUDA path's, not the schedule's (seq 5 shares seq 4's full blocks at 16)."""
+    if backend != "cpu_kernel":
+        monkeypatch.setenv("CONSORT_ATTENTION_BACKEND", backend)
+    ckpt = checkpoint("llama")
+    runner = ModelRunner(EngineConfig(model=str(ckpt), block_size=block_size, num_blocks=64, dtype="float32"))
+    assert runner.backend == backend and runner.block_size == block_size
+    prompts, shared = make_prompts(runner.vocab_size)
+    seqs, got = run_mixed_schedule(runner, prompts, shared)
+    refs = hf_greedy(ckpt, prompts, NEW)
+    for i, (s, ref) in enumerate(zip(seqs, refs)):
+        assert s.output_token_ids == ref.tokens, f"seq {i}"
+        torch.testing.assert_close(torch.stack(got[i]), torch.stack(ref.logits), atol=2e-4, rtol=1e-4, msg=f"seq {i}")
 
 
 @pytest.mark.parametrize("compute", ["auto", "bf16"])
