@@ -254,8 +254,17 @@ class ModelRunner:
         return seqs_per_pool(pool_bytes, context_len, self.block_size, self.block_bytes, self.state_bytes_per_seq)
 
     def _pool_blocks(self) -> int:
+        available = mem_available(self.device)
+        where = "free device memory" if self.device.type == "cuda" else "MemAvailable capped by the cgroup memory limit"
         if self.config.num_blocks:
-            return int(self.config.num_blocks)
+            n = int(self.config.num_blocks)
+            log.info("KV pool: %d blocks (%.0f MiB), set by --num-blocks; %.0f MiB available (%s)",
+                     n, n * self.block_bytes / MiB, available / MiB, where)
+            if n * self.block_bytes > available:
+                log.warning("the KV pool (%.0f MiB) is larger than the memory available to this engine (%.0f MiB): "
+                            "it is committed as it fills, and the engine is OOM-killed when it passes the limit",
+                            n * self.block_bytes / MiB, available / MiB)
+            return n
         c = self.hf_config
         tokens = self.config.max_num_batched_tokens
         per_token = (6 * c.hidden_size + 3 * (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
@@ -267,12 +276,10 @@ class ModelRunner:
             m = self.model.mixers[0]
             per_token += 3 * (2 * m.inner + m.conv_dim + m.heads) * 4
         reserve = 2 * (tokens * per_token + scores + logits) + 256 * MiB
-        available = mem_available(self.device)
         free = available - reserve
         n = int(max(free, 0) * self.config.kv_memory_fraction) // max(self.block_bytes, 1)   # 0: no attention layer
         # more than every running sequence at full length can never be used
         n = min(n, self.config.max_num_seqs * math.ceil(self.max_model_len / self.block_size))
-        where = "free device memory" if self.device.type == "cuda" else "MemAvailable capped by the cgroup memory limit"
         if n < 1:
             raise RuntimeError(f"no memory left for the KV pool: {available / MiB:.0f} MiB available ({where}) "
                                f"less a {reserve / MiB:.0f} MiB activation reserve; give the engine more memory "

@@ -8,6 +8,7 @@ a failure names the step). Every wait is bounded and says what it waited for.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import threading
 import time
@@ -15,6 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from consort_operator.api.base import quantity_value
 from kube import NotYet, condition, wait_for
 from procs import free_port
 
@@ -109,6 +111,12 @@ def test_specialists_become_ready_through_real_readiness_probes(installed):
         assert not pod["status"]["podIP"].startswith("10.0."), "an engine pod got a kwok (fake) IP"
         sc = pod["spec"]["containers"][0]["securityContext"]
         assert sc["readOnlyRootFilesystem"] is True and pod["spec"]["securityContext"]["runAsNonRoot"] is True
+        # the engine sized its memory from its pod's limit (the container's cgroup), not the node's meminfo
+        engine = pod["spec"]["containers"][0]
+        log = c.kubectl("logs", "-n", NS, pod["metadata"]["name"], "-c", engine["name"]).stdout
+        seen = re.search(r"KV pool: \d+ blocks \(\d+ MiB\).*? (\d+) MiB available", log)
+        assert seen, log[-3000:]
+        assert 0 < int(seen.group(1)) * 2**20 <= quantity_value(engine["resources"]["limits"]["memory"]), seen.group(0)
 
 
 def test_openai_client_gets_routed_completions_and_a_stream(installed):
