@@ -12,6 +12,8 @@ Logprobs are those of the model (log_softmax of the raw logits), as the OpenAI A
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .guided import apply_mask
@@ -24,16 +26,50 @@ def _seed_for(seed: int, step: int) -> int:
     return ((seed * _SEED_MIX) ^ (step + 1) * 0xBF58476D1CE4E5B9) & ((1 << 63) - 1)
 
 
-def _token_counts(rows: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """[len(rows), vocab] float counts of each token id per row (one scatter_add over padded ids)."""
-    width = max((len(r) for r in rows), default=0)
-    ids = torch.full((len(rows), width), vocab, dtype=torch.int64)   # padding lands in an extra column
-    for j, r in enumerate(rows):
-        if r:
-            ids[j, : len(r)] = torch.tensor(r, dtype=torch.int64)
-    counts = torch.zeros(len(rows), vocab + 1, device=device)
-    counts.scatter_add_(1, ids.to(device), torch.ones(ids.shape, device=device))
-    return counts[:, :vocab]
+@dataclass
+class TokenCounts:
+    """A penalized sequence's token statistics, kept up to date with only the tokens added since the last
+    step, so that a penalty touches just the tokens it applies to: rebuilding dense [rows, vocab] counts
+    from the token lists every step was O(length + vocab) a row."""
+    seen: torch.Tensor | None = None        # [vocab] bool: in the prompt or the output
+    seen_ids: torch.Tensor | None = None    # the distinct ids of `seen` (repetition_penalty applies to them)
+    output: torch.Tensor | None = None      # [vocab] float: times in the output
+    output_ids: torch.Tensor | None = None  # the distinct output ids (frequency / presence apply to them)
+    seen_upto: int = 0                      # leading tokens of seq.token_ids counted in `seen`
+    output_upto: int = 0                    # leading output tokens counted in `output`
+
+    @staticmethod
+    def of(seq: Sequence) -> "TokenCounts":
+        if seq.penalty_counts is None:
+            seq.penalty_counts = TokenCounts()
+        return seq.penalty_counts
+
+    def distinct_seen(self, seq: Sequence, vocab: int, device: torch.device) -> torch.Tensor:
+        n = seq.num_tokens
+        if self.seen is None or n < self.seen_upto or self.seen.shape[0] != vocab or self.seen.device != device:
+            self.seen, self.seen_upto = torch.zeros(vocab, dtype=torch.bool, device=device), 0
+            self.seen_ids = torch.zeros(0, dtype=torch.int64, device=device)
+        if n > self.seen_upto:
+            new = torch.tensor(seq.token_ids[self.seen_upto:], dtype=torch.int64, device=device)
+            fresh = torch.unique(new[~self.seen[new]])
+            self.seen[fresh] = True
+            self.seen_ids = torch.cat([self.seen_ids, fresh])
+            self.seen_upto = n
+        return self.seen_ids
+
+    def distinct_output(self, seq: Sequence, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(distinct output ids, their counts)."""
+        n = seq.num_output_tokens
+        if self.output is None or n < self.output_upto or self.output.shape[0] != vocab or self.output.device != device:
+            self.output, self.output_upto = torch.zeros(vocab, device=device), 0
+            self.output_ids = torch.zeros(0, dtype=torch.int64, device=device)
+        if n > self.output_upto:
+            new = torch.tensor(seq.token_ids[seq.num_prompt_tokens + self.output_upto:], dtype=torch.int64,
+                               device=device)
+            self.output_ids = torch.cat([self.output_ids, torch.unique(new[self.output[new] == 0])])
+            self.output.index_add_(0, new, torch.ones(new.shape, device=device))
+            self.output_upto = n
+        return self.output_ids, self.output[self.output_ids]
 
 
 class Sampler:
@@ -105,21 +141,29 @@ class Sampler:
             r, t, b = zip(*bias)
             x.index_put_((torch.tensor(r, device=dev), torch.tensor(t, device=dev)),
                          torch.tensor(b, device=dev, dtype=x.dtype), accumulate=True)
+        # the penalties as transformers / OpenAI define them, on each row's distinct tokens only
         rep = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
         if rep:
-            seen = _token_counts([seqs[i].token_ids for i in rep], vocab, dev) > 0
-            pen = torch.tensor([[params[i].repetition_penalty] for i in rep], device=dev)
-            idx = torch.tensor(rep, device=dev)
-            sub = x.index_select(0, idx)
-            x.index_copy_(0, idx, torch.where(seen, torch.where(sub < 0, sub * pen, sub / pen), sub))
+            ids = [TokenCounts.of(seqs[i]).distinct_seen(seqs[i], vocab, dev) for i in rep]
+            rows, cols, lens = Sampler._spread(rep, ids, dev)
+            pen = torch.tensor([params[i].repetition_penalty for i in rep], device=dev).repeat_interleave(lens)
+            v = x[rows, cols]
+            x[rows, cols] = torch.where(v < 0, v * pen, v / pen)
         fp = [i for i, p in enumerate(params) if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0]
         if fp:
-            counts = _token_counts([seqs[i].output_token_ids for i in fp], vocab, dev)
-            freq = torch.tensor([[params[i].frequency_penalty] for i in fp], device=dev)
-            pres = torch.tensor([[params[i].presence_penalty] for i in fp], device=dev)
-            idx = torch.tensor(fp, device=dev)
-            x.index_copy_(0, idx, x.index_select(0, idx) - freq * counts - pres * (counts > 0))
+            ids, counts = zip(*(TokenCounts.of(seqs[i]).distinct_output(seqs[i], vocab, dev) for i in fp))
+            rows, cols, lens = Sampler._spread(fp, ids, dev)
+            freq = torch.tensor([params[i].frequency_penalty for i in fp], device=dev).repeat_interleave(lens)
+            pres = torch.tensor([params[i].presence_penalty for i in fp], device=dev).repeat_interleave(lens)
+            counts = torch.cat(counts)
+            x[rows, cols] = x[rows, cols] - freq * counts - pres * (counts > 0)
         return x
+
+    @staticmethod
+    def _spread(rows: list[int], ids: list[torch.Tensor] | tuple, dev: torch.device):
+        """(row index, column) pairs of every id of every row, and each row's id count."""
+        lens = torch.tensor([len(t) for t in ids], device=dev)
+        return torch.tensor(rows, device=dev).repeat_interleave(lens), torch.cat(ids), lens
 
     @staticmethod
     def _min_p(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:

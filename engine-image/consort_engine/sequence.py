@@ -104,6 +104,7 @@ class Sequence:
     mtp_start: int = 0
     state_slot: int = -1                               # hybrid models: row of the conv/SSM state pools (state_pool.py)
     swapped: "SwappedState | None" = field(default=None, repr=False)  # hybrids, preempted: KV + state in host memory
+    penalty_counts: Any = field(default=None, repr=False)  # sampler.TokenCounts of a penalized sequence
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -162,3 +162,35 @@ def test_frequency_and_presence_penalties_follow_openai_and_count_only_the_outpu
         want[j] -= c * 0.4 + (c > 0) * -0.7
     assert torch.allclose(got[0], want) and torch.equal(got[1], x[1])
     assert got[0, 30] == x[0, 30]                                              # prompt-only token: untouched
+
+
+def test_penalties_kept_step_by_step_equal_a_fresh_count_of_the_whole_history():
+    """The running per-sequence counts (only the tokens since the last step are added) give bit for bit
+    what the penalties computed from the whole token history give, step after step, including a
+    sequence seen for the first time mid-generation and a history that shrank (counted again)."""
+    import random
+
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    rng, vocab = random.Random(11), 96
+    params = [SamplingParams(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=-0.7),
+              SamplingParams(repetition_penalty=0.8), SamplingParams(frequency_penalty=1.1),
+              SamplingParams(logit_bias={3: 2.0}, presence_penalty=0.5)]
+    seqs = [history([rng.randrange(vocab) for _ in range(n)], [], p) for n, p in zip((40, 3, 17, 9), params)]
+    for step in range(30):
+        x = logits(len(seqs), vocab=vocab, seed=100 + step)
+        batch = seqs if step >= 5 else seqs[:2]          # rows 2-3 join the batch late
+        got = Sampler.penalize(x[:len(batch)], batch, [s.sampling for s in batch])
+        for i, s in enumerate(batch):
+            want = x[i:i + 1].clone()
+            for t, b in s.sampling.logit_bias.items():
+                want[0, t] += b
+            if s.sampling.repetition_penalty != 1.0:
+                want = RepetitionPenaltyLogitsProcessor(s.sampling.repetition_penalty)(torch.tensor([s.token_ids]), want)
+            c = torch.bincount(torch.tensor(s.output_token_ids, dtype=torch.int64), minlength=vocab).float()
+            want = want[0] - s.sampling.frequency_penalty * c - s.sampling.presence_penalty * (c > 0)
+            assert torch.equal(got[i], want), (step, i)
+        for s in seqs:
+            s.token_ids.extend(rng.choice([[rng.randrange(vocab)], [s.token_ids[-1]] * 2, []]))
+        if step == 20:
+            del seqs[0].token_ids[-3:]                   # a shorter history than last counted: recounted
