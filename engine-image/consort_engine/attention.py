@@ -212,8 +212,13 @@ def default_block_size(device_type: str) -> int:
     return 256 if device_type == "cuda" else 16
 
 
+def flash_capable(device: torch.device) -> bool:
+    """flash-attn 2 runs on Ampere and newer (compute capability 8.x+); a T4 / V100 fails at call time."""
+    return torch.cuda.get_device_capability(device)[0] >= 8
+
+
 def choose_backend(device: torch.device, dtype: torch.dtype, block_size: int) -> str:
-    """flash (CUDA + flash-attn, fp16/bf16, block_size % 256 == 0), triton (other CUDA cases), cpu_kernel
+    """flash (CUDA + flash-attn on Ampere+, fp16/bf16, block_size % 256 == 0), triton (other CUDA cases), cpu_kernel
     (CPU, fp32/bf16, a C compiler) or torch. flash-attn has no fp32 kernels (it rejects the call), so
     a float32 specialist on CUDA takes Triton even with 256-token blocks.
 
@@ -223,7 +228,8 @@ def choose_backend(device: torch.device, dtype: torch.dtype, block_size: int) ->
     if forced == "torch" or (forced == "triton" and triton_available()):
         return forced
     if device.type == "cuda":
-        if flash_attn_varlen_func is not None and block_size % 256 == 0 and dtype in (torch.float16, torch.bfloat16):
+        if (flash_attn_varlen_func is not None and block_size % 256 == 0 and dtype in (torch.float16, torch.bfloat16)
+                and flash_capable(device)):
             return "flash"
         return "triton" if triton_available() else "torch"
     if dtype in (torch.float32, torch.bfloat16) and cpu_kernels() is not None:

@@ -213,7 +213,7 @@ def run_engine(model_dir: Path, dtype: str, wl: Workload, args: argparse.Namespa
         res["overhead"] = decode_overhead(engine, args)
         res["prefix_ttft"] = prefix_ttft(engine, args)
     del engine
-    gc.collect()
+    free_memory()
     return res
 
 
@@ -303,6 +303,16 @@ def prefix_ttft(engine, args: argparse.Namespace, prefix_len: int = 1024, new: i
 # transformers baseline
 
 
+def free_memory() -> None:
+    """Between runs: the next engine sizes its pool from free memory (cudaMemGetInfo on CUDA), so the
+    last one's cached CUDA blocks go back too."""
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def run_hf(model_dir: Path, dtype: str, wl: Workload, args: argparse.Namespace) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
@@ -346,7 +356,7 @@ def run_hf(model_dir: Path, dtype: str, wl: Workload, args: argparse.Namespace) 
     log(f"transformers[{dtype}]: {wl.useful_tokens} useful tokens ({generated} generated) in {wall:.2f} s = "
         f"{res['tok_s']:.1f} useful tok/s ({res['generated_tok_s']:.1f} generated tok/s)")
     del model
-    gc.collect()
+    free_memory()
     return res
 
 
@@ -457,7 +467,7 @@ def run_agree(model_dir: Path, dtypes: list[str], wl: Workload, args: argparse.N
             for side in order:
                 got[side] = (run_engine(model_dir, dtype, wl, args, extras=False) if side == "offline"
                              else run_server(model_dir, dtype, wl, args))["tok_s"]
-                gc.collect()
+                free_memory()
             rows.append((dtype, r, got["offline"], got["server"], os.getloadavg()[0]))
     print(f"| dtype | round | offline tok/s | server tok/s | offline / server | load (1-min) |  "
           f"({len(wl.prompts)} requests, {args.threads} threads)")

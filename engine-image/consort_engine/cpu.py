@@ -69,29 +69,43 @@ def cgroup_cpu_limit(root: Path = CGROUP, self_cgroup: str | None = None) -> flo
 
 def cgroup_memory_available(root: Path = CGROUP, self_cgroup: str | None = None) -> int | None:
     """Bytes the cgroup's memory limit still leaves (limit - usage + reclaimable page cache), or None
-    without a limit: v2 `memory.max` / `memory.current`, v1 `memory.limit_in_bytes` (and the
-    hierarchical limit of the parents) / `memory.usage_in_bytes`; both count page cache as usage,
-    which the kernel reclaims before it OOM-kills, so inactive file pages count as available."""
+    without a limit. v2: `memory.max` / `memory.current` of the process's cgroup and every parent up to
+    the mount (a limit on a parent binds a child, e.g. a systemd slice), the smallest headroom; v1:
+    `memory.limit_in_bytes` and the parents' `hierarchical_memory_limit` / `memory.usage_in_bytes`. Both
+    count page cache as usage, which the kernel reclaims before it OOM-kills, so inactive file pages
+    count as available."""
     for d in cgroup_dirs(root, "memory", _self_cgroup() if self_cgroup is None else self_cgroup):
-        try:
-            limit_text = (d / "memory.max").read_text().strip()
-            usage = int((d / "memory.current").read_text())
-            stat_key, v1 = "inactive_file", False
-        except (OSError, ValueError):
-            try:
-                limit_text = (d / "memory.limit_in_bytes").read_text().strip()
-                usage = int((d / "memory.usage_in_bytes").read_text())
-                stat_key, v1 = "total_inactive_file", True
-            except (OSError, ValueError):
-                continue
-        stat = _memory_stat(d / "memory.stat")
-        limit = None if limit_text == "max" else int(limit_text)
-        if v1 and "hierarchical_memory_limit" in stat:
-            limit = min(limit, stat["hierarchical_memory_limit"])
-        if limit is None or limit >= V1_NO_LIMIT:
-            return None
-        return max(0, limit - usage + stat.get(stat_key, 0))
+        if (d / "memory.max").exists():
+            found = [a for a in map(_v2_headroom, [d, *(p for p in d.parents if p == root or root in p.parents)])
+                     if a is not None]
+            return min(found) if found else None
+        if (d / "memory.limit_in_bytes").exists():
+            return _v1_headroom(d)
     return None
+
+
+def _v2_headroom(d: Path) -> int | None:
+    try:
+        limit = (d / "memory.max").read_text().strip()
+        usage = int((d / "memory.current").read_text())
+    except (OSError, ValueError):
+        return None
+    if limit == "max":
+        return None
+    return max(0, int(limit) - usage + _memory_stat(d / "memory.stat").get("inactive_file", 0))
+
+
+def _v1_headroom(d: Path) -> int | None:
+    try:
+        limit = int((d / "memory.limit_in_bytes").read_text())
+        usage = int((d / "memory.usage_in_bytes").read_text())
+    except (OSError, ValueError):
+        return None
+    stat = _memory_stat(d / "memory.stat")
+    limit = min(limit, stat.get("hierarchical_memory_limit", limit))
+    if limit >= V1_NO_LIMIT:
+        return None
+    return max(0, limit - usage + stat.get("total_inactive_file", 0))
 
 
 def _memory_stat(path: Path) -> dict[str, int]:

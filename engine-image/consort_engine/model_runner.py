@@ -256,6 +256,9 @@ class ModelRunner:
     def _pool_blocks(self) -> int:
         available = mem_available(self.device)
         where = "free device memory" if self.device.type == "cuda" else "MemAvailable capped by the cgroup memory limit"
+        if self.device.type == "cpu" and self.tp.size > 1:   # the ranks share the host (and the pod's limit)
+            available //= self.tp.size
+            where += f", a 1/{self.tp.size} share per rank"
         if self.config.num_blocks:
             n = int(self.config.num_blocks)
             log.info("KV pool: %d blocks (%.0f MiB), set by --num-blocks; %.0f MiB available (%s)",

@@ -30,7 +30,6 @@ from .state_pool import SwappedState, pick_victim
 
 _RUNNING = SequenceStatus.RUNNING
 _WAITING = SequenceStatus.WAITING
-_FINISHED = SequenceStatus.FINISHED
 
 
 @dataclass(slots=True)
@@ -171,8 +170,7 @@ class Scheduler:
                 return None
             seq = self.running.pop(k)      # by position: Sequence's dataclass __eq__ compares tokens
             self.block_manager.free(seq)
-        seq.status = _FINISHED
-        seq.finish_reason = "abort"
+        seq.finish("abort")
         return seq
 
     def take_pending_outputs(self) -> list[StepOutput]:
@@ -189,8 +187,7 @@ class Scheduler:
         if blocks_for(len(seq.token_ids) + self.num_lookahead, bm.block_size) > bm.num_blocks:
             # It has outgrown the whole pool: it could never be readmitted (and would block the
             # head of the queue forever). It ends here, truncated, like hitting max_model_len.
-            seq.status = _FINISHED
-            seq.finish_reason = "length"
+            seq.finish("length")
             self._pending_outputs.append(StepOutput(seq.seq_id, [], True, "length", None))
             return
         seq.num_computed_tokens = 0
@@ -409,8 +406,7 @@ class Scheduler:
                 if seq.num_computed_tokens // bs != before // bs:
                     bm.cache_computed_blocks(seq)
             else:
-                seq.status = _FINISHED
-                seq.finish_reason = reason
+                seq.finish(reason)
                 bm.free(seq)
                 finished_any = True
             outputs.append(StepOutput(seq.seq_id, new, reason is not None, reason, new_lps or None,

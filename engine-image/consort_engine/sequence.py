@@ -111,6 +111,12 @@ class Sequence:
         if self.sampling.prompt_logprobs is not None:
             self.prompt_logprobs = PromptLogprobs()
 
+    def finish(self, reason: str) -> None:
+        """Ends the sequence (stop | length | abort) and drops what the sampler kept for it."""
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+        self.penalty_counts = None
+
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)

@@ -26,7 +26,15 @@ print(json.dumps({"pool": r.num_blocks * r.block_bytes, "available": mem_availab
 
 
 def can_make_memory_cgroups() -> bool:
-    return os.geteuid() == 0 and os.access(PARENT, os.W_OK) and (not V2 or "memory" in (ROOT / "cgroup.controllers").read_text())
+    if os.geteuid() != 0 or not os.access(PARENT, os.W_OK):
+        return False
+    if not V2:
+        return (PARENT / "memory.limit_in_bytes").exists()
+    try:   # a v2 root with processes of its own cannot enable controllers for children (EBUSY)
+        (ROOT / "cgroup.subtree_control").write_text("+memory")
+        return True
+    except OSError:
+        return False
 
 
 @pytest.fixture
@@ -36,8 +44,6 @@ def memory_cgroup():
 
     def make(limit: int) -> Path:
         d = PARENT / f"consort-test-{uuid.uuid4().hex[:8]}"
-        if V2:
-            (ROOT / "cgroup.subtree_control").write_text("+memory")
         d.mkdir()
         made.append(d)
         (d / ("memory.max" if V2 else "memory.limit_in_bytes")).write_text(str(limit))
@@ -65,12 +71,16 @@ def test_the_kv_pool_fits_the_cgroup_limit_not_the_node(memory_cgroup, tmp_path)
     sized = json.loads(out.stdout.strip().splitlines()[-1])
     assert 0 < sized["available"] <= LIMIT
     assert 0 < sized["pool"] <= LIMIT // 2          # kv_memory_fraction 0.5 of what the limit leaves
-    # the same sizing outside the cgroup sees the node (this machine has far more than 3 GiB free)
+    # the same sizing outside the cgroup sees the node: more than the limit wherever the node has room
     outside = size_pool_in(None, model)
     assert outside.returncode == 0, outside.stderr[-2000:]
-    assert json.loads(outside.stdout.strip().splitlines()[-1])["pool"] > LIMIT
-    # a limit that leaves nothing after the activation reserve: a start-up error that says what to change
-    starved = size_pool_in(memory_cgroup(768 << 20), model)
+    node = json.loads(outside.stdout.strip().splitlines()[-1])
+    assert node["available"] > sized["available"]
+    if node["available"] > 4 * LIMIT:
+        assert node["pool"] > LIMIT
+    # a limit that leaves nothing after the activation reserve (~1.3 GiB at 16k positions): a start-up
+    # error that says what to change
+    starved = size_pool_in(memory_cgroup(1 << 30), model)
     assert starved.returncode != 0
     assert "no memory left for the KV pool" in starved.stderr and "spec.kv.numBlocks" in starved.stderr, \
         starved.stderr[-2000:]

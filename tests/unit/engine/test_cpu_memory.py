@@ -49,3 +49,12 @@ def test_memory_available_is_the_node_capped_by_the_cgroup():
     assert memory_available(meminfo, 10**15) == 20000000 * 1024
     with pytest.raises(RuntimeError, match="MemAvailable"):
         memory_available("MemTotal: 1 kB\n", None)
+
+
+def test_v2_a_parents_limit_binds_a_child_without_one(tmp_path):
+    """systemd slices, batch schedulers: the limit sits on a parent of the process's own cgroup."""
+    write(tmp_path / "job", memory_max=f"{2 * GiB}\n", memory_current=f"{GiB}\n", memory_stat="inactive_file 0\n")
+    write(tmp_path / "job" / "step" / "task", memory_max="max\n", memory_current=f"{GiB // 2}\n")
+    write(tmp_path / "job" / "step", memory_max=f"{8 * GiB}\n", memory_current=f"{GiB}\n")
+    write(tmp_path, memory_max="max\n", memory_current=f"{4 * GiB}\n")         # outside the job: not counted
+    assert cgroup_memory_available(tmp_path, "0::/job/step/task\n") == GiB
