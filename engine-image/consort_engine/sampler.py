@@ -5,8 +5,8 @@ repetition over prompt + output as transformers' RepetitionPenaltyLogitsProcesso
 frequency/presence over the output), so greedy requests see them too. Structured output's grammar
 mask (guided.apply_mask) follows, as one masked_fill over the batch. All-greedy batches are then
 one argmax; otherwise temperature, top-k, top-p, min-p and typical-p (transformers' warper order)
-become per-row tensors and the draw is an exponential race (argmax p / E, E ~ Exp(1)), which samples
-exactly from p. A seeded request draws its noise from a generator seeded with
+become per-row tensors and the draw inverts each row's cumulative distribution at one uniform variate,
+which samples exactly from p. A seeded request draws its noise from a generator seeded with
 (seed, output index), so its tokens do not depend on what else is in the batch, nor on preemption.
 Logprobs are those of the model (log_softmax of the raw logits), as the OpenAI API reports them.
 """
@@ -120,13 +120,21 @@ class Sampler:
             if any(p.typical_p < 1.0 for p in params):
                 x = self._typical(x, torch.tensor([[p.typical_p] for p in params], device=dev))
         probs = torch.softmax(x, dim=-1)
-        noise = torch.empty_like(probs).exponential_()
+        # Inverse CDF: one uniform per row picks the first token whose cumulative probability passes it
+        # (an exponential race drew one variate per vocabulary entry: ~20 ms a step for 32 rows of 32k
+        # on CPU, longer than the decode step).
+        u = torch.rand(probs.shape[0], 1, device=dev)
         for i, (s, p) in enumerate(zip(seqs, params)):
             if p.seed is not None and not greedy[i]:
                 g = torch.Generator(device=dev)
                 g.manual_seed(_seed_for(p.seed, s.num_output_tokens))
-                noise[i].exponential_(generator=g)
-        tokens = (probs / noise.clamp_min_(1e-20)).argmax(dim=-1)
+                u[i] = torch.rand(1, generator=g, device=dev)
+        cdf = probs.cumsum(dim=-1)
+        tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).view(-1).clamp_(max=probs.shape[-1] - 1)
+        # u * total may round up to the total, and a parallel scan (CUDA) may step by an ulp over a token of
+        # probability 0 (masked by a warper or a grammar): such a draw takes the most likely token instead
+        drawn = probs.gather(1, tokens.view(-1, 1)).view(-1) > 0
+        tokens = torch.where(drawn, tokens, probs.argmax(dim=-1))
         if any(greedy):
             tokens = torch.where(torch.tensor(greedy, device=dev), logits.max(dim=-1).indices, tokens)
         return tokens
@@ -186,12 +194,25 @@ class Sampler:
 
     @staticmethod
     def _top_p(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-        """Smallest set of most likely tokens whose mass reaches p (transformers' TopPLogitsWarper)."""
-        sorted_x, idx = torch.sort(x, dim=-1, descending=False)
-        cum = sorted_x.softmax(dim=-1).cumsum(dim=-1)
-        remove = cum <= (1 - p)
-        remove[:, -1] = False
-        return x.masked_fill(remove.scatter(1, idx, remove), -float("inf"))
+        """Smallest set of most likely tokens whose mass reaches p (transformers' TopPLogitsWarper; a token
+        tied with the least likely kept one is kept too); rows with p >= 1 untouched. Each row's nucleus
+        is looked for among its 64 most likely tokens, then 1,024, then all of them, each round over the
+        rows still open: a partial top-k instead of sorting every row's vocabulary (37 ms a step for 32
+        rows of 32k on CPU; the peaked rows of a language model close in the first round)."""
+        probs = x.softmax(dim=-1)
+        vocab = x.shape[-1]
+        least = torch.zeros_like(p)                      # the least likely kept probability; 0 keeps all
+        rows = (p[:, 0] < 1.0).nonzero().view(-1)
+        k = min(64, vocab)
+        while rows.numel():
+            sub, ps = probs.index_select(0, rows), p.index_select(0, rows)
+            top = sub.topk(k, dim=-1).values if k < vocab else sub.sort(dim=-1, descending=True).values
+            cum = top.cumsum(dim=-1)
+            done = (cum[:, -1] >= ps[:, 0]) | (k == vocab)
+            n = (cum < ps).sum(dim=-1, keepdim=True).clamp_(max=k - 1)
+            least.index_copy_(0, rows[done], top.gather(1, n)[done])
+            rows, k = rows[~done], min(16 * k, vocab)
+        return x.masked_fill(probs < least, -float("inf"))
 
     @staticmethod
     def _typical(x: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:

@@ -60,6 +60,18 @@ def test_sampling_follows_the_distribution():
     assert torch.allclose(freq, probs, atol=0.03), freq
 
 
+def test_draws_follow_a_wide_distribution_and_never_a_masked_token():
+    torch.manual_seed(1234)
+    x = torch.randn(64, generator=torch.Generator().manual_seed(9)) * 2
+    x[::3] = -float("inf")                         # every third token masked: probability 0
+    probs = torch.softmax(x, -1)
+    n = 20000
+    tokens, _ = Sampler().sample(x.expand(n, 64).contiguous(), seqs_with(*[SamplingParams(temperature=1.0)] * n))
+    freq = torch.bincount(torch.tensor(tokens), minlength=64).float() / n
+    assert freq[::3].sum() == 0
+    assert (freq - probs).abs().max() < 0.015, (freq - probs).abs().max()    # ~5 sigma at the largest p
+
+
 def test_top_k_restricts_support():
     x = logits(1, vocab=100, seed=3).expand(500, 100).contiguous()
     tokens, _ = Sampler().sample(x, seqs_with(*[SamplingParams(temperature=5.0, top_k=3)] * 500))
@@ -74,6 +86,27 @@ def test_top_p_restricts_support_per_row():
     tokens, _ = Sampler().sample(x, seqs_with(*params))
     assert set(tokens[:300]) == {0, 1}          # 0.5 + 0.3 reaches 0.7
     assert set(tokens[300:]) == {0, 1, 2}       # 0.95 needed for 0.9
+
+
+def test_top_p_keeps_the_support_transformers_keeps():
+    """Peaked rows (the nucleus within the first 64 candidates), wide ones (within 1,024) and flat ones
+    (the whole vocabulary), p from 0.1 to 0.99, rows with p = 1 untouched: the kept tokens are transformers'."""
+    from transformers import TopPLogitsWarper
+
+    g = torch.Generator().manual_seed(21)
+    x = torch.randn(60, 5000, generator=g) * torch.tensor([0.3, 3.0, 8.0]).repeat(20)[:, None]
+    ps = torch.tensor([0.1, 0.5, 0.9, 0.95, 0.99, 1.0]).repeat(10)[:, None]
+    got = torch.isinf(Sampler._top_p(x, ps))
+    boundary = 0
+    for i in range(x.shape[0]):
+        want = torch.isinf(TopPLogitsWarper(top_p=float(ps[i]))(None, x[i:i + 1].clone()))[0]
+        if not torch.equal(got[i], want):
+            # float rounding at the edge: transformers sums the tail ascending, we sum the head
+            # descending; where p sits within float error of a partial sum the two cut one token apart
+            boundary += 1
+            kept = x[i].softmax(-1)[~got[i]].sum()
+            assert int((got[i] != want).sum()) == 1 and abs(float(kept) - float(ps[i])) < 1e-6, i
+    assert boundary <= 1
 
 
 def test_typical_p_drops_atypical_tokens():
