@@ -196,7 +196,7 @@ def run_engine(model_dir: Path, dtype: str, wl: Workload, args: argparse.Namespa
     log(f"engine[{dtype}]: loaded in {load_s:.2f} s, warmed up in {warm_s:.2f} s; "
         f"{engine.block_manager.num_blocks} KV blocks"
         + (f", {len(graphs.graphs)} decode CUDA graphs" if graphs else ""))
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in wl.output_lens]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, **sampling(args, i)) for i, n in enumerate(wl.output_lens)]
     t0 = time.perf_counter()
     with ticker(f"engine[{dtype}]", lambda: f"{engine.num_steps} steps"):
         outs = engine.generate(wl.prompts, params)
@@ -334,8 +334,10 @@ def run_hf(model_dir: Path, dtype: str, wl: Workload, args: argparse.Namespace) 
             ids[i, width - len(p):] = torch.tensor(p)
             mask[i, width - len(p):] = 1
         with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new,
-                                 do_sample=False, pad_token_id=0)
+            drawn = sampling(args, 0)
+            how = ({"do_sample": True, "temperature": drawn["temperature"], "top_p": drawn["top_p"]}
+                   if drawn["temperature"] else {"do_sample": False})
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, pad_token_id=0, **how)
         return out.shape[1] - width
 
     batch_generate([wl.prompts[0][:16]] * 2, 4)   # warm-up, not timed
@@ -414,15 +416,23 @@ def startup_to_ready(model_dir: Path, dtype: str, args: argparse.Namespace, time
     return {"ready_s": ready_s, "engine_log": own}
 
 
+def sampling(args: argparse.Namespace, i: int) -> dict:
+    """Request i's sampling parameters: greedy by default; with --temperature, seeded per request."""
+    temperature = getattr(args, "temperature", 0.0)
+    if not temperature:
+        return {"temperature": 0.0}
+    return {"temperature": temperature, "top_p": getattr(args, "top_p", 1.0), "seed": args.seed + i}
+
+
 def run_server(model_dir: Path, dtype: str, wl: Workload, args: argparse.Namespace, timeout: float = 600.0) -> dict:
     """The same workload through a real `consort engine` process: every request sent at once (as the
-    offline run adds them all at once), token-id prompts, greedy, EOS ignored, non-streaming."""
+    offline run adds them all at once), token-id prompts, the same sampling, EOS ignored, non-streaming."""
     import asyncio
 
     import aiohttp
 
-    async def one(url: str, session, prompt: list[int], n: int) -> int:
-        body = {"model": "bench", "prompt": prompt, "max_tokens": n, "temperature": 0.0, "ignore_eos": True}
+    async def one(url: str, session, i: int, prompt: list[int], n: int) -> int:
+        body = {"model": "bench", "prompt": prompt, "max_tokens": n, "ignore_eos": True, **sampling(args, i)}
         async with session.post(f"{url}/v1/completions", json=body) as r:
             data = await r.json()
             if r.status != 200:
@@ -443,7 +453,8 @@ def run_server(model_dir: Path, dtype: str, wl: Workload, args: argparse.Namespa
                     pass
                 await asyncio.sleep(0.1)
             t0 = time.perf_counter()
-            got = await asyncio.gather(*(one(url, session, p, n) for p, n in zip(wl.prompts, wl.output_lens)))
+            got = await asyncio.gather(*(one(url, session, i, p, n)
+                                         for i, (p, n) in enumerate(zip(wl.prompts, wl.output_lens))))
             return time.perf_counter() - t0, list(got)
 
     with engine_process(model_dir, dtype, args) as (proc, lines, url), ticker(f"server[{dtype}]", lambda: "running"):
@@ -569,6 +580,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, default=None, help="number of requests (default 64; 16 with --quick)")
     p.add_argument("--quick", action="store_true", help="16 requests: a fast sanity run")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sample the engine runs at this temperature (seeded per request; default greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature: nucleus sampling")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     # Defaults are `consort engine`'s own (EngineConfig's), so a bare bench runs the engine a bare server runs.
     p.add_argument("--block-size", type=int, default=EngineConfig.block_size)

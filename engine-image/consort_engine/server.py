@@ -227,7 +227,7 @@ async def generate(ctx: ServerContext, req: P.GenerationRequest, seq: Sequence, 
     """Yield text deltas for an admitted sequence; stops the sequence in the engine on a stop string."""
     detok = IncrementalDetokenizer(ctx.tokenizer, seq.prompt_token_ids, req.skip_special_tokens)
     matcher = StopStringMatcher(req.sampling.stop)
-    k = req.logprobs
+    k = seq.sampling.logprobs    # best_of ranks by them: the sequence has them even where the request did not ask
     total = 0
     async for out in stream:
         plp = getattr(out, "prompt_logprobs", None)

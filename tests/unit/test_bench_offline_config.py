@@ -38,3 +38,10 @@ def test_the_server_process_gets_the_same_argv(tmp_path):
     argv = bench_offline.server_argv(tmp_path, "float32", args)
     assert argv[argv.index("--threads") + 1] == "2"           # the server sizes its pools as the bench did
     assert "--num-blocks" not in argv                          # both size the KV pool from free memory
+
+
+def test_sampled_runs_are_seeded_per_request_and_greedy_by_default():
+    assert bench_offline.sampling(bench_args([]), 3) == {"temperature": 0.0}
+    args = bench_args(["--temperature", "0.8", "--top-p", "0.9", "--seed", "5"])
+    assert [bench_offline.sampling(args, i) for i in (0, 3)] == [
+        {"temperature": 0.8, "top_p": 0.9, "seed": 5}, {"temperature": 0.8, "top_p": 0.9, "seed": 8}]

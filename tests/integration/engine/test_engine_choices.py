@@ -55,11 +55,17 @@ def test_several_prompts_and_n_stream_every_choice_with_its_index(engine, client
 
 
 def test_best_of_returns_the_n_samples_with_the_highest_cumulative_logprob(engine, client):
-    """best_of=4, n=2 draws the same four seeded samples as n=4 and keeps the two most likely."""
-    kw = dict(model="spec", prompt=LONG, max_tokens=5, temperature=1.0, seed=5, extra_body=GREEDY)
-    four = client.completions.create(n=4, logprobs=0, **kw)
-    sums = [sum(c.logprobs.token_logprobs) for c in four.choices]
-    best = sorted(sorted(range(4), key=lambda i: -sums[i])[:2])
+    """best_of=4, n=2 draws the same four seeded samples as n=4 and keeps the two most likely. The seed
+    is one whose two most likely samples are not the first two (the ranking must do something: without
+    the samples' logprobs every sum was 0 and the first two came back)."""
+    for seed in range(5, 15):
+        kw = dict(model="spec", prompt=LONG, max_tokens=5, temperature=1.0, seed=seed, extra_body=GREEDY)
+        four = client.completions.create(n=4, logprobs=0, **kw)
+        sums = [sum(c.logprobs.token_logprobs) for c in four.choices]
+        best = sorted(sorted(range(4), key=lambda i: -sums[i])[:2])
+        if best != [0, 1]:
+            break
+    assert best != [0, 1], "ten seeds, each with its two most likely samples first"
     r = client.completions.create(n=2, best_of=4, **kw)
     assert [c.index for c in r.choices] == [0, 1] and all(c.logprobs is None for c in r.choices)
     assert [c.text for c in r.choices] == [four.choices[i].text for i in best]
