@@ -41,7 +41,8 @@ def role_consort(a: argparse.Namespace) -> dict:
     from consort_engine import bench_offline
     p = argparse.ArgumentParser()
     bench_offline.add_args(p)
-    args = p.parse_args(["--engine-only", "--no-startup"])
+    args = p.parse_args(["--engine-only", "--no-startup", "--seed", str(a.seed), "--temperature", str(a.temperature),
+                         "--top-p", str(a.top_p)])
     wl = workload(a.mix, a.requests, a.seed)
     res = bench_offline.run_engine(Path(a.model), a.dtype, wl, args)
     return {"tok_s": res["tok_s"], "wall_s": res["wall_s"], "output_tokens": wl.useful_tokens,
@@ -57,7 +58,9 @@ def role_vllm(a: argparse.Namespace) -> dict:
     load_s = time.perf_counter() - t0
     warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, detokenize=False)
     llm.generate([TokensPrompt(prompt_token_ids=wl.prompts[0])], warm, use_tqdm=False)
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False) for n in wl.output_lens]
+    drawn = ([dict(temperature=a.temperature, top_p=a.top_p, seed=a.seed + i) for i in range(len(wl.prompts))]
+             if a.temperature else [dict(temperature=0.0)] * len(wl.prompts))   # as bench_offline.sampling
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, detokenize=False, **d) for n, d in zip(wl.output_lens, drawn)]
     t0 = time.perf_counter()
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in wl.prompts], params, use_tqdm=False)
     wall = time.perf_counter() - t0
@@ -81,7 +84,8 @@ def vllm_env(venv_python: str, cores: str) -> dict:
 def run_side(python: str, role: str, a: argparse.Namespace, mix: str, dtype: str, env: dict | None) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         cmd = [python, __file__, "--role", role, "--model", a.model, "--mix", mix, "--dtype", dtype,
-               "--requests", str(a.requests), "--seed", str(a.seed), "--out", out.name]
+               "--requests", str(a.requests), "--seed", str(a.seed), "--temperature", str(a.temperature),
+               "--top-p", str(a.top_p), "--out", out.name]
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.timeout)
         if proc.returncode != 0:
@@ -101,6 +105,8 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0, help="sampled runs (seeded per request); default greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--cores", default=None, help="cores vLLM binds its OpenMP threads to (default: all, e.g. 0-1)")
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--role", choices=["consort", "vllm"], help=argparse.SUPPRESS)

@@ -53,16 +53,20 @@ def choice_ebnf(choices: list[str]) -> str:
 
 # xgrammar 0.2.8 writes length-bounded strings (maxLength/minLength) with a class that lets raw
 # control characters through, which strict JSON parsers (Python's json.loads) refuse; unbounded
-# strings already exclude them. Close the class the same way.
+# strings already exclude them. And both classes accept UTF-8-encoded surrogates (ED A0-BF xx), which
+# are not UTF-8: the output decodes them as three U+FFFD, so a string the grammar counted as 12
+# characters came out as 14 and broke its maxLength. Every string character class excludes both.
 _LOOSE_STRING_CHAR = r'[^\"\\\r\n]'
-_STRICT_STRING_CHAR = r'[^\0-\x1f\"\\\r\n]'
+_XGRAMMAR_STRING_CHAR = r'[^\0-\x1f\"\\\r\n]'
+_STRICT_STRING_CHAR = r'[^\0-\x1f\"\\\r\n\uD800-\uDFFF]'
 
 
 def schema_ebnf(xgr: Any, schema: str) -> str:
     """EBNF for a JSON schema: compact JSON (no free whitespace, or a weak model pads with spaces
-    until max_tokens), properties in the schema's order, strings without raw control characters."""
+    until max_tokens), properties in the schema's order, strings of well-formed UTF-8 without raw
+    control characters."""
     text = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True))
-    return text.replace(_LOOSE_STRING_CHAR, _STRICT_STRING_CHAR)
+    return text.replace(_LOOSE_STRING_CHAR, _STRICT_STRING_CHAR).replace(_XGRAMMAR_STRING_CHAR, _STRICT_STRING_CHAR)
 
 
 class Grammars:

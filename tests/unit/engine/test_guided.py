@@ -154,3 +154,14 @@ def test_draft_is_cut_at_the_first_refused_token_and_window_rows_follow_the_draf
             assert one.accept_token(t)
     assert masked[3, d].item() == 0 and torch.isinf(masked[3, x]) and torch.isinf(masked[0, b])
     assert m.accept_token(a)          # the window left the matcher at its start
+
+
+@pytest.mark.parametrize("string", [{"type": "string", "maxLength": 12}, {"type": "string"}], ids=["bounded", "free"])
+def test_json_strings_hold_well_formed_utf8_only(grammars, string):
+    """UTF-8-encoded surrogates (ED A0-BF xx) are not UTF-8: they decode as three U+FFFD, so a string the
+    grammar counted as one character too few came out longer than its maxLength (seen on a sampled draw)."""
+    spec = GuidedSpec("json_schema", json.dumps({"type": "object", "properties": {"s": string}, "required": ["s"],
+                                                 "additionalProperties": False}), "response_format")
+    assert grammars.matcher(spec).accept_string('{"s": "ab\u3042'.encode())           # a real 3-byte character
+    assert not grammars.matcher(spec).accept_string(b'{"s": "ab\xed\xbb\xb4')          # U+DEF4, a surrogate
+    assert not grammars.matcher(spec).accept_string(b'{"s": "ab\x01')                  # a raw control character
