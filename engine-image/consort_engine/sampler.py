@@ -193,25 +193,28 @@ class Sampler:
         return x.masked_fill(x < thresh, -float("inf"))
 
     @staticmethod
-    def _top_p(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    def _top_p(x: torch.Tensor, p: torch.Tensor, buckets: int = 2048, span: float = 40.0) -> torch.Tensor:
         """Smallest set of most likely tokens whose mass reaches p (transformers' TopPLogitsWarper; a token
-        tied with the least likely kept one is kept too); rows with p >= 1 untouched. Each row's nucleus
-        is looked for among its 64 most likely tokens, then 1,024, then all of them, each round over the
-        rows still open: a partial top-k instead of sorting every row's vocabulary (37 ms a step for 32
-        rows of 32k on CPU; the peaked rows of a language model close in the first round)."""
+        tied with the least likely kept one is kept too); rows with p >= 1 untouched.
+
+        Without sorting the vocabulary (37 ms a step for 32 rows of 32k on CPU): the tokens fall into
+        `buckets` slices of logit below the row's best (anything `span` below in the last), one
+        scatter_add gives each slice's mass, and only the slice where the running mass reaches p is
+        ranked exactly (a top-k over its members: a few dozen tokens even on a flat row)."""
         probs = x.softmax(dim=-1)
-        vocab = x.shape[-1]
-        least = torch.zeros_like(p)                      # the least likely kept probability; 0 keeps all
-        rows = (p[:, 0] < 1.0).nonzero().view(-1)
-        k = min(64, vocab)
-        while rows.numel():
-            sub, ps = probs.index_select(0, rows), p.index_select(0, rows)
-            top = sub.topk(k, dim=-1).values if k < vocab else sub.sort(dim=-1, descending=True).values
-            cum = top.cumsum(dim=-1)
-            done = (cum[:, -1] >= ps[:, 0]) | (k == vocab)
-            n = (cum < ps).sum(dim=-1, keepdim=True).clamp_(max=k - 1)
-            least.index_copy_(0, rows[done], top.gather(1, n)[done])
-            rows, k = rows[~done], min(16 * k, vocab)
+        best = x.amax(dim=-1, keepdim=True)
+        scale = buckets / span
+        bucket = ((best - x).clamp_(max=span * (1 - 1e-6)) * scale).long()          # -inf logits: the last
+        mass = torch.zeros(x.shape[0], buckets, device=x.device).scatter_add_(1, bucket, probs)
+        before = mass.cumsum(dim=-1)
+        edge = (before < p).sum(dim=-1, keepdim=True).clamp_(max=buckets - 1)      # the slice where p is reached
+        above = torch.where(edge > 0, before.gather(1, (edge - 1).clamp_(min=0)), torch.zeros_like(p))
+        members = torch.where(bucket == edge, probs, torch.full_like(probs, -1.0))
+        width = int((bucket == edge).sum(dim=-1).max())
+        top = members.topk(max(width, 1), dim=-1).values                            # descending, -1 padded
+        cum = above + top.clamp(min=0).cumsum(dim=-1)
+        n = (cum < p).sum(dim=-1, keepdim=True).clamp_(max=top.shape[-1] - 1)
+        least = torch.where(p >= 1.0, torch.zeros_like(p), top.gather(1, n).clamp_(min=0))
         return x.masked_fill(probs < least, -float("inf"))
 
     @staticmethod
