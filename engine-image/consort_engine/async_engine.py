@@ -261,9 +261,14 @@ class AsyncEngine:
             if not cmd.future.set_running_or_notify_cancel():
                 return
             try:
-                cmd.future.set_result(cmd.fn(engine))
+                result = cmd.fn(engine)
             except BaseException as e:
                 cmd.future.set_exception(e)
+            else:
+                # before the answer: a client told "loaded" must find it in /v1/status (the batch's own
+                # refresh came after the answer, and a quick status read saw the adapter missing)
+                self._refresh()
+                cmd.future.set_result(result)
 
     def _loop_steps(self) -> None:
         engine, cmds = self.engine, self._cmds
