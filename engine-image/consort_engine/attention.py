@@ -217,6 +217,19 @@ def flash_capable(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 8
 
 
+def flash_refusal(device: torch.device, dtype: torch.dtype, block_size: int) -> str | None:
+    """Why flash-attn does not serve a CUDA runner of this dtype and block size; None when it does."""
+    if flash_attn_varlen_func is None:
+        return f"flash-attn does not import ({FLASH_IMPORT_ERROR})"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"dtype {dtype}: flash-attn has no fp32 kernels"
+    if block_size % 256:
+        return f"block size {block_size}: flash-attn reads paged KV in 256-token pages"
+    if not flash_capable(device):
+        return "compute capability below 8.0: flash-attn 2 needs Ampere or newer"
+    return None
+
+
 def choose_backend(device: torch.device, dtype: torch.dtype, block_size: int) -> str:
     """flash (CUDA + flash-attn on Ampere+, fp16/bf16, block_size % 256 == 0), triton (other CUDA cases), cpu_kernel
     (CPU, fp32/bf16, a C compiler) or torch. flash-attn has no fp32 kernels (it rejects the call), so
@@ -228,8 +241,7 @@ def choose_backend(device: torch.device, dtype: torch.dtype, block_size: int) ->
     if forced == "torch" or (forced == "triton" and triton_available()):
         return forced
     if device.type == "cuda":
-        if (flash_attn_varlen_func is not None and block_size % 256 == 0 and dtype in (torch.float16, torch.bfloat16)
-                and flash_capable(device)):
+        if flash_refusal(device, dtype, block_size) is None:
             return "flash"
         return "triton" if triton_available() else "torch"
     if dtype in (torch.float32, torch.bfloat16) and cpu_kernels() is not None:

@@ -27,12 +27,13 @@ def _self_cgroup() -> str:
         return ""
 
 
-def cgroup_dirs(root: Path, controller: str, self_cgroup: str) -> list[Path]:
+def cgroup_dirs(root: Path, controller: str, self_cgroup: str | None = None) -> list[Path]:
     """Directories that may hold this process's `controller` files, most specific first: v2 before v1;
-    under each mount the process's own cgroup (`self_cgroup` is /proc/self/cgroup: a host or a systemd
-    unit sees the whole tree) before the mount itself (a container sees its own cgroup there)."""
+    under each mount the process's own cgroup (`self_cgroup` is /proc/self/cgroup, read when None: a
+    host or a systemd unit sees the whole tree) before the mount itself (a container sees its own
+    cgroup there)."""
     v2, v1 = [], []
-    for line in self_cgroup.splitlines():
+    for line in (_self_cgroup() if self_cgroup is None else self_cgroup).splitlines():
         parts = line.split(":", 2)
         if len(parts) != 3:
             continue
@@ -50,7 +51,7 @@ def cgroup_dirs(root: Path, controller: str, self_cgroup: str) -> list[Path]:
 def cgroup_cpu_limit(root: Path = CGROUP, self_cgroup: str | None = None) -> float | None:
     """CPUs allowed by the CFS quota (cgroup v2 `cpu.max`, v1 `cpu.cfs_quota_us` / `cpu.cfs_period_us`),
     or None when there is no quota."""
-    dirs = cgroup_dirs(root, "cpu", _self_cgroup() if self_cgroup is None else self_cgroup)
+    dirs = cgroup_dirs(root, "cpu", self_cgroup)
     for d in dirs:
         try:
             quota, period = (d / "cpu.max").read_text().split()[:2]
@@ -74,7 +75,7 @@ def cgroup_memory_available(root: Path = CGROUP, self_cgroup: str | None = None)
     `memory.limit_in_bytes` and the parents' `hierarchical_memory_limit` / `memory.usage_in_bytes`. Both
     count page cache as usage, which the kernel reclaims before it OOM-kills, so inactive file pages
     count as available."""
-    for d in cgroup_dirs(root, "memory", _self_cgroup() if self_cgroup is None else self_cgroup):
+    for d in cgroup_dirs(root, "memory", self_cgroup):
         if (d / "memory.max").exists():
             found = [a for a in map(_v2_headroom, [d, *(p for p in d.parents if p == root or root in p.parents)])
                      if a is not None]

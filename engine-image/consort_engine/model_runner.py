@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .attention import FLASH_IMPORT_ERROR, AttentionMetadata, PrefillSpan, choose_backend, pool_shape
+from .attention import AttentionMetadata, PrefillSpan, choose_backend, flash_refusal, pool_shape
 from .config import EngineConfig
 from .cpu import cgroup_memory_available, memory_available
 from .cuda_graphs import DecodeGraphs, use_decode_graphs
@@ -170,8 +170,8 @@ class ModelRunner:
             self.max_model_len = min(self.max_model_len, cfg.sliding_window)
         self.backend = choose_backend(self.device, self.dtype, self.block_size)
         if self.device.type == "cuda" and self.backend != "flash":
-            log.info("attention on CUDA: %s, not flash-attn (%s)", self.backend, FLASH_IMPORT_ERROR or
-                     f"dtype {self.dtype}, block size {self.block_size}: flash needs fp16/bf16 and 256-token pages")
+            log.info("attention on CUDA: %s, not flash-attn (%s)", self.backend,
+                     flash_refusal(self.device, self.dtype, self.block_size) or "CONSORT_ATTENTION_BACKEND")
         self.max_kernel_query = (max(1, 256 // (cfg.num_attention_heads // cfg.num_key_value_heads))
                                  if self.backend in ("cpu_kernel", "triton") else 1)
         self.max_kernel_query = min(self.max_kernel_query, MAX_KERNEL_QUERY)

@@ -27,16 +27,34 @@ def _seed_for(seed: int, step: int) -> int:
 
 
 @dataclass
+class _Tally:
+    """Running counts of one token stream: a suffix of a sequence's token_ids from a fixed start."""
+    counts: torch.Tensor       # [vocab] float
+    ids: torch.Tensor          # the distinct tokens counted so far
+    upto: int = 0              # tokens of the stream counted
+
+    @staticmethod
+    def follow(t: "_Tally | None", tokens: list[int], start: int, vocab: int, device: torch.device) -> "_Tally":
+        """t brought up to date with the stream's tokens since the last call (afresh when the stream
+        shrank or the vocabulary / device differ)."""
+        n = len(tokens) - start
+        if t is None or n < t.upto or t.counts.shape[0] != vocab or t.counts.device != device:
+            t = _Tally(torch.zeros(vocab, device=device), torch.zeros(0, dtype=torch.int64, device=device))
+        if n > t.upto:
+            new = torch.tensor(tokens[start + t.upto:], dtype=torch.int64, device=device)
+            t.ids = torch.cat([t.ids, torch.unique(new[t.counts[new] == 0])])
+            t.counts.index_add_(0, new, torch.ones(new.shape, device=device))
+            t.upto = n
+        return t
+
+
+@dataclass
 class TokenCounts:
     """A penalized sequence's token statistics, kept up to date with only the tokens added since the last
     step, so that a penalty touches just the tokens it applies to: rebuilding dense [rows, vocab] counts
     from the token lists every step was O(length + vocab) a row."""
-    seen: torch.Tensor | None = None        # [vocab] bool: in the prompt or the output
-    seen_ids: torch.Tensor | None = None    # the distinct ids of `seen` (repetition_penalty applies to them)
-    output: torch.Tensor | None = None      # [vocab] float: times in the output
-    output_ids: torch.Tensor | None = None  # the distinct output ids (frequency / presence apply to them)
-    seen_upto: int = 0                      # leading tokens of seq.token_ids counted in `seen`
-    output_upto: int = 0                    # leading output tokens counted in `output`
+    seen: _Tally | None = None      # prompt + output (repetition_penalty applies to its distinct ids)
+    output: _Tally | None = None    # the output (frequency / presence)
 
     @staticmethod
     def of(seq: Sequence) -> "TokenCounts":
@@ -45,31 +63,13 @@ class TokenCounts:
         return seq.penalty_counts
 
     def distinct_seen(self, seq: Sequence, vocab: int, device: torch.device) -> torch.Tensor:
-        n = seq.num_tokens
-        if self.seen is None or n < self.seen_upto or self.seen.shape[0] != vocab or self.seen.device != device:
-            self.seen, self.seen_upto = torch.zeros(vocab, dtype=torch.bool, device=device), 0
-            self.seen_ids = torch.zeros(0, dtype=torch.int64, device=device)
-        if n > self.seen_upto:
-            new = torch.tensor(seq.token_ids[self.seen_upto:], dtype=torch.int64, device=device)
-            fresh = torch.unique(new[~self.seen[new]])
-            self.seen[fresh] = True
-            self.seen_ids = torch.cat([self.seen_ids, fresh])
-            self.seen_upto = n
-        return self.seen_ids
+        self.seen = _Tally.follow(self.seen, seq.token_ids, 0, vocab, device)
+        return self.seen.ids
 
     def distinct_output(self, seq: Sequence, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(distinct output ids, their counts)."""
-        n = seq.num_output_tokens
-        if self.output is None or n < self.output_upto or self.output.shape[0] != vocab or self.output.device != device:
-            self.output, self.output_upto = torch.zeros(vocab, device=device), 0
-            self.output_ids = torch.zeros(0, dtype=torch.int64, device=device)
-        if n > self.output_upto:
-            new = torch.tensor(seq.token_ids[seq.num_prompt_tokens + self.output_upto:], dtype=torch.int64,
-                               device=device)
-            self.output_ids = torch.cat([self.output_ids, torch.unique(new[self.output[new] == 0])])
-            self.output.index_add_(0, new, torch.ones(new.shape, device=device))
-            self.output_upto = n
-        return self.output_ids, self.output[self.output_ids]
+        self.output = _Tally.follow(self.output, seq.token_ids, seq.num_prompt_tokens, vocab, device)
+        return self.output.ids, self.output.counts[self.output.ids]
 
 
 class Sampler:
