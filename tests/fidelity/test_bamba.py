@@ -15,7 +15,7 @@ import random
 
 import pytest
 import torch
-from fidelity_helpers import check_logprobs_close, hf_greedy, make_checkpoint
+from fidelity_helpers import check_logprobs_close, greedy_agrees, hf_greedy, make_checkpoint
 
 from consort_engine.config import EngineConfig
 from consort_engine.engine import LLMEngine
@@ -178,7 +178,9 @@ def test_hybrid_turns_prefix_caching_off(tmp_path, caplog):
     engine.generate([prompts[1]], params)
     outs = engine.generate([prompts[1], prompts[1]], params)
     assert engine.block_manager.prefix_hits == 0
-    assert outs[0] == outs[1] == refs[1].tokens
+    assert outs[0] == outs[1]
+    # transformers' tokens, or parted at a near-tie (the hybrid's logits agree to 2e-3, as above)
+    greedy_agrees(refs[1].logits, refs[1].tokens, outs[0], tol=2e-3, name="hybrid, caching off")
 
 
 @pytest.mark.parametrize("n,groups", [(1, 1), (37, 2), (64, 4)])

@@ -4,7 +4,8 @@
 under three kinds of pressure: (a) a pool small enough to force preemption (recompute), (b) shared
 prefixes that hit the prefix cache, (c) chunked prefill of a long prompt under a small token budget.
 Greedy tokens must match transformers'; at a divergence each side's token must be in the other's
-top-5 logprobs and the comparison stops there (vLLM's check_logprobs_close).
+top-5 logprobs (vLLM's check_logprobs_close), and at most one request may part from transformers,
+at a near-tie (fidelity_helpers: the near-tie rule).
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import random
 
 import pytest
 import torch
-from fidelity_helpers import check_logprobs_close, hf_greedy, make_checkpoint
+from fidelity_helpers import Reference, assert_greedy_matches, check_logprobs_close, hf_greedy, make_checkpoint
 
 from consort_engine.config import EngineConfig
 from consort_engine.engine import LLMEngine
@@ -93,15 +94,13 @@ def test_engine_greedy_matches_transformers(model_and_reference, case):
         assert sum(1 for n, smp in long_chunks if not smp) >= LONG // 48 - 1, long_chunks
         assert max(n for n, _ in long_chunks) <= 48
 
-    exact = 0
     for i, (s, ref) in enumerate(zip(seqs, refs)):
         assert s.finish_reason == "length" and len(s.output_token_ids) == max_tokens[i]
         assert len(s.output_logprobs) == max_tokens[i]
         top = [lp["top"] for lp in s.output_logprobs]
         assert all(lp["token_id"] == t for lp, t in zip(s.output_logprobs, s.output_token_ids))
-        matched = check_logprobs_close(ref, s.output_token_ids, top, name=f"{arch}/{case} request {i}")
-        exact += matched == max_tokens[i]
-    assert exact >= N - 1, f"only {exact}/{N} requests matched transformers exactly in fp32"
+        check_logprobs_close(ref, s.output_token_ids, top, name=f"{arch}/{case} request {i}")
+    assert_greedy_matches(refs, [s.output_token_ids for s in seqs], name=f"{arch}/{case}")
 
 
 @pytest.mark.parametrize("case", ["preempt", "chunked"])
@@ -117,8 +116,8 @@ def test_speculative_greedy_matches_transformers(model_and_reference, case):
     assert stats["kv_free_blocks"] == stats["kv_total_blocks"], "every block is released at the end"
     spec = stats["speculation"]
     assert spec["state"] == "on" and spec["draft_tokens"] > 0 and spec["accepted_tokens"] > 0, spec
-    exact = sum(out == list(ref.tokens) and len(out) == m for out, ref, m in zip(outs, refs, max_tokens))
-    assert exact >= N - 1, f"{arch}/{case}: only {exact}/{N} speculative requests matched transformers"
+    assert [len(out) for out in outs] == max_tokens
+    assert_greedy_matches(refs, outs, name=f"{arch}/{case} speculative")
 
 
 @torch.no_grad()
@@ -135,8 +134,9 @@ def test_penalized_greedy_matches_transformers_generate(tmp_path):
     refs = []
     for p, m in zip(prompts, max_tokens):
         out = model.generate(torch.tensor([p]), max_new_tokens=m, min_new_tokens=m, do_sample=False, pad_token_id=0,
-                             repetition_penalty=1.5, sequence_bias={(t,): b for t, b in bias.items()})
-        refs.append(out[0, len(p):].tolist())
+                             repetition_penalty=1.5, sequence_bias={(t,): b for t, b in bias.items()},
+                             output_scores=True, return_dict_in_generate=True)
+        refs.append(Reference(p, out.sequences[0, len(p):].tolist(), [], [row[0] for row in out.scores]))
     engine = LLMEngine(EngineConfig(model=str(ckpt), dtype="float32", block_size=4, speculative="ngram",
                                     num_speculative_tokens=3, **CASES["preempt"]))
     penalized = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, repetition_penalty=1.5, logit_bias=bias)
@@ -145,7 +145,6 @@ def test_penalized_greedy_matches_transformers_generate(tmp_path):
     outs = engine.generate(prompts + prompts, penalized + plain)
     stats = engine.stats()
     assert stats["kv_free_blocks"] == stats["kv_total_blocks"]
-    exact = sum(out == ref for out, ref in zip(outs[:N], refs))
-    assert exact >= N - 1, f"only {exact}/{N} penalized requests matched transformers"
+    assert_greedy_matches(refs, outs[:N], name="penalized")     # the processed scores decide the near-ties
     assert all(99 not in out for out in outs[:N])
-    assert sum(out != ref for out, ref in zip(outs[N:], refs)) >= N // 2, "the penalty changed nothing"
+    assert sum(out != ref.tokens for out, ref in zip(outs[N:], refs)) >= N // 2, "the penalty changed nothing"
