@@ -7,12 +7,28 @@ hybrid:  hybrid (attention + Mamba2) vs pure attention: KV bytes/token, seqs per
 roofline: decode step at 32 running vs its roofline floor (bench_roofline.py).
 serve:   TTFT / ITL percentiles and throughput of any OpenAI-compatible endpoint (bench_serve.py).
 local:   the ensemble on one box vs one engine: consort_operator/bench_local.py (it starts `consort up`).
+affinity: prefix-affine vs least-loaded replicas through a router: consort_router/bench_affinity.py.
+The HTTP load generators (serve, local, affinity, offline --vs-server) count what the server does not
+answer in full (rejections after their Retry-After retries, error events, timeouts): openai_stream.py.
 Heavy imports stay inside the subcommands.
 """
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+
+
+class BenchError(Exception):
+    """A benchmark that could not measure what it set out to (a server that never got ready, requests
+    it would not answer): one line at the command boundary, not a traceback."""
+
+
+def checkpoint_dir(text: str) -> str:
+    """argparse type: a checkpoint directory (with config.json), checked before any model loads."""
+    if not (Path(text) / "config.json").is_file():
+        raise argparse.ArgumentTypeError(f"{text}: not a checkpoint directory (no config.json there)")
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,6 +43,15 @@ def main(argv: list[str] | None = None) -> int:
     bench_spec.add_args(sub.add_parser("spec", help="speculative decoding: none vs n-gram vs MTP drafting"))
     bench_hybrid.add_args(sub.add_parser("hybrid", help="hybrid (attention + Mamba2) vs pure attention: KV and tok/s"))
     args = p.parse_args(argv)
+    try:
+        return run(args)
+    except BenchError as e:
+        print(f"consort bench {args.cmd}: {e}", file=sys.stderr, flush=True)
+        return 1
+
+
+def run(args: argparse.Namespace) -> int:
+    from . import bench_hybrid, bench_offline, bench_roofline, bench_serve, bench_spec, bench_structured
     if args.cmd == "offline":
         return bench_offline.run(args)
     if args.cmd == "roofline":

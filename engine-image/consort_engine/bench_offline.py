@@ -28,6 +28,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .bench import BenchError, checkpoint_dir
 from .cpu import apply_threads
 
 BENCH_SPEC = {
@@ -410,7 +411,7 @@ def startup_to_ready(model_dir: Path, dtype: str, args: argparse.Namespace, time
                 pass
             time.sleep(0.05)
     if ready_s is None:
-        raise RuntimeError("consort engine never reported /ready 200:\n" + "".join(lines[-30:]))
+        raise BenchError("consort engine never reported /ready 200:\n" + "".join(lines[-30:]))
     own = next((ln.strip() for ln in lines if "ready in" in ln), "")
     log(f"start-up[{dtype}]: process start -> /ready 200 in {ready_s:.2f} s ({own})")
     return {"ready_s": ready_s, "engine_log": own}
@@ -426,25 +427,25 @@ def sampling(args: argparse.Namespace, i: int) -> dict:
 
 def run_server(model_dir: Path, dtype: str, wl: Workload, args: argparse.Namespace, timeout: float = 600.0) -> dict:
     """The same workload through a real `consort engine` process: every request sent at once (as the
-    offline run adds them all at once), token-id prompts, the same sampling, EOS ignored, non-streaming."""
+    offline run adds them all at once), token-id prompts, the same sampling, EOS ignored, non-streaming.
+    A rejection is retried after its Retry-After (openai_stream.py); one not answered in the end makes
+    the run a BenchError (its tok/s would not be the workload's)."""
     import asyncio
 
     import aiohttp
 
-    async def one(url: str, session, i: int, prompt: list[int], n: int) -> int:
-        body = {"model": "bench", "prompt": prompt, "max_tokens": n, "ignore_eos": True, **sampling(args, i)}
-        async with session.post(f"{url}/v1/completions", json=body) as r:
-            data = await r.json()
-            if r.status != 200:
-                raise RuntimeError(f"server answered {r.status}: {data}")
-            return int(data["usage"]["completion_tokens"])
+    from .openai_stream import StreamResult, describe, request, tally
 
-    async def drive(proc, lines: list[str], url: str) -> tuple[float, list[int]]:
+    async def one(url: str, session, i: int, prompt: list[int], n: int) -> StreamResult:
+        body = {"model": "bench", "prompt": prompt, "max_tokens": n, "ignore_eos": True, **sampling(args, i)}
+        return await request(session, f"{url}/v1/completions", body)
+
+    async def drive(proc, lines: list[str], url: str) -> tuple[float, list[StreamResult]]:
         t_end = time.perf_counter() + timeout
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
             while True:
                 if proc.poll() is not None or time.perf_counter() > t_end:
-                    raise RuntimeError("consort engine never became ready:\n" + "".join(lines[-30:]))
+                    raise BenchError("consort engine never became ready:\n" + "".join(lines[-30:]))
                 try:
                     async with session.get(f"{url}/ready") as r:
                         if r.status == 200:
@@ -458,9 +459,18 @@ def run_server(model_dir: Path, dtype: str, wl: Workload, args: argparse.Namespa
             return time.perf_counter() - t0, list(got)
 
     with engine_process(model_dir, dtype, args) as (proc, lines, url), ticker(f"server[{dtype}]", lambda: "running"):
-        wall, got = asyncio.run(drive(proc, lines, url))
+        wall, results = asyncio.run(drive(proc, lines, url))
+    counts = tally(results)
+    if counts["ok"] < len(results):
+        first = next(r for r in results if not r.ok)
+        raise BenchError(f"server[{dtype}]: {len(results) - counts['ok']} of {len(results)} requests not answered "
+                         f"({describe(counts)}; first: {first.outcome} {first.status or ''} {first.error})")
+    if counts["retries"]:
+        log(f"server[{dtype}]: {counts['retries']} rejected attempt(s) retried after Retry-After: the wall time "
+            "includes those waits")
+    got = [r.completion_tokens for r in results]
     if got != wl.output_lens:
-        raise RuntimeError(f"server produced {sum(got)} tokens, wanted {wl.useful_tokens}")
+        raise BenchError(f"server produced {sum(got)} tokens, wanted {wl.useful_tokens}")
     res = {"wall_s": wall, "useful_tokens": wl.useful_tokens, "tok_s": wl.useful_tokens / wall}
     log(f"server[{dtype}]: {wl.useful_tokens} tokens in {wall:.2f} s = {res['tok_s']:.1f} tok/s")
     return res
@@ -596,7 +606,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="cuda: no decode CUDA graphs (run twice, with and without, to compare)")
     p.add_argument("--threads", type=int, default=0,
                    help="CPU threads (default: as `consort engine`: the cgroup quota, else the usable cores)")
-    p.add_argument("--model", default=None, metavar="DIR", help="checkpoint to bench (default: the cached bench model)")
+    p.add_argument("--model", default=None, metavar="DIR", type=checkpoint_dir,
+                   help="checkpoint to bench (default: the cached bench model)")
     p.add_argument("--vs-server", action="store_true",
                    help="run the workload offline and through a real `consort engine` HTTP server, back to back "
                         "(interleaved per dtype), and print both tok/s and their ratio")

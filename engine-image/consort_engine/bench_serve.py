@@ -3,6 +3,9 @@
 Sends `--requests` streaming requests with at most `--concurrency` in flight and reports TTFT,
 ITL and end-to-end latency percentiles plus output-token throughput. Prompts are random words
 (seeded) so any server can tokenize them; lengths are in words, roughly tokens for most tokenizers.
+Requests the server does not answer in full (429/503 rejections after their Retry-After retries,
+typed error events, idle timeouts, other failures) are counted by outcome, never fatal
+(openai_stream.py); the exit status is 1 when none was answered.
 """
 from __future__ import annotations
 
@@ -12,24 +15,14 @@ import json
 import random
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+
+from . import openai_stream
+from .openai_stream import ClientPolicy, StreamResult, describe, request, tally
 
 WORDS = ("int", "auto", "template", "typename", "std", "vector", "const", "return", "class", "struct",
          "constexpr", "noexcept", "static", "void", "while", "for", "if", "else", "namespace", "using",
          "size_t", "unique_ptr", "shared_ptr", "move", "forward", "lambda", "capture", "thread", "mutex",
          "atomic", "iterator", "begin", "end", "operator", "virtual", "override", "delete", "new", "value")
-
-
-@dataclass
-class Result:
-    ok: bool
-    status: int = 0
-    error: str = ""
-    ttft: float | None = None
-    itls: list[float] = field(default_factory=list)
-    e2e: float = 0.0
-    output_tokens: int = 0
-    prompt_tokens: int = 0
 
 
 def percentile(xs: list[float], p: float) -> float:
@@ -50,7 +43,8 @@ def make_workload(n: int, prompt_len: tuple[int, int], output_len: tuple[int, in
 
 
 async def one_request(session, url: str, model: str | None, prompt: str, max_tokens: int, endpoint: str,
-                      ignore_eos: bool) -> Result:
+                      ignore_eos: bool, policy: ClientPolicy = ClientPolicy()) -> StreamResult:
+    """One streaming request; its outcome classified, never raised (openai_stream.py)."""
     body: dict = {"max_tokens": max_tokens, "temperature": 0, "stream": True,
                   "stream_options": {"include_usage": True}}
     if model:
@@ -63,48 +57,7 @@ async def one_request(session, url: str, model: str | None, prompt: str, max_tok
     else:
         body["prompt"] = prompt
         path = "/v1/completions"
-    t0 = time.perf_counter()
-    res = Result(ok=False)
-    last = None
-    chunks = 0
-    try:
-        async with session.post(url + path, json=body) as resp:
-            res.status = resp.status
-            if resp.status != 200:
-                res.error = (await resp.text())[:200]
-                return res
-            buf = b""
-            async for raw in resp.content.iter_any():
-                buf += raw
-                while b"\n\n" in buf:
-                    event, buf = buf.split(b"\n\n", 1)
-                    for line in event.split(b"\n"):
-                        if not line.startswith(b"data:"):
-                            continue
-                        data = line[5:].strip()
-                        if data == b"[DONE]":
-                            continue
-                        msg = json.loads(data)
-                        if msg.get("usage"):
-                            res.output_tokens = msg["usage"].get("completion_tokens", 0)
-                            res.prompt_tokens = msg["usage"].get("prompt_tokens", 0)
-                        for ch in msg.get("choices") or []:
-                            text = ch.get("text") if "text" in ch else (ch.get("delta") or {}).get("content")
-                            if not text:
-                                continue
-                            now = time.perf_counter()
-                            chunks += 1
-                            if res.ttft is None:
-                                res.ttft = now - t0
-                            elif last is not None:
-                                res.itls.append(now - last)
-                            last = now
-        res.e2e = time.perf_counter() - t0
-        res.output_tokens = res.output_tokens or chunks
-        res.ok = True
-    except Exception as e:  # noqa: BLE001 - counted and reported
-        res.error = f"{type(e).__name__}: {e}"
-    return res
+    return await request(session, url + path, body, policy=policy)
 
 
 async def discover_model(session, url: str) -> str | None:
@@ -123,6 +76,7 @@ async def run(args: argparse.Namespace) -> dict:
     work = make_workload(args.requests, (args.prompt_min, args.prompt_max), (args.output_min, args.output_max),
                          args.seed)
     timeout = aiohttp.ClientTimeout(total=args.timeout)
+    policy = openai_stream.policy_of(args)
     conn = aiohttp.TCPConnector(limit=args.concurrency)
     async with aiohttp.ClientSession(timeout=timeout, connector=conn) as session:
         model = args.model or await discover_model(session, url)
@@ -133,7 +87,7 @@ async def run(args: argparse.Namespace) -> dict:
         async def task(prompt: str, n: int) -> Result:
             nonlocal done
             async with sem:
-                r = await one_request(session, url, model, prompt, n, args.endpoint, not args.no_ignore_eos)
+                r = await one_request(session, url, model, prompt, n, args.endpoint, not args.no_ignore_eos, policy)
             done += 1
             if done % max(1, args.requests // 10) == 0 or done == args.requests:
                 print(f"  {done}/{args.requests} requests done ({time.perf_counter() - t_start:.1f} s)", flush=True)
@@ -147,15 +101,20 @@ async def run(args: argparse.Namespace) -> dict:
     return summarize(results, wall)
 
 
-def summarize(results: list[Result], wall: float) -> dict:
+def summarize(results: list[StreamResult], wall: float) -> dict:
+    """Latency and throughput of the answered requests; the others counted by outcome (`outcomes`) and
+    by cause (`failures`: `STATUS error-code` for an HTTP answer, else the error event's code, the
+    timeout or the exception)."""
     ok = [r for r in results if r.ok]
     ttft = [r.ttft for r in ok if r.ttft is not None]
     itl = [x for r in ok for x in r.itls]
     e2e = [r.e2e for r in ok]
-    out_tokens = sum(r.output_tokens for r in ok)
-    failures = Counter(r.status or r.error.split(":")[0] for r in results if not r.ok)
+    out_tokens = sum(r.completion_tokens or r.chunks for r in ok)
+    failures = Counter(f"{r.status} {r.error}"[:80] if r.status not in (0, 200) else r.error.split(":")[0]
+                       for r in results if not r.ok)
     pct = lambda xs: {f"p{p}": percentile(xs, p) for p in (50, 90, 99)}  # noqa: E731
-    return {"requests": len(results), "ok": len(ok), "failures": dict(failures), "wall_s": wall,
+    return {"requests": len(results), "ok": len(ok), "outcomes": tally(results), "failures": dict(failures),
+            "wall_s": wall,
             "output_tokens": out_tokens, "output_tokens_per_s": out_tokens / wall if wall > 0 else 0.0,
             "requests_per_s": len(ok) / wall if wall > 0 else 0.0,
             "ttft_s": pct(ttft), "itl_s": pct(itl), "e2e_s": pct(e2e),
@@ -167,6 +126,7 @@ def report(s: dict) -> str:
     ms = lambda d: "  ".join(f"{k} {v * 1000:8.1f} ms" for k, v in d.items())  # noqa: E731
     lines = ["", "=== consort bench serve ===",
              f"requests      {s['ok']}/{s['requests']} ok" + (f"  failures {s['failures']}" if s["failures"] else ""),
+             f"outcomes      {describe(s['outcomes'])}",
              f"wall          {s['wall_s']:.2f} s",
              f"throughput    {s['output_tokens_per_s']:.1f} output tok/s, {s['requests_per_s']:.2f} req/s "
              f"({s['output_tokens']} tokens)",
@@ -176,8 +136,15 @@ def report(s: dict) -> str:
     return "\n".join(lines)
 
 
+def http_url(text: str) -> str:
+    """argparse type: an http(s) base URL (a typo fails at parsing, not as N failed requests)."""
+    if not text.startswith(("http://", "https://")) or len(text.split("://", 1)[1].strip("/")) == 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an http:// or https:// URL")
+    return text
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", required=True, help="base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--url", required=True, type=http_url, help="base URL, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", default=None, help="model field (default: the first id of GET /v1/models)")
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     p.add_argument("--concurrency", type=int, default=64)
@@ -190,6 +157,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
     p.add_argument("--no-ignore-eos", action="store_true", help="do not send the ignore_eos extension")
     p.add_argument("--json", action="store_true", help="also print the summary as JSON")
+    openai_stream.add_args(p)
 
 
 def main(args: argparse.Namespace) -> int:

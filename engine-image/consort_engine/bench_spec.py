@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+from .bench import checkpoint_dir
+
 
 def prompts(model: Path, kind: str, n: int, length: int) -> list[list[int]]:
     from tokenizers import Tokenizer
@@ -96,7 +98,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="checkpoint directory (with an MTP block for the mtp rows)")
+    p.add_argument("model", type=checkpoint_dir, help="checkpoint directory (with an MTP block for the mtp rows)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="auto")
     p.add_argument("--k", type=int, default=3, help="draft tokens per step")

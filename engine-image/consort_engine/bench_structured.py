@@ -13,6 +13,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from .bench import checkpoint_dir
+
 # Bounded by construction (the demo model's gibberish never closes an unbounded string), and free of
 # maxLength strings, whose masks cost xgrammar 0.2.8 ~30x more per step (docs/structured-output.md).
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["id", "ok", "tags", "score", "ranks"],
@@ -93,7 +95,7 @@ def table(rows: list[tuple[int, int, float, float, int]], device: str) -> str:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="checkpoint dir (default: a fresh demo model)")
+    p.add_argument("--model", default=None, type=checkpoint_dir, help="checkpoint dir (default: a fresh demo model)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--max-tokens", type=int, default=160)

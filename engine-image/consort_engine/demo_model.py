@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from .bench import checkpoint_dir
+
 ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
          "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
 SPECIAL = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
@@ -209,25 +211,66 @@ def train_weights(cfg: dict, weights: dict[str, torch.Tensor], tok, *, seconds: 
     return state
 
 
+def hf_decoder_modules(model_type: str) -> tuple[type, type]:
+    """transformers' decoder layer and RMSNorm classes of an --arch: an MTP block's layer is its base
+    model's own (Qwen3's has q/k norms, Qwen2's q/k/v biases), as the engine's MTPBlock builds it."""
+    import importlib
+
+    if model_type not in ARCHS:
+        raise ValueError(f"no MTP reference for model_type {model_type!r} (one of {sorted(ARCHS)})")
+    module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    prefix = ARCHS[model_type].removesuffix("ForCausalLM")
+    return getattr(module, prefix + "DecoderLayer"), getattr(module, prefix + "RMSNorm")
+
+
 class MTPReference(torch.nn.Module):
-    """The MTP block on transformers' Llama modules, Qwen3-Next parameter names (the reference the
-    engine's models/mtp.py is checked against, and what train_mtp fits)."""
+    """The MTP block on transformers' modules of the config's architecture, Qwen3-Next parameter names
+    (the reference the engine's models/mtp.py is checked against, and what train_mtp fits)."""
 
     def __init__(self, hf_cfg):
         super().__init__()
-        from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm
+        decoder_layer, rms_norm = hf_decoder_modules(hf_cfg.model_type)
         h, eps = hf_cfg.hidden_size, hf_cfg.rms_norm_eps
-        self.pre_fc_norm_embedding = LlamaRMSNorm(h, eps)
-        self.pre_fc_norm_hidden = LlamaRMSNorm(h, eps)
+        self.pre_fc_norm_embedding = rms_norm(h, eps)
+        self.pre_fc_norm_hidden = rms_norm(h, eps)
         self.fc = torch.nn.Linear(2 * h, h, bias=False)
-        self.layers = torch.nn.ModuleList([LlamaDecoderLayer(hf_cfg, layer_idx=0)])
-        self.norm = LlamaRMSNorm(h, eps)
+        self.layers = torch.nn.ModuleList([decoder_layer(hf_cfg, layer_idx=0)])
+        self.norm = rms_norm(h, eps)
 
     def forward(self, e: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, rotary) -> torch.Tensor:
         """e: embeddings of tokens p+1, hidden: final-norm states at p [B, T, H], pos: p [T] -> [B, T, H]."""
         x = self.fc(torch.cat((self.pre_fc_norm_embedding(e), self.pre_fc_norm_hidden(hidden)), -1))
         pe = rotary(x, pos[None].expand(x.shape[0], -1))
         return self.norm(self.layers[0](x, position_embeddings=pe, position_ids=pos[None]))
+
+
+def mtp_reference_drafts(model_dir: str | Path, context: list[int], k: int) -> list[int]:
+    """k chained MTP drafts after `context`, recomputing the whole sequence with transformers' modules
+    (the model and MTPReference; the block read from either layout): what the engine's drafter must
+    propose for that context."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_dir = Path(model_dir)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    block = MTPReference(AutoConfig.for_model(**cfg)).eval()
+    # checkpoint name (either layout) -> the block's Qwen3-Next name: mtp_tensors renames the names too
+    names = [f"mtp.{n}" for n in block.state_dict()]
+    mtp_name = {n: n for n in names} | mtp_tensors(dict(zip(names, names)), "deepseek_v3", cfg["num_hidden_layers"])
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
+        state = {mtp_name[n][4:]: f.get_tensor(n) for n in f.keys() if n in mtp_name}
+    block.load_state_dict(state)
+    embed, head, rotary = model.model.embed_tokens, model.get_output_embeddings(), model.model.rotary_emb
+    with torch.no_grad():
+        hidden = model.model(input_ids=torch.tensor([context[:-1]])).last_hidden_state   # positions 0..L-2
+        tokens, drafts = list(context[1:]), []
+        for _ in range(k):
+            out = block(embed(torch.tensor([tokens])), hidden, torch.arange(len(tokens)), rotary)
+            drafts.append(int(head(out[:, -1]).argmax(-1)))
+            tokens.append(drafts[-1])
+            hidden = torch.cat((hidden, out[:, -1:]), dim=1)
+    return drafts
 
 
 def train_mtp(cfg: dict, weights: dict[str, torch.Tensor], tok, *, seconds: float, seed: int,
@@ -343,7 +386,7 @@ def write_demo_adapter(model_dir: str | Path, out: str | Path, rank: int = 4, se
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="consort demo-model", description=__doc__.splitlines()[0])
     ap.add_argument("out")
-    ap.add_argument("--lora-for", metavar="MODEL_DIR",
+    ap.add_argument("--lora-for", metavar="MODEL_DIR", type=checkpoint_dir,
                     help="write a random LoRA adapter for this checkpoint instead of a model")
     ap.add_argument("--rank", type=int, default=4, help="LoRA rank (with --lora-for)")
     ap.add_argument("--arch", choices=sorted(ARCHS), default="llama")

@@ -26,7 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from consort_engine.bench_serve import make_workload, one_request, summarize
+from consort_engine import openai_stream
+from consort_engine.bench_serve import http_url, make_workload, one_request, summarize
 
 from . import local
 
@@ -44,10 +45,11 @@ async def load(url: str, model: str | None, args: argparse.Namespace, seed: int,
     work = make_workload(requests or args.requests, (args.prompt_words,) * 2, (args.max_tokens,) * 2, seed)
     sem = asyncio.Semaphore(args.concurrency)
     timeout = aiohttp.ClientTimeout(total=args.timeout)
+    policy = openai_stream.policy_of(args)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
         async def one(prompt: str, n: int):
             async with sem:
-                return await one_request(session, url, model, prompt, n, "completions", True)
+                return await one_request(session, url, model, prompt, n, "completions", True, policy)
 
         t0 = time.perf_counter()
         results = await asyncio.gather(*(one(p, n) for p, n in work))
@@ -122,6 +124,9 @@ def run(args: argparse.Namespace) -> dict:
     say = lambda msg: print(msg, flush=True)  # noqa: E731
     m = local.load_manifests(args.file)
     names = sorted(args.specialist or m.specialists)
+    if unknown := sorted(set(names) - set(m.specialists)):
+        raise local.UpError(f"no Specialist {', '.join(unknown)} in {', '.join(args.file)} "
+                            f"(it has {', '.join(sorted(m.specialists))})")
     run_dir = Path(tempfile.mkdtemp(prefix="consort-bench-local-"))
     say(f"bench local: specialists {', '.join(names)} on {len(os.sched_getaffinity(0))} cores; per specialist "
         f"{args.requests} streaming requests, {args.concurrency} at a time, {args.prompt_words}-word prompts, "
@@ -156,15 +161,20 @@ def report(r: dict) -> str:
     lines += [f"| **one engine alone (mean) vs all at once (aggregate)** | {r['mean_alone_tok_s']:.0f} | "
               f"{r['aggregate_tok_s']:.0f} | **{r['ratio']:.2f}x** |"]
     if r["failures"]:
-        lines.append(f"failures: {r['failures']}")
+        lines.append(f"failures: {r['failures']} (429/503 after their Retry-After retries, error events, "
+                     "timeouts, other failures)")
+        for phase in ("alone", "together"):
+            for n in r["specialists"]:
+                if r[phase][n]["ok"] < r[phase][n]["requests"]:
+                    lines.append(f"  {n} {phase}: {openai_stream.describe(r[phase][n]['outcomes'])}")
     return "\n".join(lines)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="consort bench local", description=__doc__.split("\n\n")[0])
     p.add_argument("-f", "--file", action="append", help="manifests, as for `consort up` (default: examples/local)")
-    p.add_argument("--url", default=None, help="the router of a running `consort up` with the same manifests "
-                                              "(default: start one here)")
+    p.add_argument("--url", default=None, type=http_url,
+                   help="the router of a running `consort up` with the same manifests (default: start one here)")
     p.add_argument("--specialist", action="append", help="specialists to load (default: all)")
     p.add_argument("--concurrency", type=int, default=12, help="streams per specialist")
     p.add_argument("--requests", type=int, default=96, help="requests per specialist and phase")
@@ -174,6 +184,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--start-timeout", type=float, default=240.0, help="seconds for engines / consort up to be ready")
     p.add_argument("--cache", type=Path, default=local.CACHE, help="demo models (as for `consort up`)")
     p.add_argument("--json", action="store_true")
+    openai_stream.add_args(p)
     args = p.parse_args(argv)
     args.file = args.file or [str(Path(__file__).resolve().parents[2] / "examples" / "local")]
     return args

@@ -41,9 +41,24 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     nested = NESTED.get((name, rest[0])) if rest else None
     if nested:
-        return int(importlib.import_module(nested).main(rest[1:]) or 0)
-    module = importlib.import_module(SUBCOMMANDS[name][0])
-    return int(module.main(rest) or 0)
+        return run(f"{name} {rest[0]}", nested, rest[1:])
+    return run(name, SUBCOMMANDS[name][0], rest)
+
+
+def run(command: str, module: str, argv: list[str]) -> int:
+    """`module.main(argv)`, with the user's own mistakes as one line instead of a traceback: a path
+    they named that cannot be read or written (an OSError that carries the file name), and Ctrl-C.
+    Every other exception is a bug and keeps its traceback."""
+    try:
+        return int(importlib.import_module(module).main(argv) or 0)
+    except KeyboardInterrupt:
+        print(f"consort {command}: interrupted", file=sys.stderr)
+        return 130
+    except OSError as e:
+        if e.filename is None:
+            raise
+        print(f"consort {command}: {e.filename}: {e.strerror or e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ Starts (or uses) one real engine and a real `consort router` in front of it, the
 rounds so both arms see the same engine state. Reports, per arm, time to first token (first SSE
 content chunk) p50/p99 and the difference; the router's own overhead histogram (arrival -> upstream
 send + first-chunk relay, from its /metrics); and router CPU seconds per request (from /proc).
+Requests not answered in full are counted per arm by outcome (openai_stream.py), never fatal.
 """
 from __future__ import annotations
 
@@ -19,10 +20,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
+
+from . import openai_stream
+from .openai_stream import ClientPolicy, StreamResult, describe, request, tally
 
 WORDS = ("int", "auto", "template", "typename", "std", "vector", "const", "return", "class", "struct",
          "constexpr", "noexcept", "static", "void", "while", "for", "namespace", "using", "size_t")
@@ -57,27 +60,10 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-@dataclass
-class Sample:
-    ok: bool
-    ttft: float = 0.0
-    e2e: float = 0.0
-
-
-async def one(session: aiohttp.ClientSession, url: str, body: dict, headers: dict) -> Sample:
-    t0 = time.perf_counter()
-    ttft = None
-    try:
-        async with session.post(url, json=body, headers=headers) as resp:
-            if resp.status != 200:
-                await resp.read()
-                return Sample(False)
-            async for line in resp.content:
-                if ttft is None and line.startswith(b"data:") and b'"text"' in line:
-                    ttft = time.perf_counter() - t0
-    except aiohttp.ClientError:
-        return Sample(False)
-    return Sample(ttft is not None, ttft or 0.0, time.perf_counter() - t0)
+async def one(session: aiohttp.ClientSession, url: str, body: dict, headers: dict,
+              policy: ClientPolicy = ClientPolicy()) -> StreamResult:
+    """One streaming completion, its outcome classified (openai_stream.py): TTFT is the first content chunk."""
+    return await request(session, url, body, headers, policy)
 
 
 def bodies(n: int, model: str, max_tokens: int, rng: random.Random) -> list[dict]:
@@ -86,7 +72,8 @@ def bodies(n: int, model: str, max_tokens: int, rng: random.Random) -> list[dict
 
 
 async def mixed_round(session, engine_url: str, router_url: str, streams: int, model: str, max_tokens: int,
-                      rng: random.Random) -> tuple[list[Sample], list[Sample]]:
+                      rng: random.Random, policy: ClientPolicy = ClientPolicy(),
+                      ) -> tuple[list[StreamResult], list[StreamResult]]:
     """`streams` concurrent streams, half straight to the engine and half through the router, launched in
     a shuffled order, so both arms share the same engine steps (a paired comparison)."""
     arms = ["direct"] * (streams // 2) + ["routed"] * (streams - streams // 2)
@@ -94,26 +81,27 @@ async def mixed_round(session, engine_url: str, router_url: str, streams: int, m
     tasks = []
     for arm, body in zip(arms, bodies(streams, model, max_tokens, rng)):
         if arm == "direct":
-            tasks.append(one(session, engine_url + "/v1/completions", body, {}))
+            tasks.append(one(session, engine_url + "/v1/completions", body, {}, policy))
         else:
             tasks.append(one(session, router_url + "/v1/completions", {**body, "model": "ens"},
-                             {"x-consort-intent": "bench"}))
+                             {"x-consort-intent": "bench"}, policy))
     res = await asyncio.gather(*tasks)
     return ([r for a, r in zip(arms, res) if a == "direct"], [r for a, r in zip(arms, res) if a == "routed"])
 
 
 async def closed_phase(session, base_url: str, arm: str, streams: int, per_stream: int, model: str,
-                       max_tokens: int, rng: random.Random) -> list[Sample]:
+                       max_tokens: int, rng: random.Random, policy: ClientPolicy = ClientPolicy(),
+                       ) -> list[StreamResult]:
     """`streams` closed-loop clients, each sending `per_stream` requests back to back (arrivals spread
     over the engine's steps, as under steady load)."""
     headers = {"x-consort-intent": "bench"} if arm == "routed" else {}
     name = "ens" if arm == "routed" else model
 
-    async def worker(k: int) -> list[Sample]:
+    async def worker(k: int) -> list[StreamResult]:
         await asyncio.sleep(0.002 * k)  # stagger the start
         out = []
         for b in bodies(per_stream, name, max_tokens, random.Random(rng.random())):
-            out.append(await one(session, base_url + "/v1/completions", b, headers))
+            out.append(await one(session, base_url + "/v1/completions", b, headers, policy))
         return out
 
     res = await asyncio.gather(*(worker(k) for k in range(streams)))
@@ -145,12 +133,13 @@ async def run(args: argparse.Namespace, engine_url: str, router_url: str, router
     rng = random.Random(args.seed)
     conn = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=600)
-    direct: list[Sample] = []
-    routed: list[Sample] = []
+    policy = openai_stream.policy_of(args)
+    direct: list[StreamResult] = []
+    routed: list[StreamResult] = []
     cpu = 0.0
     n_routed = 0
     async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
-        await mixed_round(session, engine_url, router_url, min(16, args.streams), model, 4, rng)  # warm up
+        await mixed_round(session, engine_url, router_url, min(16, args.streams), model, 4, rng, policy)  # warm up
         async with session.get(router_url + "/metrics") as r:
             base_metrics = await r.text()
         for i in range(args.rounds):
@@ -160,7 +149,7 @@ async def run(args: argparse.Namespace, engine_url: str, router_url: str, router
                 for arm in (("direct", "routed") if i % 2 == 0 else ("routed", "direct")):
                     r0 = cpu_seconds(router_pid)
                     res = await closed_phase(session, engine_url if arm == "direct" else router_url, arm,
-                                             args.streams, args.per_stream, model, args.max_tokens, rng)
+                                             args.streams, args.per_stream, model, args.max_tokens, rng, policy)
                     if arm == "direct":
                         d = res
                     else:
@@ -168,18 +157,19 @@ async def run(args: argparse.Namespace, engine_url: str, router_url: str, router
                         cpu += cpu_seconds(router_pid) - r0
                 c0 = cpu_seconds(router_pid)
             elif args.design == "mixed":
-                d, r_ = await mixed_round(session, engine_url, router_url, args.streams, model, args.max_tokens, rng)
+                d, r_ = await mixed_round(session, engine_url, router_url, args.streams, model, args.max_tokens, rng,
+                                          policy)
             else:  # alternate: whole rounds per arm, in ABBA order
                 d, r_ = [], []
                 for arm in (("direct", "routed") if i % 2 == 0 else ("routed", "direct")):
                     n = args.streams
                     if arm == "direct":
-                        d = await asyncio.gather(*(one(session, engine_url + "/v1/completions", b, {})
+                        d = await asyncio.gather(*(one(session, engine_url + "/v1/completions", b, {}, policy)
                                                    for b in bodies(n, model, args.max_tokens, rng)))
                     else:
                         r0 = cpu_seconds(router_pid)
                         r_ = await asyncio.gather(*(one(session, router_url + "/v1/completions", {**b, "model": "ens"},
-                                                        {"x-consort-intent": "bench"})
+                                                        {"x-consort-intent": "bench"}, policy)
                                                     for b in bodies(n, model, args.max_tokens, rng)))
                         cpu += cpu_seconds(router_pid) - r0
                 c0 = cpu_seconds(router_pid)  # alternate: CPU counted on routed rounds only
@@ -192,14 +182,14 @@ async def run(args: argparse.Namespace, engine_url: str, router_url: str, router
     b0 = scrape(base_metrics, "consort_router_overhead_seconds")
     b1 = scrape(metrics, "consort_router_overhead_seconds")
     over = {le: b1.get(le, 0) - b0.get(le, 0) for le in b1}
-    d_ttft = [s.ttft for s in direct if s.ok]
-    r_ttft = [s.ttft for s in routed if s.ok]
+    d_ttft = [s.ttft for s in direct if s.ok and s.ttft is not None]
+    r_ttft = [s.ttft for s in routed if s.ok and s.ttft is not None]
     return {
         "streams": args.streams, "rounds": args.rounds, "max_tokens": args.max_tokens, "design": args.design,
-        "direct": {"ok": len(d_ttft), "failed": len(direct) - len(d_ttft),
-                   "ttft_p50_ms": 1e3 * percentile(d_ttft, 50), "ttft_p99_ms": 1e3 * percentile(d_ttft, 99)},
-        "router": {"ok": len(r_ttft), "failed": len(routed) - len(r_ttft),
-                   "ttft_p50_ms": 1e3 * percentile(r_ttft, 50), "ttft_p99_ms": 1e3 * percentile(r_ttft, 99)},
+        "direct": {**tally(direct), "ttft_p50_ms": 1e3 * percentile(d_ttft, 50),
+                   "ttft_p99_ms": 1e3 * percentile(d_ttft, 99)},
+        "router": {**tally(routed), "ttft_p50_ms": 1e3 * percentile(r_ttft, 50),
+                   "ttft_p99_ms": 1e3 * percentile(r_ttft, 99)},
         "added_ttft_p50_ms": 1e3 * (percentile(r_ttft, 50) - percentile(d_ttft, 50)),
         "added_ttft_p99_ms": 1e3 * (percentile(r_ttft, 99) - percentile(d_ttft, 99)),
         "router_overhead_p50_ms_le": 1e3 * bucket_percentile(over, 50),
@@ -213,8 +203,8 @@ def report(res: dict) -> str:
     lines = [
         f"router added latency: {res['rounds']} rounds of {res['streams']} concurrent streams, design "
         f"{res['design']}, max_tokens {res['max_tokens']}",
-        f"  direct  TTFT p50 {d['ttft_p50_ms']:8.2f} ms  p99 {d['ttft_p99_ms']:8.2f} ms  (ok {d['ok']}, failed {d['failed']})",
-        f"  router  TTFT p50 {r['ttft_p50_ms']:8.2f} ms  p99 {r['ttft_p99_ms']:8.2f} ms  (ok {r['ok']}, failed {r['failed']})",
+        f"  direct  TTFT p50 {d['ttft_p50_ms']:8.2f} ms  p99 {d['ttft_p99_ms']:8.2f} ms  ({describe(d)})",
+        f"  router  TTFT p50 {r['ttft_p50_ms']:8.2f} ms  p99 {r['ttft_p99_ms']:8.2f} ms  ({describe(r)})",
         f"  added   TTFT p50 {res['added_ttft_p50_ms']:+8.2f} ms  p99 {res['added_ttft_p99_ms']:+8.2f} ms "
         f"(goal p50 <= 1 ms, p99 <= 5 ms)",
         f"  router's own overhead (arrival -> upstream send + first-chunk relay): p50 <= "
@@ -314,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--router-cpus", default=None, help="pin the router (taskset list, e.g. 1)")
     ap.add_argument("--client-cpus", default=None, help="pin this load generator (e.g. 1)")
     ap.add_argument("--json", action="store_true", help="print the JSON result too")
+    openai_stream.add_args(ap)
     args = ap.parse_args(argv)
     if args.client_cpus:
         os.sched_setaffinity(0, cpu_list(args.client_cpus))

@@ -11,7 +11,9 @@ real router, in three arms run one after another on the same engines:
 Each arm uses its own system prompt and conversation texts, so no arm finds the previous arm's
 prefixes in cache. Reports, per arm, the engines' prefix-cache hit rate (hit tokens / queried
 prompt tokens, summed over the arm's replicas, from /v1/status), TTFT p50/p99 of the follow-up
-turns (the cached-prefix turns), and the router's replica-choice outcomes.
+turns (the cached-prefix turns), and the router's replica-choice outcomes. Requests the router does
+not answer in full are counted per arm, never fatal (openai_stream.py: 429/503 rejections, retried
+after their Retry-After a bounded number of times; typed error events; idle timeouts).
 """
 from __future__ import annotations
 
@@ -27,16 +29,21 @@ from pathlib import Path
 
 import aiohttp
 
+from . import openai_stream
 from .bench import WORDS, percentile, router_config, start_engine, start_router, stop_all, wait_ready
+from .openai_stream import ClientPolicy, StreamResult, request, tally
 
 ARMS = ("single", "least-loaded", "prefix-affine")
 
 
 @dataclass
 class Turn:
-    ok: bool
     first_turn: bool
-    ttft: float = 0.0
+    result: StreamResult
+
+    @property
+    def ok(self) -> bool:
+        return self.result.ok
 
 
 def words(rng: random.Random, n: int) -> str:
@@ -44,33 +51,21 @@ def words(rng: random.Random, n: int) -> str:
 
 
 async def conversation(session: aiohttp.ClientSession, url: str, system: str, rng: random.Random, turns: int,
-                       max_tokens: int, start_delay: float) -> list[Turn]:
+                       max_tokens: int, start_delay: float, policy: ClientPolicy = ClientPolicy()) -> list[Turn]:
+    """One chat client: each turn resends the whole history. A turn that is not answered in full
+    (rejected after its retries, an error event, a timeout) ends the conversation, as a user would
+    give up: the next turn would resend a history with a hole in it."""
     await asyncio.sleep(start_delay)
     messages = [{"role": "system", "content": system}, {"role": "user", "content": words(rng, 60)}]
     out: list[Turn] = []
     for t in range(turns):
         body = {"model": "ens", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
                 "ignore_eos": True, "stream": True}
-        t0 = time.perf_counter()
-        ttft, text = None, []
-        try:
-            async with session.post(url + "/v1/chat/completions", json=body) as resp:
-                if resp.status != 200:
-                    await resp.read()
-                    out.append(Turn(False, t == 0))
-                    break
-                async for line in resp.content:
-                    if not line.startswith(b"data: {"):
-                        continue
-                    delta = json.loads(line[6:])["choices"][0]["delta"].get("content")
-                    if delta:
-                        ttft = ttft if ttft is not None else time.perf_counter() - t0
-                        text.append(delta)
-        except aiohttp.ClientError:
-            out.append(Turn(False, t == 0))
+        res = await request(session, url + "/v1/chat/completions", body, policy=policy)
+        out.append(Turn(t == 0, res))
+        if not res.ok:
             break
-        out.append(Turn(ttft is not None, t == 0, ttft or 0.0))
-        messages += [{"role": "assistant", "content": "".join(text)}, {"role": "user", "content": words(rng, 30)}]
+        messages += [{"role": "assistant", "content": res.text}, {"role": "user", "content": words(rng, 30)}]
     return out
 
 
@@ -103,14 +98,17 @@ async def run_arm(arm: str, router_url: str, engine_urls: list[str], args: argpa
         t0 = time.perf_counter()
         convs = await asyncio.gather(*(
             conversation(session, router_url, system, random.Random(rng.random()), args.turns, args.max_tokens,
-                         0.05 * i) for i in range(args.conversations)))
+                         0.05 * i, openai_stream.policy_of(args))
+            for i in range(args.conversations)))
         wall = time.perf_counter() - t0
         q1, h1 = await prefix_counters(session, engine_urls)
         outcomes = await choice_outcomes(session, router_url)
     turns = [t for c in convs for t in c]
-    follow = [t.ttft for t in turns if t.ok and not t.first_turn]
-    return {"arm": arm, "replicas": len(engine_urls), "requests": len(turns),
-            "failed": sum(not t.ok for t in turns), "hit_rate": (h1 - h0) / max(q1 - q0, 1),
+    follow = [t.result.ttft for t in turns if t.ok and not t.first_turn and t.result.ttft is not None]
+    counts = tally(t.result for t in turns)
+    return {"arm": arm, "replicas": len(engine_urls), "requests": len(turns), "ok": counts["ok"],
+            "rejected": counts["rejected"], "error_events": counts["error_event"], "timeouts": counts["timeout"],
+            "failed": counts["failed"], "retries": counts["retries"], "hit_rate": (h1 - h0) / max(q1 - q0, 1),
             "followup_ttft_p50_ms": 1e3 * percentile(follow, 50), "followup_ttft_p99_ms": 1e3 * percentile(follow, 99),
             "wall_s": wall, "outcomes": outcomes}
 
@@ -120,14 +118,17 @@ def report(results: list[dict], args: argparse.Namespace) -> str:
     lines = [f"prefix affinity: {args.conversations} conversations x {args.turns} turns, system prompt "
              f"{args.system_words} words, max_tokens {args.max_tokens}",
              f"  {'arm':<14} {'replicas':>8} {'hit rate':>9} {'vs single':>10} {'TTFT p50':>10} {'TTFT p99':>10} "
-             f"{'failed':>6}  choices"]
+             f"{'rejected':>8} {'errors':>6} {'timeouts':>8} {'failed':>6} {'retries':>7}  choices"]
     for r in results:
         lines.append(f"  {r['arm']:<14} {r['replicas']:>8} {100 * r['hit_rate']:>8.1f}% "
                      f"{100 * (r['hit_rate'] - base):>+9.1f}% {r['followup_ttft_p50_ms']:>8.0f}ms "
-                     f"{r['followup_ttft_p99_ms']:>8.0f}ms {r['failed']:>6}  "
+                     f"{r['followup_ttft_p99_ms']:>8.0f}ms {r['rejected']:>8} {r['error_events']:>6} "
+                     f"{r['timeouts']:>8} {r['failed']:>6} {r['retries']:>7}  "
                      + ", ".join(f"{k} {v}" for k, v in sorted(r["outcomes"].items())))
     lines.append("  (hit rate: prefix-cache hit tokens / prompt tokens over the arm's replicas; TTFT: follow-up "
-                 "turns, whose history is cached where they were served before)")
+                 "turns, whose history is cached where they were served before; rejected: 429/503 after "
+                 f"{args.retries} Retry-After retries, errors: typed error events in the stream, timeouts: no byte "
+                 f"for {args.idle_timeout:g} s, failed: anything else; a conversation ends at its first such turn)")
     return "\n".join(lines)
 
 
@@ -141,7 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
+    openai_stream.add_args(ap)
     args = ap.parse_args(argv)
+    if not Path(args.model, "config.json").is_file():
+        ap.error(f"--model {args.model}: no checkpoint there (no config.json; `consort demo-model DIR` writes one)")
 
     tmp = Path(tempfile.mkdtemp(prefix="consort-affinity-bench-"))
     procs = []
