@@ -27,7 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "engine-image"))
 
-from consort_engine.bench_offline import bench_model, log, make_workload  # noqa: E402  (no torch at import)
+from consort_engine.bench.offline import bench_model, log, make_workload  # noqa: E402  (no torch at import)
 
 MIXES = {"anchor": dict(prompt_len=(64, 512), output_len=(16, 128)),
          "prefill": dict(prompt_len=(64, 512), output_len=(4, 32))}
@@ -38,7 +38,7 @@ def workload(mix: str, n: int, seed: int):
 
 
 def role_consort(a: argparse.Namespace) -> dict:
-    from consort_engine import bench_offline
+    from consort_engine.bench import offline as bench_offline
     p = argparse.ArgumentParser()
     bench_offline.add_args(p)
     args = p.parse_args(["--engine-only", "--no-startup", "--seed", str(a.seed), "--temperature", str(a.temperature),

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from consort_engine.models import packed
+from consort_engine.model.models import packed
 
 SHAPES = ((512, 1024), (512, 2816), (1408, 512), (512, 32000))   # (in, out): qkv, gate_up, down, LM head
 

@@ -46,7 +46,7 @@ def metric_names(expr: str) -> set[str]:
 
 def served_series_names() -> set[str]:
     """Sample names the engine, router and operator registries expose, by metric type."""
-    from consort_engine.metrics import EngineMetrics, SloTracker
+    from consort_engine.serving.metrics import EngineMetrics, SloTracker
     from consort_operator.metrics import REGISTRY as operator_registry
     from consort_router.metrics import RouterMetrics
 

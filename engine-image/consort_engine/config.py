@@ -1,7 +1,16 @@
 """Engine configuration: one specialist's engine, fixed at start-up."""
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def checkpoint_dir(text: str) -> str:
+    """argparse type: a checkpoint directory (with config.json), checked before any model loads."""
+    if not (Path(text) / "config.json").is_file():
+        raise argparse.ArgumentTypeError(f"{text}: not a checkpoint directory (no config.json there)")
+    return text
 
 
 @dataclass

@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from consort_engine import openai_stream
-from consort_engine.bench_serve import http_url, make_workload, one_request, summarize
+from consort_engine.bench import openai_stream
+from consort_engine.bench.serve import http_url, make_workload, one_request, summarize
 
 from . import local
 

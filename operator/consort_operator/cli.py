@@ -10,13 +10,13 @@ import sys
 
 # subcommand -> (module exposing `main(argv: list[str]) -> int`, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "engine": ("consort_engine.server", "run one specialist's paged-KV engine (OpenAI-compatible HTTP)"),
+    "engine": ("consort_engine.serving.server", "run one specialist's paged-KV engine (OpenAI-compatible HTTP)"),
     "router": ("consort_router.server", "run the ensemble router (OpenAI-compatible HTTP)"),
     "operator": ("consort_operator.main", "run the Kopf operator against the current kubeconfig"),
     "up": ("consort_operator.local", "run Specialists and an EnsembleRouter from manifests as local processes"),
     "crds": ("consort_operator.api.crds", "print the CRD YAML generated from the pydantic models"),
     "demo-model": ("consort_engine.demo_model", "write a small Llama-family checkpoint + tokenizer"),
-    "bench": ("consort_engine.bench", "benchmarks: `offline` (engine vs transformers), `serve` (HTTP latency), `local` (the ensemble on one box vs one engine), `affinity` (prefix-affine vs least-loaded replicas)"),
+    "bench": ("consort_engine.bench.cli", "benchmarks: `offline` (engine vs transformers), `serve` (HTTP latency), `local` (the ensemble on one box vs one engine), `affinity` (prefix-affine vs least-loaded replicas)"),
 }
 # `consort COMMAND SUB` implemented outside COMMAND's module: `bench local` starts `consort up`,
 # which the engine package (home of the other benchmarks) does not know about.

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from consort_engine.cpu import memory_available
+from consort_engine.model.cpu import memory_available
 from consort_operator.api.base import quantity_value
 from kube import NotYet, condition, wait_for
 from procs import free_port

@@ -18,8 +18,8 @@ import torch
 from fidelity_helpers import check_logprobs_close, greedy_agrees, hf_greedy, make_checkpoint
 
 from consort_engine.config import EngineConfig
-from consort_engine.engine import LLMEngine
-from consort_engine.sequence import SamplingParams, Sequence
+from consort_engine.core.engine import LLMEngine
+from consort_engine.kv.sequence import SamplingParams, Sequence
 
 N = 10
 LONG = 150           # the long prompt: several SSD chunks (16) and several prefill chunks in "chunked"
@@ -148,7 +148,7 @@ def test_hybrid_speculative_greedy_matches_transformers(hybrid, case, monkeypatc
                 g = len(token_ids) - len(p)
                 return [t if (g + j) % 3 != 2 else (t + 1) % 512 for j, t in enumerate(ref[g:g + k])]
         return []
-    monkeypatch.setattr("consort_engine.scheduler.propose_ngram", propose)
+    monkeypatch.setattr("consort_engine.core.scheduler.propose_ngram", propose)
     engine = LLMEngine(EngineConfig(model=str(ckpt), dtype="float32", block_size=4, max_num_seqs=8,
                                     speculative="ngram", num_speculative_tokens=3, **CASES[case]))
     engine.warmup()
@@ -189,7 +189,7 @@ def test_ssd_functions_match_transformers_reference(n, groups):
     torch reference (mamba2_chunk_scan with initial_states, mamba2_selective_state_update)."""
     from transformers.models.bamba import modeling_bamba as ref
 
-    from consort_engine.models import ssd
+    from consort_engine.model.models import ssd
     torch.manual_seed(n)
     h, p, d = 8, 16, 16
     x, dt = torch.randn(n, h, p), torch.randn(n, h)
@@ -213,7 +213,7 @@ def test_ssd_functions_match_transformers_reference(n, groups):
 
 
 def test_state_slots_and_pool_capacity():
-    from consort_engine.state_pool import StateSlots, as_index, seqs_per_pool
+    from consort_engine.kv.state_pool import StateSlots, as_index, seqs_per_pool
     slots = StateSlots(4)
     taken = [slots.take() for _ in range(3)]
     assert taken == [0, 1, 2]
@@ -230,7 +230,7 @@ def test_state_slots_and_pool_capacity():
 
 def test_hybrid_unsupported_features_are_typed_errors(tmp_path):
     """Tensor parallelism fails before any rank starts; a LoRA adapter is a typed adapter error."""
-    from consort_engine.lora import AdapterError
+    from consort_engine.model.lora import AdapterError
     ckpt = make_checkpoint("bamba", tmp_path)
     with pytest.raises(ValueError, match="tensor parallelism is not supported for bamba"):
         LLMEngine(EngineConfig(model=str(ckpt), dtype="float32", tensor_parallel_size=2, num_blocks=64))

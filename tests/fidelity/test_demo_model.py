@@ -9,8 +9,8 @@ from fidelity_helpers import demo_tokenizer
 
 from consort_engine.config import EngineConfig
 from consort_engine.demo_model import main, write_demo_model
-from consort_engine.model_runner import ModelRunner
-from consort_engine.sequence import ScheduledBatch, Sequence
+from consort_engine.model.model_runner import ModelRunner
+from consort_engine.kv.sequence import ScheduledBatch, Sequence
 
 
 @pytest.mark.parametrize("arch,tie", [("llama", False), ("qwen2", True), ("qwen3", False), ("mistral", False)])

@@ -16,8 +16,8 @@ import torch
 from fidelity_helpers import Reference, assert_greedy_matches, check_logprobs_close, hf_greedy, make_checkpoint
 
 from consort_engine.config import EngineConfig
-from consort_engine.engine import LLMEngine
-from consort_engine.sequence import SamplingParams, Sequence
+from consort_engine.core.engine import LLMEngine
+from consort_engine.kv.sequence import SamplingParams, Sequence
 
 N = 16
 SHARED = 40          # tokens of the common prefix (10 blocks of 4)

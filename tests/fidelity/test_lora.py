@@ -12,9 +12,9 @@ import torch
 from fidelity_helpers import assert_greedy_matches, hf_greedy, make_checkpoint
 
 from consort_engine.config import EngineConfig
-from consort_engine.engine import LLMEngine
-from consort_engine.lora import AdapterError, load_peft_adapter
-from consort_engine.sequence import SamplingParams, Sequence
+from consort_engine.core.engine import LLMEngine
+from consort_engine.model.lora import AdapterError, load_peft_adapter
+from consort_engine.kv.sequence import SamplingParams, Sequence
 
 PROJ = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
         "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}

@@ -17,8 +17,8 @@ import torch
 from fidelity_helpers import NearTies, check_logprobs_close, greedy_agrees, hf_greedy, hf_model
 
 from consort_engine.config import EngineConfig
-from consort_engine.model_runner import ModelRunner
-from consort_engine.sequence import ScheduledBatch, SamplingParams, Sequence
+from consort_engine.model.model_runner import ModelRunner
+from consort_engine.kv.sequence import ScheduledBatch, SamplingParams, Sequence
 
 BS = 4          # the block size of most cases here (the driver takes the runner's)
 NEW = 6

@@ -20,9 +20,9 @@ from safetensors.torch import load_file, save_file
 
 from consort_engine.config import EngineConfig
 from consort_engine.demo_model import MTPReference, mtp_tensors, train_tokenizer, write_demo_model
-from consort_engine.engine import LLMEngine
-from consort_engine.models.mtp import mtp_param_name
-from consort_engine.sequence import SamplingParams
+from consort_engine.core.engine import LLMEngine
+from consort_engine.model.models.mtp import mtp_param_name
+from consort_engine.kv.sequence import SamplingParams
 
 N_LAYERS = 4
 

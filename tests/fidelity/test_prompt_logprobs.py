@@ -16,8 +16,8 @@ import torch
 from fidelity_helpers import NearTies, hf_model, make_checkpoint, rank_bounds
 
 from consort_engine.config import EngineConfig
-from consort_engine.engine import LLMEngine
-from consort_engine.sequence import SamplingParams, Sequence
+from consort_engine.core.engine import LLMEngine
+from consort_engine.kv.sequence import SamplingParams, Sequence
 
 K = 5
 

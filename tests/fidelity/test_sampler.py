@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from consort_engine.sampler import Sampler
-from consort_engine.sequence import SamplingParams, Sequence
+from consort_engine.model.sampler import Sampler
+from consort_engine.kv.sequence import SamplingParams, Sequence
 
 
 def seqs_with(*params: SamplingParams) -> list[Sequence]:

@@ -9,9 +9,9 @@ import torch
 
 from consort_engine.config import EngineConfig
 from consort_engine.demo_model import write_demo_model
-from consort_engine.engine import LLMEngine
-from consort_engine.model_runner import ModelRunner
-from consort_engine.sequence import SamplingParams, ScheduledBatch, Sequence
+from consort_engine.core.engine import LLMEngine
+from consort_engine.model.model_runner import ModelRunner
+from consort_engine.kv.sequence import SamplingParams, ScheduledBatch, Sequence
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -27,7 +27,7 @@ def _hf_greedy_cuda(model_dir, prompts, n, dtype):
 
 
 def _has_flash_attn() -> bool:
-    from consort_engine import attention
+    from consort_engine.model import attention
     return attention.flash_attn_varlen_func is not None
 
 
@@ -42,7 +42,7 @@ CASES = [pytest.param("flash", 256, marks=pytest.mark.skipif(not torch.cuda.is_a
 def test_greedy_equals_transformers_on_the_same_gpu(backend, block_size, tmp_path, monkeypatch):
     from fidelity_helpers import assert_greedy_matches, make_checkpoint
     from consort_engine.config import EngineConfig
-    from consort_engine.model_runner import ModelRunner
+    from consort_engine.model.model_runner import ModelRunner
     from test_model_runner import make_prompts, run_mixed_schedule
 
     if backend != "flash":
@@ -71,8 +71,8 @@ def test_decode_graphs_give_the_greedy_output_of_enforce_eager_and_transformers(
                                                                                  monkeypatch, caplog):
     from fidelity_helpers import assert_greedy_matches, make_checkpoint
     from consort_engine.config import EngineConfig
-    from consort_engine.cuda_graphs import capture_sizes
-    from consort_engine.model_runner import ModelRunner
+    from consort_engine.model.cuda_graphs import capture_sizes
+    from consort_engine.model.model_runner import ModelRunner
     from test_model_runner import make_prompts, run_mixed_schedule
 
     if backend != "flash":
@@ -109,7 +109,7 @@ def test_decode_graphs_give_the_greedy_output_of_enforce_eager_and_transformers(
 
 
 def test_pinned_staging_round_trips_mixed_shapes():
-    from consort_engine.host_staging import PinnedStaging
+    from consort_engine.model.host_staging import PinnedStaging
     staging = PinnedStaging(torch.device("cuda"))
     for step in range(3):          # the pinned buffer is reused (and grows) across steps
         ts = [torch.arange(n * (step + 1), dtype=torch.int64) for n in (5, 0, 300)] + [torch.ones(4, 7).long()]

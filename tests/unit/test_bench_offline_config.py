@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from consort_engine import bench_offline, server
+from consort_engine.bench import offline as bench_offline
+
+from consort_engine.serving import server
 
 
 def bench_args(argv: list[str]) -> argparse.Namespace:

@@ -20,8 +20,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from consort_engine import bench_serve
-from consort_engine import openai_stream as engine_stream
+from consort_engine.bench import serve as bench_serve
+from consort_engine.bench import openai_stream as engine_stream
 from consort_router import bench as router_bench
 from consort_router import bench_affinity
 from consort_router import openai_stream as router_stream
@@ -110,7 +110,7 @@ async def fake_router() -> AsyncIterator[Callable[[Script], str]]:
 
 def test_the_engine_and_router_copies_of_openai_stream_are_identical():
     # The engine and the router never import each other; their benchmarks share this one file.
-    engine = REPO / "engine-image/consort_engine/openai_stream.py"
+    engine = REPO / "engine-image/consort_engine/bench/openai_stream.py"
     router = REPO / "router-image/consort_router/openai_stream.py"
     assert engine.read_bytes() == router.read_bytes(), "edit one, copy it over the other"
 

@@ -1,7 +1,7 @@
 """The roofline floor arithmetic of `consort bench roofline`, checked by hand on a small shape."""
 from __future__ import annotations
 
-from consort_engine.bench_roofline import Shape, decode_floor
+from consort_engine.bench.roofline import Shape, decode_floor
 
 
 def test_floor_counts_weights_once_and_kv_per_sequence():

@@ -1,9 +1,9 @@
-"""Request parsing and validation of the engine's OpenAI surface (consort_engine.protocol)."""
+"""Request parsing and validation of the engine's OpenAI surface (consort_engine.serving.protocol)."""
 from __future__ import annotations
 
 import pytest
 
-from consort_engine import protocol as P
+from consort_engine.serving import protocol as P
 
 
 def err(fn, body) -> P.ApiError:
@@ -86,7 +86,7 @@ def test_prompt_logprobs_width():
 def test_prompt_logprob_shapes():
     """Echo items: the first prompt token None, then top-k cut to the request's k; vLLM's prompt_logprobs:
     the prompt token itself first (its own rank), then the top-k not already there."""
-    from consort_engine.sequence import PromptLogprobs
+    from consort_engine.kv.sequence import PromptLogprobs
     plp = PromptLogprobs([-0.5, -3.0], [1, 4], [[7, 8, 9], [7, 8, 9]], [[-0.5, -1.0, -2.0], [-0.2, -1.5, -2.5]])
     items = P.prompt_token_logprobs([5, 7, 6], plp, 2)
     assert [(i.token_id, i.logprob, i.top) for i in items] == [

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from openai.types.responses import Response
 
-from consort_engine import protocol as P
-from consort_engine import responses as R
+from consort_engine.serving import protocol as P
+from consort_engine.serving import responses as R
 
 
 def test_input_and_instructions_become_chat_messages():

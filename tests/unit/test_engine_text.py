@@ -1,4 +1,4 @@
-"""Incremental detokenizer, stop strings and chat template (consort_engine.tokenizer)."""
+"""Incremental detokenizer, stop strings and chat template (consort_engine.text.tokenizer)."""
 from __future__ import annotations
 
 import json
@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from consort_engine.tokenizer import (HEAD_CHARS_PER_TOKEN, HEAD_MARGIN, IncrementalDetokenizer, StopStringMatcher,
+from consort_engine.text.tokenizer import (HEAD_CHARS_PER_TOKEN, HEAD_MARGIN, IncrementalDetokenizer, StopStringMatcher,
                                       Tokenizer, TooManyTokens)
 
 CORPUS = [

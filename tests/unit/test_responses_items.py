@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from pydantic import TypeAdapter
 
-from consort_engine import responses as R
-from consort_engine import tool_calls as T
-from consort_engine.protocol import ApiError
+from consort_engine.serving import responses as R
+from consort_engine.text import tool_calls as T
+from consort_engine.serving.protocol import ApiError
 
 TOOL = {"type": "function", "name": "get_weather", "description": "forecast", "strict": True,
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}

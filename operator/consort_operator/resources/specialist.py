@@ -103,7 +103,7 @@ def _download_script(downloads: list[tuple[str, str | None, str]]) -> str:
 def engine_args(name: str, spec: SpecialistSpec, model_dir: str, adapters: dict[str, str],
                 host: str = "0.0.0.0", port: int | None = None, device: str | None = None,
                 threads: int | None = None, adapters_file: str | None = None) -> list[str]:
-    """Flags of `consort engine` for this spec (consort_engine.server.parse_args).
+    """Flags of `consort engine` for this spec (consort_engine.serving.server.parse_args).
 
     A CPU engine runs `threads`, else ceil(resources.cpu) threads: its pod gets a CPU request and
     no limit (no CFS throttling), so without the flag it would size itself from its affinity,

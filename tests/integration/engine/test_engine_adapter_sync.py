@@ -10,7 +10,7 @@ import httpx
 import procs
 import pytest
 
-from consort_engine.adapter_sync import DesiredAdapter, plan_adapters
+from consort_engine.serving.adapter_sync import DesiredAdapter, plan_adapters
 
 BODY = {"prompt": "struct Point { int x; int y; };", "max_tokens": 6, "temperature": 0, "ignore_eos": True,
         "return_token_ids": True}

@@ -18,7 +18,7 @@ LIMIT = 3 << 30
 SIZE_POOL = """
 import json, sys
 from consort_engine.config import EngineConfig
-from consort_engine.model_runner import ModelRunner, mem_available
+from consort_engine.model.model_runner import ModelRunner, mem_available
 import torch
 r = ModelRunner(EngineConfig(model=sys.argv[1], max_num_seqs=128))
 print(json.dumps({"pool": r.num_blocks * r.block_bytes, "available": mem_available(torch.device("cpu"))}))

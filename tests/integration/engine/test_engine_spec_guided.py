@@ -10,11 +10,11 @@ import re
 import pytest
 
 from consort_engine.config import EngineConfig
-from consort_engine.engine import LLMEngine
-from consort_engine.guided import Grammars, GuidedSpec
-from consort_engine.loader import eos_token_ids, load_model_config
-from consort_engine.sequence import SamplingParams, Sequence
-from consort_engine.tokenizer import Tokenizer
+from consort_engine.core.engine import LLMEngine
+from consort_engine.text.guided import Grammars, GuidedSpec
+from consort_engine.model.loader import eos_token_ids, load_model_config
+from consort_engine.kv.sequence import SamplingParams, Sequence
+from consort_engine.text.tokenizer import Tokenizer
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "count", "kind"],
           "properties": {"name": {"type": "string", "maxLength": 12},

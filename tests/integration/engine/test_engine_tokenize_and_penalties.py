@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 
 import procs
-from consort_engine.tokenizer import Tokenizer
+from consort_engine.text.tokenizer import Tokenizer
 
 
 def post(engine, path: str, body: dict) -> httpx.Response:

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from consort_engine.block_manager import BlockManager
+from consort_engine.kv.block_manager import BlockManager
 from consort_engine.config import EngineConfig
-from consort_engine.scheduler import Scheduler
-from consort_engine.sequence import ScheduledBatch, SamplingParams, Sequence
+from consort_engine.core.scheduler import Scheduler
+from consort_engine.kv.sequence import ScheduledBatch, SamplingParams, Sequence
 
 
 class PagedFakeRunner:

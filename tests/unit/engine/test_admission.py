@@ -6,7 +6,7 @@ import time
 import pytest
 from engine_fakes import make_scheduler, make_seq, synthetic_step
 
-from consort_engine.admission import (AdmissionRequest, QueueSnapshot, StepEstimates,
+from consort_engine.core.admission import (AdmissionRequest, QueueSnapshot, StepEstimates,
                                       decide_admission, steps_until_blocks_free)
 
 

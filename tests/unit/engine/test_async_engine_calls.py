@@ -2,7 +2,7 @@
 import asyncio
 import time
 
-from consort_engine.async_engine import AsyncEngine
+from consort_engine.core.async_engine import AsyncEngine
 from consort_engine.config import EngineConfig
 
 

@@ -1,8 +1,8 @@
 """Which attention path a runner takes: a pure function of device, dtype, block size and what is installed."""
 import torch
 
-from consort_engine import attention
-from consort_engine.attention import choose_backend
+from consort_engine.model import attention
+from consort_engine.model.attention import choose_backend
 
 
 def test_flash_only_for_half_precision_and_whole_256_token_pages(monkeypatch):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from consort_engine.block_manager import BlockManager, chain_hash
-from consort_engine.sequence import SamplingParams, Sequence
+from consort_engine.kv.block_manager import BlockManager, chain_hash
+from consort_engine.kv.sequence import SamplingParams, Sequence
 
 BS = 4
 

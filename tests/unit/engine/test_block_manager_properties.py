@@ -8,8 +8,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from consort_engine.block_manager import BlockManager, chain_hash
-from consort_engine.sequence import SamplingParams, Sequence
+from consort_engine.kv.block_manager import BlockManager, chain_hash
+from consort_engine.kv.sequence import SamplingParams, Sequence
 
 NUM_BLOCKS = 12
 BLOCK_SIZE = 2

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from consort_engine.attention import AttentionMetadata, PagedAttention
-from consort_engine.cpu_kernels import cpu_kernels
+from consort_engine.model.attention import AttentionMetadata, PagedAttention
+from consort_engine.model.cpu_kernels import cpu_kernels
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="needs a C compiler")
 

@@ -1,7 +1,7 @@
 """KV pool sizing on CPU sees the cgroup's memory limit (a pod's resources.limits.memory), v1 and v2."""
 import pytest
 
-from consort_engine.cpu import cgroup_dirs, cgroup_memory_available, memory_available
+from consort_engine.model.cpu import cgroup_dirs, cgroup_memory_available, memory_available
 
 GiB, MiB = 1 << 30, 1 << 20
 V1_UNLIMITED = "9223372036854771712\n"

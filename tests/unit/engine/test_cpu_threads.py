@@ -5,8 +5,8 @@ import threading
 import pytest
 import torch
 
-from consort_engine.cpu import apply_threads, cgroup_cpu_limit, engine_threads
-from consort_engine.cpu_kernels import cpu_kernels
+from consort_engine.model.cpu import apply_threads, cgroup_cpu_limit, engine_threads
+from consort_engine.model.cpu_kernels import cpu_kernels
 
 
 def test_cgroup_v2_and_v1_quotas(tmp_path):

@@ -13,13 +13,15 @@ import sys
 import pytest
 import torch
 
-from consort_engine import bench_offline, server
+from consort_engine.bench import offline as bench_offline
+
+from consort_engine.serving import server
 from consort_engine.config import EngineConfig
-from consort_engine.cuda_graphs import (DecodeBuffers, DecodeGraphs, bucket_for, capture_sizes,
+from consort_engine.model.cuda_graphs import (DecodeBuffers, DecodeGraphs, bucket_for, capture_sizes,
                                         decode_graph_eligible, fill_decode_buffers, pad_rows, use_decode_graphs)
-from consort_engine.host_staging import ALIGN, PinnedStaging, pack, packed_layout, unpack
-from consort_engine.model_runner import ModelRunner, RowGroup
-from consort_engine.sequence import SamplingParams, ScheduledBatch, Sequence
+from consort_engine.model.host_staging import ALIGN, PinnedStaging, pack, packed_layout, unpack
+from consort_engine.model.model_runner import ModelRunner, RowGroup
+from consort_engine.kv.sequence import SamplingParams, ScheduledBatch, Sequence
 
 BS = 4
 MAX_NUM_SEQS = 12       # buckets 1, 2, 4, 8, 12
@@ -115,8 +117,8 @@ def test_a_bucket_layout_is_a_prefix_of_the_largest_and_pads_into_the_scratch_bl
         views = DecodeBuffers.views(torch.zeros(big64, dtype=torch.int64), torch.zeros(big32, dtype=torch.int32), b, 9)
         assert views.block_tables.shape == (b, 9) and views.cu_query_lens.shape == (b + 1,)
     buf = DecodeBuffers.views(flat64, flat32, 4, 6)
-    from consort_engine.attention import AttentionMetadata
-    from consort_engine.model_runner import StepInputs
+    from consort_engine.model.attention import AttentionMetadata
+    from consort_engine.model.model_runner import StepInputs
     meta = AttentionMetadata(slot_mapping=torch.tensor([13, 6]), num_batched_tokens=2,
                              block_tables=torch.tensor([[3, 0], [1, 9]], dtype=torch.int32),
                              context_lens=torch.tensor([2, 3], dtype=torch.int32),

@@ -13,8 +13,8 @@ from safetensors import safe_open
 
 from consort_engine.config import EngineConfig
 from consort_engine.demo_model import main, mtp_reference_drafts, train_tokenizer, write_demo_model
-from consort_engine.engine import LLMEngine
-from consort_engine.sequence import SamplingParams
+from consort_engine.core.engine import LLMEngine
+from consort_engine.kv.sequence import SamplingParams
 
 VOCAB = 512
 LAYERS = 2

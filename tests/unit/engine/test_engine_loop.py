@@ -7,8 +7,8 @@ import pytest
 from engine_fakes import GreedySampler, PagedFakeRunner
 
 from consort_engine.config import EngineConfig
-from consort_engine.engine import AdmissionRejected, LLMEngine, StepOutput
-from consort_engine.sequence import SamplingParams, Sequence
+from consort_engine.core.engine import AdmissionRejected, LLMEngine, StepOutput
+from consort_engine.kv.sequence import SamplingParams, Sequence
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from consort_engine.config import EngineConfig
-from consort_engine.engine import LLMEngine
-from consort_engine.sequence import SamplingParams
+from consort_engine.core.engine import LLMEngine
+from consort_engine.kv.sequence import SamplingParams
 
 VOCAB = 512
 

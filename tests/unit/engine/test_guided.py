@@ -9,10 +9,10 @@ import jsonschema
 import pytest
 import torch
 
-from consort_engine import protocol as P
+from consort_engine.serving import protocol as P
 from consort_engine.demo_model import write_demo_model
-from consort_engine.guided import GrammarError, Grammars, GuidedSpec, _unpack, apply_mask, choice_ebnf
-from consort_engine.tokenizer import Tokenizer
+from consort_engine.text.guided import GrammarError, Grammars, GuidedSpec, _unpack, apply_mask, choice_ebnf
+from consort_engine.text.tokenizer import Tokenizer
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
           "maximum": 99}}, "required": ["ok", "n"], "additionalProperties": False}
@@ -104,14 +104,14 @@ def test_choice_ebnf_escapes():
 
 def _engine(model_dir, speculative: str = "off"):
     from consort_engine.config import EngineConfig
-    from consort_engine.engine import LLMEngine
+    from consort_engine.core.engine import LLMEngine
     return LLMEngine(EngineConfig(name="demo", model=str(model_dir), device="cpu", dtype="float32",
                                   num_blocks=64, speculative=speculative))
 
 
 @pytest.mark.parametrize("speculative", ["off", "ngram"])
 def test_engine_guided_and_free_rows_in_one_batch(model_dir, tok, grammars, speculative):
-    from consort_engine.sequence import SamplingParams, Sequence
+    from consort_engine.kv.sequence import SamplingParams, Sequence
     eng = _engine(model_dir, speculative)
     eng.warmup()
     spec = GuidedSpec("json_schema", json.dumps(SCHEMA, separators=(",", ":")), "x")
@@ -136,7 +136,7 @@ def test_engine_guided_and_free_rows_in_one_batch(model_dir, tok, grammars, spec
 def test_draft_is_cut_at_the_first_refused_token_and_window_rows_follow_the_draft(grammars, tok):
     """grammar_prefix walks a draft and rolls back; fill_window gives row j the mask after draft[:j]:
     the same rows one-token decoding would get, and the matcher ends where it began."""
-    from consort_engine.guided import fill_window, grammar_prefix
+    from consort_engine.text.guided import fill_window, grammar_prefix
     spec = GuidedSpec("regex", "ab(c|d)+", "guided_regex")
     ids = [tok.hf.encode(t, add_special_tokens=False).ids for t in ("a", "b", "c", "x", "d")]
     assert all(len(i) == 1 for i in ids)

@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from consort_engine.cpu_kernels import cpu_kernels
-from consort_engine.models import packed
-from consort_engine.models.packed import fp32_backend, pack_linear
+from consort_engine.model.cpu_kernels import cpu_kernels
+from consort_engine.model.models import packed
+from consort_engine.model.models.packed import fp32_backend, pack_linear
 
 HAS_OURS = cpu_kernels() is not None and hasattr(cpu_kernels(), "gemm_f32")
 
@@ -72,14 +72,14 @@ def test_fp32_backend_follows_the_override_then_prefers_the_engine_kernel(monkey
     monkeypatch.delenv("CONSORT_GEMM")
     assert fp32_backend() == ("consort" if HAS_OURS else "onednn" if torch.backends.mkldnn.is_available() else "mkl")
     monkeypatch.setenv("CONSORT_CPU_KERNEL", "0")                    # kernels off: a library backend
-    monkeypatch.setattr("consort_engine.cpu_kernels._lib", False)
+    monkeypatch.setattr("consort_engine.model.cpu_kernels._lib", False)
     assert fp32_backend() == ("onednn" if torch.backends.mkldnn.is_available() else "mkl")
 
 
 @pytest.mark.skipif(not HAS_OURS, reason="kernel needs AVX2 + FMA")
 def test_engine_kernel_uses_avx512_tiles_where_the_cpu_has_them():
     """The build is -march=native: on an AVX-512 CPU the tiles are zmm ones (the 12-row tile exists)."""
-    from consort_engine.cpu_kernels import cpu_kernels as lib
+    from consort_engine.model.cpu_kernels import cpu_kernels as lib
 
     assert hasattr(lib(), "gemm_f32")
     tiles = lib().gemm_tile_max_rows()

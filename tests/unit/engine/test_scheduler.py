@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from engine_fakes import make_scheduler, make_seq, synthetic_step
 
-from consort_engine.sequence import SequenceStatus
+from consort_engine.kv.sequence import SequenceStatus
 
 
 def run_until_done(sched, max_steps: int = 10_000) -> list:
@@ -287,7 +287,7 @@ def test_hybrid_swap_picks_the_cheapest_victim_that_frees_enough_and_resumes_it(
     """Swap preemption (hybrids): among the lowest-priority runners, the victim whose swap copies the
     fewest bytes while freeing enough blocks, not simply the latest arrival; it keeps its computed
     tokens and resumes from them (the engine copies KV + state back), recomputing nothing."""
-    from consort_engine.state_pool import pick_victim
+    from consort_engine.kv.state_pool import pick_victim
     sched = make_scheduler(num_blocks=12, preempt_watermark=0.0, swap=True)
     big, small, late = [make_seq(n, max_tokens=100, priority=0, arrival=a, first=1000 * (k + 1))
                         for k, (n, a) in enumerate([(23, 0.0), (11, 1.0), (7, 2.0)])]   # 6, 3, 2 blocks

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from engine_fakes import make_scheduler, swapped_in
 
-from consort_engine.sequence import SamplingParams, Sequence, SequenceStatus
+from consort_engine.kv.sequence import SamplingParams, Sequence, SequenceStatus
 
 request_st = st.tuples(st.integers(1, 40),      # prompt length
                        st.integers(1, 30),      # max_tokens

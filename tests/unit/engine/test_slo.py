@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from prometheus_client import generate_latest
 
-from consort_engine.metrics import SLO_WINDOW, EngineMetrics, SloTracker, p95
+from consort_engine.serving.metrics import SLO_WINDOW, EngineMetrics, SloTracker, p95
 
 
 def test_p95_is_nearest_rank():

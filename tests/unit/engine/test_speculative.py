@@ -8,9 +8,9 @@ import pytest
 from engine_fakes import GreedySampler, PagedFakeRunner, make_scheduler, make_seq
 
 from consort_engine.config import EngineConfig
-from consort_engine.engine import LLMEngine
-from consort_engine.sequence import SamplingParams, Sequence
-from consort_engine.speculative import propose_ngram
+from consort_engine.core.engine import LLMEngine
+from consort_engine.kv.sequence import SamplingParams, Sequence
+from consort_engine.spec.speculative import propose_ngram
 
 
 def test_propose_ngram_takes_the_latest_longest_match():
@@ -153,7 +153,7 @@ def test_a_tool_trigger_ends_the_accepted_run_and_speculation_for_that_request()
 
 def test_typical_acceptance_is_strict_where_the_model_is_sure():
     import torch
-    from consort_engine.speculative import typical_accepted, typical_threshold
+    from consort_engine.spec.speculative import typical_accepted, typical_threshold
     sure = torch.tensor([[0.97, 0.01, 0.01, 0.01]])
     spread = torch.full((1, 4), 0.25)
     assert typical_threshold(spread, 0.1).item() < typical_threshold(sure, 0.1).item() <= 0.1 + 1e-7
@@ -165,7 +165,7 @@ def test_typical_acceptance_is_strict_where_the_model_is_sure():
 
 
 def test_sampled_requests_speculate_with_typical_acceptance_and_stay_seed_reproducible():
-    from consort_engine.sampler import Sampler
+    from consort_engine.model.sampler import Sampler
 
     def run(spec: str, tau: float = 0.1):
         runner = PagedFakeRunner(num_blocks=256, block_size=4, vocab=5)

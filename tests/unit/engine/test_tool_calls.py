@@ -9,11 +9,11 @@ import random
 import jsonschema
 import pytest
 
-from consort_engine import protocol as P
-from consort_engine import tool_calls as T
+from consort_engine.serving import protocol as P
+from consort_engine.text import tool_calls as T
 from consort_engine.demo_model import write_demo_model
-from consort_engine.guided import Grammars
-from consort_engine.tokenizer import Tokenizer
+from consort_engine.text.guided import Grammars
+from consort_engine.text.tokenizer import Tokenizer
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
            "required": ["city", "days"]}

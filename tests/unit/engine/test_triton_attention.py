@@ -38,7 +38,7 @@ def _reference(q, kc, vc, bt, ctx, qlens, scale):
 
 def _run_case(bs, h, kvh, d, qlens, ctx, dtype_name):
     import torch
-    from consort_engine.triton_attention import paged_attention
+    from consort_engine.model.triton_attention import paged_attention
     torch.manual_seed(0)
     dtype = getattr(torch, dtype_name)
     max_blocks = max((c + bs - 1) // bs for c in ctx)

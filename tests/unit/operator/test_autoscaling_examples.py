@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from consort_engine.metrics import ENGINE_LABELS, EngineMetrics
+from consort_engine.serving.metrics import ENGINE_LABELS, EngineMetrics
 from consort_operator.api.crds import specialist_crd
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "autoscaling"

@@ -1,0 +1,68 @@
+"""`consort bench offline|serve`: benchmark scripts with a report (not timed tests).
+
+offline: our engine vs transformers `generate` on the same checkpoint and workload (bench/offline.py).
+structured: guided JSON-schema decoding tok/s vs free decoding (bench/structured.py).
+spec:    none vs n-gram vs MTP drafting on one checkpoint: acceptance and tokens/s (bench/spec.py).
+hybrid:  hybrid (attention + Mamba2) vs pure attention: KV bytes/token, seqs per pool, tok/s (bench/hybrid.py).
+roofline: decode step at 32 running vs its roofline floor (bench/roofline.py).
+serve:   TTFT / ITL percentiles and throughput of any OpenAI-compatible endpoint (bench/serve.py).
+local:   the ensemble on one box vs one engine: consort_operator/bench_local.py (it starts `consort up`).
+affinity: prefix-affine vs least-loaded replicas through a router: consort_router/bench_affinity.py.
+The HTTP load generators (serve, local, affinity, offline --vs-server) count what the server does not
+answer in full (rejections after their Retry-After retries, error events, timeouts): bench/openai_stream.py.
+Heavy imports stay inside the subcommands.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from consort_engine.bench import BenchError
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(prog="consort bench", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    from consort_engine.bench import hybrid as bench_hybrid
+    from consort_engine.bench import offline as bench_offline
+    from consort_engine.bench import roofline as bench_roofline
+    from consort_engine.bench import serve as bench_serve
+    from consort_engine.bench import spec as bench_spec
+    from consort_engine.bench import structured as bench_structured
+    bench_offline.add_args(sub.add_parser("offline", help="engine vs transformers generate, one run"))
+    bench_roofline.add_args(sub.add_parser("roofline", help="decode step at 32 running vs its GEMM/bandwidth floor"))
+    bench_serve.add_args(sub.add_parser("serve", help="streaming latency against an OpenAI endpoint"))
+    bench_structured.add_args(sub.add_parser("structured", help="guided json_schema vs free decoding tok/s"))
+    bench_spec.add_args(sub.add_parser("spec", help="speculative decoding: none vs n-gram vs MTP drafting"))
+    bench_hybrid.add_args(sub.add_parser("hybrid", help="hybrid (attention + Mamba2) vs pure attention: KV and tok/s"))
+    args = p.parse_args(argv)
+    try:
+        return run(args)
+    except BenchError as e:
+        print(f"consort bench {args.cmd}: {e}", file=sys.stderr, flush=True)
+        return 1
+
+
+def run(args: argparse.Namespace) -> int:
+    from consort_engine.bench import hybrid as bench_hybrid
+    from consort_engine.bench import offline as bench_offline
+    from consort_engine.bench import roofline as bench_roofline
+    from consort_engine.bench import serve as bench_serve
+    from consort_engine.bench import spec as bench_spec
+    from consort_engine.bench import structured as bench_structured
+    if args.cmd == "offline":
+        return bench_offline.run(args)
+    if args.cmd == "roofline":
+        return bench_roofline.run(args)
+    if args.cmd == "structured":
+        return bench_structured.run(args)
+    if args.cmd == "spec":
+        return bench_spec.main(args)
+    if args.cmd == "hybrid":
+        return bench_hybrid.main(args)
+    return bench_serve.main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""`consort bench hybrid`: a hybrid (attention + Mamba2, Bamba) vs a pure-attention (Llama) model of similar size.
+
+Both are random-weight checkpoints written by transformers with the same hidden size, depth, heads
+and MLP; the hybrid keeps attention in every `--attn-every`-th layer and Mamba2 mixers elsewhere.
+Per model, from our runner: KV bytes per token (attention layers only), state bytes per sequence
+(the mixers' conv + SSM state), and how many sequences of `--context` tokens one pool of `--pool-mib`
+holds; then throughput: `--batch` greedy requests of `--prompt-len` tokens generating `--max-tokens`
+each, output tokens over the wall time of `generate` (prefill included, warm-up excluded, the fastest
+of --repeats runs) and over the process's CPU time (steadier where other work shares the CPU).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MiB = 1 << 20
+
+
+def write_checkpoints(out: Path, args) -> dict[str, Path]:
+    import torch
+    import transformers
+    common = dict(hidden_size=args.hidden, intermediate_size=2 * args.hidden, num_hidden_layers=args.layers,
+                  num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, vocab_size=args.vocab,
+                  max_position_embeddings=4096, bos_token_id=1, eos_token_id=2)
+    attn = [i for i in range(args.layers) if i % args.attn_every == args.attn_every - 1]
+    models = {
+        "llama (attention)": transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)),
+        f"bamba (attention {len(attn)}/{args.layers})": transformers.BambaForCausalLM(transformers.BambaConfig(
+            **common, attn_layer_indices=attn, mamba_n_heads=args.hidden // 16, mamba_d_head=32,
+            mamba_d_state=64, mamba_chunk_size=64, mamba_n_groups=1)),
+    }
+    paths = {}
+    for name, model in models.items():
+        torch.manual_seed(0)
+        path = out / name.split()[0]
+        model.save_pretrained(path)
+        paths[name] = (path, sum(p.numel() for p in model.parameters()))
+    return paths
+
+
+def measure(name: str, path: Path, params: int, args) -> dict:
+    from consort_engine.config import EngineConfig
+    from consort_engine.core.engine import LLMEngine
+    from consort_engine.kv.sequence import SamplingParams
+    engine = LLMEngine(EngineConfig(model=str(path), name="bench", device=args.device, dtype=args.dtype,
+                                    max_num_seqs=max(16, args.batch), num_blocks=args.num_blocks,
+                                    max_model_len=args.context + 64, block_size=16))
+    engine.warmup()
+    r = engine.runner
+    pool = args.pool_mib * MiB
+    ps = [[(7 * i + j) % (args.vocab - 3) + 3 for j in range(args.prompt_len)] for i in range(args.batch)]
+    params_ = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    wall = cpu = float("inf")
+    for _ in range(args.repeats):
+        if args.device == "cuda":
+            import torch
+            torch.cuda.synchronize()
+        t0, c0 = time.perf_counter(), time.process_time()
+        outs = engine.generate(ps, params_)
+        wall, cpu = min(wall, time.perf_counter() - t0), min(cpu, time.process_time() - c0)
+    return {"model": name, "params_m": params / 1e6, "kv_layers": r.num_kv_layers,
+            "kv_bytes_per_token": r.kv_bytes_per_token, "state_bytes_per_seq": r.state_bytes_per_seq,
+            "seqs_in_pool": r.seqs_in_pool(pool, args.context), "tok_s": sum(map(len, outs)) / wall,
+            "tok_cpu_s": sum(map(len, outs)) / cpu}
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.threads:
+        from consort_engine.model.cpu_kernels import set_threads
+        set_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(args.out) if args.out else Path(tmp)
+        rows = []
+        for name, (path, params) in write_checkpoints(out, args).items():
+            rows.append(measure(name, path, params, args))
+            print(f"{name}: {rows[-1]}", file=sys.stderr, flush=True)
+    dt = args.dtype if args.dtype != "auto" else ("bfloat16" if args.device == "cuda" else "float32")
+    print(f"| model | params | KV layers | KV bytes/token ({dt}) | state bytes/seq | seqs of {args.context} tokens "
+          f"in {args.pool_mib} MiB | output tok/s (batch {args.batch}, {args.device}) | tok/CPU-s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['model']} | {r['params_m']:.1f}M | {r['kv_layers']} | {r['kv_bytes_per_token']} | "
+              f"{r['state_bytes_per_seq']} | {r['seqs_in_pool']} | {r['tok_s']:.1f} | {r['tok_cpu_s']:.1f} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default=None, help="keep the checkpoints here (default: a temporary directory)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--attn-every", type=int, default=4, help="the hybrid's attention layers: every n-th")
+    p.add_argument("--pool-mib", type=int, default=256, help="the pool both models are compared in")
+    p.add_argument("--context", type=int, default=2048, help="tokens per sequence for the pool capacity column")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--num-blocks", type=int, default=512, help="pool blocks of the throughput runs")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--json", default=None)

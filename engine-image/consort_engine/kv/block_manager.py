@@ -1,0 +1,335 @@
+"""Paged-KV block manager: one fixed pool per engine, ref-counted blocks, prefix cache.
+
+The pool never grows. A block is either referenced by running sequences (ref > 0), free and
+empty, or free but still holding a reusable prefix ("cached"). Cached blocks are evicted
+least-recently-freed first, and only when no empty block is left.
+
+Prefix cache: every FULL block whose K/V has been computed gets a hash chained over its
+parent: hash_fn(parent_hash, namespace, adapter, block token ids). The namespace (specialist
+name) and the adapter are part of the key so that two adapters never share K/V. A lookup hit
+is verified, not trusted: the candidate's token ids, adapter and parent must match exactly.
+"Parent" is compared through content ids: blocks holding the same verified prefix share one
+content id, a new prefix gets a fresh one, and ids are never reused. Verifying the parent's
+content id (not just its hash) makes a forced hash collision harmless for the whole chain.
+"""
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+
+from consort_engine.kv.sequence import Sequence
+from consort_engine.kv.state_pool import StateSlots
+
+HashFn = Callable[[int, str, "str | None", tuple[int, ...]], Hashable]
+
+_NO_PARENT_HASH = 0
+_NO_CONTENT = 0   # content id of "no block" (root parent) and of unregistered blocks
+
+
+def chain_hash(parent_hash: Hashable, namespace: str, adapter: str | None, tokens: tuple[int, ...]) -> Hashable:
+    """Hash of a full block given its parent's hash. Python's tuple hash: fast, and every hit
+    is verified against the stored tokens and parent, so collisions cost a miss, never a
+    wrong block."""
+    return hash((parent_hash, namespace, adapter, tokens))
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    return (num_tokens + block_size - 1) // block_size
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, namespace: str = "",
+                 enable_caching: bool = True, hash_fn: HashFn = chain_hash, state_slots: int = 0) -> None:
+        assert num_blocks > 0 and block_size > 0
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.namespace = namespace
+        self.enable_caching = enable_caching
+        self._hash_fn = hash_fn
+        # Hybrid models: a conv/SSM state slot per running sequence, taken and given back with its blocks.
+        self.state_slots = StateSlots(state_slots) if state_slots else None
+
+        # Per-block state, indexed by physical block id.
+        self.ref_count: list[int] = [0] * num_blocks
+        self._hash: list[Hashable | None] = [None] * num_blocks
+        self._tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        self._adapter: list[str | None] = [None] * num_blocks
+        self._content: list[int] = [_NO_CONTENT] * num_blocks
+        self._parent_content: list[int] = [_NO_CONTENT] * num_blocks
+        self._content_ids = itertools.count(1)
+
+        # Free blocks: empty ones first (a stack), then cached ones in LRU order (oldest first).
+        self._free_empty: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._free_cached: OrderedDict[int, None] = OrderedDict()
+        self._by_hash: dict[Hashable, int] = {}
+
+        # Per running sequence: hashes of its leading blocks that are registered in the cache.
+        self._seq_hashes: dict[int, list[Hashable]] = {}
+
+        # vLLM semantics, in tokens: queried = prompt tokens looked up, hits = tokens reused.
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    # ---------------------------------------------------------------- pool state
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free_empty) + len(self._free_cached)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Free blocks that still hold a reusable prefix."""
+        return len(self._free_cached)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    # ---------------------------------------------------------------- prefix lookup
+    def _match_prefix(self, seq: Sequence) -> tuple[list[int], list[Hashable]]:
+        """Cached blocks reusable for seq's leading full blocks, and their hashes.
+
+        The block holding the last token is never reused: at least one token must run
+        through the model so that there are logits to sample from. A sequence that still needs
+        its prompt logprobs reuses nothing: they come from the logits at every prompt position.
+        """
+        if not self.enable_caching or seq.needs_prompt_logprobs:
+            return [], []
+        bs = self.block_size
+        tokens = seq.token_ids
+        max_blocks = (len(tokens) - 1) // bs
+        blocks: list[int] = []
+        hashes: list[Hashable] = []
+        parent_hash: Hashable = _NO_PARENT_HASH
+        parent_content = _NO_CONTENT
+        for i in range(max_blocks):
+            block_tokens = tuple(tokens[i * bs:(i + 1) * bs])
+            h = self._hash_fn(parent_hash, self.namespace, seq.adapter, block_tokens)
+            b = self._by_hash.get(h)
+            if b is None or not self._same_content(b, block_tokens, seq.adapter, parent_content):
+                break
+            blocks.append(b)
+            hashes.append(h)
+            parent_hash, parent_content = h, self._content[b]
+        return blocks, hashes
+
+    def _same_content(self, block: int, tokens: tuple[int, ...], adapter: str | None, parent_content: int) -> bool:
+        return (self._tokens[block] == tokens and self._adapter[block] == adapter
+                and self._parent_content[block] == parent_content)
+
+    # ---------------------------------------------------------------- allocation
+    def _blocks_needed(self, seq: Sequence, hits: list[int], num_lookahead: int) -> int:
+        """Blocks that must come out of the free pool to admit seq: fresh blocks plus cached
+        hits that are currently free (taking them also shrinks the free pool)."""
+        fresh = blocks_for(seq.num_tokens + num_lookahead, self.block_size) - len(hits)
+        free_hits = sum(1 for b in hits if self.ref_count[b] == 0)
+        return fresh + free_hits
+
+    def blocks_needed_to_allocate(self, seq: Sequence, num_lookahead: int = 0) -> int:
+        hits, _ = self._match_prefix(seq)
+        return self._blocks_needed(seq, hits, num_lookahead)
+
+    def can_allocate(self, seq: Sequence, num_lookahead: int = 0) -> bool:
+        return self.blocks_needed_to_allocate(seq, num_lookahead) <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence, num_lookahead: int = 0) -> None:
+        """Give a waiting seq blocks for all its tokens (+ lookahead), reusing cached prefix blocks.
+
+        Sets seq.num_cached_tokens and seq.num_computed_tokens to the reused prefix length.
+        """
+        if not self.try_allocate(seq, num_lookahead):
+            raise RuntimeError(f"not enough free KV blocks for seq {seq.seq_id}")
+
+    def try_allocate(self, seq: Sequence, num_lookahead: int = 0, reserve: int = 0) -> bool:
+        """allocate() if the blocks for tokens + lookahead (+ `reserve` spare free blocks) are
+        there; one prefix lookup for both the check and the allocation."""
+        assert not seq.block_table, f"seq {seq.seq_id} already holds blocks"
+        hits, hashes = self._match_prefix(seq)
+        if self._blocks_needed(seq, hits, num_lookahead) + reserve > self.num_free_blocks:
+            return False
+        if self.state_slots is not None:
+            if not self.state_slots.num_free:
+                return False
+            seq.state_slot = self.state_slots.take()
+        for b in hits:     # take hits before allocating, so eviction cannot pick them
+            if self.ref_count[b] == 0:
+                del self._free_cached[b]
+            self.ref_count[b] += 1
+        table = list(hits)
+        for _ in range(blocks_for(seq.num_tokens + num_lookahead, self.block_size) - len(hits)):
+            table.append(self._take_free_block())
+        seq.block_table = table
+        seq.num_cached_tokens = len(hits) * self.block_size
+        seq.num_computed_tokens = seq.num_cached_tokens
+        self._seq_hashes[seq.seq_id] = hashes
+        if self.enable_caching:
+            self.prefix_queries += seq.num_tokens
+            self.prefix_hits += seq.num_cached_tokens
+        return True
+
+    def forget_adapter(self, adapter: str) -> int:
+        """Drop the cached prefixes computed with an adapter (it was unloaded: a later adapter of the
+        same name must not reuse them). Only free cached blocks can hold them: callers unload an
+        adapter when no sequence uses it. Returns how many blocks were dropped."""
+        dropped = [b for b in self._free_cached if self._adapter[b] == adapter]
+        for b in dropped:
+            del self._free_cached[b]
+            self._evict(b)
+            self._free_empty.append(b)
+        return len(dropped)
+
+    def _take_free_block(self) -> int:
+        if self._free_empty:
+            b = self._free_empty.pop()
+        else:
+            b, _ = self._free_cached.popitem(last=False)   # least recently freed
+            self._evict(b)
+        self.ref_count[b] = 1
+        return b
+
+    def _evict(self, b: int) -> None:
+        h = self._hash[b]
+        if h is not None and self._by_hash.get(h) == b:
+            del self._by_hash[h]
+        self._hash[b] = None
+        self._tokens[b] = None
+        self._adapter[b] = None
+        self._content[b] = _NO_CONTENT
+        self._parent_content[b] = _NO_CONTENT
+
+    # ---------------------------------------------------------------- growth
+    def slots_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Blocks to add so the table covers num_computed_tokens + num_new_tokens."""
+        need = blocks_for(seq.num_computed_tokens + num_new_tokens, self.block_size) - len(seq.block_table)
+        return need if need > 0 else 0
+
+    def can_append(self, seq: Sequence, num_new_tokens: int = 1) -> bool:
+        return self.slots_needed(seq, num_new_tokens) <= self.num_free_blocks
+
+    def append_slots(self, seq: Sequence, num_new_tokens: int = 1) -> None:
+        need = self.slots_needed(seq, num_new_tokens)
+        if need > self.num_free_blocks:
+            raise RuntimeError(f"not enough free KV blocks to extend seq {seq.seq_id}")
+        for _ in range(need):
+            seq.block_table.append(self._take_free_block())
+
+    # ---------------------------------------------------------------- prefix registration
+    def cache_computed_blocks(self, seq: Sequence) -> None:
+        """Register seq's full blocks whose K/V is now computed, so later requests can reuse them.
+
+        Called after each step; does nothing unless a block boundary was crossed.
+        """
+        if not self.enable_caching:
+            return
+        hashes = self._seq_hashes.get(seq.seq_id)
+        if hashes is None:
+            return
+        bs = self.block_size
+        num_full = min(seq.num_computed_tokens, seq.num_tokens) // bs
+        if num_full <= len(hashes):
+            return
+        table = seq.block_table
+        tokens = seq.token_ids
+        for i in range(len(hashes), num_full):
+            parent_hash = hashes[i - 1] if i else _NO_PARENT_HASH
+            parent_content = self._content[table[i - 1]] if i else _NO_CONTENT
+            block_tokens = tuple(tokens[i * bs:(i + 1) * bs])
+            h = self._hash_fn(parent_hash, self.namespace, seq.adapter, block_tokens)
+            b = table[i]
+            self._hash[b] = h
+            self._tokens[b] = block_tokens
+            self._adapter[b] = seq.adapter
+            self._parent_content[b] = parent_content
+            other = self._by_hash.get(h)
+            if other is not None and other != b and self._same_content(other, block_tokens, seq.adapter, parent_content):
+                # Same prefix computed twice (admitted in the same step): same content id, so
+                # chains through either copy verify. Keep the existing entry.
+                self._content[b] = self._content[other]
+            else:
+                # New content, or a genuine hash collision: the newest block takes the slot.
+                self._content[b] = next(self._content_ids)
+                self._by_hash[h] = b
+            hashes.append(h)
+
+    # ---------------------------------------------------------------- release
+    def free(self, seq: Sequence) -> None:
+        """Drop seq's references (cancel, finish or preempt). Computed full blocks stay cached."""
+        self.cache_computed_blocks(seq)
+        # Tail first: with LRU eviction the end of a prefix goes before its beginning.
+        for b in reversed(seq.block_table):
+            self._release(b)
+        seq.block_table = []
+        self._seq_hashes.pop(seq.seq_id, None)
+        if self.state_slots is not None and seq.state_slot >= 0:
+            self.state_slots.give(seq.state_slot)
+            seq.state_slot = -1
+
+    def _release(self, b: int) -> None:
+        rc = self.ref_count[b] - 1
+        assert rc >= 0, f"block {b} released more often than referenced"
+        self.ref_count[b] = rc
+        if rc == 0:
+            if self._content[b] != _NO_CONTENT:
+                self._free_cached[b] = None
+            else:
+                self._free_empty.append(b)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Let child (same tokens as parent so far) share parent's computed full blocks.
+
+        The partial tail block is not shared (no copy-on-write): child recomputes it.
+        """
+        assert not child.block_table and child.token_ids[:parent.num_tokens] == parent.token_ids
+        assert self.state_slots is None, "fork shares KV without the matching state: not for hybrid models"
+        bs = self.block_size
+        shared = min(parent.num_computed_tokens, parent.num_tokens - 1) // bs
+        fresh = blocks_for(child.num_tokens, bs) - shared
+        if fresh > self.num_free_blocks:
+            raise RuntimeError(f"not enough free KV blocks to fork seq {parent.seq_id}")
+        self.cache_computed_blocks(parent)
+        table = parent.block_table[:shared]
+        for b in table:
+            self.ref_count[b] += 1
+        for _ in range(fresh):
+            table.append(self._take_free_block())
+        child.block_table = table
+        child.num_computed_tokens = shared * bs
+        child.num_cached_tokens = shared * bs
+        parent_hashes = self._seq_hashes.get(parent.seq_id, [])
+        self._seq_hashes[child.seq_id] = list(parent_hashes[:shared])
+
+    def rollback(self, seq: Sequence, num_tokens: int) -> None:
+        """Keep K/V blocks for the first num_tokens tokens only; free the tail blocks.
+
+        Speculative-decoding seam: the caller truncates seq.token_ids / num_computed_tokens.
+        Rejected draft tokens are never registered (registration follows acceptance), so the
+        kept part never cuts into a registered block.
+        """
+        hashes = self._seq_hashes.get(seq.seq_id, [])
+        assert num_tokens >= len(hashes) * self.block_size, "rollback into a registered prefix block"
+        keep = blocks_for(num_tokens, self.block_size)
+        for b in reversed(seq.block_table[keep:]):
+            self._release(b)
+        del seq.block_table[keep:]
+
+    # ---------------------------------------------------------------- introspection (tests, status)
+    def num_registered_blocks(self, seq: Sequence) -> int:
+        """Leading blocks of seq registered in the prefix cache (fixed content from now on)."""
+        return len(self._seq_hashes.get(seq.seq_id, ()))
+
+    def check_invariants(self, live: list[Sequence]) -> None:
+        """Assert pool accounting: every block free xor referenced, refs = table occurrences."""
+        refs = [0] * self.num_blocks
+        for s in live:
+            for b in s.block_table:
+                refs[b] += 1
+        assert refs == self.ref_count, "ref counts differ from block-table occurrences"
+        free = set(self._free_empty) | set(self._free_cached)
+        assert len(free) == self.num_free_blocks, "a block is on a free list twice"
+        assert all((self.ref_count[b] == 0) == (b in free) for b in range(self.num_blocks)), "leak"
+        for h, b in self._by_hash.items():
+            assert self._hash[b] == h and self._content[b] != _NO_CONTENT
+        if self.state_slots is not None:
+            held = [s.state_slot for s in live if s.block_table]
+            assert -1 not in held and len(set(held)) == len(held), "state slot missing or shared"
+            assert len(held) + self.state_slots.num_free == self.state_slots.num_slots, "state slot leak"

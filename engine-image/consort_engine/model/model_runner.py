@@ -1,0 +1,626 @@
+"""ModelRunner: loads the checkpoint, owns the KV pool, turns a ScheduledBatch into logits.
+
+The pool is sized once at start-up (config.num_blocks, or free memory after the weights minus an
+activation reserve, times kv_memory_fraction) and never grows. `execute` reads the sequences and
+their block tables (allocated by the block manager) and never mutates them.
+
+dtype (config.dtype) is the weights' and the KV cache's; compute_dtype is the activations' (they
+differ only for bf16 on a CPU without AMX, see compute_dtype()). On CPU the attention, K/V store
+and element-wise layers run as C kernels (cpu_kernels.py) and the GEMM weights are pre-packed.
+On CUDA a step's inputs reach the device through pinned staging buffers (host_staging.py) and pure
+decode steps replay CUDA graphs captured at warm-up (cuda_graphs.py).
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from consort_engine.model.attention import AttentionMetadata, PrefillSpan, choose_backend, flash_refusal, pool_shape
+from consort_engine.config import EngineConfig
+from consort_engine.model.cpu import cgroup_memory_available, memory_available
+from consort_engine.model.cuda_graphs import DecodeGraphs, use_decode_graphs
+from consort_engine.model.host_staging import PinnedStaging
+from consort_engine.model.loader import checkpoint_names, eos_token_ids, iter_safetensors, load_model_config, resolve_dtype
+from consort_engine.model.models import MODELS
+from consort_engine.model.models.mtp import has_mtp
+from consort_engine.model.lora import AdapterError, LoraAdapter, LoraContext, load_peft_adapter, segments_of
+from consort_engine.model.models.packed import has_amx
+from consort_engine.kv.sequence import PromptLogprobs, ScheduledBatch, Sequence
+from consort_engine.kv.state_pool import SwappedState, build_state_metadata, seqs_per_pool
+from consort_engine.model.tensor_parallel import SINGLE, TPGroup, TPWorkers
+
+MAX_KERNEL_QUERY = 16     # sequences with at most this many new tokens join the batched (kernel) group
+PROMPT_LOGITS_ELEMENTS = 1 << 25   # full-vocab fp32 logit rows per slice for prompt logprobs (128 MiB)
+MiB = 1 << 20
+
+log = logging.getLogger("consort.engine")
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor      # [T] int64, batched group first, then prefill spans
+    positions: torch.Tensor      # [T] int64
+    meta: AttentionMetadata
+    sample_idx: torch.Tensor     # [S] int64: token row of each sampled sequence, in batch order
+    lora_segments: list[tuple[int, int, str]] = field(default_factory=list)   # rows of adapter requests
+    order: list[int] = field(default_factory=list)       # item (sequence) index of each row group, row order
+    item_rows: list[tuple[int, int]] = field(default_factory=list)   # [start, end) rows of each item, item order
+
+
+@dataclass
+class RowGroup:
+    """One sequence's rows in a forward: `tokens` at positions start.. (their K/V go to those slots),
+    the last `num_sampled` rows sampled."""
+    tokens: list[int]
+    start: int
+    block_table: list[int]
+    num_sampled: int
+    adapter: str | None = None
+    state_slot: int = -1          # hybrid models: the sequence's conv/SSM state slot
+
+
+@dataclass
+class MTPRows:
+    """A sequence's MTP pass input: rows at positions start.. fuse tokens start+1.. with the target's
+    normed hidden states there; `num_draft` tokens are drafted after the last row (0: KV only)."""
+    tokens: list[int]
+    hidden: torch.Tensor
+    start: int
+    block_table: list[int]
+    num_draft: int
+
+
+def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """bfloat16 on a CPU without AMX computes in float32: weights are rounded to bf16 and the KV
+    cache is bf16, but activations and GEMMs are fp32, because there oneDNN's bf16 GEMM runs at
+    about half the speed of MKL's fp32 GEMM. CONSORT_BF16_COMPUTE=1 forces bf16 activations."""
+    if (device.type == "cpu" and dtype == torch.bfloat16 and not has_amx()
+            and os.environ.get("CONSORT_BF16_COMPUTE") != "1"):
+        return torch.float32
+    return dtype
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """A host copy of t: pinned memory filled without blocking on CUDA, a plain copy on the CPU."""
+    if t.device.type != "cuda":
+        return t.clone()
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t, non_blocking=True)
+    return out
+
+
+def mem_available(device: torch.device) -> int:
+    """Bytes free for the pool: cudaMemGetInfo on CUDA; on CPU MemAvailable from /proc/meminfo, capped
+    by what the cgroup's memory limit leaves (a pod's `resources.limits.memory`)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as f:
+        return memory_available(f.read(), cgroup_memory_available())
+
+
+def tune_cpu_memory(kv_cache: torch.Tensor) -> None:
+    """Page-fault avoidance on CPU (glibc/Linux; a no-op elsewhere).
+
+    - The pool is first touched during prefill, 4 KiB page by page (a fault each, ~1/3 of prefill
+      time measured); asking for transparent huge pages makes that 2 MiB a fault, still lazily.
+    - Step activations (tens of MiB at 2k tokens) are above glibc's mmap threshold, so every one was
+      a fresh mmap that faults in again; keeping them on the heap reuses the pages across steps."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    huge = 2 * MiB
+    start = -(-kv_cache.data_ptr() // huge) * huge
+    end = (kv_cache.data_ptr() + kv_cache.numel() * kv_cache.element_size()) // huge * huge
+    if end > start:
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 14)   # MADV_HUGEPAGE
+    libc.mallopt(-3, 32 * MiB)   # M_MMAP_THRESHOLD: glibc's maximum
+    libc.mallopt(-1, 1 << 30)    # M_TRIM_THRESHOLD: keep freed activations for the next step
+
+
+def check_tp_split(cfg, size: int) -> None:
+    """Raises ValueError unless `size` ranks split the heads, KV heads and MLP evenly."""
+    if cfg.is_hybrid:
+        raise ValueError(f"tensor parallelism is not supported for {cfg.model_type} (hybrid) models yet")
+    group = TPGroup(0, size)
+    for n, what in ((cfg.num_attention_heads, "num_attention_heads"), (cfg.num_key_value_heads, "num_key_value_heads"),
+                    (cfg.intermediate_size, "intermediate_size")):
+        group.split(n, what)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, tp: TPGroup | None = None):
+        """`tp` None: the engine's runner (rank 0), which starts ranks 1..N-1 itself when
+        config.tensor_parallel_size > 1 (see tensor_parallel.py); a worker rank passes its group."""
+        t0 = time.monotonic()
+        self.config = config
+        self.workers: TPWorkers | None = None
+        if tp is None and config.tensor_parallel_size > 1:
+            if config.adapters:
+                raise ValueError("LoRA adapters are not supported with tensor_parallel_size > 1 yet")
+            check_tp_split(load_model_config(config.model), config.tensor_parallel_size)   # before any rank starts
+            self.workers = TPWorkers(config, type(self))
+            tp = self.workers.join_group(config.device)
+        self.tp = tp = tp or SINGLE
+        self.device = torch.device(config.device)
+        self.dtype = resolve_dtype(config.dtype, config.device)           # weights and KV cache
+        self.compute_dtype = compute_dtype(self.dtype, self.device)       # activations and GEMMs
+        self.hf_config = cfg = load_model_config(config.model)
+        self.eos_token_ids: set[int] = eos_token_ids(config.model, cfg)
+        # MTP drafting: one rank only (the block is not split for tensor parallelism yet)
+        # Hybrid (attention + Mamba2): KV only for the attention layers, a state slot per sequence for the rest.
+        self.is_hybrid = cfg.is_hybrid
+        self.has_mtp = (config.speculative == "mtp" and tp.size == 1 and not self.is_hybrid
+                        and has_mtp(checkpoint_names(config.model), cfg.num_hidden_layers))
+        self.num_kv_layers = len(cfg.attention_layers) + self.has_mtp     # the MTP block's own KV layer last
+        self.last_hidden: torch.Tensor | None = None     # normed target hidden states of the last step (MTP)
+        self.last_item_rows: list[tuple[int, int]] = []
+        # (batch index, the prompt logprobs this step computed for it), for sequences that ask (rank 0)
+        self.last_prompt_logprobs: list[tuple[int, PromptLogprobs]] = []
+        self.vocab_size = cfg.vocab_size
+        self.block_size = config.block_size
+        self.max_model_len = config.max_model_len or cfg.max_position_embeddings
+        if cfg.sliding_window:     # no sliding-window kernel: stay where full attention is exact
+            self.max_model_len = min(self.max_model_len, cfg.sliding_window)
+        self.backend = choose_backend(self.device, self.dtype, self.block_size)
+        if self.device.type == "cuda" and self.backend != "flash":
+            log.info("attention on CUDA: %s, not flash-attn (%s)", self.backend,
+                     flash_refusal(self.device, self.dtype, self.block_size) or "CONSORT_ATTENTION_BACKEND")
+        self.max_kernel_query = (max(1, 256 // (cfg.num_attention_heads // cfg.num_key_value_heads))
+                                 if self.backend in ("cpu_kernel", "triton") else 1)
+        self.max_kernel_query = min(self.max_kernel_query, MAX_KERNEL_QUERY)
+
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.compute_dtype)
+        try:
+            with torch.device(self.device):
+                self.model = MODELS[cfg.model_type](cfg, self.max_model_len, self.backend, self.dtype, self.device,
+                                                    tp, mtp=self.has_mtp)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        self.model.load_weights((name, t.to(self.dtype)) for name, t in iter_safetensors(config.model))
+        self.model.eval()
+        self.num_packed = 0
+        if self.device.type == "cpu" and os.environ.get("CONSORT_PACK_WEIGHTS", "1") != "0":
+            self.num_packed = self.model.pack_weights()
+        self.lora_ctx = LoraContext()
+        self.adapters: dict[str, LoraAdapter] = {}
+        for name, path in config.adapters.items():
+            self.load_adapter(name, path)
+
+        self.conv_state = self.ssm_state = None
+        self.window_snapshots = None     # the last step's verify windows (hybrids, state_pool.WindowSnapshots)
+        self.state_bytes_per_seq = 0
+        if self.is_hybrid:    # [max_num_seqs, mixers, ...]: one row per running sequence (state_pool.py)
+            mixers = self.model.mixers
+            (cd, ck), (sh, sp, sn) = mixers[0].state_shapes()
+            s = config.max_num_seqs
+            self.conv_state = torch.zeros(s, len(mixers), cd, ck, dtype=self.compute_dtype, device=self.device)
+            self.ssm_state = torch.zeros(s, len(mixers), sh, sp, sn, dtype=torch.float32, device=self.device)
+            self.state_bytes_per_seq = (self.conv_state[0].numel() * self.conv_state.element_size()
+                                        + self.ssm_state[0].numel() * 4)
+        self.num_blocks = self._pool_blocks()
+        if tp.size > 1:   # every rank holds the same block ids: agree on the smallest pool
+            n = torch.tensor([self.num_blocks])
+            torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MIN)
+            self.num_blocks = int(n.item())
+        # one block past the block manager's range (num_blocks usable ones): the decode graphs' padding
+        # rows write and read their K/V there, so they never touch a real sequence's blocks
+        self.scratch_block = self.num_blocks
+        kv_shape = (self.num_kv_layers, 2, *pool_shape(self.backend, self.num_blocks + 1, self.block_size,
+                                                          self.kv_heads, cfg.head_dim))
+        # The CPU kernel never reads a slot before it is written, so untouched pages stay uncommitted;
+        # the gather fallbacks read whole blocks and need finite values in the unused tail.
+        alloc = torch.empty if self.backend == "cpu_kernel" else torch.zeros
+        self.kv_cache = alloc(kv_shape, dtype=self.dtype, device=self.device)
+        if self.device.type == "cpu":
+            tune_cpu_memory(self.kv_cache)
+        attn_modules = [layer.self_attn for layer in self.model.layers if layer.self_attn is not None]
+        for i, module in enumerate(attn_modules):
+            module.attn.k_cache = self.kv_cache[i, 0]
+            module.attn.v_cache = self.kv_cache[i, 1]
+        if self.has_mtp:
+            attn = self.model.mtp.layer.self_attn.attn
+            attn.k_cache, attn.v_cache = self.kv_cache[-1, 0], self.kv_cache[-1, 1]
+        # CUDA: step inputs go through persistent pinned buffers; decode graphs are captured at warm-up
+        self.staging = PinnedStaging(self.device) if self.device.type == "cuda" else None
+        self.decode_graphs: DecodeGraphs | None = None
+        self.load_seconds = time.monotonic() - t0
+
+    # ------------------------------------------------------------------------------------------
+    @property
+    def kv_heads(self) -> int:
+        """KV heads this rank holds (all of them without tensor parallelism)."""
+        return self.hf_config.num_key_value_heads // self.tp.size
+
+    @property
+    def block_bytes(self) -> int:
+        return self.block_size * self.kv_bytes_per_token
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of every attention layer (only those: a hybrid's mixers hold no per-token state)."""
+        c = self.hf_config
+        return 2 * self.num_kv_layers * self.kv_heads * c.head_dim * self.dtype.itemsize
+
+    def seqs_in_pool(self, pool_bytes: int, context_len: int) -> int:
+        """How many sequences of context_len tokens one pool of pool_bytes holds (KV + hybrid state)."""
+        return seqs_per_pool(pool_bytes, context_len, self.block_size, self.block_bytes, self.state_bytes_per_seq)
+
+    def _pool_blocks(self) -> int:
+        available = mem_available(self.device)
+        where = "free device memory" if self.device.type == "cuda" else "MemAvailable capped by the cgroup memory limit"
+        if self.device.type == "cpu" and self.tp.size > 1:   # the ranks share the host (and the pod's limit)
+            available //= self.tp.size
+            where += f", a 1/{self.tp.size} share per rank"
+        if self.config.num_blocks:
+            n = int(self.config.num_blocks)
+            log.info("KV pool: %d blocks (%.0f MiB), set by --num-blocks; %.0f MiB available (%s)",
+                     n, n * self.block_bytes / MiB, available / MiB, where)
+            if n * self.block_bytes > available:
+                log.warning("the KV pool (%.0f MiB) is larger than the memory available to this engine (%.0f MiB): "
+                            "it is committed as it fills, and the engine is OOM-killed when it passes the limit",
+                            n * self.block_bytes / MiB, available / MiB)
+            return n
+        c = self.hf_config
+        tokens = self.config.max_num_batched_tokens
+        per_token = (6 * c.hidden_size + 3 * (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+                     + 3 * c.intermediate_size) * 4
+        scores = c.num_attention_heads * min(tokens, self.max_model_len) * self.max_model_len * 4
+        logits = 4 * self.config.max_num_seqs * c.vocab_size * 4
+        # hybrids: the state pools are already allocated (not in `free` any more), the mixers' projections are wide
+        if self.is_hybrid:
+            m = self.model.mixers[0]
+            per_token += 3 * (2 * m.inner + m.conv_dim + m.heads) * 4
+        reserve = 2 * (tokens * per_token + scores + logits) + 256 * MiB
+        free = available - reserve
+        n = int(max(free, 0) * self.config.kv_memory_fraction) // max(self.block_bytes, 1)   # 0: no attention layer
+        # more than every running sequence at full length can never be used
+        n = min(n, self.config.max_num_seqs * math.ceil(self.max_model_len / self.block_size))
+        if n < 1:
+            raise RuntimeError(f"no memory left for the KV pool: {available / MiB:.0f} MiB available ({where}) "
+                               f"less a {reserve / MiB:.0f} MiB activation reserve; give the engine more memory "
+                               "or set the pool's size (--num-blocks, Specialist spec.kv.numBlocks)")
+        log.info("KV pool: %d blocks (%.0f MiB) of %.0f MiB available (%s) less a %.0f MiB activation reserve, "
+                 "kv_memory_fraction %.2f", n, n * self.block_bytes / MiB, available / MiB, where, reserve / MiB,
+                 self.config.kv_memory_fraction)
+        return n
+
+    # ------------------------------------------------------------------------------------------
+    def prepare(self, batch: ScheduledBatch, on_host: bool = False) -> StepInputs:
+        groups = []
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            s = seq.num_computed_tokens
+            groups.append(RowGroup(seq.token_ids[s:s + n], s, seq.block_table, batch.rows_sampled(i), seq.adapter,
+                                   seq.state_slot))
+        return self.build_inputs(groups, on_host)
+
+    def build_inputs(self, groups: list[RowGroup], on_host: bool = False) -> StepInputs:
+        """Flat step inputs for row groups: short ones in the batched (kernel) group first, then prefill spans.
+        On the device's, unless on_host (the decode graphs copy them into their static buffers themselves)."""
+        new = [len(g.tokens) for g in groups]
+        bs, flash = self.block_size, self.backend == "flash"
+        batched = [i for i in range(len(groups)) if flash or new[i] <= self.max_kernel_query]
+        if len(batched) != len(groups):
+            in_group = set(batched)
+            order = batched + [i for i in range(len(groups)) if i not in in_group]
+        else:
+            order = batched
+        nb = len(batched)
+
+        tokens: list[int] = []
+        starts: list[int] = []
+        lens: list[int] = []
+        tables: list[list[int]] = []
+        for i in order:
+            g, n = groups[i], new[i]
+            s = g.start
+            tokens += g.tokens
+            starts.append(s)
+            lens.append(n)
+            tables.append(g.block_table[: (s + n + bs - 1) // bs])
+        max_blocks = max(len(t) for t in tables)
+        flat: list[int] = []
+        for t in tables:
+            flat += t
+            flat += [0] * (max_blocks - len(t))
+
+        b = len(order)
+        lens_t = torch.tensor(lens, dtype=torch.int64)
+        starts_t = torch.tensor(starts, dtype=torch.int64)
+        cu = torch.zeros(b + 1, dtype=torch.int64)
+        torch.cumsum(lens_t, 0, out=cu[1:])
+        seq_of_tok = torch.repeat_interleave(torch.arange(b), lens_t)
+        t = int(cu[-1])
+        positions = torch.arange(t) + (starts_t - cu[:-1])[seq_of_tok]
+        bt = torch.tensor(flat, dtype=torch.int32).view(b, max_blocks)
+        slots = bt[seq_of_tok, positions // bs].to(torch.int64) * bs + positions % bs
+        ctx = starts_t + lens_t
+
+        cu_list = cu.tolist()
+        meta = AttentionMetadata(slot_mapping=slots, num_batched_tokens=cu_list[nb])
+        if nb:
+            meta.block_tables = bt[:nb] if nb < b else bt
+            meta.context_lens = ctx[:nb].to(torch.int32)
+            meta.cu_query_lens = cu[: nb + 1].to(torch.int32)
+            meta.max_context_len = max(starts[r] + lens[r] for r in range(nb))
+            meta.max_query_len = max(lens[:nb])
+        if flash:   # pragma: no cover - CUDA + flash-attn only
+            meta.cu_context_lens = torch.cat([torch.zeros(1, dtype=torch.int64), ctx.cumsum(0)]).to(torch.int32)
+            meta.max_query_len_all = max(lens)
+        if nb < b and self.backend == "cpu_kernel":
+            meta.prefill_block_tables = bt[nb:]
+            meta.prefill_context_lens = ctx[nb:].to(torch.int32)
+            meta.prefill_cu_query_lens = (cu[nb:] - cu[nb]).to(torch.int32)
+        for r in range(nb, b):
+            c = starts[r] + lens[r]
+            span = PrefillSpan(start=cu_list[r], end=cu_list[r + 1], cached=starts[r], context_len=c)
+            if starts[r] > 0:
+                span.block_ids = bt[r, : (c + bs - 1) // bs].to(torch.int64)
+            meta.prefills.append(span)
+
+        row_of = {i: r for r, i in enumerate(order)}
+        sample_rows: list[int] = []       # the last num_sampled rows of each group, in group order
+        item_rows = [(cu_list[row_of[i]], cu_list[row_of[i] + 1]) for i in range(len(groups))]
+        for i, g in enumerate(groups):
+            k = g.num_sampled
+            if k:
+                end = item_rows[i][1]
+                sample_rows.extend(range(end - k, end))
+        sample_idx = torch.tensor(sample_rows, dtype=torch.int64)
+        ids = torch.tensor(tokens, dtype=torch.int64)
+        if self.device.type != "cpu" and not on_host:
+            ids, positions, sample_idx = self._upload(ids, positions, sample_idx, meta)
+        if self.is_hybrid:
+            meta.state = self._state_metadata(groups, item_rows)
+        lora = segments_of([groups[i].adapter for i in order], lens) if self.adapters else []
+        return StepInputs(ids, positions, meta, sample_idx, lora, order, item_rows)
+
+    def _upload(self, ids: torch.Tensor, positions: torch.Tensor, sample_idx: torch.Tensor,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # pragma: no cover
+        """A step's host inputs to the device: the int64 ones in one pinned copy, the int32 ones in
+        another (host_staging.py); meta's tensors are replaced by their device views."""
+        spans = [p for p in meta.prefills if p.block_ids is not None]
+        longs = self.staging.to_device([ids, positions, sample_idx, meta.slot_mapping] + [p.block_ids for p in spans])
+        ids, positions, sample_idx, meta.slot_mapping = longs[:4]
+        for p, block_ids in zip(spans, longs[4:]):
+            p.block_ids = block_ids
+        names = [n for n in ("block_tables", "context_lens", "cu_query_lens", "cu_context_lens")
+                 if getattr(meta, n) is not None]
+        for name, t in zip(names, self.staging.to_device([getattr(meta, n) for n in names])):
+            setattr(meta, name, t)
+        return ids, positions, sample_idx
+
+    def _state_metadata(self, groups: list[RowGroup], item_rows: list[tuple[int, int]]):
+        """The mixers' view of a step; a sequence's first chunk starts from zero state (a fresh slot,
+        or a preempted sequence recomputing: no prefix reuse for hybrids, so start 0 means fresh)."""
+        fresh = [g.state_slot for g in groups if g.start == 0]
+        if fresh:
+            idx = torch.tensor(fresh, dtype=torch.int64, device=self.device)
+            self.conv_state[idx] = 0
+            self.ssm_state[idx] = 0
+        meta = build_state_metadata(self.conv_state, self.ssm_state, item_rows, [g.state_slot for g in groups],
+                                    [g.num_sampled > 1 for g in groups])
+        self.window_snapshots = meta.snapshots
+        return meta
+
+    @torch.inference_mode()
+    def commit_windows(self, kept: dict[int, int]) -> None:
+        """After a verify step of a hybrid: state slot -> window tokens kept; the mixers' state goes
+        back to the one after the last kept token (WindowSnapshots.commit)."""
+        snaps, self.window_snapshots = self.window_snapshots, None
+        if snaps is not None and kept:
+            snaps.commit(self.conv_state, self.ssm_state, kept)
+
+    def load_adapter(self, name: str, path: str) -> LoraAdapter:
+        """Read a PEFT LoRA adapter and attach it (between steps). AdapterError when it cannot be served."""
+        if self.tp.size > 1:
+            raise AdapterError("LoRA adapters are not supported with tensor_parallel_size > 1 yet",
+                               code="adapter_unsupported")
+        if name in self.adapters:
+            raise AdapterError(f"adapter {name!r} is already loaded", code="adapter_exists")
+        if len(self.adapters) >= self.config.max_adapters:
+            raise AdapterError(f"{len(self.adapters)} adapters loaded, max_adapters is {self.config.max_adapters}",
+                               code="max_adapters")
+        adapter = load_peft_adapter(name, path, self.hf_config.num_hidden_layers, self.model.shard_shapes(),
+                                    self.device)
+        self.model.attach_adapter(adapter, self.lora_ctx)
+        self.adapters[name] = adapter
+        return adapter
+
+    def unload_adapter(self, name: str) -> None:
+        self.model.detach_adapter(name)
+        del self.adapters[name]
+
+    @torch.inference_mode()
+    def swap_out(self, sw: SwappedState) -> None:
+        """Copy a preempted hybrid sequence's computed KV blocks and its state slot to host memory
+        (pinned on CUDA, so the copy is asynchronous and ordered before the step that reuses them)."""
+        blocks = torch.tensor(sw.src_blocks, dtype=torch.int64, device=self.device)
+        sw.kv = to_host(self.kv_cache[:, :, blocks])     # block dim 2 in both pool layouts
+        sw.conv = to_host(self.conv_state[sw.src_slot])
+        sw.ssm = to_host(self.ssm_state[sw.src_slot])
+
+    @torch.inference_mode()
+    def swap_in(self, sw: SwappedState, block_table: list[int], slot: int) -> None:
+        """Put a swapped sequence's KV into the first blocks of its new table and its state into its new slot."""
+        assert sw.copied, "swap_in before swap_out"
+        blocks = torch.tensor(block_table[:len(sw.src_blocks)], dtype=torch.int64, device=self.device)
+        self.kv_cache[:, :, blocks] = sw.kv.to(self.device, non_blocking=True)
+        self.conv_state[slot] = sw.conv.to(self.device, non_blocking=True)
+        self.ssm_state[slot] = sw.ssm.to(self.device, non_blocking=True)
+
+    @torch.inference_mode()
+    def zero_slots(self, slots: list[int]) -> None:
+        """Zero K and V of these pool slots in every layer (rejected draft tokens' tail)."""
+        if self.workers:
+            self.workers.call("zero_slots", slots)
+        idx = torch.tensor(slots, dtype=torch.int64, device=self.device)
+        blocks, offsets = idx // self.block_size, idx % self.block_size
+        if self.backend == "cpu_kernel":       # [layers, 2, blocks, kv_heads, block_size, D]
+            self.kv_cache[:, :, blocks, :, offsets, :] = 0
+        else:                                   # [layers, 2, blocks, block_size, kv_heads, D]
+            self.kv_cache[:, :, blocks, offsets] = 0
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
+        """float32 logits [sampled rows, vocab] in batch order."""
+        if not batch.seqs:
+            return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
+        if self.workers:
+            self.workers.call("execute", batch)   # every rank runs the same step (its collectives meet)
+        graph = self.decode_graphs is not None and self.decode_graphs.can_run(batch)
+        inp = self.prepare(batch, on_host=graph)
+        if graph:       # h: the sampled rows already (every row of a pure decode step, in batch order)
+            h = self.decode_graphs.run(inp)
+        else:
+            self.lora_ctx.segments = inp.lora_segments
+            try:
+                h = self.model(inp.input_ids, inp.positions, inp.meta)
+            finally:
+                self.lora_ctx.segments = []
+        if self.has_mtp:     # the next step's MTP pass fuses these with the tokens that follow them
+            self.last_hidden, self.last_item_rows = self.model.norm(h), inp.item_rows
+        self.last_prompt_logprobs = []
+        if self.tp.rank == 0 and any(s.needs_prompt_logprobs for s in batch.seqs):
+            self.last_prompt_logprobs = self.prompt_logprobs(batch, inp.item_rows, h)
+        if inp.sample_idx.numel() == 0:
+            return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
+        return self.model.compute_logits(h if graph else h[inp.sample_idx]).float()
+
+    def prompt_logprobs(self, batch: ScheduledBatch, item_rows: list[tuple[int, int]],
+                        h: torch.Tensor) -> list[tuple[int, PromptLogprobs]]:
+        """Logprobs of the prompt tokens this step's rows predict, for the sequences that ask only.
+
+        The row at position q predicts token q + 1, so a chunk over positions s..s+n-1 yields prompt
+        tokens s+1..min(s+n, P-1) (the last prompt row is the sampled one); positions already
+        collected (before a preemption) are skipped. Every asking row goes through the head in
+        slices of bounded size: log_softmax, the prompt token's logprob and rank, and the top-k."""
+        spans: list[tuple[int, int, int, int]] = []      # (batch index, first row, first position, rows)
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            if not seq.needs_prompt_logprobs:
+                continue
+            s = seq.num_computed_tokens
+            lo, hi = max(s, len(seq.prompt_logprobs)), min(s + n, seq.num_prompt_tokens - 1)
+            if hi > lo:
+                spans.append((i, item_rows[i][0] + lo - s, lo, hi - lo))
+        if not spans:
+            return []
+        dev = h.device
+        rows = torch.cat([torch.arange(r, r + c) for _, r, _, c in spans]).to(dev)
+        targets = torch.tensor([t for i, _, q, c in spans for t in batch.seqs[i].prompt_token_ids[q + 1:q + 1 + c]],
+                               dtype=torch.int64, device=dev).view(-1, 1)
+        k = min(max(batch.seqs[i].sampling.prompt_logprobs for i, *_ in spans), self.vocab_size)
+        step = max(1, PROMPT_LOGITS_ELEMENTS // self.vocab_size)
+        chosen, ranks, top_v, top_i = [], [], [], []
+        for a in range(0, rows.numel(), step):
+            lp = torch.log_softmax(self.model.compute_logits(h[rows[a:a + step]]).float(), dim=-1)
+            c = lp.gather(1, targets[a:a + step])
+            chosen.append(c.view(-1))
+            ranks.append((lp > c).sum(dim=-1) + 1)
+            v, ix = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+            top_v.append(v)
+            top_i.append(ix)
+        chosen_l, ranks_l = torch.cat(chosen).tolist(), torch.cat(ranks).tolist()
+        top_v_l, top_i_l = torch.cat(top_v).tolist(), torch.cat(top_i).tolist()
+        out, a = [], 0
+        for i, _, _, c in spans:
+            kk = batch.seqs[i].sampling.prompt_logprobs
+            ids, vals = top_i_l[a:a + c], top_v_l[a:a + c]
+            if kk < k:       # a request asking fewer alternatives than the batch's widest
+                ids, vals = [t[:kk] for t in ids], [t[:kk] for t in vals]
+            out.append((i, PromptLogprobs(chosen_l[a:a + c], ranks_l[a:a + c], ids, vals)))
+            a += c
+        return out
+
+    @torch.inference_mode()
+    def mtp_draft(self, items: list[MTPRows]) -> list[list[int]]:
+        """One batched MTP pass over every item's rows (writing the block's K/V there), then
+        max(num_draft) - 1 chained one-row steps: greedy draft tokens per item, item order."""
+        drafts: list[list[int]] = [[] for _ in items]
+        if not items:
+            return drafts
+        mtp, model = self.model.mtp, self.model
+        inp = self.build_inputs([RowGroup(it.tokens, it.start, it.block_table, 1 if it.num_draft else 0)
+                                 for it in items])
+        hidden = torch.cat([items[i].hidden[: len(items[i].tokens)] for i in inp.order])
+        out = mtp(model.embed_tokens(inp.input_ids), hidden, inp.positions, model.rotary, inp.meta)
+        active = [i for i, it in enumerate(items) if it.num_draft]
+        if not active:
+            return drafts
+        h = out[inp.sample_idx]
+        tokens = model.head(h).argmax(dim=-1)
+        step = 0
+        while True:
+            chosen = tokens.tolist()
+            for i, t in zip(active, chosen):
+                drafts[i].append(t)
+            step += 1
+            keep = [j for j, i in enumerate(active) if items[i].num_draft > step]
+            if not keep:
+                return drafts
+            if len(keep) != len(active):
+                idx = torch.tensor(keep, dtype=torch.int64, device=h.device)
+                h, tokens = h[idx], tokens[idx]
+                active = [active[j] for j in keep]
+            # draft number `step` sits at position L + step (L = the last real token's); its row is the one before
+            inp = self.build_inputs([RowGroup([0], items[i].start + len(items[i].tokens) + step - 1,
+                                              items[i].block_table, 1) for i in active])
+            h = mtp(model.embed_tokens(tokens), h, inp.positions, model.rotary, inp.meta)
+            tokens = model.head(h).argmax(dim=-1)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel worker ranks (no-op without them)."""
+        if self.workers:
+            self.workers.stop()
+            self.workers = None
+
+    # ------------------------------------------------------------------------------------------
+    def warmup(self) -> None:
+        """Runs a prefill, a decode and (when speculating) a verify batch through scratch blocks
+        before any request owns a block.
+
+        The K/V they write is garbage nobody reads: every block is written by its owner before
+        it is attended. Then, on CUDA unless enforce_eager, the decode graphs are captured (cuda_graphs.py).
+        """
+        bs = self.block_size
+        prompt = max(1, min(self.config.max_num_batched_tokens, 512, self.max_model_len - 1,
+                            self.num_blocks * bs - 1))
+        seq = Sequence(prompt_token_ids=[i % self.vocab_size for i in range(prompt + 1)])
+        seq.block_table = list(range(math.ceil((prompt + 1) / bs)))
+        seq.state_slot = 0          # hybrids: scratch state, zeroed again by a request's first chunk
+        self.execute(ScheduledBatch([seq], [prompt], [True], mode="prefill"))
+        n = max(1, min(self.config.max_num_seqs, 32, self.num_blocks))
+        ctx = max(1, min(prompt, (self.num_blocks // n) * bs - 1))
+        seqs = []
+        for j in range(n):
+            s = Sequence(prompt_token_ids=[(j + i) % self.vocab_size for i in range(ctx + 1)])
+            s.num_computed_tokens = ctx
+            s.state_slot = j
+            s.block_table = [(j * math.ceil((ctx + 1) / bs) + k) % self.num_blocks
+                             for k in range(math.ceil((ctx + 1) / bs))]
+            seqs.append(s)
+        self.execute(ScheduledBatch(seqs, [1] * n, [True] * n, mode="decode"))
+        if self.has_mtp:         # the MTP pass over those rows, one draft each (the chain is the same shapes)
+            self.mtp_draft([MTPRows(s.token_ids[ctx:ctx + 1], self.last_hidden[a:b], ctx - 1, s.block_table, 1)
+                            for s, (a, b) in zip(seqs, self.last_item_rows)])
+        k = self.config.num_speculative_tokens if self.config.speculative != "off" else 0
+        if k and ctx > k:        # the verify window: 1 + k query rows per sequence, every row sampled
+            for s in seqs:
+                s.num_computed_tokens = ctx - k
+            self.execute(ScheduledBatch(seqs, [1 + k] * n, [True] * n, mode="spec_verify", num_draft=[k] * n))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        if self.decode_graphs is None and use_decode_graphs(self.device.type, self.config.enforce_eager, self.backend,
+                                                            self.tp.size, self.is_hybrid):
+            self.decode_graphs = DecodeGraphs(self, capture=True)    # pragma: no cover - CUDA only
+            self.decode_graphs.capture_all()
+        elif self.device.type == "cuda" and self.decode_graphs is None:
+            log.info("decode CUDA graphs off (enforce_eager=%s, backend %s, tp %d, hybrid %s): every step eager",
+                     self.config.enforce_eager, self.backend, self.tp.size, self.is_hybrid)

@@ -1,0 +1,213 @@
+"""Bamba (transformers' BambaForCausalLM): attention layers interleaved with Mamba2 mixer layers.
+
+Attention layers read and write the paged KV pool like Llama's (partial RoPE: the first half of each
+head rotates). Mixer layers hold no KV: their conv and SSM state live in the runner's state slot pool
+([max_num_seqs, mixer layers, ...], see state_pool.py), one slot per running sequence. Per step:
+- every single-token row (decode) of the batch goes through ONE batched recurrence step per layer,
+  reading and writing the states of their slots by index;
+- every multi-token row group (a prefill chunk) runs the chunked SSD scan from its slot's state and
+  writes the state after its last token back (chunked prefill continues from it).
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from consort_engine.model.attention import AttentionMetadata
+from consort_engine.model.loader import ModelConfig
+from consort_engine.model.lora import AdapterError
+from consort_engine.kv.state_pool import StateMetadata
+from consort_engine.model.tensor_parallel import SINGLE, TPGroup
+from consort_engine.model.models import ssd
+from consort_engine.model.models.layers import MLP, Attention, Linear, RMSNorm
+from consort_engine.model.models.llama import CausalLM
+from consort_engine.model.models.rope import RotaryEmbedding
+
+
+class BambaAttention(Attention):
+    """Llama's attention with partial rotary embedding (the first `rotary_dim` dims of each head)."""
+
+    def __init__(self, cfg: ModelConfig, backend: str, fast: bool, tp: TPGroup = SINGLE):
+        super().__init__(cfg, backend, fast, tp)
+        self.rotary_dim = int(cfg.head_dim * cfg.partial_rotary_factor)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+                meta: AttentionMetadata) -> torch.Tensor:
+        t, h, kvh, r = x.shape[0], self.h, self.kvh, self.rotary_dim
+        qkv = self.qkv_proj(x).view(t, h + 2 * kvh, self.d)
+        qk, v = qkv[:, : h + kvh], qkv[:, h + kvh:]
+        rot = _rope(qk[..., :r], positions, rotary.cos, rotary.sin)
+        qk = torch.cat((rot, qk[..., r:]), dim=-1)
+        return self.o_proj(self.attn(qk[:, :h], qk[:, h:], v, meta))
+
+
+def _rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+class Conv1d(nn.Module):
+    """The depthwise conv's parameters under the checkpoint's names (weight [C, 1, K], bias [C])."""
+
+    def __init__(self, channels: int, kernel: int, bias: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(channels), requires_grad=False) if bias else None
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of y * silu(gate) over groups of the channels (transformers' BambaRMSNormGated)."""
+
+    def __init__(self, dim: int, groups: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.groups, self.eps = groups, eps
+
+    def forward(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = y.dtype
+        y = y.float() * F.silu(gate.float())
+        g = y.view(y.shape[0], self.groups, -1)
+        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * g.view_as(y).to(dtype)
+
+
+class Mamba2Mixer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int):
+        super().__init__()
+        raw = cfg.raw
+        self.index = index                                   # this mixer's row in the state pool
+        self.heads = int(raw["mamba_n_heads"])
+        self.inner = int(raw.get("mamba_expand", 2)) * cfg.hidden_size
+        self.head_dim = self.inner // self.heads
+        self.groups = int(raw.get("mamba_n_groups", 1))
+        self.d_state = int(raw.get("mamba_d_state", 256))
+        self.d_conv = int(raw.get("mamba_d_conv", 4))
+        self.chunk_size = int(raw.get("mamba_chunk_size", 256))
+        self.conv_dim = self.inner + 2 * self.groups * self.d_state
+        self.dt_limit = time_step_limit(raw.get("time_step_limit"))
+        self.in_proj = Linear(cfg.hidden_size, [self.inner + self.conv_dim + self.heads],
+                              bool(raw.get("mamba_proj_bias", False)))
+        self.conv1d = Conv1d(self.conv_dim, self.d_conv, bool(raw.get("mamba_conv_bias", True)))
+        self.dt_bias = nn.Parameter(torch.ones(self.heads), requires_grad=False)
+        self.A_log = nn.Parameter(torch.zeros(self.heads), requires_grad=False)
+        self.D = nn.Parameter(torch.ones(self.heads), requires_grad=False)
+        self.norm = GatedRMSNorm(self.inner, self.groups, cfg.rms_norm_eps)
+        self.out_proj = Linear(self.inner, [cfg.hidden_size], bool(raw.get("mamba_proj_bias", False)))
+
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Per sequence: conv state [conv_dim, d_conv - 1], SSM state [heads, head_dim, d_state]."""
+        return (self.conv_dim, self.d_conv - 1), (self.heads, self.head_dim, self.d_state)
+
+    def _step(self, xbc: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, y: torch.Tensor, rows: torch.Tensor,
+              slots: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor):
+        """One recurrence step for `rows` (one token each) from their slots' state, written back.
+        Returns the new (conv, SSM) states."""
+        n, gs = self.inner, self.groups * self.d_state
+        out, conv_new = ssd.conv_step(xbc[rows], conv_state[slots], self.conv1d.weight[:, 0], self.conv1d.bias)
+        conv_new = conv_new.to(conv_state.dtype)
+        conv_state[slots] = conv_new
+        xs, B, C = out.split([n, gs, gs], dim=-1)
+        b = xs.shape[0]
+        ys, ssm_new = ssd.state_update(ssm_state[slots], xs.view(b, self.heads, self.head_dim), dt[rows], A,
+                                       B.view(b, self.groups, -1), C.view(b, self.groups, -1), self.D, self.dt_bias)
+        ssm_state[slots] = ssm_new
+        y[rows] = ys.reshape(b, -1)
+        return conv_new, ssm_new
+
+    def forward(self, x: torch.Tensor, st: StateMetadata) -> torch.Tensor:
+        proj = self.in_proj(x)
+        gate, xbc, dt = proj.split([self.inner, self.conv_dim, self.heads], dim=-1)
+        conv_state, ssm_state = st.conv[:, self.index], st.ssm[:, self.index]      # [S, ...] views of the pool
+        w = self.conv1d.weight[:, 0]
+        A = -torch.exp(self.A_log.float())
+        y = torch.empty(x.shape[0], self.inner, dtype=x.dtype, device=x.device)
+        n, gs = self.inner, self.groups * self.d_state
+        if st.decode_rows is not None:          # one batched step for every single-token row
+            self._step(xbc, dt, A, y, st.decode_rows, st.decode_slots, conv_state, ssm_state)
+        for j, (rows, slots, live) in enumerate(st.window_steps):   # verify windows: a batched step per position
+            conv_new, ssm_new = self._step(xbc, dt, A, y, rows, slots, conv_state, ssm_state)
+            st.snapshots.conv[j, live, self.index] = conv_new
+            st.snapshots.ssm[j, live, self.index] = ssm_new
+        for start, end, slot in st.chunks:     # prefill chunks: the SSD scan from the slot's state
+            out, conv_new = ssd.conv_chunk(xbc[start:end], conv_state[slot], w, self.conv1d.bias)
+            conv_state[slot] = conv_new.to(conv_state.dtype)
+            xs, B, C = out.split([n, gs, gs], dim=-1)
+            k = end - start
+            ys, final = ssd.chunk_scan(xs.view(k, self.heads, self.head_dim), dt[start:end], A,
+                                       B.view(k, self.groups, -1), C.view(k, self.groups, -1), self.D,
+                                       self.dt_bias, self.chunk_size, ssm_state[slot], self.dt_limit)
+            ssm_state[slot] = final
+            y[start:end] = ys.reshape(k, -1)
+        return self.out_proj(self.norm(y, gate))
+
+
+def time_step_limit(v) -> tuple[float, float]:
+    """config.json's time_step_limit ([lo, hi], hi possibly {"__float__": "Infinity"}) as floats."""
+    if not v:
+        return 0.0, float("inf")
+    return tuple(float(x["__float__"]) if isinstance(x, dict) else float(x) for x in v)
+
+
+class BambaLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, attention: bool, mixer_index: int, backend: str, fast: bool):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fast)
+        self.self_attn = BambaAttention(cfg, backend, fast) if attention else None
+        self.mamba = None if attention else Mamba2Mixer(cfg, mixer_index)
+        self.pre_ff_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fast)
+        self.feed_forward = MLP(cfg, fast)
+
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                rotary: RotaryEmbedding, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            x, residual = self.input_layernorm(h), h
+        else:
+            x, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(x, positions, rotary, meta) if self.mamba is None else self.mamba(x, meta.state)
+        x, residual = self.pre_ff_layernorm(h, residual)
+        return self.feed_forward(x), residual
+
+
+class BambaForCausalLM(CausalLM):
+    single_modules = ("o_proj", "down_proj", "lm_head", "in_proj", "out_proj")
+
+    def __init__(self, cfg: ModelConfig, max_len: int, backend: str, dtype: torch.dtype,
+                 device: torch.device, tp: TPGroup = SINGLE, mtp: bool = False):
+        super().__init__()
+        if tp.size > 1:
+            raise ValueError("tensor parallelism is not supported for bamba (hybrid) models yet")
+        self.cfg = cfg
+        fast = backend == "cpu_kernel"
+        attn = set(cfg.attention_layers)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        mixers = [i for i in range(cfg.num_hidden_layers) if i not in attn]
+        self.layers = nn.ModuleList(
+            BambaLayer(cfg, i in attn, mixers.index(i) if i not in attn else -1, backend, fast)
+            for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fast)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, [cfg.vocab_size], False)
+        self.tied_head = None
+        rot = int(cfg.head_dim * cfg.partial_rotary_factor)
+        self.rotary = RotaryEmbedding(rot, max_len, cfg.rope_theta, cfg.rope_scaling, dtype, device)
+        self.mtp = None
+
+    @property
+    def attention_modules(self) -> list[BambaAttention]:
+        return [layer.self_attn for layer in self.layers if layer.self_attn is not None]
+
+    @property
+    def mixers(self) -> list[Mamba2Mixer]:
+        return [layer.mamba for layer in self.layers if layer.mamba is not None]
+
+    def shard_shapes(self) -> dict:
+        raise AdapterError("LoRA adapters are not supported for hybrid (bamba) models yet",
+                           code="adapter_unsupported")
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.load_tensors((name.removeprefix("model.").replace("final_layernorm.", "norm."), tensor)
+                          for name, tensor in weights)

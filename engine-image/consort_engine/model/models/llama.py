@@ -1,0 +1,152 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a flat token batch with paged attention.
+
+Differences between the four are config flags: q/k/v biases (Qwen2), per-head q/k RMSNorm (Qwen3),
+tied embeddings, RoPE scaling. q/k/v and gate/up projections are fused at load time.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from consort_engine.model.attention import AttentionMetadata
+from consort_engine.model.lora import LoraAdapter, LoraContext
+from consort_engine.model.loader import ModelConfig
+from consort_engine.model.models.packed import pack_linear
+from consort_engine.model.models.layers import DecoderLayer, Linear, RMSNorm
+from consort_engine.model.models.mtp import MTPBlock, mtp_param_name
+from consort_engine.model.models.rope import RotaryEmbedding
+from consort_engine.model.tensor_parallel import SINGLE, TPGroup
+
+
+class CausalLM(nn.Module):
+    """What every decoder-only model here shares: the layer loop, the final norm + LM head, packing,
+    and loading checkpoint tensors into fused projections. Subclasses build embed_tokens, layers,
+    norm, lm_head (None when tied) and rotary, and name their projections in the class attributes."""
+    # checkpoint name fragment -> (fused module fragment, shard index)
+    packed_modules = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                      "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    single_modules: tuple[str, ...] = ("o_proj", "down_proj", "lm_head")   # unfused Linear modules
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions [T] -> last layer's hidden states [T, hidden] (before the final norm)."""
+        h, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            h, residual = layer(h, residual, positions, self.rotary, meta)
+        return h + residual
+
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm + LM head, for the sampled rows only."""
+        return self.head(self.norm(h))
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """LM head of normed hidden states (the target's and the MTP block's)."""
+        if self.lm_head is not None:
+            return self.lm_head(x)
+        if self.tied_head is not None:
+            return self.tied_head(x)
+        return F.linear(x, self.embed_tokens.weight)
+
+    def pack_weights(self) -> int:
+        """Pre-pack every projection for the CPU GEMM (after load_weights). Returns how many packed."""
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        for m in linears:
+            m.pack()
+        if self.lm_head is None:
+            self.tied_head = pack_linear(self.embed_tokens.weight.data, None)
+        return sum(m.packed is not None for m in linears) + (self.tied_head is not None)
+
+    def load_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy (module name, tensor) pairs, already in this model's names, into the parameters (shards
+        of the fused projections included); every parameter must be covered."""
+        params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
+        seen: set[str] = set()
+        for name, tensor in weights:
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue                                        # tied: the embedding is the head
+            module_path, _, leaf = name.rpartition(".")
+            frag = module_path.rpartition(".")[2]
+            if frag in self.packed_modules:
+                fused, shard = self.packed_modules[frag]
+                fused_path = module_path[: -len(frag)] + fused
+                modules[fused_path].load_shard(leaf, shard, tensor)
+                seen.add(f"{fused_path}.{leaf}#{shard}")
+            elif frag in self.single_modules:
+                modules[module_path].load_shard(leaf, 0, tensor)
+                seen.add(f"{module_path}.{leaf}#0")
+            elif name in params:
+                if params[name].shape != tensor.shape:
+                    raise ValueError(f"{name}: expected {tuple(params[name].shape)}, got {tuple(tensor.shape)}")
+                params[name].data.copy_(tensor)
+                seen.add(name)
+            else:
+                raise ValueError(f"unexpected tensor in checkpoint: {name}")
+        missing = []
+        for pname in params:
+            mpath, _, leaf = pname.rpartition(".")
+            mod = modules[mpath]
+            shards = range(len(mod.shard_sizes)) if isinstance(mod, Linear) else None
+            if (shards is not None and not all(f"{pname}#{i}" in seen for i in shards)) or \
+                    (shards is None and pname not in seen):
+                missing.append(pname)
+        if missing:
+            raise ValueError(f"checkpoint lacks {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+
+
+class LlamaForCausalLM(CausalLM):
+    single_modules = ("o_proj", "down_proj", "lm_head", "fc")     # fc: the MTP block's input projection
+
+    def __init__(self, cfg: ModelConfig, max_len: int, backend: str, dtype: torch.dtype,
+                 device: torch.device, tp: TPGroup = SINGLE, mtp: bool = False):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        fast = backend == "cpu_kernel"      # the C kernels are compiled and apply (CPU, fp32/bf16)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, fast, tp) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fast)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, [cfg.vocab_size], False)
+        self.tied_head = None
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_len, cfg.rope_theta, cfg.rope_scaling, dtype, device)
+        # The checkpoint's MTP block (models/mtp.py), loaded only when it drafts; otherwise its tensors are skipped.
+        self.mtp = MTPBlock(cfg, backend, fast) if mtp else None
+
+    def shard_shapes(self) -> dict[str, list[tuple[int, int]]]:
+        """(out, in) of each shard of the fused projections, for validating adapters."""
+        layer = self.layers[0]
+        mods = {"qkv_proj": layer.self_attn.qkv_proj, "o_proj": layer.self_attn.o_proj,
+                "gate_up_proj": layer.mlp.gate_up_proj, "down_proj": layer.mlp.down_proj}
+        return {k: [(n, m.weight.shape[1]) for n in m.shard_sizes] for k, m in mods.items()}
+
+    def attach_adapter(self, adapter: LoraAdapter, ctx: LoraContext) -> None:
+        """Hang an adapter's A/B pairs on the projections they target (shard offsets of the fused ones)."""
+        for (i, module, shard), (a, b) in adapter.weights.items():
+            layer = self.layers[i]
+            lin = getattr(layer.mlp if module in ("gate_up_proj", "down_proj") else layer.self_attn, module)
+            lin.lora_ctx = ctx
+            lin.lora.setdefault(adapter.name, []).append((lin.shard_offsets[shard], lin.shard_sizes[shard], a, b))
+
+    def detach_adapter(self, name: str) -> None:
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.lora.pop(name, None)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.load_tensors(self._own_names(weights))
+
+    def _own_names(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        """Checkpoint names -> this module's: rotary buffers dropped, MTP tensors under mtp. (or
+        skipped when MTP does not draft), the model. prefix removed."""
+        for name, tensor in weights:
+            if "rotary_emb" in name:
+                continue
+            mtp_name = mtp_param_name(name, self.cfg.num_hidden_layers)
+            if mtp_name is not None:
+                if not mtp_name or self.mtp is None:
+                    continue                                    # a shared copy, or MTP not drafting
+                name = "mtp." + mtp_name
+            yield name.removeprefix("model."), tensor

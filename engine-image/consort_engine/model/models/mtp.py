@@ -1,0 +1,79 @@
+"""Multi-token-prediction (MTP) block: the checkpoint's own drafter.
+
+One MTP block predicts the token after next: at position p it fuses the embedding of token p+1 with
+the target model's (final-norm) hidden state at p, runs one decoder layer with its own paged KV
+(an extra layer in the runner's pool) and the shared LM head gives token p+2. Drafting K tokens
+chains it: the block's own output hidden state stands in for the target's at the next position.
+
+    x = fc(cat(enorm(embed(t[p+1])), hnorm(h[p])));  h' = norm(layer(x));  logits = lm_head(h')
+
+Checkpoint layouts (the block's decoder layer is the base model's Llama-family layer):
+- Qwen3-Next: `mtp.fc`, `mtp.pre_fc_norm_embedding`, `mtp.pre_fc_norm_hidden`, `mtp.layers.0.*`,
+  `mtp.norm` (the LM head is the model's).
+- DeepSeek-V3: `model.layers.{num_hidden_layers}.` + `eh_proj`, `enorm`, `hnorm`, the decoder layer's
+  own names, `shared_head.norm`; its copies `embed_tokens` and `shared_head.head` are the model's
+  embedding and LM head and are not loaded twice.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from consort_engine.model.attention import AttentionMetadata
+from consort_engine.model.loader import ModelConfig
+from consort_engine.model.models.layers import DecoderLayer, Linear, RMSNorm
+from consort_engine.model.models.rope import RotaryEmbedding
+
+# checkpoint name (relative to the layout's prefix) -> MTPBlock parameter name
+_QWEN3_NEXT = {"fc.": "fc.", "pre_fc_norm_embedding.": "enorm.", "pre_fc_norm_hidden.": "hnorm.",
+               "layers.0.": "layer.", "norm.": "norm."}
+_DEEPSEEK_V3 = {"eh_proj.": "fc.", "enorm.": "enorm.", "hnorm.": "hnorm.", "shared_head.norm.": "norm."}
+_DEEPSEEK_SHARED = ("embed_tokens.", "shared_head.head.")     # the model's own, repeated
+
+
+def mtp_param_name(name: str, num_hidden_layers: int) -> str | None:
+    """The MTPBlock parameter a checkpoint tensor loads into ("" for a shared copy to skip), or
+    None when the tensor is not part of an MTP block."""
+    if name.startswith("mtp."):
+        rest = name[4:]
+        if re.match(r"layers\.[1-9]", rest):
+            return ""        # more MTP depths than one: only the first drafts (chained)
+        for src, dst in _QWEN3_NEXT.items():
+            if rest.startswith(src):
+                return dst + rest[len(src):]
+        return None
+    prefix = f"model.layers.{num_hidden_layers}."
+    if not name.startswith(prefix):
+        return None
+    rest = name[len(prefix):]
+    if rest.startswith(_DEEPSEEK_SHARED):
+        return ""
+    for src, dst in _DEEPSEEK_V3.items():
+        if rest.startswith(src):
+            return dst + rest[len(src):]
+    return "layer." + rest
+
+
+def has_mtp(names: list[str], num_hidden_layers: int) -> bool:
+    return any(mtp_param_name(n, num_hidden_layers) for n in names)
+
+
+class MTPBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: str, fast: bool):
+        super().__init__()
+        h = cfg.hidden_size
+        self.enorm = RMSNorm(h, cfg.rms_norm_eps, fast)
+        self.hnorm = RMSNorm(h, cfg.rms_norm_eps, fast)
+        self.fc = Linear(2 * h, [h], False)
+        self.layer = DecoderLayer(cfg, backend, fast)
+        self.norm = RMSNorm(h, cfg.rms_norm_eps, fast)
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                rotary: RotaryEmbedding, meta: AttentionMetadata) -> torch.Tensor:
+        """embeds of tokens p+1, normed hidden states at p, positions p [T] -> normed output [T, H]
+        (the LM head's input for token p+2, and the next chained step's hidden state)."""
+        x = self.fc(torch.cat((self.enorm(embeds), self.hnorm(hidden)), dim=-1))
+        h, residual = self.layer(x, None, positions, rotary, meta)
+        return self.norm(h, residual)[0]

@@ -1,0 +1,68 @@
+"""Element-wise layers: fused C kernels on CPU (cpu_kernels.c), torch ops elsewhere.
+
+`fast` is decided once per model (CPU, fp32/bf16, kernels compiled); both paths compute what
+transformers computes, rounding at the same points in bf16.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from consort_engine.model.cpu_kernels import kernel
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, fast: bool) -> torch.Tensor:
+    """x [T, D] contiguous -> new tensor."""
+    if not fast:
+        return F.rms_norm(x, w.shape, w, eps)
+    out = torch.empty_like(x)
+    kernel("rms_norm", x.dtype)(x.data_ptr(), x.shape[-1], out.data_ptr(), x.shape[-1], w.data_ptr(),
+                                x.shape[0], 1, x.shape[-1], eps)
+    return out
+
+
+def rms_norm_heads_(x: torch.Tensor, w: torch.Tensor, eps: float, fast: bool) -> torch.Tensor:
+    """Per-head RMSNorm of x [T, heads, D] (a strided view into the qkv buffer), in place when fast."""
+    if not fast:
+        return F.rms_norm(x, w.shape, w, eps)
+    assert x.stride()[1:] == (x.shape[2], 1)
+    kernel("rms_norm", x.dtype)(x.data_ptr(), x.stride(0), x.data_ptr(), x.stride(0), w.data_ptr(),
+                                x.shape[0], x.shape[1], x.shape[2], eps)
+    return x
+
+
+def add_rms_norm(residual: torch.Tensor, x: torch.Tensor, w: torch.Tensor, eps: float,
+                 fast: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual + x -> (RMSNorm of the sum, the sum). Fast path updates residual in place."""
+    if not fast:
+        residual = residual + x
+        return F.rms_norm(residual, w.shape, w, eps), residual
+    out = torch.empty_like(x)
+    kernel("add_rms_norm", x.dtype)(residual.data_ptr(), x.data_ptr(), out.data_ptr(), w.data_ptr(),
+                                    x.shape[0], x.shape[1], eps)
+    return out, residual
+
+
+def rope_(qk: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+          fast: bool) -> torch.Tensor:
+    """Rotate-half RoPE of qk [T, heads, D] (strided view). cos/sin: the [max_len, D/2] tables.
+
+    Fast path rotates in place; the torch path returns a new contiguous tensor."""
+    if not fast:
+        c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+        x1, x2 = qk.chunk(2, dim=-1)
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    assert qk.stride()[1:] == (qk.shape[2], 1)
+    kernel("rope", qk.dtype)(qk.data_ptr(), qk.stride(0), qk.shape[0], qk.shape[1], qk.shape[2],
+                             positions.data_ptr(), cos.data_ptr(), sin.data_ptr())
+    return qk
+
+
+def silu_mul(gu: torch.Tensor, fast: bool) -> torch.Tensor:
+    """gu [T, 2F] (gate | up) -> silu(gate) * up [T, F]."""
+    f = gu.shape[1] // 2
+    if not fast:
+        return F.silu(gu[:, :f]) * gu[:, f:]
+    out = torch.empty(gu.shape[0], f, dtype=gu.dtype)
+    kernel("silu_mul", gu.dtype)(gu.data_ptr(), out.data_ptr(), gu.shape[0], f)
+    return out

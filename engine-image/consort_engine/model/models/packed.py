@@ -1,0 +1,162 @@
+"""Pre-packed CPU GEMM weights: the weight is reordered once at load time into a GEMM kernel's
+blocked format, so small-batch decode matmuls skip the per-call repacking.
+
+float32 has three backends (`fp32_backend`, CONSORT_GEMM=consort|onednn|mkl overrides):
+- consort: the engine's own kernel (csrc/cpu_kernels.c `gemm_f32`: 16-column panels, register tiles
+  of up to 12 rows x 2 panels of zmm accumulators with AVX-512, 6 rows x 1 panel of ymm ones with
+  AVX2, x packed k-major per tile, the next panels prefetched into L2). The default wherever it builds.
+  Measured (docs/engine-speed.md): on the 2-core AMD EPYC Zen 4 (AVX-512), the 33 GEMMs of one decode
+  step with cache-cold weights in rotation at 32 rows 195-200 GFLOP/s against oneDNN's 163-180, 8 rows
+  ~1.4x, 256 rows level, 2,048-row prefill chunks 0.97x; the anchor workload level with oneDNN, the
+  decode step ~10% faster. On the Zen 3 machine (AVX2): 128-138 GFLOP/s against oneDNN's 112-115 at
+  32 rows, the decode step 41.6 -> 33.9 ms.
+- onednn: oneDNN's packed inner product (the earlier default with AVX-512; Zen 4: 32 rows 135-150
+  GFLOP/s against MKL's 105-114, the LM head 122 vs 67).
+- mkl: MKL's packed sgemm, where oneDNN is missing.
+Results equal F.linear to float32 rounding (summation order).
+
+bfloat16 on a CPU without AMX: oneDNN's bf16 GEMM runs ~1.7x slower than MKL's fp32 GEMM there,
+so the bf16 weight is widened once (exactly) and multiplied in fp32, the output rounded to bf16.
+That is the arithmetic of a bf16 GEMM (bf16 x bf16 products are exact in fp32, fp32 accumulation,
+one rounding of the output); only the summation order differs. With AMX, oneDNN's packed bf16
+kernel is used.
+
+Packing is verified at load time against F.linear; if the ops are missing or disagree, the
+plain weight is kept (returns None).
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+# MKL blocks the packed weight for this many rows. Measured on the 2-core AVX-512 machine
+# (bench shapes, GFLOP/s): 64 is 5-30% faster than 32 at decode batches of 32-64 rows (the LM head
+# 152 -> 194 at 64 rows) and as fast at 2,048-row prefill chunks; 128/256 are no better.
+PACK_BATCH_HINT = 64
+
+
+def _mkl(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, PACK_BATCH_HINT)
+    shape_only = torch.zeros(1, dtype=weight.dtype).expand(weight.shape)   # the op reads its shape only
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkl._mkl_linear(x, packed, shape_only, bias, x.shape[0])
+    return run
+
+
+def _consort(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The engine's own kernel (csrc/cpu_kernels.c `gemm_f32`, AVX2 + FMA builds) over its panel layout;
+    None where it is not built."""
+    from consort_engine.model.cpu_kernels import cpu_kernels
+
+    lib = cpu_kernels()
+    if lib is None or not hasattr(lib, "gemm_f32"):
+        return None
+    n, k = weight.shape
+    size = lib.gemm_packed_floats_f32(n, k)
+    raw = torch.empty(size + 16, dtype=torch.float32)             # 64-byte aligned panels (aligned loads)
+    start = (-raw.data_ptr() % 64) // 4
+    packed = raw[start:start + size]
+    w = weight.contiguous()
+    lib.gemm_pack_f32(w.data_ptr(), n, k, packed.data_ptr())
+    b = None if bias is None else bias.float().contiguous()
+    gemm = lib.gemm_f32
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, k)
+        if x2.stride(1) != 1:
+            x2 = x2.contiguous()
+        y = torch.empty(x2.shape[0], n, dtype=torch.float32)
+        if x2.shape[0] and gemm(x2.data_ptr(), x2.stride(0), x2.shape[0], k, packed.data_ptr(), n, y.data_ptr(), n,
+                                None if b is None else b.data_ptr()):
+            raise MemoryError(f"gemm_f32: no memory to pack the rows of x ({x2.shape[0]} x {k})")
+        return y.view(*lead, n)
+    return run
+
+
+def fp32_backend() -> str:
+    """consort | onednn | mkl: CONSORT_GEMM, else the engine's kernel where it is built (AVX2 + FMA, with
+    AVX-512 where the CPU has it), else oneDNN, else MKL."""
+    from consort_engine.model.cpu_kernels import cpu_kernels
+
+    forced = os.environ.get("CONSORT_GEMM", "")
+    if forced in FP32_BACKENDS:
+        return forced
+    if hasattr(cpu_kernels(), "gemm_f32"):
+        return "consort"
+    return "onednn" if torch.backends.mkldnn.is_available() else "mkl"
+
+
+def _fp32(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The float32 packed GEMM of `fp32_backend()` (MKL's where oneDNN is asked for but missing)."""
+    backend = fp32_backend()
+    if backend == "onednn" and not torch.backends.mkldnn.is_available():
+        backend = "mkl"
+    return FP32_BACKENDS[backend](weight, bias)
+
+
+def _fp32_compute(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    inner = _fp32(weight.float(), None if bias is None else bias.float())
+    if inner is None:
+        return None
+    out_dtype = weight.dtype
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        return inner(x.float()).to(out_dtype)
+    return run
+
+
+def has_cpu_flag(flag: str) -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(flag in line.split() for line in f if line.startswith("flags"))
+    except OSError:
+        return False
+
+
+def has_amx() -> bool:
+    return has_cpu_flag("amx_bf16")
+
+
+def _onednn(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return run
+
+
+# name -> packer (weight, bias) -> x -> x W^T + b, or None where it does not build
+FP32_BACKENDS = {"consort": _consort, "onednn": _onednn, "mkl": _mkl}
+
+
+def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """A function x [M, in] -> x W^T + b over a packed copy of W, or None where packing does not apply."""
+    if weight.device.type != "cpu" or weight.dim() != 2:
+        return None
+    try:
+        fp32 = torch.backends.mkldnn.is_available() or torch.backends.mkl.is_available()
+        if weight.dtype == torch.float32 and fp32:
+            fn = _fp32(weight, bias)
+        elif weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available() and has_amx():
+            fn = _onednn(weight, bias)
+        elif weight.dtype == torch.bfloat16 and fp32:
+            fn = _fp32_compute(weight, bias)
+        else:
+            return None
+        if fn is None:
+            return None
+        g = torch.Generator().manual_seed(0)
+        tol = 1e-4 if weight.dtype == torch.float32 else 2e-2
+        for m in (1, 3, 40):
+            x = torch.randn(m, weight.shape[1], generator=g).to(weight.dtype)
+            ref, got = F.linear(x, weight, bias).float(), fn(x).float()
+            if got.shape != ref.shape or not torch.allclose(got, ref, rtol=tol, atol=tol * ref.abs().max().item()):
+                return None
+        return fn
+    except (RuntimeError, AttributeError):
+        return None

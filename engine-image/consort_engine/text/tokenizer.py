@@ -1,0 +1,253 @@
+"""Text side of the engine: tokenizer.json + tokenizer_config.json, chat template, incremental detokenizer.
+
+No transformers import: the `tokenizers` library and jinja2 (the same sandboxed environment transformers
+uses for `apply_chat_template`) keep start-up fast.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer as HFTokenizer
+
+from consort_engine.text.tool_calls import messages_for_template
+
+
+class ChatTemplateError(ValueError):
+    """The template is missing, or raised while rendering these messages (a client error)."""
+
+
+def _token_str(value: Any) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _compile_template(source: str):
+    import jinja2
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(fmt: str) -> str:
+        return datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env.from_string(source)
+
+
+def _load_chat_template(model_dir: Path, cfg: dict) -> str | None:
+    jinja_file = model_dir / "chat_template.jinja"
+    if jinja_file.exists():
+        return jinja_file.read_text()
+    template = cfg.get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or next(iter(named.values()), None)
+    if template is None and (model_dir / "chat_template.json").exists():
+        template = json.loads((model_dir / "chat_template.json").read_text()).get("chat_template")
+    return template if isinstance(template, str) else None
+
+
+@dataclass
+class Tokenizer:
+    """The checkpoint's tokenizer with the special tokens and chat template from tokenizer_config.json."""
+
+    hf: HFTokenizer
+    bos_token: str | None = None
+    eos_token: str | None = None
+    special_tokens: dict[str, str] = field(default_factory=dict)   # bos_token/eos_token/unk_token/pad_token
+    add_bos_token: bool = False
+    chat_template: str | None = None
+    _compiled: Any = field(default=None, repr=False)
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> "Tokenizer":
+        model_dir = Path(model_dir)
+        hf = HFTokenizer.from_file(str(model_dir / "tokenizer.json"))
+        cfg_path = model_dir / "tokenizer_config.json"
+        cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        special = {k: s for k in ("bos_token", "eos_token", "unk_token", "pad_token")
+                   if (s := _token_str(cfg.get(k))) is not None}
+        return cls(hf=hf, bos_token=special.get("bos_token"), eos_token=special.get("eos_token"),
+                   special_tokens=special, add_bos_token=bool(cfg.get("add_bos_token", False)),
+                   chat_template=_load_chat_template(model_dir, cfg))
+
+    # ---- ids ------------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.hf.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self.hf.token_to_id(self.bos_token) if self.bos_token else None
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.hf.token_to_id(self.eos_token) if self.eos_token else None
+
+    def encode(self, text: str, add_special_tokens: bool = True, limit: int | None = None) -> list[int]:
+        """Token ids of text. With `limit`, more than `limit` tokens raise TooManyTokens before the
+        ids become a Python list (a 10 MB prompt would otherwise hold the GIL for 100s of ms)."""
+        # encode_batch(_fast) releases the GIL while the Rust tokenizer works (encode holds it), so
+        # a large prompt tokenized on a worker thread never stalls the server's event loop; the
+        # fast variant skips character offsets, which we never read.
+        encode = getattr(self.hf, "encode_batch_fast", self.hf.encode_batch)
+        if limit is not None and len(text) > (head_chars := HEAD_CHARS_PER_TOKEN * (limit + HEAD_MARGIN)):
+            # Far longer than `limit` tokens usually span: a head that already holds more than
+            # limit + HEAD_MARGIN tokens settles it (cutting the text changes at most the tokens of
+            # its last word), without spending seconds of CPU on a 10 MB prompt.
+            head = len(encode([text[:head_chars]], add_special_tokens=add_special_tokens)[0])
+            if head > limit + HEAD_MARGIN:
+                raise TooManyTokens(head, at_least=True)
+        enc = encode([text], add_special_tokens=add_special_tokens)[0]
+        if limit is not None and len(enc) > limit:
+            raise TooManyTokens(len(enc))
+        ids = enc.ids
+        bos = self.bos_token_id
+        if add_special_tokens and self.add_bos_token and bos is not None and (not ids or ids[0] != bos):
+            ids = [bos] + ids
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str:
+        """The token's surface text (for logprobs), decoded so byte-level pieces read as text."""
+        return self.hf.decode([token_id], skip_special_tokens=False)
+
+    # ---- chat -----------------------------------------------------------------------------
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False, tools: list[dict] | None = None,
+                            **kwargs: Any) -> str:
+        """Render like transformers' `apply_chat_template(..., tools=..., tokenize=False)`. A template that
+        ignores tools or tool calls sees them as Qwen2.5's template writes them (tool_calls.py)."""
+        if not self.chat_template:
+            raise ChatTemplateError("this model has no chat template; use /v1/completions")
+        if self._compiled is None:
+            self._compiled = _compile_template(self.chat_template)
+        if tools or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages):
+            messages = messages_for_template(messages, tools, self.chat_template)
+        import jinja2
+        try:
+            text = self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         tools=tools or None, **self.special_tokens, **kwargs)
+        except jinja2.exceptions.TemplateError as e:
+            raise ChatTemplateError(f"chat template: {e}") from e
+        if continue_final_message and messages:
+            final = messages[-1].get("content")
+            if isinstance(final, str) and final.strip() and final.strip() in text:
+                text = text[: text.rindex(final.strip()) + len(final.strip())]
+        return text
+
+    def encode_chat(self, text: str, limit: int | None = None) -> list[int]:
+        """Tokenize a rendered chat: the template already wrote the special tokens (as transformers does)."""
+        return self.encode(text, add_special_tokens=False, limit=limit)
+
+
+# Prompts longer than HEAD_CHARS_PER_TOKEN characters per allowed token are counted on their head first.
+HEAD_CHARS_PER_TOKEN = 64
+HEAD_MARGIN = 64
+
+
+class TooManyTokens(ValueError):
+    """`count` tokens, or with `at_least` more than `count` (only the prompt's head was counted)."""
+
+    def __init__(self, count: int, at_least: bool = False):
+        super().__init__(f"{'more than ' if at_least else ''}{count} tokens")
+        self.count = count
+        self.at_least = at_least
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of output ids into text deltas (vLLM's prefix/read offset scheme).
+
+    Decodes a short window before the new ids so merges at token boundaries (leading spaces,
+    multi-byte characters split over tokens) come out right; holds text back while it ends in
+    an incomplete UTF-8 sequence (U+FFFD).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True):
+        self.tok = tokenizer
+        self.skip = skip_special_tokens
+        self.ids: list[int] = list(prompt_ids[-6:])
+        self.prefix_offset = max(len(self.ids) - 5, 0)
+        self.read_offset = len(self.ids)
+
+    def step(self, new_ids: list[int]) -> str:
+        self.ids.extend(new_ids)
+        prefix = self.tok.decode(self.ids[self.prefix_offset:self.read_offset], self.skip)
+        full = self.tok.decode(self.ids[self.prefix_offset:], self.skip)
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            delta = full[len(prefix):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            self._trim()
+            return delta
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is still held back (an incomplete character at the end of the output)."""
+        prefix = self.tok.decode(self.ids[self.prefix_offset:self.read_offset], self.skip)
+        full = self.tok.decode(self.ids[self.prefix_offset:], self.skip)
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return full[len(prefix):] if len(full) > len(prefix) else ""
+
+    def _trim(self) -> None:
+        if self.prefix_offset > 64:   # keep the window short; ids before prefix_offset are never read again
+            del self.ids[: self.prefix_offset]
+            self.read_offset -= self.prefix_offset
+            self.prefix_offset = 0
+
+
+class StopStringMatcher:
+    """Finds stop strings across deltas; never releases text that could be the start of one.
+
+    `feed(delta) -> (text_to_emit, stopped)`. On a match the emitted text ends right before the
+    earliest stop string and `stopped` is True; nothing is emitted after that.
+    """
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+        self.stopped = False
+        self.matched: str | None = None
+
+    def feed(self, delta: str) -> tuple[str, bool]:
+        if self.stopped:
+            return "", True
+        if not self.stops:
+            return delta, False
+        buf = self.pending + delta
+        hits = [(i, s) for s in self.stops if (i := buf.find(s)) >= 0]
+        if hits:
+            idx, self.matched = min(hits)
+            self.pending, self.stopped = "", True
+            return buf[:idx], True
+        hold = self._held_suffix(buf)
+        self.pending = buf[len(buf) - hold:] if hold else ""
+        return buf[: len(buf) - hold], False
+
+    def flush(self) -> str:
+        out, self.pending = ("" if self.stopped else self.pending), ""
+        return out
+
+    def _held_suffix(self, buf: str) -> int:
+        """Length of the longest suffix of buf that is a proper prefix of some stop string."""
+        best = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(buf)), best, -1):
+                if buf.endswith(s[:n]):
+                    best = n
+                    break
+        return best
