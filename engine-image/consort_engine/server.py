@@ -442,7 +442,7 @@ async def handle_generation(request: web.Request, kind: str) -> web.StreamRespon
             body = R.to_chat(body)
         req = P.parse_completion(body) if kind == "completion" else P.parse_chat(body)
         check_target(ctx, req)
-        P.check_logit_bias(req.sampling.logit_bias, ctx.vocab_size)
+        P.check_vocab(req.sampling, ctx.vocab_size)
         per_prompt = [replace(req, prompt=p if isinstance(p, str) else None,
                               prompt_token_ids=p if isinstance(p, list) else None) for p in req.prompts] or [req]
         return req, [(r, build_prompt(ctx, r)) for r in per_prompt]
