@@ -253,7 +253,7 @@ async def generate(ctx: ServerContext, req: P.GenerationRequest, seq: Sequence, 
                 text += matcher.flush()
             reason = "stop" if stopped else (out.finish_reason or "stop")
             stop_reason = matcher.matched if stopped else None
-            if reason == "stop" and stop_reason is None and ids and ids[-1] in req.sampling.stop_token_ids:
+            if reason == "stop" and stop_reason is None and ids and ids[-1] in req.sampling.stop_token_set:
                 stop_reason = ids[-1]
             yield Delta(text, ids, lps, reason, stop_reason, total, plp)
             return
