@@ -35,7 +35,7 @@ from .lora import AdapterError
 from .metrics import EngineMetrics, SloTracker
 from .sequence import PromptLogprobs, Sequence
 from .cpu import apply_threads
-from .guided import GrammarError, Grammars, GuidedSpec
+from .guided import CompileBusy, CompileSlots, CompileTimeout, GrammarError, Grammars, GuidedSpec
 from .loader import eos_token_ids, load_model_config
 from .tokenizer import ChatTemplateError, IncrementalDetokenizer, StopStringMatcher, Tokenizer, TooManyTokens
 
@@ -77,6 +77,8 @@ class ServerContext:
     in_flight: int = 0
     adapter_sync: AdapterSync | None = None     # --adapters-file: the adapters this engine must serve
     _grammars: Grammars | None = field(default=None, init=False, repr=False)
+    compile_slots: CompileSlots = field(
+        default_factory=lambda: CompileSlots(P.MAX_CONCURRENT_COMPILES, P.GUIDED_COMPILE_TIMEOUT_S))
 
     def __post_init__(self) -> None:
         c = self.config
@@ -448,8 +450,8 @@ async def handle_generation(request: web.Request, kind: str) -> web.StreamRespon
         return req, [(r, build_prompt(ctx, r)) for r in per_prompt]
 
     req, prompts = await asyncio.to_thread(prepare) if len(raw) > OFF_LOOP_BYTES else prepare()
-    if req.sampling.guided is not None:     # off the loop: a new schema can take 100s of ms to compile
-        await asyncio.to_thread(compile_guided, ctx, req.sampling.guided)
+    if req.sampling.guided is not None:
+        await compile_guided(ctx, req.sampling.guided)
     req.request_id = request["request_id"]
     request["consort_adapter"] = req.adapter
     if req.ignored_fields:
@@ -494,12 +496,22 @@ async def handle_generation(request: web.Request, kind: str) -> web.StreamRespon
             record(ctx, c, deadline)
 
 
-def compile_guided(ctx: ServerContext, g: GuidedSpec) -> None:
-    """Compile (or find cached) a request's grammar; one that does not compile is a typed 400."""
+async def compile_guided(ctx: ServerContext, g: GuidedSpec) -> None:
+    """Compile (or find cached) a request's grammar, off the loop (a new schema can take seconds) and
+    through the compile slots: a typed 400 when it does not compile or not in time, a typed 429 when
+    every slot stays busy."""
+    if ctx._grammars is not None and ctx._grammars.cached(g):
+        return
     try:
-        ctx.grammars.compile(g)
+        await ctx.compile_slots.run(lambda: ctx.grammars.compile(g))
     except GrammarError as e:
         raise P.bad("invalid_value", str(e), e.param) from None
+    except CompileTimeout:
+        raise P.bad("grammar_timeout", f"'{g.param}' did not compile within {P.GUIDED_COMPILE_TIMEOUT_S:g} s (the "
+                    "compile finishes in the background; an identical request later reuses it)", g.param) from None
+    except CompileBusy:
+        raise P.admission_error("queue_full", 1000, f"{P.MAX_CONCURRENT_COMPILES} grammar compiles are running; "
+                                "retry later") from None
 
 
 async def admit_choices(ctx: ServerContext, choices: list[Choice]) -> None:
