@@ -279,8 +279,9 @@ class Router:
             if i > 0:
                 log.info("request %s: %s served for %s (%s)", rid, target, plan.targets[0], "; ".join(failures))
             return target, up
-        raise ApiError(503, "no_ready_replica", f"no ready replica could serve: {'; '.join(failures)}",
-                       retry_after_ms=1000)
+        log.warning("request %s: no ready replica could serve: %s", rid, "; ".join(failures))
+        raise ApiError(503, "no_ready_replica", f"no ready replica of {', '.join(plan.targets)} could serve this "
+                       f"request (request id {rid})", retry_after_ms=1000)
 
     # ------------------------------------------------------------------ shadow
     async def run_shadow(self, rt: Runtime, d: RouteDecision, obj: dict, path: str, rid: str,
@@ -388,9 +389,12 @@ async def middleware(request: web.Request, handler):
         raise
     except (asyncio.CancelledError, ConnectionResetError):
         raise
-    except Exception as exc:  # noqa: BLE001 - a bug must never take the router down
-        log.exception("unhandled error on %s %s", request.method, request.path)
-        return _json_error(ApiError(500, "internal_error", f"{type(exc).__name__}: {exc}"))
+    except Exception:  # noqa: BLE001 - a bug must never take the router down
+        rid = request["request_id"]
+        log.exception("request %s: unhandled error on %s %s", rid, request.method, request.path)
+        # the id, not the cause: exception text can carry upstream addresses, paths or another request's data
+        return _json_error(ApiError(500, "internal_error", f"internal error (request id {rid}; the cause is in "
+                                    "the router log)"))
 
 
 async def stamp(request: web.Request, response: web.StreamResponse) -> None:
@@ -630,7 +634,10 @@ async def tokenizer_call(request: web.Request) -> web.Response:
                                  {"Content-Type": "application/json"}, upstream_timeout(cfg),
                                  cfg.polling.preempting_penalty)
     except NoReplica as e:
-        raise ApiError(503, "no_ready_replica", f"{specialist}: {e}", retry_after_ms=1000)
+        rid = request["request_id"]
+        log.warning("request %s: no ready replica of %s: %s", rid, specialist, e)
+        raise ApiError(503, "no_ready_replica", f"no ready replica of {specialist} (request id {rid})",
+                       retry_after_ms=1000)
     try:
         body = await up.response.read()
     finally:
