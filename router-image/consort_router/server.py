@@ -29,6 +29,7 @@ from .api import ApiError, ParsedRequest, parse_json, parse_request, tokenizer_l
 from .auth import KeyRing
 from .breaker import STATE_CODES, BreakerStore, FileStore, MemoryStore, is_fresh
 from .config import RouterConfig
+from .detectors import PatternSandbox
 from .metrics import RouterMetrics
 from .plan import Plan, PlanInput, plan_request
 from .proxy import Attempt, NoReplica, Upstream, copy_headers, error_code, open_upstream, relay_stream
@@ -65,6 +66,7 @@ class Router:
         self.lanes.restore()
         self.runtime: Runtime = build_runtime(config, self.base_dir, self.lanes)
         self.metrics = RouterMetrics()
+        self.patterns = PatternSandbox(on_timeout=self.metrics.detector_timeouts.inc)
         self.keys = KeyRing(self._path(config.auth.api_keys_file))
         self.keys.refresh()
         self.verifier = Verifier(config.verifier)
@@ -129,6 +131,7 @@ class Router:
         if self.poller:
             await self.poller.stop()
         self.lanes.save()
+        self.patterns.close()
         if self.session:
             await self.session.close()
 
@@ -443,9 +446,13 @@ async def handle_generation(request: web.Request, kind: str, path: str) -> web.S
     rid = request["request_id"]
     req = parse_request(parse_json(await read_body(request, cfg.limits.max_body_bytes)), kind,
                         request.headers.get("x-consort-intent"))
+    user_counts = None
+    if rt.table.user_patterns is not None and rt.table.consults_detectors(req.model, req.intent):
+        user_counts = await router.patterns.counts(rt.table.user_patterns, req.text,
+                                                   tuple(d.min_matches for d in rt.table.detectors))
     plan = plan_request(cfg, rt.table, req, PlanInput(
         router.lanes.lane_views(rt), router.lanes.floors, router.shadow_inflight < cfg.shadow.max_inflight,
-        router.verifier.available, random.random(), random.random()))
+        router.verifier.available, random.random(), random.random(), user_counts))
     d = plan.decision
     router.metrics.routing_seconds.observe(time.monotonic() - t0)
     request["stamp"] = plan.headers(d.specialist)
