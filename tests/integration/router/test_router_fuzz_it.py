@@ -82,6 +82,22 @@ def test_router_and_engine_never_answer_5xx(fuzz_router, engines, body, chat, ju
     assert_typed(send(engine, "/v1/adapters", json.dumps(body).encode()))
 
 
+EDGE_NUMBERS = st.sampled_from([0, 1, -1, 0.5, 1e-300, 1e300, 2 ** 63 - 1, 2 ** 63, 2 ** 64, -(2 ** 63) - 1, 10 ** 18,
+                                10 ** 400, float("nan"), float("inf")])
+SAMPLING = ("temperature", "top_p", "top_k", "min_p", "typical_p", "seed", "priority", "deadline_ms",
+            "repetition_penalty", "presence_penalty", "frequency_penalty", "n", "best_of", "logprobs")
+# Otherwise valid requests with edge values: a random body is rarely valid enough to reach the sampler.
+EDGY = st.fixed_dictionaries({"prompt": st.just("int main"), "max_tokens": st.just(2)}, optional={
+    **{f: EDGE_NUMBERS for f in SAMPLING}, "stop": HOSTILE, "logit_bias": HOSTILE, "stop_token_ids": HOSTILE})
+
+
+@FUZZ
+@given(body=EDGY)
+def test_edge_values_in_otherwise_valid_requests_never_answer_5xx(fuzz_router, engines, body):
+    for url in (fuzz_router.url, engines["Algo"].url):
+        assert_typed(send(url, "/v1/completions", json.dumps(body).encode()))
+
+
 def test_no_kv_block_leaked_after_the_fuzzing(engines):
     # Runs after the property test (file order): every engine is idle with its whole pool free.
     for e in engines.values():
