@@ -235,7 +235,7 @@ class _StopAutomaton:
             node = self.fail[node]
 
 
-@functools.lru_cache(maxsize=64)     # the n choices of a request share their stops' automaton
+@functools.lru_cache(maxsize=16)     # a request's n choices share their stops' automaton (<= 4,096 nodes)
 def _stop_automaton(stops: tuple[str, ...]) -> _StopAutomaton:
     goto: list[dict[str, int]] = [{}]
     depth, end = [0], [0]
