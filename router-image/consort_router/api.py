@@ -7,6 +7,13 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+# Request limits (the router's side; the engine's are at the top of consort_engine/protocol.py, and
+# docs/security.md "Request limits" gives each one's reason). The body size is RouterConfig.limits.
+PRIORITY_RANGE = (-1000, 1000)      # as the engine's: shadow copies run at -1000, the lowest
+DETECTOR_SCAN_CHARS = 64 * 1024     # characters of the prompt the detectors read
+USER_PATTERN_TIMEOUT_S = 0.25       # an EnsembleRouter's own detector patterns, searched in a child process,
+                                    # count as no match past this (detectors.PatternSandbox)
+
 
 class ApiError(Exception):
     """Rendered as {"error": {"type", "code", "message", ...}} with `status`."""
@@ -98,6 +105,18 @@ def _text_of_responses_input(obj: dict) -> list[str]:
     return parts + [_text_of_content(m.get("content", m.get("output"))) for m in inp if isinstance(m, dict)]
 
 
+def check_priority(priority: Any) -> int:
+    """The request's priority, within PRIORITY_RANGE (an unbounded one let a flood at 1e18 push every other
+    request into 429s and preempt their decodes). The one place a per-tenant cap (DESIGN.md section 8)
+    will clamp it."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise bad("invalid_type", "'priority' must be an integer", "priority")
+    lo, hi = PRIORITY_RANGE
+    if not lo <= priority <= hi:
+        raise bad("invalid_value", f"'priority' must be between {lo} and {hi}, got {priority}", "priority")
+    return priority
+
+
 def parse_request(obj: dict, kind: str, header_intent: str | None) -> ParsedRequest:
     """Validate the fields the router reads; the engine validates the rest."""
     model = obj.get("model")
@@ -108,9 +127,7 @@ def parse_request(obj: dict, kind: str, header_intent: str | None) -> ParsedRequ
         raise bad("invalid_type", "'intent' must be a string", "intent")
     if header_intent:
         intent = header_intent.strip()
-    priority = obj.get("priority", 0)
-    if isinstance(priority, bool) or not isinstance(priority, int):
-        raise bad("invalid_type", "'priority' must be an integer", "priority")
+    priority = check_priority(obj.get("priority", 0))
     stream = obj.get("stream", False)
     if not isinstance(stream, bool):
         raise bad("invalid_type", "'stream' must be a boolean", "stream")

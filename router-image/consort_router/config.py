@@ -2,7 +2,7 @@
 
 The operator renders this model (from an `EnsembleRouter` resource) into the routing ConfigMap;
 `consort router --config FILE` loads it back with `RouterConfig.load(FILE)`. Keep this module light:
-it imports pydantic and the standard library only (the operator imports it).
+it imports pydantic, the standard library and api.py's limits only (the operator imports it).
 
 Routing order (DESIGN.md section 5): declared intent (`x-consort-intent` header or `intent` body
 field) -> intent table; then structural detectors; then the classifier (a distribution over
@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from .api import PRIORITY_RANGE
 
 NAME_RE = r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?$"
 BUILTIN_DETECTORS = ("sfinae_templates", "build_files", "gdb_transcript")
@@ -163,7 +165,8 @@ class ShadowConfig(_Strict):
     thresholds: dict[str, float] = Field(
         default_factory=dict, description="Per-intent threshold overrides (e.g. review: 0.9, codegen: 0.2)."
     )
-    priority: int = Field(-1000, description="Engine priority of shadow copies (lowest; droppable).")
+    priority: int = Field(PRIORITY_RANGE[0], ge=PRIORITY_RANGE[0], le=PRIORITY_RANGE[1],
+                          description="Engine priority of shadow copies (lowest; droppable).")
     max_inflight: int = Field(16, ge=0, description="Shadow copies in flight at once; more are dropped.")
     max_tokens: int | None = Field(None, ge=1, description="Cap on the shadow copy's max_tokens.")
     record_outputs: bool = Field(

@@ -57,6 +57,9 @@ class RouterMetrics:
                                       "(its prefix is on a replica too loaded), cold (cached nowhere), least_loaded "
                                       "(affinity off or prompt shorter than a block).",
                                       ["specialist", "outcome"], registry=r)
+        self.detector_timeouts = Counter("consort_router_detector_timeouts",
+                                         "Searches of an EnsembleRouter's own detector patterns cut off at their "
+                                         "deadline (counted as no match).", registry=r)
         self.routing_seconds = Histogram("consort_router_routing_seconds", "Time to the routing decision.",
                                          registry=r, buckets=LATENCY_BUCKETS)
         self.overhead = Histogram("consort_router_overhead_seconds",

@@ -22,6 +22,7 @@ class PlanInput:
     verifier_available: bool
     route_draw: float = 1.0            # fractional shadowing of fresh / half-open lanes
     verify_draw: float = 1.0           # verifier sampling
+    user_counts: tuple[int, ...] | None = None   # detectors' own-pattern counts, searched in PatternSandbox
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ def plan_request(cfg: RouterConfig, table: RoutingTable, req: ParsedRequest, obs
     below its intent's priority floor gets a Plan whose `rejection` is set. Failover order: a pinned request has one target (the caller insisted); any
     other request may fall through its lane's fallback chain before the first byte."""
     try:
-        d = route(table, RouteInput(req.model, req.intent, req.text, obs.route_draw), obs.lanes)
+        d = route(table, RouteInput(req.model, req.intent, req.text, obs.route_draw, obs.user_counts), obs.lanes)
     except RouteError as e:
         raise ApiError(e.status, e.code, e.message, param="model" if e.status == 404 else None)
     admission, rejection = "admitted", None

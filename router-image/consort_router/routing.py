@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from .breaker import CLOSED, HALF_OPEN, OPEN
 from .classifier import Classifier
 from .config import RouterConfig
-from .detectors import CompiledDetector, compile_detector, detect
+from .detectors import CompiledDetector, compile_detector, detect, user_patterns
 
 
 class RouteError(Exception):
@@ -39,6 +39,7 @@ class RouteInput:
     intent: str | None
     text: str
     draw: float = 1.0           # uniform [0, 1) draw for fractional shadowing (fresh / half-open lanes)
+    user_counts: tuple[int, ...] | None = None   # detectors' own-pattern counts (PatternSandbox); None: here
 
 
 @dataclass(frozen=True)
@@ -64,16 +65,23 @@ class RoutingTable:
     intents: dict[str, str] = field(default_factory=dict)
     detectors: list[CompiledDetector] = field(default_factory=list)
     specialist_intent: dict[str, str] = field(default_factory=dict)
+    user_patterns: tuple[str | None, ...] | None = None   # per detector; None: no detector has its own
 
     @classmethod
     def build(cls, config: RouterConfig, classifier: Classifier | None) -> "RoutingTable":
+        detectors = [compile_detector(d) for d in config.detectors]
         return cls(
             config=config,
             classifier=classifier,
             intents=config.intent_table(),
-            detectors=[compile_detector(d) for d in config.detectors],
+            detectors=detectors,
             specialist_intent={s.name: s.intents[0] for s in config.specialists if s.intents},
+            user_patterns=user_patterns(detectors),
         )
+
+    def consults_detectors(self, model: str | None, intent: str | None) -> bool:
+        """Whether routing reads the detectors: neither pinned to a specialist nor a declared, known intent."""
+        return (model is None or model == self.config.ensemble) and not (intent is not None and intent in self.intents)
 
     def threshold(self, intent: str) -> float:
         return self.config.shadow.thresholds.get(intent, self.config.shadow.default_threshold)
@@ -118,7 +126,7 @@ def route(table: RoutingTable, req: RouteInput, lanes: dict[str, LaneView]) -> R
     lane = lambda name: lanes.get(name, LaneView())  # noqa: E731
 
     # 1. pin: the caller insists on a specialist; no fallback, no shadow.
-    if req.model is not None and req.model != cfg.ensemble:
+    if req.model is not None and req.model != cfg.ensemble:  # (consults_detectors mirrors steps 1-2)
         if cfg.specialist(req.model) is None:
             raise RouteError(404, "model_not_found",
                              f"model {req.model!r} is neither the ensemble {cfg.ensemble!r} nor one of its specialists")
@@ -129,7 +137,7 @@ def route(table: RoutingTable, req: RouteInput, lanes: dict[str, LaneView]) -> R
     confidence, second, detail = 1.0, None, ""
     if req.intent is not None and req.intent in table.intents:
         routed, source, detail = table.intents[req.intent], "intent", req.intent
-    elif (d := detect(table.detectors, req.text)) is not None:
+    elif (d := detect(table.detectors, req.text, req.user_counts)) is not None:
         routed, source, detail = d.specialist, "detector", d.name
     elif table.classifier is not None:
         top, confidence, second = classify(table, req.text)

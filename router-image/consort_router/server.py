@@ -29,6 +29,7 @@ from .api import ApiError, ParsedRequest, parse_json, parse_request, tokenizer_l
 from .auth import KeyRing
 from .breaker import STATE_CODES, BreakerStore, FileStore, MemoryStore, is_fresh
 from .config import RouterConfig
+from .detectors import PatternSandbox
 from .metrics import RouterMetrics
 from .plan import Plan, PlanInput, plan_request
 from .proxy import Attempt, NoReplica, Upstream, copy_headers, error_code, open_upstream, relay_stream
@@ -65,6 +66,7 @@ class Router:
         self.lanes.restore()
         self.runtime: Runtime = build_runtime(config, self.base_dir, self.lanes)
         self.metrics = RouterMetrics()
+        self.patterns = PatternSandbox(on_timeout=self.metrics.detector_timeouts.inc)
         self.keys = KeyRing(self._path(config.auth.api_keys_file))
         self.keys.refresh()
         self.verifier = Verifier(config.verifier)
@@ -129,6 +131,7 @@ class Router:
         if self.poller:
             await self.poller.stop()
         self.lanes.save()
+        self.patterns.close()
         if self.session:
             await self.session.close()
 
@@ -279,8 +282,9 @@ class Router:
             if i > 0:
                 log.info("request %s: %s served for %s (%s)", rid, target, plan.targets[0], "; ".join(failures))
             return target, up
-        raise ApiError(503, "no_ready_replica", f"no ready replica could serve: {'; '.join(failures)}",
-                       retry_after_ms=1000)
+        log.warning("request %s: no ready replica could serve: %s", rid, "; ".join(failures))
+        raise ApiError(503, "no_ready_replica", f"no ready replica of {', '.join(plan.targets)} could serve this "
+                       f"request (request id {rid})", retry_after_ms=1000)
 
     # ------------------------------------------------------------------ shadow
     async def run_shadow(self, rt: Runtime, d: RouteDecision, obj: dict, path: str, rid: str,
@@ -388,9 +392,12 @@ async def middleware(request: web.Request, handler):
         raise
     except (asyncio.CancelledError, ConnectionResetError):
         raise
-    except Exception as exc:  # noqa: BLE001 - a bug must never take the router down
-        log.exception("unhandled error on %s %s", request.method, request.path)
-        return _json_error(ApiError(500, "internal_error", f"{type(exc).__name__}: {exc}"))
+    except Exception:  # noqa: BLE001 - a bug must never take the router down
+        rid = request["request_id"]
+        log.exception("request %s: unhandled error on %s %s", rid, request.method, request.path)
+        # the id, not the cause: exception text can carry upstream addresses, paths or another request's data
+        return _json_error(ApiError(500, "internal_error", f"internal error (request id {rid}; the cause is in "
+                                    "the router log)"))
 
 
 async def stamp(request: web.Request, response: web.StreamResponse) -> None:
@@ -439,9 +446,13 @@ async def handle_generation(request: web.Request, kind: str, path: str) -> web.S
     rid = request["request_id"]
     req = parse_request(parse_json(await read_body(request, cfg.limits.max_body_bytes)), kind,
                         request.headers.get("x-consort-intent"))
+    user_counts = None
+    if rt.table.user_patterns is not None and rt.table.consults_detectors(req.model, req.intent):
+        user_counts = await router.patterns.counts(rt.table.user_patterns, req.text,
+                                                   tuple(d.min_matches for d in rt.table.detectors))
     plan = plan_request(cfg, rt.table, req, PlanInput(
         router.lanes.lane_views(rt), router.lanes.floors, router.shadow_inflight < cfg.shadow.max_inflight,
-        router.verifier.available, random.random(), random.random()))
+        router.verifier.available, random.random(), random.random(), user_counts))
     d = plan.decision
     router.metrics.routing_seconds.observe(time.monotonic() - t0)
     request["stamp"] = plan.headers(d.specialist)
@@ -630,7 +641,10 @@ async def tokenizer_call(request: web.Request) -> web.Response:
                                  {"Content-Type": "application/json"}, upstream_timeout(cfg),
                                  cfg.polling.preempting_penalty)
     except NoReplica as e:
-        raise ApiError(503, "no_ready_replica", f"{specialist}: {e}", retry_after_ms=1000)
+        rid = request["request_id"]
+        log.warning("request %s: no ready replica of %s: %s", rid, specialist, e)
+        raise ApiError(503, "no_ready_replica", f"no ready replica of {specialist} (request id {rid})",
+                       retry_after_ms=1000)
     try:
         body = await up.response.read()
     finally:

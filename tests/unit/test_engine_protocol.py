@@ -154,3 +154,85 @@ def test_best_indices_keeps_the_highest_cumulative_logprobs_in_sampling_order():
     assert P.best_indices([-3.0, -1.0, -2.0, -0.5], 2) == [1, 3]
     assert P.best_indices([-1.0, -1.0, -1.0], 2) == [0, 1]      # ties: the earlier samples
     assert P.best_indices([-2.0], 1) == [0]
+
+
+# Request limits (issue 25): every list, number and string is bounded before work starts.
+HUGE = 10 ** 400     # a JSON integer beyond any float: math.isfinite overflowed on it (a 500)
+
+
+@pytest.mark.parametrize("body,code,param", [
+    ({"stop": ["s%d" % i for i in range(P.MAX_STOP_STRINGS + 1)]}, "invalid_value", "stop"),
+    ({"stop": ["x" * (P.MAX_STOP_CHARS + 1)]}, "invalid_value", "stop"),
+    ({"stop_token_ids": list(range(P.MAX_STOP_TOKEN_IDS + 1))}, "invalid_value", "stop_token_ids"),
+    ({"logit_bias": {str(i): 1 for i in range(P.MAX_LOGIT_BIAS + 1)}}, "invalid_value", "logit_bias"),
+    ({"logit_bias": {"1" * 5000: 1}}, "invalid_value", "logit_bias"),     # int() refuses 4,300+ digits
+    ({"logit_bias": {"\u00b2": 1}}, "invalid_value", "logit_bias"),        # "²".isdigit(), int("²") raises
+    ({"logit_bias": {"5": HUGE}}, "invalid_value", "logit_bias"),
+    ({"seed": 1 << 63}, "invalid_value", "seed"),
+    ({"seed": -(1 << 63) - 1}, "invalid_value", "seed"),
+    ({"priority": 10 ** 18}, "invalid_value", "priority"),
+    ({"priority": P.PRIORITY_RANGE[0] - 1}, "invalid_value", "priority"),
+    ({"deadline_ms": HUGE}, "invalid_type", "deadline_ms"),
+    ({"deadline_ms": P.MAX_DEADLINE_MS + 1}, "invalid_value", "deadline_ms"),
+    ({"temperature": HUGE}, "invalid_type", "temperature"),
+    ({"temperature": float("nan")}, "invalid_type", "temperature"),
+    ({"top_p": float("inf")}, "invalid_type", "top_p"),
+    ({"min_p": float("nan")}, "invalid_type", "min_p"),
+    ({"typical_p": -HUGE}, "invalid_type", "typical_p"),
+    ({"presence_penalty": float("-inf")}, "invalid_type", "presence_penalty"),
+    ({"repetition_penalty": 1e-300}, "invalid_value", "repetition_penalty"),
+    ({"repetition_penalty": 1e300}, "invalid_value", "repetition_penalty"),
+    ({"top_k": -2}, "invalid_value", "top_k"),
+    ({"n": HUGE}, "invalid_value", "n"),
+    ({"best_of": HUGE}, "invalid_value", "best_of"),
+    ({"logprobs": HUGE}, "invalid_value", "logprobs"),
+    ({"prompt_logprobs": HUGE}, "invalid_value", "prompt_logprobs"),
+    ({"guided_regex": "a" * (P.MAX_GUIDED_CHARS + 1)}, "invalid_value", "guided_regex"),
+    ({"guided_choice": ["c" * 1000] * 70}, "invalid_value", "guided_choice"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {
+        "type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(4000)}}}}},
+     "invalid_value", "response_format.json_schema.schema"),
+])
+def test_request_limits_are_typed_400s_naming_the_field(body, code, param):
+    e = err(P.parse_completion, {"prompt": "x", **body})
+    assert (e.status, e.code, e.param) == (400, code, param), e.message
+
+
+def test_limits_at_their_bounds_are_accepted():
+    lo_seed, hi_seed = P.SEED_RANGE
+    r = P.parse_completion({"prompt": "x", "stop": ["s" * P.MAX_STOP_CHARS] * P.MAX_STOP_STRINGS,
+                            "stop_token_ids": [1] * P.MAX_STOP_TOKEN_IDS, "seed": hi_seed,
+                            "logit_bias": {str(i): 1 for i in range(P.MAX_LOGIT_BIAS)},
+                            "priority": P.PRIORITY_RANGE[1], "deadline_ms": P.MAX_DEADLINE_MS,
+                            "repetition_penalty": 100, "top_k": 10 ** 30})
+    assert len(r.sampling.stop) == P.MAX_STOP_STRINGS and r.sampling.seed == hi_seed and r.priority == 1000
+    assert P.parse_completion({"prompt": "x", "seed": lo_seed, "priority": -1000}).sampling.seed == lo_seed
+
+
+def test_a_tiny_temperature_runs_at_vllms_floor():
+    assert P.parse_completion({"prompt": "x", "temperature": 1e-300}).sampling.temperature == P.MIN_TEMPERATURE
+    assert P.parse_completion({"prompt": "x", "temperature": 0}).sampling.greedy
+    assert P.parse_completion({"prompt": "x", "temperature": 0.7}).sampling.temperature == 0.7
+
+
+def test_check_vocab_bounds_ids_and_turns_top_k_above_the_vocabulary_off():
+    def sp(**body):
+        return P.parse_completion({"prompt": "x", **body}).sampling
+    big = sp(top_k=2 ** 64)
+    P.check_vocab(big, 1000)
+    assert big.top_k == 0                     # vLLM: top_k >= vocab is no top-k; no huge int reaches a tensor
+    kept = sp(top_k=999)
+    P.check_vocab(kept, 1000)
+    assert kept.top_k == 999
+    for body, param in (({"logit_bias": {"1000": 1}}, "logit_bias"), ({"stop_token_ids": [2 ** 70]}, "stop_token_ids"),
+                        ({"stop_token_ids": [-1]}, "stop_token_ids")):
+        with pytest.raises(P.ApiError) as e:
+            P.check_vocab(sp(**body), 1000)
+        assert (e.value.code, e.value.param) == ("invalid_value", param)
+
+
+def test_tool_choice_schemas_are_bounded_too():
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(4000)}}}}
+    e = err(P.parse_chat, {"messages": [{"role": "user", "content": "x"}], "tools": [tool], "tool_choice": "required"})
+    assert (e.code, e.param) == ("invalid_value", "tools")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from hypothesis import given, settings
@@ -141,3 +142,61 @@ def test_stop_matcher_equals_reference(text: str, stops: list[str], cuts: list[i
     # nothing emitted before the stop ever contains the start of a stop string that completes later
     for k in range(1, len(parts)):
         assert "".join(parts[:k]) == expect[:len("".join(parts[:k]))]
+
+
+class BruteForceStops:
+    """The matcher before issue 25, every stop string searched for in the held text + delta each step
+    (O(stops x text)): the reference the automaton must agree with, delta by delta."""
+
+    def __init__(self, stops: list[str]):
+        self.stops, self.pending, self.stopped, self.matched = stops, "", False, None
+
+    def feed(self, delta: str) -> tuple[str, bool]:
+        if self.stopped:
+            return "", True
+        buf = self.pending + delta
+        hits = [(i, s) for s in self.stops if (i := buf.find(s)) >= 0]
+        if hits:
+            idx, self.matched = min(hits)
+            self.pending, self.stopped = "", True
+            return buf[:idx], True
+        hold = max((n for s in self.stops for n in range(1, min(len(s) - 1, len(buf)) + 1)
+                    if buf.endswith(s[:n])), default=0)
+        self.pending = buf[len(buf) - hold:] if hold else ""
+        return buf[: len(buf) - hold], False
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(alphabet="ab<", max_size=80),
+       stops=st.lists(st.text(alphabet="ab<", min_size=1, max_size=8), min_size=1, max_size=16),
+       cuts=st.lists(st.integers(1, 9), min_size=1, max_size=12))
+def test_stop_automaton_agrees_with_the_brute_force_matcher_on_many_overlapping_stops(text, stops, cuts):
+    m, ref = StopStringMatcher(stops), BruteForceStops(stops)
+    i = 0
+    for c in cuts * 20:
+        d = text[i:i + c]
+        i += c
+        assert m.feed(d) == ref.feed(d), (d, m.pending, ref.pending)
+        assert m.pending == ref.pending and m.matched == ref.matched
+        if i >= len(text):
+            break
+    assert m.flush() == (ref.pending if not ref.stopped else "")
+
+
+def test_a_step_costs_the_new_text_not_the_number_of_stop_strings():
+    """Issue 25: with many stop strings each token cost O(stops x text) on the event loop (150,000 short
+    stops: ~0.2 s a token per choice, so n=64 froze every stream). Now a step walks the new characters."""
+    m = StopStringMatcher([f"q{i:06d}" for i in range(50_000)])    # the brute force: ~5 s for these 50 steps
+    t0 = time.perf_counter()
+    for _ in range(50):
+        assert m.feed("ab q0") == ("ab ", False) or m.pending
+    assert time.perf_counter() - t0 < 0.25
+
+
+def test_stop_matcher_reports_the_stop_string_it_cut_at():
+    m = StopStringMatcher(["abcde", "cd", "bc"])
+    assert m.feed("xabcdef") == ("x", True) and m.matched == "abcde"   # the earliest start wins
+    m = StopStringMatcher(["ab", "abc"])
+    assert m.feed("zab") == ("z", True) and m.matched == "ab"          # a tie: the shorter one
+    m = StopStringMatcher(["</end>"])
+    assert m.feed("a</e") == ("a", False) and m.feed("nd>b") == ("", True) and m.matched == "</end>"

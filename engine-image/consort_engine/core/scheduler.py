@@ -421,7 +421,7 @@ class Scheduler:
             return "stop"
         if seq.matcher is not None and seq.matcher.is_terminated():
             return "stop"
-        if sp.stop_token_ids and token in sp.stop_token_ids:
+        if sp.stop_token_ids and token in sp.stop_token_set:
             return "stop"
         num_tokens = len(seq.token_ids)
         if num_tokens - len(seq.prompt_token_ids) >= sp.max_tokens or num_tokens >= self.max_model_len:

@@ -8,6 +8,7 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -47,6 +48,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @cached_property
+    def stop_token_set(self) -> frozenset[int]:
+        """stop_token_ids for the per-token membership test (a list scan was O(ids) per token)."""
+        return frozenset(self.stop_token_ids)
 
     @property
     def penalized(self) -> bool:

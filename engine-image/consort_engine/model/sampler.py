@@ -55,6 +55,7 @@ class TokenCounts:
     from the token lists every step was O(length + vocab) a row."""
     seen: _Tally | None = None      # prompt + output (repetition_penalty applies to its distinct ids)
     output: _Tally | None = None    # the output (frequency / presence)
+    bias: tuple[torch.Tensor, torch.Tensor] | None = None   # logit_bias as (ids, values) on the device
 
     @staticmethod
     def of(seq: Sequence) -> "TokenCounts":
@@ -65,6 +66,15 @@ class TokenCounts:
     def distinct_seen(self, seq: Sequence, vocab: int, device: torch.device) -> torch.Tensor:
         self.seen = _Tally.follow(self.seen, seq.token_ids, 0, vocab, device)
         return self.seen.ids
+
+    def logit_bias(self, sp: SamplingParams, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids, biases), built once: rebuilding them from the dict every step cost 0.6 s a step for 8 rows of
+        100k entries (now at most 300 each, protocol.MAX_LOGIT_BIAS)."""
+        if self.bias is None or self.bias[0].device != device:
+            ids = [t for t in sp.logit_bias if 0 <= t < vocab]
+            self.bias = (torch.tensor(ids, dtype=torch.int64, device=device),
+                         torch.tensor([sp.logit_bias[t] for t in ids], dtype=torch.float32, device=device))
+        return self.bias
 
     def distinct_output(self, seq: Sequence, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(distinct output ids, their counts)."""
@@ -144,11 +154,11 @@ class Sampler:
         """A copy of logits with each row's logit_bias and penalties applied (rows without any untouched)."""
         dev, vocab = logits.device, logits.shape[-1]
         x = logits.clone()
-        bias = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias.items() if 0 <= t < vocab]
-        if bias:
-            r, t, b = zip(*bias)
-            x.index_put_((torch.tensor(r, device=dev), torch.tensor(t, device=dev)),
-                         torch.tensor(b, device=dev, dtype=x.dtype), accumulate=True)
+        biased = [i for i, p in enumerate(params) if p.logit_bias]
+        if biased:
+            ids, vals = zip(*(TokenCounts.of(seqs[i]).logit_bias(params[i], vocab, dev) for i in biased))
+            rows, cols, _ = Sampler._spread(biased, ids, dev)
+            x.index_put_((rows, cols), torch.cat(vals).to(x.dtype), accumulate=True)
         # the penalties as transformers / OpenAI define them, on each row's distinct tokens only
         rep = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
         if rep:

@@ -17,8 +17,30 @@ from consort_engine.text import tool_calls as T
 from consort_engine.text.guided import GuidedSpec
 from consort_engine.kv.sequence import PromptLogprobs, SamplingParams
 
-MAX_LOGPROBS = 20
-MAX_CHOICES = 64     # prompts x n in one request
+# ---------------------------------------------------------------------------------------------
+# Request limits: every list, number and string a request hands the engine is bounded here, before
+# any work starts (DESIGN.md section 8; docs/security.md "Request limits" gives each one's reason).
+# A value outside them is a typed 400 naming the field; none may raise inside the engine's step,
+# where a failure ends every request in flight on the replica.
+
+MAX_LOGPROBS = 20              # logprobs / top_logprobs / prompt_logprobs (vLLM's default max_logprobs)
+MAX_CHOICES = 64               # prompts x n (or best_of) in one request
+MAX_STOP_STRINGS = 16          # `stop`: OpenAI allows 4, vLLM any number; 16 leaves room for eval harnesses
+MAX_STOP_CHARS = 256           # per stop string: up to 255 characters of output are held back while they may start one
+MAX_STOP_TOKEN_IDS = 1024      # `stop_token_ids` (vLLM: unbounded): a model has a few, a class of tokens hundreds
+MAX_LOGIT_BIAS = 300           # `logit_bias` entries, OpenAI's limit
+SEED_RANGE = (-(1 << 63), (1 << 63) - 1)        # a signed 64-bit seed, as vLLM's OpenAI server takes it
+PRIORITY_RANGE = (-1000, 1000)                  # the router's shadow copies run at -1000 (its lowest)
+MAX_DEADLINE_MS = 24 * 3600 * 1000              # a day: longer deadlines mean nothing, bigger numbers overflow
+MIN_TEMPERATURE = 0.01         # vLLM's floor: 0 < t < 0.01 runs at 0.01 (smaller divides logits into inf / NaN)
+REPETITION_PENALTY_RANGE = (0.01, 100.0)        # vLLM: any > 0; beyond these a seen token's fate is sealed anyway,
+                                                # and 1e-300 turned logits into inf, then NaN (a failed step)
+MAX_GUIDED_CHARS = 64 * 1024   # a schema / regex / grammar / choice list as text: xgrammar compile time grows
+                               # superlinearly (a 25 KB schema ~0.5 s, 100 KB ~34 s on the 2-core dev box)
+MAX_CONCURRENT_COMPILES = 2    # grammar compiles at once, each on a worker thread; more wait for a slot
+GUIDED_COMPILE_TIMEOUT_S = 10.0  # a compile (slot wait included) answered later than this is a typed error
+# top_k: -1 or 0 (off) or 1..vocab; above the vocabulary it is off, as vLLM clamps it (check_vocab).
+
 ADAPTER_NAME = re.compile(r"[a-z0-9](?:[-a-z0-9]{0,61}[a-z0-9])?")   # a DNS label, as the CRD requires
 
 
@@ -101,7 +123,13 @@ def _is_int(v: Any) -> bool:
 
 
 def _is_num(v: Any) -> bool:
-    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+    """A finite JSON number (NaN and Infinity parse; an integer too big for a float overflows)."""
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
 
 
 def _int(body: dict, key: str, default: Any = None, lo: int | None = None, hi: int | None = None) -> Any:
@@ -261,41 +289,72 @@ def _guided(body: dict) -> GuidedSpec | None:
     if len(found) > 1:
         raise bad("invalid_value", "only one structured output constraint may be given, got "
                   + ", ".join(g.param for g in found), found[1].param)
-    return found[0] if found else None
+    return _bounded(found[0]) if found else None
+
+
+def _bounded(g: GuidedSpec) -> GuidedSpec:
+    """A constraint small enough to compile (MAX_GUIDED_CHARS of schema, regex, grammar or choices)."""
+    if len(g.spec) > MAX_GUIDED_CHARS:
+        raise bad("invalid_value", f"'{g.param}' is {len(g.spec)} characters as text; at most {MAX_GUIDED_CHARS} "
+                  "are compiled", g.param)
+    return g
+
+
+def _stops(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not (isinstance(stops, list) and all(isinstance(s, str) for s in stops)):
+        raise bad("invalid_type", "'stop' must be a string or a list of strings", "stop")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise bad("invalid_value", f"'stop' may hold at most {MAX_STOP_STRINGS} strings, got {len(stops)}", "stop")
+    if any(s == "" for s in stops):
+        raise bad("invalid_value", "'stop' strings must not be empty", "stop")
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise bad("invalid_value", f"'stop' strings may be at most {MAX_STOP_CHARS} characters long", "stop")
+    return list(stops)
+
+
+def _stop_token_ids(body: dict) -> list[int]:
+    ids = body.get("stop_token_ids")
+    if ids is None:
+        return []
+    if not (isinstance(ids, list) and all(_is_int(t) for t in ids)):
+        raise bad("invalid_type", "'stop_token_ids' must be a list of integers", "stop_token_ids")
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise bad("invalid_value", f"'stop_token_ids' may hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}",
+                  "stop_token_ids")
+    return list(ids)
+
+
+def _temperature(body: dict) -> float:
+    t = _num(body, "temperature", 1.0, 0.0)
+    return max(t, MIN_TEMPERATURE) if t > 0 else 0.0     # vLLM's floor (it logs a warning and runs at 0.01)
 
 
 def _sampling(body: dict) -> SamplingParams:
-    top_k = _int(body, "top_k", 0, lo=-1)
-    stop = body.get("stop")
-    if stop is None:
-        stops: list[str] = []
-    elif isinstance(stop, str):
-        stops = [stop]
-    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        stops = list(stop)
-    else:
-        raise bad("invalid_type", "'stop' must be a string or a list of strings", "stop")
-    if any(s == "" for s in stops):
-        raise bad("invalid_value", "'stop' strings must not be empty", "stop")
-    stop_ids = body.get("stop_token_ids")
-    if stop_ids is not None and not (isinstance(stop_ids, list) and all(_is_int(t) for t in stop_ids)):
-        raise bad("invalid_type", "'stop_token_ids' must be a list of integers", "stop_token_ids")
+    top_k = _int(body, "top_k", 0, lo=-1)      # the top end is the vocabulary's: check_vocab
     return SamplingParams(
-        temperature=_num(body, "temperature", 1.0, 0.0),
+        temperature=_temperature(body),
         top_p=_num(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
         top_k=0 if top_k == -1 else top_k,
         typical_p=_num(body, "typical_p", 1.0, 0.0, 1.0, lo_open=True),
-        seed=_int(body, "seed"),
-        stop=stops,
-        stop_token_ids=list(stop_ids or []),
+        seed=_int(body, "seed", None, *SEED_RANGE),
+        stop=_stops(body),
+        stop_token_ids=_stop_token_ids(body),
         ignore_eos=_bool(body, "ignore_eos"),
         presence_penalty=_num(body, "presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=_num(body, "frequency_penalty", 0.0, -2.0, 2.0),
-        repetition_penalty=_num(body, "repetition_penalty", 1.0, 0.0, lo_open=True),
+        repetition_penalty=_num(body, "repetition_penalty", 1.0, *REPETITION_PENALTY_RANGE),
         guided=_guided(body),
         min_p=_num(body, "min_p", 0.0, 0.0, 1.0),
         logit_bias=_logit_bias(body),
     )
+
+
+# ASCII digits only (str.isdigit admits "²", which int() refuses) and short (int() refuses 4,300+ digits)
+_TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,12}")
 
 
 def _logit_bias(body: dict) -> dict[int, float]:
@@ -305,10 +364,13 @@ def _logit_bias(body: dict) -> dict[int, float]:
         return {}
     if not isinstance(v, dict):
         raise bad("invalid_type", "'logit_bias' must be an object of token id -> bias", "logit_bias")
+    if len(v) > MAX_LOGIT_BIAS:
+        raise bad("invalid_value", f"'logit_bias' may hold at most {MAX_LOGIT_BIAS} entries, got {len(v)}",
+                  "logit_bias")
     out: dict[int, float] = {}
     for key, bias in v.items():
-        if not (isinstance(key, str) and key.lstrip("-").isdigit()):
-            raise bad("invalid_value", f"'logit_bias' keys must be token ids, got {key!r}", "logit_bias")
+        if not (isinstance(key, str) and _TOKEN_ID_KEY.fullmatch(key)):
+            raise bad("invalid_value", f"'logit_bias' keys must be token ids, got {key[:40]!r}", "logit_bias")
         if not _is_num(bias) or not -100 <= bias <= 100:
             raise bad("invalid_value", f"'logit_bias[{key}]' must be a number in [-100, 100], got {bias!r}",
                       "logit_bias")
@@ -327,6 +389,12 @@ def _max_tokens(body: dict, keys: tuple[str, ...], lo: int = 1) -> int | None:
     return value
 
 
+def _priority(body: dict) -> int:
+    """The request's scheduling priority, within PRIORITY_RANGE. The one place a per-tenant priority cap
+    (DESIGN.md section 8, with tenants) will clamp it."""
+    return _int(body, "priority", 0, *PRIORITY_RANGE)
+
+
 def _common(body: dict, req: GenerationRequest) -> GenerationRequest:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
@@ -340,14 +408,9 @@ def _common(body: dict, req: GenerationRequest) -> GenerationRequest:
         req.ignored_fields += unknown_fields(opts, STREAM_OPTIONS, "stream_options.")
         req.include_usage = _bool(opts, "include_usage")
         req.continuous_usage = _bool(opts, "continuous_usage_stats")
-    req.priority = _int(body, "priority", 0)
-    dl = body.get("deadline_ms")
-    if dl is not None:
-        if not _is_num(dl):
-            raise bad("invalid_type", "'deadline_ms' must be a number", "deadline_ms")
-        if dl <= 0:
-            raise bad("invalid_value", "'deadline_ms' must be > 0", "deadline_ms")
-        req.deadline_ms = float(dl)
+    req.priority = _priority(body)
+    if body.get("deadline_ms") is not None:
+        req.deadline_ms = _num(body, "deadline_ms", 0.0, 0.0, MAX_DEADLINE_MS, lo_open=True)
     req.adapter = _str(body, "adapter") or None
     req.n = _int(body, "n", 1, lo=1, hi=MAX_CHOICES)
     req.return_token_ids = _bool(body, "return_token_ids")
@@ -494,7 +557,7 @@ def _tools(body: dict, req: GenerationRequest) -> None:
         if req.sampling.guided is not None:
             raise bad("invalid_value", f"tool_choice {req.tools.mode} constrains the output and cannot be combined "
                       f"with '{req.sampling.guided.param}'", "tool_choice")
-        req.sampling.guided = guided
+        req.sampling.guided = _bounded(guided)
 
 
 def parse_chat(body: Any) -> GenerationRequest:
@@ -592,11 +655,16 @@ def parse_detokenize(body: Any) -> tuple[str | None, str | None, list[int]]:
     return _str(body, "model"), _str(body, "adapter") or None, list(tokens)
 
 
-def check_logit_bias(bias: dict[int, float], vocab_size: int) -> None:
-    for t in bias:
-        if t < 0 or t >= vocab_size:
-            raise bad("invalid_value", f"'logit_bias' token id {t} is outside the vocabulary [0, {vocab_size})",
-                      "logit_bias")
+def check_vocab(sp: SamplingParams, vocab_size: int) -> None:
+    """The sampling fields bounded by the model's vocabulary: logit_bias and stop_token_ids ids inside it
+    (as vLLM checks them), top_k above it off (as vLLM clamps it; no huge int reaches a tensor)."""
+    for param, ids in (("logit_bias", sp.logit_bias), ("stop_token_ids", sp.stop_token_ids)):
+        for t in ids:
+            if t < 0 or t >= vocab_size:
+                raise bad("invalid_value", f"'{param}' token id {t} is outside the vocabulary [0, {vocab_size})",
+                          param)
+    if sp.top_k >= vocab_size:
+        sp.top_k = 0
 
 
 def check_token_ids(ids: list[int], vocab_size: int, param: str = "prompt") -> None:

@@ -35,7 +35,7 @@ from consort_engine.model.lora import AdapterError
 from consort_engine.serving.metrics import EngineMetrics, SloTracker
 from consort_engine.kv.sequence import PromptLogprobs, Sequence
 from consort_engine.model.cpu import apply_threads
-from consort_engine.text.guided import GrammarError, Grammars, GuidedSpec
+from consort_engine.text.guided import CompileBusy, CompileSlots, CompileTimeout, GrammarError, Grammars, GuidedSpec
 from consort_engine.model.loader import eos_token_ids, load_model_config
 from consort_engine.text.tokenizer import ChatTemplateError, IncrementalDetokenizer, StopStringMatcher, Tokenizer, TooManyTokens
 
@@ -77,6 +77,8 @@ class ServerContext:
     in_flight: int = 0
     adapter_sync: AdapterSync | None = None     # --adapters-file: the adapters this engine must serve
     _grammars: Grammars | None = field(default=None, init=False, repr=False)
+    compile_slots: CompileSlots = field(
+        default_factory=lambda: CompileSlots(P.MAX_CONCURRENT_COMPILES, P.GUIDED_COMPILE_TIMEOUT_S))
 
     def __post_init__(self) -> None:
         c = self.config
@@ -253,7 +255,7 @@ async def generate(ctx: ServerContext, req: P.GenerationRequest, seq: Sequence, 
                 text += matcher.flush()
             reason = "stop" if stopped else (out.finish_reason or "stop")
             stop_reason = matcher.matched if stopped else None
-            if reason == "stop" and stop_reason is None and ids and ids[-1] in req.sampling.stop_token_ids:
+            if reason == "stop" and stop_reason is None and ids and ids[-1] in req.sampling.stop_token_set:
                 stop_reason = ids[-1]
             yield Delta(text, ids, lps, reason, stop_reason, total, plp)
             return
@@ -266,6 +268,21 @@ async def generate(ctx: ServerContext, req: P.GenerationRequest, seq: Sequence, 
 
 def _json_error(err: P.ApiError) -> web.Response:
     return web.json_response(err.body(), status=err.status, headers=err.headers())
+
+
+def request_id(request: web.Request) -> str:
+    """This request's id (the client's x-request-id, else a new one), stamped on the response."""
+    rid = request.get("request_id") or request.headers.get("x-request-id") or uuid.uuid4().hex
+    request["request_id"] = rid
+    return rid
+
+
+def server_error(rid: str, code: str, what: str, cause: BaseException | None = None, status: int = 500) -> P.ApiError:
+    """A 5xx that names the request id, not the cause: exception text can carry paths, shapes or another
+    request's data. The cause is logged under the same id."""
+    if cause is not None:
+        log.error("request %s: %s: %s", rid, what, cause)
+    return P.ApiError(status, code, f"{what} (request id {rid}; the cause is in the server log)", type="server_error")
 
 
 @web.middleware
@@ -286,9 +303,10 @@ async def error_middleware(request: web.Request, handler):
         raise
     except (asyncio.CancelledError, ConnectionResetError):
         raise
-    except Exception as exc:  # noqa: BLE001 - a bug must never take the server down
-        log.exception("unhandled error on %s %s", request.method, request.path)
-        return _json_error(P.ApiError(500, "internal_error", f"{type(exc).__name__}: {exc}", type="server_error"))
+    except Exception:  # noqa: BLE001 - a bug must never take the server down
+        rid = request_id(request)
+        log.exception("request %s: unhandled error on %s %s", rid, request.method, request.path)
+        return _json_error(server_error(rid, "internal_error", "internal error"))
 
 
 async def stamp_headers(request: web.Request, response: web.StreamResponse) -> None:
@@ -391,13 +409,13 @@ def check_target(ctx: ServerContext, req: P.GenerationRequest) -> None:
                          "adapter")
 
 
-async def admit(ctx: ServerContext, seqs: list[Sequence]) -> list:
+async def admit(ctx: ServerContext, seqs: list[Sequence], rid: str) -> list:
     try:
         return await ctx.engine.add(seqs)
     except EngineNotReady as e:
         raise P.admission_error("warming", e.retry_after_ms, f"the engine is {e.state}; retry when /ready is 200")
     except EngineFailed as e:
-        raise P.ApiError(503, "engine_failed", str(e), type="server_error")
+        raise server_error(rid, "engine_failed", "the engine has failed", e, status=503)
     except Exception as e:
         if type(e).__name__ == "AdmissionRejected":
             if getattr(e, "permanent", False):   # can never fit this engine: retrying cannot help
@@ -432,7 +450,7 @@ class Choice:
 async def handle_generation(request: web.Request, kind: str) -> web.StreamResponse:
     ctx: ServerContext = request.app[CTX]
     arrival = time.monotonic()
-    request["request_id"] = request.headers.get("x-request-id") or uuid.uuid4().hex
+    rid = request_id(request)
     raw = await request.read()
 
     def prepare() -> tuple[P.GenerationRequest, list[tuple[P.GenerationRequest, list[int]]]]:
@@ -442,15 +460,15 @@ async def handle_generation(request: web.Request, kind: str) -> web.StreamRespon
             body = R.to_chat(body)
         req = P.parse_completion(body) if kind == "completion" else P.parse_chat(body)
         check_target(ctx, req)
-        P.check_logit_bias(req.sampling.logit_bias, ctx.vocab_size)
+        P.check_vocab(req.sampling, ctx.vocab_size)
         per_prompt = [replace(req, prompt=p if isinstance(p, str) else None,
                               prompt_token_ids=p if isinstance(p, list) else None) for p in req.prompts] or [req]
         return req, [(r, build_prompt(ctx, r)) for r in per_prompt]
 
     req, prompts = await asyncio.to_thread(prepare) if len(raw) > OFF_LOOP_BYTES else prepare()
-    if req.sampling.guided is not None:     # off the loop: a new schema can take 100s of ms to compile
-        await asyncio.to_thread(compile_guided, ctx, req.sampling.guided)
-    req.request_id = request["request_id"]
+    if req.sampling.guided is not None:
+        await compile_guided(ctx, req.sampling.guided)
+    req.request_id = rid
     request["consort_adapter"] = req.adapter
     if req.ignored_fields:
         request["ignored_fields"] = req.ignored_fields
@@ -473,14 +491,14 @@ async def handle_generation(request: web.Request, kind: str) -> web.StreamRespon
             choices.append(Choice(i * k + j, preq, seq, RequestTimes(arrival=arrival)))
     ctx.in_flight += 1
     try:
-        await admit_choices(ctx, choices)
+        await admit_choices(ctx, choices, rid)
         if kind == "responses":
             return await responses_reply(request, ctx, request["responses_body"], choices)
         if req.stream:
             return await stream_response(request, ctx, req, choices)
         return await full_response(ctx, req, choices)
     except EngineFailed as e:
-        raise P.ApiError(500, "engine_failed", str(e), type="server_error")
+        raise server_error(rid, "engine_failed", "the engine failed while serving this request", e)
     except ConnectionResetError:
         if STREAM not in request:
             raise
@@ -494,19 +512,29 @@ async def handle_generation(request: web.Request, kind: str) -> web.StreamRespon
             record(ctx, c, deadline)
 
 
-def compile_guided(ctx: ServerContext, g: GuidedSpec) -> None:
-    """Compile (or find cached) a request's grammar; one that does not compile is a typed 400."""
+async def compile_guided(ctx: ServerContext, g: GuidedSpec) -> None:
+    """Compile (or find cached) a request's grammar, off the loop (a new schema can take seconds) and
+    through the compile slots: a typed 400 when it does not compile or not in time, a typed 429 when
+    every slot stays busy."""
+    if ctx._grammars is not None and ctx._grammars.cached(g):
+        return
     try:
-        ctx.grammars.compile(g)
+        await ctx.compile_slots.run(lambda: ctx.grammars.compile(g))
     except GrammarError as e:
         raise P.bad("invalid_value", str(e), e.param) from None
+    except CompileTimeout:
+        raise P.bad("grammar_timeout", f"'{g.param}' did not compile within {P.GUIDED_COMPILE_TIMEOUT_S:g} s (the "
+                    "compile finishes in the background; an identical request later reuses it)", g.param) from None
+    except CompileBusy:
+        raise P.admission_error("queue_full", 1000, f"{P.MAX_CONCURRENT_COMPILES} grammar compiles are running; "
+                                "retry later") from None
 
 
-async def admit_choices(ctx: ServerContext, choices: list[Choice]) -> None:
+async def admit_choices(ctx: ServerContext, choices: list[Choice], rid: str) -> None:
     """Admit every choice in one engine command. The n samples of a prompt run its prefill once: the
     block manager gives the siblings the first one's full prompt blocks by hash as they are allocated,
     in the same step, and each layer writes those blocks' K/V before any sequence attends to them."""
-    streams = await admit(ctx, [c.seq for c in choices])
+    streams = await admit(ctx, [c.seq for c in choices], rid)
     for c, stream in zip(choices, streams):
         c.times.admitted = stream.admitted_at
         c.deltas = generate(ctx, c.req, c.seq, c.times, stream)
@@ -716,7 +744,7 @@ async def stream_response(request: web.Request, ctx: ServerContext, req: P.Gener
                     chunk["usage"] = usage_of(choices, req.n, n_out)
                 await resp.write(_sse(chunk))
     except EngineFailed as e:   # headers are out: report in-band, as OpenAI-compatible servers do
-        err = P.ApiError(500, "engine_failed", str(e), type="server_error")
+        err = server_error(req.request_id, "engine_failed", "the engine failed while serving this request", e)
         await resp.write(_sse(err.body()))
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
@@ -776,7 +804,8 @@ async def responses_reply(request: web.Request, ctx: ServerContext, body: dict,
             c.last = d
             await send(items.feed(pieces(d.text)))
     except EngineFailed as e:   # headers are out: the Responses stream's own error event
-        await send([("error", dict(code="engine_failed", message=str(e), param=None))])
+        err = server_error(request_id(request), "engine_failed", "the engine failed while serving this request", e)
+        await send([("error", dict(code="engine_failed", message=err.message, param=None))])
         await resp.write_eof()
         return resp
     await send(items.feed(parser.finish() if parser is not None else []) + items.finish())

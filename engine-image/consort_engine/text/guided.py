@@ -18,11 +18,12 @@ the first refusal comes from its own row's mask, Sampler.sample(masked=True)); a
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import torch
 
@@ -44,6 +45,51 @@ class GrammarError(ValueError):
     def __init__(self, param: str, message: str) -> None:
         super().__init__(message)
         self.param = param
+
+
+class CompileBusy(Exception):
+    """Every compile slot stayed taken for the whole wait."""
+
+
+class CompileTimeout(Exception):
+    """The compile did not finish in time (it goes on in the background)."""
+
+
+T_ = TypeVar("T_")
+
+
+class CompileSlots:
+    """At most `slots` grammar compiles at once, each on a worker thread of the default pool, and a
+    request waits at most `timeout_s` for its slot and its compile together. Unbounded, a burst of large
+    new schemas took every worker thread (which also parse big bodies) and every core.
+
+    xgrammar's compile cannot be interrupted: one past the deadline finishes in the background, still
+    holding its slot, and its grammar is cached (an identical request later finds it). So slow compiles
+    can delay other new grammars by at most their own run time; cached grammars never wait."""
+
+    def __init__(self, slots: int, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._free = asyncio.Semaphore(slots)
+
+    async def run(self, fn: Callable[[], T_]) -> T_:
+        """fn() on a worker thread; CompileBusy or CompileTimeout past the deadline."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
+        try:
+            await asyncio.wait_for(self._free.acquire(), self.timeout_s)
+        except TimeoutError:
+            raise CompileBusy() from None
+        fut = loop.run_in_executor(None, fn)
+        fut.add_done_callback(self._release)
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), max(0.0, deadline - loop.time()))
+        except TimeoutError:
+            raise CompileTimeout() from None
+
+    def _release(self, fut: asyncio.Future) -> None:
+        self._free.release()
+        if not fut.cancelled():
+            fut.exception()     # seen: a compile that failed after its request gave up is not an "unretrieved" error
 
 
 def choice_ebnf(choices: list[str]) -> str:
@@ -83,6 +129,10 @@ class Grammars:
         self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._lock = threading.Lock()
+
+    def cached(self, g: GuidedSpec) -> bool:
+        with self._lock:
+            return (g.kind, g.spec) in self._cache
 
     def compile(self, g: GuidedSpec) -> Any:
         key = (g.kind, g.spec)

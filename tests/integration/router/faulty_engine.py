@@ -1,6 +1,7 @@
 """A faulty upstream for the failover tests: it passes the router's /ready and /v1/status polls
 like an engine, then fails generation in one chosen way. Only the fault is fake; the router under
-test is the real process. Run: python faulty_engine.py PORT MODE (http500 | hang_after_first_chunk)."""
+test is the real process. Run: python faulty_engine.py PORT MODE (http500 | hang_after_first_chunk | ok: a
+fixed one-word completion, for tests of the router's own work)."""
 from __future__ import annotations
 
 import asyncio
@@ -27,6 +28,10 @@ def build(mode: str) -> web.Application:
         await request.read()
         if mode == "http500":
             return web.json_response({"error": {"type": "server_error", "code": "boom", "message": "boom"}}, status=500)
+        if mode == "ok":
+            return web.json_response({"id": "cmpl-ok", "object": "text_completion", "model": "faulty",
+                                      "choices": [{"index": 0, "text": "ok", "finish_reason": "length"}],
+                                      "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         await resp.write(chunk("first"))

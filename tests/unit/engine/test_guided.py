@@ -2,8 +2,10 @@
 tokenizer with real xgrammar, and a real (CPU) engine decoding guided and free rows in one batch."""
 from __future__ import annotations
 
+import asyncio
 import json
 import re
+import time
 
 import jsonschema
 import pytest
@@ -11,7 +13,8 @@ import torch
 
 from consort_engine.serving import protocol as P
 from consort_engine.demo_model import write_demo_model
-from consort_engine.text.guided import GrammarError, Grammars, GuidedSpec, _unpack, apply_mask, choice_ebnf
+from consort_engine.text.guided import (CompileBusy, CompileSlots, CompileTimeout, GrammarError, Grammars, GuidedSpec,
+                                        _unpack, apply_mask, choice_ebnf)
 from consort_engine.text.tokenizer import Tokenizer
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
@@ -165,3 +168,44 @@ def test_json_strings_hold_well_formed_utf8_only(grammars, string):
     assert grammars.matcher(spec).accept_string('{"s": "ab\u3042'.encode())           # a real 3-byte character
     assert not grammars.matcher(spec).accept_string(b'{"s": "ab\xed\xbb\xb4')          # U+DEF4, a surrogate
     assert not grammars.matcher(spec).accept_string(b'{"s": "ab\x01')                  # a raw control character
+
+
+async def test_compile_slots_bound_concurrency_and_time_and_keep_the_loop_free():
+    """Issue 25: compiles had no time or concurrency bound on the shared worker pool. Two slots, 0.3 s:
+    two 1 s compiles time out (and finish in the background, holding their slots), a third finds no
+    slot; the loop keeps ticking throughout; once they finish, a quick compile runs."""
+    slots = CompileSlots(2, 0.3)
+    finished: list[int] = []
+
+    def slow(i: int):
+        time.sleep(1.0)
+        finished.append(i)
+        return i
+
+    ticks: list[float] = []
+
+    async def ticker():
+        while True:
+            ticks.append(time.monotonic())
+            await asyncio.sleep(0.01)
+
+    t = asyncio.create_task(ticker())
+    t0 = time.monotonic()
+    results = await asyncio.gather(*(slots.run(lambda i=i: slow(i)) for i in range(3)), return_exceptions=True)
+    waited = time.monotonic() - t0
+    assert [type(r).__name__ for r in results] == ["CompileTimeout", "CompileTimeout", "CompileBusy"]
+    assert waited < 0.8, waited                      # answered at the deadline, not when the compiles end
+    await asyncio.sleep(1.0)
+    assert sorted(finished) == [0, 1]                # the third never ran
+    assert await slots.run(lambda: "quick") == "quick"
+    t.cancel()
+    gaps = [b - a for a, b in zip(ticks, ticks[1:])]
+    assert max(gaps) < 0.1, max(gaps)
+
+
+async def test_compile_slots_pass_the_compile_error_through():
+    def bad():
+        raise GrammarError("guided_regex", "'guided_regex' does not compile: nope")
+    with pytest.raises(GrammarError):
+        await CompileSlots(1, 5.0).run(bad)
+    assert isinstance(CompileTimeout(), Exception) and isinstance(CompileBusy(), Exception)

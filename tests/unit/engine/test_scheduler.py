@@ -322,3 +322,25 @@ def test_recompute_scheduler_still_preempts_the_latest_arrival():
     sched.add(make_seq(11, max_tokens=5, priority=5, arrival=9.0))
     batch, _ = synthetic_step(sched)
     assert batch.preempted[0] is late and late.swapped is None
+
+
+class ScanCountingList(list):
+    scans = 0
+
+    def __contains__(self, item) -> bool:
+        ScanCountingList.scans += 1
+        return super().__contains__(item)
+
+
+def test_stop_token_ids_are_a_set_lookup_not_a_list_scan():
+    """Issue 25: stop_token_ids was scanned per token (1,024 now at most, protocol.MAX_STOP_TOKEN_IDS)."""
+    sched = make_scheduler()
+    ids = ScanCountingList(range(100, 1100))
+    s = make_seq(3, max_tokens=20, stop_token_ids=ids)
+    sched.add(s)
+    ScanCountingList.scans = 0
+    for _ in range(5):
+        synthetic_step(sched, token=7)
+    assert ScanCountingList.scans == 0 and s.num_output_tokens == 5
+    synthetic_step(sched, token=1099)
+    assert s.finish_reason == "stop"
