@@ -5,7 +5,9 @@ kubernetes_asyncio (kube.py: the pod's service account) and swaps the replica li
 those slices (one per namespace) wakes the re-list the moment one changes, so a pod that turns Ready
 is routed, and one that starts terminating is dropped, within a round trip rather than an interval;
 the re-list every `polling.discovery_interval_s` stays as the resync if a watch breaks. Endpoints
-whose `conditions.ready` is false are left out; the poller still gates on each engine's own /ready.
+whose `conditions.ready` is false are left out, except a replica the lane already routed that is not
+terminating (`lane_replicas`: held while the control plane cannot tell); the poller gates every
+replica on the engine's own /ready.
 
 Outside a pod: CONSORT_KUBE_API, CONSORT_KUBE_TOKEN_FILE, CONSORT_KUBE_CA_FILE (kube.py).
 """
@@ -31,19 +33,40 @@ LIST_TIMEOUT_S = 10
 WATCH_S = 300   # the apiserver ends each watch after this; the next one resumes where it stopped
 
 
-def ready_urls(slices: list[dict], sel: ServiceSelector) -> list[str]:
-    """Pure: base URLs of the ready endpoints in a list of EndpointSlice objects."""
+def _endpoint_urls(slices: list[dict], sel: ServiceSelector, keep) -> list[str]:
     urls = []
     for sl in slices:
         if sl.get("addressType") not in (None, "IPv4", "IPv6", "FQDN"):
             continue
         for ep in sl.get("endpoints") or ():
-            if (ep.get("conditions") or {}).get("ready") is False:
+            if not keep(ep.get("conditions") or {}):
                 continue
             for addr in ep.get("addresses") or ():
                 host = f"[{addr}]" if sl.get("addressType") == "IPv6" else addr
                 urls.append(f"{sel.scheme}://{host}:{sel.port}")
     return sorted(set(urls))
+
+
+def ready_urls(slices: list[dict], sel: ServiceSelector) -> list[str]:
+    """Pure: base URLs of the ready endpoints in a list of EndpointSlice objects."""
+    return _endpoint_urls(slices, sel, lambda c: c.get("ready") is not False)
+
+
+def unconfirmed_urls(slices: list[dict], sel: ServiceSelector) -> list[str]:
+    """Pure: endpoints listed not ready that are not terminating. A pod whose node stopped reporting
+    (the apiserver or the node's kubelet was away) is marked so by the node controller while the
+    engine in it may serve on: the control plane cannot tell, not "the engine is unready"."""
+    return _endpoint_urls(slices, sel, lambda c: c.get("ready") is False and c.get("terminating") is not True)
+
+
+def lane_replicas(known: list[str], ready: list[str], unconfirmed: list[str]) -> tuple[list[str], list[str]]:
+    """Pure: (the lane's replica URLs, those of them held). Every ready endpoint, and a replica the
+    lane already routed that the slices now list as not ready but not terminating: it is held, and
+    the router's own /ready probe of it (the poller) decides whether it takes traffic, so a node
+    status blink does not empty a lane of healthy engines. A new endpoint enters only when ready; a
+    removed or terminating one leaves at once."""
+    held = sorted(set(known) & set(unconfirmed))
+    return sorted(set(ready) | set(held)), held
 
 
 def service_selector(services: frozenset[str] | set[str]) -> str:
@@ -143,11 +166,21 @@ async def relist(router: "Router", api: DiscoveryV1Api) -> None:
         if s.service is None:
             continue
         try:
-            urls = ready_urls(await list_slices(api, s.service), s.service)
+            slices = await list_slices(api, s.service)
         except (ApiException, aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
             log.warning("EndpointSlice list for %s failed: %s", s.name, kube.describe(e))
             continue
-        if router.lanes.discovered.get(s.name) != urls:
+        known = router.lanes.discovered.get(s.name, [])
+        urls, held = lane_replicas(known, ready_urls(slices, s.service), unconfirmed_urls(slices, s.service))
+        if held != router.lanes.held.get(s.name, []):
+            if held:
+                log.warning("lane %s: EndpointSlices mark %d replica(s) not ready without terminating them; "
+                            "held, the router's own /ready probes decide: %s", s.name, len(held), ", ".join(held))
+            else:
+                log.info("lane %s: no replica held any more", s.name)
+            router.lanes.held[s.name] = held
+        router.metrics.discovery_held.labels(s.name).set(len(held))
+        if known != urls:
             router.lanes.discovered[s.name] = urls
             changed = True
     if changed:

@@ -72,6 +72,10 @@ class RouterMetrics:
         self.discovery_relists = Counter("consort_router_discovery_relists",
                                          "EndpointSlice re-lists, by what started them (watch event or interval).",
                                          ["trigger"], registry=r)
+        self.discovery_held = Gauge("consort_router_discovery_held_replicas",
+                                    "Replicas a lane keeps although its EndpointSlices list them not ready (not "
+                                    "terminating: the control plane cannot tell); the router's own /ready probes "
+                                    "decide whether they take traffic.", ["specialist"], registry=r)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
