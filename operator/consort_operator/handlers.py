@@ -151,38 +151,10 @@ async def login(memo: Any, **_: Any) -> kopf.ConnectionInfo:
 
 # ---- indexes (Kopf's in-memory caches) and wake-ups -------------------------------------------
 
-def _pod_obs(body: Any) -> dict[str, Any]:
-    meta = body.get("metadata") or {}
-    status = body.get("status") or {}
-    conds = {c.get("type"): c.get("status") for c in status.get("conditions") or []}
-    started = None
-    restarts = 0
-    waiting = None
-    for cs in status.get("containerStatuses") or []:
-        restarts += int(cs.get("restartCount") or 0)
-        state = cs.get("state") or {}
-        if "running" in state:
-            started = state["running"].get("startedAt") or started
-        if "waiting" in state:
-            waiting = state["waiting"].get("reason") or waiting
-    return {
-        "name": meta.get("name"),
-        "ip": status.get("podIP"),
-        "phase": status.get("phase") or "Pending",
-        "ready": conds.get("Ready") == "True",
-        "scheduled": conds.get("PodScheduled") == "True",
-        "deleting": meta.get("deletionTimestamp") is not None,
-        "started_at": started or status.get("startTime"),
-        "restarts": restarts,
-        "waiting_reason": waiting,
-        "template_hash": (meta.get("labels") or {}).get("pod-template-hash"),
-    }
-
-
 @kopf.index("v1", "pods", labels=MANAGED)
 async def pod_index(namespace: str, labels: Any, body: Any, **_: Any) -> dict[Any, Any]:
     key = (namespace, labels.get("app.kubernetes.io/component"), labels.get("app.kubernetes.io/instance"))
-    return {key: _pod_obs(body)}
+    return {key: warmup_lc.pod_fields(body)}
 
 
 @kopf.index("apps", "v1", "deployments", labels=MANAGED)

@@ -23,6 +23,42 @@ WARM_SIGNALS: tuple[str, ...] = ("engine", "pod-ready", "engine-or-pod-ready")
 
 FATAL_WAITING = frozenset({"CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "CreateContainerConfigError",
                            "CreateContainerError", "InvalidImageName", "RunContainerError"})
+# A Specialist that was serving and has a replica restarting is Degraded, not Failed, until that
+# replica has crashed this often (then its back-off is the kubelet's CrashLoopBackOff for good).
+RESTARTS_BEFORE_FAILED = 3
+
+
+def pod_fields(body: dict[str, Any]) -> dict[str, Any]:
+    """Pure: what warmup reads of a Pod object (kept in the operator's pod index). The warmup clock
+    (`started_at`) runs from the engine container's current start; while it restarts, from its last
+    exit (the pod's own start would be long past, and the replica would read as a warmup timeout)."""
+    meta = body.get("metadata") or {}
+    status = body.get("status") or {}
+    conds = {c.get("type"): c.get("status") for c in status.get("conditions") or []}
+    started = None
+    restarts = 0
+    waiting = None
+    for cs in status.get("containerStatuses") or []:
+        restarts += int(cs.get("restartCount") or 0)
+        state = cs.get("state") or {}
+        if "running" in state:
+            started = state["running"].get("startedAt") or started
+        else:
+            started = ((cs.get("lastState") or {}).get("terminated") or {}).get("finishedAt") or started
+        if "waiting" in state:
+            waiting = state["waiting"].get("reason") or waiting
+    return {
+        "name": meta.get("name"),
+        "ip": status.get("podIP"),
+        "phase": status.get("phase") or "Pending",
+        "ready": conds.get("Ready") == "True",
+        "scheduled": conds.get("PodScheduled") == "True",
+        "deleting": meta.get("deletionTimestamp") is not None,
+        "started_at": started or status.get("startTime"),
+        "restarts": restarts,
+        "waiting_reason": waiting,
+        "template_hash": (meta.get("labels") or {}).get("pod-template-hash"),
+    }
 
 
 @dataclass(frozen=True)
@@ -101,7 +137,10 @@ def evaluate(spec: SpecialistSpec, generation: int | None, deployment: Deploymen
     prev_phase = prev.get("phase")
     timeout = spec.warmup_timeout_seconds
 
-    fatal = [p for p in live if p.waiting_reason in FATAL_WAITING]
+    serving_before = prev_phase in ("Ready", "Degraded")
+    restarting = [p for p in live if serving_before and 0 < p.restarts < RESTARTS_BEFORE_FAILED
+                  and p.waiting_reason in (None, "CrashLoopBackOff")]
+    fatal = [p for p in live if p.waiting_reason in FATAL_WAITING and p not in restarting]
     timed_out = [p for p in live if p.started_at is not None and p not in warm_pods
                  and (now - p.started_at).total_seconds() > timeout]
     running = [p for p in live if p.phase == "Running"]
@@ -109,6 +148,10 @@ def evaluate(spec: SpecialistSpec, generation: int | None, deployment: Deploymen
     if warm >= minimum:
         phase, reason = "Ready", "MinReadyWarm"
         message = f"{warm}/{desired} replicas warm (minReady {minimum})"
+    elif restarting and not fatal and not timed_out:
+        phase, reason = "Degraded", "ReplicaRestarting"
+        message = (f"replica {restarting[0].name} restarting (restart {restarting[0].restarts}); "
+                   f"only {warm}/{desired} replicas warm, fewer than minReady {minimum}")
     elif fatal:
         phase, reason = "Failed", fatal[0].waiting_reason or "ContainerFailing"
         message = f"replica {fatal[0].name}: {fatal[0].waiting_reason}; {warm}/{desired} warm (minReady {minimum})"

@@ -82,6 +82,53 @@ def test_pending_failed_and_degraded():
     assert back["phase"] == "Ready"
 
 
+def engine_pod(state: dict, last: dict | None = None, restarts: int = 0) -> dict:
+    """A Pod object as the apiserver sends it, one engine container."""
+    cs = {"name": "engine", "restartCount": restarts, "state": state}
+    if last:
+        cs["lastState"] = last
+    return {"metadata": {"name": "p0", "labels": {"pod-template-hash": "h1"}},
+            "status": {"phase": "Running", "startTime": "2026-11-22T11:00:00Z", "podIP": "10.0.0.5",
+                       "conditions": [{"type": "PodScheduled", "status": "True"}, {"type": "Ready", "status": "False"}],
+                       "containerStatuses": [cs]}}
+
+
+def test_the_warmup_clock_runs_from_the_containers_restart_not_the_pods_start():
+    up = warmup.pod_fields(engine_pod({"running": {"startedAt": "2026-11-22T12:00:00Z"}}))
+    assert up["started_at"] == "2026-11-22T12:00:00Z" and up["restarts"] == 0
+    crashed = warmup.pod_fields(engine_pod({"waiting": {"reason": "CrashLoopBackOff"}},
+                                           {"terminated": {"finishedAt": "2026-11-22T12:05:00Z", "exitCode": 137}}, 1))
+    assert crashed["started_at"] == "2026-11-22T12:05:00Z", "not the pod's 11:00 start"
+    assert crashed["waiting_reason"] == "CrashLoopBackOff" and crashed["restarts"] == 1
+
+
+def test_a_restarting_replica_degrades_a_ready_specialist_and_it_recovers():
+    """The engine process is killed: its container restarts (CrashLoopBackOff between tries) and
+    warms again. Degraded meanwhile, not Failed (a warmup timeout measured from the pod's start, or
+    the back-off read as fatal), then Ready; only a replica that keeps crashing is Failed."""
+    s = spec(replicas=1, minReady=1, warmupTimeoutSeconds=120)
+    ready, _ = warmup.evaluate(s, 1, None, [running("p0", ready=True)], {"p0": warm()}, "engine", None, T0)
+    assert ready["phase"] == "Ready"
+    crash_at = T0 + timedelta(minutes=30)
+    waiting = PodObs(name="p0", phase="Running", scheduled=True, started_at=crash_at, restarts=1,
+                     waiting_reason="CrashLoopBackOff")
+    down, ev = warmup.evaluate(s, 1, None, [waiting], {"p0": UNREACHABLE}, "engine", ready, crash_at + timedelta(seconds=5))
+    assert (down["phase"], get_condition(down["conditions"], "Ready")["reason"]) == ("Degraded", "ReplicaRestarting")
+    assert "Degraded" in [e.reason for e in ev]
+    restarted = running("p0", started=crash_at + timedelta(seconds=10), restarts=1)
+    warming, _ = warmup.evaluate(s, 1, None, [restarted], {"p0": warm(False)}, "engine", down, crash_at + timedelta(seconds=20))
+    assert warming["phase"] == "Degraded"
+    back, ev = warmup.evaluate(s, 1, None, [restarted], {"p0": warm()}, "engine", warming, crash_at + timedelta(seconds=30))
+    assert back["phase"] == "Ready" and "Ready" in [e.reason for e in ev]
+    looping = PodObs(name="p0", phase="Running", scheduled=True, started_at=crash_at, restarts=3,
+                     waiting_reason="CrashLoopBackOff")
+    failed, _ = warmup.evaluate(s, 1, None, [looping], {"p0": UNREACHABLE}, "engine", down, crash_at + timedelta(seconds=60))
+    assert failed["phase"] == "Failed"
+    # a Specialist that never served: a crashing replica is Failed at once, as before
+    first, _ = warmup.evaluate(s, 1, None, [waiting], {"p0": UNREACHABLE}, "engine", None, crash_at)
+    assert first["phase"] == "Failed"
+
+
 def test_terminating_pods_are_not_replicas():
     s = spec(replicas=1, minReady=1)
     st_, _ = warmup.evaluate(s, 1, None, [running("old", deleting=True), running("new")],
