@@ -45,6 +45,9 @@ log = logging.getLogger("consort.router")
 
 ROUTER = web.AppKey("consort_router", object)
 OPEN_PATHS = frozenset({"/health", "/ready", "/version"})
+# On SIGTERM the listener closes and the requests in flight (streams included) get this long to
+# finish; the pod's grace period (operator resources/router.py) leaves room for it after preStop.
+DRAIN_S = 45
 GEN_HEADERS = ("x-consort-specialist", "x-consort-shadow", "x-consort-adapter", "x-consort-admission",
                "x-consort-breaker")
 
@@ -710,7 +713,8 @@ async def serve(args: argparse.Namespace, store: BreakerStore | None = None) -> 
     config = RouterConfig.load(args.config)
     router = Router(config, config_path=args.config, store=store)
     app = build_app(router)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=log if args.access_log else None)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=log if args.access_log else None,
+                           shutdown_timeout=DRAIN_S)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
     try:

@@ -23,6 +23,10 @@ CONFIG_FILE = "router.yaml"
 AUTH_DIR = "/etc/consort/auth"
 CLASSIFIER_DIR = "/etc/consort/classifier"
 STATE_DIR = "/var/lib/consort"
+# Pod deletion: preStop waits while the Service drops the pod, then `consort router` drains its
+# requests in flight for up to 45 s (consort_router.server.DRAIN_S), inside the grace period.
+ROUTER_PRESTOP_S = 5
+ROUTER_GRACE_S = ROUTER_PRESTOP_S + 45 + 10
 
 
 @dataclass(frozen=True)
@@ -186,7 +190,12 @@ def router_deployment(name: str, namespace: str, uid: str, spec: EnsembleRouterS
             {"name": "CONSORT_ENSEMBLE_ROUTER", "value": f"{namespace}/{name}"},
         ],
         "resources": {"requests": {"cpu": str(r.cpu), "memory": str(r.memory)}, "limits": {"memory": str(r.memory)}},
+        "startupProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 2, "failureThreshold": 60,
+                         "timeoutSeconds": 3},   # the classifier trains at start: up to 2 min before liveness
         "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 5, "failureThreshold": 2, "timeoutSeconds": 3},
+        # Deletion: the Service stops sending new connections while preStop waits, then SIGTERM
+        # closes the listener and lets the requests in flight (streams included) finish.
+        "lifecycle": {"preStop": {"sleep": {"seconds": ROUTER_PRESTOP_S}}},
         "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10, "failureThreshold": 6, "timeoutSeconds": 5},
         "securityContext": container_security_context(),
         "volumeMounts": mounts,
@@ -196,7 +205,7 @@ def router_deployment(name: str, namespace: str, uid: str, spec: EnsembleRouterS
         "automountServiceAccountToken": True,  # EndpointSlice discovery, breaker state in status
         "enableServiceLinks": False,
         "securityContext": pod_security_context(ctx),
-        "terminationGracePeriodSeconds": 30,
+        "terminationGracePeriodSeconds": ROUTER_GRACE_S,
         "containers": [container],
         "volumes": volumes,
         "topologySpreadConstraints": [{
@@ -223,6 +232,19 @@ def router_deployment(name: str, namespace: str, uid: str, spec: EnsembleRouterS
                 "spec": pod_spec,
             },
         },
+    })
+
+
+def router_pdb(name: str, namespace: str, uid: str, ctx: BuildContext) -> dict[str, Any]:
+    """One router pod at a time through a node drain (the others keep serving; a single replica
+    may go, as the engines' PDB lets a drain proceed)."""
+    return stamp_hash({
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": object_meta(router_resource_name(name), namespace, router_labels(name, ctx),
+                                owner_reference(KIND, name, uid)),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(name)},
+                 "unhealthyPodEvictionPolicy": "AlwaysAllow"},
     })
 
 
@@ -275,4 +297,5 @@ def router_children(name: str, namespace: str, uid: str, spec: EnsembleRouterSpe
         router_configmap(name, namespace, uid, config, ctx),
         router_service(name, namespace, uid, spec, ctx),
         router_deployment(name, namespace, uid, spec, ctx),
+        router_pdb(name, namespace, uid, ctx),
     ]

@@ -325,13 +325,21 @@ def engine_service(name: str, namespace: str, uid: str, spec: SpecialistSpec, ct
     })
 
 
+def engine_disruptions(spec: SpecialistSpec) -> int:
+    """Replicas a voluntary disruption (a node drain) may take down at once: the slack above minReady,
+    and never fewer than one. minAvailable = minReady allowed none when replicas == minReady, so
+    `kubectl drain` never finished; a drain now goes one replica at a time and the lane runs below
+    minReady while the evicted replica warms elsewhere (rollouts still keep minReady: they surge)."""
+    return max(1, spec.replicas - spec.min_ready)
+
+
 def engine_pdb(name: str, namespace: str, uid: str, spec: SpecialistSpec, ctx: BuildContext) -> dict[str, Any]:
     return stamp_hash({
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
         "metadata": object_meta(name, namespace, engine_labels(name, ctx), owner_reference(KIND, name, uid)),
         "spec": {
-            "minAvailable": spec.min_ready,
+            "maxUnavailable": engine_disruptions(spec),
             "selector": {"matchLabels": selector_labels(name)},
             # A replica that never warmed may be evicted (it protects nothing).
             "unhealthyPodEvictionPolicy": "AlwaysAllow",

@@ -98,7 +98,7 @@ def test_cpp_ensemble_reconcile_restart_update_delete(cluster, namespace, operat
         for kind in ("service", "poddisruptionbudget"):
             obj = get_json(cluster, kind, name, "-n", namespace)
             assert owned_by(obj, uid), kind
-        assert get_json(cluster, "pdb", name, "-n", namespace)["spec"]["minAvailable"] == 1
+        assert get_json(cluster, "pdb", name, "-n", namespace)["spec"]["maxUnavailable"] == 1
         assert owned_by(get_json(cluster, "networkpolicy", f"{name}-engine", "-n", namespace), uid)
 
     pods = get_json(cluster, "pods", "-n", namespace, "-l", "app.kubernetes.io/component=engine")["items"]

@@ -106,7 +106,8 @@ def test_service_pdb_networkpolicy():
     objs = by_kind(S.specialist_children("algo", "ns", "u", s, CTX))
     assert set(objs) == {"ConfigMap", "Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy"}
     assert objs["Service"]["spec"]["ports"][0]["port"] == 9000
-    assert objs["PodDisruptionBudget"]["spec"]["minAvailable"] == 3
+    assert objs["PodDisruptionBudget"]["spec"]["maxUnavailable"] == 1          # the slack above minReady
+    assert "minAvailable" not in objs["PodDisruptionBudget"]["spec"]
     np = objs["NetworkPolicy"]["spec"]
     peers = np["ingress"][0]["from"]
     assert {"podSelector": {"matchLabels": {"app.kubernetes.io/component": "router", "app.kubernetes.io/part-of": "consort"}}} in peers
@@ -203,12 +204,34 @@ def test_router_config_rejects_conflicts_and_empty_ensembles():
         R.router_config("cpp", EnsembleRouterSpec(), [])
 
 
+@pytest.mark.parametrize("replicas,min_ready,disruptions", [(1, 1, 1), (2, 2, 1), (4, 1, 3), (3, 2, 1)])
+def test_a_node_drain_may_always_take_one_engine_replica(replicas, min_ready, disruptions):
+    """minAvailable = minReady blocked `kubectl drain` for ever when replicas == minReady."""
+    pdb = S.engine_pdb("algo", "ns", "u", spec(replicas=replicas, minReady=min_ready), CTX)
+    assert pdb["spec"]["maxUnavailable"] == disruptions
+
+
+def test_the_router_drains_on_deletion_and_through_node_drains():
+    er = EnsembleRouterSpec.model_validate({"replicas": 2})
+    objs = by_kind(R.router_children("cpp", "ns", "u", er, R.router_config("cpp", er, lanes()), CTX))
+    pdb = objs["PodDisruptionBudget"]
+    assert pdb["spec"]["maxUnavailable"] == 1 and pdb["metadata"]["name"] == "cpp-router"
+    assert pdb["spec"]["selector"] == objs["Deployment"]["spec"]["selector"]
+    pod = objs["Deployment"]["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    from consort_router.server import DRAIN_S
+    prestop = c["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert prestop > 0 and pod["terminationGracePeriodSeconds"] > prestop + DRAIN_S
+    assert c["startupProbe"]["httpGet"]["path"] == "/ready"
+
+
 def test_router_children_rbac_is_least_privilege():
     er = EnsembleRouterSpec.model_validate({"replicas": 3, "auth": {"apiKeysSecretRef": {"name": "keys", "key": "k"}},
                                             "service": {"type": "LoadBalancer", "port": 443}})
     cfg = R.router_config("cpp", er, lanes())
     objs = by_kind(R.router_children("cpp", "ns", "u", er, cfg, CTX))
-    assert set(objs) == {"ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Service", "Deployment"}
+    assert set(objs) == {"ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Service", "Deployment",
+                         "PodDisruptionBudget"}
     rules = objs["Role"]["rules"]
     assert rules[0] == {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]}
     verbs = {v for r in rules for v in r["verbs"]}
