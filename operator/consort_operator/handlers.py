@@ -25,7 +25,7 @@ from .api.base import GROUP, VERSION
 from .api.base import LabelSelector
 from .api.router import EnsembleRouterStatus
 from .api.specialist import SpecialistSpec
-from .kube import Kube, KubeError, connection_info, load_configuration
+from .kube import Kube, KubeError, connection_info, expected_failure, load_configuration
 from .lifecycle import router as router_lc
 from .lifecycle import specialist as specialist_lc
 from .lifecycle import warmup as warmup_lc
@@ -415,8 +415,8 @@ async def _daemon_loop(rt: Runtime, kind: str, body: Any, stopped: Any, logger: 
             delay = min(60.0, 0.5 * 2 ** min(failures, 7))
             if isinstance(e, KubeError) and e.status == 409:
                 delay = 0.2
-            (logger.warning if isinstance(e, KubeError) else logger.exception)(
-                f"reconcile of {kind} {key[1]}/{key[2]} failed ({failures}x): {e}")
+            (logger.warning if expected_failure(e) else logger.exception)(
+                f"reconcile of {kind} {key[1]}/{key[2]} failed ({failures}x): {type(e).__name__}: {e}")
         finally:
             RECONCILE_SECONDS.labels(kind).observe(time.perf_counter() - t0)
         await rt.sleep(key, delay)

@@ -7,10 +7,12 @@ get, list, status merge-patch, delete.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 from typing import Any
 
+import aiohttp
 from kubernetes_asyncio import client as k8s
 from kubernetes_asyncio import config as k8s_config
 from kubernetes_asyncio.client.exceptions import ApiException
@@ -43,6 +45,12 @@ class KubeError(Exception):
         self.body = body
         msg = body.get("message") if isinstance(body, dict) else str(body)[:500]
         super().__init__(f"{what}: HTTP {status}: {msg}")
+
+
+def expected_failure(e: BaseException) -> bool:
+    """An apiserver answer or an unreachable apiserver (an outage, a restart): a one-line warning and a
+    retry, not a traceback (a traceback is for bugs)."""
+    return isinstance(e, (KubeError, ApiException, aiohttp.ClientError, asyncio.TimeoutError, ConnectionError))
 
 
 def object_path(kind: str, namespace: str, name: str | None = None, sub: str | None = None) -> str:
