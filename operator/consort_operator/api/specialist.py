@@ -5,7 +5,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from .base import (DURATION, Condition, DnsLabel, Model, Quantity, Toleration, cel,
+from .base import (DURATION, PATTERN_HINTS, Condition, DnsLabel, Model, Quantity, Toleration, cel,
                    duration_seconds)
 
 KIND = "Specialist"
@@ -15,6 +15,10 @@ SHORT_NAMES = ["spec", "sp"]
 
 ADAPTER_SOURCE = r"^(demo://lora(\?seed=[0-9]{1,9})?|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[^/].*)?|file:///.+|hf://[A-Za-z0-9][-._A-Za-z0-9]*/[-._A-Za-z0-9]+(@[-._A-Za-z0-9]+)?)$"
 MODEL_SOURCE = r"^(demo://(tiny|bench)(\?seed=[0-9]{1,9})?|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[^/].*)?|file:///.+|hf://[A-Za-z0-9][-._A-Za-z0-9]*/[-._A-Za-z0-9]+(@[-._A-Za-z0-9]+)?)$"
+PATTERN_HINTS[MODEL_SOURCE] = ("one of pvc://CLAIM/PATH, file:///PATH (absolute), hf://ORG/NAME[@REVISION], "
+                               "demo://tiny[?seed=N] or demo://bench")
+PATTERN_HINTS[ADAPTER_SOURCE] = ("one of pvc://CLAIM/PATH, file:///PATH (absolute), hf://ORG/NAME[@REVISION] "
+                                 "or demo://lora[?seed=N]")
 
 
 class ModelSource(Model):
