@@ -681,13 +681,24 @@ def build_app(router: Router) -> web.Application:
 # ====================================================================== CLI
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """`--help` with each flag's default, where there is one to show: a required flag has none, and an
+    unset one (None, or an empty list) says in its help what unset means."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.required or action.default is None or action.default == []:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="consort router", description="Run the ensemble router.")
-    p.add_argument("--config", required=True, help="RouterConfig YAML/JSON (reloaded when it changes)")
+    p = argparse.ArgumentParser(prog="consort router", description="Run the ensemble router.",
+                                formatter_class=HelpFormatter)
+    p.add_argument("--config", required=True, metavar="FILE", help="RouterConfig YAML/JSON (reloaded when it changes)")
     p.add_argument("--port", type=int, required=True, help="port (0 = any free port, printed at start)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--access-log", action="store_true")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 in a pod)")
+    p.add_argument("--access-log", action="store_true", help="log one line per HTTP request")
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     return p.parse_args(argv)
 
 
