@@ -73,6 +73,7 @@ class ServerContext:
     vocab_size: int
     metrics: EngineMetrics = field(init=False)
     started: float = field(default_factory=time.monotonic)
+    created: int = field(default_factory=lambda: int(time.time()))   # the model cards' `created` (vLLM: start)
     startup_s: float | None = None
     in_flight: int = 0
     adapter_sync: AdapterSync | None = None     # --adapters-file: the adapters this engine must serve
@@ -826,13 +827,14 @@ async def status(request: web.Request) -> web.Response:
 def model_cards(ctx: ServerContext) -> list[dict]:
     """The base model and each loaded adapter (`root`: where its weights came from; `parent`: an
     adapter's base), as vLLM lists them."""
-    created = int(time.time() - (time.monotonic() - ctx.started))
+    created = ctx.created
     data = [{"id": ctx.served_name, "object": "model", "created": created, "owned_by": "consort",
              "root": ctx.config.model, "parent": None, "max_model_len": ctx.max_model_len,
              "specialist": ctx.config.name}]
     paths = ctx.engine.stats().get("adapter_paths") or {}
     data += [{"id": f"{ctx.served_name}:{name}", "object": "model", "created": created, "owned_by": "consort",
-              "root": paths.get(name, ctx.config.adapters.get(name)), "parent": ctx.served_name, "adapter": name}
+              "root": paths.get(name, ctx.config.adapters.get(name)), "parent": ctx.served_name,
+              "max_model_len": ctx.max_model_len, "adapter": name}
              for name in sorted(ctx.adapters_state())]
     return data
 
