@@ -8,6 +8,7 @@ from the model's own greedy choices, so MTP drafting has something to accept.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import math
 import time
@@ -46,8 +47,9 @@ SIZES = {"tiny": Size(256, 4, 4, 2, 688, 4096), "bench": Size(512, 8, 8, 4, 1408
 def cpp_files(root: Path = CPP_ROOT) -> list[Path]:
     """The corpus: every regular file under the libstdc++ include tree, in a fixed order."""
     files = sorted(p for p in root.rglob("*") if p.is_file())
-    if not files:
-        raise FileNotFoundError(f"no C++ headers under {root} (install libstdc++-dev)")
+    if not files:   # with the path as filename: `consort` prints it as one line
+        raise FileNotFoundError(errno.ENOENT, "no C++ headers here: the demo tokenizer is trained on them "
+                                "(install g++ or libstdc++-dev)", str(root))
     return files
 
 

@@ -68,7 +68,10 @@ BAD = {
     ("up", "-f", str(CASES / "typo.yaml")): "Specialist algo: spec.replica: unknown field (did you mean replicas?)",
     ("up", "-f", str(CASES / "bare-path.yaml")):
         "spec.model.source: '/models/llama' is not one of pvc://CLAIM/PATH, file:///PATH (absolute), hf://",
-    ("up", "-f", str(ROOT / "examples/local"), "--api-keys-file", MISSING):
+    # free ports and a 1 s start-up budget: should the check regress, this case fails at once instead
+    # of starting an ensemble on 8080
+    ("up", "-f", str(ROOT / "examples/local"), "--port", "0", "--engine-base-port", "0", "--timeout", "1",
+     "--api-keys-file", MISSING):
         f"consort up: error: argument --api-keys-file: {MISSING}: no such file",
     ("operator", "--metrics-host", "127.0.0.1", "--metrics-port", str(BUSY_PORT), "--kubeconfig", MISSING):
         f"consort operator: --metrics-port {BUSY_PORT} on 127.0.0.1: Address already in use",
@@ -215,3 +218,12 @@ def test_bench_url_takes_the_openai_base_url_habit(url, server):
     from consort_engine.bench.serve import http_url
 
     assert http_url(url) == server
+
+
+def test_missing_cpp_headers_name_the_directory(tmp_path):
+    """The demo tokenizer trains on the libstdc++ headers: without them, the path and what to install."""
+    from consort_engine.demo_model import cpp_files
+
+    with pytest.raises(FileNotFoundError) as err:
+        cpp_files(tmp_path)
+    assert err.value.filename == str(tmp_path) and "install g++" in err.value.strerror
