@@ -75,7 +75,7 @@ if [ "$(cat "$WHEELS/.stamp" 2>/dev/null)" != "$want" ]; then
   say "downloading wheels into $WHEELS (torch and its CUDA wheels are ~4 GB on a cold cache)"
   for r in "${reqs[@]}"; do
     (cd "$ROOT" && $PIP download --quiet --progress-bar off --only-binary=:all: --dest "$WHEELS" \
-      -r "$r" "setuptools>=68" wheel) || die "pip download for $r failed (is PyPI reachable?)"
+      -r "$r" "setuptools>=77" wheel) || die "pip download for $r failed (is PyPI reachable?)"
   done
   echo "$want" >"$WHEELS/.stamp"
 fi

@@ -6,6 +6,7 @@ conftest.py of each integration folder puts it there).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 CONSORT = str(Path(sys.executable).with_name("consort"))
+REPO = Path(__file__).resolve().parents[1]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -168,3 +170,31 @@ def write_lora_adapter(model_dir: Path, out: Path, rank: int = 4, seed: int = 0)
     """A random PEFT LoRA adapter for a Llama-layout checkpoint (the one `demo://lora` writes)."""
     from consort_engine.demo_model import write_demo_adapter
     return write_demo_adapter(model_dir, out, rank=rank, seed=seed)
+
+
+@contextlib.contextmanager
+def consort_up(tmp_path: Path, port: int, timeout: float = 150.0):
+    """`consort up -f examples/local` with its router on `port` and engines on free ports, once its
+    log says ready: (process, log path); killed after."""
+    log_path = tmp_path / "up.log"
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen([CONSORT, "up", "-f", str(REPO / "examples" / "local"), "--port", str(port),
+                                 "--engine-base-port", "0", "--run-dir", str(tmp_path / "run")],
+                                stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+    try:
+        deadline = time.monotonic() + timeout
+        while "ready:" not in log_path.read_text():
+            assert proc.poll() is None, f"consort up exited {proc.returncode}:\n{log_path.read_text()}"
+            assert time.monotonic() < deadline, f"not ready in {timeout:.0f} s:\n{log_path.read_text()}"
+            time.sleep(0.5)
+        yield proc, log_path
+    finally:
+        # SIGINT: consort up stops its engines and router (each in its own session, so killing
+        # consort up alone would leave them running); SIGKILL only if it does not exit.
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)

@@ -8,6 +8,7 @@ from the model's own greedy choices, so MTP drafting has something to accept.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import math
 import time
@@ -17,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from consort_engine.config import checkpoint_dir
+from consort_engine.config import HelpFormatter, checkpoint_dir
 
 ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
          "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
@@ -46,8 +47,9 @@ SIZES = {"tiny": Size(256, 4, 4, 2, 688, 4096), "bench": Size(512, 8, 8, 4, 1408
 def cpp_files(root: Path = CPP_ROOT) -> list[Path]:
     """The corpus: every regular file under the libstdc++ include tree, in a fixed order."""
     files = sorted(p for p in root.rglob("*") if p.is_file())
-    if not files:
-        raise FileNotFoundError(f"no C++ headers under {root} (install libstdc++-dev)")
+    if not files:   # with the path as filename: `consort` prints it as one line
+        raise FileNotFoundError(errno.ENOENT, "no C++ headers here: the demo tokenizer is trained on them "
+                                "(install g++ or libstdc++-dev)", str(root))
     return files
 
 
@@ -384,21 +386,23 @@ def write_demo_adapter(model_dir: str | Path, out: str | Path, rank: int = 4, se
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="consort demo-model", description=__doc__.splitlines()[0])
-    ap.add_argument("out")
+    ap = argparse.ArgumentParser(prog="consort demo-model", description=__doc__.splitlines()[0],
+                                 formatter_class=HelpFormatter)
+    ap.add_argument("out", help="directory to write (created)")
     ap.add_argument("--lora-for", metavar="MODEL_DIR", type=checkpoint_dir,
                     help="write a random LoRA adapter for this checkpoint instead of a model")
     ap.add_argument("--rank", type=int, default=4, help="LoRA rank (with --lora-for)")
-    ap.add_argument("--arch", choices=sorted(ARCHS), default="llama")
-    ap.add_argument("--size", choices=sorted(SIZES), default="tiny")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--arch", choices=sorted(ARCHS), default="llama", help="the checkpoint's architecture")
+    ap.add_argument("--size", choices=sorted(SIZES), default="tiny",
+                    help="tiny: seconds to write and serve; bench: the benchmarks' larger shape")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     ap.add_argument("--tie", action="store_true", help="tie the LM head to the embedding")
     ap.add_argument("--train", action="store_true", help="fit the model on the C++ corpus (CPU, minutes)")
-    ap.add_argument("--train-seconds", type=float, default=300.0)
+    ap.add_argument("--train-seconds", type=float, default=300.0, help="with --train: how long to fit")
     ap.add_argument("--mtp", nargs="?", const="qwen3_next", choices=["qwen3_next", "deepseek_v3"],
-                    help="add a multi-token-prediction block (tensor layout; default qwen3_next), "
+                    help="add a multi-token-prediction block (tensor layout; qwen3_next without a value), "
                          "distilled from the model on the CPU for --mtp-seconds")
-    ap.add_argument("--mtp-seconds", type=float, default=120.0)
+    ap.add_argument("--mtp-seconds", type=float, default=120.0, help="with --mtp: how long to distil")
     a = ap.parse_args(argv)
     if a.lora_for:
         print(write_demo_adapter(a.lora_for, a.out, rank=a.rank, seed=a.seed))

@@ -28,6 +28,7 @@ from typing import Any
 
 from consort_engine.bench import openai_stream
 from consort_engine.bench.serve import http_url, make_workload, one_request, summarize
+from consort_engine.config import HelpFormatter
 
 from . import local
 
@@ -171,19 +172,22 @@ def report(r: dict) -> str:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="consort bench local", description=__doc__.split("\n\n")[0])
-    p.add_argument("-f", "--file", action="append", help="manifests, as for `consort up` (default: examples/local)")
+    p = argparse.ArgumentParser(prog="consort bench local", description=__doc__.split("\n\n")[0],
+                                formatter_class=HelpFormatter)
+    p.add_argument("-f", "--file", action="append", metavar="PATH",
+                   help="manifests, as for `consort up`; unset: examples/local")
     p.add_argument("--url", default=None, type=http_url,
-                   help="the router of a running `consort up` with the same manifests (default: start one here)")
-    p.add_argument("--specialist", action="append", help="specialists to load (default: all)")
+                   help="the router of a running `consort up` with the same manifests; unset: start one here")
+    p.add_argument("--specialist", action="append", help="a specialist to load (repeatable); unset: all")
     p.add_argument("--concurrency", type=int, default=12, help="streams per specialist")
     p.add_argument("--requests", type=int, default=96, help="requests per specialist and phase")
-    p.add_argument("--prompt-words", type=int, default=300, help="~400 tokens on the demo tokenizer")
-    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--prompt-words", type=int, default=300,
+                   help="prompt length, words (300: ~400 tokens on the demo tokenizer)")
+    p.add_argument("--max-tokens", type=int, default=96, help="output tokens per request (ignore_eos)")
     p.add_argument("--timeout", type=float, default=300.0, help="per-request timeout, seconds")
     p.add_argument("--start-timeout", type=float, default=240.0, help="seconds for engines / consort up to be ready")
     p.add_argument("--cache", type=Path, default=local.CACHE, help="demo models (as for `consort up`)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="also print the results as JSON")
     openai_stream.add_args(p)
     args = p.parse_args(argv)
     args.file = args.file or [str(Path(__file__).resolve().parents[2] / "examples" / "local")]

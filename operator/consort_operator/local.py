@@ -25,8 +25,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from consort_engine.config import HelpFormatter
+from pydantic import ValidationError
 
-from .api.base import quantity_value
+from .api.base import explain, quantity_value
 from .api.router import EnsembleRouterSpec
 from .api.specialist import SpecialistSpec
 
@@ -60,11 +62,22 @@ def _files(paths: list[str]) -> list[Path]:
     return out
 
 
+def read_yaml(f: Path) -> list[Any]:
+    """Every document of a YAML (or JSON) file; a syntax error is one line naming the file and line."""
+    try:
+        return list(yaml.safe_load_all(f.read_text()))
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e)
+        raise UpError(f"{f}{at}: not valid YAML: {' '.join(problem.split())}") from e
+
+
 def load_manifests(paths: list[str]) -> Manifests:
     """Parse and validate (same pydantic models as the CRDs) every consort.dev object in the paths."""
     m = Manifests()
     for f in _files(paths):
-        for doc in yaml.safe_load_all(f.read_text()):
+        for doc in read_yaml(f):
             if not isinstance(doc, dict):
                 continue
             kind, name = doc.get("kind"), (doc.get("metadata") or {}).get("name")
@@ -81,8 +94,11 @@ def load_manifests(paths: list[str]) -> Manifests:
                     m.configmaps[name] = doc
                 else:
                     m.skipped.append(where)
-            except ValueError as e:   # pydantic's ValidationError is a ValueError
-                raise UpError(f"{where} is invalid:\n{e}") from e
+            except ValidationError as e:
+                model = SpecialistSpec if kind == "Specialist" else EnsembleRouterSpec
+                raise UpError(f"{where}: {explain(e, model)}") from e
+            except ValueError as e:
+                raise UpError(f"{where}: {e}") from e
     if not m.specialists:
         raise UpError(f"no Specialist found in {', '.join(paths)}")
     if len(m.routers) > 1:
@@ -462,16 +478,28 @@ def run(args: argparse.Namespace) -> int:
     return return_code
 
 
+def keys_file(text: str) -> str:
+    """argparse type: an API-key file that exists now (the router reads it as it changes and refuses
+    every key while it is missing, so a mistyped path would start an ensemble that answers 401 to all)."""
+    if not Path(text).is_file():
+        raise argparse.ArgumentTypeError(f"{text}: no such file (one API key per line)")
+    return str(Path(text).resolve())
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="consort up", description=__doc__.split("\n\n")[0])
-    p.add_argument("-f", "--file", action="append", required=True, help="manifest file or directory (repeatable)")
+    p = argparse.ArgumentParser(prog="consort up", description=__doc__.split("\n\n")[0],
+                                formatter_class=HelpFormatter)
+    p.add_argument("-f", "--file", action="append", required=True, metavar="PATH",
+                   help="manifest file or directory (repeatable)")
     p.add_argument("--host", default="127.0.0.1", help="router bind address")
     p.add_argument("--port", type=int, default=8080, help="router port")
     p.add_argument("--engine-base-port", type=int, default=8101, help="first engine port (0: any free ports)")
     p.add_argument("--replicas", type=int, default=1, help="cap on engine processes per Specialist")
-    p.add_argument("--api-keys-file", default=None, help="enable router auth with this key file")
+    p.add_argument("--api-keys-file", default=None, type=keys_file, metavar="FILE",
+                   help="enable router auth: clients send `Authorization: Bearer KEY` with a key from this file")
     p.add_argument("--cache", type=Path, default=CACHE, help="demo models and run directories")
-    p.add_argument("--run-dir", type=Path, default=None, help="logs, router config, breaker state")
+    p.add_argument("--run-dir", type=Path, default=None,
+                   help="logs, router config, breaker state; unset: a new directory under --cache")
     p.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for everything to be ready")
     return p.parse_args(argv)
 

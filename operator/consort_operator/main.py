@@ -9,17 +9,24 @@ import random
 import signal
 import sys
 
+from consort_engine.config import HelpFormatter
+
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="consort operator", description=__doc__)
+    p = argparse.ArgumentParser(prog="consort operator", description=__doc__,
+                                formatter_class=HelpFormatter)
     scope = p.add_mutually_exclusive_group()
     scope.add_argument("--namespace", "-n", action="append", default=[],
                        help="watch only this namespace (repeatable; globs allowed)")
-    scope.add_argument("--all-namespaces", "-A", action="store_true", help="watch the whole cluster (default)")
-    p.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster account, else $KUBECONFIG/~/.kube/config)")
-    p.add_argument("--engine-image", default=os.environ.get("CONSORT_ENGINE_IMAGE", "ghcr.io/consort-dev/consort-engine:0.1.0"))
-    p.add_argument("--router-image", default=os.environ.get("CONSORT_ROUTER_IMAGE", "ghcr.io/consort-dev/consort-router:0.1.0"))
-    p.add_argument("--image-pull-policy", default="IfNotPresent", choices=["Always", "IfNotPresent", "Never"])
+    scope.add_argument("--all-namespaces", "-A", action="store_true", help="watch the whole cluster (what happens without --namespace)")
+    p.add_argument("--kubeconfig", metavar="FILE",
+                   help="kubeconfig file; unset: the in-cluster account, else $KUBECONFIG or ~/.kube/config")
+    p.add_argument("--engine-image", default=os.environ.get("CONSORT_ENGINE_IMAGE", "ghcr.io/consort-dev/consort-engine:0.1.0"),
+                   help="image of the engine pods ($CONSORT_ENGINE_IMAGE)")
+    p.add_argument("--router-image", default=os.environ.get("CONSORT_ROUTER_IMAGE", "ghcr.io/consort-dev/consort-router:0.1.0"),
+                   help="image of the router pods ($CONSORT_ROUTER_IMAGE)")
+    p.add_argument("--image-pull-policy", default="IfNotPresent", choices=["Always", "IfNotPresent", "Never"],
+                   help="imagePullPolicy of the engine and router containers")
     p.add_argument("--network-policy", action=argparse.BooleanOptionalAction, default=True,
                    help="create a NetworkPolicy per Specialist admitting only routers and the operator")
     p.add_argument("--operator-namespace", default=os.environ.get("POD_NAMESPACE", "consort-system"),
@@ -34,8 +41,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--poll-seconds", type=float, default=2.0, help="engine poll interval while replicas are cold")
     p.add_argument("--idle-seconds", type=float, default=30.0, help="re-check interval when settled")
     p.add_argument("--resync-seconds", type=float, default=600.0, help="re-read owned objects this often")
-    p.add_argument("--metrics-port", type=int, default=8080, help="Prometheus /metrics port (0 disables)")
-    p.add_argument("--metrics-host", default="0.0.0.0")
+    # Not 8080: that is `consort up`'s router (and many other local servers); 8081 is the liveness endpoint.
+    p.add_argument("--metrics-port", type=int, default=8082, help="Prometheus /metrics port (0 disables)")
+    p.add_argument("--metrics-host", default="0.0.0.0", help="bind address of /metrics")
     p.add_argument("--liveness", default="http://0.0.0.0:8081/healthz",
                    help="Kopf liveness endpoint URL ('' disables)")
     peer = p.add_mutually_exclusive_group()
@@ -43,8 +51,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                       help="mandatory Kopf peering object name (KopfPeering/ClusterKopfPeering must exist)")
     peer.add_argument("--standalone", action="store_true", help="no peering (single replica)")
     p.add_argument("--priority", type=int, default=None,
-                   help="peering priority (default: random, so that of two replicas exactly one acts)")
-    p.add_argument("--log-level", default=os.environ.get("CONSORT_LOG_LEVEL", "INFO"))
+                   help="peering priority; unset: random, so that of two replicas exactly one acts")
+    p.add_argument("--log-level", default=os.environ.get("CONSORT_LOG_LEVEL", "INFO"),
+                   help="DEBUG, INFO, WARNING or ERROR ($CONSORT_LOG_LEVEL)")
     return p.parse_args(argv)
 
 
@@ -86,7 +95,12 @@ def main(argv: list[str] | None = None) -> int:
     rt.resync_seconds = args.resync_seconds
     rt.peering_priority = args.priority if args.priority is not None else random.randint(1, 2**31 - 1)
     if args.metrics_port:
-        metrics.serve(args.metrics_port, args.metrics_host)
+        try:
+            metrics.serve(args.metrics_port, args.metrics_host)
+        except OSError as e:   # most often: the port is taken
+            print(f"consort operator: --metrics-port {args.metrics_port} on {args.metrics_host}: "
+                  f"{e.strerror or e} (pick another port, or 0 to disable)", file=sys.stderr)
+            return 1
 
     settings = kopf.OperatorSettings()
     if not args.standalone and not args.peering:

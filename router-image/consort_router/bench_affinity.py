@@ -32,6 +32,7 @@ import aiohttp
 from . import openai_stream
 from .bench import WORDS, percentile, router_config, start_engine, start_router, stop_all, wait_ready
 from .openai_stream import ClientPolicy, StreamResult, request, tally
+from .server import HelpFormatter
 
 ARMS = ("single", "least-loaded", "prefix-affine")
 
@@ -133,15 +134,16 @@ def report(results: list[dict], args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="consort bench affinity", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="consort bench affinity", description=__doc__.splitlines()[0],
+                                 formatter_class=HelpFormatter)
     ap.add_argument("--model", required=True, help="checkpoint dir: three `consort engine`s are started on it")
     ap.add_argument("--engine-args", default="--num-blocks 512", help="extra `consort engine` arguments")
-    ap.add_argument("--conversations", type=int, default=24)
-    ap.add_argument("--turns", type=int, default=4)
-    ap.add_argument("--system-words", type=int, default=120)
-    ap.add_argument("--max-tokens", type=int, default=24)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--conversations", type=int, default=24, help="conversations, all sharing one system prompt")
+    ap.add_argument("--turns", type=int, default=4, help="turns per conversation")
+    ap.add_argument("--system-words", type=int, default=120, help="length of the shared system prompt, words")
+    ap.add_argument("--max-tokens", type=int, default=24, help="output tokens per turn")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the workload's draws")
+    ap.add_argument("--json", action="store_true", help="also print the results as JSON")
     openai_stream.add_args(ap)
     args = ap.parse_args(argv)
     if not Path(args.model, "config.json").is_file():

@@ -32,6 +32,7 @@ class ReplicaState:
     inflight: int = 0            # router requests to it now in flight
     inflight_at_poll: int = 0    # ... when its status was last read
     adapters: tuple[str, ...] = ()
+    max_model_len: int | None = None   # the engine's, from its status (the router's model cards)
 
     def load(self, preempting_penalty: float) -> float:
         """Queue depth as seen now: polled depth + requests sent since the poll, + preempting penalty."""
@@ -146,6 +147,8 @@ class ReplicaPoller:
             r.polled_at = time.monotonic()
             return
         r.waiting, r.running, r.preempting, r.adapters = parse_status(status)
+        max_len = status.get("max_model_len") if isinstance(status, dict) else None
+        r.max_model_len = max_len if isinstance(max_len, int) and not isinstance(max_len, bool) else None
         r.ready, r.reason = ready, reason
         r.inflight_at_poll = inflight
         r.polled_at = time.monotonic()

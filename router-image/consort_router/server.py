@@ -76,6 +76,7 @@ class Router:
         self.calibration = CalibrationLog(self._path(config.calibration_log))
         self.session: aiohttp.ClientSession | None = None
         self.poller: ReplicaPoller | None = None
+        self.created = int(time.time())   # the model cards' `created`, as vLLM stamps its start
         self.prefixes = PrefixIndex(config.replica_choice.index_blocks)
         self.shadow_inflight = 0
         self.tasks: set[asyncio.Task] = set()
@@ -612,21 +613,30 @@ async def routing_view(request: web.Request) -> web.Response:
     })
 
 
-def model_cards(cfg) -> list[dict]:
-    """The ensemble (routed) and each specialist (pinned), with vLLM's `root` and `parent`."""
-    data = [{"id": cfg.ensemble, "object": "model", "owned_by": "consort", "root": cfg.ensemble, "parent": None}]
-    data += [{"id": s.name, "object": "model", "owned_by": "consort", "root": s.name, "parent": cfg.ensemble}
-             for s in cfg.specialists]
-    return data
+def model_cards(router: Router) -> list[dict]:
+    """The ensemble (routed) and each specialist (pinned), with vLLM's `root`, `parent`, `created`
+    and `max_model_len`: a specialist's is its engines' (the least, should they differ; None before
+    one has answered a poll), the ensemble's the least of all, since a routed request may land on any."""
+    cfg = router.config
+    lens = {s.name: min((r.max_model_len for r in router.runtime.replicas.get(s.name, []) if r.max_model_len),
+                        default=None) for s in cfg.specialists}
+    known = [n for n in lens.values() if n]
+
+    def card(model_id: str, parent: str | None, max_model_len: int | None) -> dict:
+        return {"id": model_id, "object": "model", "created": router.created, "owned_by": "consort",
+                "root": model_id, "parent": parent, "max_model_len": max_model_len}
+
+    return [card(cfg.ensemble, None, min(known, default=None))] + [
+        card(s.name, cfg.ensemble, lens[s.name]) for s in cfg.specialists]
 
 
 async def models(request: web.Request) -> web.Response:
-    return web.json_response({"object": "list", "data": model_cards(request.app[ROUTER].config)})
+    return web.json_response({"object": "list", "data": model_cards(request.app[ROUTER])})
 
 
 async def model_card(request: web.Request) -> web.Response:
     model_id = request.match_info["model_id"]
-    card = next((c for c in model_cards(request.app[ROUTER].config) if c["id"] == model_id), None)
+    card = next((c for c in model_cards(request.app[ROUTER]) if c["id"] == model_id), None)
     if card is None:
         raise ApiError(404, "model_not_found", f"model {model_id!r} is not served here", param="model")
     return web.json_response(card)
@@ -698,13 +708,24 @@ def build_app(router: Router) -> web.Application:
 # ====================================================================== CLI
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """`--help` with each flag's default, where there is one to show: a required flag has none, and an
+    unset one (None, or an empty list) says in its help what unset means."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.required or action.default is None or action.default == []:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="consort router", description="Run the ensemble router.")
-    p.add_argument("--config", required=True, help="RouterConfig YAML/JSON (reloaded when it changes)")
+    p = argparse.ArgumentParser(prog="consort router", description="Run the ensemble router.",
+                                formatter_class=HelpFormatter)
+    p.add_argument("--config", required=True, metavar="FILE", help="RouterConfig YAML/JSON (reloaded when it changes)")
     p.add_argument("--port", type=int, required=True, help="port (0 = any free port, printed at start)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--access-log", action="store_true")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 in a pod)")
+    p.add_argument("--access-log", action="store_true", help="log one line per HTTP request")
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     return p.parse_args(argv)
 
 

@@ -1,4 +1,4 @@
-"""`consort bench offline|serve`: benchmark scripts with a report (not timed tests).
+"""`consort bench NAME`: benchmarks with a report (not timed tests).
 
 offline: our engine vs transformers `generate` on the same checkpoint and workload (bench/offline.py).
 structured: guided JSON-schema decoding tok/s vs free decoding (bench/structured.py).
@@ -18,11 +18,29 @@ import argparse
 import sys
 
 from consort_engine.bench import BenchError
+from consort_engine.config import HelpFormatter
+
+
+# name -> one-line help: `consort bench --help` and the top-level `consort --help` both list these.
+BENCHES: dict[str, str] = {
+    "offline": "engine vs transformers generate, one run",
+    "roofline": "decode step at 32 running vs its GEMM/bandwidth floor",
+    "serve": "streaming latency against an OpenAI endpoint",
+    "structured": "guided json_schema vs free decoding tok/s",
+    "spec": "speculative decoding: none vs n-gram vs MTP drafting",
+    "hybrid": "hybrid (attention + Mamba2) vs pure attention: KV and tok/s",
+    "local": "the ensemble on one box vs one engine (starts `consort up`)",
+    "affinity": "prefix-affine vs least-loaded replicas through a router",
+}
+# Implemented outside the engine (consort_operator/cli.py NESTED dispatches them before this module
+# sees them): listed here so that `consort bench --help` shows every benchmark.
+ELSEWHERE = ("local", "affinity")
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(prog="consort bench", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="consort bench", description=__doc__.split("\n")[0],
+                                formatter_class=HelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     from consort_engine.bench import hybrid as bench_hybrid
     from consort_engine.bench import offline as bench_offline
@@ -30,14 +48,17 @@ def main(argv: list[str] | None = None) -> int:
     from consort_engine.bench import serve as bench_serve
     from consort_engine.bench import spec as bench_spec
     from consort_engine.bench import structured as bench_structured
-    bench_offline.add_args(sub.add_parser("offline", help="engine vs transformers generate, one run"))
-    bench_roofline.add_args(sub.add_parser("roofline", help="decode step at 32 running vs its GEMM/bandwidth floor"))
-    bench_serve.add_args(sub.add_parser("serve", help="streaming latency against an OpenAI endpoint"))
-    bench_structured.add_args(sub.add_parser("structured", help="guided json_schema vs free decoding tok/s"))
-    bench_spec.add_args(sub.add_parser("spec", help="speculative decoding: none vs n-gram vs MTP drafting"))
-    bench_hybrid.add_args(sub.add_parser("hybrid", help="hybrid (attention + Mamba2) vs pure attention: KV and tok/s"))
+    adders = {"offline": bench_offline.add_args, "roofline": bench_roofline.add_args, "serve": bench_serve.add_args,
+              "structured": bench_structured.add_args, "spec": bench_spec.add_args, "hybrid": bench_hybrid.add_args}
+    for name, help_ in BENCHES.items():
+        sp = sub.add_parser(name, help=help_, description=help_, add_help=name not in ELSEWHERE,
+                            formatter_class=HelpFormatter)
+        if name in adders:
+            adders[name](sp)
     args = p.parse_args(argv)
     try:
+        if args.cmd in ELSEWHERE:
+            raise BenchError(f"run it as `consort bench {args.cmd}`")
         return run(args)
     except BenchError as e:
         print(f"consort bench {args.cmd}: {e}", file=sys.stderr, flush=True)

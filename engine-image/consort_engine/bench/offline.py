@@ -584,31 +584,42 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_args(p: argparse.ArgumentParser) -> None:
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The engine the benchmark builds (its `consort engine` flags: server_argv) and where results go;
+    `bench roofline` takes these too."""
     from consort_engine.config import EngineConfig
 
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "both"], default="both")
-    p.add_argument("--requests", type=int, default=None, help="number of requests (default 64; 16 with --quick)")
-    p.add_argument("--quick", action="store_true", help="16 requests: a fast sanity run")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="sample the engine runs at this temperature (seeded per request; default greedy)")
-    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature: nucleus sampling")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "both"], default="both",
+                   help="weights and KV cache; both: one run each (roofline: float32)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the engine runs")
     # Defaults are `consort engine`'s own (EngineConfig's), so a bare bench runs the engine a bare server runs.
-    p.add_argument("--block-size", type=int, default=EngineConfig.block_size)
+    p.add_argument("--block-size", type=int, default=EngineConfig.block_size, help="tokens per KV block")
     p.add_argument("--num-blocks", type=int, default=None,
-                   help="KV pool (default: sized from free memory, as the server does)")
-    p.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
-    p.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
+                   help="KV cache blocks; unset: sized from free memory, as the server does")
+    p.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs,
+                   help="sequences running in one step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens,
+                   help="tokens per step: decode tokens plus prefill chunks")
     p.add_argument("--speculative", default="off", choices=["off", "ngram"],
                    help="engine speculation (greedy output is identical; the report adds acceptance)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="cuda: no decode CUDA graphs (run twice, with and without, to compare)")
     p.add_argument("--threads", type=int, default=0,
-                   help="CPU threads (default: as `consort engine`: the cgroup quota, else the usable cores)")
+                   help="CPU threads (0: as `consort engine`: the cgroup quota, else the usable cores)")
     p.add_argument("--model", default=None, metavar="DIR", type=checkpoint_dir,
-                   help="checkpoint to bench (default: the cached bench model)")
+                   help="checkpoint to bench; unset: the cached bench model")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    add_engine_args(p)
+    p.add_argument("--requests", type=int, default=None,
+                   help="number of requests; unset: 64, or 16 with --quick")
+    p.add_argument("--quick", action="store_true", help="16 requests: a fast sanity run")
+    p.add_argument("--seed", type=int, default=0, help="seed of the workload's draws")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sample the engine runs at this temperature (seeded per request; 0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature: nucleus sampling")
     p.add_argument("--vs-server", action="store_true",
                    help="run the workload offline and through a real `consort engine` HTTP server, back to back "
                         "(interleaved per dtype), and print both tok/s and their ratio")
@@ -616,4 +627,3 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-startup", action="store_true", help="skip the start-up-to-ready measurement")
     p.add_argument("--engine-only", action="store_true", help="skip the transformers baseline (no ratio)")
     p.add_argument("--rebuild", action="store_true", help="rebuild the cached benchmark checkpoint")
-    p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")

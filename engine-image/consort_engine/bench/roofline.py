@@ -152,9 +152,9 @@ def run(args: argparse.Namespace) -> int:
 def add_args(p: argparse.ArgumentParser) -> None:
     from consort_engine.bench import offline as bo   # the engine knobs are bench offline's (= the server's)
 
-    bo.add_args(p)
+    bo.add_engine_args(p)
     p.add_argument("--running", type=int, default=32, help="sequences in the decode batch")
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens of each running sequence")
+    p.add_argument("--steps", type=int, default=40, help="decode steps timed per round")
     p.add_argument("--repeats", type=int, default=3,
                    help="rounds of (GEMM rate, bandwidth, decode steps); each side keeps its best")

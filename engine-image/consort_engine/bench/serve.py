@@ -137,23 +137,27 @@ def report(s: dict) -> str:
 
 
 def http_url(text: str) -> str:
-    """argparse type: an http(s) base URL (a typo fails at parsing, not as N failed requests)."""
+    """argparse type: an http(s) server URL (a typo fails at parsing, not as N failed requests). The
+    OpenAI client's base_url habit, `http://host:port/v1`, names the same server: the benchmarks add
+    /v1/... themselves, so a trailing /v1 is dropped rather than doubled into 404s."""
     if not text.startswith(("http://", "https://")) or len(text.split("://", 1)[1].strip("/")) == 0:
         raise argparse.ArgumentTypeError(f"{text!r} is not an http:// or https:// URL")
-    return text
+    return text.rstrip("/").removesuffix("/v1")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", required=True, type=http_url, help="base URL, e.g. http://127.0.0.1:8000")
-    p.add_argument("--model", default=None, help="model field (default: the first id of GET /v1/models)")
-    p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
-    p.add_argument("--concurrency", type=int, default=64)
-    p.add_argument("--requests", type=int, default=256)
-    p.add_argument("--prompt-min", type=int, default=64)
-    p.add_argument("--prompt-max", type=int, default=512)
-    p.add_argument("--output-min", type=int, default=16)
-    p.add_argument("--output-max", type=int, default=128)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--url", required=True, type=http_url,
+                   help="the server, e.g. http://127.0.0.1:8080 (a trailing /v1 is accepted)")
+    p.add_argument("--model", default=None, help="model field; unset: the first id of GET /v1/models")
+    p.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
+                   help="POST /v1/completions or /v1/chat/completions")
+    p.add_argument("--concurrency", type=int, default=64, help="requests in flight at once")
+    p.add_argument("--requests", type=int, default=256, help="requests in all")
+    p.add_argument("--prompt-min", type=int, default=64, help="shortest prompt, words (drawn uniformly)")
+    p.add_argument("--prompt-max", type=int, default=512, help="longest prompt, words")
+    p.add_argument("--output-min", type=int, default=16, help="fewest max_tokens (drawn uniformly)")
+    p.add_argument("--output-max", type=int, default=128, help="most max_tokens")
+    p.add_argument("--seed", type=int, default=0, help="seed of the workload's draws")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
     p.add_argument("--no-ignore-eos", action="store_true", help="do not send the ignore_eos extension")
     p.add_argument("--json", action="store_true", help="also print the summary as JSON")

@@ -99,15 +99,15 @@ def main(args: argparse.Namespace) -> int:
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", type=checkpoint_dir, help="checkpoint directory (with an MTP block for the mtp rows)")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the engine runs")
+    p.add_argument("--dtype", default="auto", help="as `consort engine --dtype` (float32: greedy outputs compare exactly)")
     p.add_argument("--k", type=int, default=3, help="draft tokens per step")
-    p.add_argument("--batches", default="1,16")
-    p.add_argument("--kinds", default="copy-heavy,free-form")
-    p.add_argument("--prompt-len", type=int, default=256)
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--batches", default="1,16", help="batch sizes, comma-separated")
+    p.add_argument("--kinds", default="copy-heavy,free-form", help="prompt kinds, comma-separated (see above)")
+    p.add_argument("--prompt-len", type=int, default=256, help="prompt tokens")
+    p.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
+    p.add_argument("--max-model-len", type=int, default=1024, help="as `consort engine --max-model-len`")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's choice); with 1, "
                    "tokens per CPU-second is steady on a shared machine")
     p.add_argument("--repeats", type=int, default=3, help="runs per row; the fastest counts")
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")

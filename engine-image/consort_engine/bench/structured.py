@@ -95,8 +95,9 @@ def table(rows: list[tuple[int, int, float, float, int]], device: str) -> str:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, type=checkpoint_dir, help="checkpoint dir (default: a fresh demo model)")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
-    p.add_argument("--max-tokens", type=int, default=160)
-    p.add_argument("--num-blocks", type=int, default=512)
+    p.add_argument("--model", default=None, type=checkpoint_dir, metavar="DIR",
+                   help="checkpoint directory; unset: a fresh demo model")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the engine runs")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32], help="batch sizes, one row each")
+    p.add_argument("--max-tokens", type=int, default=160, help="most tokens a guided answer may take")
+    p.add_argument("--num-blocks", type=int, default=512, help="KV cache blocks of the engine")

@@ -29,7 +29,7 @@ from consort_engine.serving import responses as R
 from consort_engine.text import tool_calls as T
 from consort_engine.model.attention import default_block_size
 from consort_engine.core.async_engine import AsyncEngine, EngineFailed, EngineNotReady
-from consort_engine.config import EngineConfig
+from consort_engine.config import EngineConfig, HelpFormatter
 from consort_engine.serving.adapter_sync import AdapterSync
 from consort_engine.model.lora import AdapterError
 from consort_engine.serving.metrics import EngineMetrics, SloTracker
@@ -73,6 +73,7 @@ class ServerContext:
     vocab_size: int
     metrics: EngineMetrics = field(init=False)
     started: float = field(default_factory=time.monotonic)
+    created: int = field(default_factory=lambda: int(time.time()))   # the model cards' `created` (vLLM: start)
     startup_s: float | None = None
     in_flight: int = 0
     adapter_sync: AdapterSync | None = None     # --adapters-file: the adapters this engine must serve
@@ -855,13 +856,14 @@ async def status(request: web.Request) -> web.Response:
 def model_cards(ctx: ServerContext) -> list[dict]:
     """The base model and each loaded adapter (`root`: where its weights came from; `parent`: an
     adapter's base), as vLLM lists them."""
-    created = int(time.time() - (time.monotonic() - ctx.started))
+    created = ctx.created
     data = [{"id": ctx.served_name, "object": "model", "created": created, "owned_by": "consort",
              "root": ctx.config.model, "parent": None, "max_model_len": ctx.max_model_len,
              "specialist": ctx.config.name}]
     paths = ctx.engine.stats().get("adapter_paths") or {}
     data += [{"id": f"{ctx.served_name}:{name}", "object": "model", "created": created, "owned_by": "consort",
-              "root": paths.get(name, ctx.config.adapters.get(name)), "parent": ctx.served_name, "adapter": name}
+              "root": paths.get(name, ctx.config.adapters.get(name)), "parent": ctx.served_name,
+              "max_model_len": ctx.max_model_len, "adapter": name}
              for name in sorted(ctx.adapters_state())]
     return data
 
@@ -986,55 +988,79 @@ def build_app(ctx: ServerContext) -> web.Application:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="consort engine", description="Serve one specialist's paged-KV engine.")
-    p.add_argument("--model", required=True, help="checkpoint dir (config.json, *.safetensors, tokenizer.json)")
+    p = argparse.ArgumentParser(prog="consort engine", description="Serve one specialist's paged-KV engine.",
+                                formatter_class=HelpFormatter)
+    p.add_argument("--model", required=True, metavar="DIR",
+                   help="checkpoint directory (config.json, *.safetensors, tokenizer.json); a Specialist's "
+                        "demo:// source is turned into one by `consort up` or `consort demo-model DIR`")
     p.add_argument("--port", type=int, required=True, help="port (0 = any free port, printed at start)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--name", default=None, help="specialist name (default: the checkpoint dir's name)")
-    p.add_argument("--served-model-name", default=None, help="model id in responses (default: --name)")
-    p.add_argument("--num-blocks", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default: 256 on cuda, 16 on cpu)")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+    p.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 in a pod)")
+    p.add_argument("--name", default=None, help="specialist name; unset: the checkpoint directory's name")
+    p.add_argument("--served-model-name", default=None, help="model id in responses; unset: --name")
+    p.add_argument("--num-blocks", type=int, default=None, metavar="N",
+                   help="KV cache blocks in the pool; unset: sized from the memory left after the weights "
+                        "(--kv-memory-fraction of it)")
+    p.add_argument("--block-size", type=int, default=None, metavar="TOKENS",
+                   help="tokens per KV block; unset: 256 on cuda (flash-attn's page), 16 on cpu")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the model runs")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                    help="split attention heads and the MLP over this many ranks (processes; GPUs on cuda)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
-    p.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
-    p.add_argument("--max-waiting", type=int, default=EngineConfig.max_waiting)
-    p.add_argument("--kv-memory-fraction", type=float, default=EngineConfig.kv_memory_fraction)
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--speculative", default="off", choices=["off", "ngram", "mtp"])
-    p.add_argument("--num-speculative-tokens", type=int, default=3)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and KV cache; auto: float32 on cpu, bfloat16 on cuda")
+    p.add_argument("--max-model-len", type=int, default=None, metavar="TOKENS",
+                   help="longest prompt + completion; unset: the checkpoint's max_position_embeddings")
+    p.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs, metavar="N",
+                   help="sequences running in one step (the decode batch)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens, metavar="N",
+                   help="tokens per step: decode tokens plus prefill chunks")
+    p.add_argument("--max-waiting", type=int, default=EngineConfig.max_waiting, metavar="N",
+                   help="waiting-queue bound; past it requests get 429 queue_full")
+    p.add_argument("--kv-memory-fraction", type=float, default=EngineConfig.kv_memory_fraction, metavar="F",
+                   help="share of the memory left after the weights that the KV pool may take (without --num-blocks)")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="do not reuse the KV blocks of a prompt prefix seen before")
+    p.add_argument("--speculative", default="off", choices=["off", "ngram", "mtp"],
+                   help="speculative decoding: ngram drafts from the prompt and output so far, mtp from the "
+                        "checkpoint's multi-token-prediction block")
+    p.add_argument("--num-speculative-tokens", type=int, default=3, metavar="K",
+                   help="draft tokens proposed per step (with --speculative)")
     p.add_argument("--spec-typical-tau", type=float, default=EngineConfig.spec_typical_tau,
                    help="typical-acceptance tau for sampled requests (0: only greedy requests speculate)")
     p.add_argument("--tool-trigger", action="append", default=None, metavar="TOKEN",
-                   help="tool-call trigger token (repeatable; default <QUERY_TOOL> and <SCRIPT_START>): "
+                   help="tool-call trigger token (repeatable; unset: <QUERY_TOOL> and <SCRIPT_START>): "
                         "speculation stops at it")
-    p.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH")
+    p.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
+                   help="serve a PEFT LoRA adapter (repeatable); requests pick it with `adapter` or model "
+                        "SPECIALIST:NAME")
     p.add_argument("--adapters-file", default=None, metavar="PATH",
                    help="JSON list of the adapters to serve (the Specialist's mounted ConfigMap): loaded before "
                         "/ready, then re-read every few seconds and hot-loaded / unloaded to match")
-    p.add_argument("--max-adapters", type=int, default=4)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-adapters", type=int, default=4, metavar="N",
+                   help="adapters loaded at once; one more is refused until another is unloaded")
+    p.add_argument("--seed", type=int, default=0,
+                   help="accepted as vLLM's flag; a request's own `seed` makes its sampling reproducible")
     p.add_argument("--enforce-eager", action="store_true",
                    help="cuda: no decode CUDA graphs, every step runs eagerly (cpu never captures)")
     p.add_argument("--slo-ttft-ms", type=int, default=None, help="published time-to-first-token objective (p95)")
     p.add_argument("--slo-itl-ms", type=int, default=None, help="published inter-token latency objective (p95)")
     p.add_argument("--threads", type=int, default=None,
-                   help="CPU threads for torch and the kernels (default: the cgroup CPU quota, else every "
-                        "core this process may use)")
+                   help="CPU threads for torch and the kernels; unset: the cgroup CPU quota, else every "
+                        "core this process may use")
     p.add_argument("--max-body-bytes", type=int, default=EngineConfig.max_body_bytes,
                    help="largest request body accepted; larger ones get 413 request_too_large")
-    p.add_argument("--drain-timeout", type=float, default=45.0,
+    p.add_argument("--drain-timeout", type=float, default=45.0, metavar="SECONDS",
                    help="on SIGTERM, seconds to let accepted requests finish (keep it below the pod's "
                         "terminationGracePeriodSeconds) before cancelling them")
-    p.add_argument("--access-log", action="store_true")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--access-log", action="store_true", help="log one line per HTTP request")
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     return p.parse_args(argv)
 
 
 def config_from_args(a: argparse.Namespace) -> EngineConfig:
+    if "://" in a.model:   # a Specialist's model source, which Path() would also mangle (demo:/tiny)
+        raise SystemExit(f"consort engine: --model {a.model}: a model source URL, not a directory; the engine "
+                         "takes a checkpoint directory (`consort demo-model DIR` writes a demo one; `consort up` "
+                         "turns a manifest's sources into directories)")
     adapters = {}
     for item in a.adapter:
         name, sep, path = item.partition("=")

@@ -77,7 +77,10 @@ class Tokenizer:
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "Tokenizer":
         model_dir = Path(model_dir)
-        hf = HFTokenizer.from_file(str(model_dir / "tokenizer.json"))
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():   # the tokenizers library's own error names no path
+            raise FileNotFoundError(f"{path}: no such file (the engine reads the checkpoint's tokenizer.json)")
+        hf = HFTokenizer.from_file(str(path))
         cfg_path = model_dir / "tokenizer_config.json"
         cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
         special = {k: s for k in ("bos_token", "eos_token", "unk_token", "pad_token")

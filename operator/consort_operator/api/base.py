@@ -6,9 +6,11 @@ OpenAPI descriptions that `kubectl explain` prints, `Literal`s become enums, `ge
 """
 from __future__ import annotations
 
+import difflib
+import typing
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema
 from pydantic.alias_generators import to_camel
 
 GROUP = "consort.dev"
@@ -19,6 +21,15 @@ DNS1123_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 DNS1123_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 QUANTITY = r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
 DURATION = r"^([0-9]+(\.[0-9]+)?(ms|s|m|h))+$"
+
+# What a pattern means, for error messages (`explain`): a user who typed a bare path wants the
+# accepted forms, not a 200-character regex. Modules with their own patterns add theirs.
+PATTERN_HINTS: dict[str, str] = {
+    DNS1123_LABEL: "a DNS label (lowercase letters, digits and '-', starting and ending with a letter or digit)",
+    DNS1123_SUBDOMAIN: "a DNS subdomain (DNS labels joined by '.')",
+    QUANTITY: "a Kubernetes quantity such as 500m, 2Gi or 4",
+    DURATION: "a duration such as 500ms, 30s, 5m or 1h30m",
+}
 
 # A Kubernetes resource quantity ("16Gi", "500m", 4): int-or-string, like core/v1.
 Quantity = Annotated[
@@ -55,6 +66,47 @@ class Model(BaseModel):
     def wire(self, **kw: Any) -> dict[str, Any]:
         """The camelCase dict a manifest would carry (None fields dropped)."""
         return self.model_dump(by_alias=True, exclude_none=True, mode="json", **kw)
+
+
+def explain(error: ValidationError, model: type[BaseModel], root: str = "spec") -> str:
+    """A pydantic error as one line in the manifest's own terms: each problem's path as a user writes
+    it (`spec.adapters[0].source`), "did you mean" for a misspelt field, the accepted forms for a
+    pattern. Several problems are joined by '; '."""
+    problems = []
+    for err in error.errors():
+        path = root + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"])
+        if err["type"] == "extra_forbidden":
+            close = difflib.get_close_matches(str(err["loc"][-1]), _fields_at(model, err["loc"][:-1]), n=1)
+            problems.append(f"{path}: unknown field" + (f" (did you mean {close[0]}?)" if close else ""))
+        elif err["type"] == "string_pattern_mismatch" and err["ctx"]["pattern"] in PATTERN_HINTS:
+            problems.append(f"{path}: {err['input']!r} is not {PATTERN_HINTS[err['ctx']['pattern']]}")
+        else:
+            problems.append(f"{path}: {err['msg'].removeprefix('Value error, ')}")
+    return "; ".join(problems)
+
+
+def _fields_at(model: type[BaseModel], loc: tuple[int | str, ...]) -> list[str]:
+    """The wire names of the fields of the object at `loc` inside `model` ([] where that is no model)."""
+    current: type[BaseModel] | None = model
+    for part in loc:
+        if isinstance(part, int):   # a list index: the list's item model is already current
+            continue
+        fields = {f.alias or n: f for n, f in current.model_fields.items()}
+        current = _model_in(fields[part].annotation) if part in fields else None
+        if current is None:
+            return []
+    return [f.alias or n for n, f in current.model_fields.items()]
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The model a field holds: itself, or inside Optional / list / Annotated."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _model_in(arg)
+        if found is not None:
+            return found
+    return None
 
 
 def cel(rule: str, message: str, field_path: str | None = None, reason: str | None = None) -> dict[str, Any]:

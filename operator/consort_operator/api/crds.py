@@ -288,8 +288,13 @@ def render_reference() -> str:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    p = argparse.ArgumentParser(prog="consort crds", description="Print (or write) the CRDs generated from the pydantic models.")
-    p.add_argument("--out-dir", help="write consort.dev.yaml and kopf.dev.yaml into this directory instead of printing")
+    from consort_engine.config import HelpFormatter
+
+    p = argparse.ArgumentParser(prog="consort crds", description="Print (or write) the CRDs generated from the pydantic models.",
+                                formatter_class=HelpFormatter)
+    p.add_argument("--out-dir", metavar="DIR",
+                   help="write consort.dev.yaml and kopf.dev.yaml into this directory (created if missing) "
+                        "instead of printing")
     p.add_argument("--reference", action="store_true", help="print the Markdown CRD reference instead")
     args = p.parse_args(argv or [])
     if args.reference:
@@ -298,8 +303,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.out_dir:
         from pathlib import Path
 
+        out = Path(args.out_dir)
+        out.mkdir(parents=True, exist_ok=True)   # an OSError here names the path: one line (consort_operator.cli)
         for name in FILES:
-            (Path(args.out_dir) / name).write_text(render(name))
+            (out / name).write_text(render(name))
         return 0
     sys.stdout.write(render("consort.dev.yaml") + "---\n" + render("kopf.dev.yaml"))
     return 0

@@ -5,7 +5,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from .base import (DURATION, Condition, DnsLabel, Model, Quantity, Toleration, cel,
+from .base import (DURATION, PATTERN_HINTS, Condition, DnsLabel, Model, Quantity, Toleration, cel,
                    duration_seconds)
 
 KIND = "Specialist"
@@ -15,6 +15,10 @@ SHORT_NAMES = ["spec", "sp"]
 
 ADAPTER_SOURCE = r"^(demo://lora(\?seed=[0-9]{1,9})?|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[^/].*)?|file:///.+|hf://[A-Za-z0-9][-._A-Za-z0-9]*/[-._A-Za-z0-9]+(@[-._A-Za-z0-9]+)?)$"
 MODEL_SOURCE = r"^(demo://(tiny|bench)(\?seed=[0-9]{1,9})?|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[^/].*)?|file:///.+|hf://[A-Za-z0-9][-._A-Za-z0-9]*/[-._A-Za-z0-9]+(@[-._A-Za-z0-9]+)?)$"
+PATTERN_HINTS[MODEL_SOURCE] = ("one of pvc://CLAIM/PATH, file:///PATH (absolute), hf://ORG/NAME[@REVISION], "
+                               "demo://tiny[?seed=N] or demo://bench")
+PATTERN_HINTS[ADAPTER_SOURCE] = ("one of pvc://CLAIM/PATH, file:///PATH (absolute), hf://ORG/NAME[@REVISION] "
+                                 "or demo://lora[?seed=N]")
 
 
 class ModelSource(Model):
@@ -109,7 +113,7 @@ class SpecialistSpec(Model):
             "LoRA adapters are not supported with tensorParallelSize > 1 yet", field_path=".tensorParallelSize"),
     ]}}
 
-    model: ModelSource = Field(description="Checkpoint and tokenizer of this specialist (HF Llama-family: Llama, Qwen2/3, Mistral).")
+    model: ModelSource = Field(description="Checkpoint and tokenizer of this specialist (a Hugging Face checkpoint of a supported architecture: Llama, Mistral, Qwen2, Qwen3, or Bamba, hybrid attention + Mamba2).")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(default="auto", description="Weight/activation dtype: auto = bfloat16 on GPU, float32 on CPU.")
     max_context: int | None = Field(default=None, ge=128, le=1_048_576, description="Maximum tokens per sequence (prompt + output); default: the checkpoint's max_position_embeddings.")
     replicas: int = Field(default=1, ge=0, le=1000, description="Desired engine replicas (pods).")

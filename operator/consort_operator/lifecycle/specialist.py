@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from ..api.base import explain
 from ..api.specialist import SpecialistSpec, SpecialistStatus
 from ..resources import router as router_res
 from ..resources import specialist as specialist_res
@@ -73,7 +74,7 @@ def decide(spec_raw: dict[str, Any], observed: SpecialistObserved, prev: dict[st
     try:
         spec = SpecialistSpec.model_validate(spec_raw)
     except ValidationError as e:
-        conds = set_condition(prev.get("conditions"), "Ready", False, "InvalidSpec", str(e)[:1000], now, o.generation)
+        conds = set_condition(prev.get("conditions"), "Ready", False, "InvalidSpec", explain(e, SpecialistSpec)[:1000], now, o.generation)
         kept = {k: v for k, v in prev.items() if k in STATUS_KEYS}
         status = typed_status({**kept, "phase": "Failed", "conditions": conds, "observedGeneration": o.generation})
         return Decision([], status, [], pacing.idle_seconds, "Failed")

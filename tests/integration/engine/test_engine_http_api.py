@@ -326,6 +326,7 @@ def test_adapter_hot_load_serve_unload_and_reload_under_the_same_name(demo_model
         assert eng.status()["adapters"] == {"style": "loaded"}
         models = procs.http_get(eng.url + "/v1/models")[1]["data"]
         assert [m["id"] for m in models] == ["spec-hot", "spec-hot:style"] and models[1]["root"] == str(first)
+        assert models[1]["max_model_len"] == models[0]["max_model_len"] and models[1]["created"] == models[0]["created"]
         code, one = complete(adapter="style")
         assert code == 200 and one["choices"][0]["token_ids"] != base
         # one adapter slot: a second adapter is refused; the same name twice too

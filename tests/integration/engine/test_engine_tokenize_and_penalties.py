@@ -2,6 +2,8 @@
 processors (logit_bias, penalties, min_p) and `echo` on a real `consort engine`."""
 from __future__ import annotations
 
+import time
+
 import httpx
 
 import procs
@@ -41,6 +43,10 @@ def test_tokenize_errors_are_typed(engine):
 def test_model_card_by_id_and_version(engine):
     code, card = procs.http_get(engine.url + "/v1/models/spec")
     assert code == 200 and card["id"] == "spec" and card["root"] and card["parent"] is None
+    # vLLM's `created` (the server's start, the same in every answer) and `max_model_len`
+    assert isinstance(card["created"], int) and abs(card["created"] - time.time()) < 3600
+    assert procs.http_get(engine.url + "/v1/models")[1]["data"][0]["created"] == card["created"]
+    assert card["max_model_len"] == engine.status()["max_model_len"]
     r = httpx.get(engine.url + "/v1/models/other", timeout=10)
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     code, v = procs.http_get(engine.url + "/version")

@@ -1,7 +1,6 @@
 """`consort up -f examples/local`: real engine and router processes from the same manifests."""
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import signal
@@ -16,7 +15,7 @@ REPO = Path(__file__).resolve().parents[3]
 CONSORT = str(Path(sys.executable).with_name("consort"))
 
 
-from procs import free_port  # noqa: E402
+from procs import consort_up, free_port  # noqa: E402
 
 
 def rss_kib(pid: int) -> int:
@@ -39,27 +38,6 @@ def alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
     except OSError:
         return False
-
-
-@contextlib.contextmanager
-def consort_up(tmp_path: Path, port: int):
-    """`consort up -f examples/local` on `port`, once its log says ready: (process, log path); killed after."""
-    log_path = tmp_path / "up.log"
-    with open(log_path, "wb") as out:
-        proc = subprocess.Popen([CONSORT, "up", "-f", str(REPO / "examples" / "local"), "--port", str(port),
-                                 "--engine-base-port", "0", "--run-dir", str(tmp_path / "run")],
-                                stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
-    try:
-        deadline = time.monotonic() + 150
-        while "ready:" not in log_path.read_text():
-            assert proc.poll() is None, f"consort up exited {proc.returncode}:\n{log_path.read_text()}"
-            assert time.monotonic() < deadline, f"not ready in 150 s:\n{log_path.read_text()}"
-            time.sleep(0.5)
-        yield proc, log_path
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
 
 
 @pytest.mark.timeout(300)

@@ -2,9 +2,12 @@
 the logits processors passed through to real engines."""
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 
+import procs
 from conftest import router_config
 
 pytestmark = pytest.mark.timeout(300)
@@ -39,6 +42,15 @@ def test_model_cards_and_version(engines, make_router):
     code, listing = r.get("/v1/models")
     assert {m["id"] for m in listing["data"]} == {"cpp", "Template", "Algo", "STL"}
     assert all("root" in m for m in listing["data"])
+    # vLLM's card fields: `created` (the router's start, one int for all) and `max_model_len` (the
+    # engines'; the ensemble's is the least of its specialists', a routed request may land on any)
+    engine_lens = {name: procs.http_get(e.url + "/v1/models")[1]["data"][0]["max_model_len"]
+                   for name, e in engines.items()}
+    cards = {m["id"]: m for m in listing["data"]}
+    assert len({m["created"] for m in listing["data"]}) == 1
+    assert isinstance(cards["cpp"]["created"], int) and abs(cards["cpp"]["created"] - time.time()) < 3600
+    assert {n: cards[n]["max_model_len"] for n in engine_lens} == engine_lens
+    assert cards["cpp"]["max_model_len"] == min(engine_lens.values())
     code, v = r.get("/version")
     assert code == 200 and v["version"]
 

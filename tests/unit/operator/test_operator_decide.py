@@ -102,7 +102,19 @@ def test_adapter_rotation_resumes_from_status_after_an_operator_restart():
 def test_invalid_spec_fails_without_children():
     d = specialist_lc.decide({"model": {"source": "s3://nope"}}, observed({}), {"phase": "Ready"}, T0, CTX, PACING)
     assert d.children == [] and d.phase == "Failed"
-    assert get_condition(d.status["conditions"], "Ready")["reason"] == "InvalidSpec"
+    ready = get_condition(d.status["conditions"], "Ready")
+    assert ready["reason"] == "InvalidSpec"
+    # The manifest's path and the accepted forms, not pydantic's location tuple and regex.
+    assert ready["message"].startswith("spec.model.source: 's3://nope' is not one of pvc://CLAIM/PATH")
+    assert "^(" not in ready["message"]
+
+
+def test_invalid_spec_names_the_field_it_meant():
+    d = specialist_lc.decide({"model": {"source": "demo://tiny"}, "replica": 2, "kv": {"blocksize": 16}},
+                             observed({}), {}, T0, CTX, PACING)
+    message = get_condition(d.status["conditions"], "Ready")["message"]
+    assert message == ("spec.kv.blocksize: unknown field (did you mean blockSize?); "
+                       "spec.replica: unknown field (did you mean replicas?)")
 
 
 def test_status_with_an_unknown_field_is_refused_before_the_apiserver_could_prune_it():
