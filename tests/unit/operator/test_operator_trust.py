@@ -1,0 +1,114 @@
+"""The operator cannot be turned against its namespace (issue 25): it never adopts an object it does
+not own, runs only allowed images, bounds scratch space, refuses `..` in pvc:// paths and loads
+TorchScript classifiers only when told to."""
+from __future__ import annotations
+
+import asyncio
+from datetime import datetime, timezone
+from typing import Any
+
+from consort_operator import handlers
+from consort_operator.lifecycle import ownership
+from consort_operator.lifecycle.common import get_condition
+from consort_operator.resources.common import ANNOTATION_HASH, FIELD_MANAGER, MANAGED_BY, owner_reference
+
+T0 = datetime(2026, 11, 26, 12, 0, 0, tzinfo=timezone.utc)
+UID = "uid-parent"
+
+
+def child(kind: str = "Deployment", name: str = "web") -> dict[str, Any]:
+    return {"apiVersion": "apps/v1", "kind": kind,
+            "metadata": {"name": name, "namespace": "ns", "annotations": {ANNOTATION_HASH: "h1"},
+                         "labels": {"app.kubernetes.io/managed-by": MANAGED_BY},
+                         "ownerReferences": [owner_reference("Specialist", name, UID)]},
+            "spec": {"replicas": 1}}
+
+
+def victim(**meta: Any) -> dict[str, Any]:
+    return {"kind": "Deployment", "metadata": {"name": "web", "namespace": "ns", **meta}, "spec": {"replicas": 3}}
+
+
+# ---- the pure decision ----------------------------------------------------------------------------
+
+def test_absent_or_owned_children_are_applied():
+    assert ownership.conflict(child(), None, UID) is None
+    mine = victim(ownerReferences=[owner_reference("Specialist", "web", UID)])
+    assert ownership.conflict(child(), mine, UID) is None
+
+
+def test_an_orphan_the_operator_wrote_is_adopted_back():
+    orphan = victim(labels={"app.kubernetes.io/managed-by": MANAGED_BY},
+                    managedFields=[{"manager": FIELD_MANAGER, "operation": "Apply"}])
+    assert ownership.conflict(child(), orphan, UID) is None
+
+
+def test_an_unowned_object_is_refused():
+    got = ownership.conflict(child(), victim(), UID)
+    assert got is not None and got.kind == "Deployment" and got.name == "web"
+    assert "not managed by consort-operator" in got.reason
+
+
+def test_the_label_alone_does_not_make_an_object_ours():
+    forged = victim(labels={"app.kubernetes.io/managed-by": MANAGED_BY},
+                    managedFields=[{"manager": "kubectl-client-side-apply", "operation": "Update"}])
+    assert ownership.conflict(child(), forged, UID) is not None
+
+
+def test_an_object_controlled_by_another_parent_is_refused():
+    other = victim(labels={"app.kubernetes.io/managed-by": MANAGED_BY},
+                   managedFields=[{"manager": FIELD_MANAGER}],
+                   ownerReferences=[owner_reference("EnsembleRouter", "front", "uid-other")])
+    got = ownership.conflict(child(), other, UID)
+    assert got is not None and "EnsembleRouter front" in got.reason
+
+
+def test_condition_names_the_object_and_warns_once():
+    c = ownership.Conflict("Deployment", "web", "exists and is not managed by consort-operator; left untouched")
+    conds, events = ownership.ownership_condition([], [c], "Specialist", T0, 3)
+    cond = get_condition(conds, ownership.CONDITION)
+    assert cond["status"] == "False" and cond["reason"] == "ChildConflict" and "Deployment web" in cond["message"]
+    assert [(e.type, e.reason) for e in events] == [("Warning", "ChildConflict")]
+    again, events = ownership.ownership_condition(conds, [c], "Specialist", T0, 3)
+    assert again == conds and events == []
+    cleared, events = ownership.ownership_condition(conds, [], "Specialist", T0, 3)
+    assert get_condition(cleared, ownership.CONDITION)["status"] == "True" and events == []
+    assert ownership.ownership_condition([], [], "Specialist", T0, 3) == ([], [])
+
+
+# ---- the handler applies only what the decision allows --------------------------------------------
+
+class FakeKube:
+    def __init__(self, objects: dict[tuple[str, str], dict[str, Any]]):
+        self.objects = objects
+        self.applied: list[dict[str, Any]] = []
+
+    async def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        return self.objects.get((kind, name))
+
+    async def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
+        self.applied.append(obj)
+        return {"metadata": {"generation": 1}}
+
+
+def run_ensure(objects: dict, children: list[dict]) -> tuple[FakeKube, list, list]:
+    kube = FakeKube(objects)
+    rt = handlers.Runtime(kube=kube)   # type: ignore[arg-type]
+    body = {"metadata": {"name": "web", "namespace": "ns", "uid": UID, "generation": 1}}
+    events, conflicts = asyncio.run(handlers.ensure_children(rt, body, "Specialist", children, handlers.Owned(), {}))
+    return kube, events, conflicts
+
+
+def test_ensure_children_leaves_an_unowned_deployment_and_service_untouched():
+    svc = child("Service")
+    kube, events, conflicts = run_ensure({("Deployment", "web"): victim(),
+                                          ("Service", "web"): {"metadata": {"name": "web"}}}, [child(), svc])
+    assert kube.applied == []
+    assert [(c.kind, c.name) for c in conflicts] == [("Deployment", "web"), ("Service", "web")]
+    assert events == []
+
+
+def test_ensure_children_still_creates_and_updates_its_own():
+    mine = victim(ownerReferences=[owner_reference("Specialist", "web", UID)])
+    kube, events, conflicts = run_ensure({("Deployment", "web"): mine}, [child(), child("Service")])
+    assert [o["kind"] for o in kube.applied] == ["Deployment", "Service"]
+    assert conflicts == [] and [e.reason for e in events] == ["UpdatedDeployment", "CreatedService"]
