@@ -30,6 +30,11 @@ class BuildContext:
     metrics_namespace_labels: tuple[tuple[str, str], ...] = ()
     run_as_user: int = 10001
     extra_labels: tuple[tuple[str, str], ...] = field(default=())
+    # Image prefixes a spec.image override may use, beyond the repositories of the two images above
+    # ("*": any); lifecycle/admission.py.
+    allowed_images: tuple[str, ...] = ()
+    # classifier.kind torch runs a TorchScript module from a ConfigMap in the pod that holds the keys.
+    allow_torch_classifier: bool = False
 
 
 def owner_reference(kind: str, name: str, uid: str) -> dict[str, Any]:

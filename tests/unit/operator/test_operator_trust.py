@@ -112,3 +112,89 @@ def test_ensure_children_still_creates_and_updates_its_own():
     kube, events, conflicts = run_ensure({("Deployment", "web"): mine}, [child(), child("Service")])
     assert [o["kind"] for o in kube.applied] == ["Deployment", "Service"]
     assert conflicts == [] and [e.reason for e in events] == ["UpdatedDeployment", "CreatedService"]
+
+
+# ---- images and TorchScript classifiers ------------------------------------------------------------
+
+from consort_operator.lifecycle import admission  # noqa: E402
+from consort_operator.lifecycle import router as router_lc  # noqa: E402
+from consort_operator.lifecycle import specialist as specialist_lc  # noqa: E402
+from consort_operator.resources.common import BuildContext  # noqa: E402
+
+CTX = BuildContext(engine_image="ghcr.io/consort-dev/consort-engine:0.1.0",
+                   router_image="ghcr.io/consort-dev/consort-router:0.1.0")
+PACING = specialist_lc.Pacing("engine", 2.0, 30.0)
+SPECIALIST = {"model": {"source": "pvc://m/algo"}, "replicas": 1, "minReady": 1}
+ROUTER = {"auth": {"apiKeysSecretRef": {"name": "keys", "key": "keys"}}}
+LANE = router_lc.SelectedSpecialist("algo", SPECIALIST, "Ready", 1, "Closed", None)
+
+
+def test_image_prefixes_match_at_a_boundary_only():
+    allowed = ("ghcr.io/consort-dev/consort-engine", "registry.example.com", "quay.io/team/")
+    assert admission.image_allowed("ghcr.io/consort-dev/consort-engine:0.2.0", allowed)
+    assert admission.image_allowed("ghcr.io/consort-dev/consort-engine@sha256:abc", allowed)
+    assert admission.image_allowed("registry.example.com/any/thing:1", allowed)
+    assert admission.image_allowed("quay.io/team/engine:1", allowed)
+    assert not admission.image_allowed("ghcr.io/consort-dev/consort-engine-evil:1", allowed)
+    assert not admission.image_allowed("registry.example.com.evil.io/x:1", allowed)
+    assert not admission.image_allowed("docker.io/attacker/keys:latest", allowed)
+    assert admission.image_allowed("docker.io/attacker/keys:latest", ("*",))
+    assert admission.image_repository("localhost:5000/org/engine:1.2") == "localhost:5000/org/engine"
+
+
+def test_default_allowlist_is_the_operators_own_images():
+    assert admission.allowed_prefixes(CTX) == ("ghcr.io/consort-dev/consort-engine", "ghcr.io/consort-dev/consort-router")
+
+
+def specialist_decision(spec: dict, ctx: BuildContext = CTX) -> specialist_lc.Decision:
+    o = specialist_lc.SpecialistObserved("algo", "ns", "uid-1", 2)
+    return specialist_lc.decide(spec, o, {}, T0, ctx, PACING)
+
+
+def test_specialist_with_a_foreign_image_gets_no_children_and_says_why():
+    d = specialist_decision({**SPECIALIST, "image": "docker.io/attacker/engine:1"})
+    assert d.children == [] and d.phase == "Failed"
+    ready = get_condition(d.status["conditions"], "Ready")
+    assert ready["status"] == "False" and ready["reason"] == "ImageNotAllowed" and "docker.io/attacker" in ready["message"]
+    assert [(e.type, e.reason) for e in d.events] == [("Warning", "ImageNotAllowed")]
+    again = specialist_lc.decide({**SPECIALIST, "image": "docker.io/attacker/engine:1"},
+                                 specialist_lc.SpecialistObserved("algo", "ns", "uid-1", 2), d.status, T0, CTX, PACING)
+    assert again.events == []   # one Warning per refusal, not one per pass
+
+
+def test_specialist_with_an_allowed_image_runs_it():
+    d = specialist_decision({**SPECIALIST, "image": "ghcr.io/consort-dev/consort-engine:0.2.0"})
+    dep = next(c for c in d.children if c["kind"] == "Deployment")
+    assert dep["spec"]["template"]["spec"]["containers"][0]["image"] == "ghcr.io/consort-dev/consort-engine:0.2.0"
+    extra = BuildContext(engine_image=CTX.engine_image, router_image=CTX.router_image,
+                         allowed_images=("registry.internal/ml/",))
+    assert specialist_decision({**SPECIALIST, "image": "registry.internal/ml/engine:1"}, extra).children
+
+
+def router_decision(spec: dict, ctx: BuildContext = CTX) -> specialist_lc.Decision:
+    o = router_lc.RouterObserved("front", "ns", "uid-r", 1, (LANE,), (True,))
+    return router_lc.decide(spec, o, {}, T0, ctx, 30.0)
+
+
+def test_router_with_a_foreign_image_never_gets_the_keys_mounted():
+    d = router_decision({**ROUTER, "image": "docker.io/attacker/router:1"})
+    assert d.children == [] and d.phase == "Invalid"
+    assert get_condition(d.status["conditions"], "Ready")["reason"] == "ImageNotAllowed"
+    assert [(e.type, e.reason) for e in d.events] == [("Warning", "ImageNotAllowed")]
+    assert router_decision(ROUTER).children   # the default image runs
+
+
+def test_torch_classifier_needs_the_operator_flag():
+    torch = {**ROUTER, "classifier": {"kind": "torch", "modelConfigMapRef": {"name": "clf", "key": "model.pt"},
+                                      "labels": ["algo"]}}
+    d = router_decision(torch)
+    assert d.children == [] and get_condition(d.status["conditions"], "ConfigValid")["reason"] == "TorchClassifierNotAllowed"
+    allowed = BuildContext(engine_image=CTX.engine_image, router_image=CTX.router_image, allow_torch_classifier=True)
+    assert router_decision(torch, allowed).children
+
+
+def test_operator_flags_reach_the_build_context():
+    from consort_operator.main import parse_args
+    args = parse_args(["--allowed-image", "registry.internal/ml/", "--allow-torch-classifier"])
+    assert args.allowed_image == ["registry.internal/ml/"] and args.allow_torch_classifier
+    assert parse_args([]).allow_torch_classifier is False
