@@ -14,7 +14,8 @@ from ..api.base import GROUP
 from ..api.router import KIND, PLURAL, EnsembleRouterSpec
 from ..api.specialist import SpecialistSpec
 from .common import (LABEL_ROUTER, BuildContext, common_labels, container_security_context, content_hash,
-                     object_meta, owner_reference, pod_security_context, stamp_hash, toleration_dicts)
+                     ephemeral_storage_limit, object_meta, owner_reference, pod_security_context, scratch_volume,
+                     stamp_hash, toleration_dicts)
 
 COMPONENT = "router"
 ROUTER_PORT = 8080
@@ -23,6 +24,8 @@ CONFIG_FILE = "router.yaml"
 AUTH_DIR = "/etc/consort/auth"
 CLASSIFIER_DIR = "/etc/consort/classifier"
 STATE_DIR = "/var/lib/consort"
+STATE_LIMIT = "64Mi"   # breakers.json
+TMP_LIMIT = "1Gi"      # the verifier's sandboxed compiles
 
 
 @dataclass(frozen=True)
@@ -148,8 +151,8 @@ def router_deployment(name: str, namespace: str, uid: str, spec: EnsembleRouterS
     rname = router_resource_name(name)
     volumes: list[dict[str, Any]] = [
         {"name": "config", "configMap": {"name": rname}},
-        {"name": "state", "emptyDir": {}},
-        {"name": "tmp", "emptyDir": {}},
+        scratch_volume("state", STATE_LIMIT),
+        scratch_volume("tmp", TMP_LIMIT),
     ]
     mounts: list[dict[str, Any]] = [
         # The whole directory (never subPath) so ConfigMap updates reach the router's hot reload.
@@ -185,7 +188,8 @@ def router_deployment(name: str, namespace: str, uid: str, spec: EnsembleRouterS
             {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
             {"name": "CONSORT_ENSEMBLE_ROUTER", "value": f"{namespace}/{name}"},
         ],
-        "resources": {"requests": {"cpu": str(r.cpu), "memory": str(r.memory)}, "limits": {"memory": str(r.memory)}},
+        "resources": {"requests": {"cpu": str(r.cpu), "memory": str(r.memory)},
+                      "limits": {"memory": str(r.memory), "ephemeral-storage": ephemeral_storage_limit(volumes)}},
         "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 5, "failureThreshold": 2, "timeoutSeconds": 3},
         "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10, "failureThreshold": 6, "timeoutSeconds": 5},
         "securityContext": container_security_context(),

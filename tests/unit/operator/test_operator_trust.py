@@ -198,3 +198,55 @@ def test_operator_flags_reach_the_build_context():
     args = parse_args(["--allowed-image", "registry.internal/ml/", "--allow-torch-classifier"])
     assert args.allowed_image == ["registry.internal/ml/"] and args.allow_torch_classifier
     assert parse_args([]).allow_torch_classifier is False
+
+
+# ---- bounded scratch space ------------------------------------------------------------------------
+
+from consort_operator.api.router import EnsembleRouterSpec  # noqa: E402
+from consort_operator.api.specialist import SpecialistSpec  # noqa: E402
+from consort_operator.api.base import quantity_value  # noqa: E402
+from consort_operator.resources import router as router_res  # noqa: E402
+from consort_operator.resources import specialist as specialist_res  # noqa: E402
+
+
+def pod_disk(pod: dict) -> tuple[list[dict], list[dict]]:
+    """Disk emptyDirs and every container (init ones too) of a pod spec."""
+    disk = [v for v in pod["volumes"] if "emptyDir" in v]
+    return disk, pod.get("initContainers", []) + pod["containers"]
+
+
+def assert_bounded(pod: dict) -> None:
+    disk, containers = pod_disk(pod)
+    assert disk and all("sizeLimit" in v["emptyDir"] for v in disk), disk
+    for c in containers:
+        assert "ephemeral-storage" in c["resources"].get("limits", {}), c["name"]
+    # the main container's limit covers every disk emptyDir (the kubelet counts them against it)
+    main = pod["containers"][0]["resources"]["limits"]["ephemeral-storage"]
+    on_disk = sum(quantity_value(v["emptyDir"]["sizeLimit"]) for v in disk if v["emptyDir"].get("medium") != "Memory")
+    assert quantity_value(main) > on_disk
+
+
+def test_every_engine_emptydir_and_container_is_bounded():
+    spec = SpecialistSpec.model_validate({
+        "model": {"source": "hf://org/model", "tokenizer": "demo://tiny"},
+        "adapters": [{"name": "a", "source": "demo://lora"}]})
+    pod = specialist_res.engine_deployment("algo", "ns", "u", spec, CTX)["spec"]["template"]["spec"]
+    assert {v["name"] for v in pod["volumes"] if "emptyDir" in v} >= {"hf-cache", "tmp", "demo", "assembled", "dshm"}
+    assert_bounded(pod)
+
+
+def test_the_download_is_sized_by_ephemeral_storage_when_set():
+    spec = SpecialistSpec.model_validate({"model": {"source": "hf://org/model"},
+                                          "resources": {"ephemeralStorage": "300Gi"}})
+    pod = specialist_res.engine_deployment("algo", "ns", "u", spec, CTX)["spec"]["template"]["spec"]
+    hf = next(v for v in pod["volumes"] if v["name"] == "hf-cache")
+    assert hf["emptyDir"]["sizeLimit"] == "300Gi"
+    res = pod["containers"][0]["resources"]
+    assert res["requests"]["ephemeral-storage"] == "300Gi"
+    assert quantity_value(res["limits"]["ephemeral-storage"]) > quantity_value("300Gi")
+    assert_bounded(pod)
+
+
+def test_every_router_emptydir_and_container_is_bounded():
+    pod = router_res.router_deployment("front", "ns", "u", EnsembleRouterSpec.model_validate(ROUTER), CTX)
+    assert_bounded(pod["spec"]["template"]["spec"])
