@@ -1,9 +1,10 @@
 """`Specialist` (consort.dev/v1alpha1): one specialist LLM served by Consort's paged-KV engine."""
 from __future__ import annotations
 
-from typing import Literal
+import re
+from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from .base import (DURATION, Condition, DnsLabel, Model, Quantity, Toleration, cel,
                    duration_seconds)
@@ -17,11 +18,33 @@ ADAPTER_SOURCE = r"^(demo://lora(\?seed=[0-9]{1,9})?|pvc://[a-z0-9]([-a-z0-9]*[a
 MODEL_SOURCE = r"^(demo://(tiny|bench)(\?seed=[0-9]{1,9})?|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[^/].*)?|file:///.+|hf://[A-Za-z0-9][-._A-Za-z0-9]*/[-._A-Za-z0-9]+(@[-._A-Za-z0-9]+)?)$"
 
 
+# A `..` segment in a pvc:// path would leave the claim's mount (engine pods mount every claim and
+# emptyDir under /models). Refused by CEL in the CRD and by the models below; [.] rather than \. so the
+# regex reads the same in Python and in a CEL string literal.
+PVC_PARENT = r"^pvc://[^/]+/(.*/)?[.][.](/.*)?$"
+PVC_PARENT_MESSAGE = "a pvc:// path must not contain '..'"
+
+
+def no_pvc_parent(url: str | None) -> str | None:
+    if url is not None and re.match(PVC_PARENT, url):
+        raise ValueError(PVC_PARENT_MESSAGE)
+    return url
+
+
+def pvc_parent_rule(field: str, optional: bool = False) -> dict[str, Any]:
+    rule = f"!self.{field}.matches('{PVC_PARENT}')"
+    return cel(f"!has(self.{field}) || {rule}" if optional else rule, PVC_PARENT_MESSAGE, field_path=f".{field}")
+
+
 class ModelSource(Model):
+    model_config = Model.model_config | {"json_schema_extra": {"x-kubernetes-validations": [
+        pvc_parent_rule("source"), pvc_parent_rule("tokenizer", optional=True),
+    ]}}
+
     source: str = Field(
         description=(
             "Where the checkpoint (config.json, *.safetensors) lives: `pvc://CLAIM/PATH` (a "
-            "PersistentVolumeClaim in the namespace, mounted read-only), `file:///PATH` (a path already "
+            "PersistentVolumeClaim in the namespace, mounted read-only; PATH may not contain `..`), `file:///PATH` (a path already "
             "present in the engine image or on the node), `hf://ORG/NAME[@REVISION]` (downloaded into "
             "an emptyDir by an init container on first start), or `demo://tiny[?seed=N]` / `demo://bench` (a small "
             "random-weight Llama checkpoint written by `consort demo-model`: demos and tests, CPU is enough)."),
@@ -29,6 +52,8 @@ class ModelSource(Model):
     tokenizer: str | None = Field(
         default=None, pattern=MODEL_SOURCE, max_length=512,
         description="Tokenizer location (same URL forms as source); defaults to the checkpoint directory itself.")
+
+    _no_parent = field_validator("source", "tokenizer")(no_pvc_parent)
 
 
 class GpuResources(Model):
@@ -67,9 +92,13 @@ class SchedulerKnobs(Model):
 
 
 class Adapter(Model):
+    model_config = Model.model_config | {"json_schema_extra": {"x-kubernetes-validations": [pvc_parent_rule("source")]}}
+
     name: DnsLabel = Field(description="Adapter name; clients select it with the `adapter` request field, metrics carry it as a label.")
     source: str = Field(description="PEFT LoRA directory (adapter_config.json + adapter_model.safetensors): pvc://, file:// or hf:// as for the model, or `demo://lora[?seed=N]` (a random LoRA for a demo:// model, written by an init container: demos and tests).",
                         pattern=ADAPTER_SOURCE, max_length=512)
+
+    _no_parent = field_validator("source")(no_pvc_parent)
 
 
 class RolloutPolicy(Model):

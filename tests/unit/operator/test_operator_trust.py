@@ -250,3 +250,47 @@ def test_the_download_is_sized_by_ephemeral_storage_when_set():
 def test_every_router_emptydir_and_container_is_bounded():
     pod = router_res.router_deployment("front", "ns", "u", EnsembleRouterSpec.model_validate(ROUTER), CTX)
     assert_bounded(pod["spec"]["template"]["spec"])
+
+
+# ---- `..` in pvc:// paths -------------------------------------------------------------------------
+
+import re  # noqa: E402
+
+import pytest  # noqa: E402
+from pydantic import ValidationError  # noqa: E402
+
+from consort_operator.api import crds  # noqa: E402
+
+ESCAPES = ["pvc://models/../secrets", "pvc://models/a/../../b", "pvc://models/..", "pvc://models/a/.."]
+
+
+@pytest.mark.parametrize("url", ESCAPES)
+def test_pydantic_refuses_dotdot_in_pvc_paths(url):
+    for spec in ({"model": {"source": url}}, {"model": {"source": "pvc://m/x", "tokenizer": url}},
+                 {"model": {"source": "pvc://m/x"}, "adapters": [{"name": "a", "source": url}]}):
+        with pytest.raises(ValidationError, match=r"must not contain '\.\.'"):
+            SpecialistSpec.model_validate(spec)
+
+
+def test_names_with_dots_are_still_paths():
+    SpecialistSpec.model_validate({"model": {"source": "pvc://m/v1..2/x", "tokenizer": "pvc://m/.hidden"}})
+
+
+def _cel_regexes() -> list[tuple[str, str]]:
+    """(rule, the regex inside its matches('...')) of every dotdot rule in the generated CRD."""
+    spec = crds.specialist_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    rules = spec["model"]["x-kubernetes-validations"] + spec["adapters"]["items"]["x-kubernetes-validations"]
+    return [(r["rule"], re.search(r"matches\('([^']*)'\)", r["rule"]).group(1))
+            for r in rules if "'..'" in r["message"]]
+
+
+def test_the_crd_refuses_dotdot_by_cel():
+    """No CEL evaluator here (no kube-apiserver binary in this checkout's cache): the rule text is
+    checked, and its regex (RE2 and Python agree on this one: no escapes, no look-arounds) run."""
+    rules = _cel_regexes()
+    assert {r.split(".matches")[0].split("self.")[-1] for r, _ in rules} == {"source", "tokenizer"}
+    assert len(rules) == 3   # model.source, model.tokenizer, adapters[].source
+    for rule, regex in rules:
+        assert rule.startswith("!") and "\\" not in regex
+        assert all(re.search(regex, u) for u in ESCAPES)
+        assert not any(re.search(regex, u) for u in ("pvc://m/v1..2/x", "pvc://m/x", "hf://org/m", "file:///a/../b"))
