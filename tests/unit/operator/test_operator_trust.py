@@ -294,3 +294,19 @@ def test_the_crd_refuses_dotdot_by_cel():
         assert rule.startswith("!") and "\\" not in regex
         assert all(re.search(regex, u) for u in ESCAPES)
         assert not any(re.search(regex, u) for u in ("pvc://m/v1..2/x", "pvc://m/x", "hf://org/m", "file:///a/../b"))
+
+
+# ---- apiKeysSecretRef: only the EnsembleRouter's own namespace -------------------------------------
+
+def test_api_keys_come_from_the_routers_own_namespace_and_its_role_reads_no_secrets():
+    """Already so before issue 25 (kept by this test): the reference has no namespace, a Secret volume
+    resolves in the pod's namespace, and the router's own Role grants nothing on Secrets."""
+    children = {c["kind"]: c for c in router_decision(ROUTER).children}
+    dep = children["Deployment"]
+    assert dep["metadata"]["namespace"] == "ns"
+    secrets = [v["secret"] for v in dep["spec"]["template"]["spec"]["volumes"] if "secret" in v]
+    assert secrets == [{"secretName": "keys", "items": [{"key": "keys", "path": "keys"}]}]
+    assert not [r for r in children["Role"]["rules"] if "secrets" in r["resources"]]
+    with pytest.raises(ValidationError):
+        EnsembleRouterSpec.model_validate(
+            {"auth": {"apiKeysSecretRef": {"name": "keys", "key": "k", "namespace": "kube-system"}}})
