@@ -4,13 +4,26 @@ TorchScript classifiers only when told to."""
 from __future__ import annotations
 
 import asyncio
+import re
 from datetime import datetime, timezone
 from typing import Any
 
+import pytest
+from pydantic import ValidationError
+
 from consort_operator import handlers
-from consort_operator.lifecycle import ownership
+from consort_operator.api import crds
+from consort_operator.api.base import quantity_value
+from consort_operator.api.router import EnsembleRouterSpec
+from consort_operator.api.specialist import SpecialistSpec
+from consort_operator.lifecycle import admission, ownership
+from consort_operator.lifecycle import router as router_lc
+from consort_operator.lifecycle import specialist as specialist_lc
 from consort_operator.lifecycle.common import get_condition
-from consort_operator.resources.common import ANNOTATION_HASH, FIELD_MANAGER, MANAGED_BY, owner_reference
+from consort_operator.resources import router as router_res
+from consort_operator.resources import specialist as specialist_res
+from consort_operator.resources.common import (ANNOTATION_HASH, FIELD_MANAGER, MANAGED_BY, BuildContext,
+                                               owner_reference)
 
 T0 = datetime(2026, 11, 26, 12, 0, 0, tzinfo=timezone.utc)
 UID = "uid-parent"
@@ -116,10 +129,6 @@ def test_ensure_children_still_creates_and_updates_its_own():
 
 # ---- images and TorchScript classifiers ------------------------------------------------------------
 
-from consort_operator.lifecycle import admission  # noqa: E402
-from consort_operator.lifecycle import router as router_lc  # noqa: E402
-from consort_operator.lifecycle import specialist as specialist_lc  # noqa: E402
-from consort_operator.resources.common import BuildContext  # noqa: E402
 
 CTX = BuildContext(engine_image="ghcr.io/consort-dev/consort-engine:0.1.0",
                    router_image="ghcr.io/consort-dev/consort-router:0.1.0")
@@ -202,12 +211,6 @@ def test_operator_flags_reach_the_build_context():
 
 # ---- bounded scratch space ------------------------------------------------------------------------
 
-from consort_operator.api.router import EnsembleRouterSpec  # noqa: E402
-from consort_operator.api.specialist import SpecialistSpec  # noqa: E402
-from consort_operator.api.base import quantity_value  # noqa: E402
-from consort_operator.resources import router as router_res  # noqa: E402
-from consort_operator.resources import specialist as specialist_res  # noqa: E402
-
 
 def pod_disk(pod: dict) -> tuple[list[dict], list[dict]]:
     """Disk emptyDirs and every container (init ones too) of a pod spec."""
@@ -254,12 +257,6 @@ def test_every_router_emptydir_and_container_is_bounded():
 
 # ---- `..` in pvc:// paths -------------------------------------------------------------------------
 
-import re  # noqa: E402
-
-import pytest  # noqa: E402
-from pydantic import ValidationError  # noqa: E402
-
-from consort_operator.api import crds  # noqa: E402
 
 ESCAPES = ["pvc://models/../secrets", "pvc://models/a/../../b", "pvc://models/..", "pvc://models/a/.."]
 
