@@ -26,6 +26,7 @@ from .api.base import LabelSelector
 from .api.router import EnsembleRouterStatus
 from .api.specialist import SpecialistSpec
 from .kube import Kube, KubeError, connection_info, expected_failure, load_configuration
+from .lifecycle import ownership as ownership_lc
 from .lifecycle import router as router_lc
 from .lifecycle import specialist as specialist_lc
 from .lifecycle import warmup as warmup_lc
@@ -252,9 +253,12 @@ async def post_event(body: Any, kind: str, ev: Event) -> None:
 
 
 async def ensure_children(rt: Runtime, body: Any, kind: str, children: list[dict[str, Any]], owned: Owned,
-                          deployments: Any) -> list[Event]:
-    """Create or update children whose desired content hash differs from the live one."""
+                          deployments: Any) -> tuple[list[Event], list[ownership_lc.Conflict]]:
+    """Create or update children whose desired content hash differs from the live one; never one that
+    exists and is not this object's (lifecycle/ownership.py): those are returned as conflicts."""
     events: list[Event] = []
+    conflicts: list[ownership_lc.Conflict] = []
+    uid = body["metadata"]["uid"]
     resync = time.monotonic() - owned.last_resync > rt.resync_seconds
     for child in children:
         ckind, meta = child["kind"], child["metadata"]
@@ -268,7 +272,8 @@ async def ensure_children(rt: Runtime, body: Any, kind: str, children: list[dict
             if live_hash == want and not drifted:
                 owned.hashes[key] = want
                 continue
-            exists = live is not None
+            # The index holds only Deployments with our label: read the object itself, whoever made it.
+            live_obj = await rt.client().get(ckind, meta["namespace"], meta["name"])
         else:
             if owned.hashes.get(key) == want and not resync:
                 continue
@@ -277,7 +282,12 @@ async def ensure_children(rt: Runtime, body: Any, kind: str, children: list[dict
             if live_obj is not None and live_hash == want:
                 owned.hashes[key] = want
                 continue
-            exists = live_obj is not None
+        refused = ownership_lc.conflict(child, live_obj, uid)
+        if refused is not None:
+            owned.hashes.pop(key, None)    # re-checked on the next pass
+            conflicts.append(refused)
+            continue
+        exists = live_obj is not None
         result = await rt.client().apply(child)
         APPLIES.labels(ckind).inc()
         owned.hashes[key] = want
@@ -286,7 +296,7 @@ async def ensure_children(rt: Runtime, body: Any, kind: str, children: list[dict
         events.append(Event("Normal", f"{verb}{ckind}", f"{verb.lower()} {ckind} {meta['name']}"))
     if resync:
         owned.last_resync = time.monotonic()
-    return events
+    return events, conflicts
 
 
 def _first(store: Any) -> Any:
@@ -366,8 +376,14 @@ async def observe_specialist(rt: Runtime, body: Any, pod_index: Any, deployment_
 async def apply_decision(rt: Runtime, kind: str, body: Any, prev: dict[str, Any], decision: specialist_lc.Decision,
                          owned: Owned, deployment_index: Any, status_keys: frozenset[str]) -> None:
     """Children (only what changed), then status (merge patch of what changed), then events."""
-    events = await ensure_children(rt, body, kind, decision.children, owned, deployment_index)
-    await write_status(rt, kind, body, prev, decision.status, status_keys)
+    events, conflicts = await ensure_children(rt, body, kind, decision.children, owned, deployment_index)
+    status = decision.status
+    if decision.children:   # no children decided (invalid spec): ownership was not looked at
+        meta = body["metadata"]
+        conds, ev = ownership_lc.ownership_condition(status.get("conditions"), conflicts, kind, now_utc(),
+                                                     meta.get("generation"))
+        status, events = {**status, "conditions": conds}, events + ev
+    await write_status(rt, kind, body, prev, status, status_keys)
     meta = body["metadata"]
     if kind == "Specialist":   # the consort_operator_specialists{phase} gauge
         rt.set_phase((meta["namespace"], meta["name"]), decision.phase)

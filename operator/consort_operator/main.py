@@ -25,6 +25,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="image of the engine pods ($CONSORT_ENGINE_IMAGE)")
     p.add_argument("--router-image", default=os.environ.get("CONSORT_ROUTER_IMAGE", "ghcr.io/consort-dev/consort-router:0.1.0"),
                    help="image of the router pods ($CONSORT_ROUTER_IMAGE)")
+    p.add_argument("--allowed-image", action="append",
+                   default=[v for v in os.environ.get("CONSORT_ALLOWED_IMAGES", "").split(",") if v],
+                   metavar="PREFIX",
+                   help="image prefix (registry, registry/org or repository) a Specialist's or EnsembleRouter's "
+                        "spec.image may use, repeatable; the --engine-image and --router-image repositories are "
+                        "always allowed, '*' allows any image")
+    p.add_argument("--allow-torch-classifier", action="store_true",
+                   help="run EnsembleRouters with classifier.kind torch (TorchScript from a ConfigMap is code, "
+                        "loaded into the pod that holds the API keys); refused otherwise")
     p.add_argument("--image-pull-policy", default="IfNotPresent", choices=["Always", "IfNotPresent", "Never"],
                    help="imagePullPolicy of the engine and router containers")
     p.add_argument("--network-policy", action=argparse.BooleanOptionalAction, default=True,
@@ -87,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     rt.ctx = BuildContext(
         engine_image=args.engine_image, router_image=args.router_image, image_pull_policy=args.image_pull_policy,
         network_policy=args.network_policy, operator_namespace=args.operator_namespace,
-        metrics_namespace_labels=_pairs(args.metrics_namespace_label))
+        metrics_namespace_labels=_pairs(args.metrics_namespace_label),
+        allowed_images=tuple(args.allowed_image), allow_torch_classifier=args.allow_torch_classifier)
     rt.resolver = from_flag(args.pod_address)
     rt.warm_signal = args.warm_signal
     rt.poll_seconds = args.poll_seconds

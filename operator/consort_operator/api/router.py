@@ -42,7 +42,7 @@ class ClassifierSource(Model):
         cel("!has(self.onReject) || self.onReject != 'default' || has(self.defaultSpecialist)", "onReject default needs defaultSpecialist"),
     ]}}
 
-    kind: Literal["builtin", "torch", "none"] = Field(default="builtin", description="builtin: a light naive-Bayes model trained at router start-up from labeled examples; torch: a user TorchScript model; none: rules and detectors only.")
+    kind: Literal["builtin", "torch", "none"] = Field(default="builtin", description="builtin: a light naive-Bayes model trained at router start-up from labeled examples; torch: a user TorchScript model (refused unless the operator runs with --allow-torch-classifier); none: rules and detectors only.")
     examples_config_map_ref: LocalObjectKeyRef | None = Field(default=None, description="ConfigMap key holding JSONL training examples ({\"text\", \"label\"} per line; label = specialist name or the reject label).")
     model_config_map_ref: LocalObjectKeyRef | None = Field(default=None, description="kind torch: ConfigMap (binaryData) key holding the TorchScript module.")
     labels: list[str] | None = Field(default=None, description="kind torch: the label of each logit column.")
@@ -108,7 +108,7 @@ class RouterService(Model):
 
 
 class Auth(Model):
-    api_keys_secret_ref: LocalObjectKeyRef | None = Field(default=None, description="Secret key holding API keys, one per line (Authorization: Bearer <key>). Keys are never written inline in the spec; unset disables auth.")
+    api_keys_secret_ref: LocalObjectKeyRef | None = Field(default=None, description="Secret key holding API keys, one per line (Authorization: Bearer <key>). Keys are never written inline in the spec; unset disables auth. The Secret is always the one in the EnsembleRouter's own namespace.")
     protect_metrics: bool = Field(default=False, description="Require a key for GET /metrics.")
     protect_routing: bool = Field(default=True, description="Require a key for GET /v1/routing.")
 
@@ -130,7 +130,7 @@ class EnsembleRouterSpec(Model):
     verifier: Verifier = Field(default_factory=Verifier, json_schema_extra={"default": {}}, description="The built-in C++ verifier.")
     replica_choice: ReplicaChoice = Field(default_factory=ReplicaChoice, json_schema_extra={"default": {}}, description="How each lane picks one of its warm engine replicas per request.")
     replicas: int = Field(default=2, ge=0, le=100, description="Router replicas.")
-    image: str | None = Field(default=None, min_length=1, max_length=512, description="Router image override; default: the operator's --router-image.")
+    image: str | None = Field(default=None, min_length=1, max_length=512, description="Router image override; default: the operator's --router-image. Must start with one of the operator's allowed image prefixes (--allowed-image; the --engine-image and --router-image repositories are always allowed), or the EnsembleRouter is refused (reason ImageNotAllowed): its pods hold the API keys.")
     resources: RouterResources = Field(default_factory=RouterResources, json_schema_extra={"default": {}}, description="Router pod resources.")
     node_selector: dict[str, str] | None = Field(default=None, description="Node labels router pods must match.")
     tolerations: list[Toleration] | None = Field(default=None, description="Tolerations for router pods.")

@@ -1,9 +1,10 @@
 """`Specialist` (consort.dev/v1alpha1): one specialist LLM served by Consort's paged-KV engine."""
 from __future__ import annotations
 
-from typing import Literal
+import re
+from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from .base import (DURATION, PATTERN_HINTS, Condition, DnsLabel, Model, Quantity, Toleration, cel,
                    duration_seconds)
@@ -21,11 +22,33 @@ PATTERN_HINTS[ADAPTER_SOURCE] = ("one of pvc://CLAIM/PATH, file:///PATH (absolut
                                  "or demo://lora[?seed=N]")
 
 
+# A `..` segment in a pvc:// path would leave the claim's mount (engine pods mount every claim and
+# emptyDir under /models). Refused by CEL in the CRD and by the models below; [.] rather than \. so the
+# regex reads the same in Python and in a CEL string literal.
+PVC_PARENT = r"^pvc://[^/]+/(.*/)?[.][.](/.*)?$"
+PVC_PARENT_MESSAGE = "a pvc:// path must not contain '..'"
+
+
+def no_pvc_parent(url: str | None) -> str | None:
+    if url is not None and re.match(PVC_PARENT, url):
+        raise ValueError(PVC_PARENT_MESSAGE)
+    return url
+
+
+def pvc_parent_rule(field: str, optional: bool = False) -> dict[str, Any]:
+    rule = f"!self.{field}.matches('{PVC_PARENT}')"
+    return cel(f"!has(self.{field}) || {rule}" if optional else rule, PVC_PARENT_MESSAGE, field_path=f".{field}")
+
+
 class ModelSource(Model):
+    model_config = Model.model_config | {"json_schema_extra": {"x-kubernetes-validations": [
+        pvc_parent_rule("source"), pvc_parent_rule("tokenizer", optional=True),
+    ]}}
+
     source: str = Field(
         description=(
             "Where the checkpoint (config.json, *.safetensors) lives: `pvc://CLAIM/PATH` (a "
-            "PersistentVolumeClaim in the namespace, mounted read-only), `file:///PATH` (a path already "
+            "PersistentVolumeClaim in the namespace, mounted read-only; PATH may not contain `..`), `file:///PATH` (a path already "
             "present in the engine image or on the node), `hf://ORG/NAME[@REVISION]` (downloaded into "
             "an emptyDir by an init container on first start), or `demo://tiny[?seed=N]` / `demo://bench` (a small "
             "random-weight Llama checkpoint written by `consort demo-model`: demos and tests, CPU is enough)."),
@@ -33,6 +56,8 @@ class ModelSource(Model):
     tokenizer: str | None = Field(
         default=None, pattern=MODEL_SOURCE, max_length=512,
         description="Tokenizer location (same URL forms as source); defaults to the checkpoint directory itself.")
+
+    _no_parent = field_validator("source", "tokenizer")(no_pvc_parent)
 
 
 class GpuResources(Model):
@@ -71,9 +96,13 @@ class SchedulerKnobs(Model):
 
 
 class Adapter(Model):
+    model_config = Model.model_config | {"json_schema_extra": {"x-kubernetes-validations": [pvc_parent_rule("source")]}}
+
     name: DnsLabel = Field(description="Adapter name; clients select it with the `adapter` request field, metrics carry it as a label.")
     source: str = Field(description="PEFT LoRA directory (adapter_config.json + adapter_model.safetensors): pvc://, file:// or hf:// as for the model, or `demo://lora[?seed=N]` (a random LoRA for a demo:// model, written by an init container: demos and tests).",
                         pattern=ADAPTER_SOURCE, max_length=512)
+
+    _no_parent = field_validator("source")(no_pvc_parent)
 
 
 class RolloutPolicy(Model):
@@ -122,7 +151,7 @@ class SpecialistSpec(Model):
     tensor_parallel_size: int = Field(default=1, ge=1, le=16, description="Ranks each replica splits the model over (attention heads and MLP; NCCL on GPUs, one GPU per rank, so resources.gpus must equal it; gloo on CPU, the replica's CPUs shared among the ranks). Must divide the checkpoint's attention heads, KV heads and intermediate size.")
     node_selector: dict[str, str] | None = Field(default=None, description="Node labels engine pods must match (e.g. a GPU product label).")
     tolerations: list[Toleration] | None = Field(default=None, description="Tolerations for engine pods (a toleration for the GPU resource taint is added automatically when gpus > 0).")
-    image: str | None = Field(default=None, min_length=1, max_length=512, description="Engine image override; default: the operator's --engine-image.")
+    image: str | None = Field(default=None, min_length=1, max_length=512, description="Engine image override; default: the operator's --engine-image. Must start with one of the operator's allowed image prefixes (--allowed-image; the --engine-image and --router-image repositories are always allowed), or the Specialist is refused (Ready False, reason ImageNotAllowed).")
     enforce_eager: bool = Field(default=False, description="GPU engines: run every step eagerly instead of replaying the decode CUDA graphs captured at warm-up (vLLM's --enforce-eager; a faster start and less GPU memory, slower decode). No effect on CPU engines, which never capture.")
     kv: KVCache = Field(default_factory=KVCache, json_schema_extra={"default": {}}, description="Paged KV-cache layout of this specialist's engine (one pool per replica).")
     scheduler: SchedulerKnobs = Field(default_factory=SchedulerKnobs, json_schema_extra={"default": {}}, description="Per-engine continuous-batching scheduler limits.")

@@ -16,6 +16,7 @@ from ..api.router import EnsembleRouterSpec, EnsembleRouterStatus
 from ..api.specialist import SpecialistSpec
 from ..resources import router as router_res
 from ..resources.common import BuildContext, content_hash
+from . import admission
 from .common import Event, get_condition, set_condition
 from .specialist import Decision
 
@@ -73,11 +74,17 @@ def decide(spec_raw: dict[str, Any], observed: RouterObserved, prev: dict[str, A
         # written by the router itself; carried so the typed status is whole (never patched by us)
         "breakerState": prev.get("breakerState"),
     }
-    try:
-        config = router_res.router_config(o.name, spec, lanes)
-    except (ValidationError, ValueError) as e:
-        reason = "NoSpecialists" if not lanes else "InvalidConfig"
-        msg = "no Specialist matches spec.specialistSelector" if not lanes else short_error(e)
+    # An image or classifier the operator will not run (admission.py) fails like a config that does
+    # not render: nothing is written.
+    failure = admission.router_refusal(spec, ctx)
+    if failure is None:
+        try:
+            config = router_res.router_config(o.name, spec, lanes)
+        except (ValidationError, ValueError) as e:
+            failure = ("NoSpecialists", "no Specialist matches spec.specialistSelector") if not lanes \
+                else ("InvalidConfig", short_error(e))
+    if failure is not None:
+        reason, msg = failure
         before = get_condition(conds, "ConfigValid") or {}
         conds = set_condition(conds, "ConfigValid", False, reason, msg, now, o.generation)
         conds = set_condition(conds, "Ready", False, reason, msg, now, o.generation)

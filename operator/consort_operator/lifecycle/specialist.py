@@ -19,12 +19,13 @@ from ..api.specialist import SpecialistSpec, SpecialistStatus
 from ..resources import router as router_res
 from ..resources import specialist as specialist_res
 from ..resources.common import BuildContext
+from . import admission
 from . import breaker as breaker_lc
 from . import rollout as rollout_lc
 from . import slo as slo_lc
 from . import speculation as speculation_lc
 from . import warmup as warmup_lc
-from .common import Event, set_condition
+from .common import Event, get_condition, set_condition
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,18 @@ def typed_status(status: dict[str, Any]) -> dict[str, Any]:
     return SpecialistStatus.model_validate(status).wire()
 
 
+def refuse(refused: tuple[str, str], generation: int | None, prev: dict[str, Any], now: datetime,
+           requeue: float) -> Decision:
+    """A spec the operator will not run (lifecycle/admission.py): no children, Failed, one Warning."""
+    reason, msg = refused
+    before = get_condition(prev.get("conditions"), "Ready") or {}
+    conds = set_condition(prev.get("conditions"), "Ready", False, reason, msg, now, generation)
+    kept = {k: v for k, v in prev.items() if k in STATUS_KEYS}
+    status = typed_status({**kept, "phase": "Failed", "conditions": conds, "observedGeneration": generation})
+    events = [] if before.get("reason") == reason and before.get("message") == msg else [Event("Warning", reason, msg)]
+    return Decision([], status, events, requeue, "Failed")
+
+
 def decide(spec_raw: dict[str, Any], observed: SpecialistObserved, prev: dict[str, Any], now: datetime,
            ctx: BuildContext, pacing: Pacing) -> Decision:
     o = observed
@@ -78,6 +91,10 @@ def decide(spec_raw: dict[str, Any], observed: SpecialistObserved, prev: dict[st
         kept = {k: v for k, v in prev.items() if k in STATUS_KEYS}
         status = typed_status({**kept, "phase": "Failed", "conditions": conds, "observedGeneration": o.generation})
         return Decision([], status, [], pacing.idle_seconds, "Failed")
+
+    refused = admission.specialist_refusal(spec, ctx)
+    if refused is not None:
+        return refuse(refused, o.generation, prev, now, pacing.idle_seconds)
 
     events: list[Event] = []
     children = specialist_res.specialist_children(o.name, o.namespace, o.uid, spec, ctx,

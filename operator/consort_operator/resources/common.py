@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..api.base import API_VERSION
+from ..api.base import API_VERSION, quantity_value
 
 PART_OF = "consort"
 MANAGED_BY = "consort-operator"
@@ -30,6 +31,11 @@ class BuildContext:
     metrics_namespace_labels: tuple[tuple[str, str], ...] = ()
     run_as_user: int = 10001
     extra_labels: tuple[tuple[str, str], ...] = field(default=())
+    # Image prefixes a spec.image override may use, beyond the repositories of the two images above
+    # ("*": any); lifecycle/admission.py.
+    allowed_images: tuple[str, ...] = ()
+    # classifier.kind torch runs a TorchScript module from a ConfigMap in the pod that holds the keys.
+    allow_torch_classifier: bool = False
 
 
 def owner_reference(kind: str, name: str, uid: str) -> dict[str, Any]:
@@ -86,3 +92,26 @@ def container_security_context() -> dict[str, Any]:
 
 def toleration_dicts(tolerations: list[Any] | None) -> list[dict[str, Any]]:
     return [t.wire() for t in tolerations or []]
+
+
+# ---- scratch space: every emptyDir is bounded, and so is every container -----------------------------
+
+# A container's own ephemeral storage beyond its emptyDirs: logs (root filesystems are read-only).
+LOG_STORAGE = "1Gi"
+
+
+def scratch_volume(name: str, size_limit: str) -> dict[str, Any]:
+    """A disk emptyDir with a sizeLimit: a pod filling it is evicted instead of filling the node."""
+    return {"name": name, "emptyDir": {"sizeLimit": size_limit}}
+
+
+def ephemeral_storage_limit(volumes: list[dict[str, Any]], own: str = LOG_STORAGE) -> str:
+    """The pod's one main container's ephemeral-storage limit: the kubelet holds the pod's disk
+    emptyDirs and logs against the sum of its containers' limits, so the limit must cover every
+    disk emptyDir's sizeLimit plus the container's own share, or a full download would evict it."""
+    total = quantity_value(own)
+    for v in volumes:
+        empty = v.get("emptyDir")
+        if empty is not None and empty.get("medium") != "Memory":
+            total += quantity_value(empty["sizeLimit"])
+    return f"{math.ceil(total / 2**20)}Mi"

@@ -14,7 +14,8 @@ from ..api.base import GROUP
 from ..api.router import KIND, PLURAL, EnsembleRouterSpec
 from ..api.specialist import SpecialistSpec
 from .common import (LABEL_ROUTER, BuildContext, common_labels, container_security_context, content_hash,
-                     object_meta, owner_reference, pod_security_context, stamp_hash, toleration_dicts)
+                     LOG_STORAGE, ephemeral_storage_limit, object_meta, owner_reference, pod_security_context, scratch_volume,
+                     stamp_hash, toleration_dicts)
 
 COMPONENT = "router"
 ROUTER_PORT = 8080
@@ -27,6 +28,8 @@ STATE_DIR = "/var/lib/consort"
 # requests in flight for up to 45 s (consort_router.server.DRAIN_S), inside the grace period.
 ROUTER_PRESTOP_S = 5
 ROUTER_GRACE_S = ROUTER_PRESTOP_S + 45 + 10
+STATE_LIMIT = "64Mi"   # breakers.json
+TMP_LIMIT = "1Gi"      # the verifier's sandboxed compiles
 
 
 @dataclass(frozen=True)
@@ -152,8 +155,8 @@ def router_deployment(name: str, namespace: str, uid: str, spec: EnsembleRouterS
     rname = router_resource_name(name)
     volumes: list[dict[str, Any]] = [
         {"name": "config", "configMap": {"name": rname}},
-        {"name": "state", "emptyDir": {}},
-        {"name": "tmp", "emptyDir": {}},
+        scratch_volume("state", STATE_LIMIT),
+        scratch_volume("tmp", TMP_LIMIT),
     ]
     mounts: list[dict[str, Any]] = [
         # The whole directory (never subPath) so ConfigMap updates reach the router's hot reload.
@@ -189,7 +192,9 @@ def router_deployment(name: str, namespace: str, uid: str, spec: EnsembleRouterS
             {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
             {"name": "CONSORT_ENSEMBLE_ROUTER", "value": f"{namespace}/{name}"},
         ],
-        "resources": {"requests": {"cpu": str(r.cpu), "memory": str(r.memory)}, "limits": {"memory": str(r.memory)}},
+        # the request explicit: a limit alone would default the request to it
+        "resources": {"requests": {"cpu": str(r.cpu), "memory": str(r.memory), "ephemeral-storage": LOG_STORAGE},
+                      "limits": {"memory": str(r.memory), "ephemeral-storage": ephemeral_storage_limit(volumes)}},
         "startupProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 2, "failureThreshold": 60,
                          "timeoutSeconds": 3},   # the classifier trains at start: up to 2 min before liveness
         "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 5, "failureThreshold": 2, "timeoutSeconds": 3},

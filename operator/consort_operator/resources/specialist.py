@@ -14,7 +14,8 @@ from typing import Any
 from ..api.base import quantity_value
 from ..api.specialist import KIND, SpecialistSpec
 from .common import (LABEL_SPECIALIST, BuildContext, common_labels, container_security_context,
-                     object_meta, owner_reference, pod_security_context, stamp_hash, toleration_dicts)
+                     LOG_STORAGE, ephemeral_storage_limit, object_meta, owner_reference, pod_security_context,
+                     scratch_volume, stamp_hash, toleration_dicts)
 
 COMPONENT = "engine"
 CONTAINER = "engine"
@@ -24,6 +25,13 @@ MODELS_ROOT = "/models"
 ADAPTERS_DIR = "/etc/consort/adapters"
 ADAPTERS_FILE = "adapters.json"
 DEMO_ADAPTERS_DIR = "/tmp/consort-adapters"    # demo://lora adapters: the engine writes them on first use
+# emptyDir sizeLimits. hf:// checkpoints land in hf-cache, sized by resources.ephemeralStorage when set
+# (a checkpoint over DOWNLOAD_LIMIT needs it); demo:// checkpoints are at most a few hundred MB.
+DOWNLOAD_LIMIT = "100Gi"
+DEMO_LIMIT = "4Gi"
+TMP_LIMIT = "2Gi"
+ASSEMBLED_LIMIT = "16Mi"   # symlinks only
+INIT_STORAGE = "256Mi"     # an init container's own logs
 
 
 def selector_labels(name: str) -> dict[str, str]:
@@ -48,6 +56,7 @@ class Sources:
     mounts: dict[str, dict[str, Any]] = field(default_factory=dict)
     downloads: list[tuple[str, str | None, str]] = field(default_factory=list)  # (repo, revision, dir)
     demos: list[tuple[str, int, str]] = field(default_factory=list)             # (size, seed, dir)
+    download_limit: str = DOWNLOAD_LIMIT                                         # hf-cache sizeLimit
 
     def resolve(self, url: str) -> str:
         if url.startswith("file://"):
@@ -64,7 +73,7 @@ class Sources:
             target = f"{MODELS_ROOT}/hf/{repo}" + (f"@{rev}" if rev else "")
             if (repo, rev or None, target) not in self.downloads:
                 self.downloads.append((repo, rev or None, target))
-            self.volumes["hf-cache"] = {"name": "hf-cache", "emptyDir": {}}
+            self.volumes["hf-cache"] = scratch_volume("hf-cache", self.download_limit)
             self.mounts["hf-cache"] = {"name": "hf-cache", "mountPath": f"{MODELS_ROOT}/hf"}
             return target
         if url.startswith("demo://"):
@@ -72,7 +81,7 @@ class Sources:
             target = f"{MODELS_ROOT}/demo/{size}-{seed}"
             if (size, seed, target) not in self.demos:
                 self.demos.append((size, seed, target))
-            self.volumes["demo"] = {"name": "demo", "emptyDir": {}}
+            self.volumes["demo"] = scratch_volume("demo", DEMO_LIMIT)
             self.mounts["demo"] = {"name": "demo", "mountPath": f"{MODELS_ROOT}/demo"}
             return target
         raise ValueError(f"unsupported source {url!r}")
@@ -178,7 +187,8 @@ def rollout_strategy(spec: SpecialistSpec) -> dict[str, Any]:
 def engine_deployment(name: str, namespace: str, uid: str, spec: SpecialistSpec, ctx: BuildContext) -> dict[str, Any]:
     owner = owner_reference(KIND, name, uid)
     labels = engine_labels(name, ctx)
-    src = Sources()
+    r = spec.resources
+    src = Sources(download_limit=str(r.ephemeral_storage) if r.ephemeral_storage is not None else DOWNLOAD_LIMIT)
     model_dir = src.resolve(spec.model.source)
     init_containers: list[dict[str, Any]] = []
     image = spec.image or ctx.engine_image
@@ -194,7 +204,8 @@ def engine_deployment(name: str, namespace: str, uid: str, spec: SpecialistSpec,
             "env": [{"name": "HOME", "value": "/tmp"}, {"name": "HF_HOME", "value": "/tmp/hf"}],
             "volumeMounts": list(src.mounts.values()) + [{"name": "tmp", "mountPath": "/tmp"}],
             "securityContext": container_security_context(),
-            "resources": {"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"memory": "2Gi"}},
+            "resources": {"requests": {"cpu": "500m", "memory": "512Mi"},
+                          "limits": {"memory": "2Gi", "ephemeral-storage": INIT_STORAGE}},
         })
     for size, seed, target in src.demos:
         # demo://lora adapters are written for the model, whose init container runs before theirs
@@ -216,24 +227,31 @@ def engine_deployment(name: str, namespace: str, uid: str, spec: SpecialistSpec,
         script = (f"set -e; for f in {shlex.quote(model_dir)}/*; do ln -sf \"$f\" {assembled}/; done; "
                   f"for f in {shlex.quote(tok_dir)}/*token* {shlex.quote(tok_dir)}/*vocab* {shlex.quote(tok_dir)}/*merges*; "
                   f"do [ -e \"$f\" ] && ln -sf \"$f\" {assembled}/; done; true")
-        src.volumes["assembled"] = {"name": "assembled", "emptyDir": {}}
+        src.volumes["assembled"] = scratch_volume("assembled", ASSEMBLED_LIMIT)
         src.mounts["assembled"] = {"name": "assembled", "mountPath": assembled}
         init_containers.append({
             "name": "assemble", "image": image, "imagePullPolicy": ctx.image_pull_policy,
             "command": ["sh", "-c", script], "volumeMounts": list(src.mounts.values()),
             "securityContext": container_security_context(),
-            "resources": {"requests": {"cpu": "50m", "memory": "32Mi"}, "limits": {"memory": "64Mi"}},
+            "resources": {"requests": {"cpu": "50m", "memory": "32Mi"},
+                          "limits": {"memory": "64Mi", "ephemeral-storage": INIT_STORAGE}},
         })
         model_dir = assembled
 
-    r = spec.resources
     requests: dict[str, Any] = {"cpu": str(r.cpu), "memory": str(r.memory)}
     limits: dict[str, Any] = {"memory": str(r.memory)}
     if r.gpus > 0:
         requests[r.gpu_resource_name] = str(r.gpus)
         limits[r.gpu_resource_name] = str(r.gpus)
-    if r.ephemeral_storage is not None:
-        requests["ephemeral-storage"] = str(r.ephemeral_storage)
+    # An explicit request: with a limit alone Kubernetes defaults the request to it, and a pod asking
+    # for its whole download budget (100Gi) would not schedule on most nodes.
+    requests["ephemeral-storage"] = str(r.ephemeral_storage) if r.ephemeral_storage is not None else LOG_STORAGE
+    volumes = list(src.volumes.values()) + [
+        {"name": "adapters", "configMap": {"name": adapters_configmap_name(name)}},
+        scratch_volume("tmp", TMP_LIMIT),
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}},
+    ]
+    limits["ephemeral-storage"] = ephemeral_storage_limit(volumes)
 
     for init in init_containers:
         if init["name"].startswith("demo-model-"):
@@ -243,11 +261,6 @@ def engine_deployment(name: str, namespace: str, uid: str, spec: SpecialistSpec,
     if r.gpus > 0 and not any(t.get("key") == r.gpu_resource_name for t in tolerations):
         tolerations.append({"key": r.gpu_resource_name, "operator": "Exists", "effect": "NoSchedule"})
 
-    volumes = list(src.volumes.values()) + [
-        {"name": "adapters", "configMap": {"name": adapters_configmap_name(name)}},
-        {"name": "tmp", "emptyDir": {}},
-        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}},
-    ]
     mounts = list(src.mounts.values()) + [
         {"name": "adapters", "mountPath": ADAPTERS_DIR, "readOnly": True},
         {"name": "tmp", "mountPath": "/tmp"},

@@ -43,6 +43,42 @@ def test_template_rejects_values_outside_the_schema(cluster):
     assert not any("networkpolicies" in r["resources"] for r in role["rules"])
 
 
+WRITE_VERBS = {"create", "patch", "update", "delete", "deletecollection"}
+
+
+def test_watch_namespaces_grant_writes_per_namespace_only(cluster):
+    """With watchNamespaces the operator can write nothing outside them: one Role + RoleBinding per
+    watched namespace, and a ClusterRole that only reads what Kopf scans cluster-wide."""
+    out = cluster.helm("template", "x", str(CHART), "-n", "consort-system", "--set", "watchNamespaces={team-a,team-b}")
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    cluster_role = next(d for d in docs if d["kind"] == "ClusterRole")
+    assert not {v for r in cluster_role["rules"] for v in r["verbs"]} & WRITE_VERBS, cluster_role["rules"]
+    assert {res for r in cluster_role["rules"] for res in r["resources"]} == {"customresourcedefinitions", "namespaces"}
+    roles = {d["metadata"]["namespace"]: d for d in docs if d["kind"] == "Role"}
+    bindings = {d["metadata"]["namespace"]: d for d in docs if d["kind"] == "RoleBinding"}
+    assert set(roles) == set(bindings) == {"team-a", "team-b"}
+    for ns, role in roles.items():
+        granted = {(res, v) for r in role["rules"] for res in r["resources"] for v in r["verbs"]}
+        assert {("deployments", "get"), ("deployments", "patch"), ("kopfpeerings", "patch")} <= granted
+        assert bindings[ns]["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                           "name": role["metadata"]["name"]}
+        assert bindings[ns]["subjects"][0]["namespace"] == "consort-system"
+    everywhere = [d for d in yaml.safe_load_all(cluster.helm("template", "x", str(CHART)).stdout) if d]
+    assert not [d for d in everywhere if d["kind"] in ("Role", "RoleBinding")]
+    verbs = {v for d in everywhere if d["kind"] == "ClusterRole" for r in d["rules"] for v in r["verbs"]}
+    assert "patch" in verbs   # watching the whole cluster needs the cluster-wide role
+
+
+def test_allowed_images_and_torch_flag_reach_the_operator(cluster):
+    out = cluster.helm("template", "x", str(CHART), "--set", "allowedImages={registry.internal/ml/}",
+                       "--set", "allowTorchClassifier=true")
+    dep = next(d for d in yaml.safe_load_all(out.stdout) if d and d["kind"] == "Deployment")
+    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--allowed-image=registry.internal/ml/" in args and "--allow-torch-classifier" in args
+    plain = next(d for d in yaml.safe_load_all(cluster.helm("template", "x", str(CHART)).stdout) if d and d["kind"] == "Deployment")
+    assert not [a for a in plain["spec"]["template"]["spec"]["containers"][0]["args"] if "allow" in a]
+
+
 @pytest.mark.timeout(600)
 def test_chart_installs_and_its_rbac_runs_two_peered_operators(cluster, crds, namespace, tmp_path):
     release = f"c{namespace[-6:]}"
@@ -69,7 +105,7 @@ def test_chart_installs_and_its_rbac_runs_two_peered_operators(cluster, crds, na
 
         wait_for(pods_running, 60, "two (kwok) operator pods Running")
 
-        # The operator as the chart's ServiceAccount: its ClusterRole must be enough for everything.
+        # The operator as the chart's ServiceAccount: its Role (watchNamespaces) must be enough for everything.
         sa = dep["spec"]["template"]["spec"]["serviceAccountName"]
         token = cluster.kubectl("create", "token", sa, "-n", namespace, "--duration=1h").stdout.strip()
         kc = yaml.safe_load(cluster.kubeconfig.read_text())
