@@ -218,9 +218,9 @@ class Router:
         m.replica_ready.clear()   # replicas come and go: a gone one's series must not linger
         m.replica_load.clear()    # (a stale ready=1 would hide the ConsortNoWarmReplicas alert)
         for name, reps in self.runtime.replicas.items():
-            for r in reps:
-                m.replica_ready.labels(name, r.url).set(1 if r.ready else 0)
-                m.replica_load.labels(name, r.url).set(r.waiting + r.running)
+            for i, r in enumerate(reps):   # the replica's index, not its URL: /metrics shows no pod addresses
+                m.replica_ready.labels(name, str(i)).set(1 if r.ready else 0)
+                m.replica_load.labels(name, str(i)).set(r.waiting + r.running)
 
     # ------------------------------------------------------------------ tenants
     def charge(self, cfg: RouterConfig, tenant: str, req: ParsedRequest) -> None:
