@@ -47,6 +47,7 @@ class StartupError(RuntimeError):
 
 CTX = web.AppKey("consort_ctx", object)
 STREAM = "consort_stream"   # request key: the prepared SSE response of a streaming request
+TENANT_HEADER = "x-consort-tenant"   # set by the router (which overwrites any client's); salts the prefix cache
 
 
 def process_age_s() -> float | None:
@@ -475,6 +476,7 @@ async def handle_generation(request: web.Request, kind: str) -> web.StreamRespon
         log.info("request %s: ignored unknown fields %s", req.request_id, ", ".join(req.ignored_fields))
     deadline = arrival + req.deadline_ms / 1000.0 if req.deadline_ms is not None else None
     choices = []
+    salt = P.prefix_salt(request.headers.get(TENANT_HEADER), req.cache_salt)
     k = P.samples_per_prompt(req)
     # best_of ranks by the sampled tokens' logprobs, so those are computed even when not returned
     logprobs = req.logprobs if req.best_of is None else (req.logprobs or 0)
@@ -485,7 +487,7 @@ async def handle_generation(request: web.Request, kind: str) -> web.StreamRespon
             sampling = replace(req.sampling, max_tokens=max_tokens, logprobs=logprobs, seed=seed,
                                prompt_logprobs=P.prompt_logprobs_width(req))
             seq = Sequence(prompt_token_ids=ids, sampling=sampling, priority=req.priority, arrival=arrival,
-                           deadline=deadline, adapter=req.adapter)
+                           deadline=deadline, adapter=req.adapter, cache_salt=salt)
             if sampling.guided is not None:
                 seq.matcher = ctx.grammars.matcher(sampling.guided)   # compiled (cached) just above
             choices.append(Choice(i * k + j, preq, seq, RequestTimes(arrival=arrival)))

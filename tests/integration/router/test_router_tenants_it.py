@@ -4,6 +4,7 @@ and used once, and tenant-labelled metrics."""
 from __future__ import annotations
 
 import re
+import uuid
 
 import httpx
 import pytest
@@ -72,3 +73,27 @@ def test_feedback_ids_are_issued_bound_and_used_once(tenant_router):
     # a refused request gets no id
     refused = r.post("/v1/completions", {**BODY, "priority": "x"}, key="sk-team-b")
     assert refused.status_code == 400 and "x-consort-feedback-id" not in refused.headers
+
+
+def cached(resp) -> int:
+    assert resp.status_code == 200, resp.text
+    return resp.json()["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
+
+
+def test_tenants_never_share_cached_prefixes(tenant_router):
+    """cached_tokens would otherwise be an oracle for another tenant's prompt (vLLM's CVE-2025-46570)."""
+    r = tenant_router
+    prompt = f"// {uuid.uuid4().hex}\n" + "int add(int a, int b) { return a + b; }\n" * 12
+    body = {**BODY, "prompt": prompt}
+    assert cached(r.post("/v1/completions", body, key="sk-team-b")) == 0
+    assert cached(r.post("/v1/completions", body, key="sk-team-b")) > 0        # the same tenant: a hit
+    assert cached(r.post("/v1/completions", body, key="sk-legacy")) == 0       # another tenant: none
+    # vLLM's cache_salt is honoured inside a tenant; a client cannot pick another tenant by header
+    assert cached(r.post("/v1/completions", {**body, "cache_salt": "s1"}, key="sk-team-b")) == 0
+    assert cached(r.post("/v1/completions", {**body, "cache_salt": "s1"}, key="sk-team-b")) > 0
+    # the router sets x-consort-tenant: one a client sends does not make it another tenant
+    fresh = {**body, "prompt": f"// {uuid.uuid4().hex}\n" + prompt}
+    assert cached(r.post("/v1/completions", fresh, key="sk-team-b")) == 0
+    forged = httpx.post(r.url + "/v1/completions", json=fresh, timeout=60,
+                        headers={"Authorization": "Bearer sk-legacy", "x-consort-tenant": "team-b"})
+    assert cached(forged) == 0
