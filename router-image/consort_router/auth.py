@@ -53,6 +53,18 @@ def parse_keys(text: str) -> tuple[KeyEntry, ...]:
     return tuple(out)
 
 
+def engine_credential(path: str | None) -> str | None:
+    """The credential the router presents to its engines: the file's first line (# comments skipped).
+    A file that is named but holds none is an error (the engines would refuse every call)."""
+    if path is None:
+        return None
+    with open(path) as f:
+        for line in f:
+            if line.strip() and not line.startswith("#"):
+                return line.strip()
+    raise ValueError(f"engine credential file {path} holds no credential")
+
+
 def bearer(header: str | None) -> str | None:
     if not header:
         return None

@@ -264,6 +264,10 @@ class AuthConfig(_Strict):
         "Re-read on change."
     )
     protect_metrics: bool = Field(False, description="Require a key for GET /metrics.")
+    engine_credential_file: str | None = Field(
+        None, description="File whose first line is the engine credential, sent as `Authorization: Bearer` on "
+        "every call to an engine (requests, shadows, /v1/status polls, tokenize); the engines' "
+        "--credential-file. None: engines are called without one.")
     protect_routing: bool = Field(True, description="Require a key for GET /v1/routing.")
 
 

@@ -27,7 +27,7 @@ import aiohttp
 from aiohttp import web
 
 from .api import ApiError, ParsedRequest, parse_json, parse_request, tokenizer_lane, upstream_body
-from .auth import ANONYMOUS, KeyRing
+from .auth import ANONYMOUS, KeyRing, engine_credential
 from .breaker import STATE_CODES, BreakerStore, FileStore, MemoryStore, is_fresh
 from .config import RouterConfig
 from .detectors import PatternSandbox
@@ -74,6 +74,7 @@ class Router:
         self.patterns = PatternSandbox(on_timeout=self.metrics.detector_timeouts.inc)
         self.keys = KeyRing(self._path(config.auth.api_keys_file))
         self.keys.refresh()
+        self.engine_credential = engine_credential(self._path(config.auth.engine_credential_file))
         self.verifier = Verifier(config.verifier)
         self.calibration = CalibrationLog(self._path(config.calibration_log))
         self.session: aiohttp.ClientSession | None = None
@@ -112,9 +113,11 @@ class Router:
         return t
 
     async def start(self, app: web.Application) -> None:
+        # every engine call goes through this session: the engine credential rides on all of them
+        cred = {"Authorization": f"Bearer {self.engine_credential}"} if self.engine_credential else None
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True),
-            auto_decompress=False, skip_auto_headers=("User-Agent",),
+            auto_decompress=False, skip_auto_headers=("User-Agent",), headers=cred,
         )
         p = self.config.polling
         self.poller = ReplicaPoller(self.session, p.interval_s, p.timeout_s)

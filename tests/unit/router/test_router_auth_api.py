@@ -127,3 +127,13 @@ def test_shadow_reads_and_caps_responses():
     sse = (b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","delta":"a"}\n\n'
            b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","delta":"b"}\n\n')
     assert text_of_sse(sse) == "ab"
+
+
+def test_engine_credential_file(tmp_path):
+    from consort_router.auth import engine_credential
+    p = tmp_path / "cred"
+    p.write_text("# engine credential\nc-new\nc-old\n")
+    assert engine_credential(str(p)) == "c-new" and engine_credential(None) is None
+    p.write_text("\n# none\n")
+    with pytest.raises(ValueError):
+        engine_credential(str(p))
