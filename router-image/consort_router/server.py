@@ -255,15 +255,19 @@ class Router:
         return res
 
     # ------------------------------------------------------------------ upstream
-    def affinity(self, cfg: RouterConfig, req: ParsedRequest, target: str, adapter: object) -> Affinity | None:
+    def affinity(self, cfg: RouterConfig, req: ParsedRequest, target: str, adapter: object,
+                 tenant: str) -> Affinity | None:
         """The prompt's prefix blocks on lane `target` (salted by lane and adapter: other weights, other
-        KV) and how deep each replica holds them; None when the lane picks by load only."""
+        KV; and by tenant and cache_salt, as the engines salt their caches) and how deep each replica
+        holds them; None when the lane picks by load only."""
         rc = cfg.replica_choice
         if rc.policy != "prefix-affine":
             return None
         prompt = req.body.get("prompt")
         text = req.text or (json.dumps(prompt) if isinstance(prompt, list) else "")  # token ids: their digits
-        hashes = prefix_hashes(text, f"{target}\0{adapter or ''}", rc.block_chars, rc.max_blocks)
+        salt = req.body.get("cache_salt")
+        hashes = prefix_hashes(text, f"{target}\0{adapter or ''}\0{tenant}\0{salt if isinstance(salt, str) else ''}",
+                               rc.block_chars, rc.max_blocks)
         return Affinity(hashes, self.prefixes.match(hashes), rc.load_slack)
 
     async def open_plan(self, rt: Runtime, plan: Plan, req: ParsedRequest, path: str,
@@ -287,10 +291,11 @@ class Router:
 
             body = upstream_body(req.body, target, spec.adapter)
             payload = json.dumps(body).encode()
-            affinity = self.affinity(cfg, req, target, plan.adapters.get(target) or body.get("adapter"))
+            affinity = self.affinity(cfg, req, target, plan.adapters.get(target) or body.get("adapter"), tenant)
             try:
                 up = await open_upstream(self.session, rt.replicas.get(target, []), path, payload,
-                                         {"Content-Type": "application/json", "x-request-id": rid, TENANT_HEADER: tenant}, timeout,
+                                         {"Content-Type": "application/json", "x-request-id": rid,
+                                          TENANT_HEADER: tenant}, timeout,
                                          cfg.polling.preempting_penalty, on_attempt, adapter=plan.adapters.get(target),
                                          affinity=affinity)
             except NoReplica as e:

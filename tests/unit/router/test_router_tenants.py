@@ -63,3 +63,21 @@ def test_metric_labels_are_bounded():
     seen: set[str] = set()
     assert [tn.label(seen, 2, t) for t in ("a", "b", "c", "a", "d", "b")] == ["a", "b", "other", "a", "other", "b"]
     assert tn.label(set(), 0, "a") == "other"
+
+
+def test_prefix_affinity_is_salted_like_the_engines_caches():
+    """A tenant's prefix is not 'cached' on a replica because another tenant sent it: the engines salt
+    their caches by tenant and cache_salt, so the router's prefix index does too."""
+    from consort_router.api import ParsedRequest
+    from consort_router.server import Router
+    cfg = RouterConfig.model_validate({"ensemble": "e", "specialists": [{"name": "A", "replicas": ["http://a"]}],
+                                       "default_specialist": "A"})
+    router = Router(cfg)
+    text = "x" * 4096
+    req = ParsedRequest({"prompt": text}, None, None, 0, False, text)
+    a = router.affinity(cfg, req, "A", None, "team-a")
+    assert a is not None and a.hashes
+    assert a.hashes == router.affinity(cfg, req, "A", None, "team-a").hashes
+    assert set(a.hashes).isdisjoint(router.affinity(cfg, req, "A", None, "team-b").hashes)
+    salted = ParsedRequest({"prompt": text, "cache_salt": "s"}, None, None, 0, False, text)
+    assert set(a.hashes).isdisjoint(router.affinity(cfg, salted, "A", None, "team-a").hashes)
