@@ -91,7 +91,8 @@ def test_consort_up_serves_openai_and_stops_cleanly(tmp_path):
         engine_url = re.search(r"engine stl: pid \d+, (http://\S+)", text).group(1)
         direct = httpx.post(engine_url + "/v1/completions", json={"prompt": "x", "max_tokens": 1}, timeout=30)
         assert direct.status_code == 401 and direct.json()["error"]["code"] == "invalid_credential"
-        assert httpx.post(engine_url + "/v1/adapters", json={"name": "x", "path": "/etc"}, timeout=30).status_code == 401
+        adapter = httpx.post(engine_url + "/v1/adapters", json={"name": "x", "path": "/etc"}, timeout=30)
+        assert adapter.status_code == 401
         assert httpx.get(engine_url + "/health", timeout=10).status_code == 200
 
         time.sleep(2)

@@ -118,7 +118,8 @@ def test_service_pdb_networkpolicy():
     args = pod["spec"]["containers"][0]["args"]
     assert args[args.index("--metrics-port") + 1] == "9001" == pod["metadata"]["annotations"]["prometheus.io/port"]
     assert {"name": "metrics", "containerPort": 9001, "protocol": "TCP"} in pod["spec"]["containers"][0]["ports"]
-    mon = by_kind(S.specialist_children("algo", "ns", "u", s, BuildContext(metrics_namespace_labels=(("team", "mon"),))))
+    mon_ctx = BuildContext(metrics_namespace_labels=(("team", "mon"),))
+    mon = by_kind(S.specialist_children("algo", "ns", "u", s, mon_ctx))
     rules = mon["NetworkPolicy"]["spec"]["ingress"]
     assert {"namespaceSelector": {"matchLabels": {"team": "mon"}}} not in rules[0]["from"]
     assert rules[1] == {"from": [{"namespaceSelector": {"matchLabels": {"team": "mon"}}}],
