@@ -393,8 +393,8 @@ def _max_tokens(body: dict, keys: tuple[str, ...], lo: int = 1) -> int | None:
 
 
 def _priority(body: dict) -> int:
-    """The request's scheduling priority, within PRIORITY_RANGE. The one place a per-tenant priority cap
-    (DESIGN.md section 8, with tenants) will clamp it."""
+    """The request's scheduling priority, within PRIORITY_RANGE. A tenant's cap is applied by the router
+    (api.check_priority), which sends the clamped value; a direct caller needs the engine credential."""
     return _int(body, "priority", 0, *PRIORITY_RANGE)
 
 
