@@ -65,6 +65,31 @@ def engine_credential(path: str | None) -> str | None:
     raise ValueError(f"engine credential file {path} holds no credential")
 
 
+@dataclass
+class EngineCredential:
+    """The engine credential file, re-read when it changes (rotation: the engines accept the new line
+    before it becomes this file's first)."""
+
+    path: str | None
+    value: str | None = field(default=None, repr=False)
+    _mtime: int | None = field(default=None, repr=False)
+
+    def refresh(self) -> bool:
+        """Re-read the file if it changed; True when the value changed. Raises as engine_credential()
+        (at start-up; the caller keeps the old value and logs it later)."""
+        if self.path is None:
+            return False
+        mtime = os.stat(self.path).st_mtime_ns
+        if mtime == self._mtime:
+            return False
+        self._mtime = mtime
+        old, self.value = self.value, engine_credential(self.path)
+        return self.value != old
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.value}"} if self.value else {}
+
+
 def bearer(header: str | None) -> str | None:
     if not header:
         return None

@@ -27,7 +27,7 @@ import aiohttp
 from aiohttp import web
 
 from .api import ApiError, ParsedRequest, parse_json, parse_request, tokenizer_lane, upstream_body
-from .auth import ANONYMOUS, KeyRing, engine_credential
+from .auth import ANONYMOUS, EngineCredential, KeyRing
 from .breaker import STATE_CODES, BreakerStore, FileStore, MemoryStore, is_fresh
 from .config import RouterConfig
 from .detectors import PatternSandbox
@@ -74,7 +74,8 @@ class Router:
         self.patterns = PatternSandbox(on_timeout=self.metrics.detector_timeouts.inc)
         self.keys = KeyRing(self._path(config.auth.api_keys_file))
         self.keys.refresh()
-        self.engine_credential = engine_credential(self._path(config.auth.engine_credential_file))
+        self.engine_credential = EngineCredential(self._path(config.auth.engine_credential_file))
+        self.engine_credential.refresh()
         self.verifier = Verifier(config.verifier)
         self.calibration = CalibrationLog(self._path(config.calibration_log))
         self.session: aiohttp.ClientSession | None = None
@@ -114,10 +115,9 @@ class Router:
 
     async def start(self, app: web.Application) -> None:
         # every engine call goes through this session: the engine credential rides on all of them
-        cred = {"Authorization": f"Bearer {self.engine_credential}"} if self.engine_credential else None
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True),
-            auto_decompress=False, skip_auto_headers=("User-Agent",), headers=cred,
+            auto_decompress=False, skip_auto_headers=("User-Agent",), headers=self.engine_credential.headers(),
         )
         p = self.config.polling
         self.poller = ReplicaPoller(self.session, p.interval_s, p.timeout_s)
@@ -182,6 +182,7 @@ class Router:
             self._last_reload_check = now
             self.maybe_reload()
             self.keys.refresh()
+            self.refresh_engine_credential()
         self.update_gauges()
 
     def maybe_reload(self) -> bool:
@@ -198,6 +199,9 @@ class Router:
             return False
         self.keys = KeyRing(self._path(new.auth.api_keys_file))
         self.keys.refresh()
+        if self._path(new.auth.engine_credential_file) != self.engine_credential.path:
+            self.engine_credential = EngineCredential(self._path(new.auth.engine_credential_file))
+            self.refresh_engine_credential(force=True)
         if new.verifier != self.verifier.cfg:
             self.verifier = Verifier(new.verifier)
         self.calibration = CalibrationLog(self._path(new.calibration_log))
@@ -205,6 +209,17 @@ class Router:
         self.metrics.config_reloads.labels("ok").inc()
         log.info("config reloaded from %s", self.config_path)
         return True
+
+    def refresh_engine_credential(self, force: bool = False) -> None:
+        """A rotated credential file takes effect on the next engine call (one session carries it)."""
+        try:
+            changed = self.engine_credential.refresh()
+        except (OSError, ValueError) as e:   # keep presenting the last good one
+            log.error("engine credential file unreadable, keeping the previous credential: %s", e)
+            return
+        if (changed or force) and self.session is not None:
+            self.session.headers.pop("Authorization", None)
+            self.session.headers.update(self.engine_credential.headers())
 
     def update_gauges(self) -> None:
         m, cfg = self.metrics, self.config

@@ -10,12 +10,13 @@ import procs
 
 pytestmark = pytest.mark.timeout(300)
 CREDENTIAL = "engine-cred-0123456789abcdef"
+NEXT = "engine-cred-next-fedcba9876543210"     # rotation: the engines accept both while the router switches
 
 
 @pytest.fixture
 def locked_engine(demo_model, logs, tmp_path):
     cred = tmp_path / "engine-credential"
-    cred.write_text(f"# the engine credential\n{CREDENTIAL}\n")
+    cred.write_text(f"# the engine credentials\n{CREDENTIAL}\n{NEXT}\n")
     cred.chmod(0o600)
     mport = procs.free_port()
     e = procs.start_engine(demo_model, logs, "--num-blocks", "64", "--credential-file", str(cred),
@@ -24,7 +25,7 @@ def locked_engine(demo_model, logs, tmp_path):
     e.stop()
 
 
-def test_engine_requires_its_credential_and_the_router_presents_it(locked_engine, make_router):
+def test_engine_requires_its_credential_and_the_router_presents_it(locked_engine, make_router, tmp_path):
     e, cred, mport = locked_engine
     body = {"prompt": "int main() {", "max_tokens": 2, "temperature": 0}
     for auth in (None, "Bearer wrong", f"Basic {CREDENTIAL}"):
@@ -44,11 +45,21 @@ def test_engine_requires_its_credential_and_the_router_presents_it(locked_engine
     assert ok.status_code == 200, ok.text
 
     # through the router: it polls the engine ready with the credential and sends it on every call
+    router_cred = tmp_path / "router-engine-credential"
+    router_cred.write_text(CREDENTIAL + "\n")
     r = make_router({"ensemble": "cpp", "specialists": [{"name": "Locked", "replicas": [e.url]}],
-                     "default_specialist": "Locked", "store": {"kind": "none"},
-                     "auth": {"engine_credential_file": str(cred)}})
+                     "default_specialist": "Locked", "store": {"kind": "none"}, "reload_interval_s": 0.2,
+                     "auth": {"engine_credential_file": str(router_cred)}})
     out = r.post("/v1/completions", {**body, "model": "cpp"})
     assert out.status_code == 200, out.text
     tok = r.post("/tokenize", {"model": "Locked", "prompt": "int main"})
     assert tok.status_code == 200 and tok.json()["tokens"], tok.text
     assert r.routing()["specialists"]["Locked"]["replicas"][0]["ready"] is True
+
+    # rotation: the router follows its file without a restart (a wrong credential is refused, then the next works)
+    router_cred.write_text("not-the-credential\n")
+    procs.wait_until(lambda: r.post("/v1/completions", {**body, "model": "cpp"}).status_code != 200, 20,
+                     what="the router presenting the changed (wrong) credential")
+    router_cred.write_text(NEXT + "\n")
+    procs.wait_until(lambda: r.post("/v1/completions", {**body, "model": "cpp"}).status_code == 200, 20,
+                     what="the router presenting the next credential")

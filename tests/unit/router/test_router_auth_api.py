@@ -137,3 +137,16 @@ def test_engine_credential_file(tmp_path):
     p.write_text("\n# none\n")
     with pytest.raises(ValueError):
         engine_credential(str(p))
+
+
+def test_engine_credential_follows_its_file(tmp_path):
+    from consort_router.auth import EngineCredential
+    p = tmp_path / "cred"
+    p.write_text("c1\n")
+    c = EngineCredential(str(p))
+    assert c.refresh() and c.headers() == {"Authorization": "Bearer c1"}
+    assert not c.refresh()                                  # unchanged
+    p.write_text("c2\nc1\n")
+    os.utime(p, ns=(time.time_ns(), time.time_ns() + 10**9))
+    assert c.refresh() and c.value == "c2"
+    assert EngineCredential(None).headers() == {} and not EngineCredential(None).refresh()
