@@ -4,7 +4,9 @@ The same manifests a cluster takes: each Specialist becomes one `consort engine`
 127.0.0.1 (replicas are capped by --replicas, default 1: a laptop is not a GPU pool), the
 EnsembleRouter becomes one `consort router` whose RouterConfig lists the engines by URL instead of by
 Service. Model sources: `demo://SIZE[?seed=N]` (written once by `consort demo-model` into the cache),
-`file:///PATH`; `pvc://` and `hf://` only exist in a cluster.
+`file:///PATH`; `pvc://` and `hf://` only exist in a cluster. Each run generates an engine credential
+(RUN_DIR/engine-credential, mode 0600): the engines require it and the router presents it, so an
+engine port answers only its probes to anyone else on the host.
 
 Every child runs in its own process group; Ctrl-C (SIGINT) or SIGTERM stops them all (SIGTERM to
 each group, SIGKILL after a grace period) and `consort up` exits only when none is left.
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -164,9 +167,22 @@ class Child:
 CONSORT = [sys.executable, "-m", "consort_operator.cli"]
 
 
-def plan_engines(m: Manifests, args: argparse.Namespace, run_dir: Path, log: Any) -> list[Child]:
+def write_engine_credential(run_dir: Path) -> Path:
+    """A fresh random engine credential in a 0600 file of the run directory: every engine requires it
+    and the router presents it, so other users and processes on the host cannot call an engine port."""
+    path = run_dir / "engine-credential"
+    path.unlink(missing_ok=True)    # a file left by another user or run keeps its mode: write a new one
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_urlsafe(32) + "\n")
+    return path
+
+
+def plan_engines(m: Manifests, args: argparse.Namespace, run_dir: Path, log: Any,
+                 credential: Path | None = None) -> list[Child]:
     """One `consort engine` per Specialist replica (ports from --engine-base-port; 0: the engines
-    pick free ports themselves and print them, so two runs never race for a port)."""
+    pick free ports themselves and print them, so two runs never race for a port), each requiring
+    `credential` when given."""
     from .resources.specialist import engine_args
 
     engines: list[Child] = []
@@ -190,6 +206,8 @@ def plan_engines(m: Manifests, args: argparse.Namespace, run_dir: Path, log: Any
             threads, cpus = cpu[f"{name}#{i}"]
             argv = CONSORT + ["engine"] + engine_args(name, spec, model_dir, adapters, host="127.0.0.1", port=p,
                                                       device="cpu", threads=threads)
+            if credential is not None:
+                argv += ["--credential-file", str(credential)]
             child = Child(f"engine {name}" + (f"#{i}" if replicas > 1 else ""), argv,
                           f"http://127.0.0.1:{p}" if p else "", run_dir / "logs" / f"engine-{name}-{i}.log", name,
                           cpus=cpus)
@@ -197,7 +215,8 @@ def plan_engines(m: Manifests, args: argparse.Namespace, run_dir: Path, log: Any
     return engines
 
 
-def plan_router(m: Manifests, args: argparse.Namespace, run_dir: Path, engines: list[Child]) -> Child:
+def plan_router(m: Manifests, args: argparse.Namespace, run_dir: Path, engines: list[Child],
+                credential: Path | None = None) -> Child:
     """One `consort router` whose RouterConfig (rendered by the operator's builder) lists the engines
     by URL instead of by Service."""
     from consort_router.config import AuthConfig, SpecialistRoute, StoreConfig
@@ -222,7 +241,8 @@ def plan_router(m: Manifests, args: argparse.Namespace, run_dir: Path, engines: 
         "specialists": routes,
         "store": StoreConfig(kind="file", path=str(run_dir / "breakers.json")),
         "auth": AuthConfig(api_keys_file=args.api_keys_file, protect_metrics=rspec.auth.protect_metrics,
-                           protect_routing=rspec.auth.protect_routing),
+                           protect_routing=rspec.auth.protect_routing,
+                           engine_credential_file=str(credential) if credential else None),
         "calibration_log": str(run_dir / "calibration.jsonl"),
     }
     ref = rspec.classifier.examples_config_map_ref
@@ -415,7 +435,8 @@ def run(args: argparse.Namespace) -> int:
         for host, port in ports:
             if port and busy_port(host, port):
                 raise UpError(f"port {port} on {host} is in use (is another `consort up` running?)")
-        engines = plan_engines(m, args, run_dir, log)
+        credential = write_engine_credential(run_dir)
+        engines = plan_engines(m, args, run_dir, log, credential)
         children = list(engines)
         for c in engines:
             start(c)
@@ -429,7 +450,7 @@ def run(args: argparse.Namespace) -> int:
                 time.sleep(0.1)
             pin_port(c)
             log(f"{c.name}: pid {c.popen.pid}, {c.url}")
-        router = plan_router(m, args, run_dir, engines)
+        router = plan_router(m, args, run_dir, engines, credential)
         children.append(router)
         pending = list(engines)
         router_started = False

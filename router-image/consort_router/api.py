@@ -105,20 +105,22 @@ def _text_of_responses_input(obj: dict) -> list[str]:
     return parts + [_text_of_content(m.get("content", m.get("output"))) for m in inp if isinstance(m, dict)]
 
 
-def check_priority(priority: Any) -> int:
+def check_priority(priority: Any, cap: int = PRIORITY_RANGE[1]) -> int:
     """The request's priority, within PRIORITY_RANGE (an unbounded one let a flood at 1e18 push every other
-    request into 429s and preempt their decodes). The one place a per-tenant cap (DESIGN.md section 8)
-    will clamp it."""
+    request into 429s and preempt their decodes), then clamped to the tenant's cap (tenants.py): the one
+    place a priority is bounded."""
     if isinstance(priority, bool) or not isinstance(priority, int):
         raise bad("invalid_type", "'priority' must be an integer", "priority")
     lo, hi = PRIORITY_RANGE
     if not lo <= priority <= hi:
         raise bad("invalid_value", f"'priority' must be between {lo} and {hi}, got {priority}", "priority")
-    return priority
+    return min(priority, cap)
 
 
-def parse_request(obj: dict, kind: str, header_intent: str | None) -> ParsedRequest:
-    """Validate the fields the router reads; the engine validates the rest."""
+def parse_request(obj: dict, kind: str, header_intent: str | None,
+                  max_priority: int = PRIORITY_RANGE[1]) -> ParsedRequest:
+    """Validate the fields the router reads; the engine validates the rest. A priority above the
+    tenant's cap is lowered to it in the body the engine gets."""
     model = obj.get("model")
     if model is not None and not isinstance(model, str):
         raise bad("invalid_type", "'model' must be a string", "model")
@@ -127,7 +129,9 @@ def parse_request(obj: dict, kind: str, header_intent: str | None) -> ParsedRequ
         raise bad("invalid_type", "'intent' must be a string", "intent")
     if header_intent:
         intent = header_intent.strip()
-    priority = check_priority(obj.get("priority", 0))
+    priority = check_priority(obj.get("priority", 0), max_priority)
+    if obj.get("priority", 0) != priority:
+        obj = {**obj, "priority": priority}
     stream = obj.get("stream", False)
     if not isinstance(stream, bool):
         raise bad("invalid_type", "'stream' must be a boolean", "stream")

@@ -259,10 +259,39 @@ class AuthConfig(_Strict):
     """API-key auth (Authorization: Bearer <key>). /health and /ready are always open."""
 
     api_keys_file: str | None = Field(
-        None, description="File with one key per line (# comments); None disables auth. Re-read on change."
+        None, description="File with one tenant per line, `name: key` (a bare key is an anonymous tenant "
+        "`anon-<digest prefix>`; # comments); None disables auth (every request is tenant `anonymous`). "
+        "Re-read on change."
     )
     protect_metrics: bool = Field(False, description="Require a key for GET /metrics.")
+    engine_credential_file: str | None = Field(
+        None, description="File whose first line is the engine credential, sent as `Authorization: Bearer` on "
+        "every call to an engine (requests, shadows, /v1/status polls, tokenize); the engines' "
+        "--credential-file. None: engines are called without one.")
     protect_routing: bool = Field(True, description="Require a key for GET /v1/routing.")
+
+
+class TenantPolicy(_Strict):
+    """What one tenant may do (tenants.py applies it)."""
+
+    max_priority: int = Field(1000, ge=-1000, le=1000, description="A request's priority is clamped to this.")
+    tokens_per_s: float | None = Field(
+        None, gt=0, description="Token-rate quota (estimated prompt tokens + max_tokens x n per request, refilled "
+        "at this rate); over it a request gets 429 `tenant_quota` with Retry-After. None: no quota.")
+    burst_tokens: int | None = Field(
+        None, ge=1, description="Bucket size (default: 10 s of tokens_per_s); a larger request waits for a full "
+        "bucket.")
+    unbounded_max_tokens: int = Field(
+        4096, ge=1, description="What a request without max_tokens counts as against the quota.")
+
+
+class TenantsConfig(_Strict):
+    """Per-tenant limits: `defaults` for every tenant, `overrides` by tenant name (from the keys file)."""
+
+    defaults: TenantPolicy = Field(default_factory=TenantPolicy)
+    overrides: dict[str, TenantPolicy] = Field(default_factory=dict)
+    metric_tenants: int = Field(
+        32, ge=0, description="Distinct tenant label values in metrics; later tenants are counted as `other`.")
 
 
 class StoreConfig(_Strict):
@@ -282,7 +311,7 @@ class LimitsConfig(_Strict):
     stream_idle_timeout_s: float = Field(30.0, gt=0, description="A stream with no chunk from the engine for this "
                                          "long is cancelled upstream, ended with a typed SSE error event and "
                                          "counted as a failure against the lane's breaker.")
-    feedback_map_size: int = Field(100_000, ge=1, description="Request ids remembered for /v1/feedback.")
+    feedback_map_size: int = Field(100_000, ge=1, description="Feedback ids remembered for /v1/feedback.")
 
 
 class ReplicaPolling(_Strict):
@@ -331,6 +360,7 @@ class RouterConfig(_Strict):
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     verifier: VerifierConfig = Field(default_factory=VerifierConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
+    tenants: TenantsConfig = Field(default_factory=TenantsConfig)
     store: StoreConfig = Field(default_factory=StoreConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     polling: ReplicaPolling = Field(default_factory=ReplicaPolling)

@@ -15,6 +15,9 @@ class RouterMetrics:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("consort_router_requests", "Requests by routed specialist, intent, source and status.",
                                 ["specialist", "intent", "source", "code"], registry=r)
+        self.tenant_requests = Counter("consort_router_tenant_requests",
+                                       "Generation requests by tenant (the first tenants.metric_tenants names; the "
+                                       "rest `other`) and status.", ["tenant", "code"], registry=r)
         self.rejections = Counter("consort_router_rejections", "Requests the router answered with an error itself.",
                                   ["code"], registry=r)
         self.upstream_429 = Counter("consort_router_upstream_429", "Engine 429s passed through.",

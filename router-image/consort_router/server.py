@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import random
+import secrets
 import signal
 import sys
 import time
@@ -26,7 +27,7 @@ import aiohttp
 from aiohttp import web
 
 from .api import ApiError, ParsedRequest, parse_json, parse_request, tokenizer_lane, upstream_body
-from .auth import KeyRing
+from .auth import ANONYMOUS, EngineCredential, KeyRing
 from .breaker import STATE_CODES, BreakerStore, FileStore, MemoryStore, is_fresh
 from .config import RouterConfig
 from .detectors import PatternSandbox
@@ -40,6 +41,7 @@ from .shadow import CalibrationLog, CalibrationRecord, disagree, shadow_body, te
 from .state import Lanes, Runtime, build_runtime
 from .verifier import Verifier, VerifyResult
 from . import admission as adm
+from . import tenants as tn
 
 log = logging.getLogger("consort.router")
 
@@ -50,6 +52,9 @@ OPEN_PATHS = frozenset({"/health", "/ready", "/version"})
 DRAIN_S = 45
 GEN_HEADERS = ("x-consort-specialist", "x-consort-shadow", "x-consort-adapter", "x-consort-admission",
                "x-consort-breaker")
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
+TENANT_HEADER = "x-consort-tenant"         # set by the router on every upstream call, never taken from a client
+FEEDBACK_HEADER = "x-consort-feedback-id"  # issued on each answered request; /v1/feedback takes it once
 
 
 class Router:
@@ -72,6 +77,8 @@ class Router:
         self.patterns = PatternSandbox(on_timeout=self.metrics.detector_timeouts.inc)
         self.keys = KeyRing(self._path(config.auth.api_keys_file))
         self.keys.refresh()
+        self.engine_credential = EngineCredential(self._path(config.auth.engine_credential_file))
+        self.engine_credential.refresh()
         self.verifier = Verifier(config.verifier)
         self.calibration = CalibrationLog(self._path(config.calibration_log))
         self.session: aiohttp.ClientSession | None = None
@@ -79,6 +86,8 @@ class Router:
         self.created = int(time.time())   # the model cards' `created`, as vLLM stamps its start
         self.prefixes = PrefixIndex(config.replica_choice.index_blocks)
         self.shadow_inflight = 0
+        self.buckets: dict[str, tn.Bucket] = {}   # tenant -> its token-rate quota bucket
+        self.tenant_labels: set[str] = set()     # tenant names metrics carry (bounded; tenants.label)
         self.tasks: set[asyncio.Task] = set()
         self._config_mtime = self._mtime()
         self._bg: list[asyncio.Task] = []
@@ -109,9 +118,10 @@ class Router:
         return t
 
     async def start(self, app: web.Application) -> None:
+        # every engine call goes through this session: the engine credential rides on all of them
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True),
-            auto_decompress=False, skip_auto_headers=("User-Agent",),
+            auto_decompress=False, skip_auto_headers=("User-Agent",), headers=self.engine_credential.headers(),
         )
         p = self.config.polling
         self.poller = ReplicaPoller(self.session, p.interval_s, p.timeout_s)
@@ -176,6 +186,7 @@ class Router:
             self._last_reload_check = now
             self.maybe_reload()
             self.keys.refresh()
+            self.refresh_engine_credential()
         self.update_gauges()
 
     def maybe_reload(self) -> bool:
@@ -192,6 +203,9 @@ class Router:
             return False
         self.keys = KeyRing(self._path(new.auth.api_keys_file))
         self.keys.refresh()
+        if self._path(new.auth.engine_credential_file) != self.engine_credential.path:
+            self.engine_credential = EngineCredential(self._path(new.auth.engine_credential_file))
+            self.refresh_engine_credential(force=True)
         if new.verifier != self.verifier.cfg:
             self.verifier = Verifier(new.verifier)
         self.calibration = CalibrationLog(self._path(new.calibration_log))
@@ -199,6 +213,17 @@ class Router:
         self.metrics.config_reloads.labels("ok").inc()
         log.info("config reloaded from %s", self.config_path)
         return True
+
+    def refresh_engine_credential(self, force: bool = False) -> None:
+        """A rotated credential file takes effect on the next engine call (one session carries it)."""
+        try:
+            changed = self.engine_credential.refresh()
+        except (OSError, ValueError) as e:   # keep presenting the last good one
+            log.error("engine credential file unreadable, keeping the previous credential: %s", e)
+            return
+        if (changed or force) and self.session is not None:
+            self.session.headers.pop("Authorization", None)
+            self.session.headers.update(self.engine_credential.headers())
 
     def update_gauges(self) -> None:
         m, cfg = self.metrics, self.config
@@ -215,9 +240,25 @@ class Router:
         m.replica_ready.clear()   # replicas come and go: a gone one's series must not linger
         m.replica_load.clear()    # (a stale ready=1 would hide the ConsortNoWarmReplicas alert)
         for name, reps in self.runtime.replicas.items():
-            for r in reps:
-                m.replica_ready.labels(name, r.url).set(1 if r.ready else 0)
-                m.replica_load.labels(name, r.url).set(r.waiting + r.running)
+            for i, r in enumerate(reps):   # the replica's index, not its URL: /metrics shows no pod addresses
+                m.replica_ready.labels(name, str(i)).set(1 if r.ready else 0)
+                m.replica_load.labels(name, str(i)).set(r.waiting + r.running)
+
+    # ------------------------------------------------------------------ tenants
+    def charge(self, cfg: RouterConfig, tenant: str, req: ParsedRequest) -> None:
+        """Take the request's tokens from the tenant's quota, or refuse it with a typed 429."""
+        p = tn.policy(cfg.tenants, tenant)
+        if p.tokens_per_s is None:
+            return
+        b, wait_ms = tn.take(self.buckets.get(tenant), p, tn.cost(req.body, req.text, p), time.monotonic())
+        self.buckets[tenant] = b
+        if wait_ms is not None:
+            raise ApiError(429, "tenant_quota", f"tenant {tenant!r} is over its token-rate quota "
+                           f"({p.tokens_per_s:g} tokens/s); retry in {wait_ms} ms", type="rate_limited",
+                           retry_after_ms=wait_ms)
+
+    def tenant_label(self, tenant: str) -> str:
+        return tn.label(self.tenant_labels, self.config.tenants.metric_tenants, tenant)
 
     # ------------------------------------------------------------------ correctness
     def feed(self, specialist: str, value: float) -> None:
@@ -233,19 +274,23 @@ class Router:
         return res
 
     # ------------------------------------------------------------------ upstream
-    def affinity(self, cfg: RouterConfig, req: ParsedRequest, target: str, adapter: object) -> Affinity | None:
+    def affinity(self, cfg: RouterConfig, req: ParsedRequest, target: str, adapter: object,
+                 tenant: str) -> Affinity | None:
         """The prompt's prefix blocks on lane `target` (salted by lane and adapter: other weights, other
-        KV) and how deep each replica holds them; None when the lane picks by load only."""
+        KV; and by tenant and cache_salt, as the engines salt their caches) and how deep each replica
+        holds them; None when the lane picks by load only."""
         rc = cfg.replica_choice
         if rc.policy != "prefix-affine":
             return None
         prompt = req.body.get("prompt")
         text = req.text or (json.dumps(prompt) if isinstance(prompt, list) else "")  # token ids: their digits
-        hashes = prefix_hashes(text, f"{target}\0{adapter or ''}", rc.block_chars, rc.max_blocks)
+        salt = req.body.get("cache_salt")
+        hashes = prefix_hashes(text, f"{target}\0{adapter or ''}\0{tenant}\0{salt if isinstance(salt, str) else ''}",
+                               rc.block_chars, rc.max_blocks)
         return Affinity(hashes, self.prefixes.match(hashes), rc.load_slack)
 
     async def open_plan(self, rt: Runtime, plan: Plan, req: ParsedRequest, path: str,
-                        rid: str) -> tuple[str, Upstream]:
+                        rid: str, tenant: str) -> tuple[str, Upstream]:
         """The first of plan.targets that answers, before any byte reaches the client: a lane with no
         ready or reachable replica, or whose replicas all answer 5xx, passes the request on to the
         next target (its fallback). A 429 is an answer (admission), passed through."""
@@ -265,10 +310,11 @@ class Router:
 
             body = upstream_body(req.body, target, spec.adapter)
             payload = json.dumps(body).encode()
-            affinity = self.affinity(cfg, req, target, plan.adapters.get(target) or body.get("adapter"))
+            affinity = self.affinity(cfg, req, target, plan.adapters.get(target) or body.get("adapter"), tenant)
             try:
                 up = await open_upstream(self.session, rt.replicas.get(target, []), path, payload,
-                                         {"Content-Type": "application/json", "x-request-id": rid}, timeout,
+                                         {"Content-Type": "application/json", "x-request-id": rid,
+                                          TENANT_HEADER: tenant}, timeout,
                                          cfg.polling.preempting_penalty, on_attempt, adapter=plan.adapters.get(target),
                                          affinity=affinity)
             except NoReplica as e:
@@ -292,7 +338,7 @@ class Router:
 
     # ------------------------------------------------------------------ shadow
     async def run_shadow(self, rt: Runtime, d: RouteDecision, obj: dict, path: str, rid: str,
-                         primary: asyncio.Future) -> None:
+                         primary: asyncio.Future, tenant: str) -> None:
         cfg = rt.config
         target = d.shadow
         assert target is not None
@@ -300,7 +346,7 @@ class Router:
         self.shadow_inflight += 1
         try:
             body = shadow_body(upstream_body(obj, target, cfg.specialist(target).adapter), target, cfg.shadow)
-            shadow_task = asyncio.ensure_future(self._shadow_request(rt, target, path, body, rid))
+            shadow_task = asyncio.ensure_future(self._shadow_request(rt, target, path, body, rid, tenant))
             pending: set = {shadow_task, primary}
             deadline = time.monotonic() + cfg.shadow.timeout_s
             while pending:
@@ -345,13 +391,14 @@ class Router:
             self.shadow_inflight -= 1
             self.metrics.shadows.labels(target, d.shadow_reason, outcome).inc()
 
-    async def _shadow_request(self, rt: Runtime, target: str, path: str, body: dict, rid: str) -> str | None:
+    async def _shadow_request(self, rt: Runtime, target: str, path: str, body: dict, rid: str,
+                              tenant: str) -> str | None:
         assert self.session is not None
         lim = rt.config.limits
         try:
             up = await open_upstream(
                 self.session, rt.replicas.get(target, []), path, json.dumps(body).encode(),
-                {"Content-Type": "application/json", "x-request-id": f"{rid}-shadow"},
+                {"Content-Type": "application/json", "x-request-id": f"{rid}-shadow", TENANT_HEADER: tenant},
                 aiohttp.ClientTimeout(total=rt.config.shadow.timeout_s, sock_connect=lim.connect_timeout_s),
                 rt.config.polling.preempting_penalty, adapter=body.get("adapter"),
             )
@@ -377,17 +424,27 @@ def _json_error(err: ApiError) -> web.Response:
 async def middleware(request: web.Request, handler):
     router: Router = request.app[ROUTER]
     request["request_id"] = request.headers.get("x-request-id") or uuid.uuid4().hex
+    request["tenant"] = ANONYMOUS
+    generation = request.path in GENERATION_PATHS
     try:
         if router.keys.enabled and request.path not in OPEN_PATHS:
             cfg = router.config.auth
             protected = (cfg.protect_metrics if request.path == "/metrics"
                          else cfg.protect_routing if request.path == "/v1/routing" else True)
-            if protected and not router.keys.allows(request.headers.get("Authorization")):
+            tenant = router.keys.tenant(request.headers.get("Authorization"))
+            if protected and tenant is None:
+                generation = False   # an unknown caller is no tenant: counted in rejections only
                 raise ApiError(401, "invalid_api_key", "missing or invalid API key (Authorization: Bearer <key>)")
-        return await handler(request)
+            request["tenant"] = tenant or ANONYMOUS
+        resp = await handler(request)
+        if generation:
+            router.metrics.tenant_requests.labels(router.tenant_label(request["tenant"]), str(resp.status)).inc()
+        return resp
     except ApiError as err:
         if err.status >= 400:
             router.metrics.rejections.labels(err.code).inc()
+        if generation:
+            router.metrics.tenant_requests.labels(router.tenant_label(request["tenant"]), str(err.status)).inc()
         return _json_error(err)
     except web.HTTPException as exc:
         if exc.status >= 400:
@@ -410,6 +467,8 @@ async def stamp(request: web.Request, response: web.StreamResponse) -> None:
     if st is not None:
         for k in GEN_HEADERS:
             response.headers[k] = st.get(k, "none")
+    if response.status == 200 and request.get("feedback_id"):
+        response.headers[FEEDBACK_HEADER] = request["feedback_id"]
 
 
 def upstream_timeout(cfg: RouterConfig) -> aiohttp.ClientTimeout:
@@ -447,9 +506,10 @@ async def handle_generation(request: web.Request, kind: str, path: str) -> web.S
     rt = router.runtime  # this request's config, whatever reloads happen meanwhile
     cfg = rt.config
     t0 = time.monotonic()
-    rid = request["request_id"]
+    rid, tenant = request["request_id"], request["tenant"]
     req = parse_request(parse_json(await read_body(request, cfg.limits.max_body_bytes)), kind,
-                        request.headers.get("x-consort-intent"))
+                        request.headers.get("x-consort-intent"), tn.policy(cfg.tenants, tenant).max_priority)
+    router.charge(cfg, tenant, req)
     user_counts = None
     if rt.table.user_patterns is not None and rt.table.consults_detectors(req.model, req.intent):
         user_counts = await router.patterns.counts(rt.table.user_patterns, req.text,
@@ -465,15 +525,16 @@ async def handle_generation(request: web.Request, kind: str, path: str) -> web.S
     primary_done: asyncio.Future | None = None
     if plan.shadow is not None:
         primary_done = asyncio.get_running_loop().create_future()
-        router.spawn(router.run_shadow(rt, d, req.body, path, rid, primary_done))
+        router.spawn(router.run_shadow(rt, d, req.body, path, rid, primary_done, tenant))
     elif d.shadow is not None:
         router.metrics.shadows.labels(d.shadow, d.shadow_reason, "dropped").inc()
 
     served, text, status = d.specialist, None, 0
+    request["feedback_id"] = feedback_id = secrets.token_urlsafe(16)   # sent only with a 200 (stamp)
     pre_upstream = time.monotonic() - t0
     try:
         try:
-            served, up = await router.open_plan(rt, plan, req, path, rid)
+            served, up = await router.open_plan(rt, plan, req, path, rid, tenant)
         except ApiError:
             request["stamp"] = plan.headers(d.specialist, admission="rejected:no_ready_replica")
             status = 503
@@ -523,7 +584,7 @@ async def handle_generation(request: web.Request, kind: str, path: str) -> web.S
     finally:
         router.metrics.requests.labels(served, d.intent, d.source, str(status or "error")).inc()
         if status == 200:
-            router.lanes.remember(rid, served, plan.shadow)
+            router.lanes.remember(feedback_id, tenant, served, plan.shadow)
         if primary_done is not None and not primary_done.done():
             if text is not None:
                 primary_done.set_result(text)
@@ -534,11 +595,15 @@ async def handle_generation(request: web.Request, kind: str, path: str) -> web.S
 
 
 async def feedback(request: web.Request) -> web.Response:
+    """A correctness signal about one answered request, named by the id the router issued with it
+    (x-consort-feedback-id): accepted once, and only from the tenant that made the request, so no caller
+    can trip a lane's breaker for everyone with invented or replayed ids."""
     router: Router = request.app[ROUTER]
     obj = parse_json(await read_body(request, 64 * 1024))
-    rid = obj.get("request_id")
-    if not isinstance(rid, str) or not rid:
-        raise ApiError(400, "missing_field", "'request_id' (string) is required", param="request_id")
+    fid = obj.get("feedback_id")
+    if not isinstance(fid, str) or not fid:
+        raise ApiError(400, "missing_field", f"'feedback_id' (string) is required: the {FEEDBACK_HEADER} header "
+                       "of the answer", param="feedback_id")
     if "correct" in obj:
         if not isinstance(obj["correct"], bool):
             raise ApiError(400, "invalid_type", "'correct' must be a boolean", param="correct")
@@ -550,16 +615,18 @@ async def feedback(request: web.Request) -> web.Response:
         value = float(s)
     else:
         raise ApiError(400, "missing_field", "give 'correct' (boolean) or 'score' (0..1)")
-    known = router.lanes.feedback.get(rid)
-    if known is None:
-        raise ApiError(404, "unknown_request", f"request id {rid!r} is unknown (or too old)", param="request_id")
-    specialist = obj.get("specialist", known[0])
-    if specialist not in known or specialist is None:
-        raise ApiError(400, "not_involved", f"specialist {specialist!r} neither answered nor shadowed request "
-                       f"{rid!r} (primary {known[0]!r}, shadow {known[1]!r})", param="specialist")
+    g = router.lanes.feedback.get(fid)
+    specialist = obj.get("specialist", g.primary if g else None)
+    if g is not None and g.tenant == request["tenant"] and specialist not in (g.primary, g.shadow):
+        raise ApiError(400, "not_involved", f"specialist {specialist!r} neither answered nor shadowed this request "
+                       f"(primary {g.primary!r}, shadow {g.shadow!r})", param="specialist")
+    # unknown, already used and another tenant's ids are answered alike: nothing leaks about others' ids
+    if router.lanes.claim(fid, request["tenant"]) is None:
+        raise ApiError(404, "unknown_feedback_id", "feedback id is unknown, already used, too old or not "
+                       "this tenant's", param="feedback_id")
     b = router.lanes.observe(specialist, value)
     router.metrics.feedback.labels(specialist).inc()
-    return web.json_response({"request_id": rid, "specialist": specialist, "breaker": b.state if b else None,
+    return web.json_response({"feedback_id": fid, "specialist": specialist, "breaker": b.state if b else None,
                               "samples": len(b.samples) if b else 0,
                               "rate": b.rate if b else None})
 
@@ -651,7 +718,8 @@ async def tokenizer_call(request: web.Request) -> web.Response:
     payload = json.dumps(upstream_body(obj, specialist, adapter)).encode()
     try:
         up = await open_upstream(router.session, router.runtime.replicas.get(specialist, []), request.path, payload,
-                                 {"Content-Type": "application/json"}, upstream_timeout(cfg),
+                                 {"Content-Type": "application/json", TENANT_HEADER: request["tenant"]},
+                                 upstream_timeout(cfg),
                                  cfg.polling.preempting_penalty)
     except NoReplica as e:
         rid = request["request_id"]

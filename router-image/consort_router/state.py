@@ -2,8 +2,8 @@
 
 `Runtime` is immutable per config version; a reload builds a new one and swaps it in atomically, so
 in-flight requests keep the one they started with. `Lanes` outlives reloads: breakers, admission
-knobs and windows, the request-id -> specialist map for /v1/feedback, and the replica states (kept
-per (specialist, url) so a reload does not forget what the poller learned).
+knobs and windows, the feedback ids issued for /v1/feedback (id -> tenant and specialists), and the
+replica states (kept per (specialist, url) so a reload does not forget what the poller learned).
 """
 from __future__ import annotations
 
@@ -47,6 +47,15 @@ def build_runtime(config: RouterConfig, base_dir: Path, lanes: "Lanes", previous
     return Runtime(config, table, base_dir, replicas)
 
 
+@dataclass(frozen=True)
+class FeedbackGrant:
+    """Who may give feedback on one answered request, and about whom (its primary, its shadow)."""
+
+    tenant: str
+    primary: str
+    shadow: str | None
+
+
 @dataclass
 class Lanes:
     config: RouterConfig
@@ -55,7 +64,7 @@ class Lanes:
     knobs: dict[str, adm.Knobs] = field(default_factory=dict)
     windows: dict[str, adm.RateWindow] = field(default_factory=dict)
     floors: dict[str, int] = field(default_factory=dict)
-    feedback: OrderedDict = field(default_factory=OrderedDict)  # request_id -> (primary, shadow | None)
+    feedback: OrderedDict = field(default_factory=OrderedDict)  # feedback id -> FeedbackGrant
     replica_states: dict[tuple[str, str], ReplicaState] = field(default_factory=dict)
     discovered: dict[str, list[str]] = field(default_factory=dict)  # cluster mode: specialist -> urls
     held: dict[str, list[str]] = field(default_factory=dict)   # of those, listed not ready yet kept (discovery)
@@ -112,13 +121,23 @@ class Lanes:
         self.dirty = True
         return nb
 
-    def remember(self, request_id: str, specialist: str, shadow: str | None = None) -> None:
-        """Who answered `request_id` (and who ran its shadow copy), for /v1/feedback."""
+    def remember(self, feedback_id: str, tenant: str, specialist: str, shadow: str | None = None) -> None:
+        """An id the router issued for one answered request (x-consort-feedback-id): who may report on
+        it and about which specialists. The oldest are forgotten past limits.feedback_map_size."""
         fb = self.feedback
-        fb[request_id] = (specialist, shadow)
-        fb.move_to_end(request_id)
+        fb[feedback_id] = FeedbackGrant(tenant, specialist, shadow)
+        fb.move_to_end(feedback_id)
         while len(fb) > self.config.limits.feedback_map_size:
             fb.popitem(last=False)
+
+    def claim(self, feedback_id: str, tenant: str) -> "FeedbackGrant | None":
+        """The grant for `feedback_id` if `tenant` holds it, used up (each id counts once). Another
+        tenant's id is left for its holder and answered like an unknown one."""
+        g = self.feedback.get(feedback_id)
+        if g is None or g.tenant != tenant:
+            return None
+        del self.feedback[feedback_id]
+        return g
 
     def snapshot(self) -> dict | None:
         """The payload to save if anything changed since the last snapshot (taken on the event loop)."""

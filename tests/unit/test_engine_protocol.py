@@ -236,3 +236,18 @@ def test_tool_choice_schemas_are_bounded_too():
         "type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(4000)}}}}
     e = err(P.parse_chat, {"messages": [{"role": "user", "content": "x"}], "tools": [tool], "tool_choice": "required"})
     assert (e.code, e.param) == ("invalid_value", "tools")
+
+
+def test_cache_salt_is_bounded_and_salts_by_tenant():
+    """vLLM's cache_salt is accepted (1..MAX_CACHE_SALT_CHARS characters); the prefix salt combines it
+    with the router's tenant, unambiguously, and is None only when neither is given."""
+    req = P.parse_completion({"prompt": "x", "cache_salt": "s1"})
+    assert req.cache_salt == "s1" and "cache_salt" not in req.ignored_fields
+    for bad_salt in ("", "x" * (P.MAX_CACHE_SALT_CHARS + 1), 5):
+        with pytest.raises(P.ApiError) as e:
+            P.parse_completion({"prompt": "x", "cache_salt": bad_salt})
+        assert e.value.status == 400 and e.value.param == "cache_salt"
+    assert P.prefix_salt(None, None) is None
+    salts = {P.prefix_salt(t, s) for t, s in [("a", None), ("b", None), ("a", "s"), (None, "s"), ("a|", "s"),
+                                             ("a", "|s")]}
+    assert len(salts) == 6 and None not in salts

@@ -122,14 +122,14 @@ class LLMEngine:
         return StepEstimates(decode_step_s=decode, prefill_tokens_per_s=tps)
 
     def add_requests(self, seqs: list[Sequence]) -> None:
-        """Queue seqs together, all or none. A seq with the same prompt and adapter as an earlier one
+        """Queue seqs together, all or none. A seq with the same prompt, adapter and salt as an earlier one
         (the n samples of a prompt) waits for that one's prefill and takes its blocks from the prefix
         cache: one prefill, not n."""
         first: dict[tuple, Sequence] = {}
         added: list[Sequence] = []
         try:
             for seq in seqs:
-                key = (seq.adapter, tuple(seq.token_ids))
+                key = (seq.adapter, seq.cache_salt, tuple(seq.token_ids))
                 self.add_request(seq, after=first.get(key))
                 first.setdefault(key, seq)
                 added.append(seq)

@@ -6,8 +6,10 @@ least-recently-freed first, and only when no empty block is left.
 
 Prefix cache: every FULL block whose K/V has been computed gets a hash chained over its
 parent: hash_fn(parent_hash, namespace, adapter, block token ids). The namespace (specialist
-name) and the adapter are part of the key so that two adapters never share K/V. A lookup hit
-is verified, not trusted: the candidate's token ids, adapter and parent must match exactly.
+name) and the adapter are part of the key so that two adapters never share K/V; a sequence's
+cache salt (its tenant, vLLM's cache_salt) seeds the chain's root, so two salts never share a
+block and a cache hit tells nobody about another tenant's prompts. A lookup hit is verified, not
+trusted: the candidate's token ids, adapter, salt and parent must match exactly.
 "Parent" is compared through content ids: blocks holding the same verified prefix share one
 content id, a new prefix gets a fresh one, and ids are never reused. Verifying the parent's
 content id (not just its hash) makes a forced hash collision harmless for the whole chain.
@@ -25,6 +27,11 @@ HashFn = Callable[[int, str, "str | None", tuple[int, ...]], Hashable]
 
 _NO_PARENT_HASH = 0
 _NO_CONTENT = 0   # content id of "no block" (root parent) and of unregistered blocks
+
+
+def root_hash(salt: str | None) -> Hashable:
+    """The parent hash of a chain's first block: salted chains start apart."""
+    return _NO_PARENT_HASH if salt is None else hash(("salt", salt))
 
 
 def chain_hash(parent_hash: Hashable, namespace: str, adapter: str | None, tokens: tuple[int, ...]) -> Hashable:
@@ -55,6 +62,7 @@ class BlockManager:
         self._hash: list[Hashable | None] = [None] * num_blocks
         self._tokens: list[tuple[int, ...] | None] = [None] * num_blocks
         self._adapter: list[str | None] = [None] * num_blocks
+        self._salt: list[str | None] = [None] * num_blocks
         self._content: list[int] = [_NO_CONTENT] * num_blocks
         self._parent_content: list[int] = [_NO_CONTENT] * num_blocks
         self._content_ids = itertools.count(1)
@@ -100,22 +108,22 @@ class BlockManager:
         max_blocks = (len(tokens) - 1) // bs
         blocks: list[int] = []
         hashes: list[Hashable] = []
-        parent_hash: Hashable = _NO_PARENT_HASH
+        parent_hash: Hashable = root_hash(seq.cache_salt)
         parent_content = _NO_CONTENT
         for i in range(max_blocks):
             block_tokens = tuple(tokens[i * bs:(i + 1) * bs])
             h = self._hash_fn(parent_hash, self.namespace, seq.adapter, block_tokens)
             b = self._by_hash.get(h)
-            if b is None or not self._same_content(b, block_tokens, seq.adapter, parent_content):
+            if b is None or not self._same_content(b, block_tokens, seq, parent_content):
                 break
             blocks.append(b)
             hashes.append(h)
             parent_hash, parent_content = h, self._content[b]
         return blocks, hashes
 
-    def _same_content(self, block: int, tokens: tuple[int, ...], adapter: str | None, parent_content: int) -> bool:
-        return (self._tokens[block] == tokens and self._adapter[block] == adapter
-                and self._parent_content[block] == parent_content)
+    def _same_content(self, block: int, tokens: tuple[int, ...], seq: Sequence, parent_content: int) -> bool:
+        return (self._tokens[block] == tokens and self._adapter[block] == seq.adapter
+                and self._salt[block] == seq.cache_salt and self._parent_content[block] == parent_content)
 
     # ---------------------------------------------------------------- allocation
     def _blocks_needed(self, seq: Sequence, hits: list[int], num_lookahead: int) -> int:
@@ -194,6 +202,7 @@ class BlockManager:
         self._hash[b] = None
         self._tokens[b] = None
         self._adapter[b] = None
+        self._salt[b] = None
         self._content[b] = _NO_CONTENT
         self._parent_content[b] = _NO_CONTENT
 
@@ -231,7 +240,7 @@ class BlockManager:
         table = seq.block_table
         tokens = seq.token_ids
         for i in range(len(hashes), num_full):
-            parent_hash = hashes[i - 1] if i else _NO_PARENT_HASH
+            parent_hash = hashes[i - 1] if i else root_hash(seq.cache_salt)
             parent_content = self._content[table[i - 1]] if i else _NO_CONTENT
             block_tokens = tuple(tokens[i * bs:(i + 1) * bs])
             h = self._hash_fn(parent_hash, self.namespace, seq.adapter, block_tokens)
@@ -239,9 +248,10 @@ class BlockManager:
             self._hash[b] = h
             self._tokens[b] = block_tokens
             self._adapter[b] = seq.adapter
+            self._salt[b] = seq.cache_salt
             self._parent_content[b] = parent_content
             other = self._by_hash.get(h)
-            if other is not None and other != b and self._same_content(other, block_tokens, seq.adapter, parent_content):
+            if other is not None and other != b and self._same_content(other, block_tokens, seq, parent_content):
                 # Same prefix computed twice (admitted in the same step): same content id, so
                 # chains through either copy verify. Keep the existing entry.
                 self._content[b] = self._content[other]

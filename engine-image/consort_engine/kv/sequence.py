@@ -89,6 +89,8 @@ class Sequence:
     arrival: float = field(default_factory=time.monotonic)
     deadline: float | None = None           # monotonic seconds by which the first token must be out
     adapter: str | None = None              # LoRA adapter name; part of the prefix-cache key and batch grouping
+    cache_salt: str | None = None           # part of the prefix-cache key: different salts (tenants, vLLM's
+                                            # cache_salt) never share blocks; a hit reveals nobody else's prompt
     seq_id: int = field(default_factory=lambda: next(_ids))
 
     token_ids: list[int] = field(init=False)          # prompt + generated

@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -32,6 +33,7 @@ MAX_LOGIT_BIAS = 300           # `logit_bias` entries, OpenAI's limit
 SEED_RANGE = (-(1 << 63), (1 << 63) - 1)        # a signed 64-bit seed, as vLLM's OpenAI server takes it
 PRIORITY_RANGE = (-1000, 1000)                  # the router's shadow copies run at -1000 (its lowest)
 MAX_DEADLINE_MS = 24 * 3600 * 1000              # a day: longer deadlines mean nothing, bigger numbers overflow
+MAX_CACHE_SALT_CHARS = 256     # vLLM's `cache_salt`: 43 base64 characters are 256 bits; more only costs hashing
 MIN_TEMPERATURE = 0.01         # vLLM's floor: 0 < t < 0.01 runs at 0.01 (smaller divides logits into inf / NaN)
 REPETITION_PENALTY_RANGE = (0.01, 100.0)        # vLLM: any > 0; beyond these a seen token's fate is sealed anyway,
                                                 # and 1e-300 turned logits into inf, then NaN (a failed step)
@@ -99,6 +101,7 @@ class GenerationRequest:
     priority: int = 0
     deadline_ms: float | None = None
     adapter: str | None = None
+    cache_salt: str | None = None               # vLLM's: requests share cached prefixes only with the same salt
     return_token_ids: bool = False
     logprobs: int | None = None                 # top-k alternatives per token (0 = chosen only)
     skip_special_tokens: bool = True
@@ -199,7 +202,7 @@ _COMMON = frozenset({
     "guided_decoding_backend", "guided_whitespace_pattern",
     # Consort extensions
     "priority", "deadline_ms", "adapter", "return_token_ids",
-    "prompt_logprobs",     # vLLM's extra
+    "prompt_logprobs", "cache_salt",     # vLLM's extras
 })
 STREAM_OPTIONS = frozenset({"include_usage", "continuous_usage_stats"})
 COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo", "suffix", "best_of"}
@@ -390,9 +393,24 @@ def _max_tokens(body: dict, keys: tuple[str, ...], lo: int = 1) -> int | None:
 
 
 def _priority(body: dict) -> int:
-    """The request's scheduling priority, within PRIORITY_RANGE. The one place a per-tenant priority cap
-    (DESIGN.md section 8, with tenants) will clamp it."""
+    """The request's scheduling priority, within PRIORITY_RANGE. A tenant's cap is applied by the router
+    (api.check_priority), which sends the clamped value; a direct caller needs the engine credential."""
     return _int(body, "priority", 0, *PRIORITY_RANGE)
+
+
+def _cache_salt(body: dict) -> str | None:
+    salt = _str(body, "cache_salt")
+    if salt is not None and not 0 < len(salt) <= MAX_CACHE_SALT_CHARS:
+        raise bad("invalid_value", f"'cache_salt' must be 1 to {MAX_CACHE_SALT_CHARS} characters", "cache_salt")
+    return salt
+
+
+def prefix_salt(tenant: str | None, cache_salt: str | None) -> str | None:
+    """The prefix-cache salt of a request: its tenant (the router's x-consort-tenant) and, within the
+    tenant, its `cache_salt`. None (the shared cache) only when neither is given."""
+    if tenant is None and cache_salt is None:
+        return None
+    return hashlib.sha256(json.dumps([tenant, cache_salt]).encode()).hexdigest()
 
 
 def _common(body: dict, req: GenerationRequest) -> GenerationRequest:
@@ -412,6 +430,7 @@ def _common(body: dict, req: GenerationRequest) -> GenerationRequest:
     if body.get("deadline_ms") is not None:
         req.deadline_ms = _num(body, "deadline_ms", 0.0, 0.0, MAX_DEADLINE_MS, lo_open=True)
     req.adapter = _str(body, "adapter") or None
+    req.cache_salt = _cache_salt(body)
     req.n = _int(body, "n", 1, lo=1, hi=MAX_CHOICES)
     req.return_token_ids = _bool(body, "return_token_ids")
     req.skip_special_tokens = _bool(body, "skip_special_tokens", True)

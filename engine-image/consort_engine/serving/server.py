@@ -32,6 +32,7 @@ from consort_engine.core.async_engine import AsyncEngine, EngineFailed, EngineNo
 from consort_engine.config import EngineConfig, HelpFormatter
 from consort_engine.serving.adapter_sync import AdapterSync
 from consort_engine.model.lora import AdapterError
+from consort_engine.serving.credential import needs_credential, presented, read_credentials
 from consort_engine.serving.metrics import EngineMetrics, SloTracker
 from consort_engine.kv.sequence import PromptLogprobs, Sequence
 from consort_engine.model.cpu import apply_threads
@@ -47,6 +48,7 @@ class StartupError(RuntimeError):
 
 CTX = web.AppKey("consort_ctx", object)
 STREAM = "consort_stream"   # request key: the prepared SSE response of a streaming request
+TENANT_HEADER = "x-consort-tenant"   # set by the router (which overwrites any client's); salts the prefix cache
 
 
 def process_age_s() -> float | None:
@@ -77,6 +79,8 @@ class ServerContext:
     startup_s: float | None = None
     in_flight: int = 0
     adapter_sync: AdapterSync | None = None     # --adapters-file: the adapters this engine must serve
+    credentials: tuple[bytes, ...] = ()         # digests of the engine credential(s); (): open (credential.py)
+    metrics_port: bool = False                  # /metrics is (also) served on its own port
     _grammars: Grammars | None = field(default=None, init=False, repr=False)
     compile_slots: CompileSlots = field(
         default_factory=lambda: CompileSlots(P.MAX_CONCURRENT_COMPILES, P.GUIDED_COMPILE_TIMEOUT_S))
@@ -289,6 +293,12 @@ def server_error(rid: str, code: str, what: str, cause: BaseException | None = N
 @web.middleware
 async def error_middleware(request: web.Request, handler):
     try:
+        ctx_: ServerContext = request.app[CTX]
+        if ctx_.credentials and needs_credential(request.path, ctx_.metrics_port) \
+                and not presented(ctx_.credentials, request.headers.get("Authorization")):
+            raise P.ApiError(401, "invalid_credential", "this engine requires its credential (Authorization: "
+                             "Bearer <engine credential>); clients reach it through the router",
+                             type="authentication_error")
         return await handler(request)
     except P.ApiError as err:
         ctx: ServerContext = request.app[CTX]
@@ -476,6 +486,7 @@ async def handle_generation(request: web.Request, kind: str) -> web.StreamRespon
         log.info("request %s: ignored unknown fields %s", req.request_id, ", ".join(req.ignored_fields))
     deadline = arrival + req.deadline_ms / 1000.0 if req.deadline_ms is not None else None
     choices = []
+    salt = P.prefix_salt(request.headers.get(TENANT_HEADER), req.cache_salt)
     k = P.samples_per_prompt(req)
     # best_of ranks by the sampled tokens' logprobs, so those are computed even when not returned
     logprobs = req.logprobs if req.best_of is None else (req.logprobs or 0)
@@ -486,7 +497,7 @@ async def handle_generation(request: web.Request, kind: str) -> web.StreamRespon
             sampling = replace(req.sampling, max_tokens=max_tokens, logprobs=logprobs, seed=seed,
                                prompt_logprobs=P.prompt_logprobs_width(req))
             seq = Sequence(prompt_token_ids=ids, sampling=sampling, priority=req.priority, arrival=arrival,
-                           deadline=deadline, adapter=req.adapter)
+                           deadline=deadline, adapter=req.adapter, cache_salt=salt)
             if sampling.guided is not None:
                 seq.matcher = ctx.grammars.matcher(sampling.guided)   # compiled (cached) just above
             choices.append(Choice(i * k + j, preq, seq, RequestTimes(arrival=arrival)))
@@ -1046,6 +1057,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for torch and the kernels; unset: the cgroup CPU quota, else every "
                         "core this process may use")
+    p.add_argument("--credential-file", default=None, metavar="PATH",
+                   help="require this file's credential (Authorization: Bearer) on every route but /health, "
+                        "/ready and /metrics; else $CONSORT_ENGINE_CREDENTIAL_FILE, else open to every caller")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="also serve /metrics on this port; the API port's /metrics then needs the credential")
     p.add_argument("--max-body-bytes", type=int, default=EngineConfig.max_body_bytes,
                    help="largest request body accepted; larger ones get 413 request_too_large")
     p.add_argument("--drain-timeout", type=float, default=45.0, metavar="SECONDS",
@@ -1124,12 +1140,28 @@ def build_context(config: EngineConfig, served_name: str | None = None, warmup: 
                          max_model_len=max_len, vocab_size=vocab or tokenizer.vocab_size)
 
 
+async def serve_metrics(ctx: ServerContext, host: str, port: int) -> web.AppRunner:
+    """/metrics alone on its own port (--metrics-port): a NetworkPolicy can admit monitoring there only."""
+    app = web.Application()
+    app[CTX] = ctx
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    bound = runner.addresses[0][1] if runner.addresses else port
+    print(f"consort engine: metrics on http://{host}:{bound}/metrics", flush=True)
+    return runner
+
+
 async def serve(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     threads = apply_threads(args.threads)
     print(f"consort engine: specialist {config.name!r}, model {config.model}, device {config.device}, "
           f"dtype {config.dtype}, {threads} CPU thread(s)", flush=True)
+    credentials = read_credentials(args.credential_file)   # before the model loads: a bad file fails at once
     ctx = build_context(config, args.served_model_name)
+    ctx.credentials = credentials
+    ctx.metrics_port = args.metrics_port is not None
     if args.adapters_file:
         ctx.adapter_sync = AdapterSync(args.adapters_file, config.model, ctx.engine.call)
         await asyncio.to_thread(ctx.adapter_sync.initial)
@@ -1143,6 +1175,10 @@ async def serve(args: argparse.Namespace) -> int:
     await site.start()
     port = runner.addresses[0][1] if runner.addresses else args.port
     print(f"consort engine: listening on http://{args.host}:{port} (/health alive, /ready after warmup)", flush=True)
+    if ctx.credentials:
+        print("consort engine: an engine credential is required on every route but /health, /ready"
+              + ("" if ctx.metrics_port else " and /metrics"), flush=True)
+    metrics_runner = await serve_metrics(ctx, args.host, args.metrics_port) if ctx.metrics_port else None
 
     def on_ready() -> None:
         ctx.startup_s = process_age_s() or (time.monotonic() - ctx.started)
@@ -1175,6 +1211,8 @@ async def serve(args: argparse.Namespace) -> int:
         print(f"consort engine: draining: {s.get('running', 0)} running and {s.get('waiting', 0)} waiting "
               f"requests may finish within {args.drain_timeout:g} s; new connections are refused", flush=True)
     await runner.cleanup()
+    if metrics_runner is not None:
+        await metrics_runner.cleanup()
     print("consort engine: shutting down", flush=True)
     await asyncio.to_thread(ctx.engine.shutdown)
     if ctx.engine.state == "failed":

@@ -109,6 +109,12 @@ def _download_script(downloads: list[tuple[str, str | None, str]]) -> str:
 
 # ---- engine command line -----------------------------------------------------------------------
 
+def metrics_port(spec: SpecialistSpec) -> int:
+    """The engine's own /metrics port in the pod (`consort engine --metrics-port`), next to its API port:
+    the NetworkPolicy admits monitoring to this port only, never to the API."""
+    return spec.port + 1 if spec.port < 65535 else spec.port - 1
+
+
 def engine_args(name: str, spec: SpecialistSpec, model_dir: str, adapters: dict[str, str],
                 host: str = "0.0.0.0", port: int | None = None, device: str | None = None,
                 threads: int | None = None, adapters_file: str | None = None) -> list[str]:
@@ -271,8 +277,10 @@ def engine_deployment(name: str, namespace: str, uid: str, spec: SpecialistSpec,
         "image": image,
         "imagePullPolicy": ctx.image_pull_policy,
         "command": ["consort", "engine"],
-        "args": engine_args(name, spec, model_dir, {}, adapters_file=f"{ADAPTERS_DIR}/{ADAPTERS_FILE}"),
-        "ports": [{"name": "http", "containerPort": spec.port, "protocol": "TCP"}],
+        "args": engine_args(name, spec, model_dir, {}, adapters_file=f"{ADAPTERS_DIR}/{ADAPTERS_FILE}")
+        + ["--metrics-port", str(metrics_port(spec))],
+        "ports": [{"name": "http", "containerPort": spec.port, "protocol": "TCP"},
+                  {"name": "metrics", "containerPort": metrics_port(spec), "protocol": "TCP"}],
         "env": [{"name": "HOME", "value": "/tmp"}, {"name": "HF_HOME", "value": "/tmp/hf"},
                 {"name": "CONSORT_SPECIALIST", "value": name}],
         "resources": {"requests": requests, "limits": limits},
@@ -314,7 +322,7 @@ def engine_deployment(name: str, namespace: str, uid: str, spec: SpecialistSpec,
             "template": {
                 "metadata": {
                     "labels": labels,
-                    "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": str(spec.port),
+                    "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": str(metrics_port(spec)),
                                     "prometheus.io/path": "/metrics"},
                 },
                 "spec": pod_spec,
@@ -362,15 +370,18 @@ def engine_pdb(name: str, namespace: str, uid: str, spec: SpecialistSpec, ctx: B
 
 def engine_network_policy(name: str, namespace: str, uid: str, spec: SpecialistSpec,
                           ctx: BuildContext) -> dict[str, Any]:
-    """Only the ensemble's routers (same namespace) and the operator reach engine pods."""
+    """Only the ensemble's routers (same namespace) and the operator reach engine pods' API port;
+    monitoring namespaces (metricsNamespaceLabels) reach the metrics port alone."""
     peers: list[dict[str, Any]] = [
         {"podSelector": {"matchLabels": {"app.kubernetes.io/component": "router",
                                          "app.kubernetes.io/part-of": "consort"}}},
         {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ctx.operator_namespace}},
          "podSelector": {"matchLabels": dict(ctx.operator_pod_labels)}},
     ]
+    ingress: list[dict[str, Any]] = [{"from": peers, "ports": [{"protocol": "TCP", "port": spec.port}]}]
     if ctx.metrics_namespace_labels:
-        peers.append({"namespaceSelector": {"matchLabels": dict(ctx.metrics_namespace_labels)}})
+        ingress.append({"from": [{"namespaceSelector": {"matchLabels": dict(ctx.metrics_namespace_labels)}}],
+                        "ports": [{"protocol": "TCP", "port": metrics_port(spec)}]})
     return stamp_hash({
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -378,7 +389,7 @@ def engine_network_policy(name: str, namespace: str, uid: str, spec: SpecialistS
         "spec": {
             "podSelector": {"matchLabels": selector_labels(name)},
             "policyTypes": ["Ingress"],
-            "ingress": [{"from": peers, "ports": [{"protocol": "TCP", "port": spec.port}]}],
+            "ingress": ingress,
         },
     })
 

@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 REPO = Path(__file__).resolve().parents[3]
@@ -62,6 +63,15 @@ def test_consort_up_serves_openai_and_stops_cleanly(tmp_path):
             model="cpp-local", max_tokens=4, messages=[{"role": "user", "content": "hi"}],
             extra_headers={"x-consort-intent": "templates"})
         assert routed.headers["x-consort-specialist"] == "template"
+        # the engines are closed to everyone but the router: a generated credential, in a 0600 file
+        cred = tmp_path / "run" / "engine-credential"
+        assert cred.stat().st_mode & 0o777 == 0o600 and len(cred.read_text().strip()) >= 32
+        engine_url = re.search(r"engine stl: pid \d+, (http://\S+)", text).group(1)
+        direct = httpx.post(engine_url + "/v1/completions", json={"prompt": "x", "max_tokens": 1}, timeout=30)
+        assert direct.status_code == 401 and direct.json()["error"]["code"] == "invalid_credential"
+        adapter = httpx.post(engine_url + "/v1/adapters", json={"name": "x", "path": "/etc"}, timeout=30)
+        assert adapter.status_code == 401
+        assert httpx.get(engine_url + "/health", timeout=10).status_code == 200
 
         time.sleep(2)
         idle_rss_gib = sum(rss_kib(p) for p in pids) / 2**20

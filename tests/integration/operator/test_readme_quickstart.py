@@ -62,7 +62,8 @@ def test_the_quickstart_runs_as_written(tmp_path):
     headers = {k.lower(): v.strip() for k, v in (line.split(": ", 1) for line in curl.splitlines()
                                                  if line.lower().startswith("x-"))}
     print(f"\nquickstart output:\n{curl}\n{python}")
-    assert {"x-consort-specialist", "x-consort-shadow", "x-consort-breaker", "x-request-id"} <= set(headers)
+    assert {"x-consort-specialist", "x-consort-shadow", "x-consort-breaker", "x-request-id",
+            "x-consort-feedback-id"} <= set(headers)
     assert headers["x-consort-specialist"] in {"algo", "template", "stl"}
     assert all(f'"id":"{name}"' in curl.replace(" ", "") for name in ("cpp-local", "algo", "template", "stl"))
     assert python.strip(), "the openai block printed no answer"

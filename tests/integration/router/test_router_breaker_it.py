@@ -13,18 +13,17 @@ BREAKER = {"window": 10, "min_samples": 5, "floor": 0.7, "recovery_margin": 0.1,
            "half_open_samples": 4, "fresh_samples": 0, "fresh_shadow_fraction": 1.0}
 
 
-def ask(r, intent="codegen", rid=None):
+def ask(r, intent="codegen"):
+    """The answer's headers; x-consort-feedback-id names it for /v1/feedback."""
     headers = {"x-consort-intent": intent}
-    if rid:
-        headers["x-request-id"] = rid
     raw = r.client().completions.with_raw_response.create(model="cpp", prompt="int main() {", max_tokens=2,
                                                           temperature=0, extra_body={"ignore_eos": True},
                                                           extra_headers=headers)
     return raw.headers
 
 
-def feedback(r, rid, correct, specialist=None):
-    body = {"request_id": rid, "correct": correct}
+def feedback(r, headers, correct, specialist=None):
+    body = {"feedback_id": headers["x-consort-feedback-id"], "correct": correct}
     if specialist:
         body["specialist"] = specialist
     resp = r.post("/v1/feedback", body)
@@ -39,9 +38,9 @@ def algo(r):
 def trip_algo(r, prefix="f"):
     states = []
     for i in range(12):
-        h = ask(r, rid=f"{prefix}{i}")
+        h = ask(r)
         assert h["x-consort-specialist"] == "Algo"
-        out = feedback(r, f"{prefix}{i}", False)
+        out = feedback(r, h, False)
         states.append(out["breaker"])
         if out["breaker"] == "open":
             break
@@ -52,8 +51,7 @@ def test_trip_to_shadow_only_then_recover_without_flapping(engines, make_router,
     r = make_router(router_config(engines, breaker=BREAKER), workdir=tmp_path / "b")
     # healthy feedback keeps it closed
     for i in range(5):
-        ask(r, rid=f"ok{i}")
-        assert feedback(r, f"ok{i}", True)["breaker"] == "closed"
+        assert feedback(r, ask(r), True)["breaker"] == "closed"
     # sustained failures: trips once, after `trip_after` consecutive breach samples
     states = trip_algo(r)
     # 5 passes + failures: the rate drops below 0.7 at the 3rd failure; trip_after=3 -> open at the 5th
@@ -62,24 +60,28 @@ def test_trip_to_shadow_only_then_recover_without_flapping(engines, make_router,
     assert b["state"] == "open" and b["rate"] < 0.7 and b["transitions"] == 1
 
     # shadow-only: the fallback (STL) takes codegen as primary, Algo gets the shadow copy
-    h = ask(r, rid="open-1")
+    h = ask(r)
     assert (h["x-consort-specialist"], h["x-consort-breaker"], h["x-consort-shadow"]) == ("STL", "open", "Algo")
     # feedback about the answer the caller saw goes to STL, about the shadow to Algo
-    assert feedback(r, "open-1", True)["specialist"] == "STL"
-    resp = r.post("/v1/feedback", {"request_id": "open-1", "specialist": "Template", "correct": True})
+    resp = r.post("/v1/feedback", {"feedback_id": h["x-consort-feedback-id"], "specialist": "Template",
+                                   "correct": True})
     assert resp.status_code == 400 and resp.json()["error"]["code"] == "not_involved"
+    assert feedback(r, h, True)["specialist"] == "STL"
+    # each id counts once (the shadow's verdict needs an answer of its own)
+    resp = r.post("/v1/feedback", {"feedback_id": h["x-consort-feedback-id"], "specialist": "Algo", "correct": True})
+    assert resp.status_code == 404 and resp.json()["error"]["code"] == "unknown_feedback_id"
 
     # recovery comes only from sustained good shadow results; record every state on the way
     seen = []
     for i in range(40):
-        h = ask(r, rid=f"rec{i}")
+        h = ask(r)
         if h["x-consort-specialist"] == "STL":
             assert h["x-consort-shadow"] == "Algo"
-            out = feedback(r, f"rec{i}", True, specialist="Algo")
+            out = feedback(r, h, True, specialist="Algo")
         else:  # half_open: Algo primary again, heavily shadowed to its fallback
             assert h["x-consort-specialist"] == "Algo" and h["x-consort-breaker"] == "half_open"
             assert h["x-consort-shadow"] == "STL"
-            out = feedback(r, f"rec{i}", True)
+            out = feedback(r, h, True)
         seen.append(out["breaker"])
         if out["breaker"] == "closed":
             break
@@ -94,8 +96,7 @@ def test_trip_to_shadow_only_then_recover_without_flapping(engines, make_router,
     # short dips around the floor after recovery do not trip it again
     pattern = [True, True, True, False, True, True, False, True, True, True, True, False] * 3
     for i, ok in enumerate(pattern):
-        ask(r, rid=f"osc{i}")
-        assert feedback(r, f"osc{i}", ok)["breaker"] == "closed"
+        assert feedback(r, ask(r), ok)["breaker"] == "closed"
     metrics = r.get("/metrics")[1]
     assert 'consort_router_breaker_transitions_total{specialist="Algo",to="open"} 1.0' in metrics
     assert 'consort_router_breaker_state{specialist="Algo"} 0.0' in metrics

@@ -149,7 +149,7 @@ def test_auth(engines, make_router, tmp_path):
     assert r.get("/health")[0] == 200 and r.get("/ready")[0] == 200
     assert r.get("/metrics")[0] == 200
     assert r.get("/v1/routing")[0] == 401 and r.get("/v1/routing", "sk-good-1")[0] == 200
-    assert r.post("/v1/feedback", {"request_id": "x", "correct": True}).status_code == 401
+    assert r.post("/v1/feedback", {"feedback_id": "x", "correct": True}).status_code == 401
     # keys never reach the log
     assert "sk-good" not in r.proc.log_path.read_text() and "sk-wrong" not in r.proc.log_path.read_text()
 
@@ -175,9 +175,11 @@ def test_bad_input_is_typed_4xx_never_5xx(engines, make_router):
          400, "invalid_unicode"),
         (lambda: httpx.get(r.url + "/v1/completions", timeout=10), 405, "method_not_allowed"),
         (lambda: httpx.get(r.url + "/nope", timeout=10), 404, "not_found"),
-        (lambda: r.post("/v1/feedback", {"request_id": "never-seen", "correct": True}), 404, "unknown_request"),
-        (lambda: r.post("/v1/feedback", {"request_id": "x", "correct": "yes"}), 400, "invalid_type"),
-        (lambda: r.post("/v1/feedback", {"request_id": "x", "score": 3}), 400, "invalid_type"),
+        (lambda: r.post("/v1/feedback", {"feedback_id": "never-issued", "correct": True}), 404,
+         "unknown_feedback_id"),
+        (lambda: r.post("/v1/feedback", {"request_id": "x", "correct": True}), 400, "missing_field"),
+        (lambda: r.post("/v1/feedback", {"feedback_id": "x", "correct": "yes"}), 400, "invalid_type"),
+        (lambda: r.post("/v1/feedback", {"feedback_id": "x", "score": 3}), 400, "invalid_type"),
     ]
     for i, (call, status, code) in enumerate(cases):
         resp = call()

@@ -81,6 +81,32 @@ def test_adapter_is_part_of_the_key():
     assert same.num_cached_tokens == 8
 
 
+def test_cache_salt_is_part_of_the_key():
+    """Tenants (issue 25): a prefix cached under one salt is no hit under another, nor unsalted."""
+    bm = BlockManager(16, BS)
+    a = Sequence(list(range(1, 10)), SamplingParams(), cache_salt="tenant-a")
+    run_to_completion(bm, a)
+    bm.free(a)
+    for salt in ("tenant-b", None):
+        other = Sequence(list(range(1, 10)), SamplingParams(), cache_salt=salt)
+        bm.allocate(other)
+        assert other.num_cached_tokens == 0, salt
+    same = Sequence(list(range(1, 10)), SamplingParams(), cache_salt="tenant-a")
+    bm.allocate(same)
+    assert same.num_cached_tokens == 8
+
+
+def test_a_forced_collision_across_salts_is_still_a_miss():
+    """Even with every hash equal, a block is verified against its salt."""
+    bm = BlockManager(16, BS, hash_fn=lambda parent, ns, adapter, tokens: 7)
+    a = Sequence(list(range(1, 6)), SamplingParams(), cache_salt="x")
+    run_to_completion(bm, a)
+    bm.free(a)
+    b = Sequence(list(range(1, 6)), SamplingParams(), cache_salt="y")
+    bm.allocate(b)
+    assert b.num_cached_tokens == 0
+
+
 def test_forget_adapter_drops_only_that_adapters_cached_prefixes():
     bm = BlockManager(16, BS)
     for adapter in ("lora-a", "lora-b"):

@@ -113,6 +113,18 @@ def test_service_pdb_networkpolicy():
     assert {"podSelector": {"matchLabels": {"app.kubernetes.io/component": "router", "app.kubernetes.io/part-of": "consort"}}} in peers
     assert any(p.get("namespaceSelector", {}).get("matchLabels") == {"kubernetes.io/metadata.name": "consort-system"} for p in peers)
     assert np["ingress"][0]["ports"] == [{"protocol": "TCP", "port": 9000}]
+    assert len(np["ingress"]) == 1      # no metrics namespaces named: nobody else
+    # monitoring reaches the engine's own metrics port (consort engine --metrics-port), never its API
+    pod = objs["Deployment"]["spec"]["template"]
+    args = pod["spec"]["containers"][0]["args"]
+    assert args[args.index("--metrics-port") + 1] == "9001" == pod["metadata"]["annotations"]["prometheus.io/port"]
+    assert {"name": "metrics", "containerPort": 9001, "protocol": "TCP"} in pod["spec"]["containers"][0]["ports"]
+    mon_ctx = BuildContext(metrics_namespace_labels=(("team", "mon"),))
+    mon = by_kind(S.specialist_children("algo", "ns", "u", s, mon_ctx))
+    rules = mon["NetworkPolicy"]["spec"]["ingress"]
+    assert {"namespaceSelector": {"matchLabels": {"team": "mon"}}} not in rules[0]["from"]
+    assert rules[1] == {"from": [{"namespaceSelector": {"matchLabels": {"team": "mon"}}}],
+                        "ports": [{"protocol": "TCP", "port": 9001}]}
     no_np = by_kind(S.specialist_children("algo", "ns", "u", s, BuildContext(network_policy=False)))
     assert "NetworkPolicy" not in no_np
 

@@ -1,13 +1,14 @@
 """Auth (keys file, constant-time compare, fail closed) and request parsing (typed 4xx)."""
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 
 import pytest
 
 from consort_router.api import ApiError, parse_json, parse_request, upstream_body
-from consort_router.auth import KeyRing, bearer, check, parse_keys
+from consort_router.auth import ANONYMOUS, KeyRing, bearer, parse_keys, resolve
 
 
 def test_keys_file_and_bearer(tmp_path):
@@ -15,11 +16,11 @@ def test_keys_file_and_bearer(tmp_path):
     p.write_text("# comment\nsk-one\n\n  sk-two  \n")
     ring = KeyRing(str(p))
     ring.refresh()
-    assert ring.enabled and len(ring.digests) == 2
-    assert ring.allows("Bearer sk-one") and ring.allows("bearer sk-two")
-    assert not ring.allows("Bearer sk-three")
-    assert not ring.allows("sk-one") and not ring.allows(None) and not ring.allows("Bearer ")
-    assert not ring.allows("Basic sk-one")
+    assert ring.enabled and len(ring.entries) == 2
+    assert ring.tenant("Bearer sk-one") and ring.tenant("bearer sk-two")
+    assert ring.tenant("Bearer sk-three") is None
+    assert ring.tenant("sk-one") is None and ring.tenant(None) is None and ring.tenant("Bearer ") is None
+    assert ring.tenant("Basic sk-one") is None
     # the ring keeps only digests
     assert b"sk-one" not in repr(ring).encode()
 
@@ -29,21 +30,38 @@ def test_keys_reload_on_change_and_fail_closed(tmp_path):
     p.write_text("old\n")
     ring = KeyRing(str(p))
     ring.refresh()
-    assert ring.allows("Bearer old")
+    assert ring.tenant("Bearer old")
     time.sleep(0.01)
     p.write_text("new\n")
     os.utime(p, ns=(time.time_ns(), time.time_ns() + 10**9))
     ring.refresh()
-    assert ring.allows("Bearer new") and not ring.allows("Bearer old")
+    assert ring.tenant("Bearer new") and ring.tenant("Bearer old") is None
     p.unlink()
     ring.refresh()
-    assert not ring.allows("Bearer new")  # missing file: nobody gets in
+    assert ring.tenant("Bearer new") is None  # missing file: nobody gets in
 
 
-def test_check_compares_against_every_key():
+def test_resolve_compares_against_every_key():
     d = parse_keys("a\nb\nc\n")
-    assert check(d, "c") and not check(d, "d") and not check((), "a") and not check(d, None)
+    assert resolve(d, "c") and resolve(d, "d") is None and resolve((), "a") is None and resolve(d, None) is None
     assert bearer("Bearer  x ") == "x"
+
+
+def test_named_tenants_and_anonymous_old_keys():
+    entries = parse_keys("# tenants\nteam-a: sk-aaa\nteam.b : sk:b:with:colons\nsk-legacy\n")
+    assert resolve(entries, "sk-aaa") == "team-a"
+    assert resolve(entries, "sk:b:with:colons") == "team.b"
+    anon = resolve(entries, "sk-legacy")
+    assert anon == "anon-" + hashlib.sha256(b"sk-legacy").hexdigest()[:8]
+    assert "sk-legacy" not in anon
+    assert resolve(entries, "team-a: sk-aaa") is None and resolve(entries, "team-a") is None
+    for bad_text in ("bad name!: k\n", "a: k1\na: k2\n", "a: \n"):
+        with pytest.raises(ValueError):
+            parse_keys(bad_text)
+
+
+def test_auth_off_is_the_anonymous_tenant():
+    assert KeyRing(None).tenant(None) == ANONYMOUS == KeyRing(None).tenant("Bearer whatever")
 
 
 def test_parse_request_typed_errors():
@@ -109,3 +127,26 @@ def test_shadow_reads_and_caps_responses():
     sse = (b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","delta":"a"}\n\n'
            b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","delta":"b"}\n\n')
     assert text_of_sse(sse) == "ab"
+
+
+def test_engine_credential_file(tmp_path):
+    from consort_router.auth import engine_credential
+    p = tmp_path / "cred"
+    p.write_text("# engine credential\nc-new\nc-old\n")
+    assert engine_credential(str(p)) == "c-new" and engine_credential(None) is None
+    p.write_text("\n# none\n")
+    with pytest.raises(ValueError):
+        engine_credential(str(p))
+
+
+def test_engine_credential_follows_its_file(tmp_path):
+    from consort_router.auth import EngineCredential
+    p = tmp_path / "cred"
+    p.write_text("c1\n")
+    c = EngineCredential(str(p))
+    assert c.refresh() and c.headers() == {"Authorization": "Bearer c1"}
+    assert not c.refresh()                                  # unchanged
+    p.write_text("c2\nc1\n")
+    os.utime(p, ns=(time.time_ns(), time.time_ns() + 10**9))
+    assert c.refresh() and c.value == "c2"
+    assert EngineCredential(None).headers() == {} and not EngineCredential(None).refresh()

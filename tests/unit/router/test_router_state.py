@@ -84,8 +84,18 @@ def test_feedback_map_is_bounded():
     cfg = RouterConfig.model_validate(dict(BASE, limits={"feedback_map_size": 3}))
     r = Router(cfg)
     for i in range(10):
-        r.lanes.remember(f"id{i}", "A", None)
+        r.lanes.remember(f"id{i}", "t", "A", None)
     assert list(r.lanes.feedback) == ["id7", "id8", "id9"]
+
+
+def test_feedback_ids_are_bound_to_a_tenant_and_used_once():
+    r = Router(RouterConfig.model_validate(BASE))
+    r.lanes.remember("fb1", "team-a", "A", "C")
+    assert r.lanes.claim("fb1", "team-b") is None          # another tenant's id: refused, and left alone
+    g = r.lanes.claim("fb1", "team-a")
+    assert (g.tenant, g.primary, g.shadow) == ("team-a", "A", "C")
+    assert r.lanes.claim("fb1", "team-a") is None          # used up
+    assert r.lanes.claim("never-issued", "team-a") is None
 
 
 def test_store_restore_on_start(tmp_path):
