@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from .base import (DnsLabel, LabelSelector, LocalObjectKeyRef, Model, Quantity, Toleration, cel, Condition)
 
@@ -118,7 +118,16 @@ class RouterResources(Model):
     memory: Quantity = Field(default="1Gi", description="Memory request and limit per router replica.")
 
 
+EXPOSED_NEEDS_KEYS = ("a NodePort or LoadBalancer router Service needs auth.apiKeysSecretRef: it is reachable from "
+                      "outside the cluster, and without keys anyone there could call it")
+
+
 class EnsembleRouterSpec(Model):
+    model_config = Model.model_config | {"json_schema_extra": {"x-kubernetes-validations": [
+        cel("!has(self.service) || !has(self.service.type) || self.service.type == 'ClusterIP' || "
+            "(has(self.auth) && has(self.auth.apiKeysSecretRef))", EXPOSED_NEEDS_KEYS, reason="FieldValueForbidden"),
+    ]}}
+
     specialist_selector: LabelSelector = Field(default_factory=LabelSelector, json_schema_extra={"default": {}},
                                                description="Which Specialists in this namespace form the ensemble; empty selects all.")
     rules: list[IntentRule] | None = Field(default=None, max_length=256, description="Extra intent -> specialist rules beyond each Specialist's spec.intents.")
@@ -136,6 +145,12 @@ class EnsembleRouterSpec(Model):
     tolerations: list[Toleration] | None = Field(default=None, description="Tolerations for router pods.")
     service: RouterService = Field(default_factory=RouterService, json_schema_extra={"default": {}}, description="The router's Service.")
     auth: Auth = Field(default_factory=Auth, json_schema_extra={"default": {}}, description="API-key auth.")
+
+    @model_validator(mode="after")
+    def _exposed_needs_keys(self) -> "EnsembleRouterSpec":
+        if self.service.type != "ClusterIP" and self.auth.api_keys_secret_ref is None:
+            raise ValueError(EXPOSED_NEEDS_KEYS)
+        return self
 
 
 class LaneStatus(Model):

@@ -99,3 +99,14 @@ def test_the_crd_refuses_dotdot_in_pvc_paths(cluster, crds, namespace):
     ok = yaml.safe_dump({"apiVersion": "consort.dev/v1alpha1", "kind": "Specialist", "metadata": {"name": "dots"},
                          "spec": {"model": {"source": "pvc://m/v1..2"}}})
     cluster.kubectl("apply", "-n", namespace, "-f", "-", input=ok)
+
+
+def test_the_crd_refuses_an_exposed_router_without_keys(cluster, crds, namespace):
+    def router(spec: dict) -> str:
+        return yaml.safe_dump({"apiVersion": "consort.dev/v1alpha1", "kind": "EnsembleRouter",
+                               "metadata": {"name": "front"}, "spec": spec})
+    out = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=router({"service": {"type": "LoadBalancer"}}),
+                          check=False)
+    assert out.returncode != 0 and "needs auth.apiKeysSecretRef" in out.stderr, out.stderr
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=router(
+        {"service": {"type": "LoadBalancer"}, "auth": {"apiKeysSecretRef": {"name": "keys", "key": "k"}}}))

@@ -312,3 +312,18 @@ def test_api_keys_come_from_the_routers_own_namespace_and_its_role_reads_no_secr
     with pytest.raises(ValidationError):
         EnsembleRouterSpec.model_validate(
             {"auth": {"apiKeysSecretRef": {"name": "keys", "key": "k", "namespace": "kube-system"}}})
+
+
+# ---- an exposed router needs keys ------------------------------------------------------------------
+
+def test_a_nodeport_or_loadbalancer_router_without_keys_is_refused():
+    import pydantic
+
+    for kind in ("NodePort", "LoadBalancer"):
+        with pytest.raises(pydantic.ValidationError, match="needs auth.apiKeysSecretRef"):
+            EnsembleRouterSpec.model_validate({"service": {"type": kind}})
+        EnsembleRouterSpec.model_validate({"service": {"type": kind},
+                                           "auth": {"apiKeysSecretRef": {"name": "keys", "key": "k"}}})
+    EnsembleRouterSpec.model_validate({"service": {"type": "ClusterIP"}})     # in-cluster only: keys optional
+    spec = crds.ensemble_router_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    assert any("apiKeysSecretRef" in v["rule"] for v in spec["x-kubernetes-validations"])
