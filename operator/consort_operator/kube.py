@@ -31,6 +31,7 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies"),
     "Role": ("/apis/rbac.authorization.k8s.io/v1", "roles"),
     "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings"),
+    "Lease": ("/apis/coordination.k8s.io/v1", "leases"),
     "Specialist": (f"/apis/{GROUP}/{VERSION}", "specialists"),
     "EnsembleRouter": (f"/apis/{GROUP}/{VERSION}", "ensemblerouters"),
 }
@@ -124,6 +125,18 @@ class Kube:
         query = [("labelSelector", label_selector)] if label_selector else []
         body = await self._call("GET", object_path(kind, namespace), f"list {kind} in {namespace}", query=query)
         return list(body.get("items") or [])
+
+    async def create(self, obj: dict[str, Any]) -> dict[str, Any]:
+        """POST: 409 when the object exists (someone else created it first)."""
+        meta = obj["metadata"]
+        return await self._call("POST", object_path(obj["kind"], meta["namespace"]),
+                                f"create {obj['kind']} {meta['namespace']}/{meta['name']}", body=obj)
+
+    async def replace(self, obj: dict[str, Any]) -> dict[str, Any]:
+        """PUT with the resourceVersion read: 409 when the object changed since (optimistic concurrency)."""
+        meta = obj["metadata"]
+        return await self._call("PUT", object_path(obj["kind"], meta["namespace"], meta["name"]),
+                                f"update {obj['kind']} {meta['namespace']}/{meta['name']}", body=obj)
 
     async def patch_status(self, kind: str, namespace: str, name: str, status: dict[str, Any]) -> dict[str, Any]:
         """Merge-patch the status subresource (never spec)."""

@@ -116,3 +116,109 @@ def test_released_lease_is_free_to_take():
 def test_timings_must_be_ordered(d, r, p):
     with pytest.raises(ValueError):
         Timings(d, r, p)
+
+
+# ---- the shell (election.py) against a fake apiserver: the writes the decisions turn into ----------
+
+class FakeKube:
+    """One Lease in memory with resourceVersions; `down` makes every call fail like an outage."""
+
+    def __init__(self) -> None:
+        self.obj: dict | None = None
+        self.rv = 0
+        self.down = False
+
+    def _check(self) -> None:
+        if self.down:
+            raise OSError("connection refused")
+
+    def _store(self, obj: dict) -> dict:
+        import copy
+        self.rv += 1
+        self.obj = copy.deepcopy(obj)
+        self.obj["metadata"]["resourceVersion"] = str(self.rv)
+        return copy.deepcopy(self.obj)
+
+    async def get(self, kind: str, namespace: str, name: str) -> dict | None:
+        self._check()
+        return None if self.obj is None else dict(self.obj)
+
+    async def create(self, obj: dict) -> dict:
+        from consort_operator.kube import KubeError
+        self._check()
+        if self.obj is not None:
+            raise KubeError(409, {"message": "exists"}, "create")
+        return self._store(obj)
+
+    async def replace(self, obj: dict) -> dict:
+        from consort_operator.kube import KubeError
+        self._check()
+        if obj["metadata"].get("resourceVersion") != self.obj["metadata"]["resourceVersion"]:
+            raise KubeError(409, {"message": "conflict"}, "update")
+        return self._store(obj)
+
+
+def elector(kube: FakeKube, me: str, clock: list[float], lost_calls: list[str]):
+    from consort_operator.election import Elector
+    return Elector(kube, "consort-system", "consort-operator", me, T, clock=lambda: clock[0],
+                   on_lost=lost_calls.append)
+
+
+def test_shell_two_candidates_one_leader_then_failover_and_outage():
+    import asyncio
+    kube, clock, lost_calls = FakeKube(), [100.0], []
+    a, b = elector(kube, ME, clock, lost_calls), elector(kube, OTHER, clock, lost_calls)
+
+    async def scenario() -> None:
+        assert await a.step() == "acquire" and a.leading
+        assert kube.obj["spec"]["holderIdentity"] == ME
+        assert await b.step() == "wait" and not b.leading
+        clock[0] = 102.0
+        assert await a.step() == "renew"
+        # a stale write (the resourceVersion b read before a renewed) is refused: 409, b stays standby
+        stale = b._lease(lease_spec(b.record, OTHER, WALL, T), b.record)
+        from consort_operator.kube import KubeError
+        with pytest.raises(KubeError):
+            await kube.replace(stale)
+        # an outage: a cannot renew; it is lost at 112 (10 s after its last write), b cannot acquire
+        kube.down = True
+        clock[0] = 111.9
+        assert await a.step() == "wait" and await b.step() == "wait"
+        clock[0] = 112.0
+        assert await a.step() == "lost"
+        kube.down = False
+        clock[0] = 113.0
+        assert await b.step() == "wait", "b saw the renewal at 102 at the earliest... and must wait on its clock"
+        clock[0] = 130.0
+        assert await b.step() == "acquire" and kube.obj["spec"]["holderIdentity"] == OTHER
+        assert kube.obj["spec"]["leaseTransitions"] == 1
+
+    asyncio.run(scenario())
+
+
+def test_shell_release_lets_the_standby_take_over_at_once():
+    import asyncio
+    kube, clock, lost_calls = FakeKube(), [100.0], []
+    a, b = elector(kube, ME, clock, lost_calls), elector(kube, OTHER, clock, lost_calls)
+
+    async def scenario() -> None:
+        await a.step()
+        assert await b.step() == "wait"
+        await a.release()
+        assert not a.leading and not kube.obj["spec"].get("holderIdentity")
+        clock[0] = 101.0
+        assert await b.step() == "acquire"
+
+    asyncio.run(scenario())
+
+
+def test_leader_election_default():
+    from consort_operator.main import leader_election_on, parse_args
+    assert leader_election_on(parse_args([]), in_cluster=True)
+    assert not leader_election_on(parse_args([]), in_cluster=False)
+    assert not leader_election_on(parse_args(["--standalone"]), in_cluster=True)
+    assert not leader_election_on(parse_args(["--peering", "p"]), in_cluster=True)
+    assert leader_election_on(parse_args(["--leader-election", "--standalone"]), in_cluster=False)
+    assert not leader_election_on(parse_args(["--no-leader-election"]), in_cluster=True)
+    with pytest.raises(SystemExit):
+        leader_election_on(parse_args(["--leader-election", "--peering", "p"]), in_cluster=True)
