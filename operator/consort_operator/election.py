@@ -22,8 +22,8 @@ from typing import Any, Callable
 from urllib.parse import urlparse
 
 from .kube import Kube, KubeError
-from .lifecycle.leader import (Action, Record, State, Timings, decide, lease_spec, lost, observe, record_of,
-                               released_spec)
+from .lifecycle.leader import (Action, Record, State, Timings, decide, lease_spec, lost, micro_time, observe,
+                               record_of, released_spec)
 from .metrics import LEADER
 
 log = logging.getLogger("consort.operator.leader")
@@ -121,6 +121,7 @@ class Elector:
         while not stop.is_set():
             if await self.step() in ("acquire", "renew"):
                 self._became_leader()
+                await self._post_event()
                 return True
             try:
                 await asyncio.wait_for(stop.wait(), self.t.retry_period)
@@ -134,6 +135,22 @@ class Elector:
         print(f"consort operator: {self.me} leads (Lease {self.namespace}/{self.name}, transitions {transitions})",
               file=sys.stderr, flush=True)
         threading.Thread(target=self._watchdog, name="lease-watchdog", daemon=True).start()
+
+    async def _post_event(self) -> None:
+        """`kubectl describe lease` / `kubectl get events` say who leads since when (as client-go does)."""
+        now = micro_time(datetime.now(timezone.utc))[:19] + "Z"
+        uid = (self.record and self.record.uid) or None
+        event = {"apiVersion": "v1", "kind": "Event",
+                 "metadata": {"name": f"{self.name}.{secrets.token_hex(8)}", "namespace": self.namespace},
+                 "involvedObject": {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "name": self.name,
+                                    "namespace": self.namespace, **({"uid": uid} if uid else {})},
+                 "reason": "LeaderElection", "message": f"{self.me} became leader", "type": "Normal",
+                 "source": {"component": "consort-operator"}, "firstTimestamp": now, "lastTimestamp": now,
+                 "count": 1}
+        try:
+            await asyncio.wait_for(self.kube.create(event), 2.0)
+        except Exception as e:   # noqa: BLE001  (the Lease and the log line say it too)
+            self._call_failed("post the leader Event", e)
 
     def _lost(self) -> None:
         LEADER.labels(self.me).set(0)

@@ -32,6 +32,7 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "Role": ("/apis/rbac.authorization.k8s.io/v1", "roles"),
     "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings"),
     "Lease": ("/apis/coordination.k8s.io/v1", "leases"),
+    "Event": ("/api/v1", "events"),
     "Specialist": (f"/apis/{GROUP}/{VERSION}", "specialists"),
     "EnsembleRouter": (f"/apis/{GROUP}/{VERSION}", "ensemblerouters"),
 }

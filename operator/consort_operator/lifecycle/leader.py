@@ -43,6 +43,7 @@ class Record:
     renew_time: str | None
     transitions: int
     resource_version: str
+    uid: str = ""
 
     def key(self) -> tuple[Any, ...]:
         """What identifies one renewal: any change restarts a standby's wait."""
@@ -65,7 +66,8 @@ def record_of(lease: dict[str, Any] | None) -> Record | None:
     return Record(holder=spec.get("holderIdentity") or "", duration=float(duration) if duration else None,
                   acquire_time=spec.get("acquireTime"), renew_time=spec.get("renewTime"),
                   transitions=int(spec.get("leaseTransitions") or 0),
-                  resource_version=(lease.get("metadata") or {}).get("resourceVersion") or "")
+                  resource_version=(lease.get("metadata") or {}).get("resourceVersion") or "",
+                  uid=(lease.get("metadata") or {}).get("uid") or "")
 
 
 def observe(state: State, record: Record | None, now: float) -> State:
