@@ -87,7 +87,6 @@ def leader_election_on(args: argparse.Namespace, in_cluster: bool) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
-    electing = leader_election_on(args, in_cluster(args))
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("kopf.objects").setLevel(max(logging.INFO, logging.getLogger().level))
@@ -95,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["KUBECONFIG"] = os.path.abspath(args.kubeconfig)
         # Outside a cluster even when the service-account env happens to be set.
         os.environ.pop("KUBERNETES_SERVICE_HOST", None)
+    # Only now: kubernetes_asyncio reads $KUBECONFIG when first imported (kube.py imports it).
+    electing = leader_election_on(args, in_cluster(args))
 
     import kopf
 
