@@ -228,7 +228,11 @@ def test_a_leader_cut_off_from_the_apiserver_exits_before_the_standby_acquires(c
                 standby_lead = now
                 assert leader.proc.poll() is not None, "the standby acquired while the cut-off leader still ran"
             time.sleep(0.1)
-        sys.stderr.write(f"\n[leader cut off] leader exited {leader_exit}s, standby acquired {standby_lead}s after the cut\n")
+
+        def fmt(v: float | None) -> str:
+            return "never" if v is None else f"{v:.1f}s"
+
+        sys.stderr.write(f"\n[leader cut off] leader exited {fmt(leader_exit)}, standby acquired {fmt(standby_lead)} after the cut\n")
         assert leader_exit is not None and leader.proc.returncode == 1, leader.tail()
         assert "lost the leader Lease" in leader.log_path.read_text()
         assert standby_lead is not None and leader_exit < standby_lead < 30
