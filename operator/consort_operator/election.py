@@ -136,6 +136,12 @@ class Elector:
               file=sys.stderr, flush=True)
         threading.Thread(target=self._watchdog, name="lease-watchdog", daemon=True).start()
 
+    def check_leading(self) -> None:
+        """The write guard (Kube.write_guard): no write once the renew deadline has passed."""
+        if lost(self.state, self.clock(), self.t):
+            self._lost()
+            raise RuntimeError(f"{self.me} is no longer the leader: write refused")
+
     async def _post_event(self) -> None:
         """`kubectl describe lease` / `kubectl get events` say who leads since when (as client-go does)."""
         now = micro_time(datetime.now(timezone.utc))[:19] + "Z"

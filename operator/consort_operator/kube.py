@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, Callable
 
 from kubernetes_asyncio import client as k8s
 from kubernetes_asyncio import config as k8s_config
@@ -86,12 +86,18 @@ class Kube:
         self.configuration = configuration
         self.api = k8s.ApiClient(configuration)
         self.api.user_agent = "consort-operator"
+        # Called before every write: leader election raises here once this replica may have lost the
+        # Lease (a process paused past its renew deadline writes nothing when it wakes, before the
+        # watchdog has exited it).
+        self.write_guard: Callable[[], None] | None = None
 
     async def close(self) -> None:
         await self.api.close()
 
     async def _call(self, method: str, path: str, what: str, *, query: list[tuple[str, str]] | None = None,
                     body: Any = None, content_type: str | None = None) -> Any:
+        if method != "GET" and self.write_guard is not None:
+            self.write_guard()
         headers = {"Accept": "application/json"}
         if content_type:
             headers["Content-Type"] = content_type

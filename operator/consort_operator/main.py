@@ -140,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
             if not held:
                 await elector.kube.close()
                 return
+        if elector is not None:
+            rt.write_guard = elector.check_leading
         renewing = asyncio.create_task(elector.keep()) if elector else None
         try:
             await kopf.operator(

@@ -222,3 +222,33 @@ def test_leader_election_default():
     assert not leader_election_on(parse_args(["--no-leader-election"]), in_cluster=True)
     with pytest.raises(SystemExit):
         leader_election_on(parse_args(["--leader-election", "--peering", "p"]), in_cluster=True)
+
+
+def test_write_guard_refuses_writes_once_the_deadline_passed():
+    """A leader paused past its deadline (GC, SIGSTOP) writes nothing when it wakes: the guard raises
+    (and exits the process) before the request is sent; reads still pass."""
+    import asyncio
+
+    from consort_operator.kube import Kube
+    fake, clock, lost_calls = FakeKube(), [100.0], []
+    a = elector(fake, ME, clock, lost_calls)
+    asyncio.run(a.step())
+    a.check_leading()                      # within the deadline: allowed
+    clock[0] = 110.0
+    with pytest.raises(RuntimeError):
+        a.check_leading()
+    assert len(lost_calls) == 1 and "lost the leader Lease" in lost_calls[0]
+
+    sent: list[str] = []
+
+    class Api:
+        async def call_api(self, path, method, **_):
+            sent.append(method)
+            return {}
+
+    kube = Kube.__new__(Kube)
+    kube.api, kube.write_guard = Api(), a.check_leading
+    asyncio.run(kube.get("Lease", "ns", "x"))
+    with pytest.raises(RuntimeError):
+        asyncio.run(kube.apply({"kind": "Service", "metadata": {"namespace": "ns", "name": "x"}}))
+    assert sent == ["GET"]
