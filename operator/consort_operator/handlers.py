@@ -18,7 +18,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Callable
 
 import kopf
 from .api.base import GROUP, VERSION
@@ -53,6 +53,7 @@ class Runtime:
     idle_seconds: float = 30.0         # when everything is warm and settled
     resync_seconds: float = 600.0      # re-read owned objects (recreate deleted ones, fix drift)
     peering_priority: int | None = None
+    write_guard: Callable[[], None] | None = None   # leader election's check before each write
     kube: Kube | None = None
     prober: Prober | None = None
     wakers: dict[tuple[str, str, str], asyncio.Event] = field(default_factory=dict)
@@ -147,6 +148,7 @@ async def login(memo: Any, **_: Any) -> kopf.ConnectionInfo:
     if runtime.kube is not None:       # a re-login (credentials expired): the new client replaces the old
         await runtime.kube.close()
     runtime.kube = Kube(cfg)
+    runtime.kube.write_guard = runtime.write_guard
     return await connection_info(cfg)
 
 

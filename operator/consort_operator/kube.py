@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from typing import Any
+from typing import Any, Callable
 
 import aiohttp
 from kubernetes_asyncio import client as k8s
@@ -33,6 +33,8 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies"),
     "Role": ("/apis/rbac.authorization.k8s.io/v1", "roles"),
     "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings"),
+    "Lease": ("/apis/coordination.k8s.io/v1", "leases"),
+    "Event": ("/api/v1", "events"),
     "Specialist": (f"/apis/{GROUP}/{VERSION}", "specialists"),
     "EnsembleRouter": (f"/apis/{GROUP}/{VERSION}", "ensemblerouters"),
 }
@@ -92,12 +94,18 @@ class Kube:
         self.configuration = configuration
         self.api = k8s.ApiClient(configuration)
         self.api.user_agent = "consort-operator"
+        # Called before every write: leader election raises here once this replica may have lost the
+        # Lease (a process paused past its renew deadline writes nothing when it wakes, before the
+        # watchdog has exited it).
+        self.write_guard: Callable[[], None] | None = None
 
     async def close(self) -> None:
         await self.api.close()
 
     async def _call(self, method: str, path: str, what: str, *, query: list[tuple[str, str]] | None = None,
                     body: Any = None, content_type: str | None = None) -> Any:
+        if method != "GET" and self.write_guard is not None:
+            self.write_guard()
         headers = {"Accept": "application/json"}
         if content_type:
             headers["Content-Type"] = content_type
@@ -132,6 +140,18 @@ class Kube:
         query = [("labelSelector", label_selector)] if label_selector else []
         body = await self._call("GET", object_path(kind, namespace), f"list {kind} in {namespace}", query=query)
         return list(body.get("items") or [])
+
+    async def create(self, obj: dict[str, Any]) -> dict[str, Any]:
+        """POST: 409 when the object exists (someone else created it first)."""
+        meta = obj["metadata"]
+        return await self._call("POST", object_path(obj["kind"], meta["namespace"]),
+                                f"create {obj['kind']} {meta['namespace']}/{meta['name']}", body=obj)
+
+    async def replace(self, obj: dict[str, Any]) -> dict[str, Any]:
+        """PUT with the resourceVersion read: 409 when the object changed since (optimistic concurrency)."""
+        meta = obj["metadata"]
+        return await self._call("PUT", object_path(obj["kind"], meta["namespace"], meta["name"]),
+                                f"update {obj['kind']} {meta['namespace']}/{meta['name']}", body=obj)
 
     async def patch_status(self, kind: str, namespace: str, name: str, status: dict[str, Any]) -> dict[str, Any]:
         """Merge-patch the status subresource (never spec)."""

@@ -8,6 +8,7 @@ import os
 import random
 import signal
 import sys
+from typing import Any
 
 from consort_engine.config import HelpFormatter
 
@@ -55,12 +56,23 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--metrics-host", default="0.0.0.0", help="bind address of /metrics")
     p.add_argument("--liveness", default="http://0.0.0.0:8081/healthz",
                    help="Kopf liveness endpoint URL ('' disables)")
+    p.add_argument("--leader-election", action=argparse.BooleanOptionalAction, default=None,
+                   help="act only while holding a coordination.k8s.io Lease (default: on inside a cluster "
+                        "unless --standalone or --peering is given; the chart passes it)")
+    p.add_argument("--lease-name", default="consort-operator", help="the leader Lease's name")
+    p.add_argument("--lease-namespace", default=None, help="the leader Lease's namespace (default: --operator-namespace)")
+    p.add_argument("--lease-duration", type=float, default=15.0,
+                   help="seconds a standby waits after the last renewal it saw before taking over")
+    p.add_argument("--renew-deadline", type=float, default=10.0,
+                   help="seconds without a renewal after which the leader exits (less than --lease-duration)")
+    p.add_argument("--retry-period", type=float, default=2.0, help="seconds between renewals and between a standby's looks")
     peer = p.add_mutually_exclusive_group()
     peer.add_argument("--peering", default=None,
-                      help="mandatory Kopf peering object name (KopfPeering/ClusterKopfPeering must exist)")
-    peer.add_argument("--standalone", action="store_true", help="no peering (single replica)")
+                      help="Kopf peering instead of leader election (KopfPeering/ClusterKopfPeering must exist; "
+                           "not safe through apiserver outages, see docs/operations.md)")
+    peer.add_argument("--standalone", action="store_true", help="no Kopf peering (one replica, or with --leader-election)")
     p.add_argument("--priority", type=int, default=None,
-                   help="peering priority; unset: random, so that of two replicas exactly one acts")
+                   help="Kopf peering priority with --peering; unset: random, so that of two replicas exactly one acts")
     p.add_argument("--log-level", default=os.environ.get("CONSORT_LOG_LEVEL", "INFO"),
                    help="DEBUG, INFO, WARNING or ERROR ($CONSORT_LOG_LEVEL)")
     return p.parse_args(argv)
@@ -76,6 +88,21 @@ def _pairs(values: list[str]) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
+def in_cluster(args: argparse.Namespace) -> bool:
+    from .kube import SA_TOKEN
+
+    return not args.kubeconfig and bool(os.environ.get("KUBERNETES_SERVICE_HOST")) and os.path.exists(SA_TOKEN)
+
+
+def leader_election_on(args: argparse.Namespace, in_cluster: bool) -> bool:
+    """Explicit flag wins; by default a pod elects a leader unless told it is alone or peers through Kopf."""
+    if args.leader_election is not None:
+        if args.leader_election and args.peering:
+            raise SystemExit("consort operator: --leader-election and --peering exclude each other")
+        return args.leader_election
+    return in_cluster and not args.standalone and not args.peering
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO), stream=sys.stderr,
@@ -85,10 +112,12 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["KUBECONFIG"] = os.path.abspath(args.kubeconfig)
         # Outside a cluster even when the service-account env happens to be set.
         os.environ.pop("KUBERNETES_SERVICE_HOST", None)
+    # Only now: kubernetes_asyncio reads $KUBECONFIG when first imported (kube.py imports it).
+    electing = leader_election_on(args, in_cluster(args))
 
     import kopf
 
-    from . import handlers, metrics
+    from . import election, handlers, metrics
     from .resolver import from_flag
     from .resources.common import BuildContext
 
@@ -103,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     rt.poll_seconds = args.poll_seconds
     rt.idle_seconds = args.idle_seconds
     rt.resync_seconds = args.resync_seconds
-    rt.peering_priority = args.priority if args.priority is not None else random.randint(1, 2**31 - 1)
+    if not electing:
+        rt.peering_priority = args.priority if args.priority is not None else random.randint(1, 2**31 - 1)
     if args.metrics_port:
         try:
             metrics.serve(args.metrics_port, args.metrics_host)
@@ -113,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
 
     settings = kopf.OperatorSettings()
-    if not args.standalone and not args.peering:
+    if not electing and not args.standalone and not args.peering:
         settings.peering.name = "consort"    # used when the peering object exists; standalone otherwise
 
     stop = asyncio.Event()
@@ -122,23 +152,63 @@ def main(argv: list[str] | None = None) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        await kopf.operator(
-            clusterwide=not args.namespace,
-            namespaces=args.namespace or (),   # () with clusterwide: every namespace (None breaks Kopf)
-            liveness_endpoint=args.liveness or None,
-            standalone=args.standalone,
-            peering_name=args.peering,
-            priority=rt.peering_priority,
-            settings=settings,
-            memo=kopf.Memo(runtime=rt),   # handlers read it as memo.runtime: no module globals
-            stop_flag=stop,
-        )
+        elector = None
+        if electing:
+            elector = await start_election(args)
+            health = await election.standby_health(args.liveness)
+            try:
+                held = await elector.acquire(stop)
+            finally:
+                if health is not None:
+                    await health.cleanup()    # Kopf serves the same URL from here on
+            if not held:
+                await elector.kube.close()
+                return
+        if elector is not None:
+            rt.write_guard = elector.check_leading
+        renewing = asyncio.create_task(elector.keep()) if elector else None
+        try:
+            await kopf.operator(
+                clusterwide=not args.namespace,
+                namespaces=args.namespace or (),   # () with clusterwide: every namespace (None breaks Kopf)
+                liveness_endpoint=args.liveness or None,
+                standalone=args.standalone or electing,
+                peering_name=None if electing else args.peering,
+                priority=rt.peering_priority,
+                settings=settings,
+                memo=kopf.Memo(runtime=rt),   # handlers read it as memo.runtime: no module globals
+                stop_flag=stop,
+            )
+        finally:
+            if elector is not None and renewing is not None:
+                renewing.cancel()
+                await elector.release()       # Kopf has stopped: the standby may start now
+                await elector.kube.close()
 
+    if electing:
+        coordination = f"leader election on Lease {args.lease_namespace or args.operator_namespace}/{args.lease_name}"
+    elif args.standalone:
+        coordination = "standalone"
+    else:
+        coordination = f"peering {args.peering or 'consort (if present)'} priority {rt.peering_priority}"
     print(f"consort operator: watching {', '.join(args.namespace) or 'all namespaces'}; "
-          f"pod address {args.pod_address}; warm signal {args.warm_signal}; peering priority {rt.peering_priority}",
+          f"pod address {args.pod_address}; warm signal {args.warm_signal}; {coordination}",
           file=sys.stderr, flush=True)
     asyncio.run(run())
     return 0
+
+
+async def start_election(args: argparse.Namespace) -> Any:
+    from .election import Elector, identity
+    from .kube import Kube, load_configuration
+    from .lifecycle.leader import Timings
+
+    try:
+        timings = Timings(args.lease_duration, args.renew_deadline, args.retry_period)
+    except ValueError as e:
+        raise SystemExit(f"consort operator: {e}") from None
+    kube = Kube(await load_configuration())
+    return Elector(kube, args.lease_namespace or args.operator_namespace, args.lease_name, identity(), timings)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,9 @@ STATUS_WRITES = Counter("consort_operator_status_writes_total", "Status subresou
 EVENTS = Counter("consort_operator_events_total", "Kubernetes Events posted", ["kind", "reason"], registry=REGISTRY)
 PROBES = Counter("consort_operator_engine_probes_total", "Engine /ready probes through the pod-address resolver",
                  ["result"], registry=REGISTRY)
+# One series per process (its own identity): 1 while it holds the leader Lease, 0 while standby.
+LEADER = Gauge("consort_operator_leader", "1 while this operator replica holds the leader Lease",
+               ["identity"], registry=REGISTRY)
 PHASES = Gauge("consort_operator_specialists", "Specialists by phase", ["phase"], registry=REGISTRY)
 
 

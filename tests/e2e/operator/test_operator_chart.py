@@ -1,8 +1,6 @@
 """The Helm chart: lint-clean, installs into the local control plane, and its ClusterRole is enough
-for the operator (run as the chart's ServiceAccount), with two peered replicas of which one acts."""
+for the operator (run as the chart's ServiceAccount), with two replicas electing a leader on a Lease."""
 from __future__ import annotations
-
-import re
 
 import pytest
 import yaml
@@ -80,7 +78,7 @@ def test_allowed_images_and_torch_flag_reach_the_operator(cluster):
 
 
 @pytest.mark.timeout(600)
-def test_chart_installs_and_its_rbac_runs_two_peered_operators(cluster, crds, namespace, tmp_path):
+def test_chart_installs_and_its_rbac_runs_two_operators_electing_a_leader(cluster, crds, namespace, tmp_path):
     release = f"c{namespace[-6:]}"
     cluster.helm("install", release, str(CHART), "-n", namespace, "--wait=false",
                  "--set", f"watchNamespaces={{{namespace}}}", "--set", "replicaCount=2")
@@ -90,8 +88,15 @@ def test_chart_installs_and_its_rbac_runs_two_peered_operators(cluster, crds, na
         pod = dep["spec"]["template"]["spec"]
         assert dep["spec"]["replicas"] == 2 and pod["securityContext"]["runAsNonRoot"] is True
         args = pod["containers"][0]["args"]
-        assert f"--namespace={namespace}" in args and "--peering=consort" in args
-        get_json(cluster, "kopfpeering", "consort", "-n", namespace)
+        lease = dep["metadata"]["name"]
+        assert f"--namespace={namespace}" in args and "--leader-election" in args
+        assert f"--lease-name={lease}" in args and f"--lease-namespace={namespace}" in args
+        assert not any(a.startswith("--peering") for a in args)
+        env = {e["name"]: e for e in pod["containers"][0]["env"]}
+        assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+        leader_role = get_json(cluster, "role", f"{lease}-leader", "-n", namespace)
+        assert {tuple(r["verbs"]): r.get("resourceNames") for r in leader_role["rules"]} == {
+            ("create",): None, ("get", "update"): [lease]}
         role = get_json(cluster, "clusterrole", "-l", f"app.kubernetes.io/instance={release}")["items"][0]
         verbs = {v for r in role["rules"] for v in r["verbs"]}
         assert verbs <= {"get", "list", "watch", "patch", "create"}, verbs
@@ -118,21 +123,20 @@ def test_chart_installs_and_its_rbac_runs_two_peered_operators(cluster, crds, na
             kubeconfig = sa_kubeconfig
             env = cluster.env
 
-        args = ("--peering", "consort", "--warm-signal", "pod-ready", "--pod-address", "none")
+        args = ("--leader-election", "--lease-namespace", namespace, "--lease-name", lease,
+                "--warm-signal", "pod-ready", "--pod-address", "none")
         for i in range(2):
             op = Operator(SACluster, namespace, tmp_path / f"op{i}", *args)
             (tmp_path / f"op{i}").mkdir()
-            # --peering replaces --standalone: drop the latter from the default argv.
-            op.start_argv_filter = lambda argv: [a for a in argv if a != "--standalone"]
             operators.append(op.start())
 
-        def peers() -> dict:
-            st = get_json(cluster, "kopfpeering", "consort", "-n", namespace).get("status") or {}
-            if len(st) != 2:
-                raise NotYet(f"peers {list(st)}")
-            return st
+        def held() -> str:
+            holder = (get_json(cluster, "lease", lease, "-n", namespace).get("spec") or {}).get("holderIdentity")
+            if not holder:
+                raise NotYet("no holder")
+            return holder
 
-        st = wait_for(peers, 60, "both operators registered in the KopfPeering")
+        holder = wait_for(held, 30, "one operator holding the Lease")
         cluster.kubectl("apply", "-n", namespace, "-f", "-", input=specialist("alpha") + "---\n" + ROUTER)
         wait_phase(cluster, namespace, "specialist", "alpha", "Ready", timeout=90)
         wait_phase(cluster, namespace, "ensemblerouter", "front", "Ready", timeout=90)
@@ -146,11 +150,10 @@ def test_chart_installs_and_its_rbac_runs_two_peered_operators(cluster, crds, na
         counts = [acted(op) for op in operators]
         assert sorted(c > 0 for c in counts) == [False, True], f"exactly one replica acts: {counts}"
         active, standby = (operators[0], operators[1]) if counts[0] else (operators[1], operators[0])
-        prio = {op: int(re.search(r"peering priority (\d+)", op.log_path.read_text()).group(1)) for op in operators}
-        assert prio[active] > prio[standby], "the highest-priority peer is the one acting"
-        assert sorted(p["priority"] for p in st.values()) == sorted(prio.values())
+        assert f'consort_operator_leader{{identity="{holder}"}}' in active.metrics(), "the Lease holder is the one acting"
 
-        # The active replica goes away; the standby takes over and reconciles a change.
+        # The active replica goes away (SIGTERM: it hands the Lease back); the standby takes over at
+        # once and reconciles a change.
         active.stop()
         cluster.kubectl("apply", "-n", namespace, "-f", "-", input=specialist("alpha", replicas=2))
 
