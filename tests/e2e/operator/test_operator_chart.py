@@ -52,17 +52,21 @@ def test_watch_namespaces_grant_writes_per_namespace_only(cluster):
     cluster_role = next(d for d in docs if d["kind"] == "ClusterRole")
     assert not {v for r in cluster_role["rules"] for v in r["verbs"]} & WRITE_VERBS, cluster_role["rules"]
     assert {res for r in cluster_role["rules"] for res in r["resources"]} == {"customresourcedefinitions", "namespaces"}
-    roles = {d["metadata"]["namespace"]: d for d in docs if d["kind"] == "Role"}
-    bindings = {d["metadata"]["namespace"]: d for d in docs if d["kind"] == "RoleBinding"}
+    leader = [d for d in docs if d["kind"] in ("Role", "RoleBinding") and d["metadata"]["name"].endswith("-leader")]
+    assert {d["metadata"]["namespace"] for d in leader} == {"consort-system"}    # the leader Lease only
+    lease_role = next(d for d in leader if d["kind"] == "Role")
+    assert {res for r in lease_role["rules"] for res in r["resources"]} == {"leases", "events"}
+    roles = {d["metadata"]["namespace"]: d for d in docs if d["kind"] == "Role" and d not in leader}
+    bindings = {d["metadata"]["namespace"]: d for d in docs if d["kind"] == "RoleBinding" and d not in leader}
     assert set(roles) == set(bindings) == {"team-a", "team-b"}
     for ns, role in roles.items():
         granted = {(res, v) for r in role["rules"] for res in r["resources"] for v in r["verbs"]}
-        assert {("deployments", "get"), ("deployments", "patch"), ("kopfpeerings", "patch")} <= granted
+        assert {("deployments", "get"), ("deployments", "patch")} <= granted
         assert bindings[ns]["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
                                            "name": role["metadata"]["name"]}
         assert bindings[ns]["subjects"][0]["namespace"] == "consort-system"
     everywhere = [d for d in yaml.safe_load_all(cluster.helm("template", "x", str(CHART)).stdout) if d]
-    assert not [d for d in everywhere if d["kind"] in ("Role", "RoleBinding")]
+    assert not [d for d in everywhere if d["kind"] in ("Role", "RoleBinding") and not d["metadata"]["name"].endswith("-leader")]
     verbs = {v for d in everywhere if d["kind"] == "ClusterRole" for r in d["rules"] for v in r["verbs"]}
     assert "patch" in verbs   # watching the whole cluster needs the cluster-wide role
 
