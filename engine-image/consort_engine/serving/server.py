@@ -291,14 +291,21 @@ def server_error(rid: str, code: str, what: str, cause: BaseException | None = N
 
 
 @web.middleware
+async def credential_middleware(request: web.Request, handler):
+    """With a credential configured, every route but the probes (and /metrics) needs it: a typed 401,
+    which error_middleware (outside this one) renders."""
+    ctx: ServerContext = request.app[CTX]
+    if ctx.credentials and needs_credential(request.path, ctx.metrics_port) \
+            and not presented(ctx.credentials, request.headers.get("Authorization")):
+        raise P.ApiError(401, "invalid_credential", "this engine requires its credential (Authorization: "
+                         "Bearer <engine credential>); clients reach it through the router",
+                         type="authentication_error")
+    return await handler(request)
+
+
+@web.middleware
 async def error_middleware(request: web.Request, handler):
     try:
-        ctx_: ServerContext = request.app[CTX]
-        if ctx_.credentials and needs_credential(request.path, ctx_.metrics_port) \
-                and not presented(ctx_.credentials, request.headers.get("Authorization")):
-            raise P.ApiError(401, "invalid_credential", "this engine requires its credential (Authorization: "
-                             "Bearer <engine credential>); clients reach it through the router",
-                             type="authentication_error")
         return await handler(request)
     except P.ApiError as err:
         ctx: ServerContext = request.app[CTX]
@@ -974,7 +981,8 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def build_app(ctx: ServerContext) -> web.Application:
-    app = web.Application(middlewares=[error_middleware], client_max_size=ctx.config.max_body_bytes)
+    app = web.Application(middlewares=[error_middleware, credential_middleware],
+                          client_max_size=ctx.config.max_body_bytes)
     app[CTX] = ctx
     app.on_response_prepare.append(stamp_headers)
     app.router.add_post("/v1/completions", completions)
