@@ -11,8 +11,8 @@ import sys
 
 # subcommand -> (module exposing `main(argv: list[str]) -> int`, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "engine": ("consort_engine.serving.server", "run one specialist's paged-KV engine (OpenAI-compatible HTTP)"),
-    "router": ("consort_router.server", "run the ensemble router (OpenAI-compatible HTTP)"),
+    "engine": ("consort_engine.serving.cli", "run one specialist's paged-KV engine (OpenAI-compatible HTTP)"),
+    "router": ("consort_router.cli", "run the ensemble router (OpenAI-compatible HTTP)"),
     "operator": ("consort_operator.main", "run the Kopf operator against the current kubeconfig"),
     "up": ("consort_operator.local", "run Specialists and an EnsembleRouter from manifests as local processes"),
     "crds": ("consort_operator.api.crds", "print the CRD YAML generated from the pydantic models"),

@@ -7,7 +7,7 @@ import dataclasses
 
 from consort_engine.bench import offline as bench_offline
 
-from consort_engine.serving import server
+from consort_engine.serving import cli as server
 
 
 def bench_args(argv: list[str]) -> argparse.Namespace:

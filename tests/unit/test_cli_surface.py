@@ -146,7 +146,7 @@ def test_every_flag_has_help_and_shows_its_default(runs, argv):
 
 def test_engine_help_shows_the_defaults():
     """Each `consort engine` flag shows the value it defaults to; one that defaults to unset shows none."""
-    from consort_engine.serving.server import parse_args
+    from consort_engine.serving.cli import parse_args
 
     text = subprocess.run([CONSORT, "engine", "--help"], capture_output=True, text=True, timeout=120).stdout
     defaults = vars(parse_args(["--model", "m", "--port", "0"]))

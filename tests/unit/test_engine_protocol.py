@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from consort_engine.serving import protocol as P
+from consort_engine.serving import shapes
 
 
 def err(fn, body) -> P.ApiError:
@@ -88,14 +89,14 @@ def test_prompt_logprob_shapes():
     the prompt token itself first (its own rank), then the top-k not already there."""
     from consort_engine.kv.sequence import PromptLogprobs
     plp = PromptLogprobs([-0.5, -3.0], [1, 4], [[7, 8, 9], [7, 8, 9]], [[-0.5, -1.0, -2.0], [-0.2, -1.5, -2.5]])
-    items = P.prompt_token_logprobs([5, 7, 6], plp, 2)
+    items = shapes.prompt_token_logprobs([5, 7, 6], plp, 2)
     assert [(i.token_id, i.logprob, i.top) for i in items] == [
         (5, None, []), (7, -0.5, [(7, -0.5), (8, -1.0)]), (6, -3.0, [(7, -0.2), (8, -1.5)])]
     text = lambda t: f"<{t}>"
-    lp = P.completion_logprobs(items, text, 0)
+    lp = shapes.completion_logprobs(items, text, 0)
     assert lp["token_logprobs"] == [None, -0.5, -3.0] and lp["top_logprobs"][0] is None
     assert lp["text_offset"] == [0, 3, 6] and lp["tokens"] == ["<5>", "<7>", "<6>"]
-    vl = P.vllm_prompt_logprobs([5, 7, 6], plp, 2, text)
+    vl = shapes.vllm_prompt_logprobs([5, 7, 6], plp, 2, text)
     assert vl[0] is None
     assert vl[1] == {"7": {"logprob": -0.5, "rank": 1, "decoded_token": "<7>"},
                      "8": {"logprob": -1.0, "rank": 2, "decoded_token": "<8>"}}

@@ -180,7 +180,7 @@ def server_argv(model_dir: Path, dtype: str, args: argparse.Namespace) -> list[s
 
 def engine_config(model_dir: Path, dtype: str, args: argparse.Namespace):
     """Exactly the EngineConfig `consort engine <server_argv>` builds (server.config_from_args)."""
-    from consort_engine.serving.server import config_from_args, parse_args
+    from consort_engine.serving.cli import config_from_args, parse_args
     return config_from_args(parse_args(server_argv(model_dir, dtype, args)))
 
 

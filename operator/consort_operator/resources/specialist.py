@@ -118,7 +118,7 @@ def metrics_port(spec: SpecialistSpec) -> int:
 def engine_args(name: str, spec: SpecialistSpec, model_dir: str, adapters: dict[str, str],
                 host: str = "0.0.0.0", port: int | None = None, device: str | None = None,
                 threads: int | None = None, adapters_file: str | None = None) -> list[str]:
-    """Flags of `consort engine` for this spec (consort_engine.serving.server.parse_args).
+    """Flags of `consort engine` for this spec (consort_engine.serving.cli.parse_args).
 
     A CPU engine runs `threads`, else ceil(resources.cpu) threads: its pod gets a CPU request and
     no limit (no CFS throttling), so without the flag it would size itself from its affinity,

@@ -15,7 +15,7 @@ import torch
 
 from consort_engine.bench import offline as bench_offline
 
-from consort_engine.serving import server
+from consort_engine.serving import cli as server
 from consort_engine.config import EngineConfig
 from consort_engine.model.cuda_graphs import (DecodeBuffers, DecodeGraphs, bucket_for, capture_sizes,
                                         decode_graph_eligible, fill_decode_buffers, pad_rows, use_decode_graphs)

@@ -10,7 +10,8 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from consort_engine.serving import protocol as P
-from consort_engine.serving import server as S
+from consort_engine.serving import generation as G
+from consort_engine.serving import http as S
 from consort_engine.core.async_engine import EngineFailed
 
 SECRET = "/var/lib/tenant-a/prompt.txt shape [4, 8192]"
@@ -39,7 +40,7 @@ async def test_an_engine_failure_is_a_generic_5xx_with_the_request_id(caplog):
 
     ctx = SimpleNamespace(engine=Failing())
     with caplog.at_level(logging.ERROR, logger="consort.server"), pytest.raises(P.ApiError) as e:
-        await S.admit(ctx, [], "rid-9")
+        await G.admit(ctx, [], "rid-9")
     assert (e.value.status, e.value.code) == (503, "engine_failed")
     assert "rid-9" in e.value.message and SECRET not in e.value.message
     assert SECRET in caplog.text and "rid-9" in caplog.text

@@ -53,7 +53,7 @@ def test_engine_deployment_gpu_probes_security_and_owner():
 @pytest.mark.parametrize("kv,gpus,want", [({}, 1, 256), ({}, 0, 16), ({"blockSize": 16}, 1, 16),
                                           ({"blockSize": 256}, 0, 256), ({"blockSize": 32}, 2, 32)])
 def test_block_size_defaults_by_device_and_explicit_values_win(kv, gpus, want):
-    from consort_engine.serving.server import config_from_args, parse_args
+    from consort_engine.serving.cli import config_from_args, parse_args
 
     d = S.engine_deployment("x", "ns", "u", spec(kv=kv, resources={"gpus": gpus, "cpu": 2}), CTX)
     argv = d["spec"]["template"]["spec"]["containers"][0]["args"]
@@ -67,7 +67,7 @@ def test_block_size_rejects_values_outside_the_enum():
 
 
 def test_engine_args_are_accepted_by_the_real_engine_cli():
-    from consort_engine.serving.server import parse_args
+    from consort_engine.serving.cli import parse_args
 
     s = spec(kv={"blockSize": 8, "numBlocks": 2048, "prefixCaching": False}, maxContext=4096,
              speculative={"mode": "ngram", "numTokens": 4}, dtype="bfloat16",
@@ -231,7 +231,7 @@ def test_the_router_drains_on_deletion_and_through_node_drains():
     assert pdb["spec"]["selector"] == objs["Deployment"]["spec"]["selector"]
     pod = objs["Deployment"]["spec"]["template"]["spec"]
     c = pod["containers"][0]
-    from consort_router.server import DRAIN_S
+    from consort_router.dispatch import DRAIN_S
     prestop = c["lifecycle"]["preStop"]["sleep"]["seconds"]
     assert prestop > 0 and pod["terminationGracePeriodSeconds"] > prestop + DRAIN_S
     assert c["startupProbe"]["httpGet"]["path"] == "/ready"
@@ -256,7 +256,7 @@ def test_router_children_rbac_is_least_privilege():
     c = pod["containers"][0]
     assert c["command"] == ["consort", "router"]
     assert c["args"][:2] == ["--config", "/etc/consort/router/router.yaml"]
-    from consort_router.server import parse_args   # the entry point takes the router's own flags
+    from consort_router.cli import parse_args   # the entry point takes the router's own flags
 
     assert parse_args(c["args"]).port == 8080
     env = {e["name"]: e.get("value") for e in c["env"]}
@@ -296,7 +296,7 @@ def test_engine_pod_drains_inside_its_grace_period():
 
 
 def test_a_cpu_engine_runs_as_many_threads_as_its_cpu_request():
-    from consort_engine.serving.server import parse_args
+    from consort_engine.serving.cli import parse_args
 
     for cpu, threads in (("400m", 1), ("1500m", 2), (4, 4)):
         d = S.engine_deployment("x", "ns", "u", spec(resources={"gpus": 0, "cpu": cpu}), CTX)
@@ -308,7 +308,7 @@ def test_a_cpu_engine_runs_as_many_threads_as_its_cpu_request():
 
 
 def test_tensor_parallel_size_reaches_the_engine_and_requests_one_gpu_per_rank():
-    from consort_engine.serving.server import parse_args
+    from consort_engine.serving.cli import parse_args
 
     s = spec(tensorParallelSize=2, resources={"gpus": 2})
     d = S.engine_deployment("algo", "ns", "u", s, CTX)

@@ -1,0 +1,281 @@
+"""One request's generation: the prompt built and checked, its sequences admitted, engine outputs
+turned into text deltas (incremental detokenizer + stop strings), the n / best_of choices merged."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+
+from consort_engine.serving import protocol as P
+from consort_engine.serving import shapes
+from consort_engine.core.async_engine import EngineFailed, EngineNotReady
+from consort_engine.kv.sequence import PromptLogprobs, Sequence
+from consort_engine.text.guided import CompileBusy, CompileTimeout, GrammarError, GuidedSpec
+from consort_engine.text.tokenizer import (ChatTemplateError, IncrementalDetokenizer, StopStringMatcher, Tokenizer,
+                                           TooManyTokens)
+from consort_engine.serving.context import ServerContext
+from consort_engine.serving.http import server_error
+
+log = logging.getLogger("consort.server")
+
+
+
+@dataclass
+class Delta:
+    text: str
+    token_ids: list[int]
+    logprobs: list[shapes.TokenLogprob]
+    finish_reason: str | None = None
+    stop_reason: Any = None
+    num_output_tokens: int = 0      # all tokens generated so far (set on every delta)
+    prompt_logprobs: PromptLogprobs | None = None   # on the first delta, when the request asks
+
+
+@dataclass
+class RequestTimes:
+    arrival: float
+    admitted: float | None = None
+    first: float | None = None
+    last: float | None = None
+    itls: list[float] = field(default_factory=list)
+
+    def on_tokens(self, now: float, n: int) -> None:
+        if n <= 0:
+            return
+        if self.first is None:
+            self.first = now
+        elif self.last is not None:
+            gap = (now - self.last) / n
+            self.itls.extend([gap] * n)
+        self.last = now
+
+
+def _token_logprobs(ids: list[int], raw: Any) -> list[shapes.TokenLogprob]:
+    """Normalize the engine's per-token logprobs (one entry per new token) into TokenLogprob."""
+    if not raw:
+        return []
+    out = []
+    for tid, entry in zip(ids, raw):
+        if isinstance(entry, shapes.TokenLogprob):
+            out.append(entry)
+            continue
+        if isinstance(entry, dict) and "logprob" in entry:   # the Sampler's {"token_id", "logprob", "top"}
+            out.append(shapes.TokenLogprob(int(entry.get("token_id", tid)), float(entry["logprob"]),
+                                      [(int(t), float(v)) for t, v in entry.get("top", [])]))
+            continue
+        if isinstance(entry, dict):            # {token_id: logprob} incl. the chosen token
+            chosen = float(entry.get(tid, float("-inf")))
+            top = sorted(((int(k), float(v)) for k, v in entry.items()), key=lambda kv: -kv[1])
+        else:                                  # (chosen_logprob, [(token_id, logprob), ...])
+            chosen, top_raw = entry[0], entry[1] if len(entry) > 1 else []
+            if isinstance(top_raw, dict):
+                top_raw = top_raw.items()
+            top = sorted(((int(k), float(v)) for k, v in top_raw), key=lambda kv: -kv[1])
+            chosen = float(chosen)
+        out.append(shapes.TokenLogprob(int(tid), chosen, top))
+    return out
+
+
+async def generate(ctx: ServerContext, req: P.GenerationRequest, seq: Sequence, times: RequestTimes,
+                   stream) -> AsyncIterator[Delta]:
+    """Yield text deltas for an admitted sequence; stops the sequence in the engine on a stop string."""
+    detok = IncrementalDetokenizer(ctx.tokenizer, seq.prompt_token_ids, req.skip_special_tokens)
+    matcher = StopStringMatcher(req.sampling.stop)
+    k = seq.sampling.logprobs    # best_of ranks by them: the sequence has them even where the request did not ask
+    total = 0
+    async for out in stream:
+        plp = getattr(out, "prompt_logprobs", None)
+        if req.max_tokens == 0:   # echo only: prefill ran (prompt logprobs); its sampled token is dropped
+            ctx.engine.abort(seq.seq_id, "length")
+            yield Delta("", [], [], "length", None, 0, plp)
+            return
+        ids = list(out.new_token_ids or [])
+        total += len(ids)
+        times.on_tokens(time.monotonic(), len(ids))
+        lps = _token_logprobs(ids, out.logprobs) if k is not None else []
+        if k is not None:
+            lps = [shapes.TokenLogprob(lp.token_id, lp.logprob, lp.top[:k]) for lp in lps]
+        text, stopped = matcher.feed(detok.step(ids) if ids else "")
+        if stopped:
+            ctx.engine.abort(seq.seq_id, "stop")
+            yield Delta(text, ids, lps, "stop", matcher.matched, total, plp)
+            return
+        if out.finished:
+            tail, stopped = matcher.feed(detok.flush())
+            text += tail
+            if not stopped:
+                text += matcher.flush()
+            reason = "stop" if stopped else (out.finish_reason or "stop")
+            stop_reason = matcher.matched if stopped else None
+            if reason == "stop" and stop_reason is None and ids and ids[-1] in req.sampling.stop_token_set:
+                stop_reason = ids[-1]
+            yield Delta(text, ids, lps, reason, stop_reason, total, plp)
+            return
+        yield Delta(text, ids, lps, num_output_tokens=total, prompt_logprobs=plp)
+
+
+def render_chat(tokenizer: Tokenizer, req: P.GenerationRequest | P.TokenizeRequest) -> str:
+    """The request's messages through the chat template; a template error is the client's (400)."""
+    try:
+        tools = getattr(req, "tools", None)
+        return tokenizer.apply_chat_template(req.messages, add_generation_prompt=req.add_generation_prompt,
+                                             continue_final_message=req.continue_final_message,
+                                             tools=tools.tools if tools is not None else None)
+    except ChatTemplateError as e:
+        raise P.bad("chat_template_error", str(e), "messages")
+
+
+def build_prompt(ctx: ServerContext, req: P.GenerationRequest) -> list[int]:
+    try:
+        if req.kind == "chat":
+            ids = ctx.tokenizer.encode_chat(render_chat(ctx.tokenizer, req), limit=ctx.max_model_len)
+        elif req.prompt_token_ids is not None:
+            ids = req.prompt_token_ids
+            P.check_token_ids(ids, ctx.vocab_size)
+        else:
+            ids = ctx.tokenizer.encode(req.prompt, limit=ctx.max_model_len)
+    except TooManyTokens as e:
+        P.resolve_max_tokens(req, e.count, ctx.max_model_len, e.at_least)   # raises context_length_exceeded
+        raise
+    if not ids:
+        raise P.bad("empty_prompt", "the prompt encodes to zero tokens", "prompt")
+    return ids
+
+
+def check_target(ctx: ServerContext, req: P.GenerationRequest) -> None:
+    """The model named must be served here. An adapter can be named as the model, bare (as vLLM
+    serves LoRA modules) or as `base:adapter` (as /v1/models lists it)."""
+    if req.model is not None and req.model not in ctx.aliases:
+        base, sep, name = req.model.rpartition(":")
+        adapters = ctx.adapters_state()
+        if req.model in adapters and req.adapter in (None, req.model):
+            req.adapter = req.model
+        elif sep and base in ctx.aliases and name in adapters and req.adapter in (None, name):
+            req.adapter = name
+        else:
+            raise P.ApiError(404, "model_not_found", f"model '{req.model}' is not served here; this engine serves "
+                             f"'{ctx.served_name}'" + (f" and adapters {sorted(adapters)}" if adapters else ""),
+                             "model")
+    if req.adapter is not None and req.adapter not in ctx.adapters_state():
+        raise P.ApiError(404, "adapter_not_found", f"adapter '{req.adapter}' is not loaded on this engine",
+                         "adapter")
+
+
+async def admit(ctx: ServerContext, seqs: list[Sequence], rid: str) -> list:
+    try:
+        return await ctx.engine.add(seqs)
+    except EngineNotReady as e:
+        raise P.admission_error("warming", e.retry_after_ms, f"the engine is {e.state}; retry when /ready is 200")
+    except EngineFailed as e:
+        raise server_error(rid, "engine_failed", "the engine has failed", e, status=503)
+    except Exception as e:
+        if type(e).__name__ == "AdmissionRejected":
+            if getattr(e, "permanent", False):   # can never fit this engine: retrying cannot help
+                raise P.bad("kv_capacity", getattr(e, "message", "") or str(e), "prompt")
+            raise P.admission_error(getattr(e, "code", "queue_full"), getattr(e, "retry_after_ms", 1000),
+                                    getattr(e, "message", "") or str(e))
+        if isinstance(e, ValueError):   # the engine refused the request itself (e.g. exceeds the pool)
+            raise P.bad("invalid_request", str(e))
+        raise
+
+
+@dataclass
+class Choice:
+    """One sequence of a request and what it has produced: choice `index` of the response (prompt i,
+    sample j -> i * n + j, as OpenAI numbers them)."""
+    index: int
+    req: P.GenerationRequest        # the request as this choice's prompt sees it (prompt, echo)
+    seq: Sequence
+    times: RequestTimes
+    deltas: AsyncIterator[Delta] | None = None
+    last: Delta | None = None       # the latest delta; its finish_reason is set once the choice is done
+    text: list[str] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+    lps: list[shapes.TokenLogprob] = field(default_factory=list)
+    prompt_lps: PromptLogprobs | None = None     # the prompt's logprobs, when asked for
+
+    @property
+    def finished(self) -> bool:
+        return self.last is not None and self.last.finish_reason is not None
+
+
+async def compile_guided(ctx: ServerContext, g: GuidedSpec) -> None:
+    """Compile (or find cached) a request's grammar, off the loop (a new schema can take seconds) and
+    through the compile slots: a typed 400 when it does not compile or not in time, a typed 429 when
+    every slot stays busy."""
+    if ctx._grammars is not None and ctx._grammars.cached(g):
+        return
+    try:
+        await ctx.compile_slots.run(lambda: ctx.grammars.compile(g))
+    except GrammarError as e:
+        raise P.bad("invalid_value", str(e), e.param) from None
+    except CompileTimeout:
+        raise P.bad("grammar_timeout", f"'{g.param}' did not compile within {P.GUIDED_COMPILE_TIMEOUT_S:g} s (the "
+                    "compile finishes in the background; an identical request later reuses it)", g.param) from None
+    except CompileBusy:
+        raise P.admission_error("queue_full", 1000, f"{P.MAX_CONCURRENT_COMPILES} grammar compiles are running; "
+                                "retry later") from None
+
+
+async def admit_choices(ctx: ServerContext, choices: list[Choice], rid: str) -> None:
+    """Admit every choice in one engine command. The n samples of a prompt run its prefill once: the
+    block manager gives the siblings the first one's full prompt blocks by hash as they are allocated,
+    in the same step, and each layer writes those blocks' K/V before any sequence attends to them."""
+    streams = await admit(ctx, [c.seq for c in choices], rid)
+    for c, stream in zip(choices, streams):
+        c.times.admitted = stream.admitted_at
+        c.deltas = generate(ctx, c.req, c.seq, c.times, stream)
+
+
+async def merged(choices: list[Choice]) -> AsyncIterator[tuple[Choice, Delta]]:
+    """Every choice's deltas as they come; the first failure ends it (and the others are stopped)."""
+    if len(choices) == 1:
+        c = choices[0]
+        async for d in c.deltas:
+            yield c, d
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(c: Choice) -> None:
+        try:
+            async for d in c.deltas:
+                await queue.put((c, d, None))
+            await queue.put((c, None, None))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
+            await queue.put((c, None, e))
+
+    tasks = [asyncio.ensure_future(pump(c)) for c in choices]
+    try:
+        left = len(choices)
+        while left:
+            c, d, err = await queue.get()
+            if err is not None:
+                raise err
+            if d is None:
+                left -= 1
+                continue
+            yield c, d
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def record(ctx: ServerContext, c: Choice, deadline: float | None) -> None:
+    """Metrics for a choice; one that did not finish (client gone, error) is aborted: its blocks free now."""
+    seq, times, n_prompt = c.seq, c.times, len(c.seq.prompt_token_ids)
+    if not c.finished:
+        ctx.engine.abort(seq.seq_id, "abort")
+        if times.admitted is not None:
+            ctx.metrics.observe_aborted(c.req.adapter, prompt_tokens=min(seq.num_computed_tokens, n_prompt),
+                                        output_tokens=seq.num_output_tokens)
+        return
+    ctx.metrics.observe_finished(
+        c.req.adapter, prompt_tokens=n_prompt, output_tokens=c.last.num_output_tokens,
+        ttft=None if times.first is None else times.first - times.arrival,
+        admission_ttft=None if times.first is None or times.admitted is None else times.first - times.admitted,
+        itls=times.itls, e2e=time.monotonic() - times.arrival,
+        finish_reason=c.last.finish_reason or "stop", preempted=seq.num_preemptions > 0,
+        deadline_missed=None if deadline is None or times.first is None else times.first > deadline)
