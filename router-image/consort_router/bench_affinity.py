@@ -32,7 +32,7 @@ import aiohttp
 from . import openai_stream
 from .bench import WORDS, percentile, router_config, start_engine, start_router, stop_all, wait_ready
 from .openai_stream import ClientPolicy, StreamResult, request, tally
-from .server import HelpFormatter
+from .cli import HelpFormatter
 
 ARMS = ("single", "least-loaded", "prefix-affine")
 

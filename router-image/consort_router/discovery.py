@@ -26,7 +26,7 @@ from . import kube
 from .config import ServiceSelector
 
 if TYPE_CHECKING:
-    from .server import Router
+    from .dispatch import Router
 
 log = logging.getLogger("consort.router.discovery")
 LIST_TIMEOUT_S = 10

@@ -32,7 +32,7 @@ ROUTER = {"apiVersion": "consort.dev/v1alpha1", "kind": "EnsembleRouter", "metad
 class RouterProc:
     def __init__(self, config: str, port: int, env: dict, log):
         self.port = port
-        self.proc = start_process([sys.executable, "-m", "consort_router.server", "--config", config,
+        self.proc = start_process([sys.executable, "-m", "consort_router.cli", "--config", config,
                                    "--port", str(port)], log.stem, log.parent, env=env)
 
     def routing(self) -> dict:

@@ -85,7 +85,7 @@ def test_router_server_import_does_not_pull_torch_engine_or_operator():
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-c", "import sys, consort_router.server, consort_router.bench; "
+    out = subprocess.run([sys.executable, "-c", "import sys, consort_router.cli, consort_router.server, consort_router.bench; "
                           "print(sorted(m for m in ('torch', 'consort_engine', 'consort_operator', 'kubernetes', "
                           "'kopf') if m in sys.modules))"], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "[]", out.stderr
