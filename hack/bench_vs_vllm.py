@@ -27,7 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "engine-image"))
 
-from consort_engine.bench.offline import bench_model, log, make_workload  # noqa: E402  (no torch at import)
+from consort_engine.bench.workload import bench_model, log, make_workload  # noqa: E402  (no torch at import)
 
 MIXES = {"anchor": dict(prompt_len=(64, 512), output_len=(16, 128)),
          "prefill": dict(prompt_len=(64, 512), output_len=(4, 32))}

@@ -110,12 +110,13 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from consort_engine.bench import offline as bench_offline
+    from consort_engine.bench.workload import bench_model, log
     from consort_engine.core.engine import LLMEngine
     from consort_engine.model.models import packed
 
     args.threads = bench_offline.apply_threads(args.threads or None)
     args.dtype = "float32" if args.dtype == "both" else args.dtype
-    model_dir = Path(args.model) if args.model else bench_offline.bench_model(False)
+    model_dir = Path(args.model) if args.model else bench_model(False)
     shape = Shape.from_config(json.loads((model_dir / "config.json").read_text()))
     dtype = getattr(torch, args.dtype)
     engine = LLMEngine(bench_offline.engine_config(model_dir, args.dtype, args))
@@ -131,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
                                             steps=args.steps)
         if not m or got["step_ms"] < m["step_ms"]:
             m = got
-        bench_offline.log(f"  round {r + 1}/{args.repeats}: GEMM {rate / 1e9:.1f} GFLOP/s, {bw / 1e9:.1f} GB/s (best so far), "
+        log(f"  round {r + 1}/{args.repeats}: GEMM {rate / 1e9:.1f} GFLOP/s, {bw / 1e9:.1f} GB/s (best so far), "
             f"step {got['step_ms']:.2f} ms")
     context = args.prompt_len + args.steps // 2          # mean cached length over the timed steps
     floor = decode_floor(shape, args.running, context, torch.finfo(dtype).bits // 8, rate, bw)

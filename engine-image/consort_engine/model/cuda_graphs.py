@@ -36,7 +36,8 @@ from consort_engine.model.attention import AttentionMetadata
 from consort_engine.model.host_staging import PinnedStaging, packed_layout, unpack
 
 if TYPE_CHECKING:   # pragma: no cover
-    from consort_engine.model.model_runner import ModelRunner, StepInputs
+    from consort_engine.model.model_runner import ModelRunner
+    from consort_engine.model.step_inputs import StepInputs
     from consort_engine.kv.sequence import ScheduledBatch
 
 log = logging.getLogger("consort.engine")

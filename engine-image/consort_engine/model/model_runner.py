@@ -17,7 +17,6 @@ import logging
 import math
 import os
 import time
-from dataclasses import dataclass, field
 
 import torch
 
@@ -33,6 +32,7 @@ from consort_engine.model.lora import AdapterError, LoraAdapter, LoraContext, lo
 from consort_engine.model.models.packed import has_amx
 from consort_engine.kv.sequence import PromptLogprobs, ScheduledBatch, Sequence
 from consort_engine.kv.state_pool import SwappedState, build_state_metadata, seqs_per_pool
+from consort_engine.model.step_inputs import MTPRows, RowGroup, StepInputs
 from consort_engine.model.tensor_parallel import SINGLE, TPGroup, TPWorkers
 
 MAX_KERNEL_QUERY = 16     # sequences with at most this many new tokens join the batched (kernel) group
@@ -40,40 +40,6 @@ PROMPT_LOGITS_ELEMENTS = 1 << 25   # full-vocab fp32 logit rows per slice for pr
 MiB = 1 << 20
 
 log = logging.getLogger("consort.engine")
-
-
-@dataclass
-class StepInputs:
-    input_ids: torch.Tensor      # [T] int64, batched group first, then prefill spans
-    positions: torch.Tensor      # [T] int64
-    meta: AttentionMetadata
-    sample_idx: torch.Tensor     # [S] int64: token row of each sampled sequence, in batch order
-    lora_segments: list[tuple[int, int, str]] = field(default_factory=list)   # rows of adapter requests
-    order: list[int] = field(default_factory=list)       # item (sequence) index of each row group, row order
-    item_rows: list[tuple[int, int]] = field(default_factory=list)   # [start, end) rows of each item, item order
-
-
-@dataclass
-class RowGroup:
-    """One sequence's rows in a forward: `tokens` at positions start.. (their K/V go to those slots),
-    the last `num_sampled` rows sampled."""
-    tokens: list[int]
-    start: int
-    block_table: list[int]
-    num_sampled: int
-    adapter: str | None = None
-    state_slot: int = -1          # hybrid models: the sequence's conv/SSM state slot
-
-
-@dataclass
-class MTPRows:
-    """A sequence's MTP pass input: rows at positions start.. fuse tokens start+1.. with the target's
-    normed hidden states there; `num_draft` tokens are drafted after the last row (0: KV only)."""
-    tokens: list[int]
-    hidden: torch.Tensor
-    start: int
-    block_table: list[int]
-    num_draft: int
 
 
 def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:

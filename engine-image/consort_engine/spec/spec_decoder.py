@@ -88,7 +88,7 @@ class SpecDecoder:
     def draft_mtp(self, batch: ScheduledBatch, runner: Any) -> None:
         """Run the MTP pass over every batch sequence's rows kept from its last step (their K/V in the
         block's own layer) and write the drafts into the verify windows' placeholder tokens."""
-        from consort_engine.model.model_runner import MTPRows
+        from consort_engine.model.step_inputs import MTPRows
         items, targets = [], []
         for i, seq in enumerate(batch.seqs):
             k = batch.num_draft[i] if batch.num_draft else 0

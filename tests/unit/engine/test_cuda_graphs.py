@@ -20,7 +20,8 @@ from consort_engine.config import EngineConfig
 from consort_engine.model.cuda_graphs import (DecodeBuffers, DecodeGraphs, bucket_for, capture_sizes,
                                         decode_graph_eligible, fill_decode_buffers, pad_rows, use_decode_graphs)
 from consort_engine.model.host_staging import ALIGN, PinnedStaging, pack, packed_layout, unpack
-from consort_engine.model.model_runner import ModelRunner, RowGroup
+from consort_engine.model.model_runner import ModelRunner
+from consort_engine.model.step_inputs import RowGroup
 from consort_engine.kv.sequence import SamplingParams, ScheduledBatch, Sequence
 
 BS = 4
@@ -118,7 +119,7 @@ def test_a_bucket_layout_is_a_prefix_of_the_largest_and_pads_into_the_scratch_bl
         assert views.block_tables.shape == (b, 9) and views.cu_query_lens.shape == (b + 1,)
     buf = DecodeBuffers.views(flat64, flat32, 4, 6)
     from consort_engine.model.attention import AttentionMetadata
-    from consort_engine.model.model_runner import StepInputs
+    from consort_engine.model.step_inputs import StepInputs
     meta = AttentionMetadata(slot_mapping=torch.tensor([13, 6]), num_batched_tokens=2,
                              block_tables=torch.tensor([[3, 0], [1, 9]], dtype=torch.int32),
                              context_lens=torch.tensor([2, 3], dtype=torch.int32),

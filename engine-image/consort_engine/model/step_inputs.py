@@ -1,0 +1,43 @@
+"""What one forward pass takes: each sequence's rows (RowGroup, MTPRows) and the device tensors the
+runner builds from them (StepInputs), which the decode CUDA graphs replay into their buffers too."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from consort_engine.model.attention import AttentionMetadata
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor      # [T] int64, batched group first, then prefill spans
+    positions: torch.Tensor      # [T] int64
+    meta: AttentionMetadata
+    sample_idx: torch.Tensor     # [S] int64: token row of each sampled sequence, in batch order
+    lora_segments: list[tuple[int, int, str]] = field(default_factory=list)   # rows of adapter requests
+    order: list[int] = field(default_factory=list)       # item (sequence) index of each row group, row order
+    item_rows: list[tuple[int, int]] = field(default_factory=list)   # [start, end) rows of each item, item order
+
+
+@dataclass
+class RowGroup:
+    """One sequence's rows in a forward: `tokens` at positions start.. (their K/V go to those slots),
+    the last `num_sampled` rows sampled."""
+    tokens: list[int]
+    start: int
+    block_table: list[int]
+    num_sampled: int
+    adapter: str | None = None
+    state_slot: int = -1          # hybrid models: the sequence's conv/SSM state slot
+
+
+@dataclass
+class MTPRows:
+    """A sequence's MTP pass input: rows at positions start.. fuse tokens start+1.. with the target's
+    normed hidden states there; `num_draft` tokens are drafted after the last row (0: KV only)."""
+    tokens: list[int]
+    hidden: torch.Tensor
+    start: int
+    block_table: list[int]
+    num_draft: int
