@@ -60,10 +60,12 @@ def router_credential_volume(router: str) -> tuple[dict[str, Any], dict[str, Any
 def engine_credentials_volume(routers: tuple[str, ...]) -> tuple[dict[str, Any], dict[str, Any]]:
     """The engine pod's volume and mount: `accepted` of each EnsembleRouter that selects the Specialist,
     as a file named after it. None selecting it: an empty directory, which the engine treats as closed
-    (its probes only), never open."""
+    (its probes only), never open. Optional sources: an EnsembleRouter whose spec is refused writes no
+    Secret, and must not keep the pods of the Specialists it selects from starting."""
     if routers:
         volume: dict[str, Any] = {"name": "engine-credentials", "projected": {"sources": [
-            {"secret": {"name": engine_credential_secret_name(r), "items": [{"key": "accepted", "path": r}]}}
+            {"secret": {"name": engine_credential_secret_name(r), "items": [{"key": "accepted", "path": r}],
+                        "optional": True}}
             for r in sorted(set(routers))]}}
     else:
         volume = {"name": "engine-credentials", "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}}

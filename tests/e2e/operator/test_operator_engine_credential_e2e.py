@@ -86,7 +86,8 @@ def test_router_credential_and_keys_are_owned_mounted_and_rotate(cluster, namesp
     engine_pod = algo["spec"]["template"]["spec"]
     ev = next(v for v in engine_pod["volumes"] if v["name"] == "engine-credentials")
     assert ev["projected"]["sources"] == [{"secret": {"name": "front-engine-credential",
-                                                      "items": [{"key": "accepted", "path": "front"}]}}]
+                                                      "items": [{"key": "accepted", "path": "front"}],
+                                                      "optional": True}}]
     args = engine_pod["containers"][0]["args"]
     assert args[args.index("--credential-file") + 1] == "/etc/consort/engine-credentials"
     hub = wait_for(lambda: engine_template("hub"), 60, "engine Deployment hub")    # selected by no router: closed

@@ -88,5 +88,10 @@ def test_rotation_through_secret_volumes_drops_no_request(demo_model, logs, tmp_
             stop.set()
             t.join(60)
         assert codes and set(codes) == {200}, {c: codes.count(c) for c in set(codes)}
+        # the router's metrics name the lane and replica index, never the engine's address or a token
+        metrics = httpx.get(r.url + "/metrics", timeout=10).text
+        assert 'specialist="Rot"' in metrics
+        for secret in (f"127.0.0.1:{e.port}", f":{e.port}", CUR, NEW):
+            assert secret not in metrics, secret
     finally:
         e.stop()

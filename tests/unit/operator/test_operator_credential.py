@@ -145,7 +145,7 @@ def test_engines_accept_the_credential_of_every_router_that_selects_them_and_are
     assert c["args"][i + 1] == mount["mountPath"] and mount["readOnly"]
     vol = next(v for v in pod["volumes"] if v["name"] == "engine-credentials")
     assert vol["projected"]["sources"] == [
-        {"secret": {"name": f"{r}-engine-credential", "items": [{"key": "accepted", "path": r}]}}
+        {"secret": {"name": f"{r}-engine-credential", "items": [{"key": "accepted", "path": r}], "optional": True}}
         for r in ("a-router", "b-router")]
     lonely = engine_pod(())
     assert "--credential-file" in lonely["containers"][0]["args"]     # still closed: an empty directory
