@@ -54,7 +54,7 @@ def short_error(e: Exception) -> str:
 
 
 def decide(spec_raw: dict[str, Any], observed: RouterObserved, prev: dict[str, Any], now: datetime,
-           ctx: BuildContext, idle_seconds: float) -> Decision:
+           ctx: BuildContext) -> Decision:
     o = observed
     events: list[Event] = []
     conds = prev.get("conditions")
@@ -91,7 +91,7 @@ def decide(spec_raw: dict[str, Any], observed: RouterObserved, prev: dict[str, A
         if before.get("status") != "False" or before.get("message") != msg:
             events.append(Event("Warning", reason, msg))
         status.update(phase="Invalid", conditions=conds)
-        return Decision([], typed_status(status), events, idle_seconds, "Invalid")
+        return Decision([], typed_status(status), events, None, "Invalid")
 
     skipped = router_res.skipped_references(spec, lanes)
     conds = set_condition(conds, "ConfigValid", True, "Rendered", f"{len(lanes)} lane(s)" + (
@@ -111,4 +111,4 @@ def decide(spec_raw: dict[str, Any], observed: RouterObserved, prev: dict[str, A
     status.update(phase=phase, conditions=conds)
     if phase != prev.get("phase"):
         events.append(Event("Normal" if phase == "Ready" else "Warning", phase, msg))
-    return Decision(children, typed_status(status), events, idle_seconds, phase)
+    return Decision(children, typed_status(status), events, None, phase)
