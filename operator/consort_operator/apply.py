@@ -9,10 +9,11 @@ from typing import Any, Callable
 import kopf
 from .lifecycle import children as children_lc
 from .lifecycle import ownership as ownership_lc
+from .lifecycle import pacing as pacing_lc
 from .lifecycle import status as status_lc
 from .lifecycle.common import Event
 from .lifecycle.specialist import Decision
-from .metrics import APPLIES, EVENTS, RECONCILES, STATUS_WRITES
+from .metrics import APPLIES, EVENTS, RECONCILES, STATUS_WRITES, WAKEUPS_UNCHANGED
 from .observe import first
 from .runtime import ObjectState, Runtime
 
@@ -50,9 +51,9 @@ async def ensure_children(rt: Runtime, body: Any, children: list[dict[str, Any]]
 
 
 async def apply_decision(rt: Runtime, kind: str, body: Any, state: ObjectState, prev: dict[str, Any],
-                         decision: Decision, deployment_index: Any) -> dict[str, Any]:
+                         decision: Decision, deployment_index: Any) -> tuple[dict[str, Any], list[ownership_lc.Conflict]]:
     """Children (only what changed), then status (merge patch of what changed), then events.
-    Returns the status the object holds afterwards."""
+    Returns the status the object holds afterwards and the children refused (someone else's)."""
     events, conflicts = await ensure_children(rt, body, decision.children, state.owned, deployment_index)
     meta = body["metadata"]
     status = decision.status
@@ -71,7 +72,7 @@ async def apply_decision(rt: Runtime, kind: str, body: Any, state: ObjectState, 
     for e in events + decision.events:
         EVENTS.labels(kind, e.reason).inc()
         kopf.event(body, type=e.type, reason=e.reason, message=e.message)
-    return after
+    return after, conflicts
 
 
 async def decide_and_apply(rt: Runtime, kind: str, body: Any, state: ObjectState, due: bool, inputs: Any,
@@ -79,11 +80,13 @@ async def decide_and_apply(rt: Runtime, kind: str, body: Any, state: ObjectState
     """The pass proper, unless nothing it decides from changed and no timer is due."""
     prev = state.prev_status(body)
     if not due and state.inputs == (inputs, prev):
+        WAKEUPS_UNCHANGED.labels(kind).inc()
         return
     decision = decide(prev)
-    after = await apply_decision(rt, kind, body, state, prev, decision, deployment_index)
+    after, conflicts = await apply_decision(rt, kind, body, state, prev, decision, deployment_index)
     RECONCILES.labels(kind, "ok").inc()
     state.inputs = (inputs, after)
-    state.deadline = None if decision.requeue_seconds is None else time.monotonic() + decision.requeue_seconds
+    wait = pacing_lc.next_pass(decision.requeue_seconds, bool(conflicts), rt.idle_seconds)
+    state.deadline = None if wait is None else time.monotonic() + wait
 
 

@@ -54,6 +54,14 @@ def requeue_seconds(pacing: Pacing, probes: dict[str, ProbeResult], settled: boo
     return min(waits) if waits else None
 
 
+def next_pass(requeue: float | None, conflicts: bool, idle_seconds: float) -> float | None:
+    """The decision's timer; a child refused as someone else's is looked at again every idle period
+    (its owner may delete it, and an object without the operator's label sends it no event)."""
+    if conflicts:
+        return idle_seconds if requeue is None else min(requeue, idle_seconds)
+    return requeue
+
+
 def deadlines(pods: Iterable[PodObs], warm: set[str], warmup_timeout: float, adapters: list[dict[str, Any]] | None,
               probation_window: float, now: datetime) -> list[float]:
     """Seconds until a cold replica's warmup times out and until a Probation adapter's window ends

@@ -94,6 +94,12 @@ def test_nothing_to_probe_and_no_deadline_means_no_timer():
     assert pacing.requeue_seconds(p, probes, settled=True, deadlines=[]) == 10.0
 
 
+def test_a_refused_child_is_looked_at_again_every_idle_period():
+    assert pacing.next_pass(None, False, 30.0) is None
+    assert pacing.next_pass(None, True, 30.0) == 30.0
+    assert pacing.next_pass(2.0, True, 30.0) == 2.0 and pacing.next_pass(50.0, False, 30.0) == 50.0
+
+
 def test_deadlines_are_the_warmup_timeouts_of_cold_replicas_and_probation_ends():
     pods = [PodObs("cold", "Running", started_at=T0), PodObs("warm", "Running", ready=True, started_at=T0),
             PodObs("unstarted")]
