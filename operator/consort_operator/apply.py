@@ -76,8 +76,10 @@ async def apply_decision(rt: Runtime, kind: str, body: Any, state: ObjectState, 
 
 
 async def decide_and_apply(rt: Runtime, kind: str, body: Any, state: ObjectState, due: bool, inputs: Any,
-                           decide: Callable[[dict[str, Any]], Decision], deployment_index: Any) -> None:
-    """The pass proper, unless nothing it decides from changed and no timer is due."""
+                           decide: Callable[[dict[str, Any]], Decision], deployment_index: Any,
+                           echo: Callable[[Any], Any] = lambda inputs: inputs) -> None:
+    """The pass proper, unless nothing it decides from changed and no timer is due. `echo`: the
+    inputs as the watch will show them after this pass's own child writes."""
     prev = state.prev_status(body)
     if not due and state.inputs == (inputs, prev):
         WAKEUPS_UNCHANGED.labels(kind).inc()
@@ -85,7 +87,7 @@ async def decide_and_apply(rt: Runtime, kind: str, body: Any, state: ObjectState
     decision = decide(prev)
     after, conflicts = await apply_decision(rt, kind, body, state, prev, decision, deployment_index)
     RECONCILES.labels(kind, "ok").inc()
-    state.inputs = (inputs, after)
+    state.inputs = (echo(inputs), after)
     wait = pacing_lc.next_pass(decision.requeue_seconds, bool(conflicts), rt.idle_seconds)
     state.deadline = None if wait is None else time.monotonic() + wait
 

@@ -187,10 +187,10 @@ async def specialist_daemon(stopped: Any, body: Any, logger: Any, memo: Any, ret
     async def one_pass(state: ObjectState, due: bool) -> None:
         observed, dep_hash = await observe_specialist(rt, body, pod_index, deployment_index, router_index)
         spec = copy.deepcopy(dict(body.get("spec") or {}))
-        inputs = (spec, specialist_lc.pass_inputs(observed), dep_hash)
-        await decide_and_apply(rt, "Specialist", body, state, due, inputs,
+        await decide_and_apply(rt, "Specialist", body, state, due, (spec, specialist_lc.pass_inputs(observed, dep_hash)),
                                lambda prev: specialist_lc.decide(spec, observed, prev, now_utc(), rt.ctx, rt.pacing()),
-                               deployment_index)
+                               deployment_index, lambda inputs: (spec, specialist_lc.echo_inputs(
+                                   inputs[1], state.owned.written(("Deployment", body["metadata"]["name"])))))
 
     await run_daemon(rt, "Specialist", body, stopped, retry, logger, one_pass)
 

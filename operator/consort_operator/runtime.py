@@ -23,8 +23,8 @@ ObjectKey = tuple[str, str, str]   # (kind, namespace, name)
 
 # A wake-up waits for a burst of watch events to go quiet this long (at most BURST_SECONDS) so that
 # one pass sees them all: a new Deployment's pods change several times within a second or two.
-QUIET_SECONDS = 0.5
-BURST_SECONDS = 3.0
+QUIET_SECONDS = 1.0
+BURST_SECONDS = 5.0
 
 
 @dataclass

@@ -28,6 +28,12 @@ class Owned:
     generations: dict[Key, int] = field(default_factory=dict)  # the generation its last write produced
     last_resync: float | None = None                           # monotonic time of the last full re-read
 
+    def written(self, key: Key) -> tuple[str, int] | None:
+        """(content hash, generation) of the child as the operator last wrote or read it, if known."""
+        if key in self.hashes and key in self.generations:
+            return self.hashes[key], self.generations[key]
+        return None
+
     def record(self, key: Key, want: str, generation: int | None = None) -> None:
         self.hashes[key] = want
         if generation is not None:

@@ -56,13 +56,28 @@ class Decision:
     phase: str | None
 
 
-def pass_inputs(observed: SpecialistObserved) -> SpecialistObserved:
-    """What of an observation `decide` and the children's drift check read: a Deployment's rollout
-    counters other than updatedReplicas move without changing any decision, so they wake no pass."""
+Inputs = tuple[SpecialistObserved, "str | None"]
+
+
+def pass_inputs(observed: SpecialistObserved, deployment_hash: str | None) -> Inputs:
+    """What of an observation `decide` and the children's check read (with the live Deployment's
+    content hash): a Deployment's rollout counters other than updatedReplicas move without changing
+    any decision, so they wake no pass."""
     d = observed.deployment
-    if d is None:
-        return observed
-    return replace(observed, deployment=warmup_lc.DeploymentObs(generation=d.generation, updated_replicas=d.updated_replicas))
+    trimmed = None if d is None else warmup_lc.DeploymentObs(generation=d.generation, updated_replicas=d.updated_replicas)
+    return replace(observed, deployment=trimmed), deployment_hash
+
+
+def echo_inputs(inputs: Inputs, written: tuple[str, int] | None) -> Inputs:
+    """The inputs as the watch shows them once the pass's own Deployment write arrives (`written`:
+    the content hash and generation the operator last wrote or read; None: none known), so that the
+    echo of its own write wakes no pass."""
+    if written is None:
+        return inputs
+    observed, _ = inputs
+    d = observed.deployment
+    echo = warmup_lc.DeploymentObs(generation=written[1], updated_replicas=d.updated_replicas if d else 0)
+    return replace(observed, deployment=echo), written[0]
 
 
 def typed_status(status: dict[str, Any]) -> dict[str, Any]:

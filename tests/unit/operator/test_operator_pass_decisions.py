@@ -136,10 +136,26 @@ def test_deployment_rollout_counters_other_than_updated_replicas_are_no_new_inpu
         d = {"generation": 1, "observed_generation": 1, "replicas": 1, "updated_replicas": 1, "ready_replicas": 0,
              "available_replicas": 0, **kw}
         return specialist_lc.SpecialistObserved("a", "ns", "uid", 1, DeploymentObs(**d))
-    base = specialist_lc.pass_inputs(obs())
-    assert specialist_lc.pass_inputs(obs(ready_replicas=1, available_replicas=1, observed_generation=2)) == base
-    assert specialist_lc.pass_inputs(obs(updated_replicas=0)) != base
-    assert specialist_lc.pass_inputs(obs(generation=2)) != base
+    base = specialist_lc.pass_inputs(obs(), "h1")
+    assert specialist_lc.pass_inputs(obs(ready_replicas=1, available_replicas=1, observed_generation=2), "h1") == base
+    assert specialist_lc.pass_inputs(obs(updated_replicas=0), "h1") != base
+    assert specialist_lc.pass_inputs(obs(generation=2), "h1") != base
+    assert specialist_lc.pass_inputs(obs(), "h2") != base
+
+
+def test_the_echo_of_its_own_deployment_write_is_no_new_input():
+    absent = specialist_lc.SpecialistObserved("a", "ns", "uid", 1)
+    created = specialist_lc.SpecialistObserved("a", "ns", "uid", 1, DeploymentObs(generation=1, replicas=1))
+    saved = specialist_lc.echo_inputs(specialist_lc.pass_inputs(absent, None), ("h1", 1))
+    assert specialist_lc.pass_inputs(created, "h1") == saved          # the index catching up wakes no pass
+    assert specialist_lc.pass_inputs(created, "h0") != saved          # someone else's content: a pass
+    assert specialist_lc.pass_inputs(absent, None) != saved           # deleted since: a pass (recreates it)
+    assert specialist_lc.echo_inputs(specialist_lc.pass_inputs(absent, None), None) == specialist_lc.pass_inputs(absent, None)
+    owned = children.Owned()
+    owned.record(("Deployment", "a"), "h1")
+    assert owned.written(("Deployment", "a")) is None                 # generation unknown (after a restart)
+    owned.record(("Deployment", "a"), "h1", 2)
+    assert owned.written(("Deployment", "a")) == ("h1", 2)
 
 
 # ---- selectors --------------------------------------------------------------------------------------
