@@ -113,8 +113,6 @@ def decide(spec_raw: dict[str, Any], observed: SpecialistObserved, prev: dict[st
         return refuse(refused, o.generation, prev, now)
 
     events: list[Event] = []
-    children = specialist_res.specialist_children(o.name, o.namespace, o.uid, spec, ctx,
-                                                  rollout_lc.rolled_back(prev.get("adapters")))
     status, ev = warmup_lc.evaluate(spec, o.generation, o.deployment, list(o.pods), o.probes, pacing.warm_signal,
                                     prev, now, selector=specialist_res.pod_selector_string(o.name))
     events += ev
@@ -134,6 +132,8 @@ def decide(spec_raw: dict[str, Any], observed: SpecialistObserved, prev: dict[st
     obs = rollout_lc.observations_from_replicas(spec.adapter_names(), warm_pods, samples)
     adapters, active, ev = rollout_lc.evaluate(spec, status["warmReplicas"], obs, prev.get("adapters"), now)
     events += ev
+    # The engines stop loading an adapter in the pass that rolls it back (not one pass later).
+    children = specialist_res.specialist_children(o.name, o.namespace, o.uid, spec, ctx, rollout_lc.rolled_back(adapters))
     status["adapters"] = adapters or None
     status["activeAdapter"] = active
     if adapters or prev.get("adapters"):

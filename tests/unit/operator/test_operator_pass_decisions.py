@@ -199,3 +199,23 @@ def test_a_pass_before_the_watch_delivers_its_own_patch_compares_with_what_it_wr
     assert state.prev_status(body) == {"phase": "Ready"}            # the watch has not caught up
     body = {"metadata": {"resourceVersion": "6"}, "status": {"phase": "Ready", "warmReplicas": 1}}
     assert state.prev_status(body) == {"phase": "Ready", "warmReplicas": 1}
+
+
+def test_the_pass_that_rolls_an_adapter_back_stops_the_engines_loading_it():
+    import json
+
+    from consort_operator.api.specialist import SpecialistSpec
+    from consort_operator.resources import router as router_res
+    spec = {"model": {"source": "pvc://m/algo"}, "replicas": 1, "minReady": 1,
+            "adapters": [{"name": "v2", "source": "pvc://m/v2"}],
+            "rollout": {"probationSamples": 10, "promotionFloor": 0.9, "probationWindow": "1h"}}
+    revision = router_res.Lane("algo", "ns", SpecialistSpec.model_validate(spec), "v2").revision
+    breaker = {"version": 1, "breakers": {"algo": {"state": "closed", "revision": revision, "total": 20,
+                                                    "samples": [1.0] * 5 + [0.0] * 5}}}
+    prev = {"adapters": [{"name": "v2", "state": "Probation", "since": "2026-11-25T12:00:00Z", "source": "pvc://m/v2"}]}
+    pods = (PodObs("algo-0", "Running", ready=True, scheduled=True, started_at=T0),)
+    obs = specialist_lc.SpecialistObserved("algo", "ns", "uid", 1, None, pods, router_states=(breaker,))
+    d = specialist_lc.decide(spec, obs, prev, T0, BuildContext(), pacing.Pacing("pod-ready"))
+    assert [a["state"] for a in d.status["adapters"]] == ["RolledBack"]
+    cm = next(c for c in d.children if c["kind"] == "ConfigMap")
+    assert json.loads(cm["data"]["adapters.json"])["adapters"] == []
