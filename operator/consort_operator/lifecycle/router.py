@@ -56,7 +56,7 @@ def short_error(e: Exception) -> str:
 
 
 def decide(spec_raw: dict[str, Any], observed: RouterObserved, prev: dict[str, Any], now: datetime,
-           ctx: BuildContext, idle_seconds: float) -> Decision:
+           ctx: BuildContext) -> Decision:
     o = observed
     events: list[Event] = []
     conds = prev.get("conditions")
@@ -93,7 +93,7 @@ def decide(spec_raw: dict[str, Any], observed: RouterObserved, prev: dict[str, A
         if before.get("status") != "False" or before.get("message") != msg:
             events.append(Event("Warning", reason, msg))
         status.update(phase="Invalid", conditions=conds)
-        return Decision([], typed_status(status), events, idle_seconds, "Invalid")
+        return Decision([], typed_status(status), events, None, "Invalid")
 
     skipped = router_res.skipped_references(spec, lanes)
     conds = set_condition(conds, "ConfigValid", True, "Rendered", f"{len(lanes)} lane(s)" + (
@@ -105,7 +105,8 @@ def decide(spec_raw: dict[str, Any], observed: RouterObserved, prev: dict[str, A
         router_res.router_labels(o.name, ctx), owner_reference(KIND, o.name, o.uid), now,
         ctx.credential_propagation_seconds)
     children = secrets + router_res.router_children(o.name, o.namespace, o.uid, spec, config, ctx)
-    requeue = idle_seconds if staged_s is None else max(0.5, min(idle_seconds, staged_s + 0.5))
+    # A staged credential rotation is promoted once it has reached every pod: the one timer a router asks for.
+    requeue = None if staged_s is None else max(0.5, staged_s + 0.5)
 
     ready = sum(o.pods_ready)
     status.update(replicas=len(o.pods_ready), readyReplicas=ready, ready=f"{ready}/{spec.replicas}")

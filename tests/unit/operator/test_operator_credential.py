@@ -9,6 +9,7 @@ from datetime import datetime, timedelta, timezone
 from consort_operator.lifecycle import credential as cred_lc
 from consort_operator.lifecycle import router as router_lc
 from consort_operator.lifecycle import specialist as specialist_lc
+from consort_operator.lifecycle.pacing import Pacing
 from consort_operator.probe import Prober
 from consort_operator.resources import credential as cred_res
 from consort_operator.resources import specialist as specialist_res
@@ -67,7 +68,7 @@ def test_the_secret_round_trips_through_its_state():
 
 def router_decision(spec: dict, secrets: cred_lc.RouterSecrets = cred_lc.RouterSecrets(), now: datetime = T0):
     o = router_lc.RouterObserved("front", "ns", "uid-r", 1, (LANE,), (True,), secrets)
-    return router_lc.decide(spec, o, {}, now, CTX, 30.0)
+    return router_lc.decide(spec, o, {}, now, CTX)
 
 
 def test_a_router_owns_its_engine_credential_and_generated_keys_and_mounts_them():
@@ -122,7 +123,8 @@ def test_a_foreign_secret_is_never_read_as_the_credential():
 def test_a_staged_rotation_brings_the_next_pass_forward_and_promotes_on_time():
     first = next(c for c in router_decision({}).children if c["kind"] == "Secret")
     staged = router_decision({}, cred_lc.RouterSecrets(as_live(first), None, "1"))
-    assert staged.requeue_seconds <= 30.0
+    assert router_decision({}).requeue_seconds is None     # nothing staged: no timer
+    assert staged.requeue_seconds is not None and staged.requeue_seconds <= CTX.credential_propagation_seconds + 1
     s1 = next(c for c in staged.children if c["metadata"]["name"] == "front-engine-credential")
     assert set(data(s1)) == {"current", "pending", "accepted"} and data(s1)["current"] == data(first)["current"]
     late = router_decision({}, cred_lc.RouterSecrets(as_live(s1), None, "1"), T0 + timedelta(seconds=125))
@@ -133,7 +135,7 @@ def test_a_staged_rotation_brings_the_next_pass_forward_and_promotes_on_time():
 
 def engine_pod(routers: tuple[str, ...], spec: dict = SPECIALIST) -> dict:
     o = specialist_lc.SpecialistObserved("algo", "ns", "uid-1", 1, routers=routers)
-    d = specialist_lc.decide(spec, o, {}, T0, CTX, specialist_lc.Pacing("engine", 2.0, 30.0))
+    d = specialist_lc.decide(spec, o, {}, T0, CTX, Pacing("engine", 2.0, 30.0))
     return next(c for c in d.children if c["kind"] == "Deployment")["spec"]["template"]["spec"]
 
 

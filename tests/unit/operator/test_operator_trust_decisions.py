@@ -11,7 +11,9 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from consort_operator import handlers
+from consort_operator import apply
+from consort_operator.lifecycle.children import Owned
+from consort_operator.runtime import Runtime
 from consort_operator.api import crds
 from consort_operator.api.base import quantity_value
 from consort_operator.api.router import EnsembleRouterSpec
@@ -105,9 +107,9 @@ class FakeKube:
 
 def run_ensure(objects: dict, children: list[dict]) -> tuple[FakeKube, list, list]:
     kube = FakeKube(objects)
-    rt = handlers.Runtime(kube=kube)   # type: ignore[arg-type]
+    rt = Runtime(kube=kube)   # type: ignore[arg-type]
     body = {"metadata": {"name": "web", "namespace": "ns", "uid": UID, "generation": 1}}
-    events, conflicts = asyncio.run(handlers.ensure_children(rt, body, "Specialist", children, handlers.Owned(), {}))
+    events, conflicts = asyncio.run(apply.ensure_children(rt, body, children, Owned(), {}))
     return kube, events, conflicts
 
 
@@ -182,7 +184,7 @@ def test_specialist_with_an_allowed_image_runs_it():
 
 def router_decision(spec: dict, ctx: BuildContext = CTX) -> specialist_lc.Decision:
     o = router_lc.RouterObserved("front", "ns", "uid-r", 1, (LANE,), (True,))
-    return router_lc.decide(spec, o, {}, T0, ctx, 30.0)
+    return router_lc.decide(spec, o, {}, T0, ctx)
 
 
 def test_router_with_a_foreign_image_never_gets_the_keys_mounted():
