@@ -63,7 +63,7 @@ def server_argv(model_dir: Path, dtype: str, args: argparse.Namespace) -> list[s
     argv = ["--model", str(model_dir), "--port", "0", "--name", "bench", "--dtype", dtype,
             "--device", args.device, "--block-size", str(args.block_size),
             "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-            "--speculative", args.speculative]
+            "--speculative", args.speculative, "--quantization", getattr(args, "quantization", "none")]
     if args.num_blocks:
         argv += ["--num-blocks", str(args.num_blocks)]
     if args.threads:
@@ -487,6 +487,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "both"], default="both",
                    help="weights and KV cache; both: one run each (roofline: float32)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the engine runs")
+    p.add_argument("--quantization", default="none", choices=["none", "int8", "w8a8", "fp8"],
+                   help="the engine's --quantization (`consort bench quant` runs several side by side)")
     # Defaults are `consort engine`'s own (EngineConfig's), so a bare bench runs the engine a bare server runs.
     p.add_argument("--block-size", type=int, default=EngineConfig.block_size, help="tokens per KV block")
     p.add_argument("--num-blocks", type=int, default=None,
