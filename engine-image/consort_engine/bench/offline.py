@@ -94,15 +94,15 @@ def run_engine(model_dir: Path, dtype: str, wl: Workload, args: argparse.Namespa
         f"{engine.block_manager.num_blocks} KV blocks"
         + (f", {len(graphs.graphs)} decode CUDA graphs" if graphs else ""))
     params = [SamplingParams(max_tokens=n, ignore_eos=True, **sampling(args, i)) for i, n in enumerate(wl.output_lens)]
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     with ticker(f"engine[{dtype}]", lambda: f"{engine.num_steps} steps"):
         outs = engine.generate(wl.prompts, params)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     got = [len(o) for o in outs]
     if got != wl.output_lens:
         raise RuntimeError(f"engine produced {sum(got)} tokens, wanted {wl.useful_tokens}")
     res = {"wall_s": wall, "useful_tokens": wl.useful_tokens, "generated_tokens": sum(got),
-           "tok_s": wl.useful_tokens / wall, "steps": engine.num_steps, "load_s": load_s, "warmup_s": warm_s,
+           "tok_s": wl.useful_tokens / wall, "cpu_s": cpu, "steps": engine.num_steps, "load_s": load_s, "warmup_s": warm_s,
            "preemptions": engine.stats().get("num_preemptions", 0), "speculation": engine.stats()["speculation"]}
     log(f"engine[{dtype}]: {wl.useful_tokens} tokens in {wall:.2f} s = {res['tok_s']:.1f} tok/s "
         f"({engine.num_steps} steps)")

@@ -61,12 +61,12 @@ def machine() -> str:
     return f"{model}; {os.cpu_count()} CPUs; flags: {' '.join(have) or 'none of ' + ' '.join(CPU_FLAGS)}"
 
 
-def table(arms: list[tuple[str, str]], runs: dict[tuple[str, str], list[float]]) -> list[str]:
-    """Markdown rows: arm, each round's tok/s, median, ratio of medians to the first arm."""
+def table(arms: list[tuple[str, str]], runs: dict[tuple[str, str], list[float]], unit: str) -> list[str]:
+    """Markdown rows: arm, each round's figure, median, ratio of medians to the first arm."""
     rounds = max(len(v) for v in runs.values())
     base = statistics.median(runs[arms[0]])
-    lines = ["| dtype | quantization | " + " | ".join(f"round {i} tok/s" for i in range(rounds))
-             + " | median tok/s | vs first arm |",
+    lines = ["| dtype | quantization | " + " | ".join(f"round {i} {unit}" for i in range(rounds))
+             + f" | median {unit} | vs first arm |",
              "|---|---|" + "---|" * rounds + "---|---|"]
     for arm in arms:
         med = statistics.median(runs[arm])
@@ -87,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
     log(f"workload: {n} requests, {wl.prompt_tokens} prompt tokens, {wl.useful_tokens} output tokens; "
         f"arms {arms}, {args.rounds} round(s)")
     runs: dict[tuple[str, str], list[float]] = {arm: [] for arm in arms}
+    per_cpu_s: dict[tuple[str, str], list[float]] = {arm: [] for arm in arms}   # steadier on a shared machine
     loads = []
     for r in range(args.rounds):
         for dtype, quant in round_order(arms, r):
@@ -94,13 +95,18 @@ def run(args: argparse.Namespace) -> int:
             arm_args.quantization = quant
             arm_args.temperature, arm_args.top_p = 0.0, 1.0
             log(f"round {r}: {dtype} {quant}")
-            runs[(dtype, quant)].append(bench_offline.run_engine(model_dir, dtype, wl, arm_args, extras=False)["tok_s"])
+            res = bench_offline.run_engine(model_dir, dtype, wl, arm_args, extras=False)
+            runs[(dtype, quant)].append(res["tok_s"])
+            per_cpu_s[(dtype, quant)].append(wl.useful_tokens / res["cpu_s"])
         loads.append(os.getloadavg()[0])
     print("\n=== consort bench quant ===")
     print(f"machine: {machine() if args.device == 'cpu' else gpu_name()}; torch threads {args.threads}; "
           f"1-min load after each round: {', '.join(f'{x:.2f}' for x in loads)}")
     print(f"workload: {n} requests, {wl.prompt_tokens} prompt tokens, {wl.useful_tokens} output tokens, greedy")
-    print("\n".join(table(arms, runs)), flush=True)
+    print("\n".join(table(arms, runs, "tok/s")), flush=True)
+    print("\nthe same runs in output tokens per CPU-second of this process (all threads; load from other work "
+          "moves it less than wall time):")
+    print("\n".join(table(arms, per_cpu_s, "tok/cpu-s")), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({f"{d}:{q}": v for (d, q), v in runs.items()}, indent=2))
     return 0
