@@ -140,7 +140,7 @@ def write_tokenizer(out: Path, tok, max_pos: int) -> None:
 def write_demo_model(out_dir: str | Path, *, arch: str = "llama", hidden: int = 256, layers: int = 4,
                      heads: int = 4, kv_heads: int = 2, ffn: int = 688, vocab: int = 4096,
                      max_pos: int = 2048, seed: int = 0, tie: bool = False, train: bool = False,
-                     train_seconds: float = 300.0, train_steps: int | None = None, tokenizer=None, mtp: str | None = None,
+                     train_seconds: float = 300.0, tokenizer=None, mtp: str | None = None,
                      mtp_seconds: float = 120.0, mtp_steps: int | None = None) -> Path:
     """Writes config.json, generation_config.json, model.safetensors, tokenizer.json and
     tokenizer_config.json (with a chat template) into out_dir and returns it. mtp: None, or the MTP
@@ -157,7 +157,7 @@ def write_demo_model(out_dir: str | Path, *, arch: str = "llama", hidden: int = 
     cfg = hf_config(arch, s, tie=tie, bos=bos, eos=[eos, end])
     weights = random_weights(arch, s, tie=tie, seed=seed)
     if train:
-        weights = train_weights(cfg, weights, tok, seconds=train_seconds, seed=seed, steps=train_steps)
+        weights = train_weights(cfg, weights, tok, seconds=train_seconds, seed=seed)
     if mtp:
         cfg["num_nextn_predict_layers"] = 1
         weights.update(mtp_tensors(train_mtp(cfg, weights, tok, seconds=mtp_seconds, seed=seed,
@@ -172,10 +172,8 @@ def write_demo_model(out_dir: str | Path, *, arch: str = "llama", hidden: int = 
 
 
 def train_weights(cfg: dict, weights: dict[str, torch.Tensor], tok, *, seconds: float, seed: int,
-                  seq_len: int = 256, batch: int = 8, lr: float = 2e-3,
-                  steps: int | None = None) -> dict[str, torch.Tensor]:
-    """Next-token training on the C++ corpus with transformers' reference model, for `seconds`, or
-    for exactly `steps` optimizer steps when given (the same weights however loaded the machine is)."""
+                  seq_len: int = 256, batch: int = 8, lr: float = 2e-3) -> dict[str, torch.Tensor]:
+    """Next-token training on the C++ corpus with transformers' reference model, for `seconds`."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -194,8 +192,8 @@ def train_weights(cfg: dict, weights: dict[str, torch.Tensor], tok, *, seconds: 
     g = torch.Generator().manual_seed(seed)
     model.train()
     start, step, loss_ema = time.monotonic(), 0, None
-    while (step < steps) if steps else (time.monotonic() - start < seconds):
-        frac = step / steps if steps else (time.monotonic() - start) / seconds
+    while time.monotonic() - start < seconds:
+        frac = (time.monotonic() - start) / seconds
         for group in opt.param_groups:       # warm-up then cosine decay over the time budget
             group["lr"] = lr * min(1.0, (step + 1) / 20) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
         idx = torch.randint(0, n_windows, (batch,), generator=g) * seq_len

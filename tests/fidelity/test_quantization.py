@@ -1,8 +1,8 @@
 """Quantized weights (`--quantization`) against the unquantized model (transformers, fp32) on held-out text.
 
-A demo checkpoint briefly trained on the libstdc++ headers (so its next-token distributions are
-peaked, as a real model's are, not the near-uniform ones of random weights) reads C headers it never
-saw (/usr/include/stdlib.h, stdio.h), and the engine reports the prompt logprobs of every position.
+A tiny Llama checkpoint written by transformers, its weights drawn wide enough that its next-token
+distributions are peaked (as a trained model's are; near-uniform ones flip on any rounding), reads C
+headers (/usr/include/stdlib.h, stdio.h), and the engine reports the prompt logprobs of every position.
 Per quantization, against transformers' log_softmax of the unquantized checkpoint:
 - top-1 agreement: the share of positions whose most likely next token is the reference's;
 - max logprob error: the largest |ours - reference| over the logprobs of the text's actual tokens;
@@ -19,9 +19,7 @@ from fidelity_helpers import QUANT_BOUNDS, assert_quant_fidelity, engine_prompt_
 
 @pytest.fixture(scope="module")
 def case(tmp_path_factory):
-    case = held_out_case(tmp_path_factory.mktemp("quant"))
-    assert case.perplexity < 200, "the trained checkpoint should predict held-out text far better than chance (512)"
-    return case
+    return held_out_case(tmp_path_factory.mktemp("quant"))
 
 
 @pytest.mark.parametrize("quantization", list(QUANT_BOUNDS))
