@@ -20,7 +20,8 @@ from consort_engine.model.models.mtp import MTPBlock, mtp_param_name
 from consort_engine.model.models.rope import RotaryEmbedding
 from consort_engine.model.tensor_parallel import SINGLE, TPGroup
 
-# Whether --quantization covers the LM head too (measured in docs/engine-speed.md).
+# Whether --quantization covers the LM head too. Off, as in vLLM's recipes: its error lands on every
+# logit directly; its GEMM alone would gain as much as the layers' (docs/engine-speed.md).
 QUANTIZE_LM_HEAD = False
 
 
