@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 CACHE ?= $(HOME)/.cache/consort
 
-.PHONY: venv controlplane thirdparty-crds node images prometheus-tools test test-fast cluster cluster-real e2e-real cluster-down up crds lint clean bench-tool bench-serve bench-vllm-cpu
+.PHONY: venv controlplane thirdparty-crds node images prometheus-tools test test-fast cluster cluster-real e2e-real cluster-down up crds lint clean bench-tool bench-serve bench-vllm-cpu gpu-check
 
 venv:
 	@scripts/bootstrap.sh
@@ -80,3 +80,9 @@ crds: venv
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# Every GPU check in one command (< 8 minutes on one H100): tests/gpu, bench offline on CUDA vs
+# transformers (bf16; flash and triton attention; CUDA graphs on and off), bf16 vs fp8 weights, one
+# table. docs/gpu.md. `$(PY) hack/gpu_check.py --dry-run` lists the steps anywhere.
+gpu-check: venv
+	@$(PY) hack/gpu_check.py

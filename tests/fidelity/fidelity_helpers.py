@@ -24,6 +24,7 @@ merely close (say off by 1e-3) still fails.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -182,3 +183,82 @@ def assert_greedy_matches(refs: list[Reference], outs: list[list[int]], tol: flo
             ties.add(f"request {i} step {same}")
         exact += not tied
     return exact
+
+
+# --- quantization fidelity on held-out text (tests/fidelity/test_quantization.py, tests/gpu/test_fp8.py) ---
+HELD_OUT = [Path("/usr/include/stdlib.h"), Path("/usr/include/stdio.h")]   # C headers: not the text the demo tokenizer was fitted on
+# quantization -> (min top-1 agreement, max |logprob error|, max relative perplexity delta), against
+# transformers' fp32 logits of the unquantized checkpoint; measured figures in docs/engine-speed.md. The
+# checkpoint's random weights give near-uniform next-token distributions (perplexity ~ the vocabulary),
+# where many positions are near-ties: top-1 agreement is the strictest of the three there.
+QUANT_BOUNDS = {"none": (0.99, 1e-3, 1e-4), "int8": (0.95, 0.15, 0.005),
+                "w8a8": (0.75, 0.6, 0.015), "fp8": (0.75, 0.6, 0.015)}
+
+
+@dataclass
+class HeldOut:
+    checkpoint: Path
+    prompts: list[list[int]]
+    refs: list[torch.Tensor]           # per prompt: transformers' fp32 log_softmax at positions 0..P-2
+
+    @property
+    def perplexity(self) -> float:
+        nll = -sum(float(r.gather(1, torch.tensor(p[1:]).view(-1, 1)).sum()) for r, p in zip(self.refs, self.prompts))
+        return math.exp(nll / sum(len(p) - 1 for p in self.prompts))
+
+
+def held_out_case(root: Path, n: int = 6, length: int = 160) -> HeldOut:
+    """make_checkpoint's llama (random weights, transformers-written) and n prompts of `length` tokens
+    of C headers (held-out text: not the libstdc++ corpus the demo tokenizer was fitted on)."""
+    ckpt = make_checkpoint("llama", root)
+    tok = demo_tokenizer()
+    ids: list[int] = []
+    for path in HELD_OUT:
+        ids += tok.encode(path.read_text(errors="replace")).ids
+    prompts = [ids[i * length:(i + 1) * length] for i in range(n)]
+    assert all(len(p) == length for p in prompts), "held-out headers too short"
+    hf = hf_model(ckpt)
+    with torch.no_grad():
+        refs = [torch.log_softmax(hf(torch.tensor([p])).logits[0].float(), -1)[:-1] for p in prompts]
+    return HeldOut(ckpt, prompts, refs)
+
+
+def engine_prompt_logprobs(ckpt: Path, prompts: list[list[int]], **config) -> list:
+    """The engine's prompt logprobs (top-1 alternatives included) of each prompt."""
+    from consort_engine.config import EngineConfig
+    from consort_engine.core.engine import LLMEngine
+    from consort_engine.kv.sequence import SamplingParams, Sequence
+    engine = LLMEngine(EngineConfig(model=str(ckpt), num_blocks=256, **config))
+    engine.warmup()
+    seqs = [Sequence(list(p), SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, prompt_logprobs=1))
+            for p in prompts]
+    for s in seqs:
+        engine.add_request(s)
+    while any(not s.is_finished for s in seqs):
+        engine.step()
+    return [s.prompt_logprobs for s in seqs]
+
+
+def quant_fidelity(case: HeldOut, plps: list) -> tuple[float, float, float]:
+    """(top-1 agreement, max |logprob error| on the text's tokens, relative perplexity delta) vs the reference."""
+    agree = total = 0
+    max_err, ours_nll, ref_nll = 0.0, 0.0, 0.0
+    for plp, p, ref in zip(plps, case.prompts, case.refs, strict=True):
+        want = ref.gather(1, torch.tensor(p[1:]).view(-1, 1)).view(-1)
+        got = torch.tensor(plp.logprobs)
+        max_err = max(max_err, float((got - want).abs().max()))
+        agree += sum(int(ids[0] == int(r)) for ids, r in zip(plp.top_ids, ref.argmax(-1)))
+        total += len(plp)
+        ours_nll -= float(got.sum())
+        ref_nll -= float(want.sum())
+    return agree / total, max_err, math.exp((ours_nll - ref_nll) / total) - 1
+
+
+def assert_quant_fidelity(case: HeldOut, plps: list, quantization: str, name: str = "") -> None:
+    top1, max_err, ppl_delta = quant_fidelity(case, plps)
+    print(f"\n{name}{quantization}: top-1 agreement {top1:.4f}, max logprob error {max_err:.4f}, "
+          f"perplexity delta {100 * ppl_delta:+.3f}% (reference perplexity {case.perplexity:.2f})")
+    min_top1, max_lp, max_ppl = QUANT_BOUNDS[quantization]
+    assert top1 >= min_top1, f"{name}{quantization}: top-1 agreement {top1:.4f} < {min_top1}"
+    assert max_err <= max_lp, f"{name}{quantization}: max logprob error {max_err:.4f} > {max_lp}"
+    assert abs(ppl_delta) <= max_ppl, f"{name}{quantization}: perplexity delta {ppl_delta:+.4f} beyond {max_ppl}"

@@ -20,7 +20,7 @@ from consort_operator.cli import NESTED, SUBCOMMANDS
 
 CONSORT = str(Path(sys.executable).with_name("consort"))
 ROOT = Path(__file__).resolve().parents[2]
-BENCHES = ("offline", "roofline", "serve", "structured", "spec", "hybrid", "local", "affinity")
+BENCHES = ("offline", "roofline", "quant", "serve", "structured", "spec", "hybrid", "local", "affinity")
 MISSING = "/nonexistent/consort-test"
 NOT_A_DIR = "/dev/null/consort-test"   # cannot be created, even by root
 

@@ -5,6 +5,7 @@ structured: guided JSON-schema decoding tok/s vs free decoding (bench/structured
 spec:    none vs n-gram vs MTP drafting on one checkpoint: acceptance and tokens/s (bench/spec.py).
 hybrid:  hybrid (attention + Mamba2) vs pure attention: KV bytes/token, seqs per pool, tok/s (bench/hybrid.py).
 roofline: decode step at 32 running vs its roofline floor (bench/roofline.py).
+quant:   quantized weights (int8, w8a8, fp8) vs the unquantized engine, side by side (bench/quant.py).
 serve:   TTFT / ITL percentiles and throughput of any OpenAI-compatible endpoint (bench/serve.py).
 local:   the ensemble on one box vs one engine: consort_operator/bench_local.py (it starts `consort up`).
 affinity: prefix-affine vs least-loaded replicas through a router: consort_router/bench_affinity.py.
@@ -25,6 +26,7 @@ from consort_engine.config import HelpFormatter
 BENCHES: dict[str, str] = {
     "offline": "engine vs transformers generate, one run",
     "roofline": "decode step at 32 running vs its GEMM/bandwidth floor",
+    "quant": "quantized weights vs the unquantized engine, side by side",
     "serve": "streaming latency against an OpenAI endpoint",
     "structured": "guided json_schema vs free decoding tok/s",
     "spec": "speculative decoding: none vs n-gram vs MTP drafting",
@@ -44,11 +46,12 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     from consort_engine.bench import hybrid as bench_hybrid
     from consort_engine.bench import offline as bench_offline
+    from consort_engine.bench import quant as bench_quant
     from consort_engine.bench import roofline as bench_roofline
     from consort_engine.bench import serve as bench_serve
     from consort_engine.bench import spec as bench_spec
     from consort_engine.bench import structured as bench_structured
-    adders = {"offline": bench_offline.add_args, "roofline": bench_roofline.add_args, "serve": bench_serve.add_args,
+    adders = {"offline": bench_offline.add_args, "quant": bench_quant.add_args, "roofline": bench_roofline.add_args, "serve": bench_serve.add_args,
               "structured": bench_structured.add_args, "spec": bench_spec.add_args, "hybrid": bench_hybrid.add_args}
     for name, help_ in BENCHES.items():
         sp = sub.add_parser(name, help=help_, description=help_, add_help=name not in ELSEWHERE,
@@ -76,6 +79,9 @@ def run(args: argparse.Namespace) -> int:
         return bench_offline.run(args)
     if args.cmd == "roofline":
         return bench_roofline.run(args)
+    if args.cmd == "quant":
+        from consort_engine.bench import quant as bench_quant
+        return bench_quant.run(args)
     if args.cmd == "structured":
         return bench_structured.run(args)
     if args.cmd == "spec":

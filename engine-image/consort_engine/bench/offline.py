@@ -63,7 +63,7 @@ def server_argv(model_dir: Path, dtype: str, args: argparse.Namespace) -> list[s
     argv = ["--model", str(model_dir), "--port", "0", "--name", "bench", "--dtype", dtype,
             "--device", args.device, "--block-size", str(args.block_size),
             "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-            "--speculative", args.speculative]
+            "--speculative", args.speculative, "--quantization", getattr(args, "quantization", "none")]
     if args.num_blocks:
         argv += ["--num-blocks", str(args.num_blocks)]
     if args.threads:
@@ -94,15 +94,15 @@ def run_engine(model_dir: Path, dtype: str, wl: Workload, args: argparse.Namespa
         f"{engine.block_manager.num_blocks} KV blocks"
         + (f", {len(graphs.graphs)} decode CUDA graphs" if graphs else ""))
     params = [SamplingParams(max_tokens=n, ignore_eos=True, **sampling(args, i)) for i, n in enumerate(wl.output_lens)]
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     with ticker(f"engine[{dtype}]", lambda: f"{engine.num_steps} steps"):
         outs = engine.generate(wl.prompts, params)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     got = [len(o) for o in outs]
     if got != wl.output_lens:
         raise RuntimeError(f"engine produced {sum(got)} tokens, wanted {wl.useful_tokens}")
     res = {"wall_s": wall, "useful_tokens": wl.useful_tokens, "generated_tokens": sum(got),
-           "tok_s": wl.useful_tokens / wall, "steps": engine.num_steps, "load_s": load_s, "warmup_s": warm_s,
+           "tok_s": wl.useful_tokens / wall, "cpu_s": cpu, "steps": engine.num_steps, "load_s": load_s, "warmup_s": warm_s,
            "preemptions": engine.stats().get("num_preemptions", 0), "speculation": engine.stats()["speculation"]}
     log(f"engine[{dtype}]: {wl.useful_tokens} tokens in {wall:.2f} s = {res['tok_s']:.1f} tok/s "
         f"({engine.num_steps} steps)")
@@ -487,6 +487,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "both"], default="both",
                    help="weights and KV cache; both: one run each (roofline: float32)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the engine runs")
+    p.add_argument("--quantization", default="none", choices=["none", "int8", "w8a8", "fp8"],
+                   help="the engine's --quantization (`consort bench quant` runs several side by side)")
     # Defaults are `consort engine`'s own (EngineConfig's), so a bare bench runs the engine a bare server runs.
     p.add_argument("--block-size", type=int, default=EngineConfig.block_size, help="tokens per KV block")
     p.add_argument("--num-blocks", type=int, default=None,

@@ -30,6 +30,7 @@ from consort_engine.model.models import MODELS
 from consort_engine.model.models.mtp import has_mtp
 from consort_engine.model.lora import AdapterError, LoraAdapter, LoraContext, load_peft_adapter, segments_of
 from consort_engine.model.models.packed import has_amx
+from consort_engine.model.models.quant import check_quantization
 from consort_engine.kv.sequence import PromptLogprobs, ScheduledBatch, Sequence
 from consort_engine.kv.state_pool import SwappedState, build_state_metadata, seqs_per_pool
 from consort_engine.model.step_inputs import MTPRows, RowGroup, StepInputs
@@ -105,6 +106,7 @@ class ModelRunner:
         """`tp` None: the engine's runner (rank 0), which starts ranks 1..N-1 itself when
         config.tensor_parallel_size > 1 (see tensor_parallel.py); a worker rank passes its group."""
         t0 = time.monotonic()
+        check_quantization(config.quantization, config.device)
         self.config = config
         self.workers: TPWorkers | None = None
         if tp is None and config.tensor_parallel_size > 1:
@@ -153,8 +155,9 @@ class ModelRunner:
         self.model.load_weights((name, t.to(self.dtype)) for name, t in iter_safetensors(config.model))
         self.model.eval()
         self.num_packed = 0
-        if self.device.type == "cpu" and os.environ.get("CONSORT_PACK_WEIGHTS", "1") != "0":
-            self.num_packed = self.model.pack_weights()
+        if config.quantization != "none" or (self.device.type == "cpu"
+                                             and os.environ.get("CONSORT_PACK_WEIGHTS", "1") != "0"):
+            self.num_packed = self.model.pack_weights(config.quantization)
         self.lora_ctx = LoraContext()
         self.adapters: dict[str, LoraAdapter] = {}
         for name, path in config.adapters.items():

@@ -19,6 +19,7 @@ from consort_engine.config import EngineConfig, HelpFormatter
 from consort_engine.serving.adapter_sync import AdapterSync
 from consort_engine.serving.credential import CredentialSource
 from consort_engine.model.cpu import apply_threads
+from consort_engine.model.models.quant import QUANTIZATIONS, check_quantization
 from consort_engine.text.tokenizer import Tokenizer
 
 from consort_engine.serving.context import CTX, ServerContext, StartupError, process_age_s
@@ -47,6 +48,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="split attention heads and the MLP over this many ranks (processes; GPUs on cuda)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and KV cache; auto: float32 on cpu, bfloat16 on cuda")
+    p.add_argument("--quantization", default="none", choices=list(QUANTIZATIONS),
+                   help="quantize the decoder's linear weights at load: int8 (int8 weights, cpu), w8a8 (int8 "
+                        "weights and activations, cpu), fp8 (e4m3 weights and activations, cuda); per-channel scales")
     p.add_argument("--max-model-len", type=int, default=None, metavar="TOKENS",
                    help="longest prompt + completion; unset: the checkpoint's max_position_embeddings")
     p.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs, metavar="N",
@@ -122,10 +126,15 @@ def config_from_args(a: argparse.Namespace) -> EngineConfig:
     for flag, value in (("--slo-ttft-ms", a.slo_ttft_ms), ("--slo-itl-ms", a.slo_itl_ms)):
         if value is not None and value <= 0:
             raise SystemExit(f"consort engine: {flag} must be a positive number of milliseconds, got {value}")
+    try:
+        check_quantization(a.quantization, a.device)
+    except ValueError as e:
+        raise SystemExit(f"consort engine: --quantization: {e}")
     if a.tensor_parallel_size < 1:
         raise SystemExit(f"consort engine: --tensor-parallel-size must be >= 1, got {a.tensor_parallel_size}")
     return EngineConfig(
         model=str(Path(a.model)), name=a.name or Path(a.model).resolve().name, device=a.device, dtype=a.dtype,
+        quantization=a.quantization,
         tensor_parallel_size=a.tensor_parallel_size,
         block_size=a.block_size or default_block_size(a.device), num_blocks=a.num_blocks, kv_memory_fraction=a.kv_memory_fraction,
         max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,

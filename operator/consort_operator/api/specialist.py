@@ -56,6 +56,12 @@ class ModelSource(Model):
     tokenizer: str | None = Field(
         default=None, pattern=MODEL_SOURCE, max_length=512,
         description="Tokenizer location (same URL forms as source); defaults to the checkpoint directory itself.")
+    quantization: Literal["none", "int8", "w8a8", "fp8"] = Field(
+        default="none",
+        description=("Quantize the decoder's linear weights when the engine loads the checkpoint (bf16/fp32 "
+                     "on disk), one scale per output channel: `int8` (int8 weights, CPU), `w8a8` (int8 weights "
+                     "and activations, CPU; the fastest on CPUs), `fp8` (e4m3 weights and activations, GPUs "
+                     "of compute capability 8.9 or newer). LoRA adapters stay in full precision."))
 
     _no_parent = field_validator("source", "tokenizer")(no_pvc_parent)
 
@@ -133,6 +139,12 @@ class Slo(Model):
         return duration_seconds(self.window)
 
 
+# int8 and w8a8 are CPU kernels, fp8 a GPU one (model/models/quant.py in the engine)
+QUANTIZATION_RULE = ("!has(self.model.quantization) || self.model.quantization == 'none' || "
+                     "((self.model.quantization == 'fp8') == (!has(self.resources) || !has(self.resources.gpus) || self.resources.gpus > 0))")
+QUANTIZATION_MESSAGE = "model.quantization fp8 needs resources.gpus > 0; int8 and w8a8 run on CPU engines (gpus 0)"
+
+
 class SpecialistSpec(Model):
     model_config = Model.model_config | {"json_schema_extra": {"x-kubernetes-validations": [
         cel("!has(self.minReady) || !has(self.replicas) || self.minReady <= self.replicas", "minReady must not exceed replicas", field_path=".minReady"),
@@ -140,6 +152,7 @@ class SpecialistSpec(Model):
             "resources.gpus must equal tensorParallelSize (one GPU per rank), or be 0 (CPU ranks)", field_path=".tensorParallelSize"),
         cel("!has(self.tensorParallelSize) || self.tensorParallelSize == 1 || !has(self.adapters) || size(self.adapters) == 0",
             "LoRA adapters are not supported with tensorParallelSize > 1 yet", field_path=".tensorParallelSize"),
+        cel(QUANTIZATION_RULE, QUANTIZATION_MESSAGE, field_path=".model.quantization"),
     ]}}
 
     model: ModelSource = Field(description="Checkpoint and tokenizer of this specialist (a Hugging Face checkpoint of a supported architecture: Llama, Mistral, Qwen2, Qwen3, or Bamba, hybrid attention + Mamba2).")
@@ -176,6 +189,8 @@ class SpecialistSpec(Model):
                 raise ValueError("resources.gpus must equal tensorParallelSize (one GPU per rank), or be 0 (CPU ranks)")
             if self.adapters:
                 raise ValueError("LoRA adapters are not supported with tensorParallelSize > 1 yet")
+        if self.model.quantization != "none" and (self.model.quantization == "fp8") != (self.resources.gpus > 0):
+            raise ValueError(QUANTIZATION_MESSAGE)
         return self
 
     def adapter_names(self) -> list[str]:

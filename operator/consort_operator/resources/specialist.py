@@ -133,6 +133,8 @@ def engine_args(name: str, spec: SpecialistSpec, model_dir: str, adapters: dict[
         args += ["--tensor-parallel-size", str(spec.tensor_parallel_size)]
     if spec.enforce_eager:
         args += ["--enforce-eager"]
+    if spec.model.quantization != "none":
+        args += ["--quantization", spec.model.quantization]
     if device == "cpu":
         args += ["--threads", str(threads or max(1, math.ceil(quantity_value(spec.resources.cpu))))]
     if spec.max_context is not None:

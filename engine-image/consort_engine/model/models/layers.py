@@ -13,6 +13,7 @@ from consort_engine.model.lora import LoraContext
 from consort_engine.model.loader import ModelConfig
 from consort_engine.model.models import ops
 from consort_engine.model.models.packed import pack_linear
+from consort_engine.model.models.quant import quantize_linear
 from consort_engine.model.models.rope import RotaryEmbedding
 from consort_engine.model.tensor_parallel import SINGLE, TPGroup, all_reduce
 
@@ -51,10 +52,14 @@ class Linear(nn.Module):
         self.lora_ctx: LoraContext | None = None
         self.lora: dict[str, list[tuple[int, int, torch.Tensor, torch.Tensor]]] = {}  # adapter -> (offset, n, A, B)
 
-    def pack(self) -> None:
-        """Switch to a pre-packed CPU GEMM weight (see packed.py); the plain weight is released."""
+    def pack(self, quantization: str = "none") -> None:
+        """Switch to a pre-packed CPU GEMM weight (see packed.py), or to a quantized one (quant.py);
+        the plain weight is released."""
         bias = None if self.bias is None or self.parallel == "row" else self.bias.data
-        self.packed = pack_linear(self.weight.data, bias)
+        if quantization == "none":
+            self.packed = pack_linear(self.weight.data, bias)
+        else:
+            self.packed = quantize_linear(self.weight.data, bias, quantization)
         if self.packed is not None:
             self.weight.data = torch.zeros(1, dtype=self.weight.dtype).expand(self.weight.shape)
 

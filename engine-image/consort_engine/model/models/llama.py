@@ -20,6 +20,10 @@ from consort_engine.model.models.mtp import MTPBlock, mtp_param_name
 from consort_engine.model.models.rope import RotaryEmbedding
 from consort_engine.model.tensor_parallel import SINGLE, TPGroup
 
+# Whether --quantization covers the LM head too. Off, as in vLLM's recipes: its error lands on every
+# logit directly; its GEMM alone would gain as much as the layers' (docs/engine-speed.md).
+QUANTIZE_LM_HEAD = False
+
 
 class CausalLM(nn.Module):
     """What every decoder-only model here shares: the layer loop, the final norm + LM head, packing,
@@ -50,11 +54,12 @@ class CausalLM(nn.Module):
             return self.tied_head(x)
         return F.linear(x, self.embed_tokens.weight)
 
-    def pack_weights(self) -> int:
-        """Pre-pack every projection for the CPU GEMM (after load_weights). Returns how many packed."""
+    def pack_weights(self, quantization: str = "none") -> int:
+        """Pre-pack every projection for the CPU GEMM, or quantize it (after load_weights). Returns how
+        many packed. The LM head stays unquantized (QUANTIZE_LM_HEAD)."""
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         for m in linears:
-            m.pack()
+            m.pack(quantization if m is not self.lm_head or QUANTIZE_LM_HEAD else "none")
         if self.lm_head is None:
             self.tied_head = pack_linear(self.embed_tokens.weight.data, None)
         return sum(m.packed is not None for m in linears) + (self.tied_head is not None)

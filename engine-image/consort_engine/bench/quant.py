@@ -1,0 +1,130 @@
+"""`consort bench quant`: quantized weights against the unquantized engine, side by side in one run.
+
+Each arm is a `DTYPE:QUANTIZATION` pair (`consort engine --dtype --quantization`); every arm runs the
+same `consort bench offline` workload (anchor by default) through `bench_offline.run_engine`, round
+after round, the arms' order rotating each round so load from other work on a shared machine does
+not land on one arm. Prints every round's tok/s, each arm's median and its ratio to the first arm's
+median, with the CPU model and its vector flags (or the GPU's name).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import statistics
+from pathlib import Path
+
+from consort_engine.bench import BenchError
+from consort_engine.bench.workload import BENCH_SPEC, bench_model, log, make_workload
+
+DEFAULT_ARMS = {"cpu": "float32:none,float32:int8,float32:w8a8,bfloat16:none",
+                "cuda": "bfloat16:none,bfloat16:fp8"}
+QUANTIZATIONS = ("none", "int8", "w8a8", "fp8")
+DTYPES = ("float32", "bfloat16")
+CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile")
+
+
+def parse_arms(text: str) -> list[tuple[str, str]]:
+    """`float32:none,float32:w8a8` -> [(dtype, quantization), ...], checked."""
+    arms = []
+    for item in text.split(","):
+        dtype, _, quant = item.strip().partition(":")
+        if dtype not in DTYPES or quant not in QUANTIZATIONS:
+            raise BenchError(f"--arms: {item!r} is not DTYPE:QUANTIZATION (dtype in {DTYPES}, "
+                             f"quantization in {QUANTIZATIONS})")
+        arms.append((dtype, quant))
+    if len(set(arms)) != len(arms):
+        raise BenchError(f"--arms: {text!r} repeats an arm")
+    return arms
+
+
+def round_order(arms: list, r: int) -> list:
+    """Round r runs the arms rotated by r: each arm takes each position once every len(arms) rounds."""
+    k = r % len(arms)
+    return arms[k:] + arms[:k]
+
+
+def machine() -> str:
+    """CPU model and its vector / matrix flags (the figures depend on them)."""
+    model, flags = platform.processor() or "unknown CPU", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and model in ("unknown CPU", ""):
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    have = [f for f in CPU_FLAGS if f in flags]
+    return f"{model}; {os.cpu_count()} CPUs; flags: {' '.join(have) or 'none of ' + ' '.join(CPU_FLAGS)}"
+
+
+def table(arms: list[tuple[str, str]], runs: dict[tuple[str, str], list[float]], unit: str) -> list[str]:
+    """Markdown rows: arm, each round's figure, median, ratio of medians to the first arm."""
+    rounds = max(len(v) for v in runs.values())
+    base = statistics.median(runs[arms[0]])
+    lines = ["| dtype | quantization | " + " | ".join(f"round {i} {unit}" for i in range(rounds))
+             + f" | median {unit} | vs first arm |",
+             "|---|---|" + "---|" * rounds + "---|---|"]
+    for arm in arms:
+        med = statistics.median(runs[arm])
+        lines.append(f"| {arm[0]} | {arm[1]} | " + " | ".join(f"{v:.1f}" for v in runs[arm])
+                     + f" | {med:.1f} | {med / base:.2f}x |")
+    return lines
+
+
+def run(args: argparse.Namespace) -> int:
+    from consort_engine.bench import offline as bench_offline
+    from consort_engine.model.cpu import apply_threads
+
+    arms = parse_arms(args.arms or DEFAULT_ARMS[args.device])
+    args.threads = apply_threads(args.threads or None)
+    n = args.requests if args.requests else (16 if args.quick else 64)
+    model_dir = Path(args.model) if args.model else bench_model(False)
+    wl = make_workload(n, seed=args.seed, vocab=BENCH_SPEC["vocab_size"])
+    log(f"workload: {n} requests, {wl.prompt_tokens} prompt tokens, {wl.useful_tokens} output tokens; "
+        f"arms {arms}, {args.rounds} round(s)")
+    runs: dict[tuple[str, str], list[float]] = {arm: [] for arm in arms}
+    per_cpu_s: dict[tuple[str, str], list[float]] = {arm: [] for arm in arms}   # steadier on a shared machine
+    loads = []
+    for r in range(args.rounds):
+        for dtype, quant in round_order(arms, r):
+            arm_args = copy.copy(args)
+            arm_args.quantization = quant
+            arm_args.temperature, arm_args.top_p = 0.0, 1.0
+            log(f"round {r}: {dtype} {quant}")
+            res = bench_offline.run_engine(model_dir, dtype, wl, arm_args, extras=False)
+            runs[(dtype, quant)].append(res["tok_s"])
+            per_cpu_s[(dtype, quant)].append(wl.useful_tokens / res["cpu_s"])
+        loads.append(os.getloadavg()[0])
+    print("\n=== consort bench quant ===")
+    print(f"machine: {machine() if args.device == 'cpu' else gpu_name()}; torch threads {args.threads}; "
+          f"1-min load after each round: {', '.join(f'{x:.2f}' for x in loads)}")
+    print(f"workload: {n} requests, {wl.prompt_tokens} prompt tokens, {wl.useful_tokens} output tokens, greedy")
+    print("\n".join(table(arms, runs, "tok/s")), flush=True)
+    print("\nthe same runs in output tokens per CPU-second of this process (all threads; load from other work "
+          "moves it less than wall time):")
+    print("\n".join(table(arms, per_cpu_s, "tok/cpu-s")), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({f"{d}:{q}": v for (d, q), v in runs.items()}, indent=2))
+    return 0
+
+
+def gpu_name() -> str:
+    import torch
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device"
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    from consort_engine.bench.offline import add_engine_args
+
+    add_engine_args(p)
+    p.add_argument("--arms", default=None, metavar="DTYPE:QUANT,...",
+                   help=f"the arms, the first the baseline; unset: {DEFAULT_ARMS['cpu']} on cpu, "
+                        f"{DEFAULT_ARMS['cuda']} on cuda")
+    p.add_argument("--rounds", type=int, default=3, help="rounds; the arms' order rotates each round")
+    p.add_argument("--requests", type=int, default=None, help="number of requests; unset: 64, or 16 with --quick")
+    p.add_argument("--quick", action="store_true", help="16 requests")
+    p.add_argument("--seed", type=int, default=0, help="seed of the workload's draws")

@@ -1,0 +1,139 @@
+"""Quantized linear weights (`--quantization`), made once at load time from the checkpoint's bf16 or
+fp32 weight; every scale is per output channel (one per row of W), symmetric, no zero point.
+
+- int8 (CPU): int8 weights, activations stay in floating point; the product is torch's CPU int8
+  weight-only kernel `aten._weight_int8pack_mm` (the one gpt-fast uses) on bf16 activations. A
+  quarter of fp32's weight bytes; on a CPU without AMX its speed is close to the fp32 GEMM's
+  (docs/engine-speed.md), so it saves memory more than time there.
+- w8a8 (CPU): int8 weights and dynamically quantized int8 activations (one scale per call, taken
+  from the rows of that call), multiplied in int8 with int32 accumulation by FBGEMM's dynamic
+  quantized linear (`quantized::linear_dynamic`, the x86 kernels with AVX2 / AVX-512 and VNNI where
+  present). The fast one on a CPU: on the AVX2 machine 3.1x the fp32 GEMM at 32 rows.
+- fp8 (CUDA): float8 e4m3 weights and per-row dynamically quantized e4m3 activations, multiplied by
+  `torch._scaled_mm` with row-wise scales (Hopper and newer). On a CPU the same arithmetic is
+  emulated (both operands rounded through e4m3, the product in fp32): slow, for checking accuracy.
+
+LoRA adapters stay in full precision on top (layers.Linear adds them to the quantized product);
+tensor parallelism quantizes each rank's shard after it is cut, so every rank has its own scales.
+Measured against the fp32 GEMM on its own shapes (docs/engine-speed.md), the choices above are the
+ones that won; a dequantize-then-matmul int8 path and `torch._int_mm` on CPU lost and are not kept.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+QUANTIZATIONS = ("none", "int8", "w8a8", "fp8")
+INT8_MAX = 127.0
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)      # 448
+MIN_SCALE = 1e-12                                # an all-zero row keeps a usable scale
+
+
+def check_quantization(quantization: str, device: str) -> None:
+    """A clear error for a quantization this device cannot run (before any weight loads)."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {quantization!r}; use one of {', '.join(QUANTIZATIONS)}")
+    if quantization in ("int8", "w8a8") and device.startswith("cuda"):
+        raise ValueError(f"quantization {quantization} runs on CPU; on CUDA use fp8")
+
+
+def channel_scales(w: torch.Tensor, qmax: float) -> torch.Tensor:
+    """One fp32 scale per output channel (row of W [out, in]): the row's absolute maximum maps to qmax."""
+    return (w.float().abs().amax(dim=1) / qmax).clamp(min=MIN_SCALE)
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [out, in] -> (int8 [out, in], fp32 scales [out]), round to nearest, symmetric."""
+    scale = channel_scales(w, INT8_MAX)
+    q = torch.round(w.float() / scale[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale[:, None]
+
+
+def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of W (or of activations) [n, k] -> (e4m3 [n, k], fp32 scales [n]); the row maximum maps to 448."""
+    scale = channel_scales(w, FP8_MAX)
+    q = (w.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale[:, None]
+
+
+def _int8_weight_only(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    q, scale = quantize_int8(weight)
+    scale_bf16 = scale.to(torch.bfloat16)
+    b = None if bias is None else bias.float()
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.shape[-1]).to(torch.bfloat16), q, scale_bf16)
+        y = y.to(x.dtype)
+        return y if b is None else y.add_(b.to(x.dtype))
+    return run
+
+
+def _w8a8_dynamic(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    q, scale = quantize_int8(weight)
+    engine = torch.backends.quantized.engine
+    try:
+        torch.backends.quantized.engine = "fbgemm"
+        with warnings.catch_warnings():       # the quantized-tensor constructors warn that they are deprecated
+            warnings.simplefilter("ignore")
+            qw = torch._make_per_channel_quantized_tensor(q, scale.double(), torch.zeros_like(scale, dtype=torch.long), 0)
+            packed = torch.ops.quantized.linear_prepack(qw, None if bias is None else bias.float())
+    finally:
+        torch.backends.quantized.engine = engine
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        # reduce_range: 7-bit activations, so AVX2's u8 x s8 pair sums (vpmaddubsw) cannot saturate
+        y = torch.ops.quantized.linear_dynamic(x.float(), packed, True)
+        return y.to(x.dtype)
+    return run
+
+
+def fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations [m, k] -> (e4m3 [m, k], fp32 scales [m, 1]), one scale per row (dynamic)."""
+    q, scale = quantize_fp8(x)
+    return q, scale[:, None]
+
+
+def _fp8(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    q, scale = quantize_fp8(weight)
+    b = None if bias is None else bias.to(torch.bfloat16 if weight.is_cuda else torch.float32)
+    if not weight.is_cuda:
+        w = dequantize_fp8(q, scale)
+
+        def emulate(x: torch.Tensor) -> torch.Tensor:
+            xq, xs = fp8_rows(x.reshape(-1, x.shape[-1]))
+            return F.linear(xq.float() * xs, w, b).to(x.dtype)
+        return emulate
+    w_t = q.t()                                   # [in, out] column-major, as _scaled_mm wants its second operand
+    scale_w = scale[None, :].contiguous()
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        m = x2.shape[0]
+        pad = -m % 16                             # _scaled_mm wants every dimension a multiple of 16
+        if pad:
+            x2 = F.pad(x2, (0, 0, 0, pad))
+        xq, xs = fp8_rows(x2)
+        y = torch._scaled_mm(xq, w_t, scale_a=xs, scale_b=scale_w, bias=b, out_dtype=torch.bfloat16)
+        return y[:m].to(x.dtype)
+    return run
+
+
+QUANTIZERS = {"int8": _int8_weight_only, "w8a8": _w8a8_dynamic, "fp8": _fp8}
+
+
+def quantize_linear(weight: torch.Tensor, bias: torch.Tensor | None,
+                    quantization: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x [M, in] -> x W^T + b through the quantized copy of W (fp32 or bf16 W; output in x's dtype)."""
+    return QUANTIZERS[quantization](weight, bias)

@@ -1,0 +1,120 @@
+"""Quantized linear weights (model/models/quant.py): the quantize/dequantize math (int8 and fp8 e4m3,
+per output channel), each quantized product against F.linear, LoRA on top of a quantized
+projection, tensor-parallel shards quantized after the cut, and the flag's checks."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from consort_engine.model.lora import LoraContext
+from consort_engine.model.models.layers import Linear
+from consort_engine.model.models.quant import (FP8_MAX, check_quantization, dequantize_fp8, dequantize_int8,
+                                                quantize_fp8, quantize_int8, quantize_linear)
+from consort_engine.model.tensor_parallel import TPGroup
+
+
+def weight(out: int = 96, inp: int = 64, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out, inp, generator=g) * torch.logspace(-2, 1, out)[:, None]
+    w[3] = 0.0                                   # an all-zero row must not divide by zero
+    return w
+
+
+def test_int8_per_channel_round_trip_is_within_half_a_step():
+    w = weight()
+    q, scale = quantize_int8(w)
+    assert q.dtype == torch.int8 and scale.shape == (w.shape[0],)
+    assert int(q.abs().max()) == 127 and torch.all(q[3] == 0)
+    err = (dequantize_int8(q, scale) - w).abs()
+    assert torch.all(err <= scale[:, None] / 2 + 1e-7)
+    # each row's scale follows its own range: the small rows are not flattened by the large ones
+    assert scale[0] < scale[-1] / 100
+
+
+def test_fp8_per_channel_round_trip_keeps_e4m3_precision():
+    w = weight()
+    q, scale = quantize_fp8(w)
+    assert q.dtype == torch.float8_e4m3fn
+    assert torch.allclose(q.float().abs().amax(1)[w.abs().amax(1) > 0], torch.tensor(FP8_MAX))
+    back = dequantize_fp8(q, scale)
+    assert torch.all(back[3] == 0)
+    # e4m3 has 3 mantissa bits: relative error <= 2^-4 in the normal range; subnormals by an absolute step
+    rel = ((back - w).abs() - 2.0 ** -9 * scale[:, None]).clamp(min=0) / w.abs().clamp(min=1e-30)
+    assert float(rel.max()) <= 2.0 ** -4
+
+
+@pytest.mark.parametrize("quantization,tol", [("int8", 0.02), ("w8a8", 0.05), ("fp8", 0.08)])
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_quantized_product_is_close_to_the_float_one(quantization, tol, rows):
+    w, b = weight(), torch.randn(96)
+    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(1))
+    ref = F.linear(x, w, b)
+    got = quantize_linear(w, b, quantization)(x)
+    assert got.shape == ref.shape and got.dtype == x.dtype
+    assert float((got - ref).norm() / ref.norm()) < tol
+    # and the error is the quantization's, not a wrong layout: far below a random product's
+    assert float((got - ref).norm() / ref.norm()) < 0.2 * float((F.linear(x, w.flip(0), b) - ref).norm() / ref.norm())
+
+
+def test_fp8_emulation_equals_dequantized_operands_multiplied_in_fp32():
+    """What _scaled_mm computes on CUDA (tests/gpu checks it there): both operands rounded through e4m3
+    with their row scales, the product in fp32."""
+    w, x = weight(), torch.randn(7, 64)
+    wq, ws = quantize_fp8(w)
+    xq, xs = quantize_fp8(x)
+    want = dequantize_fp8(xq, xs) @ dequantize_fp8(wq, ws).t()
+    torch.testing.assert_close(quantize_linear(w, None, "fp8")(x), want)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "w8a8", "fp8"])
+def test_lora_stays_full_precision_on_a_quantized_projection(quantization):
+    lin = Linear(64, [48, 48], bias=False)
+    lin.weight.data.copy_(weight())
+    x = torch.randn(6, 64)
+    lin.pack(quantization)
+    assert lin.packed is not None
+    base = lin(x)
+    a, b = torch.randn(4, 64), torch.randn(48, 4)
+    lin.lora_ctx = LoraContext([(2, 5, "ad")])
+    lin.lora["ad"] = [(48, 48, a, b)]                # the second shard of the fused projection
+    got = lin(x)
+    delta = torch.zeros_like(base)
+    delta[2:5, 48:] = (x[2:5] @ a.t()) @ b.t()
+    torch.testing.assert_close(got, base + delta, rtol=1e-5, atol=1e-4)
+
+
+def test_tensor_parallel_shards_are_quantized_after_the_cut():
+    """Each column-parallel rank quantizes its own rows: together they equal the unsplit quantized product."""
+    w, x = weight(), torch.randn(3, 64)
+    full = quantize_linear(w, None, "int8")(x)
+    parts = []
+    for rank in range(2):
+        lin = Linear(64, [48], bias=False, parallel="column", tp=TPGroup(rank, 2))
+        lin.load_shard("weight", 0, w)
+        lin.pack("int8")
+        parts.append(lin(x))
+    torch.testing.assert_close(torch.cat(parts, 1), full)
+
+
+def test_quantization_flag_is_checked_against_the_device():
+    for q in ("none", "int8", "w8a8", "fp8"):
+        check_quantization(q, "cpu")
+    check_quantization("fp8", "cuda")
+    with pytest.raises(ValueError, match="on CUDA use fp8"):
+        check_quantization("w8a8", "cuda")
+    with pytest.raises(ValueError, match="unknown quantization"):
+        check_quantization("int4", "cpu")
+
+
+def test_engine_flag_reaches_the_config(tmp_path):
+    from consort_engine.serving.cli import config_from_args, parse_args
+
+    (tmp_path / "config.json").write_text("{}")
+    base = ["--model", str(tmp_path), "--port", "0"]
+    assert config_from_args(parse_args(base)).quantization == "none"
+    assert config_from_args(parse_args(base + ["--quantization", "w8a8"])).quantization == "w8a8"
+    with pytest.raises(SystemExit):
+        config_from_args(parse_args(base + ["--quantization", "int8", "--device", "cuda"]))
+    with pytest.raises(SystemExit):
+        parse_args(base + ["--quantization", "int4"])
