@@ -63,10 +63,10 @@ class PortForward:
 @pytest.fixture(scope="module")
 def installed(real_cluster):
     c = real_cluster
+    # The README's values file for local images; pod-ready: Ready comes from the kubelet's probes,
+    # which the first step asserts.
     c.helm("install", RELEASE, str(CHART), "-n", OPERATOR_NS, "--create-namespace", "--wait", "--timeout", "5m",
-           "--set", "image.repository=consort/operator", "--set", "image.tag=dev",
-           "--set", "engineImage=consort/engine:dev", "--set", "routerImage=consort/router:dev",
-           "--set", "warmSignal=pod-ready", timeout=400)
+           "-f", str(CHART / "values-local.yaml"), "--set", "warmSignal=pod-ready", timeout=400)
     c.kubectl("apply", "-f", str(EXAMPLES))
     forward = PortForward(c, f"svc/{ROUTER}", 80)
     yield c, forward
