@@ -43,7 +43,8 @@ def real_cluster(tmp_path_factory: pytest.TempPathFactory):
     if os.geteuid() != 0:
         pytest.fail("the real-node suite needs root (containerd, runc, bridges, iptables)", pytrace=False)
     if existing := os.environ.get("CONSORT_REAL_CLUSTER_DIR"):
-        handle = Cluster(Path(existing) / "kubeconfig", CACHE / "bin", tmp_path_factory.mktemp("helm-home"))
+        handle = Cluster(Path(existing) / "kubeconfig", CACHE / "bin", tmp_path_factory.mktemp("helm-home"),
+                         Path(existing))
         yield handle
         handle.close()
         return
@@ -59,7 +60,8 @@ def real_cluster(tmp_path_factory: pytest.TempPathFactory):
                   env={**os.environ, "CONSORT_CLUSTER_DIR": str(running)})
         if up.returncode != 0:
             pytest.fail(f"importing the images into the running real node failed:\n{up.stderr[-4000:]}", pytrace=False)
-        handle = Cluster(Path(up.stdout.strip().splitlines()[-1]), CACHE / "bin", tmp_path_factory.mktemp("helm-home"))
+        handle = Cluster(Path(up.stdout.strip().splitlines()[-1]), CACHE / "bin", tmp_path_factory.mktemp("helm-home"),
+                         running)
         yield handle
         handle.close()
         return
