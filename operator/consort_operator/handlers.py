@@ -25,6 +25,7 @@ from .api.base import GROUP, VERSION
 from .api.base import LabelSelector
 from .api.router import EnsembleRouterStatus
 from .api.specialist import SpecialistSpec
+from .credentials import observe_router_secrets
 from .kube import Kube, KubeError, connection_info, expected_failure, load_configuration
 from .lifecycle import ownership as ownership_lc
 from .lifecycle import router as router_lc
@@ -328,7 +329,7 @@ ROUTER_STATUS_KEYS = frozenset(f.alias or n for n, f in EnsembleRouterStatus.mod
 # ---- Specialist ---------------------------------------------------------------------------------
 
 async def probe_replicas(runtime: Runtime, namespace: str, pods: list[dict[str, Any]], port: int,
-                         adapters: bool = False) -> dict[str, warmup_lc.ProbeResult]:
+                         adapters: bool = False, routers: tuple[str, ...] = ()) -> dict[str, warmup_lc.ProbeResult]:
     """The engines' own answers. Under the pod-ready warm signal only where adapters are listed: a
     hot-load does not show in pod readiness, and routing to an adapter before it is loaded fails."""
     if runtime.prober is None or (runtime.warm_signal == "pod-ready" and not adapters):
@@ -340,7 +341,8 @@ async def probe_replicas(runtime: Runtime, namespace: str, pods: list[dict[str, 
         addr = runtime.resolver.resolve(PodRef(namespace, p["name"], p["ip"], port))
         if addr:
             targets[p["name"]] = addr
-    results = await asyncio.gather(*(runtime.prober.probe(a) for a in targets.values()))
+    token = runtime.prober.token(namespace, routers)
+    results = await asyncio.gather(*(runtime.prober.probe(a, token) for a in targets.values()))
     out = dict(zip(targets, results))
     for p in pods:   # resolvable nowhere: unreachable
         out.setdefault(p["name"], warmup_lc.ProbeResult(reachable=False, reason="no address"))
@@ -367,12 +369,15 @@ async def observe_specialist(rt: Runtime, body: Any, pod_index: Any, deployment_
         "available_replicas")}) if dep_raw else None
     pods_raw = list(pod_index.get((namespace, "engine", name), []))
     port = (body.get("spec") or {}).get("port") or SpecialistSpec.model_fields["port"].default
-    probes = await probe_replicas(rt, namespace, pods_raw, port, adapters=bool((body.get("spec") or {}).get("adapters")))
     labels = dict(meta.get("labels") or {})
-    router_states = tuple(r["breakerState"] for r in router_index.get(namespace, [])
-                          if LabelSelector.model_validate(r["selector"] or {}).matches(labels))
+    selecting = [r for r in router_index.get(namespace, [])
+                 if LabelSelector.model_validate(r["selector"] or {}).matches(labels)]
+    routers = tuple(sorted(r["name"] for r in selecting))
+    probes = await probe_replicas(rt, namespace, pods_raw, port, adapters=bool((body.get("spec") or {}).get("adapters")),
+                                  routers=routers)
+    router_states = tuple(r["breakerState"] for r in selecting)
     return specialist_lc.SpecialistObserved(name, namespace, meta["uid"], meta.get("generation"), dep,
-                                            tuple(_pod(p) for p in pods_raw), probes, router_states)
+                                            tuple(_pod(p) for p in pods_raw), probes, router_states, routers)
 
 
 async def apply_decision(rt: Runtime, kind: str, body: Any, prev: dict[str, Any], decision: specialist_lc.Decision,
@@ -468,7 +473,8 @@ async def reconcile_router(rt: Runtime, body: Any, owned: Owned, pod_index: Any,
                      for s in sorted(specialist_index.get(namespace, []), key=lambda s: s["name"])
                      if selector.matches(s["labels"]))
     pods = tuple(p["ready"] for p in pod_index.get((namespace, "router", name), []) if not p["deleting"])
-    observed = router_lc.RouterObserved(name, namespace, meta["uid"], meta.get("generation"), selected, pods)
+    secrets = await observe_router_secrets(rt.client(), rt.prober, body)
+    observed = router_lc.RouterObserved(name, namespace, meta["uid"], meta.get("generation"), selected, pods, secrets)
     decision = router_lc.decide(dict(body.get("spec") or {}), observed, prev, now_utc(), rt.ctx, rt.idle_seconds)
     await apply_decision(rt, "EnsembleRouter", body, prev, decision, owned, deployment_index, ROUTER_STATUS_KEYS)
     return decision.requeue_seconds

@@ -41,6 +41,8 @@ class SpecialistObserved:
     probes: dict[str, warmup_lc.ProbeResult] = field(default_factory=dict)
     # breakerState of every EnsembleRouter whose selector picks this Specialist
     router_states: tuple[dict[str, Any], ...] = ()
+    # names of those EnsembleRouters: the engines accept each one's credential
+    routers: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -98,7 +100,7 @@ def decide(spec_raw: dict[str, Any], observed: SpecialistObserved, prev: dict[st
 
     events: list[Event] = []
     children = specialist_res.specialist_children(o.name, o.namespace, o.uid, spec, ctx,
-                                                  rollout_lc.rolled_back(prev.get("adapters")))
+                                                  rollout_lc.rolled_back(prev.get("adapters")), o.routers)
     status, ev = warmup_lc.evaluate(spec, o.generation, o.deployment, list(o.pods), o.probes, pacing.warm_signal,
                                     prev, now, selector=specialist_res.pod_selector_string(o.name))
     events += ev

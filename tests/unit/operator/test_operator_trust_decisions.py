@@ -307,7 +307,8 @@ def test_api_keys_come_from_the_routers_own_namespace_and_its_role_reads_no_secr
     dep = children["Deployment"]
     assert dep["metadata"]["namespace"] == "ns"
     secrets = [v["secret"] for v in dep["spec"]["template"]["spec"]["volumes"] if "secret" in v]
-    assert secrets == [{"secretName": "keys", "items": [{"key": "keys", "path": "keys"}]}]
+    assert secrets == [{"secretName": "keys", "items": [{"key": "keys", "path": "keys"}]},
+                       {"secretName": "front-engine-credential", "items": [{"key": "current", "path": "current"}]}]
     assert not [r for r in children["Role"]["rules"] if "secrets" in r["resources"]]
     with pytest.raises(ValidationError):
         EnsembleRouterSpec.model_validate(
@@ -320,10 +321,13 @@ def test_a_nodeport_or_loadbalancer_router_without_keys_is_refused():
     import pydantic
 
     for kind in ("NodePort", "LoadBalancer"):
-        with pytest.raises(pydantic.ValidationError, match="needs auth.apiKeysSecretRef"):
-            EnsembleRouterSpec.model_validate({"service": {"type": kind}})
+        with pytest.raises(pydantic.ValidationError, match="needs auth.enabled"):
+            EnsembleRouterSpec.model_validate({"service": {"type": kind}, "auth": {"enabled": False}})
+        EnsembleRouterSpec.model_validate({"service": {"type": kind}})       # generated keys
         EnsembleRouterSpec.model_validate({"service": {"type": kind},
                                            "auth": {"apiKeysSecretRef": {"name": "keys", "key": "k"}}})
-    EnsembleRouterSpec.model_validate({"service": {"type": "ClusterIP"}})     # in-cluster only: keys optional
+    EnsembleRouterSpec.model_validate({"service": {"type": "ClusterIP"}, "auth": {"enabled": False}})  # in-cluster only
+    with pytest.raises(pydantic.ValidationError, match="needs auth.enabled"):
+        EnsembleRouterSpec.model_validate({"auth": {"enabled": False, "apiKeysSecretRef": {"name": "keys", "key": "k"}}})
     spec = crds.ensemble_router_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
-    assert any("apiKeysSecretRef" in v["rule"] for v in spec["x-kubernetes-validations"])
+    assert any("self.auth.enabled" in v["rule"] for v in spec["x-kubernetes-validations"])
