@@ -35,6 +35,7 @@ class Load:
 
     base_url: str
     model: str
+    api_key: str
     intent: str | None = None
     workers: int = 3
     limit: int = 2000
@@ -53,7 +54,7 @@ class Load:
     def _one(self, n: int) -> None:
         from openai import OpenAI
 
-        client = OpenAI(base_url=f"{self.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+        client = OpenAI(base_url=f"{self.base_url}/v1", api_key=self.api_key, max_retries=0, timeout=60)
         headers = {"x-consort-intent": self.intent} if self.intent else {}
         try:
             if n % 3 == 0:

@@ -322,7 +322,7 @@ def all_specialists_ready(c) -> list[dict]:
 @contextmanager
 def started_load(c, **kw):
     """Load through the router Service, once it has had its first answers."""
-    with Load(service_url(c, ROUTER, NS), ROUTER, **kw) as load:
+    with Load(service_url(c, ROUTER, NS), ROUTER, api_key(c), **kw) as load:
         def answered() -> bool:
             if load.ok < 6:
                 raise NotYet(load.summary() + "; " + "; ".join(load.failed[-2:]))
