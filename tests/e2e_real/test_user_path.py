@@ -14,6 +14,7 @@ import subprocess
 import threading
 import time
 from contextlib import contextmanager
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -505,7 +506,7 @@ def test_apiserver_down_for_60s_under_load_fails_no_request_and_never_two_leader
             sent_during = load.sent
         finally:
             outage.start()
-        back_at = time.monotonic()
+        back_at, back_wall = time.monotonic(), time.time()
         wait_for(lambda: c.kubectl("get", "--raw", "/readyz", check=False, timeout=10).returncode == 0, 60,
                  "the apiserver to answer /readyz again", interval=0.5)
 
@@ -515,7 +516,10 @@ def test_apiserver_down_for_60s_under_load_fails_no_request_and_never_two_leader
             pods = operator_pods(c)
             if len(pods) != 2 or not all(condition(p, "Ready") and condition(p, "Ready")["status"] == "True" for p in pods):
                 raise NotYet("operator pods not Ready")
-            operator_leader(c)
+            _, lease = operator_leader(c)   # and leading again: renewed since the apiserver came back
+            renewed = datetime.fromisoformat(lease["spec"]["renewTime"].replace("Z", "+00:00")).timestamp()
+            if renewed < back_wall:
+                raise NotYet(f"Lease not renewed since the apiserver's return (holder {lease['spec']['holderIdentity']})")
             return True
 
         wait_for(everything_ready, 90, "everything Ready again after the apiserver's return", interval=1)
