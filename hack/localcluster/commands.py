@@ -19,8 +19,8 @@ from . import node as real
 from .components import COMPONENTS, component_argv, default_nodes, node_manifest
 from .layout import ClusterError, Layout, NotYet, Ports, State, choose_free_ports, wait_for
 from .pki import make_pki, write_credentials
-from .processes import (apiserver_ready, ca_context, cluster_pids, https_get, log_tail, self_signed_context,
-                        start_process, stop_processes)
+from .processes import (apiserver_ready, ca_context, cluster_pids, https_get, log_tail, real_node_elsewhere,
+                        self_signed_context, start_process, stop_processes)
 
 class Probe:
     """Checks one readiness condition and fails fast when the process it depends on died."""
@@ -68,6 +68,10 @@ def up(layout: Layout, gpu_nodes: int, cpu_nodes: int, timeout: float, real_node
         return 0
     if real_node:
         real.preflight()
+        if (other := real_node_elsewhere(layout)) is not None:
+            raise ClusterError(f"a real node already runs from {other} (`make cluster-real`?); one per machine: "
+                               f"use it (CONSORT_REAL_CLUSTER_DIR={other} for tests/e2e_real) or stop it "
+                               f"(CONSORT_CLUSTER_DIR={other} hack/controlplane.sh down)")
     stale = stop_node(layout) + stop_processes(layout)
     if stale:
         print(f"cluster: stopped stale processes from an earlier run: {', '.join(stale)}", file=sys.stderr)

@@ -37,6 +37,21 @@ def belongs_to(pid: int, layout: Layout) -> bool:
     return any(root in arg for arg in argv[1:])
 
 
+def real_node_elsewhere(layout: Layout) -> Path | None:
+    """The state dir of a real node that runs from another state dir, else None. There is one per
+    machine: every cluster's containerd keeps its images in the cache's one store (and the node owns
+    the bridge and its address), so a second containerd would wait forever on the first one's lock."""
+    for entry in Path("/proc").iterdir():
+        argv = cmdline(int(entry.name)) if entry.name.isdigit() else []
+        if not argv or Path(argv[0]).name != "containerd" or "--config" not in argv[:-1]:
+            continue
+        config = Path(argv[argv.index("--config") + 1])
+        if config.name == "containerd.toml" and config.parent.name == "node" and config.parent.parent != layout.root \
+                and not is_zombie(int(entry.name)):
+            return config.parent.parent
+    return None
+
+
 def is_zombie(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"

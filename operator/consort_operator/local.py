@@ -308,9 +308,12 @@ def restart_delay(restarts: int, up_for_s: float) -> float:
 
 
 def busy_port(host: str, port: int) -> bool:
+    """Something listens on host:port. SO_REUSEADDR, as the engine and router servers bind: the
+    TIME_WAIT sockets a previous run leaves for a minute must not read as a port in use."""
     import socket
 
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:

@@ -132,3 +132,25 @@ def test_a_port_taken_between_choosing_and_binding_is_detected_and_retried(tmp_p
         busy.close()
         commands.main(["down", "--dir", str(cluster_dir), "--bin-dir", bin_dir])
     assert live_pids(cluster_dir) == {}
+
+
+def test_a_second_real_node_is_refused_in_one_line_naming_the_running_one(tmp_path: Path, monkeypatch, capsys):
+    # `make cluster-real` runs; `make test` would start its own real node, whose containerd then
+    # waits on the first one's image store: `up` must say so at once, in one line, and start nothing.
+    other = tmp_path / "cluster-real"
+    (other / "node").mkdir(parents=True)
+    fake_containerd = subprocess.Popen(
+        ["containerd", "-c", "import time; time.sleep(60)", "--config", str(other / "node" / "containerd.toml")],
+        executable=sys.executable)
+    monkeypatch.setattr(commands.real, "preflight", lambda: None)   # root and the node's tools: not the point here
+    cluster_dir = tmp_path / "cluster"
+    try:
+        assert commands.main(["up", "--real-node", "--dir", str(cluster_dir),
+                              "--bin-dir", str(Path.home() / ".cache" / "consort" / "bin")]) == 1
+    finally:
+        fake_containerd.kill()
+        fake_containerd.wait()
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and f"a real node already runs from {other}" in lines[0], lines
+    assert f"CONSORT_REAL_CLUSTER_DIR={other}" in lines[0]
+    assert live_pids(cluster_dir) == {} and not (cluster_dir / "node").exists()

@@ -6,7 +6,9 @@ nothing is ever scheduled onto a fake pod IP), imports the image archives, and s
 end. Needs root; `pytest -m real_node` selects these tests.
 
 CONSORT_REAL_CLUSTER_DIR=<dir of a running `make cluster-real`> reuses that cluster instead (the
-edit-test loop: rebuild one image, `ctr images import` it, rerun); it is left running.
+edit-test loop: rebuild one image, `ctr images import` it, rerun); it is left running. A real node
+already running from another state dir (`make cluster-real`, then `make test`) is reused the same
+way, saying so in one line: there is one per machine (one containerd image store, one bridge).
 """
 from __future__ import annotations
 
@@ -21,6 +23,10 @@ import pytest
 from kube import Cluster
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "hack"))
+from localcluster.layout import Layout  # noqa: E402  (hack/localcluster: standard library only)
+from localcluster.processes import real_node_elsewhere  # noqa: E402
+
 CONTROLPLANE = REPO / "hack" / "controlplane.sh"
 CACHE = Path(os.environ.get("CONSORT_CACHE", Path.home() / ".cache" / "consort"))
 TEST_CLUSTERS = CACHE / "test-clusters"
@@ -37,7 +43,8 @@ def real_cluster(tmp_path_factory: pytest.TempPathFactory):
     if os.geteuid() != 0:
         pytest.fail("the real-node suite needs root (containerd, runc, bridges, iptables)", pytrace=False)
     if existing := os.environ.get("CONSORT_REAL_CLUSTER_DIR"):
-        handle = Cluster(Path(existing) / "kubeconfig", CACHE / "bin", tmp_path_factory.mktemp("helm-home"))
+        handle = Cluster(Path(existing) / "kubeconfig", CACHE / "bin", tmp_path_factory.mktemp("helm-home"),
+                         Path(existing))
         yield handle
         handle.close()
         return
@@ -46,6 +53,18 @@ def real_cluster(tmp_path_factory: pytest.TempPathFactory):
         if out.returncode != 0:
             pytest.fail(f"{' '.join(step)} failed:\n{(out.stdout + out.stderr)[-3000:]}", pytrace=False)
     cluster_dir = TEST_CLUSTERS / f"real-{os.getpid()}"
+    if (running := real_node_elsewhere(Layout(cluster_dir, CACHE / "bin"))) is not None:
+        # `up` on that dir finds it running and imports the images just built; it stays up afterwards.
+        sys.stderr.write(f"\n[real_cluster] reusing the real node already running from {running} (left running)\n")
+        up = _run([str(CONTROLPLANE), "up", "--real-node", "--images", str(IMAGES)], timeout=UP_TIMEOUT_S,
+                  env={**os.environ, "CONSORT_CLUSTER_DIR": str(running)})
+        if up.returncode != 0:
+            pytest.fail(f"importing the images into the running real node failed:\n{up.stderr[-4000:]}", pytrace=False)
+        handle = Cluster(Path(up.stdout.strip().splitlines()[-1]), CACHE / "bin", tmp_path_factory.mktemp("helm-home"),
+                         running)
+        yield handle
+        handle.close()
+        return
     env = {**os.environ, "CONSORT_CLUSTER_DIR": str(cluster_dir)}
     started = time.monotonic()
     up = _run([str(CONTROLPLANE), "up", "--real-node", "--gpu-nodes", "0", "--cpu-nodes", "0",

@@ -14,11 +14,14 @@ import subprocess
 import threading
 import time
 from contextlib import contextmanager
+from datetime import datetime
 from pathlib import Path
 
 import pytest
 from consort_engine.model.cpu import memory_available
 from consort_operator.api.base import quantity_value
+from faults import (ApiserverOutage, Load, deployment_settled, kill_container_process, leadership_spans, service_url,
+                    watch_phases)
 from kube import NotYet, condition, wait_for
 from procs import free_port
 
@@ -64,10 +67,10 @@ class PortForward:
 @pytest.fixture(scope="module")
 def installed(real_cluster):
     c = real_cluster
+    # The README's values file for local images; pod-ready: Ready comes from the kubelet's probes,
+    # which the first step asserts.
     c.helm("install", RELEASE, str(CHART), "-n", OPERATOR_NS, "--create-namespace", "--wait", "--timeout", "5m",
-           "--set", "image.repository=consort/operator", "--set", "image.tag=dev",
-           "--set", "engineImage=consort/engine:dev", "--set", "routerImage=consort/router:dev",
-           "--set", "warmSignal=pod-ready", timeout=400)
+           "-f", str(CHART / "values-local.yaml"), "--set", "warmSignal=pod-ready", timeout=400)
     c.kubectl("apply", "-f", str(EXAMPLES))
     forward = PortForward(c, f"svc/{ROUTER}", 80)
     yield c, forward
@@ -128,7 +131,7 @@ def test_openai_client_gets_routed_completions_and_a_stream(installed):
     from openai import OpenAI
 
     c, forward = installed
-    wait_for(lambda: c.kubectl_json("get", "deployment", f"{ROUTER}-router", "-n", NS)["status"].get("readyReplicas") == 1,
+    wait_for(lambda: c.kubectl_json("get", "deployment", f"{ROUTER}-router", "-n", NS)["status"].get("readyReplicas") == 2,
              300, f"router Deployment {ROUTER}-router ready", interval=2)
     base = wait_for(forward.ensure, 60, "kubectl port-forward to the router Service")
     client = OpenAI(base_url=f"{base}/v1", api_key=api_key(c), max_retries=0, timeout=60)
@@ -296,6 +299,245 @@ def test_adapter_rotation_is_a_hot_load_with_no_failed_request_and_no_restart(in
     assert fresh["loadedReplicas"] == 1, fresh
     # The operator probed the engine (pod-ready warm signal or not): the replica's own report.
     assert fresh["replicas"] == [{"pod": before["metadata"]["name"], "state": "loaded"}], fresh
+
+
+# --- faults under bounded load through the router Service (tests/e2e_real/faults.py) ----------
+
+ROUTER_DEPLOYMENT = f"{ROUTER}-router"
+NODE = "consort-node-0"
+
+
+def router_pods(c) -> list[dict]:
+    pods = c.kubectl_json("get", "pods", "-n", NS, "-l", f"consort.dev/ensemble-router={ROUTER}")["items"]
+    return [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+
+
+def all_specialists_ready(c) -> list[dict]:
+    items = c.kubectl_json("get", "specialists", "-n", NS)["items"]
+    phases = {s["metadata"]["name"]: (s.get("status") or {}).get("phase") for s in items}
+    if sorted(phases) != sorted(SPECIALISTS) or any(p != "Ready" for p in phases.values()):
+        raise NotYet(f"phases {phases}")
+    return items
+
+
+@contextmanager
+def started_load(c, **kw):
+    """Load through the router Service, once it has had its first answers."""
+    with Load(service_url(c, ROUTER, NS), ROUTER, api_key(c), **kw) as load:
+        def answered() -> bool:
+            if load.ok < 6:
+                raise NotYet(load.summary() + "; " + "; ".join(load.failed[-2:]))
+            return True
+
+        wait_for(answered, 120, "the load through the router Service to get its first answers", interval=0.5)
+        yield load
+
+
+def test_router_runs_two_replicas_and_its_service_answers_from_this_node(installed):
+    c, _ = installed
+    wait_for(lambda: deployment_settled(c, ROUTER_DEPLOYMENT, NS, 2), 300, "both router replicas Ready", interval=2)
+    pdb = c.kubectl_json("get", "pdb", ROUTER_DEPLOYMENT, "-n", NS)
+    assert pdb["spec"]["maxUnavailable"] == 1, pdb["spec"]
+    with started_load(c, workers=1) as load:
+        pass
+    assert not load.failed, load.failed
+
+
+def test_deleting_a_router_pod_under_load_fails_no_request(installed, figure):
+    c, _ = installed
+    victim = router_pods(c)[0]
+    with started_load(c) as load:
+        c.kubectl("delete", "pod", "-n", NS, victim["metadata"]["name"], "--wait=false")
+
+        def replaced() -> bool:
+            names = [p["metadata"]["name"] for p in router_pods(c)]
+            if victim["metadata"]["name"] in names:
+                raise NotYet(f"{victim['metadata']['name']} still live")
+            return deployment_settled(c, ROUTER_DEPLOYMENT, NS, 2)
+
+        wait_for(replaced, 180, "the deleted router pod to be replaced and Ready", interval=1)
+        # the deleted pod is gone only after its preStop and drain: the load ran through all of it
+        gone = wait_for(lambda: not any(p["metadata"]["name"] == victim["metadata"]["name"] for p in c.kubectl_json(
+            "get", "pods", "-n", NS, "-l", f"consort.dev/ensemble-router={ROUTER}")["items"]) or NotYet("terminating"),
+            120, "the deleted router pod to finish terminating", interval=1)
+        assert gone
+        time.sleep(2)
+    figure(f"router pod deleted under load (2 router replicas): {load.summary()}")
+    assert load.ok and not load.failed, load.failed[:5]
+
+
+def test_killing_an_engine_process_degrades_the_specialist_and_it_recovers_with_no_failed_request(installed, figure):
+    c, _ = installed
+    victim = engine_pod(c, "template")
+    container = victim["spec"]["containers"][0]["name"]
+    seen: list[tuple[str, str]] = []
+    stop = threading.Event()
+    watcher = watch_phases(c, "specialist", "template", NS, stop, seen)
+    try:
+        with started_load(c, intent="template") as load:
+            killed_at = time.monotonic()
+            kill_container_process(c, victim, container)
+
+            def recovered() -> bool:
+                if any(phase == "Failed" for phase, _ in seen):
+                    return True   # asserted below: no use waiting
+                pod = engine_pod(c, "template")
+                status = next(s for s in pod["status"]["containerStatuses"] if s["name"] == container)
+                if pod["metadata"]["uid"] != victim["metadata"]["uid"]:
+                    raise NotYet("the pod was replaced: the kill must restart the container in place")
+                if status["restartCount"] < 1 or not status.get("ready") or not seen or seen[-1][0] != "Ready" \
+                        or not any(phase == "Degraded" for phase, _ in seen):
+                    raise NotYet(f"restarts {status['restartCount']}, ready {status.get('ready')}, phases {seen}")
+                return True
+
+            wait_for(recovered, 300, "the engine container to restart and template to be Ready again", interval=1)
+            back_after = time.monotonic() - killed_at
+            time.sleep(2)
+    finally:
+        stop.set()
+        watcher.join(30)
+    figure(f"engine process killed (template, SIGKILL): phases {' -> '.join(f'{p}/{r}' for p, r in seen)}; "
+           f"Ready again after {back_after:.0f}s; {load.summary()}")
+    assert ("Degraded", "ReplicaRestarting") in seen, seen
+    assert not any(phase == "Failed" for phase, _ in seen), seen
+    assert load.ok and not load.failed, load.failed[:5]
+
+
+def test_draining_the_node_is_not_blocked_by_a_specialist_at_min_ready(installed, figure):
+    """stl runs replicas == minReady == 1: its PDB still allows one disruption, so `kubectl drain`
+    evicts it and finishes (on this one-node cluster the replacement stays Pending until uncordon).
+    The drain selects the engine pods: the routers' and the operator's own PDBs keep one of their
+    two replicas, which on a single node (nowhere to reschedule) would rightly hold a full drain."""
+    c, _ = installed
+    spec = c.kubectl_json("get", "specialist", "stl", "-n", NS)["spec"]
+    assert spec["replicas"] == spec["minReady"], spec
+    pdb = wait_for(lambda: c.kubectl_json("get", "pdb", "stl", "-n", NS), 30, "the stl PDB")
+    assert pdb["spec"].get("maxUnavailable") == 1 and pdb["status"].get("disruptionsAllowed") == 1, pdb
+    victim = engine_pod(c, "stl")
+    started = time.monotonic()
+    try:
+        drain = c.kubectl("drain", NODE, "--pod-selector=consort.dev/specialist=stl", "--ignore-daemonsets",
+                          "--delete-emptydir-data", "--timeout=120s", check=False, timeout=150)
+        took = time.monotonic() - started
+        assert drain.returncode == 0, f"drain failed or was blocked:\n{drain.stdout[-2000:]}\n{drain.stderr[-2000:]}"
+        assert f"node/{NODE} drained" in drain.stdout, drain.stdout
+
+        def pending_replacement() -> dict:
+            pod = engine_pod(c, "stl")
+            if pod["metadata"]["uid"] == victim["metadata"]["uid"] or pod["status"].get("phase") != "Pending":
+                raise NotYet(f"{pod['metadata']['name']}: {pod['status'].get('phase')}")
+            return pod
+
+        wait_for(pending_replacement, 60, "stl's replacement pod to wait Pending on the cordoned node", interval=1)
+    finally:
+        c.kubectl("uncordon", NODE, check=False)
+    figure(f"kubectl drain with stl at replicas == minReady: done in {took:.1f}s (evicted, replacement Pending)")
+    wait_for(lambda: all_specialists_ready(c), 420, "every Specialist Ready again after uncordon", interval=2)
+
+
+def operator_leader(c) -> tuple[str, dict]:
+    leases = c.kubectl_json("get", "leases", "-n", OPERATOR_NS)["items"]
+    lease = next(x for x in leases if x["metadata"]["name"].startswith(RELEASE))
+    holder = lease["spec"].get("holderIdentity") or ""
+    if not holder:
+        raise NotYet(f"Lease {lease['metadata']['name']} is free")
+    return holder, lease
+
+
+def operator_pods(c) -> list[dict]:
+    return c.kubectl_json("get", "pods", "-n", OPERATOR_NS, "-l", "app.kubernetes.io/name=consort-operator")["items"]
+
+
+def test_killing_the_operator_leader_mid_rollout_hands_over_within_20s_with_no_failed_request(installed, figure):
+    c, _ = installed
+    operator = c.kubectl_json("get", "deployments", "-n", OPERATOR_NS)["items"][0]["metadata"]["name"]
+    wait_for(lambda: deployment_settled(c, operator, OPERATOR_NS, 2), 120, "both operator replicas Ready", interval=2)
+    holder, _ = wait_for(lambda: operator_leader(c), 60, "an operator to hold the Lease")
+    leader = next(p for p in operator_pods(c) if holder.startswith(p["metadata"]["name"] + "_"))
+    before = c.kubectl_json("get", "deployment", ROUTER_DEPLOYMENT, "-n", NS)
+    with started_load(c) as load:
+        # a router rollout (new pod template): the Deployment surges one pod at a time
+        c.kubectl("patch", "ensemblerouter", ROUTER, "-n", NS, "--type=merge",
+                  "-p", json.dumps({"spec": {"resources": {"cpu": "200m", "memory": "500Mi"}}}))
+        wait_for(lambda: c.kubectl_json("get", "deployment", ROUTER_DEPLOYMENT, "-n", NS)["metadata"]["generation"]
+                 > before["metadata"]["generation"] or NotYet("template unchanged"), 60,
+                 "the operator to start the router rollout", interval=0.5)
+        killed_at = time.monotonic()
+        kill_container_process(c, leader, leader["spec"]["containers"][0]["name"])
+
+        def taken_over() -> str:
+            now_holder, _ = operator_leader(c)
+            if now_holder == holder:
+                raise NotYet(f"still {holder}")
+            return now_holder
+
+        new_holder = wait_for(taken_over, 40, "another operator to take the Lease", interval=0.5)
+        handover = time.monotonic() - killed_at
+        wait_for(lambda: deployment_settled(c, ROUTER_DEPLOYMENT, NS, 2), 240, "the router rollout to finish", interval=1)
+
+        def router_status_caught_up() -> dict:
+            er = c.kubectl_json("get", "ensemblerouter", ROUTER, "-n", NS)
+            st = er.get("status") or {}
+            if st.get("observedGeneration") != er["metadata"]["generation"] or st.get("readyReplicas") != 2:
+                raise NotYet(f"status {st.get('observedGeneration')}/{er['metadata']['generation']}, "
+                             f"ready {st.get('readyReplicas')}")
+            return er
+
+        wait_for(router_status_caught_up, 60, "the new leader to report the finished rollout", interval=1)
+        done = time.monotonic() - killed_at
+        time.sleep(2)
+    figure(f"operator leader SIGKILLed mid router rollout: Lease taken over after {handover:.1f}s "
+           f"({holder} -> {new_holder}), rollout reported done {done:.0f}s after the kill; {load.summary()}")
+    assert handover <= 20, f"the standby took {handover:.1f}s to take over"
+    assert load.ok and not load.failed, load.failed[:5]
+
+
+def test_apiserver_down_for_60s_under_load_fails_no_request_and_never_two_leaders(installed, figure):
+    c, forward = installed
+    forward.stop()   # it goes through the apiserver; the load does not
+    outage = ApiserverOutage(c)
+    transitions_before = operator_leader(c)[1]["spec"].get("leaseTransitions", 0)
+    with started_load(c) as load:
+        outage.stop()
+        stopped_at = time.monotonic()
+        try:
+            time.sleep(60)
+            failed_during = len(load.failed)
+            sent_during = load.sent
+        finally:
+            outage.start()
+        back_at, back_wall = time.monotonic(), time.time()
+        wait_for(lambda: c.kubectl("get", "--raw", "/readyz", check=False, timeout=10).returncode == 0, 60,
+                 "the apiserver to answer /readyz again", interval=0.5)
+
+        def everything_ready() -> bool:
+            all_specialists_ready(c)
+            deployment_settled(c, ROUTER_DEPLOYMENT, NS, 2)
+            pods = operator_pods(c)
+            if len(pods) != 2 or not all(condition(p, "Ready") and condition(p, "Ready")["status"] == "True" for p in pods):
+                raise NotYet("operator pods not Ready")
+            _, lease = operator_leader(c)   # and leading again: renewed since the apiserver came back
+            renewed = datetime.fromisoformat(lease["spec"]["renewTime"].replace("Z", "+00:00")).timestamp()
+            if renewed < back_wall:
+                raise NotYet(f"Lease not renewed since the apiserver's return (holder {lease['spec']['holderIdentity']})")
+            return True
+
+        wait_for(everything_ready, 90, "everything Ready again after the apiserver's return", interval=1)
+        ready_after = time.monotonic() - back_at
+        time.sleep(3)
+    _, lease = operator_leader(c)
+    spans = leadership_spans(c, OPERATOR_NS, operator_pods(c))
+    overlaps = [(a, b) for a, b in zip(spans, spans[1:]) if b[0] < a[1]]
+    logs = "\n".join(c.kubectl("logs", "-n", OPERATOR_NS, p["metadata"]["name"], *extra, check=False).stdout
+                     for p in operator_pods(c) for extra in ((), ("--previous",)))
+    figure(f"apiserver stopped {back_at - stopped_at:.0f}s under load: {sent_during} requests during "
+           f"({failed_during} failed), {load.summary()} in all; everything Ready {ready_after:.0f}s after its return; "
+           f"Lease transitions {transitions_before} -> {lease['spec'].get('leaseTransitions', 0)}, "
+           f"{len(spans)} leadership spans, {logs.count('Traceback')} tracebacks in the operators' logs")
+    assert not load.failed, load.failed[:5]
+    assert ready_after <= 60, f"everything Ready only {ready_after:.0f}s after the apiserver's return"
+    assert spans and not overlaps, f"two operators led at once: {overlaps}"
+    assert "Traceback" not in logs, logs[logs.index("Traceback") - 500:][:3000]
 
 
 def test_nothing_dialled_outside_the_node(installed):

@@ -217,3 +217,19 @@ def test_the_local_prometheus_config_scrapes_consort_ups_ports():
                for job in config["scrape_configs"]}
     assert targets["consort-router"] == [f"127.0.0.1:{args.port}"]
     assert targets["consort-engines"] == [f"127.0.0.1:{args.engine_base_port + i}" for i in range(len(specialists))]
+
+
+def test_the_readmes_local_chart_install_uses_the_local_images_values_file():
+    """The CPU path installs the chart with charts/consort/values-local.yaml (the e2e installs with the
+    same file), whose images are the ones hack/images.sh builds, not the registry's defaults."""
+    readme = (REPO / "README.md").read_text()
+    cpu_path = readme.split("**CPU path, no registry**", 1)[1].split("**GPU path**", 1)[0]
+    install = next(line for line in cpu_path.splitlines() if line.startswith("helm install"))
+    install_cmd = cpu_path[cpu_path.index(install):].split("\nkubectl", 1)[0]
+    assert "-f charts/consort/values-local.yaml" in install_cmd and "--set" not in install_cmd, install_cmd
+    values = yaml.safe_load((REPO / "charts/consort/values-local.yaml").read_text())
+    built = {ref.removeprefix("docker.io/") for ref in
+             re.findall(r'^\s+"\w+ \S+ (\S+)"$', (REPO / "hack/images.sh").read_text(), re.M)}
+    used = {f"{values['image']['repository']}:{values['image']['tag']}", values["engineImage"], values["routerImage"]}
+    assert used <= built, (used, built)
+    assert "values-local.yaml" in (REPO / "tests/e2e_real/test_user_path.py").read_text()

@@ -43,8 +43,9 @@ def pod_fields(body: dict[str, Any]) -> dict[str, Any]:
         state = cs.get("state") or {}
         if "running" in state:
             started = state["running"].get("startedAt") or started
-        else:
-            started = ((cs.get("lastState") or {}).get("terminated") or {}).get("finishedAt") or started
+        else:   # just killed (state terminated, no lastState yet), or waiting to restart
+            started = ((state.get("terminated") or {}).get("finishedAt")
+                       or ((cs.get("lastState") or {}).get("terminated") or {}).get("finishedAt") or started)
         if "waiting" in state:
             waiting = state["waiting"].get("reason") or waiting
     return {

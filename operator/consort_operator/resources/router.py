@@ -216,8 +216,11 @@ def router_deployment(name: str, namespace: str, uid: str, spec: EnsembleRouterS
         # the request explicit: a limit alone would default the request to it
         "resources": {"requests": {"cpu": str(r.cpu), "memory": str(r.memory), "ephemeral-storage": LOG_STORAGE},
                       "limits": {"memory": str(r.memory), "ephemeral-storage": ephemeral_storage_limit(volumes)}},
-        "startupProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 2, "failureThreshold": 60,
-                         "timeoutSeconds": 3},   # the classifier trains at start: up to 2 min before liveness
+        # The classifier trains before the router listens: up to 2 min before liveness. /health, not
+        # /ready: /ready waits for a warm engine, and engines may warm for much longer (a first install,
+        # a model download); a router killed for that would only come back later, in CrashLoopBackOff.
+        "startupProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 2, "failureThreshold": 60,
+                         "timeoutSeconds": 3},
         "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 5, "failureThreshold": 2, "timeoutSeconds": 3},
         # Deletion: the Service stops sending new connections while preStop waits, then SIGTERM
         # closes the listener and lets the requests in flight (streams included) finish.

@@ -2,8 +2,8 @@
 
 The blocks between `<!-- quickstart:local -->` and `<!-- /quickstart:local -->` in README.md are
 extracted and run in order: the first is `make up`, which this test replaces by starting what the
-Makefile's `up` target runs (`consort up -f examples/local`, checked below); every other `bash` block
-runs under `bash -euo pipefail`, every `python` block under the tests' Python. Two substitutions,
+Makefile's `up` target runs (`consort up -f examples/local`, checked below); every other block
+runs under `bash -euo pipefail` (the `openai` one is `.venv/bin/python - <<'PY'`). Two substitutions,
 both in the extracted text only:
 - the router's port: the README uses 127.0.0.1:8080, which a test cannot own safely (a developer's
   `make up` or another test may hold it), so the ensemble listens on a free port and `:8080` in the
@@ -34,8 +34,11 @@ def quickstart_blocks() -> list[tuple[str, str]]:
 
 def test_the_quickstart_starts_with_make_up_which_runs_consort_up_on_examples_local():
     blocks = quickstart_blocks()
-    assert [lang for lang, _ in blocks] == ["bash", "bash", "python"]
+    assert [lang for lang, _ in blocks] == ["bash", "bash", "bash"]
     assert blocks[0][1].split("#")[0].strip() == "make up"
+    # Python runs from the venv `make up` made (it has `openai`), never a bare python a fresh machine lacks it in.
+    pythons = re.findall(r"(\S*python\S*) - <<", "".join(code for _, code in blocks))
+    assert pythons == [".venv/bin/python"], pythons
     recipe = re.search(r"^up:.*\n\t(.*)$", (REPO / "Makefile").read_text(), re.M).group(1)
     assert recipe == "$(VENV)/bin/consort up -f examples/local"
 
@@ -51,11 +54,10 @@ def test_the_quickstart_runs_as_written(tmp_path):
 
     outputs = []
     with consort_up(tmp_path, port):
-        for lang, code in quickstart_blocks()[1:]:
-            argv = ["bash", "-euo", "pipefail", "-c", as_run(code)] if lang == "bash" else \
-                [sys.executable, "-c", as_run(code)]
+        for _, code in quickstart_blocks()[1:]:
+            argv = ["bash", "-euo", "pipefail", "-c", as_run(code)]
             run = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=tmp_path)
-            assert run.returncode == 0, f"{lang} block failed ({run.returncode}):\n{code}\n{run.stdout}\n{run.stderr}"
+            assert run.returncode == 0, f"block failed ({run.returncode}):\n{code}\n{run.stdout}\n{run.stderr}"
             outputs.append(run.stdout)
     curl, python = outputs
     # the headers the README promises, and the cards of the ensemble and its three specialists

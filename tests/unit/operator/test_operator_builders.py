@@ -234,7 +234,8 @@ def test_the_router_drains_on_deletion_and_through_node_drains():
     from consort_router.dispatch import DRAIN_S
     prestop = c["lifecycle"]["preStop"]["sleep"]["seconds"]
     assert prestop > 0 and pod["terminationGracePeriodSeconds"] > prestop + DRAIN_S
-    assert c["startupProbe"]["httpGet"]["path"] == "/ready"
+    # started = listening (after the classifier trained); never restarted while its engines still warm
+    assert c["startupProbe"]["httpGet"]["path"] == "/health" and c["readinessProbe"]["httpGet"]["path"] == "/ready"
 
 
 def test_router_children_rbac_is_least_privilege():

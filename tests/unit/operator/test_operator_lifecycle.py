@@ -100,6 +100,9 @@ def test_the_warmup_clock_runs_from_the_containers_restart_not_the_pods_start():
                                            {"terminated": {"finishedAt": "2026-11-22T12:05:00Z", "exitCode": 137}}, 1))
     assert crashed["started_at"] == "2026-11-22T12:05:00Z", "not the pod's 11:00 start"
     assert crashed["waiting_reason"] == "CrashLoopBackOff" and crashed["restarts"] == 1
+    # the kubelet's first report after a kill: the container terminated, not restarted yet (no lastState)
+    killed = warmup.pod_fields(engine_pod({"terminated": {"finishedAt": "2026-11-22T12:07:00Z", "exitCode": 137}}))
+    assert killed["started_at"] == "2026-11-22T12:07:00Z", "not the pod's 11:00 start"
 
 
 def test_a_restarting_replica_degrades_a_ready_specialist_and_it_recovers():

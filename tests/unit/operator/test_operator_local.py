@@ -34,3 +34,27 @@ def test_cpu_plan_gives_each_engine_its_share_and_pins_only_when_each_gets_its_o
     assert all(p == (1, None) for p in many.values())
     # requests of zero share equally
     assert [t for t, _ in plan_cpu({"a": 0, "b": 0}, list(range(4)), 0.0).values()] == [2, 2]
+
+
+def test_busy_port_ignores_time_wait_left_by_a_previous_run_but_sees_a_listener():
+    """After a run that served traffic the port holds TIME_WAIT sockets for a minute and nothing
+    listens: a new `consort up` may bind it (its servers set SO_REUSEADDR), so it is not busy."""
+    import socket
+
+    from consort_operator.local import busy_port
+
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as aiohttp's servers bind
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    served, _ = listener.accept()
+    assert busy_port("127.0.0.1", port), "a listening socket must read as busy"
+    listener.close()
+    served.close()     # the side that closes first keeps the port in TIME_WAIT
+    client.close()
+    states = open("/proc/net/tcp").read().split("\n")[1:]
+    time_wait = [ln for ln in states if ln.split() and ln.split()[1].endswith(f":{port:04X}") and ln.split()[3] == "06"]
+    assert time_wait, f"no TIME_WAIT socket on port {port}: the test set-up did not create one"
+    assert not busy_port("127.0.0.1", port), "TIME_WAIT alone read as a port in use"
