@@ -22,6 +22,7 @@ from ..resources.common import BuildContext
 from . import admission
 from . import breaker as breaker_lc
 from . import rollout as rollout_lc
+from . import scaling as scaling_lc
 from . import slo as slo_lc
 from . import speculation as speculation_lc
 from . import warmup as warmup_lc
@@ -61,8 +62,10 @@ class Decision:
     events: list[Event]
     requeue_seconds: float
     phase: str | None
+    scale_to: int | None = None         # spec.replicas to write through /scale (scale to zero); None: leave it
 
 
+UNPROBED = warmup_lc.ProbeResult(reachable=False)
 STATUS_KEYS = frozenset(f.alias or n for n, f in SpecialistStatus.model_fields.items())
 
 
@@ -103,6 +106,9 @@ def decide(spec_raw: dict[str, Any], observed: SpecialistObserved, prev: dict[st
                                                   rollout_lc.rolled_back(prev.get("adapters")), o.routers)
     status, ev = warmup_lc.evaluate(spec, o.generation, o.deployment, list(o.pods), o.probes, pacing.warm_signal,
                                     prev, now, selector=specialist_res.pod_selector_string(o.name))
+    idle = scaling_lc.least_idle_seconds((o.probes.get(r["pod"]) or UNPROBED).idle_s for r in status["replicaStatus"])
+    scale = scaling_lc.decide(spec.scale_to_zero, spec.replicas, status["replicas"], status["warmReplicas"], idle)
+    status, ev = scaling_lc.idle_status(status, ev, scale, now, o.generation, prev.get("phase"))
     events += ev
 
     # Correctness samples of the lane's current rotation, as the router collected them since the
@@ -147,4 +153,6 @@ def decide(spec_raw: dict[str, Any], observed: SpecialistObserved, prev: dict[st
         requeue = max(pacing.poll_seconds, min(10.0, pacing.idle_seconds))
     else:
         requeue = pacing.idle_seconds
-    return Decision(children, typed_status(status), events, requeue, status["phase"])
+    if scale.recheck_seconds is not None:
+        requeue = min(requeue, max(pacing.poll_seconds, scale.recheck_seconds))
+    return Decision(children, typed_status(status), events, requeue, status["phase"], scale.replicas)
