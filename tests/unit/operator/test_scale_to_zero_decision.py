@@ -84,3 +84,24 @@ def test_decide_writes_zero_after_the_window_and_reads_idle_at_zero():
     assert [e.type for e in idle.events] == ["Normal"] and [e.reason for e in idle.events] == ["Idle"]
     again = _decide({**SPEC, "replicas": 0}, [], {}, idle.status)
     assert again.phase == "Idle" and again.events == []
+
+
+def test_router_config_and_role_for_a_lane_that_scales_to_zero():
+    from consort_operator.api.router import EnsembleRouterSpec
+    from consort_operator.resources import router as router_res
+
+    algo = SpecialistSpec.model_validate({**SPEC, "fallback": "general", "scaleToZero": {"whileCold": "fallback", "maxHeld": 5}})
+    general = SpecialistSpec.model_validate({"model": {"source": "demo://tiny"}, "resources": {"gpus": 0}})
+    cfg = router_res.router_config("cpp", EnsembleRouterSpec(), [router_res.Lane("algo", "ns", algo),
+                                                                 router_res.Lane("general", "ns", general)])
+    z = cfg.specialist("algo").scale_from_zero
+    assert z is not None and z.while_cold == "fallback" and z.max_held == 5 and z.hold_timeout_s == 60
+    assert cfg.specialist("general").scale_from_zero is None
+    # Without its fallback in the ensemble the lane holds.
+    alone = router_res.router_config("cpp", EnsembleRouterSpec(), [router_res.Lane("algo", "ns", algo)])
+    assert alone.specialist("algo").scale_from_zero.while_cold == "hold"
+    role = next(o for o in router_res.router_children("cpp", "ns", "uid", EnsembleRouterSpec(), cfg, BuildContext())
+                if o["kind"] == "Role")
+    scale_rules = [r for r in role["rules"] if any(res.endswith("/scale") for res in r["resources"])]
+    assert scale_rules == [{"apiGroups": ["consort.dev"], "resources": ["specialists/scale"],
+                            "resourceNames": ["algo"], "verbs": ["patch"]}]
