@@ -99,7 +99,7 @@ class Runtime:
         counts: dict[str, int] = {}
         for p in self.phases.values():
             counts[p] = counts.get(p, 0) + 1
-        for p in ("Pending", "Warming", "Ready", "Degraded", "Failed"):
+        for p in ("Pending", "Warming", "Ready", "Degraded", "Failed", "Idle"):
             PHASES.labels(p).set(counts.get(p, 0))
 
 
@@ -405,6 +405,10 @@ async def reconcile_specialist(rt: Runtime, body: Any, owned: Owned, pod_index: 
     observed = await observe_specialist(rt, body, pod_index, deployment_index, router_index)
     decision = specialist_lc.decide(dict(body.get("spec") or {}), observed, prev, now_utc(), rt.ctx, rt.pacing())
     await apply_decision(rt, "Specialist", body, prev, decision, owned, deployment_index, specialist_lc.STATUS_KEYS)
+    if decision.scale_to is not None:   # scale to zero (lifecycle/scaling.py), through /scale like an HPA
+        meta = body["metadata"]
+        await rt.client().scale("Specialist", meta["namespace"], meta["name"], decision.scale_to,
+                                int((body.get("spec") or {}).get("replicas", 1)))
     return decision.requeue_seconds
 
 

@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from .api import ApiError
-from .config import ScaleFromZero
+from .config import ScaleFromZero, SpecialistRoute
 
 log = logging.getLogger("consort.router.activator")
 
@@ -148,6 +148,19 @@ class Activator:
             self.ask(lane, hold)
             await asyncio.sleep(CHECK_S)
         hold.cold_since = None   # nobody waits and it never turned warm: the next request starts a new count
+
+    async def admit(self, route: SpecialistRoute, replicas: list, has_fallback: bool, deadline: float) -> bool:
+        """Before a request goes to lane `route`: True to send it there now (it has a ready replica,
+        or does not scale to zero, or a replica turned warm while the request was held); False to pass
+        it to the next target, the lane's fallback (whileCold: fallback), after asking for a replica."""
+        policy = route.scale_from_zero
+        if policy is None or any(r.ready for r in replicas):
+            return True
+        if policy.while_cold == "fallback" and has_fallback:
+            self.ask(route.name)
+            return False
+        await self.hold(route.name, policy, deadline)
+        return True
 
     async def close(self) -> None:
         tasks = [*self._tasks, *(h.watcher for h in self.lanes.values() if h.watcher is not None)]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 from kubernetes_asyncio.client import ApiClient, ApiException, CustomObjectsApi
@@ -26,12 +27,12 @@ FROM_ZERO = [{"op": "test", "path": "/spec/replicas", "value": 0},
 
 
 class ScaleWaker:
-    def __init__(self, config: RouterConfig) -> None:
-        self.config = config       # the lanes' namespaces, from their Services (swapped on reload)
+    def __init__(self, config: Callable[[], RouterConfig]) -> None:
+        self.config = config       # the current config: the lanes' namespaces, from their Services
         self._client: ApiClient | None = None
 
     async def __call__(self, lane: str) -> None:
-        route = self.config.specialist(lane)
+        route = self.config().specialist(lane)
         if route is None or route.service is None:
             return
         if self._client is None:
@@ -65,8 +66,8 @@ class FileWaker:
         return None
 
 
-def waker(config: RouterConfig, base_dir: Path) -> ScaleWaker | FileWaker:
-    a = config.activator
+def waker(config: Callable[[], RouterConfig], base_dir: Path) -> ScaleWaker | FileWaker:
+    a = config().activator
     if a.kind == "file":
         d = Path(a.dir or "")
         return FileWaker(str(d if d.is_absolute() else base_dir / d))
