@@ -59,7 +59,7 @@ class ServerContext:
     created: int = field(default_factory=lambda: int(time.time()))   # the model cards' `created` (vLLM: start)
     startup_s: float | None = None
     in_flight: int = 0
-    last_request: float = field(default_factory=time.monotonic)   # when a generation request last ended
+    last_request: float = field(default_factory=time.monotonic)   # when a generation request last ended (or warm)
     adapter_sync: AdapterSync | None = None     # --adapters-file: the adapters this engine must serve
     credentials: tuple[bytes, ...] = ()         # digests of the engine credential(s); (): open (credential.py)
     metrics_port: bool = False                  # /metrics is (also) served on its own port
@@ -111,8 +111,8 @@ class ServerContext:
         return sorted(n for n in self.config.adapters if states.get(n) != "loaded")
 
     def idle_s(self) -> float:
-        """Seconds without a generation request (since the last ended, or since start); 0 while one
-        runs. The operator's scale to zero reads it from /v1/status."""
+        """Seconds without a generation request (since the last ended, or since the engine turned
+        warm); 0 while one runs. The operator's scale to zero reads it from /v1/status."""
         return 0.0 if self.in_flight else round(time.monotonic() - self.last_request, 1)
 
     def status(self) -> dict:

@@ -135,11 +135,11 @@ class Slo(Model):
 
 class ScaleToZero(Model):
     model_config = Model.model_config | {"json_schema_extra": {"x-kubernetes-validations": [
-        cel("duration(self.idleAfter) >= duration('10s')", "scaleToZero.idleAfter must be at least 10s",
+        cel("duration(self.idleAfter) >= duration('5s')", "scaleToZero.idleAfter must be at least 5s",
             field_path=".idleAfter"),
     ]}}
 
-    idle_after: str = Field(default="15m", pattern=DURATION, max_length=32, description="How long every replica must have served no request before the operator scales the Specialist to zero replicas (through its /scale subresource). Go duration, at least 10s.")
+    idle_after: str = Field(default="15m", pattern=DURATION, max_length=32, description="How long every replica must have served no request before the operator scales the Specialist to zero replicas (through its /scale subresource). Go duration, at least 5s.")
     while_cold: Literal["hold", "fallback"] = Field(default="hold", description="What the router does with a request for this Specialist while it has no warm replica: hold it until the first replica turns warm (up to holdTimeoutSeconds), or send it to the Specialist's fallback (which must be set) while the replica starts.")
     max_held: int = Field(default=64, ge=1, le=10_000, description="Requests a router holds at once for this Specialist while it starts; beyond it a request gets 503 cold_start_queue_full with Retry-After.")
     hold_timeout_seconds: int = Field(default=60, ge=1, le=3600, description="How long a held request waits for a warm replica (never beyond the router's request timeout); then 503 cold_start_timeout with Retry-After.")
@@ -150,8 +150,8 @@ class ScaleToZero(Model):
 
     @model_validator(mode="after")
     def _min_idle(self) -> "ScaleToZero":   # mirrors the CEL rule above
-        if self.idle_after_seconds < 10:
-            raise ValueError("scaleToZero.idleAfter must be at least 10s")
+        if self.idle_after_seconds < 5:
+            raise ValueError("scaleToZero.idleAfter must be at least 5s")
         return self
 
 

@@ -66,7 +66,7 @@ def test_specialist_crd_rules_columns_and_subresources():
     spec_rules = [r["rule"] for r in spec["x-kubernetes-validations"]]
     assert ("!has(self.minReady) || !has(self.replicas) || self.minReady <= self.replicas"
             " || (self.replicas == 0 && has(self.scaleToZero))") in spec_rules
-    assert "duration(self.idleAfter) >= duration('10s')" in [
+    assert "duration(self.idleAfter) >= duration('5s')" in [
         r["rule"] for r in spec["properties"]["scaleToZero"]["x-kubernetes-validations"]]
     assert spec["properties"]["kv"]["properties"]["blockSize"]["enum"] == [8, 16, 32, 256]
     assert spec["properties"]["speculative"]["properties"]["mode"]["enum"] == ["off", "ngram", "mtp"]

@@ -53,8 +53,8 @@ def test_spec_rules():
     with pytest.raises(ValidationError, match="minReady must not exceed replicas"):
         SpecialistSpec.model_validate({**base, "replicas": 0})
     SpecialistSpec.model_validate({**base, "replicas": 0, "scaleToZero": {}})
-    with pytest.raises(ValidationError, match="at least 10s"):
-        SpecialistSpec.model_validate({**base, "scaleToZero": {"idleAfter": "5s"}})
+    with pytest.raises(ValidationError, match="at least 5s"):
+        SpecialistSpec.model_validate({**base, "scaleToZero": {"idleAfter": "4s"}})
     with pytest.raises(ValidationError, match="needs spec.fallback"):
         SpecialistSpec.model_validate({**base, "scaleToZero": {"whileCold": "fallback"}})
     s = SpecialistSpec.model_validate({**base, "fallback": "other", "scaleToZero": {"whileCold": "fallback", "idleAfter": "90s"}})
