@@ -1,7 +1,7 @@
 """How the activator asks for a replica of a lane at zero (config `activator.kind`).
 
 scale: a JSON Patch on the Specialist's /scale subresource that sets replicas to 1 only if it is 0
-(the `test` op makes the check and the write one atomic call: a lane some other owner already scaled
+(a `test` op makes the check and the write one atomic call: a lane some other owner already scaled
 is left alone, and the apiserver answers 422, which is no error here). The router pod's Role allows
 `patch` on `specialists/scale` for the Specialists it routes, by name, and nothing else there.
 
@@ -22,8 +22,9 @@ from .config import RouterConfig
 log = logging.getLogger("consort.router.wake")
 
 GROUP, VERSION, PLURAL = "consort.dev", "v1alpha1", "specialists"
-FROM_ZERO = [{"op": "test", "path": "/spec/replicas", "value": 0},
-             {"op": "replace", "path": "/spec/replicas", "value": 1}]
+# A Scale object omits replicas at 0 (omitempty), so "replicas is 0" is tested as "spec is {}".
+FROM_ZERO = [{"op": "test", "path": "/spec", "value": {}},
+             {"op": "add", "path": "/spec/replicas", "value": 1}]
 
 
 class ScaleWaker:

@@ -1,0 +1,113 @@
+"""Scale to zero against a real kube-apiserver (kwok pods; the engine is a real local process reached
+through the pod-address resolver): the CRD's CEL rules for scaleToZero, the operator scaling an idle
+Specialist to 0 through /scale and reporting Idle, and a router-style JSON Patch on /scale bringing
+it back."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from kube import NotYet, condition, wait_for
+from opkit import CONSORT, free_port, get_json
+from procs import start_process
+
+pytestmark = pytest.mark.e2e
+
+
+def specialist(name: str, **scale_to_zero) -> str:
+    return yaml.safe_dump({
+        "apiVersion": "consort.dev/v1alpha1", "kind": "Specialist", "metadata": {"name": name},
+        "spec": {"model": {"source": "demo://tiny"}, "replicas": 1, "minReady": 1,
+                 "resources": {"gpus": 0, "cpu": "1", "memory": "2Gi"}, "kv": {"blockSize": 16, "numBlocks": 128},
+                 "warmupTimeoutSeconds": 600, "scaleToZero": scale_to_zero},
+    })
+
+
+def test_cel_rules_for_scale_to_zero(cluster, namespace, crds):
+    for spec, message in ((specialist("short", idleAfter="2s"), "scaleToZero.idleAfter must be at least 5s"),
+                          (specialist("nofb", whileCold="fallback"), "scaleToZero.whileCold: fallback needs spec.fallback")):
+        r = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=spec, check=False)
+        assert r.returncode != 0 and message in r.stderr, r.stderr
+    # minReady 1 at replicas 0 is accepted with scaleToZero (what the /scale write to 0 makes)
+    doc = yaml.safe_load(specialist("zero", idleAfter="5s"))
+    doc["spec"]["replicas"] = 0
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(doc))
+    doc["metadata"]["name"], doc["spec"]["scaleToZero"] = "plain", None
+    del doc["spec"]["scaleToZero"]
+    r = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(doc), check=False)
+    assert r.returncode != 0 and "minReady must not exceed replicas" in r.stderr, r.stderr
+
+
+@pytest.fixture
+def demo_model() -> str:
+    from consort_operator.local import CACHE, local_model_dir
+
+    return local_model_dir("demo://tiny", CACHE, print)
+
+
+@pytest.mark.timeout(420)
+def test_the_operator_scales_an_idle_specialist_to_zero_and_a_scale_patch_wakes_it(
+        cluster, namespace, operator_factory, demo_model, tmp_path):
+    mapping = tmp_path / "pod-addresses.json"
+    mapping.write_text("{}")
+    operator_factory(namespace, "--warm-signal", "engine", "--pod-address", f"file:{mapping}")
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=specialist("idle", idleAfter="5s"))
+
+    def one_pod() -> str:
+        pods = [p for p in get_json(cluster, "pods", "-n", namespace, "-l", "consort.dev/specialist=idle")["items"]
+                if not p["metadata"].get("deletionTimestamp")]
+        if len(pods) != 1:
+            raise NotYet(f"{len(pods)} pods")
+        return pods[0]["metadata"]["name"]
+
+    pod = wait_for(one_pod, 60, "the engine pod")
+    port = free_port()
+    mapping.write_text(json.dumps({pod: f"127.0.0.1:{port}"}))
+    engine = start_process([CONSORT, "engine", "--model", demo_model, "--port", str(port), "--host", "127.0.0.1",
+                            "--name", "idle", "--num-blocks", "128"], "engine-idle", tmp_path)
+    try:
+        def status(phase: str):
+            def check() -> dict:
+                obj = get_json(cluster, "specialist", "idle", "-n", namespace)
+                st = obj.get("status") or {}
+                if st.get("phase") != phase:
+                    raise NotYet(json.dumps({k: st.get(k) for k in ("phase", "ready", "replicas")}))
+                return obj
+            return check
+
+        wait_for(status("Ready"), 180, "Ready with the engine warm", interval=0.5)
+        # No request for idleAfter: the operator writes 0 through /scale and reports Idle.
+        obj = wait_for(status("Idle"), 60, "Idle after the window", interval=0.5)
+        assert obj["spec"]["replicas"] == 0 and obj["status"]["ready"] == "0/0"
+        assert condition(obj, "Ready")["status"] == "True" and condition(obj, "Ready")["reason"] == "ScaledToZero"
+        scale = get_json(cluster, "specialist", "idle", "-n", namespace, "--subresource=scale")
+        assert scale["spec"].get("replicas", 0) == 0   # (omitted at 0)
+        dep = get_json(cluster, "deployment", "idle", "-n", namespace)
+        assert dep["spec"].get("replicas", 0) == 0
+        row = cluster.kubectl("get", "specialist", "idle", "-n", namespace).stdout
+        assert "Idle" in row and "0/0" in row, row
+        events = get_json(cluster, "events", "-n", namespace, "--field-selector", "involvedObject.name=idle")["items"]
+        reasons = {e["reason"] for e in events}
+        assert {"ScaledToZero", "Idle"} <= reasons and not reasons & {"Degraded", "Failed"}, reasons
+
+        # The router's wake: a JSON Patch on /scale that sets 1 only if it is 0 (a second one is refused).
+        from consort_router.wake import FROM_ZERO
+
+        wake = json.dumps(FROM_ZERO)
+        cluster.kubectl("patch", "specialist", "idle", "-n", namespace, "--subresource=scale", "--type=json", "-p", wake)
+        again = cluster.kubectl("patch", "specialist", "idle", "-n", namespace, "--subresource=scale", "--type=json",
+                                "-p", wake, check=False)
+        assert again.returncode != 0
+        new_pod = wait_for(one_pod, 60, "a new engine pod")
+        assert new_pod != pod
+        def out_of_idle() -> dict:
+            obj = get_json(cluster, "specialist", "idle", "-n", namespace)
+            if obj["status"].get("phase") == "Idle":
+                raise NotYet("still Idle")
+            return obj
+
+        obj = wait_for(out_of_idle, 30, "out of Idle", interval=0.5)
+        assert obj["spec"]["replicas"] == 1 and obj["status"]["desiredReplicas"] == 1
+    finally:
+        engine.stop(20)
