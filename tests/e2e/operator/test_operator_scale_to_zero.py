@@ -1,7 +1,7 @@
 """Scale to zero against a real kube-apiserver (kwok pods; the engine is a real local process reached
 through the pod-address resolver): the CRD's CEL rules for scaleToZero, the operator scaling an idle
-Specialist to 0 through /scale and reporting Idle, and a router-style JSON Patch on /scale bringing
-it back."""
+Specialist to 0 through /scale and reporting Idle, and the router's waker (as the router's
+ServiceAccount, under the Role the operator built) bringing it back."""
 from __future__ import annotations
 
 import json
@@ -15,9 +15,14 @@ from procs import start_process
 pytestmark = pytest.mark.e2e
 
 
+ROUTER = {"apiVersion": "consort.dev/v1alpha1", "kind": "EnsembleRouter", "metadata": {"name": "front"},
+          "spec": {"specialistSelector": {"matchLabels": {"consort.dev/ensemble": "front"}}, "replicas": 1}}
+
+
 def specialist(name: str, **scale_to_zero) -> str:
     return yaml.safe_dump({
-        "apiVersion": "consort.dev/v1alpha1", "kind": "Specialist", "metadata": {"name": name},
+        "apiVersion": "consort.dev/v1alpha1", "kind": "Specialist",
+        "metadata": {"name": name, "labels": {"consort.dev/ensemble": "front"}},
         "spec": {"model": {"source": "demo://tiny"}, "replicas": 1, "minReady": 1,
                  "resources": {"gpus": 0, "cpu": "1", "memory": "2Gi"}, "kv": {"blockSize": 16, "numBlocks": 128},
                  "warmupTimeoutSeconds": 600, "scaleToZero": scale_to_zero},
@@ -53,6 +58,7 @@ def test_the_operator_scales_an_idle_specialist_to_zero_and_a_scale_patch_wakes_
     mapping.write_text("{}")
     operator_factory(namespace, "--warm-signal", "engine", "--pod-address", f"file:{mapping}")
     cluster.kubectl("apply", "-n", namespace, "-f", "-", input=specialist("idle", idleAfter="5s"))
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(ROUTER))
 
     def one_pod() -> str:
         pods = [p for p in get_json(cluster, "pods", "-n", namespace, "-l", "consort.dev/specialist=idle")["items"]
@@ -91,14 +97,45 @@ def test_the_operator_scales_an_idle_specialist_to_zero_and_a_scale_patch_wakes_
         reasons = {e["reason"] for e in events}
         assert {"ScaledToZero", "Idle"} <= reasons and not reasons & {"Degraded", "Failed"}, reasons
 
-        # The router's wake: a JSON Patch on /scale that sets 1 only if it is 0 (a second one is refused).
-        from consort_router.wake import FROM_ZERO
+        # The router's wake, as the router: its ServiceAccount and the Role the operator built for it
+        # (patch on specialists/scale for "idle" only), through the router's own waker.
+        import asyncio
+        import base64
 
-        wake = json.dumps(FROM_ZERO)
-        cluster.kubectl("patch", "specialist", "idle", "-n", namespace, "--subresource=scale", "--type=json", "-p", wake)
-        again = cluster.kubectl("patch", "specialist", "idle", "-n", namespace, "--subresource=scale", "--type=json",
-                                "-p", wake, check=False)
-        assert again.returncode != 0
+        from consort_router import kube as router_kube
+        from consort_router.config import RouterConfig
+        from consort_router.wake import ScaleWaker
+
+        kc = yaml.safe_load(cluster.kubeconfig.read_text())
+        (tmp_path / "token").write_text(cluster.kubectl("create", "token", "front-router", "-n", namespace,
+                                                        "--duration=1h").stdout.strip())
+        (tmp_path / "ca.crt").write_bytes(base64.b64decode(kc["clusters"][0]["cluster"]["certificate-authority-data"]))
+        as_router = {"CONSORT_KUBE_API": kc["clusters"][0]["cluster"]["server"],
+                     "CONSORT_KUBE_TOKEN_FILE": str(tmp_path / "token"), "CONSORT_KUBE_CA_FILE": str(tmp_path / "ca.crt")}
+        rendered = RouterConfig.model_validate(yaml.safe_load(
+            get_json(cluster, "configmap", "front-router", "-n", namespace)["data"]["router.yaml"]))
+        assert rendered.specialist("idle").scale_from_zero is not None
+        role = get_json(cluster, "role", "front-router", "-n", namespace)
+        assert {"apiGroups": ["consort.dev"], "resources": ["specialists/scale"], "resourceNames": ["idle"],
+                "verbs": ["patch"]} in role["rules"]
+
+        async def wake_twice() -> None:
+            waker = ScaleWaker(lambda: rendered)
+            waker._client = router_kube.api_client(router_kube.configuration(as_router))
+            try:
+                await waker("idle")
+                await waker("idle")    # replicas is 1 now: the tested patch is refused (422), quietly
+            finally:
+                await waker.close()
+
+        asyncio.run(wake_twice())
+        assert get_json(cluster, "specialist", "idle", "-n", namespace)["spec"]["replicas"] == 1
+        # The router's identity may scale only its own lanes.
+        def can_scale(name: str) -> str:
+            return cluster.kubectl("auth", "can-i", "patch", f"specialists/{name}", "--subresource=scale", "-n",
+                                   namespace, f"--as=system:serviceaccount:{namespace}:front-router",
+                                   check=False).stdout.strip()
+        assert (can_scale("idle"), can_scale("other")) == ("yes", "no")
         new_pod = wait_for(one_pod, 60, "a new engine pod")
         assert new_pod != pod
         def out_of_idle() -> dict:
