@@ -67,7 +67,7 @@ def test_the_operator_scales_an_idle_specialist_to_zero_and_a_scale_patch_wakes_
             raise NotYet(f"{len(pods)} pods")
         return pods[0]["metadata"]["name"]
 
-    pod = wait_for(one_pod, 60, "the engine pod")
+    pod = wait_for(one_pod, 120, "the engine pod")
     port = free_port()
     mapping.write_text(json.dumps({pod: f"127.0.0.1:{port}"}))
     engine = start_process([CONSORT, "engine", "--model", demo_model, "--port", str(port), "--host", "127.0.0.1",
@@ -84,7 +84,7 @@ def test_the_operator_scales_an_idle_specialist_to_zero_and_a_scale_patch_wakes_
 
         wait_for(status("Ready"), 180, "Ready with the engine warm", interval=0.5)
         # No request for idleAfter: the operator writes 0 through /scale and reports Idle.
-        obj = wait_for(status("Idle"), 60, "Idle after the window", interval=0.5)
+        obj = wait_for(status("Idle"), 120, "Idle after the window", interval=0.5)
         assert obj["spec"]["replicas"] == 0 and obj["status"]["ready"] == "0/0"
         assert condition(obj, "Ready")["status"] == "True" and condition(obj, "Ready")["reason"] == "ScaledToZero"
         scale = get_json(cluster, "specialist", "idle", "-n", namespace, "--subresource=scale")
@@ -136,7 +136,7 @@ def test_the_operator_scales_an_idle_specialist_to_zero_and_a_scale_patch_wakes_
                                    namespace, f"--as=system:serviceaccount:{namespace}:front-router",
                                    check=False).stdout.strip()
         assert (can_scale("idle"), can_scale("other")) == ("yes", "no")
-        new_pod = wait_for(one_pod, 60, "a new engine pod")
+        new_pod = wait_for(one_pod, 120, "a new engine pod")
         assert new_pod != pod
         def out_of_idle() -> dict:
             obj = get_json(cluster, "specialist", "idle", "-n", namespace)
@@ -144,7 +144,7 @@ def test_the_operator_scales_an_idle_specialist_to_zero_and_a_scale_patch_wakes_
                 raise NotYet("still Idle")
             return obj
 
-        obj = wait_for(out_of_idle, 30, "out of Idle", interval=0.5)
+        obj = wait_for(out_of_idle, 90, "out of Idle", interval=0.5)
         assert obj["spec"]["replicas"] == 1 and obj["status"]["desiredReplicas"] == 1
     finally:
         engine.stop(20)
