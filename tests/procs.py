@@ -173,12 +173,12 @@ def write_lora_adapter(model_dir: Path, out: Path, rank: int = 4, seed: int = 0)
 
 
 @contextlib.contextmanager
-def consort_up(tmp_path: Path, port: int, timeout: float = 150.0):
-    """`consort up -f examples/local` with its router on `port` and engines on free ports, once its
-    log says ready: (process, log path); killed after."""
+def consort_up(tmp_path: Path, port: int, timeout: float = 150.0, manifests: Path = REPO / "examples" / "local"):
+    """`consort up -f examples/local` (or `manifests`) with its router on `port` and engines on free
+    ports, once its log says ready: (process, log path); killed after."""
     log_path = tmp_path / "up.log"
     with open(log_path, "wb") as out:
-        proc = subprocess.Popen([CONSORT, "up", "-f", str(REPO / "examples" / "local"), "--port", str(port),
+        proc = subprocess.Popen([CONSORT, "up", "-f", str(manifests), "--port", str(port),
                                  "--engine-base-port", "0", "--run-dir", str(tmp_path / "run")],
                                 stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
     try:

@@ -72,6 +72,9 @@ async def apply_decision(rt: Runtime, kind: str, body: Any, state: ObjectState, 
     for e in events + decision.events:
         EVENTS.labels(kind, e.reason).inc()
         kopf.event(body, type=e.type, reason=e.reason, message=e.message)
+    if decision.scale_to is not None:   # scale to zero (lifecycle/scaling.py), through /scale like an HPA
+        await rt.client().scale(kind, meta["namespace"], meta["name"], decision.scale_to,
+                                int((body.get("spec") or {}).get("replicas", 1)))
     return after, conflicts
 
 

@@ -160,6 +160,21 @@ class Kube:
                                 f"patch {kind} {namespace}/{name} status", body={"status": status},
                                 content_type="application/merge-patch+json")
 
+    async def scale(self, kind: str, namespace: str, name: str, replicas: int, expected: int) -> bool:
+        """Set spec.replicas through the /scale subresource (the path HPA and KEDA use), only if it
+        is still `expected` (a JSON Patch `test`): False when someone changed it first (422)."""
+        patch = [{"op": "test", "path": "/spec/replicas", "value": expected},
+                 {"op": "replace", "path": "/spec/replicas", "value": replicas}]
+        try:
+            await self._call("PATCH", object_path(kind, namespace, name, "scale"),
+                             f"scale {kind} {namespace}/{name} to {replicas}", body=patch,
+                             content_type="application/json-patch+json")
+        except KubeError as e:
+            if e.status == 422:
+                return False
+            raise
+        return True
+
     async def delete(self, kind: str, namespace: str, name: str) -> None:
         try:
             await self._call("DELETE", object_path(kind, namespace, name), f"delete {kind} {namespace}/{name}")

@@ -34,6 +34,7 @@ from pydantic import ValidationError
 from .api.base import explain, quantity_value
 from .api.router import EnsembleRouterSpec
 from .api.specialist import SpecialistSpec
+from .local_scale import local_scaler
 
 CACHE = Path(os.environ.get("CONSORT_CACHE", Path.home() / ".cache" / "consort"))
 
@@ -149,6 +150,7 @@ class Child:
     started_at: float = 0.0
     restarts: int = 0
     restart_at: float | None = None   # a dead child waits for its backoff to end
+    stopped: bool = False             # stopped by scale to zero (local_scale.py): not restarted by supervise
 
     def discover_url(self) -> str:
         """An engine started with --port 0 prints `listening on http://HOST:PORT`."""
@@ -219,7 +221,7 @@ def plan_router(m: Manifests, args: argparse.Namespace, run_dir: Path, engines: 
                 credential: Path | None = None) -> Child:
     """One `consort router` whose RouterConfig (rendered by the operator's builder) lists the engines
     by URL instead of by Service."""
-    from consort_router.config import AuthConfig, SpecialistRoute, StoreConfig
+    from consort_router.config import ActivatorConfig, AuthConfig, SpecialistRoute, StoreConfig
 
     from .resources.router import Lane, router_config
 
@@ -236,9 +238,11 @@ def plan_router(m: Manifests, args: argparse.Namespace, run_dir: Path, engines: 
         raise UpError(f"EnsembleRouter {rname} selects none of the Specialists ({', '.join(m.specialists)})")
     cfg = router_config(rname, rspec, [Lane(n, "local", s) for n, s in selected.items()])
     routes = [SpecialistRoute(name=r.name, replicas=urls[r.name], intents=r.intents, fallback=r.fallback,
-                              adapter=r.adapter, revision=r.revision) for r in cfg.specialists]
+                              adapter=r.adapter, revision=r.revision, scale_from_zero=r.scale_from_zero)
+              for r in cfg.specialists]
     update: dict[str, Any] = {
         "specialists": routes,
+        "activator": ActivatorConfig(kind="file", dir=str(run_dir / "wake")),   # local_scale.py watches it
         "store": StoreConfig(kind="file", path=str(run_dir / "breakers.json")),
         "auth": AuthConfig(api_keys_file=args.api_keys_file, protect_metrics=rspec.auth.protect_metrics,
                            protect_routing=rspec.auth.protect_routing,
@@ -347,7 +351,7 @@ def pin_port(child: Child) -> None:
 def supervise(children: list[Child], log: Any, now: float) -> None:
     """Restart dead children with backoff; the log names the one that died and shows its own lines."""
     for c in children:
-        if c.popen is None or c.popen.poll() is None:
+        if c.popen is None or c.popen.poll() is None or c.stopped:
             continue
         if c.restart_at is None:
             delay = restart_delay(c.restarts, now - c.started_at)
@@ -483,9 +487,13 @@ def run(args: argparse.Namespace) -> int:
               f"  curl {router.url}/v1/routing\n\nCtrl-C stops everything.", flush=True)
         # Serving: a child that dies is restarted with backoff, as a kubelet would; the router
         # notices a dead engine at its next poll and routes its lane to the fallback meanwhile.
+        # Specialists with scaleToZero stop when idle and start when the router asks (local_scale.py).
+        scaler = local_scaler(m.specialists, run_dir, credential, start, lambda url: http_ok(f"{url}/ready"))
         while True:
             supervise(children, log, time.monotonic())
-            time.sleep(0.25)
+            if scaler is not None:
+                scaler.step(engines, time.monotonic(), log)
+            time.sleep(0.25 if scaler is None else 0.05)
     except Interrupted as e:
         log(f"{e}: stopping {len([c for c in children if c.popen])} process(es)")
         return_code = 0

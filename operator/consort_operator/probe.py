@@ -49,6 +49,7 @@ class Prober:
                 errors: dict[str, str] = {}
                 slo: dict[str, Any] = {}
                 spec: dict[str, Any] = {}
+                idle_s: float | None = None
                 async with self.session.get(f"{base}/v1/status", headers=auth) as resp:
                     if resp.status == 200:
                         st = await resp.json(content_type=None)
@@ -56,9 +57,11 @@ class Prober:
                         errors = {str(k): str(v)[:300] for k, v in (st.get("adapter_errors") or {}).items()}
                         slo = st.get("slo") if isinstance(st.get("slo"), dict) else {}
                         spec = st.get("speculation") if isinstance(st.get("speculation"), dict) else {}
+                        idle = st.get("idle_s")
+                        idle_s = float(idle) if isinstance(idle, (int, float)) and not isinstance(idle, bool) else None
                 PROBES.labels("warm" if warm else "cold").inc()
                 return ProbeResult(reachable=True, warm=warm, reason=reason, adapters=adapters, slo=slo,
-                                   speculation=spec, adapter_errors=errors)
+                                   speculation=spec, adapter_errors=errors, idle_s=idle_s)
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, OSError) as e:
                 PROBES.labels("unreachable").inc()
                 return ProbeResult(reachable=False, reason=f"{type(e).__name__}: {e}"[:200])

@@ -118,5 +118,5 @@ class Runtime:
         counts: dict[str, int] = {}
         for p in self.phases.values():
             counts[p] = counts.get(p, 0) + 1
-        for p in ("Pending", "Warming", "Ready", "Degraded", "Failed"):
+        for p in ("Pending", "Warming", "Ready", "Degraded", "Failed", "Idle"):
             PHASES.labels(p).set(counts.get(p, 0))

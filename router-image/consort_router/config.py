@@ -36,6 +36,31 @@ class ServiceSelector(_Strict):
     scheme: Literal["http", "https"] = Field("http", description="Scheme used to reach the endpoints.")
 
 
+class ScaleFromZero(_Strict):
+    """A lane that may have no replica at all (its Specialist scales to zero when idle): what the
+    router does with its requests while a replica starts (activator.py)."""
+
+    while_cold: Literal["hold", "fallback"] = Field(
+        "hold", description="hold: wait for the first warm replica; fallback: send to the lane's fallback meanwhile.")
+    max_held: int = Field(64, ge=1, le=10_000, description="Requests held at once; beyond it 503 cold_start_queue_full.")
+    hold_timeout_s: float = Field(60.0, gt=0, le=3600, description="Longest wait of a held request; then 503 cold_start_timeout.")
+
+
+class ActivatorConfig(_Strict):
+    """How the router asks for a replica of a lane at zero (wake.py)."""
+
+    kind: Literal["scale", "file"] = Field(
+        "scale", description="scale: set the Specialist's /scale subresource from 0 to 1 (cluster: the lane's Service "
+        "namespace, the Specialist of the lane's name); file: create DIR/<lane> (`consort up` watches it).")
+    dir: str | None = Field(None, description="kind file: the directory.")
+
+    @model_validator(mode="after")
+    def _dir(self) -> "ActivatorConfig":
+        if self.kind == "file" and not self.dir:
+            raise ValueError("activator.kind file needs activator.dir")
+        return self
+
+
 class SpecialistRoute(_Strict):
     """One specialist lane: where its replicas are and which intents it serves."""
 
@@ -59,6 +84,8 @@ class SpecialistRoute(_Strict):
         description="Lane revision (checkpoint or adapter rotation). A change marks the lane fresh: its "
         "correctness window restarts and it gets heavier shadowing until the window fills.",
     )
+    scale_from_zero: ScaleFromZero | None = Field(
+        None, description="The lane may have no replica (scale to zero): hold its requests while one starts.")
 
     @field_validator("replicas")
     @classmethod
@@ -365,6 +392,7 @@ class RouterConfig(_Strict):
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     polling: ReplicaPolling = Field(default_factory=ReplicaPolling)
     replica_choice: ReplicaChoice = Field(default_factory=ReplicaChoice)
+    activator: ActivatorConfig = Field(default_factory=ActivatorConfig)
     calibration_log: str | None = Field(None, description="JSONL file of shadow calibration records.")
     reload_interval_s: float = Field(1.0, gt=0, description="Config file mtime poll interval.")
 
@@ -385,6 +413,9 @@ class RouterConfig(_Strict):
             check(s.fallback, f"specialist {s.name} fallback")
             if s.fallback == s.name:
                 raise ValueError(f"specialist {s.name} cannot be its own fallback")
+            if s.scale_from_zero is not None and s.service is None and self.activator.kind == "scale":
+                raise ValueError(f"specialist {s.name}: a lane listed by URL has no /scale to ask; "
+                                 "use activator.kind file")
         for r in self.rules:
             check(r.specialist, f"rule for intent {r.intent!r}")
         for d in self.detectors:

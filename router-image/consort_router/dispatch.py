@@ -16,6 +16,7 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
+from .activator import Activator
 from .api import ApiError, ParsedRequest, upstream_body
 from .auth import EngineCredential, KeyRing
 from .breaker import STATE_CODES, BreakerStore, FileStore, MemoryStore
@@ -30,6 +31,7 @@ from .routing import RouteDecision
 from .shadow import CalibrationLog, CalibrationRecord, disagree, shadow_body, text_of_response
 from .state import Lanes, Runtime, build_runtime
 from .verifier import Verifier, VerifyResult
+from .wake import waker
 from . import admission as adm
 from . import tenants as tn
 
@@ -90,6 +92,9 @@ class Router:
         self._last_save = 0.0
         self._saving: asyncio.Task | None = None
         self._last_reload_check = 0.0
+        self.waker = waker(lambda: self.config, self.base_dir)
+        self.activator = Activator(self.waker, lambda lane: any(r.ready for r in self.runtime.replicas.get(lane, [])),
+                                   self.metrics)
 
     # ------------------------------------------------------------------ plumbing
     def _path(self, p: str | None) -> str | None:
@@ -138,6 +143,8 @@ class Router:
             if t is not saving:
                 t.cancel()
         await asyncio.gather(*self._bg, *self.tasks, return_exceptions=True)
+        await self.activator.close()
+        await self.waker.close()
         if self.poller:
             await self.poller.stop()
         self.lanes.save()
@@ -294,9 +301,14 @@ class Router:
         cfg = rt.config
         timeout = upstream_timeout(cfg)
         failures: list[str] = []
+        deadline = time.monotonic() + cfg.limits.request_timeout_s
         for i, target in enumerate(plan.targets):
             spec = cfg.specialist(target)
             assert spec is not None
+            if not await self.activator.admit(spec, rt.replicas.get(target, []), i + 1 < len(plan.targets), deadline):
+                failures.append(f"{target}: starting from zero replicas")
+                continue
+            replicas = self.runtime.replicas.get(target, [])   # current: discovery may have added one while held
 
             def on_attempt(a: Attempt, retried: bool, target: str = target) -> None:
                 if a.status:
@@ -308,7 +320,7 @@ class Router:
             payload = json.dumps(body).encode()
             affinity = self.affinity(cfg, req, target, plan.adapters.get(target) or body.get("adapter"), tenant)
             try:
-                up = await open_upstream(self.session, rt.replicas.get(target, []), path, payload,
+                up = await open_upstream(self.session, replicas, path, payload,
                                          {"Content-Type": "application/json", "x-request-id": rid,
                                           TENANT_HEADER: tenant}, timeout,
                                          cfg.polling.preempting_penalty, on_attempt, adapter=plan.adapters.get(target),

@@ -79,6 +79,15 @@ class RouterMetrics:
                                     "Replicas a lane keeps although its EndpointSlices list them not ready (not "
                                     "terminating: the control plane cannot tell); the router's own /ready probes "
                                     "decide whether they take traffic.", ["specialist"], registry=r)
+        self.cold_starts = Counter("consort_router_cold_starts",
+                                   "Cold starts the activator began: a request found a scale-to-zero lane with no "
+                                   "warm replica and the router asked for one.", ["specialist"], registry=r)
+        self.held = Gauge("consort_router_held_requests", "Requests held now while their lane starts from zero.",
+                          ["specialist"], registry=r)
+        self.hold_seconds = Histogram("consort_router_hold_seconds",
+                                      "How long held requests waited, by outcome: warm (released to the first warm "
+                                      "replica), timeout or queue_full (answered 503).", ["specialist", "outcome"],
+                                      registry=r, buckets=(0.1, 0.25, 0.5, 1, 2, 3, 5, 7.5, 10, 15, 20, 30, 60, 120))
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -222,6 +222,7 @@ async def serve(args: argparse.Namespace) -> int:
 
     def on_ready() -> None:
         ctx.startup_s = process_age_s() or (time.monotonic() - ctx.started)
+        ctx.last_request = time.monotonic()   # idle time counts from warm: a fresh replica is not idle
         runner_ = ctx.engine.engine.runner
         ctx.max_model_len = int(getattr(runner_, "max_model_len", ctx.max_model_len))
         s = ctx.engine.stats()

@@ -59,6 +59,7 @@ class ServerContext:
     created: int = field(default_factory=lambda: int(time.time()))   # the model cards' `created` (vLLM: start)
     startup_s: float | None = None
     in_flight: int = 0
+    last_request: float = field(default_factory=time.monotonic)   # when a generation request last ended (or warm)
     adapter_sync: AdapterSync | None = None     # --adapters-file: the adapters this engine must serve
     credentials: tuple[bytes, ...] = ()         # digests of the engine credential(s); (): open (credential.py)
     metrics_port: bool = False                  # /metrics is (also) served on its own port
@@ -109,6 +110,11 @@ class ServerContext:
             return sorted(n for n in wanted if states.get(n) == "pending")
         return sorted(n for n in self.config.adapters if states.get(n) != "loaded")
 
+    def idle_s(self) -> float:
+        """Seconds without a generation request (since the last ended, or since the engine turned
+        warm); 0 while one runs. The operator's scale to zero reads it from /v1/status."""
+        return 0.0 if self.in_flight else round(time.monotonic() - self.last_request, 1)
+
     def status(self) -> dict:
         s = self.engine.stats()
         runner = getattr(self.engine.engine, "runner", None)
@@ -125,6 +131,7 @@ class ServerContext:
             "running": s.get("running", 0),
             "waiting": s.get("waiting", 0),
             "in_flight_requests": self.in_flight,
+            "idle_s": self.idle_s(),
             "kv_total_blocks": s.get("kv_total_blocks"),
             "kv_free_blocks": s.get("kv_free_blocks"),
             "kv_cached_blocks": s.get("kv_cached_blocks"),

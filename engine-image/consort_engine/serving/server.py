@@ -98,6 +98,7 @@ async def handle_generation(request: web.Request, kind: str) -> web.StreamRespon
         return request[STREAM]
     finally:
         ctx.in_flight -= 1
+        ctx.last_request = time.monotonic()
         for c in choices:
             record(ctx, c, deadline)
 

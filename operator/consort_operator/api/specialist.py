@@ -145,9 +145,34 @@ QUANTIZATION_RULE = ("!has(self.model.quantization) || self.model.quantization =
 QUANTIZATION_MESSAGE = "model.quantization fp8 needs resources.gpus > 0; int8 and w8a8 run on CPU engines (gpus 0)"
 
 
+class ScaleToZero(Model):
+    model_config = Model.model_config | {"json_schema_extra": {"x-kubernetes-validations": [
+        cel("duration(self.idleAfter) >= duration('5s')", "scaleToZero.idleAfter must be at least 5s",
+            field_path=".idleAfter"),
+    ]}}
+
+    idle_after: str = Field(default="15m", pattern=DURATION, max_length=32, description="How long every replica must have served no request before the operator scales the Specialist to zero replicas (through its /scale subresource). Go duration, at least 5s.")
+    while_cold: Literal["hold", "fallback"] = Field(default="hold", description="What the router does with a request for this Specialist while it has no warm replica: hold it until the first replica turns warm (up to holdTimeoutSeconds), or send it to the Specialist's fallback (which must be set) while the replica starts.")
+    max_held: int = Field(default=64, ge=1, le=10_000, description="Requests a router holds at once for this Specialist while it starts; beyond it a request gets 503 cold_start_queue_full with Retry-After.")
+    hold_timeout_seconds: int = Field(default=60, ge=1, le=3600, description="How long a held request waits for a warm replica (never beyond the router's request timeout); then 503 cold_start_timeout with Retry-After.")
+
+    @property
+    def idle_after_seconds(self) -> float:
+        return duration_seconds(self.idle_after)
+
+    @model_validator(mode="after")
+    def _min_idle(self) -> "ScaleToZero":   # mirrors the CEL rule above
+        if self.idle_after_seconds < 5:
+            raise ValueError("scaleToZero.idleAfter must be at least 5s")
+        return self
+
+
 class SpecialistSpec(Model):
     model_config = Model.model_config | {"json_schema_extra": {"x-kubernetes-validations": [
-        cel("!has(self.minReady) || !has(self.replicas) || self.minReady <= self.replicas", "minReady must not exceed replicas", field_path=".minReady"),
+        cel("!has(self.minReady) || !has(self.replicas) || self.minReady <= self.replicas || (self.replicas == 0 && has(self.scaleToZero))",
+            "minReady must not exceed replicas", field_path=".minReady"),
+        cel("!has(self.scaleToZero) || self.scaleToZero.whileCold != 'fallback' || has(self.fallback)",
+            "scaleToZero.whileCold: fallback needs spec.fallback", field_path=".scaleToZero.whileCold"),
         cel("!has(self.tensorParallelSize) || self.tensorParallelSize == 1 || !has(self.resources) || !has(self.resources.gpus) || self.resources.gpus == 0 || self.resources.gpus == self.tensorParallelSize",
             "resources.gpus must equal tensorParallelSize (one GPU per rank), or be 0 (CPU ranks)", field_path=".tensorParallelSize"),
         cel("!has(self.tensorParallelSize) || self.tensorParallelSize == 1 || !has(self.adapters) || size(self.adapters) == 0",
@@ -179,11 +204,14 @@ class SpecialistSpec(Model):
                                            description="Request intents this specialist serves as primary (e.g. codegen, debug, build-fix, review).")
     fallback: DnsLabel | None = Field(default=None, description="Specialist that takes primary traffic for these intents while this one's breaker is open; must not be this Specialist.")
     port: int = Field(default=8000, ge=1024, le=65535, description="Engine HTTP port inside the pod.")
+    scale_to_zero: ScaleToZero | None = Field(default=None, description="Scale to zero replicas when idle, and back to one on the next request (the router holds requests meanwhile). Unset: the Specialist keeps its replicas. With it set, replicas may be 0 whatever minReady says: the operator writes 0 after idleAfter without requests, the router writes 1 when a request arrives.")
 
     @model_validator(mode="after")
     def _min_ready(self) -> "SpecialistSpec":   # mirrors the CEL rules above
-        if self.min_ready > self.replicas:
+        if self.min_ready > self.replicas and not (self.replicas == 0 and self.scale_to_zero is not None):
             raise ValueError("minReady must not exceed replicas")
+        if self.scale_to_zero is not None and self.scale_to_zero.while_cold == "fallback" and self.fallback is None:
+            raise ValueError("scaleToZero.whileCold: fallback needs spec.fallback")
         if self.tensor_parallel_size > 1:
             if self.resources.gpus not in (0, self.tensor_parallel_size):
                 raise ValueError("resources.gpus must equal tensorParallelSize (one GPU per rank), or be 0 (CPU ranks)")
@@ -200,7 +228,7 @@ class SpecialistSpec(Model):
 # ---- status ------------------------------------------------------------------------------------
 
 AdapterState = Literal["Loading", "Probation", "Active", "RolledBack", "Retired"]
-Phase = Literal["Pending", "Warming", "Ready", "Degraded", "Failed"]
+Phase = Literal["Pending", "Warming", "Ready", "Degraded", "Failed", "Idle"]
 BreakerState = Literal["Closed", "Open", "HalfOpen"]
 
 
@@ -260,7 +288,7 @@ class SpeculationStatus(Model):
 
 class SpecialistStatus(Model):
     observed_generation: int | None = Field(default=None, description="metadata.generation this status reflects.")
-    phase: Phase | None = Field(default=None, description="Pending (no replica running), Warming (fewer than minReady warm), Ready, Degraded (was Ready, fell below minReady) or Failed (warmup timed out or pods crash).")
+    phase: Phase | None = Field(default=None, description="Pending (no replica running), Warming (fewer than minReady warm), Ready, Degraded (was Ready, fell below minReady), Failed (warmup timed out or pods crash) or Idle (scaled to zero by scaleToZero; the next request starts a replica).")
     replicas: int = Field(default=0, description="Engine pods that exist (not terminating).")
     desired_replicas: int = Field(default=0, description="spec.replicas as last reconciled.")
     ready_replicas: int = Field(default=0, description="Pods whose Ready condition is True.")

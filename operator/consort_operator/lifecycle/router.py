@@ -68,7 +68,7 @@ def decide(spec_raw: dict[str, Any], observed: RouterObserved, prev: dict[str, A
             lanes.append(router_res.Lane(s.name, o.namespace, SpecialistSpec.model_validate(s.spec), s.lane_adapter))
         except ValidationError:
             _invalid.append(s.name)   # its own status says why; the router serves the others
-    ready_specialists = sum(1 for s in selected if s.phase == "Ready")
+    ready_specialists = sum(1 for s in selected if s.phase in ("Ready", "Idle"))   # Idle: scaled to zero, serves
     status: dict[str, Any] = {
         "observedGeneration": o.generation, "specialists": len(selected), "readySpecialists": ready_specialists,
         "lanes": [{"name": s.name, "phase": s.phase, "warmReplicas": s.warm_replicas, "breaker": s.breaker}

@@ -22,6 +22,7 @@ from ..resources.common import BuildContext
 from . import admission
 from . import breaker as breaker_lc
 from . import rollout as rollout_lc
+from . import scaling as scaling_lc
 from . import slo as slo_lc
 from . import speculation as speculation_lc
 from . import warmup as warmup_lc
@@ -56,6 +57,7 @@ class Decision:
     events: list[Event]
     requeue_seconds: float | None       # the next pass without an event (None: only on one)
     phase: str | None
+    scale_to: int | None = None         # spec.replicas to write through /scale (scale to zero); None: leave it
 
 
 Inputs = tuple[SpecialistObserved, "str | None"]
@@ -80,6 +82,9 @@ def echo_inputs(inputs: Inputs, written: tuple[str, int] | None) -> Inputs:
     d = observed.deployment
     echo = warmup_lc.DeploymentObs(generation=written[1], updated_replicas=d.updated_replicas if d else 0)
     return replace(observed, deployment=echo), written[0]
+
+
+UNPROBED = warmup_lc.ProbeResult(reachable=False)
 
 
 def typed_status(status: dict[str, Any]) -> dict[str, Any]:
@@ -117,6 +122,9 @@ def decide(spec_raw: dict[str, Any], observed: SpecialistObserved, prev: dict[st
     events: list[Event] = []
     status, ev = warmup_lc.evaluate(spec, o.generation, o.deployment, list(o.pods), o.probes, pacing.warm_signal,
                                     prev, now, selector=specialist_res.pod_selector_string(o.name))
+    idle = scaling_lc.least_idle_seconds((o.probes.get(r["pod"]) or UNPROBED).idle_s for r in status["replicaStatus"])
+    scale = scaling_lc.decide(spec.scale_to_zero, spec.replicas, status["replicas"], status["warmReplicas"], idle)
+    status, ev = scaling_lc.idle_status(status, ev, scale, now, o.generation, prev.get("phase"))
     events += ev
 
     # Correctness samples of the lane's current rotation, as the router collected them since the
@@ -161,5 +169,7 @@ def decide(spec_raw: dict[str, Any], observed: SpecialistObserved, prev: dict[st
     waits = deadlines(o.pods, warm_names, spec.warmup_timeout_seconds, adapters, spec.rollout.probation_window_seconds, now)
     if o.unaddressed and pacing.warm_signal == "engine":
         waits.append(pacing.poll_seconds)    # only an engine's answer warms it: look for its address
+    if scale.recheck_seconds is not None:    # the end of the idle window
+        waits.append(max(pacing.poll_seconds, scale.recheck_seconds))
     requeue = requeue_seconds(pacing, o.probes, settled, waits)
-    return Decision(children, typed_status(status), events, requeue, status["phase"])
+    return Decision(children, typed_status(status), events, requeue, status["phase"], scale.replicas)

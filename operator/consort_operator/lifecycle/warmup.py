@@ -86,6 +86,7 @@ class ProbeResult:
     adapter_errors: dict[str, str] = field(default_factory=dict)   # name -> why its hot-load failed
     slo: dict[str, Any] = field(default_factory=dict)        # the engine's /v1/status "slo" report
     speculation: dict[str, Any] = field(default_factory=dict)   # its "speculation" report
+    idle_s: float | None = None    # its "idle_s": seconds without a generation request (lifecycle/scaling.py)
 
 
 @dataclass(frozen=True)

@@ -6,12 +6,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from consort_router.config import (AdmissionConfig, AuthConfig, BreakerConfig, ClassifierConfig, Detector,
-                                   IntentRule, LimitsConfig, RouterConfig, ServiceSelector, ShadowConfig,
+                                   IntentRule, LimitsConfig, RouterConfig, ScaleFromZero, ServiceSelector, ShadowConfig,
                                    SpecialistRoute, StoreConfig, VerifierConfig)
 from consort_router.config import ReplicaChoice as ReplicaChoiceConfig
 
 from ..api.base import GROUP
 from ..api.router import KIND, PLURAL, EnsembleRouterSpec
+from ..api.specialist import PLURAL as SPECIALISTS
 from ..api.specialist import SpecialistSpec
 from .common import (LABEL_ROUTER, BuildContext, common_labels, container_security_context, content_hash,
                      LOG_STORAGE, ephemeral_storage_limit, object_meta, owner_reference, pod_security_context, scratch_volume,
@@ -67,6 +68,15 @@ def router_labels(name: str, ctx: BuildContext) -> dict[str, str]:
     return {**common_labels(COMPONENT, name, ctx), **selector_labels(name)}
 
 
+def scale_from_zero(spec: SpecialistSpec, names: set[str]) -> ScaleFromZero | None:
+    """The router's side of spec.scaleToZero; `fallback` only when the fallback is in the ensemble."""
+    z = spec.scale_to_zero
+    if z is None:
+        return None
+    while_cold = "fallback" if z.while_cold == "fallback" and spec.fallback in names else "hold"
+    return ScaleFromZero(while_cold=while_cold, max_held=z.max_held, hold_timeout_s=float(z.hold_timeout_seconds))
+
+
 def router_config(name: str, spec: EnsembleRouterSpec, lanes: list[Lane]) -> RouterConfig:
     """Render the routing config. Raises (pydantic ValidationError / ValueError) when it is invalid,
     e.g. no Specialist selected, an intent claimed twice, a rule naming an unselected Specialist."""
@@ -81,6 +91,7 @@ def router_config(name: str, spec: EnsembleRouterSpec, lanes: list[Lane]) -> Rou
             fallback=lane.spec.fallback if lane.spec.fallback in names else None,
             adapter=lane.adapter,
             revision=lane.revision,
+            scale_from_zero=scale_from_zero(lane.spec, names),
         )
         for lane in lanes
     ]
@@ -292,9 +303,11 @@ def router_service(name: str, namespace: str, uid: str, spec: EnsembleRouterSpec
     })
 
 
-def router_rbac(name: str, namespace: str, uid: str, ctx: BuildContext) -> list[dict[str, Any]]:
+def router_rbac(name: str, namespace: str, uid: str, ctx: BuildContext,
+                scalable: list[str] | tuple[str, ...] = ()) -> list[dict[str, Any]]:
     """ServiceAccount + Role + RoleBinding: discover engine endpoints; read its own EnsembleRouter and
-    write only its status (breaker state)."""
+    write only its status (breaker state); patch the /scale of the `scalable` Specialists (its lanes
+    that scale to zero: the activator takes them from 0 to 1), by name."""
     owner = owner_reference(KIND, name, uid)
     labels = router_labels(name, ctx)
     rname = router_resource_name(name)
@@ -307,7 +320,8 @@ def router_rbac(name: str, namespace: str, uid: str, ctx: BuildContext) -> list[
             {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]},
             {"apiGroups": [GROUP], "resources": [PLURAL], "resourceNames": [name], "verbs": ["get"]},
             {"apiGroups": [GROUP], "resources": [f"{PLURAL}/status"], "resourceNames": [name], "verbs": ["get", "patch"]},
-        ],
+        ] + ([{"apiGroups": [GROUP], "resources": [f"{SPECIALISTS}/scale"], "resourceNames": sorted(scalable),
+               "verbs": ["patch"]}] if scalable else []),
     }
     binding = {
         "apiVersion": "rbac.authorization.k8s.io/v1",
@@ -322,7 +336,7 @@ def router_rbac(name: str, namespace: str, uid: str, ctx: BuildContext) -> list[
 def router_children(name: str, namespace: str, uid: str, spec: EnsembleRouterSpec, config: RouterConfig,
                     ctx: BuildContext) -> list[dict[str, Any]]:
     return [
-        *router_rbac(name, namespace, uid, ctx),
+        *router_rbac(name, namespace, uid, ctx, [s.name for s in config.specialists if s.scale_from_zero]),
         router_configmap(name, namespace, uid, config, ctx),
         router_service(name, namespace, uid, spec, ctx),
         router_deployment(name, namespace, uid, spec, ctx),

@@ -87,6 +87,10 @@ SPECIALIST_CASES = [
     Case("scaled-to-zero", {**SPEC, "replicas": 0, "minReady": 0}, specialist_status(
         "Ready", 0, 0, cond("Ready", True, "MinReadyWarm", "0/0 replicas warm (minReady 0)")),
         "Suspended", "Scaled to zero replicas"),
+    Case("idle", {**SPEC, "replicas": 0, "scaleToZero": {"idleAfter": "15m"}}, specialist_status(
+        "Idle", 0, 0, cond("Ready", True, "ScaledToZero", "scaled to zero after 15m without requests; the next request starts a replica"),
+        cond("Demoted", False, "BreakerClosed", "breaker Closed")),
+        "Healthy", "Idle: scaled to zero after 15m without requests; the next request starts a replica"),
     Case("breaker-open", SPEC, specialist_status(
         "Ready", 2, 2, READY, cond("Demoted", True, "BreakerOpen", "breaker Open, fallback stl-general"),
         breaker={"state": "Open", "rate": 0.41, "samples": 50, "since": T, "fallback": "stl-general"}),

@@ -63,7 +63,11 @@ def test_specialist_crd_rules_columns_and_subresources():
     rules = [r["rule"] for r in root["x-kubernetes-validations"]]
     assert "!has(self.spec.fallback) || self.spec.fallback != self.metadata.name" in rules
     spec = root["properties"]["spec"]
-    assert "!has(self.minReady) || !has(self.replicas) || self.minReady <= self.replicas" in [r["rule"] for r in spec["x-kubernetes-validations"]]
+    spec_rules = [r["rule"] for r in spec["x-kubernetes-validations"]]
+    assert ("!has(self.minReady) || !has(self.replicas) || self.minReady <= self.replicas"
+            " || (self.replicas == 0 && has(self.scaleToZero))") in spec_rules
+    assert "duration(self.idleAfter) >= duration('5s')" in [
+        r["rule"] for r in spec["properties"]["scaleToZero"]["x-kubernetes-validations"]]
     assert spec["properties"]["kv"]["properties"]["blockSize"]["enum"] == [8, 16, 32, 256]
     assert spec["properties"]["speculative"]["properties"]["mode"]["enum"] == ["off", "ngram", "mtp"]
     assert spec["properties"]["replicas"]["minimum"] == 0

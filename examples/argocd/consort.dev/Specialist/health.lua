@@ -38,6 +38,13 @@ if status.phase == "Failed" or status.phase == "Degraded" then
   return hs
 end
 
+-- Scaled to zero by spec.scaleToZero: it serves (the router starts a replica on the next request).
+if status.phase == "Idle" then
+  hs.status = "Healthy"
+  hs.message = "Idle: " .. message_of(ready, "scaled to zero; the next request starts a replica")
+  return hs
+end
+
 local replicas = 1
 if obj.spec ~= nil and obj.spec.replicas ~= nil then replicas = obj.spec.replicas end
 if replicas == 0 then
