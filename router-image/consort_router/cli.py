@@ -11,7 +11,7 @@ from aiohttp import web
 
 from .breaker import BreakerStore
 from .config import RouterConfig
-from .dispatch import DRAIN_S, Router
+from .router import DRAIN_S, Router
 from .server import build_app
 
 log = logging.getLogger("consort.router")
