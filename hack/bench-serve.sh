@@ -29,7 +29,7 @@ GUIDELLM=$(hack/bench-tool.sh)
 mkdir -p "$OUT"
 say "consort up -f $MANIFESTS on $URL (log: $OUT/up.log)"
 # Its own session (process group): the trap stops consort up, which stops its engines and router.
-setsid "$PY" -m consort_operator.cli up -f "$MANIFESTS" --port "$PORT" --engine-base-port 0 \
+setsid "$PY" -m consort_common.cli up -f "$MANIFESTS" --port "$PORT" --engine-base-port 0 \
   --run-dir "$OUT/up" >"$OUT/up.log" 2>&1 &
 UP_PID=$!
 stop_up() {

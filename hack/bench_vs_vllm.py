@@ -26,6 +26,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "engine-image"))
+sys.path.insert(0, str(REPO / "common"))   # consort_common: the stream reader bench offline uses
 
 from consort_engine.bench.workload import bench_model, log, make_workload  # noqa: E402  (no torch at import)
 

@@ -50,7 +50,7 @@ class Row:
 
 def plan(python: str, out_dir: str) -> list[Step]:
     """The steps, in order; benches write JSON under out_dir."""
-    bench = [python, "-m", "consort_operator.cli", "bench"]
+    bench = [python, "-m", "consort_common.cli", "bench"]
     steps = [Step("pytest tests/gpu", [python, "-m", "pytest", "tests/gpu", "-q", "-rs", "-p", "no:cacheprovider"], 210)]
     first = True
     for backend, block in BACKENDS.items():

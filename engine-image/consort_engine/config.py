@@ -13,16 +13,6 @@ def checkpoint_dir(text: str) -> str:
     return text
 
 
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """`--help` with each flag's default, where there is one to show: a required flag has none, and an
-    unset one (None, or an empty list) says in its help what unset means."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.required or action.default is None or action.default == []:
-            return action.help
-        return super()._get_help_string(action)
-
-
 @dataclass
 class EngineConfig:
     model: str                          # checkpoint dir: config.json, *.safetensors, tokenizer.json

@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from consort_engine.config import HelpFormatter, checkpoint_dir
+from consort_common.help import HelpFormatter
+from consort_engine.config import checkpoint_dir
 
 ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
          "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}

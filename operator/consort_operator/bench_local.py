@@ -26,9 +26,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from consort_engine.bench import openai_stream
+from consort_common import openai_stream
+from consort_common.help import HelpFormatter
 from consort_engine.bench.serve import http_url, make_workload, one_request, summarize
-from consort_engine.config import HelpFormatter
 
 from . import local
 
@@ -95,7 +95,7 @@ class Ensemble:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = run_dir / "up.log"
-        argv = [sys.executable, "-m", "consort_operator.cli", "up", "--port", str(self.port),
+        argv = [sys.executable, "-m", "consort_common.cli", "up", "--port", str(self.port),
                 "--engine-base-port", "0", "--run-dir", str(run_dir / "up")]
         for f in files:
             argv += ["-f", f]

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from consort_engine.config import HelpFormatter
+from consort_common.help import HelpFormatter
 from pydantic import ValidationError
 
 from .api.base import explain, quantity_value
@@ -122,7 +122,7 @@ def local_model_dir(source: str, cache: Path, log: Any) -> str:
         if not (target / "config.json").exists() or not (target / "tokenizer.json").exists():
             log(f"writing demo model {source} into {target} (once; cached)")
             tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-            proc = subprocess.run([sys.executable, "-m", "consort_operator.cli", "demo-model", str(tmp),
+            proc = subprocess.run([sys.executable, "-m", "consort_common.cli", "demo-model", str(tmp),
                                    "--size", size, "--seed", str(seed)], capture_output=True, text=True)
             if proc.returncode != 0:
                 raise UpError(f"consort demo-model failed:\n{proc.stderr[-2000:]}")
@@ -166,7 +166,7 @@ class Child:
         return self.url
 
 
-CONSORT = [sys.executable, "-m", "consort_operator.cli"]
+CONSORT = [sys.executable, "-m", "consort_common.cli"]
 
 
 def write_engine_credential(run_dir: Path) -> Path:

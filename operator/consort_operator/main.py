@@ -10,7 +10,7 @@ import signal
 import sys
 from typing import Any
 
-from consort_engine.config import HelpFormatter
+from consort_common.help import HelpFormatter
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

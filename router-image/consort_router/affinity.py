@@ -11,8 +11,11 @@ share their first k hashes; the replica with the deepest match is the one to ask
 from __future__ import annotations
 
 import hashlib
+import json
 from collections import OrderedDict
 from dataclasses import dataclass
+
+from .config import ReplicaChoice
 
 
 @dataclass(frozen=True)
@@ -83,3 +86,18 @@ class PrefixIndex:
 
     def __len__(self) -> int:
         return len(self.entries)
+
+
+def request_affinity(rc: ReplicaChoice, prefixes: PrefixIndex, body: dict, text: str, target: str,
+                     adapter: object, tenant: str) -> Affinity | None:
+    """A request's prefix blocks on lane `target` (salted by lane and adapter: other weights, other
+    KV; and by tenant and cache_salt, as the engines salt their caches) and how deep each replica
+    holds them; None when the lane picks by load only."""
+    if rc.policy != "prefix-affine":
+        return None
+    prompt = body.get("prompt")
+    text = text or (json.dumps(prompt) if isinstance(prompt, list) else "")  # token ids: their digits
+    salt = body.get("cache_salt")
+    hashes = prefix_hashes(text, f"{target}\0{adapter or ''}\0{tenant}\0{salt if isinstance(salt, str) else ''}",
+                           rc.block_chars, rc.max_blocks)
+    return Affinity(hashes, prefixes.match(hashes), rc.load_slack)

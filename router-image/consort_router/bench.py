@@ -24,8 +24,8 @@ from pathlib import Path
 
 import aiohttp
 
-from . import openai_stream
-from .openai_stream import ClientPolicy, StreamResult, describe, request, tally
+from consort_common import openai_stream
+from consort_common.openai_stream import ClientPolicy, StreamResult, describe, request, tally
 
 WORDS = ("int", "auto", "template", "typename", "std", "vector", "const", "return", "class", "struct",
          "constexpr", "noexcept", "static", "void", "while", "for", "namespace", "using", "size_t")

@@ -29,10 +29,10 @@ from pathlib import Path
 
 import aiohttp
 
-from . import openai_stream
+from consort_common import openai_stream
 from .bench import WORDS, percentile, router_config, start_engine, start_router, stop_all, wait_ready
-from .openai_stream import ClientPolicy, StreamResult, request, tally
-from .cli import HelpFormatter
+from consort_common.openai_stream import ClientPolicy, StreamResult, request, tally
+from consort_common.help import HelpFormatter
 
 ARMS = ("single", "least-loaded", "prefix-affine")
 

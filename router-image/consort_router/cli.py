@@ -9,22 +9,14 @@ import sys
 
 from aiohttp import web
 
+from consort_common.help import HelpFormatter
+
 from .breaker import BreakerStore
 from .config import RouterConfig
-from .dispatch import DRAIN_S, Router
+from .router import DRAIN_S, Router
 from .server import build_app
 
 log = logging.getLogger("consort.router")
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """`--help` with each flag's default, where there is one to show: a required flag has none, and an
-    unset one (None, or an empty list) says in its help what unset means."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.required or action.default is None or action.default == []:
-            return action.help
-        return super()._get_help_string(action)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -1,7 +1,7 @@
 """Cluster mode: a specialist's replicas are the ready endpoints of its Service's EndpointSlices.
 
 Lists `discovery.k8s.io/v1` EndpointSlices labelled `kubernetes.io/service-name=<service>` through
-kubernetes_asyncio (kube.py: the pod's service account) and swaps the replica list into the runtime. A watch on
+kubernetes_asyncio (kube.py: the pod's service account) and hands each lane's replica URLs to the router (`replace_replicas`). A watch on
 those slices (one per namespace) wakes the re-list the moment one changes, so a pod that turns Ready
 is routed, and one that starts terminating is dropped, within a round trip rather than an interval;
 the re-list every `polling.discovery_interval_s` stays as the resync if a watch breaks. Endpoints
@@ -15,18 +15,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import Awaitable, Callable, Sequence
 
 import aiohttp
 from kubernetes_asyncio.client import ApiException, DiscoveryV1Api
 from kubernetes_asyncio.watch import Watch
 
 from . import kube
-from .config import ServiceSelector
-
-if TYPE_CHECKING:
-    from .dispatch import Router
+from .config import RouterConfig, ServiceSelector, SpecialistRoute
+from .metrics import RouterMetrics
 
 log = logging.getLogger("consort.router.discovery")
 LIST_TIMEOUT_S = 10
@@ -122,12 +119,22 @@ async def watch_slices(api: DiscoveryV1Api, namespace: str, services: frozenset[
             backoff = min(backoff * 2, 30.0)
 
 
-async def discovery_loop(router: "Router") -> None:
+# lane -> its replica URLs now, for every Service-backed lane: the router swaps them in and probes them
+ReplaceReplicas = Callable[[dict[str, list[str]]], Awaitable[None]]
+
+
+async def discovery_loop(config: Callable[[], RouterConfig], replace_replicas: ReplaceReplicas,
+                         metrics: RouterMetrics) -> None:
+    """List and watch the EndpointSlices of the Services that `config()` (the config now: a reload may
+    change the Services) names, until cancelled; every change of a lane's replicas goes to
+    `replace_replicas`."""
     try:
         cfg = kube.configuration()
     except ValueError as e:   # said once, loudly: the Service-backed lanes stay without replicas
         log.error("EndpointSlice discovery is off: %s", e)
         return
+    known: dict[str, list[str]] = {}   # lane -> the replica URLs last handed over
+    held: dict[str, list[str]] = {}    # lane -> those of them listed not ready, yet kept
     async with kube.api_client(cfg) as client:
         api = DiscoveryV1Api(client)
         wake = asyncio.Event()
@@ -136,18 +143,19 @@ async def discovery_loop(router: "Router") -> None:
         trigger = "start"
         try:
             while True:
-                rt = router.runtime
-                wanted = watched_services(rt.config.specialists)
+                specialists = config().specialists
+                wanted = watched_services(specialists)
                 if wanted != watching:    # first round, or a config reload changed the Services
                     for t in watches:
                         t.cancel()
                     watches = [asyncio.create_task(watch_slices(api, ns, names, wake), name=f"endpointslice-watch-{ns}")
                                for ns, names in wanted.items()]
                     watching = wanted
-                await relist(router, api)
-                router.metrics.discovery_relists.labels(trigger).inc()
+                if await relist(api, specialists, known, held, metrics):
+                    await replace_replicas({s.name: known.get(s.name, []) for s in specialists if s.service is not None})
+                metrics.discovery_relists.labels(trigger).inc()
                 try:
-                    await asyncio.wait_for(wake.wait(), rt.config.polling.discovery_interval_s)
+                    await asyncio.wait_for(wake.wait(), config().polling.discovery_interval_s)
                     trigger = "watch"
                 except asyncio.TimeoutError:
                     trigger = "interval"
@@ -158,11 +166,12 @@ async def discovery_loop(router: "Router") -> None:
             await asyncio.gather(*watches, return_exceptions=True)   # their sessions close before the client's
 
 
-async def relist(router: "Router", api: DiscoveryV1Api) -> None:
-    """Lists every Service-backed lane's EndpointSlices and swaps changed replica lists in."""
-    rt = router.runtime
+async def relist(api: DiscoveryV1Api, specialists: Sequence[SpecialistRoute], known: dict[str, list[str]], held: dict[str, list[str]],
+                 metrics: RouterMetrics) -> bool:
+    """Lists every Service-backed lane's EndpointSlices into `known` (and `held`); True when a lane's
+    replica list changed."""
     changed = False
-    for s in rt.config.specialists:
+    for s in specialists:
         if s.service is None:
             continue
         try:
@@ -170,24 +179,18 @@ async def relist(router: "Router", api: DiscoveryV1Api) -> None:
         except (ApiException, aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
             log.warning("EndpointSlice list for %s failed: %s", s.name, kube.describe(e))
             continue
-        known = router.lanes.discovered.get(s.name, [])
-        urls, held = lane_replicas(known, ready_urls(slices, s.service), unconfirmed_urls(slices, s.service))
-        if held != router.lanes.held.get(s.name, []):
-            if held:
+        urls, now_held = lane_replicas(known.get(s.name, []), ready_urls(slices, s.service),
+                                       unconfirmed_urls(slices, s.service))
+        if now_held != held.get(s.name, []):
+            if now_held:
                 log.warning("lane %s: EndpointSlices mark %d replica(s) not ready without terminating them; "
-                            "held, the router's own /ready probes decide: %s", s.name, len(held), ", ".join(held))
+                            "held, the router's own /ready probes decide: %s", s.name, len(now_held),
+                            ", ".join(now_held))
             else:
                 log.info("lane %s: no replica held any more", s.name)
-            router.lanes.held[s.name] = held
-        router.metrics.discovery_held.labels(s.name).set(len(held))
-        if known != urls:
-            router.lanes.discovered[s.name] = urls
+            held[s.name] = now_held
+        metrics.discovery_held.labels(s.name).set(len(now_held))
+        if known.get(s.name, []) != urls:
+            known[s.name] = urls
             changed = True
-    if changed:
-        reps = dict(rt.replicas)
-        for s in rt.config.specialists:
-            if s.service is not None:
-                reps[s.name] = [router.lanes.replica(s.name, u) for u in router.lanes.discovered.get(s.name, [])]
-        router.swap_runtime(replace(rt, replicas=reps))
-        if router.poller:
-            await router.poller.poll_all()
+    return changed

@@ -1,10 +1,12 @@
 """Upstream mechanics: open a request on a replica (retrying on another one only before the first
-byte) and relay the answer, SSE chunk by chunk without buffering.
+byte), fail a plan over to its next target (a lane's fallback) before the first byte, relay the
+answer, SSE chunk by chunk without buffering, and read the text of a captured answer.
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -12,13 +14,27 @@ from typing import Callable
 import aiohttp
 from aiohttp import web
 
-from .affinity import Affinity
-from .replicas import ReplicaState, choose_replica
+from .activator import Activator
+from .affinity import Affinity, PrefixIndex, request_affinity
+from .api import ApiError, ParsedRequest, upstream_body
+from .config import RouterConfig
+from .metrics import RouterMetrics
+from .plan import Plan
+from .replicas import ReplicaState, choice_outcome, choose_replica
+from .state import Lanes, Runtime
+
+log = logging.getLogger("consort.router")
 
 CONNECT_ERRORS = (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError)
 PASS_HEADERS = ("Content-Type", "Retry-After", "x-consort-adapter", "x-consort-speculation", "x-consort-ignored-fields",
                 "Cache-Control")
 CAPTURE_LIMIT = 4 << 20
+TENANT_HEADER = "x-consort-tenant"         # set by the router on every upstream call, never taken from a client
+
+
+def upstream_timeout(cfg: RouterConfig) -> aiohttp.ClientTimeout:
+    """A request to an engine: the whole answer within limits.request_timeout_s."""
+    return aiohttp.ClientTimeout(total=cfg.limits.request_timeout_s, sock_connect=cfg.limits.connect_timeout_s)
 
 
 class NoReplica(Exception):
@@ -48,6 +64,51 @@ def error_code(body: bytes) -> str:
         return str(err.get("code") or err.get("type") or "")
     except (ValueError, AttributeError):
         return ""
+
+
+def text_of_response(body: object) -> str:
+    """The first choice's text of a non-streamed completion or chat completion (or a Response's)."""
+    if not isinstance(body, dict):
+        return ""
+    if body.get("object") == "response":
+        return "".join(p.get("text", "") for item in body.get("output") or () if isinstance(item, dict)
+                       for p in item.get("content") or () if isinstance(p, dict) and isinstance(p.get("text"), str))
+    choices = body.get("choices") or []
+    if not choices or not isinstance(choices[0], dict):
+        return ""
+    c = choices[0]
+    if isinstance(c.get("text"), str):
+        return c["text"]
+    msg = c.get("message")
+    if isinstance(msg, dict) and isinstance(msg.get("content"), str):
+        return msg["content"]
+    return ""
+
+
+def text_of_sse(raw: bytes) -> str:
+    """Concatenated first-choice text of an SSE stream (completions `text` or chat `delta.content`)."""
+    parts = []
+    for line in raw.split(b"\n"):
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if not data or data == b"[DONE]":
+            continue
+        try:
+            obj = json.loads(data)
+        except ValueError:
+            continue
+        if obj.get("type") == "response.output_text.delta" and isinstance(obj.get("delta"), str):
+            parts.append(obj["delta"])   # a /v1/responses stream
+        for c in obj.get("choices") or ():
+            if not isinstance(c, dict) or c.get("index", 0) != 0:
+                continue
+            if isinstance(c.get("text"), str):
+                parts.append(c["text"])
+            delta = c.get("delta")
+            if isinstance(delta, dict) and isinstance(delta.get("content"), str):
+                parts.append(delta["content"])
+    return "".join(parts)
 
 
 async def open_upstream(
@@ -111,6 +172,83 @@ async def open_upstream(
         if on_attempt:
             on_attempt(a, False)
         return Upstream(resp, r, attempts, first)
+
+
+async def open_plan(session: aiohttp.ClientSession, rt: Runtime, plan: Plan, req: ParsedRequest, path: str,
+                    rid: str, tenant: str, lanes: Lanes, metrics: RouterMetrics,
+                    prefixes: PrefixIndex, activator: Activator,
+                    replicas_now: Callable[[str], list[ReplicaState]]) -> tuple[str, Upstream]:
+    """The first of plan.targets that answers, before any byte reaches the client: a lane with no
+    ready or reachable replica, or whose replicas all answer 5xx, passes the request on to the
+    next target (its fallback). A 429 is an answer (admission), passed through. A lane scaled to
+    zero holds the request (`activator`) until a replica turns warm, or passes it to its fallback.
+    Each answered attempt is recorded on its lane (`lanes`, `metrics`); the replica that served the
+    prompt is remembered in `prefixes`."""
+    cfg = rt.config
+    timeout = upstream_timeout(cfg)
+    failures: list[str] = []
+    deadline = time.monotonic() + cfg.limits.request_timeout_s
+    for i, target in enumerate(plan.targets):
+        spec = cfg.specialist(target)
+        assert spec is not None
+        if not await activator.admit(spec, rt.replicas.get(target, []), i + 1 < len(plan.targets), deadline):
+            failures.append(f"{target}: starting from zero replicas")
+            continue
+        replicas = replicas_now(target)   # current: discovery may have added one while the request was held
+
+        def on_attempt(a: Attempt, retried: bool, target: str = target) -> None:
+            if a.status:
+                lanes.record_response(target, a.status == 429, plan.decision.intent, time.monotonic())
+            if retried:
+                metrics.retries.labels(target, "connect" if a.status == 0 else str(a.status)).inc()
+
+        body = upstream_body(req.body, target, plan.adapters.get(target))   # the lane's adapter unless one is asked
+        payload = json.dumps(body).encode()
+        affinity = request_affinity(cfg.replica_choice, prefixes, req.body, req.text, target,
+                                    plan.adapters.get(target) or body.get("adapter"), tenant)
+        try:
+            up = await open_upstream(session, replicas, path, payload,
+                                     {"Content-Type": "application/json", "x-request-id": rid,
+                                      TENANT_HEADER: tenant}, timeout,
+                                     cfg.polling.preempting_penalty, on_attempt, adapter=plan.adapters.get(target),
+                                     affinity=affinity)
+        except NoReplica as e:
+            failures.append(f"{target}: {e}")
+            continue
+        if up.response.status >= 500 and i + 1 < len(plan.targets):
+            failures.append(f"{target}: HTTP {up.response.status}")
+            up.response.release()
+            up.replica.inflight -= 1
+            metrics.retries.labels(target, "fallback").inc()
+            continue
+        metrics.replica_choice.labels(target, choice_outcome(affinity, up.replica)).inc()
+        if affinity is not None and up.response.status < 400:
+            prefixes.record(affinity.hashes, up.replica.url)
+        if i > 0:
+            log.info("request %s: %s served for %s (%s)", rid, target, plan.targets[0], "; ".join(failures))
+        return target, up
+    log.warning("request %s: no ready replica could serve: %s", rid, "; ".join(failures))
+    raise ApiError(503, "no_ready_replica", f"no ready replica of {', '.join(plan.targets)} could serve this "
+                   f"request (request id {rid})", retry_after_ms=1000)
+
+
+async def answer_text(session: aiohttp.ClientSession, replicas: list[ReplicaState], path: str, body: dict,
+                      headers: dict[str, str], timeout: aiohttp.ClientTimeout,
+                      preempting_penalty: float) -> str | None:
+    """The first choice's text of a non-streamed answer to `body` from one of `replicas` (a shadow copy);
+    None when no replica took it or it answered other than 200."""
+    try:
+        up = await open_upstream(session, replicas, path, json.dumps(body).encode(), headers, timeout,
+                                 preempting_penalty, adapter=body.get("adapter"))
+    except NoReplica:
+        return None
+    try:
+        if up.response.status != 200:
+            return None
+        return text_of_response(await up.response.json(content_type=None))
+    finally:
+        up.replica.inflight -= 1
+        up.response.release()
 
 
 def copy_headers(resp: aiohttp.ClientResponse, out: web.StreamResponse) -> None:

@@ -1,9 +1,9 @@
 """The ensemble's OpenAI-compatible front door (aiohttp).
 
-The HTTP handlers and the app. Handlers are thin: api.py parses, dispatch.py (Router) plans and
-sends a request (routing.py decides the specialist, replicas.py the replica, proxy.py moves bytes,
-shadow.py and verifier.py produce correctness samples off the hot path), state.py holds lane state;
-cli.py is the command line.
+The HTTP handlers and the app. Handlers are thin: api.py parses, plan.py plans a request (routing.py
+decides the specialist), proxy.py sends it (failover over the plan's targets; replicas.py picks the
+replica) and relays the answer, shadow.py and verifier.py produce correctness samples off the hot
+path; router.py (Router) holds the process's state, state.py the lanes'; cli.py is the command line.
 """
 from __future__ import annotations
 
@@ -22,14 +22,20 @@ from .api import ApiError, parse_json, parse_request, tokenizer_lane, upstream_b
 from .auth import ANONYMOUS
 from .breaker import is_fresh
 from .plan import PlanInput, plan_request
-from .proxy import NoReplica, copy_headers, error_code, open_upstream, relay_stream
-from .shadow import text_of_response, text_of_sse
+from .proxy import (TENANT_HEADER, NoReplica, copy_headers, error_code, open_plan, open_upstream, relay_stream,
+                    text_of_response, text_of_sse, upstream_timeout)
+from .router import Router
 from . import admission as adm
 from . import tenants as tn
-from .dispatch import (FEEDBACK_HEADER, GENERATION_PATHS, GEN_HEADERS, OPEN_PATHS, ROUTER, TENANT_HEADER, Router,
-                       upstream_timeout)
 
 log = logging.getLogger("consort.router")
+
+ROUTER = web.AppKey("consort_router", Router)
+OPEN_PATHS = frozenset({"/health", "/ready", "/version"})
+GEN_HEADERS = ("x-consort-specialist", "x-consort-shadow", "x-consort-adapter", "x-consort-admission",
+               "x-consort-breaker")
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
+FEEDBACK_HEADER = "x-consort-feedback-id"  # issued on each answered request; /v1/feedback takes it once
 
 
 # ====================================================================== HTTP handlers
@@ -121,15 +127,16 @@ async def handle_generation(request: web.Request, kind: str, path: str) -> web.S
     cfg = rt.config
     t0 = time.monotonic()
     rid, tenant = request["request_id"], request["tenant"]
-    req = parse_request(parse_json(await read_body(request, cfg.limits.max_body_bytes)), kind,
-                        request.headers.get("x-consort-intent"), tn.policy(cfg.tenants, tenant).max_priority)
-    router.charge(cfg, tenant, req)
+    raw = await read_body(request, cfg.limits.max_body_bytes)
+    req = parse_request(parse_json(raw), kind, request.headers.get("x-consort-intent"),
+                        tn.policy(cfg.tenants, tenant).max_priority)
+    tn.charge(cfg.tenants, router.buckets, tenant, req.body, req.text, time.monotonic())
     user_counts = None
     if rt.table.user_patterns is not None and rt.table.consults_detectors(req.model, req.intent):
         user_counts = await router.patterns.counts(rt.table.user_patterns, req.text,
                                                    tuple(d.min_matches for d in rt.table.detectors))
     plan = plan_request(cfg, rt.table, req, PlanInput(
-        router.lanes.lane_views(rt), router.lanes.floors, router.shadow_inflight < cfg.shadow.max_inflight,
+        router.lanes.lane_views(rt), router.lanes.floors, router.shadows.inflight < cfg.shadow.max_inflight,
         router.verifier.available, random.random(), random.random(), user_counts))
     d = plan.decision
     router.metrics.routing_seconds.observe(time.monotonic() - t0)
@@ -139,7 +146,8 @@ async def handle_generation(request: web.Request, kind: str, path: str) -> web.S
     primary_done: asyncio.Future | None = None
     if plan.shadow is not None:
         primary_done = asyncio.get_running_loop().create_future()
-        router.spawn(router.run_shadow(rt, d, req.body, path, rid, primary_done, tenant))
+        router.spawn(router.shadows.run(router.session, rt, d, req.body, path, rid, primary_done, tenant,
+                                        router.verify_and_feed, router.metrics))
     elif d.shadow is not None:
         router.metrics.shadows.labels(d.shadow, d.shadow_reason, "dropped").inc()
 
@@ -148,7 +156,8 @@ async def handle_generation(request: web.Request, kind: str, path: str) -> web.S
     pre_upstream = time.monotonic() - t0
     try:
         try:
-            served, up = await router.open_plan(rt, plan, req, path, rid, tenant)
+            served, up = await open_plan(router.session, rt, plan, req, path, rid, tenant, router.lanes,
+                                         router.metrics, router.prefixes, router.activator, router.replicas_now)
         except ApiError:
             request["stamp"] = plan.headers(d.specialist, admission="rejected:no_ready_replica")
             status = 503
@@ -167,7 +176,7 @@ async def handle_generation(request: web.Request, kind: str, path: str) -> web.S
                     router.metrics.stream_errors.labels(served).inc()
                     status = 502 if result.error == "upstream_failed" else 504
                     if result.error == "idle_timeout":   # a lane that hangs mid-stream is failing
-                        router.feed(served, 0.0)
+                        router.lanes.observe(served, 0.0)
                 elif result.error == "client_disconnected":
                     router.metrics.disconnects.labels(served).inc()
                     status = 499
@@ -287,7 +296,7 @@ async def routing_view(request: web.Request) -> web.Response:
                                                              "kind": cfg.classifier.kind},
         "default_specialist": cfg.default_specialist,
         "shadow": {"default_threshold": cfg.shadow.default_threshold, "thresholds": cfg.shadow.thresholds,
-                   "inflight": router.shadow_inflight},
+                   "inflight": router.shadows.inflight},
         "priority_floors": lanes.floors,
         "breaker_params": cfg.breaker.model_dump(),
         "specialists": specialists,

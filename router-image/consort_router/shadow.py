@@ -1,4 +1,4 @@
-"""Shadow dispatch helpers: the shadow request body, output extraction, and calibration records.
+"""Shadow dispatch: the shadow request, the comparison with the primary, and calibration records.
 
 A shadow copy runs on the second-choice specialist at the lowest, droppable priority, is never
 returned to the caller, and when its output disagrees with the primary's (different normalized text,
@@ -6,14 +6,29 @@ or different verifier verdicts) a JSONL calibration record is appended to `calib
 """
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
+import logging
 import os
 import threading
 import time
 from dataclasses import dataclass
+from typing import Awaitable, Callable
 
+import aiohttp
+
+from .api import upstream_body
 from .config import ShadowConfig
+from .metrics import RouterMetrics
+from .proxy import TENANT_HEADER, answer_text
+from .routing import RouteDecision
+from .state import Runtime
+from .verifier import VerifyResult
+
+log = logging.getLogger("consort.router")
+# (specialist, its answer's text) -> the verdict, fed to the specialist's lane; None: no verifier
+Verify = Callable[[str, str], Awaitable[VerifyResult | None]]
 
 
 def shadow_body(body: dict, target: str, cfg: ShadowConfig) -> dict:
@@ -37,51 +52,6 @@ def shadow_body(body: dict, target: str, cfg: ShadowConfig) -> dict:
         out.pop("max_completion_tokens", None)
         out["max_tokens"] = capped
     return out
-
-
-def text_of_response(body: object) -> str:
-    """The first choice's text of a non-streamed completion or chat completion (or a Response's)."""
-    if not isinstance(body, dict):
-        return ""
-    if body.get("object") == "response":
-        return "".join(p.get("text", "") for item in body.get("output") or () if isinstance(item, dict)
-                       for p in item.get("content") or () if isinstance(p, dict) and isinstance(p.get("text"), str))
-    choices = body.get("choices") or []
-    if not choices or not isinstance(choices[0], dict):
-        return ""
-    c = choices[0]
-    if isinstance(c.get("text"), str):
-        return c["text"]
-    msg = c.get("message")
-    if isinstance(msg, dict) and isinstance(msg.get("content"), str):
-        return msg["content"]
-    return ""
-
-
-def text_of_sse(raw: bytes) -> str:
-    """Concatenated first-choice text of an SSE stream (completions `text` or chat `delta.content`)."""
-    parts = []
-    for line in raw.split(b"\n"):
-        if not line.startswith(b"data:"):
-            continue
-        data = line[5:].strip()
-        if not data or data == b"[DONE]":
-            continue
-        try:
-            obj = json.loads(data)
-        except ValueError:
-            continue
-        if obj.get("type") == "response.output_text.delta" and isinstance(obj.get("delta"), str):
-            parts.append(obj["delta"])   # a /v1/responses stream
-        for c in obj.get("choices") or ():
-            if not isinstance(c, dict) or c.get("index", 0) != 0:
-                continue
-            if isinstance(c.get("text"), str):
-                parts.append(c["text"])
-            delta = c.get("delta")
-            if isinstance(delta, dict) and isinstance(delta.get("content"), str):
-                parts.append(delta["content"])
-    return "".join(parts)
 
 
 def normalize(text: str) -> str:
@@ -138,3 +108,67 @@ class CalibrationLog:
             os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
             with open(self.path, "a") as f:
                 f.write(line + "\n")
+
+
+class Shadows:
+    """The shadow copies in flight and the log their disagreements go to."""
+
+    def __init__(self, calibration: CalibrationLog) -> None:
+        self.calibration = calibration
+        self.inflight = 0
+
+    async def run(self, session: aiohttp.ClientSession, rt: Runtime, d: RouteDecision, obj: dict, path: str,
+                  rid: str, primary: asyncio.Future, tenant: str, verify: Verify, metrics: RouterMetrics) -> None:
+        """Send the shadow copy of request `obj` to d.shadow, wait for it and for the primary's text
+        (`primary`, cancelled when the primary failed) within shadow.timeout_s, verify both and record a
+        disagreement. Never raises to the caller but a cancellation."""
+        cfg = rt.config
+        target = d.shadow
+        assert target is not None
+        outcome = "dropped"
+        self.inflight += 1
+        try:
+            body = shadow_body(upstream_body(obj, target, cfg.specialist(target).adapter), target, cfg.shadow)
+            lim = cfg.limits
+            shadow_task = asyncio.ensure_future(answer_text(
+                session, rt.replicas.get(target, []), path, body,
+                {"Content-Type": "application/json", "x-request-id": f"{rid}-shadow", TENANT_HEADER: tenant},
+                aiohttp.ClientTimeout(total=cfg.shadow.timeout_s, sock_connect=lim.connect_timeout_s),
+                cfg.polling.preempting_penalty))
+            pending: set = {shadow_task, primary}
+            deadline = time.monotonic() + cfg.shadow.timeout_s
+            while pending:
+                done, pending = await asyncio.wait(pending, timeout=max(0.0, deadline - time.monotonic()),
+                                                   return_when=asyncio.FIRST_COMPLETED)
+                if not done:
+                    shadow_task.cancel()
+                    outcome = "timeout"
+                    return
+                if primary in done and (primary.cancelled() or primary.exception() is not None):
+                    shadow_task.cancel()
+                    outcome = "primary_failed"
+                    return
+            shadow_text = shadow_task.result()
+            primary_text = primary.result()
+            if shadow_text is None:
+                outcome = "rejected"
+                return
+            pv, sv = await asyncio.gather(verify(d.specialist, primary_text), verify(target, shadow_text))
+            if disagree(primary_text, shadow_text, pv.passed if pv else None, sv.passed if sv else None):
+                outcome = "disagree"
+                rec = CalibrationRecord(rid, d.intent, d.shadow_reason, d.confidence, d.specialist, target,
+                                        primary_text, shadow_text, pv.to_dict() if pv else None,
+                                        sv.to_dict() if sv else None)
+                await asyncio.to_thread(self.calibration.write, rec.to_json(cfg.shadow.record_outputs))
+                metrics.calibration.labels(d.specialist, target).inc()
+            else:
+                outcome = "agree"
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        except Exception:  # noqa: BLE001 - a shadow never hurts the caller
+            log.exception("shadow %s for %s failed", target, rid)
+            outcome = "error"
+        finally:
+            self.inflight -= 1
+            metrics.shadows.labels(target, d.shadow_reason, outcome).inc()

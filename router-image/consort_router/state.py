@@ -67,7 +67,6 @@ class Lanes:
     feedback: OrderedDict = field(default_factory=OrderedDict)  # feedback id -> FeedbackGrant
     replica_states: dict[tuple[str, str], ReplicaState] = field(default_factory=dict)
     discovered: dict[str, list[str]] = field(default_factory=dict)  # cluster mode: specialist -> urls
-    held: dict[str, list[str]] = field(default_factory=dict)   # of those, listed not ready yet kept (discovery)
     dirty: bool = False
     transitions: list[tuple[str, str, str]] = field(default_factory=list)  # (specialist, from, to), drained
 

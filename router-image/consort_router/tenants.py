@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .api import ApiError
 from .config import TenantPolicy, TenantsConfig
 
 CHARS_PER_TOKEN = 4          # a conservative estimate for the quota (the router does not tokenize)
@@ -54,6 +55,20 @@ def take(b: Bucket | None, p: TenantPolicy, amount: int, now: float) -> tuple[Bu
     if level >= need:
         return Bucket(level - need, now), None
     return Bucket(level, now), max(1, math.ceil((need - level) / p.tokens_per_s * 1000))
+
+
+def charge(cfg: TenantsConfig, buckets: dict[str, Bucket], tenant: str, body: dict, text: str, now: float) -> None:
+    """Take a request's tokens from the tenant's quota (its bucket in `buckets`), or refuse it with a
+    typed 429."""
+    p = policy(cfg, tenant)
+    if p.tokens_per_s is None:
+        return
+    b, wait_ms = take(buckets.get(tenant), p, cost(body, text, p), now)
+    buckets[tenant] = b
+    if wait_ms is not None:
+        raise ApiError(429, "tenant_quota", f"tenant {tenant!r} is over its token-rate quota "
+                       f"({p.tokens_per_s:g} tokens/s); retry in {wait_ms} ms", type="rate_limited",
+                       retry_after_ms=wait_ms)
 
 
 def label(seen: set[str], limit: int, tenant: str) -> str:

@@ -119,7 +119,7 @@ def test_pinned_staging_round_trips_mixed_shapes():
 
 @pytest.mark.parametrize("flags", [[], ["--enforce-eager"]], ids=["graphs", "eager"])
 def test_bench_offline_runs_on_cuda(flags):
-    proc = subprocess.run([sys.executable, "-m", "consort_operator.cli", "bench", "offline", "--quick",
+    proc = subprocess.run([sys.executable, "-m", "consort_common.cli", "bench", "offline", "--quick",
                            "--device", "cuda", "--dtype", "bfloat16", *flags], capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -14,19 +14,18 @@ import json
 import math
 import random
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 
 import aiohttp
 import pytest
 from aiohttp import web
 
+from consort_common import openai_stream
 from consort_engine.bench import serve as bench_serve
-from consort_engine.bench import openai_stream as engine_stream
 from consort_router import bench as router_bench
 from consort_router import bench_affinity
-from consort_router import openai_stream as router_stream
 
-REPO = Path(__file__).resolve().parents[2]
+engine_stream = router_stream = openai_stream   # the engine's and the router's benchmarks share it
+
 Script = Callable[[int, dict], str]      # (request number, body) -> what to answer
 
 
@@ -108,11 +107,9 @@ async def fake_router() -> AsyncIterator[Callable[[Script], str]]:
         await r.cleanup()
 
 
-def test_the_engine_and_router_copies_of_openai_stream_are_identical():
-    # The engine and the router never import each other; their benchmarks share this one file.
-    engine = REPO / "engine-image/consort_engine/bench/openai_stream.py"
-    router = REPO / "router-image/consort_router/openai_stream.py"
-    assert engine.read_bytes() == router.read_bytes(), "edit one, copy it over the other"
+def test_the_engine_and_router_benchmarks_read_streams_with_the_one_shared_reader():
+    # The engine and the router never import each other; their benchmarks share consort_common's reader.
+    assert bench_serve.openai_stream is router_bench.openai_stream is bench_affinity.openai_stream is openai_stream
 
 
 @pytest.mark.parametrize("kind,outcome,retries,error", [

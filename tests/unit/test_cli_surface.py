@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from consort_operator.cli import NESTED, SUBCOMMANDS
+from consort_common.cli import NESTED, SUBCOMMANDS
 
 CONSORT = str(Path(sys.executable).with_name("consort"))
 ROOT = Path(__file__).resolve().parents[2]
@@ -188,6 +188,30 @@ def test_a_closed_pipe_ends_output_quietly(argv):
     err = proc.stderr.read().decode()
     proc.wait(timeout=120)
     assert err == ""
+
+
+def without(packages: list[str], argv: list[str]) -> subprocess.CompletedProcess:
+    """`consort ARGV` in a process where `packages` cannot be imported, as in an image without them."""
+    code = f"""import sys
+class Absent:   # finds none of `packages`, as an image that lacks them
+    def find_spec(self, name, path=None, target=None):
+        if name in {packages!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+sys.meta_path.insert(0, Absent())
+from consort_common.cli import main
+sys.exit(main({argv!r}))
+"""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+
+
+def test_a_command_whose_package_the_image_lacks_says_so_in_one_line():
+    # the router image: no engine, no operator
+    run = without(["consort_engine", "consort_operator"], ["crds"])
+    assert run.returncode == 1 and run.stdout == ""
+    assert run.stderr.splitlines() == ["consort crds: this image has no consort_operator (the package that runs "
+                                       "`consort crds`)"], run.stderr
+    top = without(["consort_engine", "consort_operator"], ["--help"])
+    assert top.returncode == 0 and "router " in top.stdout and "consort bench <name>" not in top.stdout, top.stdout + top.stderr
 
 
 def test_crds_out_dir_is_created(tmp_path):

@@ -20,7 +20,7 @@ INDEX = DOCS / "README.md"
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^(```|~~~).*?^\1", re.M | re.S)
 METRIC = re.compile(r"(?<![\w./:-])(vllm:[a-zA-Z0-9_:]+|consort_[a-z0-9_]+\*?)(?![\w/(]|\.\w)")
-PACKAGES = {"consort_engine", "consort_router", "consort_operator"}
+PACKAGES = {"consort_engine", "consort_router", "consort_operator", "consort_common"}
 # A whole `spec.x.y` path; one followed by ": unknown field" quotes an error about a misspelt field.
 SPEC_PATH = re.compile(r"(?<![\w/])(?:(Specialist|EnsembleRouter)\.)?\.?spec((?:\.[A-Za-z][A-Za-z0-9]*)+)"
                        r"(?![A-Za-z0-9]|\.[A-Za-z])(?!: unknown field)")

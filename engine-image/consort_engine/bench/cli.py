@@ -10,7 +10,7 @@ serve:   TTFT / ITL percentiles and throughput of any OpenAI-compatible endpoint
 local:   the ensemble on one box vs one engine: consort_operator/bench_local.py (it starts `consort up`).
 affinity: prefix-affine vs least-loaded replicas through a router: consort_router/bench_affinity.py.
 The HTTP load generators (serve, local, affinity, offline --vs-server) count what the server does not
-answer in full (rejections after their Retry-After retries, error events, timeouts): bench/openai_stream.py.
+answer in full (rejections after their Retry-After retries, error events, timeouts): consort_common/openai_stream.py.
 Heavy imports stay inside the subcommands.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ import argparse
 import sys
 
 from consort_engine.bench import BenchError
-from consort_engine.config import HelpFormatter
+from consort_common.help import HelpFormatter
 
 
 # name -> one-line help: `consort bench --help` and the top-level `consort --help` both list these.
@@ -34,7 +34,7 @@ BENCHES: dict[str, str] = {
     "local": "the ensemble on one box vs one engine (starts `consort up`)",
     "affinity": "prefix-affine vs least-loaded replicas through a router",
 }
-# Implemented outside the engine (consort_operator/cli.py NESTED dispatches them before this module
+# Implemented outside the engine (consort_common/cli.py NESTED dispatches them before this module
 # sees them): listed here so that `consort bench --help` shows every benchmark.
 ELSEWHERE = ("local", "affinity")
 

@@ -330,7 +330,7 @@ def run_server(model_dir: Path, dtype: str, wl: Workload, args: argparse.Namespa
 
     import aiohttp
 
-    from consort_engine.bench.openai_stream import StreamResult, describe, request, tally
+    from consort_common.openai_stream import StreamResult, describe, request, tally
 
     async def one(url: str, session, i: int, prompt: list[int], n: int) -> StreamResult:
         body = {"model": "bench", "prompt": prompt, "max_tokens": n, "ignore_eos": True, **sampling(args, i)}

@@ -16,8 +16,8 @@ import random
 import time
 from collections import Counter
 
-from consort_engine.bench import openai_stream
-from consort_engine.bench.openai_stream import ClientPolicy, StreamResult, describe, request, tally
+from consort_common import openai_stream
+from consort_common.openai_stream import ClientPolicy, StreamResult, describe, request, tally
 
 WORDS = ("int", "auto", "template", "typename", "std", "vector", "const", "return", "class", "struct",
          "constexpr", "noexcept", "static", "void", "while", "for", "if", "else", "namespace", "using",

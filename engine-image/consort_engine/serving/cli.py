@@ -15,7 +15,8 @@ from aiohttp import web
 from consort_engine.serving import protocol as P
 from consort_engine.model.attention import default_block_size
 from consort_engine.core.async_engine import AsyncEngine
-from consort_engine.config import EngineConfig, HelpFormatter
+from consort_common.help import HelpFormatter
+from consort_engine.config import EngineConfig
 from consort_engine.serving.adapter_sync import AdapterSync
 from consort_engine.serving.credential import CredentialSource
 from consort_engine.model.cpu import apply_threads

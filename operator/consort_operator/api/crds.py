@@ -288,7 +288,7 @@ def render_reference() -> str:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    from consort_engine.config import HelpFormatter
+    from consort_common.help import HelpFormatter
 
     p = argparse.ArgumentParser(prog="consort crds", description="Print (or write) the CRDs generated from the pydantic models.",
                                 formatter_class=HelpFormatter)
@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         from pathlib import Path
 
         out = Path(args.out_dir)
-        out.mkdir(parents=True, exist_ok=True)   # an OSError here names the path: one line (consort_operator.cli)
+        out.mkdir(parents=True, exist_ok=True)   # an OSError here names the path: one line (consort_common.cli)
         for name in FILES:
             (out / name).write_text(render(name))
         return 0

@@ -28,7 +28,7 @@ AUTH_DIR = "/etc/consort/auth"
 CLASSIFIER_DIR = "/etc/consort/classifier"
 STATE_DIR = "/var/lib/consort"
 # Pod deletion: preStop waits while the Service drops the pod, then `consort router` drains its
-# requests in flight for up to 45 s (consort_router.dispatch.DRAIN_S), inside the grace period.
+# requests in flight for up to 45 s (consort_router.router.DRAIN_S), inside the grace period.
 ROUTER_PRESTOP_S = 5
 ROUTER_GRACE_S = ROUTER_PRESTOP_S + 45 + 10
 STATE_LIMIT = "64Mi"   # breakers.json

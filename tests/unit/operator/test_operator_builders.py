@@ -231,7 +231,7 @@ def test_the_router_drains_on_deletion_and_through_node_drains():
     assert pdb["spec"]["selector"] == objs["Deployment"]["spec"]["selector"]
     pod = objs["Deployment"]["spec"]["template"]["spec"]
     c = pod["containers"][0]
-    from consort_router.dispatch import DRAIN_S
+    from consort_router.router import DRAIN_S
     prestop = c["lifecycle"]["preStop"]["sleep"]["seconds"]
     assert prestop > 0 and pod["terminationGracePeriodSeconds"] > prestop + DRAIN_S
     # started = listening (after the classifier trained); never restarted while its engines still warm

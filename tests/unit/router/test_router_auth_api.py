@@ -117,7 +117,8 @@ def test_parse_request_responses_reads_instructions_and_input_text():
 
 def test_shadow_reads_and_caps_responses():
     from consort_router.config import ShadowConfig
-    from consort_router.shadow import shadow_body, text_of_response, text_of_sse
+    from consort_router.proxy import text_of_response, text_of_sse
+    from consort_router.shadow import shadow_body
 
     out = shadow_body({"model": "cpp", "input": "x", "max_output_tokens": 500, "stream": True}, "STL",
                       ShadowConfig(max_tokens=64))

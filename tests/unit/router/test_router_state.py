@@ -10,7 +10,7 @@ import yaml
 
 from consort_router.breaker import OPEN, BreakerState, FileStore, dump_states
 from consort_router.config import RouterConfig
-from consort_router.dispatch import Router
+from consort_router.router import Router
 
 BASE = {"ensemble": "cpp", "specialists": [{"name": "A", "replicas": ["http://127.0.0.1:1"], "intents": ["a"]},
                                            {"name": "B", "replicas": ["http://127.0.0.1:2"], "fallback": "A"}],

@@ -69,7 +69,7 @@ def test_prefix_affinity_is_salted_like_the_engines_caches():
     """A tenant's prefix is not 'cached' on a replica because another tenant sent it: the engines salt
     their caches by tenant and cache_salt, so the router's prefix index does too."""
     from consort_router.api import ParsedRequest
-    from consort_router.dispatch import Router
+    from consort_router.router import Router
     cfg = RouterConfig.model_validate({"ensemble": "e", "specialists": [{"name": "A", "replicas": ["http://a"]}],
                                        "default_specialist": "A"})
     router = Router(cfg)

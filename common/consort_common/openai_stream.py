@@ -17,8 +17,8 @@ Retry-After header in seconds) is retried after that delay, capped at `max_retry
 inter-token gaps, end-to-end) are those of the attempt that was answered; `retries` says how many
 were rejected first.
 
-This file is kept identical in consort_engine/ and consort_router/ (their benchmarks both drive
-streams, and neither package may import the other); tests/unit/test_bench_outcomes.py checks it.
+The engine's and the router's benchmarks both drive streams through it (neither package may import
+the other; both may import consort_common).
 """
 from __future__ import annotations
 

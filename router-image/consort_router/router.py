@@ -1,5 +1,7 @@
-"""Router: one router process's state (runtime, lanes, tenants, affinity, upstream session) and
-its dispatch of a request: plan, failover over the lane's replicas, shadows, verification samples.
+"""Router: one router process's state (runtime, lanes, tenants, prefix index, shadows in flight,
+upstream session) and its background work (housekeeping, config reload, discovery). A request's
+dispatch lives beside it: plan.py plans, proxy.py fails over and relays, shadow.py runs the shadow;
+server.py's handlers hand them the parts of this state they touch.
 
 Embedding (the operator, tests): `Router(config, config_path=..., store=...)` then
 `server.build_app(router)`. A custom `BreakerStore` (e.g. one backed by EnsembleRouter status)
@@ -7,28 +9,25 @@ replaces the FileStore."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import aiohttp
 from aiohttp import web
 
 from .activator import Activator
-from .api import ApiError, ParsedRequest, upstream_body
+from .affinity import Affinity, PrefixIndex, request_affinity
+from .api import ParsedRequest
 from .auth import EngineCredential, KeyRing
 from .breaker import STATE_CODES, BreakerStore, FileStore, MemoryStore
 from .config import RouterConfig
 from .detectors import PatternSandbox
 from .metrics import RouterMetrics
-from .plan import Plan
-from .proxy import Attempt, NoReplica, Upstream, open_upstream
-from .affinity import Affinity, PrefixIndex, prefix_hashes
-from .replicas import ReplicaPoller, choice_outcome
-from .routing import RouteDecision
-from .shadow import CalibrationLog, CalibrationRecord, disagree, shadow_body, text_of_response
+from .replicas import ReplicaPoller, ReplicaState
+from .shadow import CalibrationLog, Shadows
 from .state import Lanes, Runtime, build_runtime
 from .verifier import Verifier, VerifyResult
 from .wake import waker
@@ -37,22 +36,9 @@ from . import tenants as tn
 
 log = logging.getLogger("consort.router")
 
-
-ROUTER = web.AppKey("consort_router", object)
-OPEN_PATHS = frozenset({"/health", "/ready", "/version"})
 # On SIGTERM the listener closes and the requests in flight (streams included) get this long to
 # finish; the pod's grace period (operator resources/router.py) leaves room for it after preStop.
 DRAIN_S = 45
-GEN_HEADERS = ("x-consort-specialist", "x-consort-shadow", "x-consort-adapter", "x-consort-admission",
-               "x-consort-breaker")
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
-TENANT_HEADER = "x-consort-tenant"         # set by the router on every upstream call, never taken from a client
-FEEDBACK_HEADER = "x-consort-feedback-id"  # issued on each answered request; /v1/feedback takes it once
-
-
-def upstream_timeout(cfg: RouterConfig) -> aiohttp.ClientTimeout:
-    """A request to an engine: the whole answer within limits.request_timeout_s."""
-    return aiohttp.ClientTimeout(total=cfg.limits.request_timeout_s, sock_connect=cfg.limits.connect_timeout_s)
 
 
 class Router:
@@ -78,12 +64,13 @@ class Router:
         self.engine_credential = EngineCredential(self._path(config.auth.engine_credential_file))
         self.engine_credential.refresh()
         self.verifier = Verifier(config.verifier)
-        self.calibration = CalibrationLog(self._path(config.calibration_log))
+        self.shadows = Shadows(CalibrationLog(self._path(config.calibration_log)))
         self.session: aiohttp.ClientSession | None = None
         self.poller: ReplicaPoller | None = None
         self.created = int(time.time())   # the model cards' `created`, as vLLM stamps its start
         self.prefixes = PrefixIndex(config.replica_choice.index_blocks)
-        self.shadow_inflight = 0
+        self.waker = waker(lambda: self.config, self.base_dir)
+        self.activator = Activator(self.waker, lambda lane: any(r.ready for r in self.replicas_now(lane)), self.metrics)
         self.buckets: dict[str, tn.Bucket] = {}   # tenant -> its token-rate quota bucket
         self.tenant_labels: set[str] = set()     # tenant names metrics carry (bounded; tenants.label)
         self.tasks: set[asyncio.Task] = set()
@@ -92,9 +79,6 @@ class Router:
         self._last_save = 0.0
         self._saving: asyncio.Task | None = None
         self._last_reload_check = 0.0
-        self.waker = waker(lambda: self.config, self.base_dir)
-        self.activator = Activator(self.waker, lambda lane: any(r.ready for r in self.runtime.replicas.get(lane, [])),
-                                   self.metrics)
 
     # ------------------------------------------------------------------ plumbing
     def _path(self, p: str | None) -> str | None:
@@ -111,6 +95,10 @@ class Router:
     @property
     def config(self) -> RouterConfig:
         return self.runtime.config
+
+    def replicas_now(self, lane: str) -> list[ReplicaState]:
+        """The lane's replicas in the current runtime (discovery swaps the runtime)."""
+        return self.runtime.replicas.get(lane, [])
 
     def spawn(self, coro) -> asyncio.Task:
         t = asyncio.create_task(coro)
@@ -133,7 +121,8 @@ class Router:
         if any(s.service is not None for s in self.config.specialists):
             from .discovery import discovery_loop
 
-            self._bg.append(asyncio.create_task(discovery_loop(self), name="router-discovery"))
+            self._bg.append(asyncio.create_task(discovery_loop(lambda: self.config, self.replace_discovered,
+                                                               self.metrics), name="router-discovery"))
 
     async def stop(self, app: web.Application) -> None:
         for t in self._bg:
@@ -211,7 +200,7 @@ class Router:
             self.refresh_engine_credential(force=True)
         if new.verifier != self.verifier.cfg:
             self.verifier = Verifier(new.verifier)
-        self.calibration = CalibrationLog(self._path(new.calibration_log))
+        self.shadows.calibration = CalibrationLog(self._path(new.calibration_log))
         self.swap_runtime(rt)
         self.metrics.config_reloads.labels("ok").inc()
         log.info("config reloaded from %s", self.config_path)
@@ -248,18 +237,6 @@ class Router:
                 m.replica_load.labels(name, str(i)).set(r.waiting + r.running)
 
     # ------------------------------------------------------------------ tenants
-    def charge(self, cfg: RouterConfig, tenant: str, req: ParsedRequest) -> None:
-        """Take the request's tokens from the tenant's quota, or refuse it with a typed 429."""
-        p = tn.policy(cfg.tenants, tenant)
-        if p.tokens_per_s is None:
-            return
-        b, wait_ms = tn.take(self.buckets.get(tenant), p, tn.cost(req.body, req.text, p), time.monotonic())
-        self.buckets[tenant] = b
-        if wait_ms is not None:
-            raise ApiError(429, "tenant_quota", f"tenant {tenant!r} is over its token-rate quota "
-                           f"({p.tokens_per_s:g} tokens/s); retry in {wait_ms} ms", type="rate_limited",
-                           retry_after_ms=wait_ms)
-
     def tenant_label(self, tenant: str) -> str:
         return tn.label(self.tenant_labels, self.config.tenants.metric_tenants, tenant)
 
@@ -276,146 +253,21 @@ class Router:
             self.feed(specialist, 1.0 if res.passed else 0.0)
         return res
 
-    # ------------------------------------------------------------------ upstream
     def affinity(self, cfg: RouterConfig, req: ParsedRequest, target: str, adapter: object,
                  tenant: str) -> Affinity | None:
-        """The prompt's prefix blocks on lane `target` (salted by lane and adapter: other weights, other
-        KV; and by tenant and cache_salt, as the engines salt their caches) and how deep each replica
-        holds them; None when the lane picks by load only."""
-        rc = cfg.replica_choice
-        if rc.policy != "prefix-affine":
-            return None
-        prompt = req.body.get("prompt")
-        text = req.text or (json.dumps(prompt) if isinstance(prompt, list) else "")  # token ids: their digits
-        salt = req.body.get("cache_salt")
-        hashes = prefix_hashes(text, f"{target}\0{adapter or ''}\0{tenant}\0{salt if isinstance(salt, str) else ''}",
-                               rc.block_chars, rc.max_blocks)
-        return Affinity(hashes, self.prefixes.match(hashes), rc.load_slack)
+        """The prompt's prefix blocks on lane `target` and how deep each replica holds them (affinity.py)."""
+        return request_affinity(cfg.replica_choice, self.prefixes, req.body, req.text, target, adapter, tenant)
 
-    async def open_plan(self, rt: Runtime, plan: Plan, req: ParsedRequest, path: str,
-                        rid: str, tenant: str) -> tuple[str, Upstream]:
-        """The first of plan.targets that answers, before any byte reaches the client: a lane with no
-        ready or reachable replica, or whose replicas all answer 5xx, passes the request on to the
-        next target (its fallback). A 429 is an answer (admission), passed through."""
-        assert self.session is not None
-        cfg = rt.config
-        timeout = upstream_timeout(cfg)
-        failures: list[str] = []
-        deadline = time.monotonic() + cfg.limits.request_timeout_s
-        for i, target in enumerate(plan.targets):
-            spec = cfg.specialist(target)
-            assert spec is not None
-            if not await self.activator.admit(spec, rt.replicas.get(target, []), i + 1 < len(plan.targets), deadline):
-                failures.append(f"{target}: starting from zero replicas")
-                continue
-            replicas = self.runtime.replicas.get(target, [])   # current: discovery may have added one while held
-
-            def on_attempt(a: Attempt, retried: bool, target: str = target) -> None:
-                if a.status:
-                    self.lanes.record_response(target, a.status == 429, plan.decision.intent, time.monotonic())
-                if retried:
-                    self.metrics.retries.labels(target, "connect" if a.status == 0 else str(a.status)).inc()
-
-            body = upstream_body(req.body, target, spec.adapter)
-            payload = json.dumps(body).encode()
-            affinity = self.affinity(cfg, req, target, plan.adapters.get(target) or body.get("adapter"), tenant)
-            try:
-                up = await open_upstream(self.session, replicas, path, payload,
-                                         {"Content-Type": "application/json", "x-request-id": rid,
-                                          TENANT_HEADER: tenant}, timeout,
-                                         cfg.polling.preempting_penalty, on_attempt, adapter=plan.adapters.get(target),
-                                         affinity=affinity)
-            except NoReplica as e:
-                failures.append(f"{target}: {e}")
-                continue
-            if up.response.status >= 500 and i + 1 < len(plan.targets):
-                failures.append(f"{target}: HTTP {up.response.status}")
-                up.response.release()
-                up.replica.inflight -= 1
-                self.metrics.retries.labels(target, "fallback").inc()
-                continue
-            self.metrics.replica_choice.labels(target, choice_outcome(affinity, up.replica)).inc()
-            if affinity is not None and up.response.status < 400:
-                self.prefixes.record(affinity.hashes, up.replica.url)
-            if i > 0:
-                log.info("request %s: %s served for %s (%s)", rid, target, plan.targets[0], "; ".join(failures))
-            return target, up
-        log.warning("request %s: no ready replica could serve: %s", rid, "; ".join(failures))
-        raise ApiError(503, "no_ready_replica", f"no ready replica of {', '.join(plan.targets)} could serve this "
-                       f"request (request id {rid})", retry_after_ms=1000)
-
-    # ------------------------------------------------------------------ shadow
-    async def run_shadow(self, rt: Runtime, d: RouteDecision, obj: dict, path: str, rid: str,
-                         primary: asyncio.Future, tenant: str) -> None:
-        cfg = rt.config
-        target = d.shadow
-        assert target is not None
-        outcome = "dropped"
-        self.shadow_inflight += 1
-        try:
-            body = shadow_body(upstream_body(obj, target, cfg.specialist(target).adapter), target, cfg.shadow)
-            shadow_task = asyncio.ensure_future(self._shadow_request(rt, target, path, body, rid, tenant))
-            pending: set = {shadow_task, primary}
-            deadline = time.monotonic() + cfg.shadow.timeout_s
-            while pending:
-                done, pending = await asyncio.wait(pending, timeout=max(0.0, deadline - time.monotonic()),
-                                                   return_when=asyncio.FIRST_COMPLETED)
-                if not done:
-                    shadow_task.cancel()
-                    outcome = "timeout"
-                    return
-                if primary in done and (primary.cancelled() or primary.exception() is not None):
-                    shadow_task.cancel()
-                    outcome = "primary_failed"
-                    return
-            shadow_text = shadow_task.result()
-            primary_text = primary.result()
-            if shadow_text is None:
-                outcome = "rejected"
-                return
-            pv = sv = None
-            if self.verifier.available:
-                pv, sv = await asyncio.gather(self.verifier.verify(primary_text), self.verifier.verify(shadow_text))
-                for spec, res in ((d.specialist, pv), (target, sv)):
-                    self.metrics.verifier.labels(spec, res.reason if res.passed is not True else "pass").inc()
-                    if res.passed is not None:
-                        self.feed(spec, 1.0 if res.passed else 0.0)
-            if disagree(primary_text, shadow_text, pv.passed if pv else None, sv.passed if sv else None):
-                outcome = "disagree"
-                rec = CalibrationRecord(rid, d.intent, d.shadow_reason, d.confidence, d.specialist, target,
-                                        primary_text, shadow_text, pv.to_dict() if pv else None,
-                                        sv.to_dict() if sv else None)
-                await asyncio.to_thread(self.calibration.write, rec.to_json(cfg.shadow.record_outputs))
-                self.metrics.calibration.labels(d.specialist, target).inc()
-            else:
-                outcome = "agree"
-        except asyncio.CancelledError:
-            outcome = "cancelled"
-            raise
-        except Exception:  # noqa: BLE001 - a shadow never hurts the caller
-            log.exception("shadow %s for %s failed", target, rid)
-            outcome = "error"
-        finally:
-            self.shadow_inflight -= 1
-            self.metrics.shadows.labels(target, d.shadow_reason, outcome).inc()
-
-    async def _shadow_request(self, rt: Runtime, target: str, path: str, body: dict, rid: str,
-                              tenant: str) -> str | None:
-        assert self.session is not None
-        lim = rt.config.limits
-        try:
-            up = await open_upstream(
-                self.session, rt.replicas.get(target, []), path, json.dumps(body).encode(),
-                {"Content-Type": "application/json", "x-request-id": f"{rid}-shadow", TENANT_HEADER: tenant},
-                aiohttp.ClientTimeout(total=rt.config.shadow.timeout_s, sock_connect=lim.connect_timeout_s),
-                rt.config.polling.preempting_penalty, adapter=body.get("adapter"),
-            )
-        except NoReplica:
-            return None
-        try:
-            if up.response.status != 200:
-                return None
-            return text_of_response(await up.response.json(content_type=None))
-        finally:
-            up.replica.inflight -= 1
-            up.response.release()
+    # ------------------------------------------------------------------ discovery
+    async def replace_discovered(self, urls: dict[str, list[str]]) -> None:
+        """Discovery's answer: each Service-backed lane's replica URLs now. Swapped into the runtime,
+        and every replica probed before the next request picks one."""
+        self.lanes.discovered.update(urls)
+        rt = self.runtime
+        reps = dict(rt.replicas)
+        for s in rt.config.specialists:
+            if s.service is not None:
+                reps[s.name] = [self.lanes.replica(s.name, u) for u in self.lanes.discovered.get(s.name, [])]
+        self.swap_runtime(replace(rt, replicas=reps))
+        if self.poller:
+            await self.poller.poll_all()

@@ -1,7 +1,9 @@
 """The `consort` command: one entry point, each subcommand owned by the package that implements it.
 
-Subcommands are imported lazily so `consort router` never pays for torch and `consort crds`
-never pays for either.
+Subcommands are imported by module name when run, so `consort router` never pays for torch and
+`consort crds` never pays for either, and an image that carries only some of the packages (the
+router image has no engine and no operator) says so in one line. This package imports none of
+consort_engine, consort_router and consort_operator at import time.
 """
 from __future__ import annotations
 
@@ -23,15 +25,28 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 # which the engine package (home of the other benchmarks) does not know about.
 NESTED: dict[tuple[str, str], str] = {("bench", "local"): "consort_operator.bench_local",
                                       ("bench", "affinity"): "consort_router.bench_affinity"}
+BENCH_LIST = "consort_engine.bench.cli"   # its BENCHES: benchmark -> one-line help
+
+
+def missing_package(e: ModuleNotFoundError, module: str) -> str | None:
+    """The consort package `module` lives in, when `e` says that package itself is not installed
+    (a dependency missing inside it is another matter: that keeps its traceback)."""
+    package = module.partition(".")[0]
+    return package if e.name == package else None
 
 
 def usage() -> str:
-    from consort_engine.bench.cli import BENCHES   # no heavy imports: the names and one-line helps
-
     lines = ["usage: consort [--version] <command> [args...]", "", "commands:"]
     lines += [f"  {name:<11} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
-    lines += ["", "benchmarks (consort bench <name>):"]
-    lines += [f"  {name:<11} {help_}" for name, help_ in BENCHES.items()]
+    try:   # the names and one-line helps (no heavy imports)
+        benches: dict[str, str] = importlib.import_module(BENCH_LIST).BENCHES
+    except ModuleNotFoundError as e:
+        if missing_package(e, BENCH_LIST) is None:
+            raise
+        benches = {}   # an image without the engine: its benchmarks are not here either
+    if benches:
+        lines += ["", "benchmarks (consort bench <name>):"]
+        lines += [f"  {name:<11} {help_}" for name, help_ in benches.items()]
     lines += ["", "`consort <command> --help` lists a command's flags and their defaults."]
     return "\n".join(lines)
 
@@ -80,9 +95,19 @@ def dispatch(argv: list[str]) -> int:
 def run(command: str, module: str, argv: list[str]) -> int:
     """`module.main(argv)`, with the user's own mistakes as one line instead of a traceback: a path
     they named that cannot be read or written (an OSError that carries the file name), and Ctrl-C.
-    Every other exception is a bug and keeps its traceback."""
+    Every other exception is a bug and keeps its traceback. A package this image does not carry is
+    said in one line too."""
     try:
-        return int(importlib.import_module(module).main(argv) or 0)
+        entry = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        package = missing_package(e, module)
+        if package is None:
+            raise
+        print(f"consort {command}: this image has no {package} (the package that runs `consort {command}`)",
+              file=sys.stderr)
+        return 1
+    try:
+        return int(entry.main(argv) or 0)
     except KeyboardInterrupt:
         print(f"consort {command}: interrupted", file=sys.stderr)
         return 130
