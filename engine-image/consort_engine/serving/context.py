@@ -11,7 +11,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from consort_engine.serving import protocol as P
+from consort_engine.serving.limits import GUIDED_COMPILE_TIMEOUT_S, MAX_CONCURRENT_COMPILES
 from consort_engine.core.async_engine import AsyncEngine
 from consort_engine.config import EngineConfig
 from consort_engine.serving.adapter_sync import AdapterSync
@@ -64,7 +64,7 @@ class ServerContext:
     metrics_port: bool = False                  # /metrics is (also) served on its own port
     _grammars: Grammars | None = field(default=None, init=False, repr=False)
     compile_slots: CompileSlots = field(
-        default_factory=lambda: CompileSlots(P.MAX_CONCURRENT_COMPILES, P.GUIDED_COMPILE_TIMEOUT_S))
+        default_factory=lambda: CompileSlots(MAX_CONCURRENT_COMPILES, GUIDED_COMPILE_TIMEOUT_S))
 
     def __post_init__(self) -> None:
         c = self.config

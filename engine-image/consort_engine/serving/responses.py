@@ -13,8 +13,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from consort_engine.text import tool_calls as T
-from consort_engine.serving.protocol import bad
+from consort_engine.text import tool_calls
+from consort_engine.serving.errors import bad
 
 # Fields a chat request would not understand and that are not mapped below: rejected.
 UNSUPPORTED = ("previous_response_id", "conversation", "background", "prompt")
@@ -110,8 +110,8 @@ def _chat_tool_choice(choice: Any) -> Any:
 def _check_tools(chat: dict) -> None:
     """Chat's tool checks, their messages and params spelled the flat Responses way."""
     try:
-        T.parse_tools(chat)
-    except T.ToolsError as e:
+        tool_calls.parse_tools(chat)
+    except tool_calls.ToolsError as e:
         def flat(s: str) -> str:
             return s.replace(".function.", ".")
         raise bad(e.code, flat(e.message), flat(e.param)) from None
@@ -212,7 +212,7 @@ class OutputItems:
     _open: dict | None = None                            # the item being written (its final form)
     _call_index: int | None = None                       # the open function_call's index in the chat deltas
 
-    def feed(self, events: list[T.Event]) -> list[Event]:
+    def feed(self, events: list[tool_calls.Event]) -> list[Event]:
         out: list[Event] = []
         for kind, v in events:
             if kind == "content":

@@ -1,4 +1,5 @@
-"""Completion and chat responses: whole JSON, or SSE chunks as the choices produce them."""
+"""Completion and chat responses: whole JSON, or SSE chunks as the choices produce them; the chunk
+framing (`sse_event`) and `usage_of` are the Responses renderer's too."""
 from __future__ import annotations
 
 import json
@@ -7,20 +8,19 @@ from dataclasses import replace
 
 from aiohttp import web
 
-from consort_engine.serving import protocol as P
-from consort_engine.serving import shapes
-from consort_engine.text import tool_calls as T
 from consort_engine.core.async_engine import EngineFailed
 from consort_engine.kv.sequence import Sequence
+from consort_engine.serving import shapes
 from consort_engine.serving.context import STREAM, ServerContext
+from consort_engine.serving.errors import server_error
 from consort_engine.serving.generation import Choice, merged
-from consort_engine.serving.http import server_error
+from consort_engine.serving.protocol import GenerationRequest, best_indices, samples_per_prompt
+from consort_engine.text import tool_calls
 
 log = logging.getLogger("consort.server")
 
 
-
-def echoed_prompt(ctx: ServerContext, req: P.GenerationRequest, seq: Sequence) -> str:
+def echoed_prompt(ctx: ServerContext, req: GenerationRequest, seq: Sequence) -> str:
     """With `echo`, the prompt as text (a token-id prompt decoded), which leads the completion."""
     if not req.echo:
         return ""
@@ -51,12 +51,12 @@ def best_choices(choices: list[Choice], k: int, n: int) -> list[Choice]:
     out = []
     for i in range(0, len(choices), k):
         group = choices[i:i + k]
-        keep = P.best_indices([sum(lp.logprob for lp in c.lps) for c in group], n)
+        keep = best_indices([sum(lp.logprob for lp in c.lps) for c in group], n)
         out += [replace(group[j], index=(i // k) * n + r) for r, j in enumerate(keep)]
     return out
 
 
-async def full_response(ctx: ServerContext, req: P.GenerationRequest, choices: list[Choice]) -> web.Response:
+async def full_response(ctx: ServerContext, req: GenerationRequest, choices: list[Choice]) -> web.Response:
     async for c, d in merged(choices):
         c.text.append(d.text)
         c.ids.extend(d.token_ids)
@@ -65,7 +65,7 @@ async def full_response(ctx: ServerContext, req: P.GenerationRequest, choices: l
             c.prompt_lps = d.prompt_logprobs
         c.last = d
     assert all(c.finished for c in choices)
-    k = P.samples_per_prompt(req)
+    k = samples_per_prompt(req)
     usage = usage_of(choices, k, sum(len(c.ids) for c in choices))   # every sample counts, best_of too
     if req.best_of is not None:
         choices = best_choices(choices, k, req.n)
@@ -78,9 +78,9 @@ async def full_response(ctx: ServerContext, req: P.GenerationRequest, choices: l
                         else shapes.completion_logprobs(echoed_logprobs(c) + c.lps, ctx.tokenizer.id_to_token, 0))
         text, reason, calls = echoed_prompt(ctx, c.req, c.seq) + "".join(c.text), c.last.finish_reason, None
         if req.tools is not None and req.tools.parses:
-            parsed = T.parse_output(req.tools, text)
+            parsed = tool_calls.parse_output(req.tools, text)
             text, calls = (parsed.content if parsed.tool_calls else parsed.content or ""), parsed.tool_calls or None
-            reason = T.finish_reason(req.tools, bool(calls), reason)
+            reason = tool_calls.finish_reason(req.tools, bool(calls), reason)
         one = shapes.choice(c.req, text, reason, chunk=False, logprobs=logprobs,
                        token_ids=c.ids if req.return_token_ids else None, stop_reason=c.last.stop_reason,
                        index=c.index, tool_calls=calls)
@@ -101,7 +101,7 @@ def sse_event(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
-async def stream_response(request: web.Request, ctx: ServerContext, req: P.GenerationRequest,
+async def stream_response(request: web.Request, ctx: ServerContext, req: GenerationRequest,
                           choices: list[Choice]) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     request[STREAM] = resp
@@ -110,7 +110,7 @@ async def stream_response(request: web.Request, ctx: ServerContext, req: P.Gener
     n_out = 0
     offsets = {c.index: 0 for c in choices}
     unsent_prompt_ids = {c.index for c in choices} if req.return_token_ids else set()
-    parsers = {c.index: T.ToolCallStreamer(req.tools) for c in choices} if req.tools and req.tools.parses else {}
+    parsers = {c.index: tool_calls.ToolCallStreamer(req.tools) for c in choices} if req.tools and req.tools.parses else {}
 
     def chunk_of(c: Choice, choice: dict) -> dict:
         chunk = dict(base, choices=[choice])
@@ -150,8 +150,8 @@ async def stream_response(request: web.Request, ctx: ServerContext, req: P.Gener
             pieces, finish = [(d.text, None)], d.finish_reason
             if c.index in parsers:     # text -> content and tool-call deltas (a tag split over tokens waits)
                 parser = parsers[c.index]
-                pieces = T.chunk_pieces(parser.feed(d.text) + (parser.finish() if finish else [])) or [("", None)]
-                finish = finish and T.finish_reason(req.tools, parser.called, finish)
+                pieces = tool_calls.chunk_pieces(parser.feed(d.text) + (parser.finish() if finish else [])) or [("", None)]
+                finish = finish and tool_calls.finish_reason(req.tools, parser.called, finish)
             if not (any(t or tc for t, tc in pieces) or finish or (req.return_token_ids and d.token_ids)
                     or d.logprobs):
                 continue
