@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import pytest
 
-from consort_engine.serving import shapes
 from consort_engine.serving.errors import ApiError, admission_error
 from consort_engine.serving.limits import (MAX_CACHE_SALT_CHARS, MAX_DEADLINE_MS, MAX_GUIDED_CHARS, MAX_LOGIT_BIAS, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MIN_TEMPERATURE, PRIORITY_RANGE, SEED_RANGE)
 from consort_engine.serving.prepare import check_vocab, prefix_salt, resolve_max_tokens
-from consort_engine.serving.protocol import (best_indices, parse_chat, parse_completion, prompt_logprobs_width,
-                                             samples_per_prompt)
+from consort_engine.serving.generation import prompt_logprobs_width
+from consort_engine.serving.protocol import parse_chat, parse_completion
+from consort_engine.serving.render_completions import (best_indices, completion_logprobs, prompt_token_logprobs,
+                                                       vllm_prompt_logprobs)
 
 
 def err(fn, body) -> ApiError:
@@ -36,7 +37,7 @@ def test_prompt_forms():
     assert err(parse_completion, {"prompt": ["a", ""]}).code == "empty_prompt"
     assert err(parse_completion, {"prompt": ["a", "b"], "n": 40}).param == "n"          # 80 choices > 64
     ranked = parse_completion({"prompt": "a", "n": 2, "best_of": 4})
-    assert (ranked.n, ranked.best_of, samples_per_prompt(ranked)) == (2, 4, 4)
+    assert (ranked.n, ranked.best_of, ranked.samples) == (2, 4, 4)
     assert parse_completion({"prompt": "a", "n": 2, "best_of": 2}).best_of is None     # best_of == n: plain n
     assert err(parse_completion, {"prompt": "a", "n": 3, "best_of": 2}).code == "invalid_value"
     assert err(parse_completion, {"prompt": "a", "best_of": 3, "stream": True}).code == "unsupported_value"
@@ -93,14 +94,14 @@ def test_prompt_logprob_shapes():
     the prompt token itself first (its own rank), then the top-k not already there."""
     from consort_engine.kv.sequence import PromptLogprobs
     plp = PromptLogprobs([-0.5, -3.0], [1, 4], [[7, 8, 9], [7, 8, 9]], [[-0.5, -1.0, -2.0], [-0.2, -1.5, -2.5]])
-    items = shapes.prompt_token_logprobs([5, 7, 6], plp, 2)
+    items = prompt_token_logprobs([5, 7, 6], plp, 2)
     assert [(i.token_id, i.logprob, i.top) for i in items] == [
         (5, None, []), (7, -0.5, [(7, -0.5), (8, -1.0)]), (6, -3.0, [(7, -0.2), (8, -1.5)])]
     text = lambda t: f"<{t}>"
-    lp = shapes.completion_logprobs(items, text, 0)
+    lp = completion_logprobs(items, text, 0)
     assert lp["token_logprobs"] == [None, -0.5, -3.0] and lp["top_logprobs"][0] is None
     assert lp["text_offset"] == [0, 3, 6] and lp["tokens"] == ["<5>", "<7>", "<6>"]
-    vl = shapes.vllm_prompt_logprobs([5, 7, 6], plp, 2, text)
+    vl = vllm_prompt_logprobs([5, 7, 6], plp, 2, text)
     assert vl[0] is None
     assert vl[1] == {"7": {"logprob": -0.5, "rank": 1, "decoded_token": "<7>"},
                      "8": {"logprob": -1.0, "rank": 2, "decoded_token": "<8>"}}

@@ -12,21 +12,27 @@ from typing import Any, AsyncIterator
 from consort_engine.core.async_engine import EngineFailed, EngineNotReady
 from consort_engine.core.engine import AdmissionRejected
 from consort_engine.kv.sequence import PromptLogprobs, Sequence
-from consort_engine.serving import shapes
 from consort_engine.serving.context import ServerContext
 from consort_engine.serving.errors import admission_error, bad, server_error
 from consort_engine.serving.prepare import Prepared
-from consort_engine.serving.protocol import GenerationRequest, prompt_logprobs_width, samples_per_prompt
+from consort_engine.serving.protocol import GenerationRequest
 from consort_engine.text.tokenizer import IncrementalDetokenizer, StopStringMatcher
 
 log = logging.getLogger("consort.server")
 
 
 @dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float | None                       # None: the first prompt token (nothing predicts it)
+    top: list[tuple[int, float]] = field(default_factory=list)   # (token_id, logprob), best first
+
+
+@dataclass
 class Delta:
     text: str
     token_ids: list[int]
-    logprobs: list[shapes.TokenLogprob]
+    logprobs: list[TokenLogprob]
     finish_reason: str | None = None
     stop_reason: Any = None
     num_output_tokens: int = 0      # all tokens generated so far (set on every delta)
@@ -49,21 +55,21 @@ class RequestTimes:
             self.first = now
         elif self.last is not None:
             gap = (now - self.last) / n
-            self.itls.extend([gap] * n)
+            self.itls += [gap] * n
         self.last = now
 
 
-def _token_logprobs(ids: list[int], raw: Any) -> list[shapes.TokenLogprob]:
+def _token_logprobs(ids: list[int], raw: Any) -> list[TokenLogprob]:
     """Normalize the engine's per-token logprobs (one entry per new token) into TokenLogprob."""
     if not raw:
         return []
     out = []
     for tid, entry in zip(ids, raw):
-        if isinstance(entry, shapes.TokenLogprob):
+        if isinstance(entry, TokenLogprob):
             out.append(entry)
             continue
         if isinstance(entry, dict) and "logprob" in entry:   # the Sampler's {"token_id", "logprob", "top"}
-            out.append(shapes.TokenLogprob(int(entry.get("token_id", tid)), float(entry["logprob"]),
+            out.append(TokenLogprob(int(entry.get("token_id", tid)), float(entry["logprob"]),
                                       [(int(t), float(v)) for t, v in entry.get("top", [])]))
             continue
         if isinstance(entry, dict):            # {token_id: logprob} incl. the chosen token
@@ -75,15 +81,14 @@ def _token_logprobs(ids: list[int], raw: Any) -> list[shapes.TokenLogprob]:
                 top_raw = top_raw.items()
             top = sorted(((int(k), float(v)) for k, v in top_raw), key=lambda kv: -kv[1])
             chosen = float(chosen)
-        out.append(shapes.TokenLogprob(int(tid), chosen, top))
+        out.append(TokenLogprob(int(tid), chosen, top))
     return out
 
 
-async def generate(ctx: ServerContext, req: GenerationRequest, seq: Sequence, times: RequestTimes,
-                   stream) -> AsyncIterator[Delta]:
-    """Yield text deltas for an admitted sequence; stops the sequence in the engine on a stop string."""
-    detok = IncrementalDetokenizer(ctx.tokenizer, seq.prompt_token_ids, req.skip_special_tokens)
-    matcher = StopStringMatcher(req.sampling.stop)
+async def generate(ctx: ServerContext, req: GenerationRequest, seq: Sequence, times: RequestTimes, stream,
+                   detok: IncrementalDetokenizer, matcher: StopStringMatcher) -> AsyncIterator[Delta]:
+    """Yield text deltas for an admitted sequence (its text through `detok`, cut at the first stop string
+    `matcher` finds); stops the sequence in the engine on a stop string."""
     k = seq.sampling.logprobs    # best_of ranks by them: the sequence has them even where the request did not ask
     total = 0
     async for out in stream:
@@ -97,7 +102,7 @@ async def generate(ctx: ServerContext, req: GenerationRequest, seq: Sequence, ti
         times.on_tokens(time.monotonic(), len(ids))
         lps = _token_logprobs(ids, out.logprobs) if k is not None else []
         if k is not None:
-            lps = [shapes.TokenLogprob(lp.token_id, lp.logprob, lp.top[:k]) for lp in lps]
+            lps = [TokenLogprob(lp.token_id, lp.logprob, lp.top[:k]) for lp in lps]
         text, stopped = matcher.feed(detok.step(ids) if ids else "")
         if stopped:
             ctx.engine.abort(seq.seq_id, "stop")
@@ -144,7 +149,7 @@ class Choice:
     last: Delta | None = None       # the latest delta; its finish_reason is set once the choice is done
     text: list[str] = field(default_factory=list)
     ids: list[int] = field(default_factory=list)
-    lps: list[shapes.TokenLogprob] = field(default_factory=list)
+    lps: list[TokenLogprob] = field(default_factory=list)
     prompt_lps: PromptLogprobs | None = None     # the prompt's logprobs, when asked for
 
     @property
@@ -152,11 +157,18 @@ class Choice:
         return self.last is not None and self.last.finish_reason is not None
 
 
+def prompt_logprobs_width(req: GenerationRequest) -> int | None:
+    """Top-k alternatives the engine computes per prompt token: echo + logprobs k (the prompt's
+    logprobs lead the choice's), vLLM's prompt_logprobs k, the wider of both; None: none computed."""
+    ks = [k for k in (req.logprobs if req.echo else None, req.prompt_logprobs) if k is not None]
+    return max(ks) if ks else None
+
+
 def make_choices(ctx: ServerContext, prepared: Prepared, arrival: float) -> list[Choice]:
     """A sequence per prompt and sample: choice i * k + j is prompt i's sample j (k = best_of or n)."""
     req = prepared.req
     deadline = arrival + req.deadline_ms / 1000.0 if req.deadline_ms is not None else None
-    k = samples_per_prompt(req)
+    k = req.samples
     # best_of ranks by the sampled tokens' logprobs, so those are computed even when not returned
     logprobs = req.logprobs if req.best_of is None else (req.logprobs or 0)
     choices = []
@@ -180,7 +192,9 @@ async def admit_choices(ctx: ServerContext, choices: list[Choice], rid: str) -> 
     streams = await admit(ctx, [c.seq for c in choices], rid)
     for c, stream in zip(choices, streams):
         c.times.admitted = stream.admitted_at
-        c.deltas = generate(ctx, c.req, c.seq, c.times, stream)
+        c.deltas = generate(ctx, c.req, c.seq, c.times, stream,
+                            IncrementalDetokenizer(ctx.tokenizer, c.seq.prompt_token_ids, c.req.skip_special_tokens),
+                            StopStringMatcher(c.req.sampling.stop))
 
 
 async def merged(choices: list[Choice]) -> AsyncIterator[tuple[Choice, Delta]]:

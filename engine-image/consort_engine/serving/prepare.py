@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 from consort_engine.kv.sequence import SamplingParams
 from consort_engine.serving.context import ServerContext
-from consort_engine.serving.errors import ApiError, admission_error, bad
+from consort_engine.serving.errors import admission_error, bad
 from consort_engine.serving.http import OFF_LOOP_BYTES, decode_json
 from consort_engine.serving.limits import GUIDED_COMPILE_TIMEOUT_S, MAX_CONCURRENT_COMPILES
 from consort_engine.serving.protocol import GenerationRequest, parse_chat, parse_completion
@@ -46,7 +46,7 @@ async def prepare(ctx: ServerContext, kind: str, raw: bytes, tenant: str | None)
         if kind == "responses":
             body = to_chat(body)
         req = parse_completion(body) if kind == "completion" else parse_chat(body)
-        check_target(ctx, req)
+        ctx.check_target(req)
         check_vocab(req.sampling, ctx.vocab_size)
         per_prompt = [replace(req, prompt=p if isinstance(p, str) else None,
                               prompt_token_ids=p if isinstance(p, list) else None) for p in req.prompts] or [req]
@@ -61,24 +61,6 @@ async def prepare(ctx: ServerContext, kind: str, raw: bytes, tenant: str | None)
     if prepared.req.sampling.guided is not None:
         await compile_guided(ctx, prepared.req.sampling.guided)
     return prepared
-
-
-def check_target(ctx: ServerContext, req: GenerationRequest | TokenizeRequest) -> None:
-    """The model named must be served here. An adapter can be named as the model, bare (as vLLM
-    serves LoRA modules) or as `base:adapter` (as /v1/models lists it)."""
-    adapters = ctx.adapters_state()
-    if req.model is not None and req.model not in ctx.aliases:
-        base, sep, name = req.model.rpartition(":")
-        if req.model in adapters and req.adapter in (None, req.model):
-            req.adapter = req.model
-        elif sep and base in ctx.aliases and name in adapters and req.adapter in (None, name):
-            req.adapter = name
-        else:
-            raise ApiError(404, "model_not_found", f"model '{req.model}' is not served here; this engine serves "
-                           f"'{ctx.served_name}'" + (f" and adapters {sorted(adapters)}" if adapters else ""),
-                           "model")
-    if req.adapter is not None and req.adapter not in adapters:
-        raise ApiError(404, "adapter_not_found", f"adapter '{req.adapter}' is not loaded on this engine", "adapter")
 
 
 def check_vocab(sp: SamplingParams, vocab_size: int) -> None:
@@ -111,13 +93,14 @@ def render_chat(tokenizer: Tokenizer, req: GenerationRequest | TokenizeRequest) 
 
 
 def build_prompt(ctx: ServerContext, req: GenerationRequest) -> list[int]:
+    if req.prompt_token_ids is not None:
+        check_token_ids(req.prompt_token_ids, ctx.vocab_size)
     try:
         if req.kind == "chat":
             text = render_chat(ctx.tokenizer, req)
             ids = ctx.tokenizer.encode_chat(text, limit=ctx.max_model_len)
         elif req.prompt_token_ids is not None:
             ids = req.prompt_token_ids
-            check_token_ids(ids, ctx.vocab_size)
         else:
             ids = ctx.tokenizer.encode(req.prompt, limit=ctx.max_model_len)
     except TooManyTokens as e:

@@ -2,19 +2,33 @@
 events (response.created ... response.completed); responses.py holds the request mapping and shapes."""
 from __future__ import annotations
 
+import json
+from typing import AsyncIterator
+
 from aiohttp import web
 
 from consort_engine.core.async_engine import EngineFailed
 from consort_engine.serving import responses
 from consort_engine.serving.context import STREAM, ServerContext
 from consort_engine.serving.errors import server_error
-from consort_engine.serving.generation import Choice, merged
-from consort_engine.serving.render_completions import sse_event, usage_of
+from consort_engine.serving.generation import Choice, Delta
 from consort_engine.text import tool_calls
 
 
+def _sse(kind: str, obj: dict) -> bytes:
+    """One Responses SSE event: its type on the `event:` line, the object on the `data:` line."""
+    return f"event: {kind}\ndata: ".encode() + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _usage(c: Choice) -> dict:
+    """The choice's usage as chat counts it (responses.response reshapes it)."""
+    prompt, output = len(c.seq.prompt_token_ids), len(c.ids)
+    return {"prompt_tokens": prompt, "completion_tokens": output, "total_tokens": prompt + output,
+            "prompt_tokens_details": {"cached_tokens": c.seq.num_cached_tokens}}
+
+
 async def responses_reply(request: web.Request, ctx: ServerContext, body: dict, choices: list[Choice],
-                          rid: str) -> web.StreamResponse:
+                          deltas: AsyncIterator[tuple[Choice, Delta]], rid: str) -> web.StreamResponse:
     """/v1/responses: the chat generation's one choice as a Response, or as Responses SSE events.
     With tools its text goes through the chat tool-call parser: content and function_call items."""
     resp_id, created, model = responses.new_id(), responses.now(), ctx.served_name
@@ -28,12 +42,12 @@ async def responses_reply(request: web.Request, ctx: ServerContext, body: dict, 
 
     def final() -> dict:
         return responses.response(resp_id, model, body, items.items, "completed", created, c.last.finish_reason,
-                          usage_of(choices, 1, len(c.ids)))
+                          _usage(c))
 
     if not body.get("stream"):
-        async for _, d in merged(choices):
+        async for _, d in deltas:
             c.text.append(d.text)
-            c.ids.extend(d.token_ids)
+            c.ids += d.token_ids
             c.last = d
         items.feed(pieces("".join(c.text)) + (parser.finish() if parser is not None else []))
         items.finish()
@@ -46,7 +60,7 @@ async def responses_reply(request: web.Request, ctx: ServerContext, body: dict, 
     async def send(events: list[responses.Event]) -> None:
         nonlocal seq
         for kind, fields in events:
-            await resp.write(f"event: {kind}\n".encode() + sse_event(responses.event(kind, seq, **fields)))
+            await resp.write(_sse(kind, responses.event(kind, seq, **fields)))
             seq += 1
 
     started = responses.response(resp_id, model, body, None, "in_progress", created)
@@ -54,9 +68,9 @@ async def responses_reply(request: web.Request, ctx: ServerContext, body: dict, 
     if parser is None:      # plain text: the message item opens before the first token, as OpenAI's does
         await send(items.open_message())
     try:
-        async for _, d in merged(choices):
+        async for _, d in deltas:
             c.text.append(d.text)
-            c.ids.extend(d.token_ids)
+            c.ids += d.token_ids
             c.last = d
             await send(items.feed(pieces(d.text)))
     except EngineFailed as e:   # headers are out: the Responses stream's own error event

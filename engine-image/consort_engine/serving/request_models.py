@@ -7,12 +7,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, PrivateAttr, model_validator
 
 from consort_engine.serving.errors import bad
+from consort_engine.serving.guided_fields import bounded, guided_spec
 from consort_engine.serving.fields import (AdapterField, Bool, CacheSalt, Int, LogitBias, Neutral, Num, Prompts, Raw,
                                            StopTokenIds, Stops, Str, Temperature, TopK, check_message,
                                            checked)
+from consort_engine.text import tool_calls
+from consort_engine.text.guided import GuidedSpec
 from consort_engine.serving.limits import (ADAPTER_NAME, MAX_CHOICES, MAX_DEADLINE_MS, MAX_LOGPROBS, PRIORITY_RANGE,
                                            REPETITION_PENALTY_RANGE, SEED_RANGE)
 
@@ -87,12 +90,37 @@ class SamplingBody(BaseModel):
     prompt_logprobs: Int(None, 0, MAX_LOGPROBS)
     user: Str
 
-    @model_validator(mode="after")
-    def _unstreamable(self) -> "SamplingBody":
+    # what the fields mean together, set after they are checked
+    _ignored: list[str] = PrivateAttr(default_factory=list)   # unknown fields, ignored as vLLM ignores them
+    _guided: GuidedSpec | None = PrivateAttr(default=None)     # the one output constraint
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _note_unknown(cls, body: Any, handler) -> "SamplingBody":
+        if not isinstance(body, dict):
+            raise bad("invalid_json", "request body must be a JSON object")
+        checked_body = handler(body)
+        checked_body._ignored = unknown_fields(body, cls)
+        return checked_body
+
+    @property
+    def ignored(self) -> list[str]:
+        unknown = self.stream_options[1] if self.stream_options is not None else []
+        return self._ignored + unknown
+
+    @property
+    def guided(self) -> GuidedSpec | None:
+        return self._guided
+
+    def check_sampling(self) -> None:
+        """The checks across the shared fields (each endpoint's own checks follow)."""
         if self.prompt_logprobs is not None and self.stream:
             raise bad("unsupported_value", "'prompt_logprobs' cannot be streamed (as in vLLM); with 'echo' and "
                       "'logprobs' a completions stream carries the prompt's logprobs", "prompt_logprobs")
-        return self
+        self._guided = guided_spec(self.response_format,
+                                   {"guided_json": self.guided_json, "guided_regex": self.guided_regex,
+                                    "guided_choice": self.guided_choice, "guided_grammar": self.guided_grammar},
+                                   self.structured_outputs)
 
     def check_max_tokens(self, key: str, lo: int) -> None:
         v = getattr(self, key)
@@ -113,6 +141,7 @@ class CompletionBody(SamplingBody):
 
     @model_validator(mode="after")
     def _across(self) -> "CompletionBody":
+        self.check_sampling()
         if self.prompt is None:
             raise bad("missing_field", "'prompt' is required", "prompt")
         # echo with max_tokens 0 (as vLLM allows): the prompt back, with its logprobs, and nothing generated
@@ -146,9 +175,17 @@ class ChatBody(SamplingBody):
     service_tier: Raw
     add_generation_prompt: Bool(True)
     continue_final_message: Bool()
+    _tools: tool_calls.ToolChoice | None = PrivateAttr(default=None)
+
+    @property
+    def tool_choice_of(self) -> tool_calls.ToolChoice | None:
+        """tools, tool_choice and parallel_tool_calls together (None: no tools given)."""
+        return self._tools
 
     @model_validator(mode="after")
     def _across(self) -> "ChatBody":
+        self.check_sampling()
+        self._check_tools()
         if self.messages is None:
             raise bad("missing_field", "'messages' is required", "messages")
         self.check_max_tokens("max_tokens", 1)
@@ -156,6 +193,22 @@ class ChatBody(SamplingBody):
         if self.top_logprobs is not None and not self.logprobs and self.top_logprobs > 0:
             raise bad("invalid_value", "'top_logprobs' requires 'logprobs': true", "top_logprobs")
         return self
+
+
+    def _check_tools(self) -> None:
+        """`required` and a named tool_choice become the request's structured-output constraint (so they
+        cannot be combined with another one)."""
+        try:
+            self._tools = tool_calls.parse_tools({"tools": self.tools, "tool_choice": self.tool_choice,
+                                                  "parallel_tool_calls": self.parallel_tool_calls})
+        except tool_calls.ToolsError as e:
+            raise bad(e.code, e.message, e.param) from None
+        guided = tool_calls.guided_schema(self._tools) if self._tools is not None else None
+        if guided is not None:
+            if self._guided is not None:
+                raise bad("invalid_value", f"tool_choice {self._tools.mode} constrains the output and cannot be "
+                          f"combined with '{self._guided.param}'", "tool_choice")
+            self._guided = bounded(guided)
 
 
 def _adapter_name(v: Any, key: str) -> str:

@@ -21,9 +21,9 @@ from consort_engine.core.async_engine import EngineFailed
 from consort_engine.model.lora import AdapterError
 from consort_engine.serving.context import CTX, STREAM, TENANT_HEADER, ServerContext
 from consort_engine.serving.errors import admission_error, bad, server_error
-from consort_engine.serving.generation import admit_choices, make_choices, record
+from consort_engine.serving.generation import admit_choices, make_choices, merged, record
 from consort_engine.serving.http import credential_middleware, error_middleware, read_json, request_id, stamp_headers
-from consort_engine.serving.prepare import check_target, check_token_ids, prepare, render_chat
+from consort_engine.serving.prepare import check_token_ids, prepare, render_chat
 from consort_engine.serving.render_completions import full_response, stream_response
 from consort_engine.serving.render_responses import responses_reply
 from consort_engine.serving.render_tokenize import detokenize_reply, tokenize_reply
@@ -53,11 +53,12 @@ async def handle_generation(request: web.Request, kind: str) -> web.StreamRespon
     ctx.in_flight += 1
     try:
         await admit_choices(ctx, choices, rid)
+        deltas = merged(choices)
         if prepared.responses_body is not None:
-            return await responses_reply(request, ctx, prepared.responses_body, choices, rid)
+            return await responses_reply(request, ctx, prepared.responses_body, choices, deltas, rid)
         if req.stream:
-            return await stream_response(request, ctx, req, choices)
-        return await full_response(ctx, req, choices)
+            return await stream_response(request, ctx, req, choices, deltas)
+        return await full_response(ctx, req, choices, deltas)
     except EngineFailed as e:
         raise server_error(rid, "engine_failed", "the engine failed while serving this request", e)
     except ConnectionResetError:
@@ -131,7 +132,7 @@ async def models(request: web.Request) -> web.Response:
 async def model_card(request: web.Request) -> web.Response:
     ctx: ServerContext = request.app[CTX]
     req = TokenizeRequest(model=request.match_info["model_id"])
-    check_target(ctx, req)       # the same names a request may use: the served name, aliases, adapters
+    ctx.check_target(req)       # the same names a request may use: the served name, aliases, adapters
     want = ctx.served_name if req.adapter is None else f"{ctx.served_name}:{req.adapter}"
     return web.json_response(next(c for c in model_cards(ctx) if c["id"] == want))
 
@@ -139,7 +140,7 @@ async def model_card(request: web.Request) -> web.Response:
 async def tokenize(request: web.Request) -> web.Response:
     ctx: ServerContext = request.app[CTX]
     req = parse_tokenize(await read_json(request))
-    check_target(ctx, req)
+    ctx.check_target(req)
     if req.ignored_fields:
         request["ignored_fields"] = req.ignored_fields
 
@@ -153,7 +154,7 @@ async def tokenize(request: web.Request) -> web.Response:
 async def detokenize(request: web.Request) -> web.Response:
     ctx: ServerContext = request.app[CTX]
     body = parse_detokenize(await read_json(request))
-    check_target(ctx, TokenizeRequest(model=body.model, adapter=body.adapter))
+    ctx.check_target(TokenizeRequest(model=body.model, adapter=body.adapter))
     check_token_ids(body.tokens, ctx.vocab_size, "tokens")
     return detokenize_reply(await asyncio.to_thread(ctx.tokenizer.decode, body.tokens, False))
 
