@@ -89,6 +89,8 @@ def decode_json(raw: bytes) -> Any:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise bad("invalid_json", f"request body is not valid JSON: {e}")
+    except RecursionError:      # nested deeper than the parser's stack (about a thousand levels)
+        raise bad("invalid_json", "request body is nested too deeply") from None
     if SURROGATE_ESCAPE.search(raw) and has_lone_surrogate(body):
         raise bad("invalid_unicode", "request body contains a lone UTF-16 surrogate escape (such as "
                     "\\ud800): strings must be valid Unicode")
