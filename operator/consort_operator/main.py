@@ -51,6 +51,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--poll-seconds", type=float, default=2.0, help="engine poll interval while replicas are cold")
     p.add_argument("--idle-seconds", type=float, default=30.0, help="re-check interval when settled")
     p.add_argument("--resync-seconds", type=float, default=600.0, help="re-read owned objects this often")
+    p.add_argument("--credential-propagation-seconds", type=float, default=120.0,
+                   help="a rotated engine credential is staged (engines accept it) this long before routers "
+                        "send it: the kubelet's Secret sync time, with margin")
     # Not 8080: that is `consort up`'s router (and many other local servers); 8081 is the liveness endpoint.
     p.add_argument("--metrics-port", type=int, default=8082, help="Prometheus /metrics port (0 disables)")
     p.add_argument("--metrics-host", default="0.0.0.0", help="bind address of /metrics")
@@ -126,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         engine_image=args.engine_image, router_image=args.router_image, image_pull_policy=args.image_pull_policy,
         network_policy=args.network_policy, operator_namespace=args.operator_namespace,
         metrics_namespace_labels=_pairs(args.metrics_namespace_label),
-        allowed_images=tuple(args.allowed_image), allow_torch_classifier=args.allow_torch_classifier)
+        allowed_images=tuple(args.allowed_image), allow_torch_classifier=args.allow_torch_classifier,
+        credential_propagation_seconds=args.credential_propagation_seconds)
     rt.resolver = from_flag(args.pod_address)
     rt.warm_signal = args.warm_signal
     rt.poll_seconds = args.poll_seconds

@@ -14,6 +14,9 @@ RECONCILE_SECONDS = Histogram("consort_operator_reconcile_duration_seconds", "Du
                               buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
 APPLIES = Counter("consort_operator_child_writes_total", "Owned objects written (server-side apply) by kind",
                   ["kind"], registry=REGISTRY)
+WAKEUPS_UNCHANGED = Counter("consort_operator_wakeups_unchanged_total",
+                            "Wake-ups that found nothing a pass decides from changed (no pass ran)", ["kind"],
+                            registry=REGISTRY)
 STATUS_WRITES = Counter("consort_operator_status_writes_total", "Status subresource patches", ["kind"],
                         registry=REGISTRY)
 EVENTS = Counter("consort_operator_events_total", "Kubernetes Events posted", ["kind", "reason"], registry=REGISTRY)

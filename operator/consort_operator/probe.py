@@ -1,4 +1,7 @@
-"""Engine probing: GET /ready (and /v1/status: adapters, SLO attainment) through the pod-address resolver."""
+"""Engine probing: GET /ready (and /v1/status: adapters, SLO attainment) through the pod-address resolver.
+
+/v1/status needs the engine credential: the prober presents the `current` token of an EnsembleRouter
+that selects the Specialist (the engines accept it), as the router reconciles last read it."""
 from __future__ import annotations
 
 import asyncio
@@ -15,6 +18,11 @@ class Prober:
         self.timeout = timeout
         self._sem = asyncio.Semaphore(concurrency)
         self._session: aiohttp.ClientSession | None = None
+        self.tokens: dict[tuple[str, str], str] = {}   # (namespace, EnsembleRouter) -> its current token
+
+    def token(self, namespace: str, routers: tuple[str, ...]) -> str | None:
+        """A credential the engines of a Specialist selected by `routers` accept (None: none known yet)."""
+        return next((self.tokens[(namespace, r)] for r in sorted(routers) if (namespace, r) in self.tokens), None)
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -28,8 +36,9 @@ class Prober:
         if self._session is not None:
             await self._session.close()
 
-    async def probe(self, address: str) -> ProbeResult:
+    async def probe(self, address: str, token: str | None = None) -> ProbeResult:
         base = f"http://{address}"
+        auth = {"Authorization": f"Bearer {token}"} if token else {}
         async with self._sem:
             try:
                 async with self.session.get(f"{base}/ready") as resp:
@@ -40,7 +49,7 @@ class Prober:
                 errors: dict[str, str] = {}
                 slo: dict[str, Any] = {}
                 spec: dict[str, Any] = {}
-                async with self.session.get(f"{base}/v1/status") as resp:
+                async with self.session.get(f"{base}/v1/status", headers=auth) as resp:
                     if resp.status == 200:
                         st = await resp.json(content_type=None)
                         adapters = {str(k): str(v) for k, v in (st.get("adapters") or {}).items()}

@@ -7,6 +7,7 @@ a failure names the step). Every wait is bounded and says what it waited for.
 """
 from __future__ import annotations
 
+import base64
 import json
 import re
 import subprocess
@@ -130,7 +131,7 @@ def test_openai_client_gets_routed_completions_and_a_stream(installed):
     wait_for(lambda: c.kubectl_json("get", "deployment", f"{ROUTER}-router", "-n", NS)["status"].get("readyReplicas") == 1,
              300, f"router Deployment {ROUTER}-router ready", interval=2)
     base = wait_for(forward.ensure, 60, "kubectl port-forward to the router Service")
-    client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
+    client = OpenAI(base_url=f"{base}/v1", api_key=api_key(c), max_retries=0, timeout=60)
     raw = client.completions.with_raw_response.create(model=ROUTER, prompt="template <typename T>", max_tokens=8)
     completion = raw.parse()
     assert completion.choices[0].text and completion.usage.completion_tokens > 0
@@ -161,10 +162,24 @@ def ready_replacement(c, specialist: str, old: dict) -> dict:
     return pod
 
 
+API_KEY: list[str] = []   # the router's generated key, read once from its Secret
+
+
+def api_key(c) -> str:
+    """The key of tenant `default` in the Secret the operator generated for the router (no
+    apiKeysSecretRef in examples/local): the router requires one."""
+    if not API_KEY:
+        text = base64.b64decode(c.kubectl_json("get", "secret", f"{ROUTER}-api-keys", "-n", NS)["data"]["keys"]).decode()
+        API_KEY.append(next(line.split(": ", 1)[1] for line in text.splitlines() if line.startswith("default: ")))
+    return API_KEY[0]
+
+
 def routing_replicas(base: str, specialist: str) -> list[dict]:
     import urllib.request
 
-    with urllib.request.urlopen(f"{base}/v1/routing", timeout=10) as r:
+    req = urllib.request.Request(f"{base}/v1/routing", headers={"Authorization": f"Bearer {API_KEY[0]}"}) \
+        if API_KEY else f"{base}/v1/routing"
+    with urllib.request.urlopen(req, timeout=10) as r:
         table = json.load(r)
     lanes = table.get("lanes") or table.get("specialists") or {}
     lane = lanes.get(specialist) if isinstance(lanes, dict) else next(
@@ -185,7 +200,8 @@ def steady_traffic(forward, send, pause: float, limit: int = 3000):
     def loop() -> None:
         while not stop.is_set() and len(results) + len(errors) < limit:
             try:
-                client = OpenAI(base_url=f"{forward.ensure()}/v1", api_key="unused", max_retries=0, timeout=60)
+                client = OpenAI(base_url=f"{forward.ensure()}/v1", api_key=api_key(forward.cluster), max_retries=0,
+                                timeout=60)
                 results.append(send(client))
             except NotYet:
                 time.sleep(0.5)
@@ -257,7 +273,7 @@ def test_adapter_rotation_is_a_hot_load_with_no_failed_request_and_no_restart(in
         wait_for(lambda: any(ip in r["url"] and r["ready"] and "fresh" in r["adapters"]
                              for r in routing_replicas(forward.ensure(), "algo")),
                  240, f"the running algo pod ({ip}) to hot-load adapter fresh", interval=2)
-        client = OpenAI(base_url=f"{forward.ensure()}/v1", api_key="unused", max_retries=1, timeout=60)
+        client = OpenAI(base_url=f"{forward.ensure()}/v1", api_key=api_key(c), max_retries=1, timeout=60)
         raw = client.completions.with_raw_response.create(model="algo", prompt="int f()", max_tokens=4,
                                                           extra_body={"adapter": "fresh"})
         assert raw.parse().choices[0].text is not None

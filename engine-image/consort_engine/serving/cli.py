@@ -17,7 +17,7 @@ from consort_engine.model.attention import default_block_size
 from consort_engine.core.async_engine import AsyncEngine
 from consort_engine.config import EngineConfig, HelpFormatter
 from consort_engine.serving.adapter_sync import AdapterSync
-from consort_engine.serving.credential import read_credentials
+from consort_engine.serving.credential import CredentialSource
 from consort_engine.model.cpu import apply_threads
 from consort_engine.text.tokenizer import Tokenizer
 
@@ -88,7 +88,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "core this process may use")
     p.add_argument("--credential-file", default=None, metavar="PATH",
                    help="require this file's credential (Authorization: Bearer) on every route but /health, "
-                        "/ready and /metrics; else $CONSORT_ENGINE_CREDENTIAL_FILE, else open to every caller")
+                        "/ready and /metrics (one a line; a directory: every file's lines; re-read when it "
+                        "changes); else $CONSORT_ENGINE_CREDENTIAL_FILE, else open to every caller")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="also serve /metrics on this port; the API port's /metrics then needs the credential")
     p.add_argument("--max-body-bytes", type=int, default=EngineConfig.max_body_bytes,
@@ -187,7 +188,8 @@ async def serve(args: argparse.Namespace) -> int:
     threads = apply_threads(args.threads)
     print(f"consort engine: specialist {config.name!r}, model {config.model}, device {config.device}, "
           f"dtype {config.dtype}, {threads} CPU thread(s)", flush=True)
-    credentials = read_credentials(args.credential_file)   # before the model loads: a bad file fails at once
+    credential_source = CredentialSource(args.credential_file)
+    credentials = credential_source.read()   # before the model loads: a bad file fails at once
     ctx = build_context(config, args.served_model_name)
     ctx.credentials = credentials
     ctx.metrics_port = args.metrics_port is not None
@@ -224,6 +226,8 @@ async def serve(args: argparse.Namespace) -> int:
     ctx.engine.on_start(ready=on_ready, failed=stop.set)
     print("consort engine: loading model ...", flush=True)
     ctx.engine.start()
+    if ctx.credentials:   # rotation: the file is followed, no restart
+        credential_task = asyncio.create_task(credential_source.follow(lambda d: setattr(ctx, "credentials", d), stop))
     if ctx.adapter_sync is not None:
         def loaded_paths() -> dict[str, str] | None:
             return ctx.engine.stats().get("adapter_paths") or {} if ctx.engine.ready else None
@@ -232,6 +236,8 @@ async def serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    if ctx.credentials:
+        await credential_task
     if ctx.adapter_sync is not None:
         await sync_task
     s = ctx.engine.stats()

@@ -108,7 +108,13 @@ class RouterService(Model):
 
 
 class Auth(Model):
-    api_keys_secret_ref: LocalObjectKeyRef | None = Field(default=None, description="Secret key holding API keys, one per line (Authorization: Bearer <key>). Keys are never written inline in the spec; unset disables auth. The Secret is always the one in the EnsembleRouter's own namespace.")
+    model_config = Model.model_config | {"json_schema_extra": {"x-kubernetes-validations": [
+        cel("!has(self.apiKeysSecretRef) || !has(self.enabled) || self.enabled",
+            "auth.apiKeysSecretRef needs auth.enabled (keys named and turned off at once)"),
+    ]}}
+
+    enabled: bool = Field(default=True, description="API-key auth (Authorization: Bearer <key>). Without apiKeysSecretRef the operator generates a Secret <name>-api-keys (key `keys`, one tenant `default: <random key>`), owned by this EnsembleRouter; the operator never changes a key in it: read the key from it, or edit it to add tenants. false turns auth off (every caller is the tenant `anonymous`): only for a ClusterIP Service.")
+    api_keys_secret_ref: LocalObjectKeyRef | None = Field(default=None, description="Secret key holding the API keys, one tenant a line (`name: key`). Keys are never written inline in the spec; unset: the generated <name>-api-keys Secret. The Secret is always the one in the EnsembleRouter's own namespace.")
     protect_metrics: bool = Field(default=False, description="Require a key for GET /metrics.")
     protect_routing: bool = Field(default=True, description="Require a key for GET /v1/routing.")
 
@@ -118,14 +124,14 @@ class RouterResources(Model):
     memory: Quantity = Field(default="1Gi", description="Memory request and limit per router replica.")
 
 
-EXPOSED_NEEDS_KEYS = ("a NodePort or LoadBalancer router Service needs auth.apiKeysSecretRef: it is reachable from "
+EXPOSED_NEEDS_KEYS = ("a NodePort or LoadBalancer router Service needs auth.enabled: it is reachable from "
                       "outside the cluster, and without keys anyone there could call it")
 
 
 class EnsembleRouterSpec(Model):
     model_config = Model.model_config | {"json_schema_extra": {"x-kubernetes-validations": [
         cel("!has(self.service) || !has(self.service.type) || self.service.type == 'ClusterIP' || "
-            "(has(self.auth) && has(self.auth.apiKeysSecretRef))", EXPOSED_NEEDS_KEYS, reason="FieldValueForbidden"),
+            "!has(self.auth) || !has(self.auth.enabled) || self.auth.enabled", EXPOSED_NEEDS_KEYS, reason="FieldValueForbidden"),
     ]}}
 
     specialist_selector: LabelSelector = Field(default_factory=LabelSelector, json_schema_extra={"default": {}},
@@ -148,8 +154,10 @@ class EnsembleRouterSpec(Model):
 
     @model_validator(mode="after")
     def _exposed_needs_keys(self) -> "EnsembleRouterSpec":
-        if self.service.type != "ClusterIP" and self.auth.api_keys_secret_ref is None:
+        if self.service.type != "ClusterIP" and not self.auth.enabled:
             raise ValueError(EXPOSED_NEEDS_KEYS)
+        if self.auth.api_keys_secret_ref is not None and not self.auth.enabled:
+            raise ValueError("auth.apiKeysSecretRef needs auth.enabled (keys named and turned off at once)")
         return self
 
 

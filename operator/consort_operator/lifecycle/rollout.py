@@ -111,15 +111,16 @@ def evaluate(spec: SpecialistSpec, warm_replicas: int, observations: dict[str, A
     return out, active, events
 
 
-def lane_adapter(spec: SpecialistSpec, adapters: list[dict[str, Any]] | None) -> str | None:
+def lane_adapter(adapter_names: list[str], adapters: list[dict[str, Any]] | None) -> str | None:
     """The adapter the router uses when a request names none: the newest rotation (last in spec
     order) that is in Probation or Active. A Probation adapter takes the lane under the router's
     fresh-lane shadowing, so its own correctness samples decide it; a rollback hands the lane back to
-    the previous Active adapter."""
-    state = {a["name"]: a.get("state") for a in adapters or []}
-    for a in reversed(spec.adapters or []):
-        if state.get(a.name) in ("Probation", "Active"):
-            return a.name
+    the previous Active adapter. `adapter_names`: spec.adapters' names in spec order (the Specialist
+    index passes them from the raw spec)."""
+    state = {a.get("name"): a.get("state") for a in adapters or []}
+    for name in reversed(adapter_names):
+        if state.get(name) in ("Probation", "Active"):
+            return name
     return None
 
 

@@ -12,11 +12,12 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from ..api.router import EnsembleRouterSpec, EnsembleRouterStatus
+from ..api.router import KIND, EnsembleRouterSpec, EnsembleRouterStatus
 from ..api.specialist import SpecialistSpec
 from ..resources import router as router_res
-from ..resources.common import BuildContext, content_hash
+from ..resources.common import BuildContext, content_hash, owner_reference
 from . import admission
+from . import credential as credential_lc
 from .common import Event, get_condition, set_condition
 from .specialist import Decision
 
@@ -41,6 +42,7 @@ class RouterObserved:
     generation: int | None
     specialists: tuple[SelectedSpecialist, ...] = ()   # selected, sorted by name
     pods_ready: tuple[bool, ...] = ()                  # one per router pod that is not terminating
+    secrets: credential_lc.RouterSecrets = credential_lc.RouterSecrets()   # its Secrets as they are
 
 
 def typed_status(status: dict[str, Any]) -> dict[str, Any]:
@@ -54,7 +56,7 @@ def short_error(e: Exception) -> str:
 
 
 def decide(spec_raw: dict[str, Any], observed: RouterObserved, prev: dict[str, Any], now: datetime,
-           ctx: BuildContext, idle_seconds: float) -> Decision:
+           ctx: BuildContext) -> Decision:
     o = observed
     events: list[Event] = []
     conds = prev.get("conditions")
@@ -91,13 +93,20 @@ def decide(spec_raw: dict[str, Any], observed: RouterObserved, prev: dict[str, A
         if before.get("status") != "False" or before.get("message") != msg:
             events.append(Event("Warning", reason, msg))
         status.update(phase="Invalid", conditions=conds)
-        return Decision([], typed_status(status), events, idle_seconds, "Invalid")
+        return Decision([], typed_status(status), events, None, "Invalid")
 
     skipped = router_res.skipped_references(spec, lanes)
     conds = set_condition(conds, "ConfigValid", True, "Rendered", f"{len(lanes)} lane(s)" + (
         f"; skipped (Specialist not in the ensemble): {', '.join(skipped)}" if skipped else ""), now, o.generation)
     status["configHash"] = content_hash(config.model_dump(mode="json"))
-    children = router_res.router_children(o.name, o.namespace, o.uid, spec, config, ctx)
+    # The Secrets first: the router pods mount them.
+    secrets, staged_s = credential_lc.router_secrets(
+        o.name, o.namespace, o.uid, spec.auth.enabled and spec.auth.api_keys_secret_ref is None, o.secrets,
+        router_res.router_labels(o.name, ctx), owner_reference(KIND, o.name, o.uid), now,
+        ctx.credential_propagation_seconds)
+    children = secrets + router_res.router_children(o.name, o.namespace, o.uid, spec, config, ctx)
+    # A staged credential rotation is promoted once it has reached every pod: the one timer a router asks for.
+    requeue = None if staged_s is None else max(0.5, staged_s + 0.5)
 
     ready = sum(o.pods_ready)
     status.update(replicas=len(o.pods_ready), readyReplicas=ready, ready=f"{ready}/{spec.replicas}")
@@ -111,4 +120,4 @@ def decide(spec_raw: dict[str, Any], observed: RouterObserved, prev: dict[str, A
     status.update(phase=phase, conditions=conds)
     if phase != prev.get("phase"):
         events.append(Event("Normal" if phase == "Ready" else "Warning", phase, msg))
-    return Decision(children, typed_status(status), events, idle_seconds, phase)
+    return Decision(children, typed_status(status), events, requeue, phase)

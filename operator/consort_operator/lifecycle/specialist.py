@@ -8,7 +8,7 @@ by alias, so a field the CRD does not know fails here, not silently in the apise
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
@@ -25,6 +25,8 @@ from . import rollout as rollout_lc
 from . import slo as slo_lc
 from . import speculation as speculation_lc
 from . import warmup as warmup_lc
+from .pacing import Pacing, deadlines, requeue_seconds
+from .status import SPECIALIST_STATUS_KEYS as STATUS_KEYS
 from .common import Event, get_condition, set_condition
 
 
@@ -41,15 +43,10 @@ class SpecialistObserved:
     probes: dict[str, warmup_lc.ProbeResult] = field(default_factory=dict)
     # breakerState of every EnsembleRouter whose selector picks this Specialist
     router_states: tuple[dict[str, Any], ...] = ()
-
-
-@dataclass(frozen=True)
-class Pacing:
-    """How the daemon paces itself: the warm-signal policy and its poll intervals."""
-
-    warm_signal: warmup_lc.WarmSignal = "engine-or-pod-ready"
-    poll_seconds: float = 2.0       # while some replica is cold (engines give no Kubernetes events)
-    idle_seconds: float = 30.0      # settled
+    # names of those EnsembleRouters: the engines accept each one's credential
+    routers: tuple[str, ...] = ()
+    # replicas the engine warm signal wants probed that have no address (yet): polled for one
+    unaddressed: tuple[str, ...] = ()
 
 
 @dataclass
@@ -57,11 +54,32 @@ class Decision:
     children: list[dict[str, Any]]      # desired objects (content-hash annotated); empty: touch nothing
     status: dict[str, Any]              # the whole status, camelCase, by alias from the typed model
     events: list[Event]
-    requeue_seconds: float
+    requeue_seconds: float | None       # the next pass without an event (None: only on one)
     phase: str | None
 
 
-STATUS_KEYS = frozenset(f.alias or n for n, f in SpecialistStatus.model_fields.items())
+Inputs = tuple[SpecialistObserved, "str | None"]
+
+
+def pass_inputs(observed: SpecialistObserved, deployment_hash: str | None) -> Inputs:
+    """What of an observation `decide` and the children's check read (with the live Deployment's
+    content hash): a Deployment's rollout counters other than updatedReplicas move without changing
+    any decision, so they wake no pass."""
+    d = observed.deployment
+    trimmed = None if d is None else warmup_lc.DeploymentObs(generation=d.generation, updated_replicas=d.updated_replicas)
+    return replace(observed, deployment=trimmed), deployment_hash
+
+
+def echo_inputs(inputs: Inputs, written: tuple[str, int] | None) -> Inputs:
+    """The inputs as the watch shows them once the pass's own Deployment write arrives (`written`:
+    the content hash and generation the operator last wrote or read; None: none known), so that the
+    echo of its own write wakes no pass."""
+    if written is None:
+        return inputs
+    observed, _ = inputs
+    d = observed.deployment
+    echo = warmup_lc.DeploymentObs(generation=written[1], updated_replicas=d.updated_replicas if d else 0)
+    return replace(observed, deployment=echo), written[0]
 
 
 def typed_status(status: dict[str, Any]) -> dict[str, Any]:
@@ -70,7 +88,7 @@ def typed_status(status: dict[str, Any]) -> dict[str, Any]:
 
 
 def refuse(refused: tuple[str, str], generation: int | None, prev: dict[str, Any], now: datetime,
-           requeue: float) -> Decision:
+           requeue: float | None = None) -> Decision:
     """A spec the operator will not run (lifecycle/admission.py): no children, Failed, one Warning."""
     reason, msg = refused
     before = get_condition(prev.get("conditions"), "Ready") or {}
@@ -90,22 +108,20 @@ def decide(spec_raw: dict[str, Any], observed: SpecialistObserved, prev: dict[st
         conds = set_condition(prev.get("conditions"), "Ready", False, "InvalidSpec", explain(e, SpecialistSpec)[:1000], now, o.generation)
         kept = {k: v for k, v in prev.items() if k in STATUS_KEYS}
         status = typed_status({**kept, "phase": "Failed", "conditions": conds, "observedGeneration": o.generation})
-        return Decision([], status, [], pacing.idle_seconds, "Failed")
+        return Decision([], status, [], None, "Failed")
 
     refused = admission.specialist_refusal(spec, ctx)
     if refused is not None:
-        return refuse(refused, o.generation, prev, now, pacing.idle_seconds)
+        return refuse(refused, o.generation, prev, now)
 
     events: list[Event] = []
-    children = specialist_res.specialist_children(o.name, o.namespace, o.uid, spec, ctx,
-                                                  rollout_lc.rolled_back(prev.get("adapters")))
     status, ev = warmup_lc.evaluate(spec, o.generation, o.deployment, list(o.pods), o.probes, pacing.warm_signal,
                                     prev, now, selector=specialist_res.pod_selector_string(o.name))
     events += ev
 
     # Correctness samples of the lane's current rotation, as the router collected them since the
     # lane revision it was given (a Probation adapter is the lane's default adapter).
-    lane = rollout_lc.lane_adapter(spec, prev.get("adapters"))
+    lane = rollout_lc.lane_adapter(spec.adapter_names(), prev.get("adapters"))
     samples: dict[str, tuple[int, int]] = {}
     if lane is not None:
         revision = router_res.Lane(o.name, o.namespace, spec, lane).revision
@@ -118,6 +134,9 @@ def decide(spec_raw: dict[str, Any], observed: SpecialistObserved, prev: dict[st
     obs = rollout_lc.observations_from_replicas(spec.adapter_names(), warm_pods, samples)
     adapters, active, ev = rollout_lc.evaluate(spec, status["warmReplicas"], obs, prev.get("adapters"), now)
     events += ev
+    # The engines stop loading an adapter in the pass that rolls it back (not one pass later).
+    children = specialist_res.specialist_children(o.name, o.namespace, o.uid, spec, ctx, rollout_lc.rolled_back(adapters),
+                                                  o.routers)
     status["adapters"] = adapters or None
     status["activeAdapter"] = active
     if adapters or prev.get("adapters"):
@@ -138,11 +157,9 @@ def decide(spec_raw: dict[str, Any], observed: SpecialistObserved, prev: dict[st
         if spec.speculative.mode != "off" else None
 
     settled = status["warmReplicas"] >= spec.replicas and status["replicas"] == spec.replicas
-    probing = pacing.warm_signal != "pod-ready"
-    if probing and not settled:
-        requeue = pacing.poll_seconds
-    elif probing:
-        requeue = max(pacing.poll_seconds, min(10.0, pacing.idle_seconds))
-    else:
-        requeue = pacing.idle_seconds
+    warm_names = {r["pod"] for r in status["replicaStatus"] if r["warm"]}
+    waits = deadlines(o.pods, warm_names, spec.warmup_timeout_seconds, adapters, spec.rollout.probation_window_seconds, now)
+    if o.unaddressed and pacing.warm_signal == "engine":
+        waits.append(pacing.poll_seconds)    # only an engine's answer warms it: look for its address
+    requeue = requeue_seconds(pacing, o.probes, settled, waits)
     return Decision(children, typed_status(status), events, requeue, status["phase"])

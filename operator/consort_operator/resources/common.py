@@ -36,6 +36,9 @@ class BuildContext:
     allowed_images: tuple[str, ...] = ()
     # classifier.kind torch runs a TorchScript module from a ConfigMap in the pod that holds the keys.
     allow_torch_classifier: bool = False
+    # How long a staged engine credential waits before routers send it (lifecycle/credential.py):
+    # long enough for the updated Secret to reach every pod.
+    credential_propagation_seconds: float = 120.0
 
 
 def owner_reference(kind: str, name: str, uid: str) -> dict[str, Any]:

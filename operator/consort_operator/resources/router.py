@@ -16,6 +16,8 @@ from ..api.specialist import SpecialistSpec
 from .common import (LABEL_ROUTER, BuildContext, common_labels, container_security_context, content_hash,
                      LOG_STORAGE, ephemeral_storage_limit, object_meta, owner_reference, pod_security_context, scratch_volume,
                      stamp_hash, toleration_dicts)
+from .credential import (API_KEYS_KEY, ROUTER_CREDENTIAL_FILE, api_keys_secret_name,
+                         router_credential_volume)
 
 COMPONENT = "router"
 ROUTER_PORT = 8080
@@ -122,13 +124,29 @@ def router_config(name: str, spec: EnsembleRouterSpec, lanes: list[Lane]) -> Rou
         verifier=VerifierConfig(enabled=v.enabled, sample_rate=v.sample_rate, std=v.std, cpu_seconds=v.cpu_seconds,
                                 memory_mb=v.memory_mb, wall_timeout_s=v.wall_timeout_seconds,
                                 max_concurrency=v.max_concurrency),
-        auth=AuthConfig(api_keys_file=f"{AUTH_DIR}/{spec.auth.api_keys_secret_ref.key}" if spec.auth.api_keys_secret_ref else None,
-                        protect_metrics=spec.auth.protect_metrics, protect_routing=spec.auth.protect_routing),
+        auth=AuthConfig(api_keys_file=api_keys_file(spec), protect_metrics=spec.auth.protect_metrics,
+                        protect_routing=spec.auth.protect_routing, engine_credential_file=ROUTER_CREDENTIAL_FILE),
         store=StoreConfig(kind="file", path=f"{STATE_DIR}/breakers.json"),
         limits=LimitsConfig(),
         replica_choice=ReplicaChoiceConfig(policy=spec.replica_choice.policy, load_slack=spec.replica_choice.load_slack,
                                            block_chars=spec.replica_choice.block_chars),
     )
+
+
+def api_keys_file(spec: EnsembleRouterSpec) -> str | None:
+    """Where the router pod reads its API keys: the named Secret's key, else the generated Secret's."""
+    if not spec.auth.enabled:
+        return None
+    ref = spec.auth.api_keys_secret_ref
+    return f"{AUTH_DIR}/{ref.key if ref else API_KEYS_KEY}"
+
+
+def api_keys_volume(name: str, spec: EnsembleRouterSpec) -> dict[str, Any] | None:
+    if not spec.auth.enabled:
+        return None
+    ref = spec.auth.api_keys_secret_ref
+    secret, key = (ref.name, ref.key) if ref else (api_keys_secret_name(name), API_KEYS_KEY)
+    return {"name": "api-keys", "secret": {"secretName": secret, "items": [{"key": key, "path": key}]}}
 
 
 def skipped_references(spec: EnsembleRouterSpec, lanes: list[Lane]) -> list[str]:
@@ -164,10 +182,13 @@ def router_deployment(name: str, namespace: str, uid: str, spec: EnsembleRouterS
         {"name": "state", "mountPath": STATE_DIR},
         {"name": "tmp", "mountPath": "/tmp"},
     ]
-    if spec.auth.api_keys_secret_ref:
-        ref = spec.auth.api_keys_secret_ref
-        volumes.append({"name": "api-keys", "secret": {"secretName": ref.name, "items": [{"key": ref.key, "path": ref.key}]}})
+    keys = api_keys_volume(name, spec)
+    if keys is not None:
+        volumes.append(keys)
         mounts.append({"name": "api-keys", "mountPath": AUTH_DIR, "readOnly": True})
+    credential_volume, credential_mount = router_credential_volume(name)
+    volumes.append(credential_volume)
+    mounts.append(credential_mount)
     c = spec.classifier
     items = []
     if c.examples_config_map_ref:

@@ -16,6 +16,7 @@ from ..api.specialist import KIND, SpecialistSpec
 from .common import (LABEL_SPECIALIST, BuildContext, common_labels, container_security_context,
                      LOG_STORAGE, ephemeral_storage_limit, object_meta, owner_reference, pod_security_context,
                      scratch_volume, stamp_hash, toleration_dicts)
+from .credential import ENGINE_CREDENTIALS_DIR, engine_credentials_volume
 
 COMPONENT = "engine"
 CONTAINER = "engine"
@@ -190,7 +191,9 @@ def rollout_strategy(spec: SpecialistSpec) -> dict[str, Any]:
     return {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": unavailable}}
 
 
-def engine_deployment(name: str, namespace: str, uid: str, spec: SpecialistSpec, ctx: BuildContext) -> dict[str, Any]:
+def engine_deployment(name: str, namespace: str, uid: str, spec: SpecialistSpec, ctx: BuildContext,
+                      routers: tuple[str, ...] = ()) -> dict[str, Any]:
+    """`routers`: the EnsembleRouters selecting this Specialist, whose engine credentials it accepts."""
     owner = owner_reference(KIND, name, uid)
     labels = engine_labels(name, ctx)
     r = spec.resources
@@ -252,8 +255,10 @@ def engine_deployment(name: str, namespace: str, uid: str, spec: SpecialistSpec,
     # An explicit request: with a limit alone Kubernetes defaults the request to it, and a pod asking
     # for its whole download budget (100Gi) would not schedule on most nodes.
     requests["ephemeral-storage"] = str(r.ephemeral_storage) if r.ephemeral_storage is not None else LOG_STORAGE
+    credential_volume, credential_mount = engine_credentials_volume(routers)
     volumes = list(src.volumes.values()) + [
         {"name": "adapters", "configMap": {"name": adapters_configmap_name(name)}},
+        credential_volume,
         scratch_volume("tmp", TMP_LIMIT),
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}},
     ]
@@ -269,6 +274,7 @@ def engine_deployment(name: str, namespace: str, uid: str, spec: SpecialistSpec,
 
     mounts = list(src.mounts.values()) + [
         {"name": "adapters", "mountPath": ADAPTERS_DIR, "readOnly": True},
+        credential_mount,
         {"name": "tmp", "mountPath": "/tmp"},
         {"name": "dshm", "mountPath": "/dev/shm"},
     ]
@@ -278,7 +284,7 @@ def engine_deployment(name: str, namespace: str, uid: str, spec: SpecialistSpec,
         "imagePullPolicy": ctx.image_pull_policy,
         "command": ["consort", "engine"],
         "args": engine_args(name, spec, model_dir, {}, adapters_file=f"{ADAPTERS_DIR}/{ADAPTERS_FILE}")
-        + ["--metrics-port", str(metrics_port(spec))],
+        + ["--metrics-port", str(metrics_port(spec)), "--credential-file", ENGINE_CREDENTIALS_DIR],
         "ports": [{"name": "http", "containerPort": spec.port, "protocol": "TCP"},
                   {"name": "metrics", "containerPort": metrics_port(spec), "protocol": "TCP"}],
         "env": [{"name": "HOME", "value": "/tmp"}, {"name": "HF_HOME", "value": "/tmp/hf"},
@@ -368,10 +374,23 @@ def engine_pdb(name: str, namespace: str, uid: str, spec: SpecialistSpec, ctx: B
     })
 
 
+def downloads(spec: SpecialistSpec) -> bool:
+    """Whether the pod downloads a checkpoint, tokenizer or adapter (an hf:// source) when it starts."""
+    src = Sources()
+    src.resolve(spec.model.source)
+    if spec.model.tokenizer:
+        src.resolve(spec.model.tokenizer)
+    desired_adapters(spec, frozenset(), src)
+    return bool(src.downloads)
+
+
 def engine_network_policy(name: str, namespace: str, uid: str, spec: SpecialistSpec,
                           ctx: BuildContext) -> dict[str, Any]:
-    """Only the ensemble's routers (same namespace) and the operator reach engine pods' API port;
-    monitoring namespaces (metricsNamespaceLabels) reach the metrics port alone."""
+    """Ingress: only the ensemble's routers (same namespace) and the operator reach engine pods' API port;
+    monitoring namespaces (metricsNamespaceLabels) reach the metrics port alone.
+    Egress: DNS, and HTTPS (TCP 443, any address: the hub, its CDN or a mirror) only when a source is
+    hf://; nothing else. An engine calls nobody: pvc://, file:// and demo:// sources need no network,
+    and a compromised engine cannot reach the cluster's other services or the API server."""
     peers: list[dict[str, Any]] = [
         {"podSelector": {"matchLabels": {"app.kubernetes.io/component": "router",
                                          "app.kubernetes.io/part-of": "consort"}}},
@@ -382,14 +401,19 @@ def engine_network_policy(name: str, namespace: str, uid: str, spec: SpecialistS
     if ctx.metrics_namespace_labels:
         ingress.append({"from": [{"namespaceSelector": {"matchLabels": dict(ctx.metrics_namespace_labels)}}],
                         "ports": [{"protocol": "TCP", "port": metrics_port(spec)}]})
+    # DNS to any address: cluster DNS may be a Service, a node-local cache or the node itself.
+    egress: list[dict[str, Any]] = [{"ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]}]
+    if downloads(spec):
+        egress.append({"ports": [{"protocol": "TCP", "port": 443}]})
     return stamp_hash({
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
         "metadata": object_meta(f"{name}-engine", namespace, engine_labels(name, ctx), owner_reference(KIND, name, uid)),
         "spec": {
             "podSelector": {"matchLabels": selector_labels(name)},
-            "policyTypes": ["Ingress"],
+            "policyTypes": ["Ingress", "Egress"],
             "ingress": ingress,
+            "egress": egress,
         },
     })
 
@@ -426,13 +450,14 @@ def adapters_configmap(name: str, namespace: str, uid: str, spec: SpecialistSpec
 
 
 def specialist_children(name: str, namespace: str, uid: str, spec: SpecialistSpec, ctx: BuildContext,
-                        exclude_adapters: frozenset[str] = frozenset()) -> list[dict[str, Any]]:
+                        exclude_adapters: frozenset[str] = frozenset(),
+                        routers: tuple[str, ...] = ()) -> list[dict[str, Any]]:
     """Everything one Specialist owns, in apply order (the adapters ConfigMap before the pods mounting it)."""
     children = [
         adapters_configmap(name, namespace, uid, spec, ctx, exclude_adapters),
         engine_service(name, namespace, uid, spec, ctx),
         engine_pdb(name, namespace, uid, spec, ctx),
-        engine_deployment(name, namespace, uid, spec, ctx),
+        engine_deployment(name, namespace, uid, spec, ctx, routers),
     ]
     if ctx.network_policy:
         children.insert(0, engine_network_policy(name, namespace, uid, spec, ctx))

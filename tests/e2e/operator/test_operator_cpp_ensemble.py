@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import yaml
@@ -137,11 +138,16 @@ def test_cpp_ensemble_reconcile_restart_update_delete(cluster, namespace, operat
     def settled() -> dict:
         m = op.metrics()
         ok = {k: m.get(f'consort_operator_reconcile_total{{kind="{k}",result="ok"}}', 0) for k in ("Specialist", "EnsembleRouter")}
-        if ok["Specialist"] < 2 * len(NAMES) or ok["EnsembleRouter"] < 2:
+        if ok["Specialist"] < len(NAMES) or ok["EnsembleRouter"] < 1:
             raise NotYet(f"reconciles so far {ok}")
         return m
 
-    m = wait_for(settled, 60, "every object reconciled twice by the restarted operator", interval=0.5)
+    wait_for(settled, 60, "every object reconciled by the restarted operator", interval=0.5)
+    time.sleep(8)    # the wake-ups its first passes cause (index updates, events) have run their course
+    m = op.metrics()
+    # Settled objects take no further passes: after the first each, a wake-up finds nothing changed.
+    passes = m.get('consort_operator_reconcile_total{kind="Specialist",result="ok"}', 0)
+    assert passes <= 2 * len(NAMES), m
     assert not any(k.startswith("consort_operator_child_writes_total{") and v for k, v in m.items()), m
     assert not any(k.startswith("consort_operator_status_writes_total{") and v for k, v in m.items()), m
     after = snapshot(cluster, namespace)

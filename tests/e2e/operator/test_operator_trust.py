@@ -105,8 +105,11 @@ def test_the_crd_refuses_an_exposed_router_without_keys(cluster, crds, namespace
     def router(spec: dict) -> str:
         return yaml.safe_dump({"apiVersion": "consort.dev/v1alpha1", "kind": "EnsembleRouter",
                                "metadata": {"name": "front"}, "spec": spec})
-    out = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=router({"service": {"type": "LoadBalancer"}}),
-                          check=False)
-    assert out.returncode != 0 and "needs auth.apiKeysSecretRef" in out.stderr, out.stderr
+    out = cluster.kubectl("apply", "-n", namespace, "-f", "-", check=False,
+                          input=router({"service": {"type": "LoadBalancer"}, "auth": {"enabled": False}}))
+    assert out.returncode != 0 and "needs auth.enabled" in out.stderr, out.stderr
+    out = cluster.kubectl("apply", "-n", namespace, "-f", "-", check=False, input=router(
+        {"auth": {"enabled": False, "apiKeysSecretRef": {"name": "keys", "key": "k"}}}))
+    assert out.returncode != 0 and "needs auth.enabled" in out.stderr, out.stderr
     cluster.kubectl("apply", "-n", namespace, "-f", "-", input=router(
         {"service": {"type": "LoadBalancer"}, "auth": {"apiKeysSecretRef": {"name": "keys", "key": "k"}}}))

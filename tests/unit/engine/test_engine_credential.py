@@ -37,3 +37,61 @@ def test_read_credentials(tmp_path, monkeypatch):
         C.read_credentials(str(p))                         # configured but empty: refuse to start open
     with pytest.raises(FileNotFoundError):
         C.read_credentials(str(tmp_path / "missing"))
+
+
+def test_a_directory_accepts_every_file_and_an_empty_one_is_closed(tmp_path):
+    d = tmp_path / "creds"
+    d.mkdir()
+    src = C.CredentialSource(str(d))
+    closed = src.read()
+    assert closed == C.CLOSED and not C.presented(closed, "Bearer anything") and not C.presented(closed, "Bearer ")
+    (d / "router-a").write_text("a-new\na-old\n")
+    (d / "router-b").write_text("b-cur\n")
+    (d / "..data").mkdir()            # a Secret volume's own entries are skipped
+    got = src.reread()
+    assert got is not None and len(got) == 3
+    assert all(C.presented(got, f"Bearer {t}") for t in ("a-new", "a-old", "b-cur"))
+    assert src.reread() is None       # unchanged
+
+
+def test_reread_follows_a_rewritten_or_swapped_file(tmp_path):
+    p = tmp_path / "cred"
+    p.write_text("one\n")
+    src = C.CredentialSource(str(p))
+    assert C.presented(src.read(), "Bearer one")
+    assert src.reread() is None
+    p.write_text("two\none\n")          # same inode, new size / mtime
+    got = src.reread()
+    assert got is not None and C.presented(got, "Bearer two") and C.presented(got, "Bearer one")
+    q = tmp_path / "cred.new"           # what a Secret volume does: a new file takes the name
+    q.write_text("three\n")
+    q.replace(p)
+    got = src.reread()
+    assert got is not None and C.presented(got, "Bearer three") and not C.presented(got, "Bearer two")
+
+
+def test_follow_keeps_the_last_good_credentials_when_the_file_turns_bad(tmp_path):
+    import asyncio
+
+    p = tmp_path / "cred"
+    p.write_text("good\n")
+    src = C.CredentialSource(str(p))
+    seen: list[tuple[bytes, ...]] = [src.read()]
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        task = asyncio.create_task(src.follow(seen.append, stop, every=0.01))
+        await asyncio.sleep(0.05)
+        p.write_text("# emptied\n")     # unreadable as credentials: ignored, logged
+        await asyncio.sleep(0.05)
+        p.write_text("next\n")
+        for _ in range(200):
+            if C.presented(seen[-1], "Bearer next"):
+                break
+            await asyncio.sleep(0.01)
+        stop.set()
+        await task
+
+    asyncio.run(run())
+    assert all(d for d in seen) and C.presented(seen[-1], "Bearer next")
+    assert not any(d == () for d in seen)

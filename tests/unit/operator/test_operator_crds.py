@@ -78,7 +78,8 @@ def test_specialist_crd_rules_columns_and_subresources():
 
 def test_auth_takes_a_secret_reference_never_inline_keys():
     auth = crds.ensemble_router_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["auth"]
-    assert set(auth["properties"]) == {"apiKeysSecretRef", "protectMetrics", "protectRouting"}
+    assert set(auth["properties"]) == {"enabled", "apiKeysSecretRef", "protectMetrics", "protectRouting"}
+    assert auth["properties"]["enabled"]["default"] is True     # keys on unless turned off
     assert set(auth["properties"]["apiKeysSecretRef"]["properties"]) == {"name", "key"}
 
 

@@ -128,13 +128,13 @@ def test_router_decide_renders_config_and_phase():
     sel = router_lc.SelectedSpecialist("algo", SPEC, "Ready", 2, "Closed", None)
     spec = {"specialistSelector": {"matchLabels": {"consort.dev/ensemble": "cpp"}}, "replicas": 1}
     obs = router_lc.RouterObserved("cpp", "ns", "uid-r", 3, (sel,), (True,))
-    d = router_lc.decide(spec, obs, {}, T0, CTX, 30.0)
+    d = router_lc.decide(spec, obs, {}, T0, CTX)
     assert d.phase == "Ready" and d.status["configHash"] and d.status["ready"] == "1/1"
     assert {c["kind"] for c in d.children} >= {"ConfigMap", "Deployment", "Service"}
     assert pruned_paths(d.status, status_schema("EnsembleRouter")) == []
-    empty = router_lc.decide(spec, router_lc.RouterObserved("cpp", "ns", "uid-r", 3), d.status, T0, CTX, 30.0)
+    empty = router_lc.decide(spec, router_lc.RouterObserved("cpp", "ns", "uid-r", 3), d.status, T0, CTX)
     assert empty.phase == "Invalid" and empty.children == []
     assert [e.reason for e in empty.events] == ["NoSpecialists"]
     # The router's own breakerState is carried, never dropped from the decided status.
-    kept = router_lc.decide(spec, obs, {"breakerState": {"version": 1, "breakers": {}}}, T0, CTX, 30.0)
+    kept = router_lc.decide(spec, obs, {"breakerState": {"version": 1, "breakers": {}}}, T0, CTX)
     assert kept.status["breakerState"] == {"version": 1, "breakers": {}}

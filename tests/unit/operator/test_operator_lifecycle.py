@@ -247,11 +247,11 @@ def test_breaker_most_severe_router_wins_and_absent_means_closed():
 
 def test_lane_adapter_is_the_newest_rotation_in_probation_or_active():
     s = spec(adapters=ADAPTERS)
-    assert rollout.lane_adapter(s, None) is None
+    assert rollout.lane_adapter(s.adapter_names(), None) is None
     st = lambda **kw: [{"name": n, "state": v} for n, v in kw.items()]  # noqa: E731
-    assert rollout.lane_adapter(s, st(v1="Active", v2="Loading")) == "v1"
-    assert rollout.lane_adapter(s, st(v1="Active", v2="Probation")) == "v2"
-    assert rollout.lane_adapter(s, st(v1="Active", v2="RolledBack")) == "v1"
+    assert rollout.lane_adapter(s.adapter_names(), st(v1="Active", v2="Loading")) == "v1"
+    assert rollout.lane_adapter(s.adapter_names(), st(v1="Active", v2="Probation")) == "v2"
+    assert rollout.lane_adapter(s.adapter_names(), st(v1="Active", v2="RolledBack")) == "v1"
 
 
 def test_router_samples_count_only_for_the_current_lane_revision():

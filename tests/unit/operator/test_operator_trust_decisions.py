@@ -11,7 +11,9 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from consort_operator import handlers
+from consort_operator import apply
+from consort_operator.lifecycle.children import Owned
+from consort_operator.runtime import Runtime
 from consort_operator.api import crds
 from consort_operator.api.base import quantity_value
 from consort_operator.api.router import EnsembleRouterSpec
@@ -105,9 +107,9 @@ class FakeKube:
 
 def run_ensure(objects: dict, children: list[dict]) -> tuple[FakeKube, list, list]:
     kube = FakeKube(objects)
-    rt = handlers.Runtime(kube=kube)   # type: ignore[arg-type]
+    rt = Runtime(kube=kube)   # type: ignore[arg-type]
     body = {"metadata": {"name": "web", "namespace": "ns", "uid": UID, "generation": 1}}
-    events, conflicts = asyncio.run(handlers.ensure_children(rt, body, "Specialist", children, handlers.Owned(), {}))
+    events, conflicts = asyncio.run(apply.ensure_children(rt, body, children, Owned(), {}))
     return kube, events, conflicts
 
 
@@ -182,7 +184,7 @@ def test_specialist_with_an_allowed_image_runs_it():
 
 def router_decision(spec: dict, ctx: BuildContext = CTX) -> specialist_lc.Decision:
     o = router_lc.RouterObserved("front", "ns", "uid-r", 1, (LANE,), (True,))
-    return router_lc.decide(spec, o, {}, T0, ctx, 30.0)
+    return router_lc.decide(spec, o, {}, T0, ctx)
 
 
 def test_router_with_a_foreign_image_never_gets_the_keys_mounted():
@@ -307,7 +309,8 @@ def test_api_keys_come_from_the_routers_own_namespace_and_its_role_reads_no_secr
     dep = children["Deployment"]
     assert dep["metadata"]["namespace"] == "ns"
     secrets = [v["secret"] for v in dep["spec"]["template"]["spec"]["volumes"] if "secret" in v]
-    assert secrets == [{"secretName": "keys", "items": [{"key": "keys", "path": "keys"}]}]
+    assert secrets == [{"secretName": "keys", "items": [{"key": "keys", "path": "keys"}]},
+                       {"secretName": "front-engine-credential", "items": [{"key": "current", "path": "current"}]}]
     assert not [r for r in children["Role"]["rules"] if "secrets" in r["resources"]]
     with pytest.raises(ValidationError):
         EnsembleRouterSpec.model_validate(
@@ -320,10 +323,13 @@ def test_a_nodeport_or_loadbalancer_router_without_keys_is_refused():
     import pydantic
 
     for kind in ("NodePort", "LoadBalancer"):
-        with pytest.raises(pydantic.ValidationError, match="needs auth.apiKeysSecretRef"):
-            EnsembleRouterSpec.model_validate({"service": {"type": kind}})
+        with pytest.raises(pydantic.ValidationError, match="needs auth.enabled"):
+            EnsembleRouterSpec.model_validate({"service": {"type": kind}, "auth": {"enabled": False}})
+        EnsembleRouterSpec.model_validate({"service": {"type": kind}})       # generated keys
         EnsembleRouterSpec.model_validate({"service": {"type": kind},
                                            "auth": {"apiKeysSecretRef": {"name": "keys", "key": "k"}}})
-    EnsembleRouterSpec.model_validate({"service": {"type": "ClusterIP"}})     # in-cluster only: keys optional
+    EnsembleRouterSpec.model_validate({"service": {"type": "ClusterIP"}, "auth": {"enabled": False}})  # in-cluster only
+    with pytest.raises(pydantic.ValidationError, match="needs auth.enabled"):
+        EnsembleRouterSpec.model_validate({"auth": {"enabled": False, "apiKeysSecretRef": {"name": "keys", "key": "k"}}})
     spec = crds.ensemble_router_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
-    assert any("apiKeysSecretRef" in v["rule"] for v in spec["x-kubernetes-validations"])
+    assert any("self.auth.enabled" in v["rule"] for v in spec["x-kubernetes-validations"])
