@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 from openai.types.responses import Response
 
-from consort_engine.serving import protocol as P
 from consort_engine.serving import responses as R
+from consort_engine.serving.errors import ApiError
+from consort_engine.serving.protocol import parse_chat
 
 
 def test_input_and_instructions_become_chat_messages():
@@ -18,7 +19,7 @@ def test_input_and_instructions_become_chat_messages():
         {"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}]},
         {"role": "assistant", "content": [{"type": "output_text", "text": "c"}]}]})
     assert listed["messages"] == [{"role": "user", "content": "ab"}, {"role": "assistant", "content": "c"}]
-    assert P.parse_chat(listed).messages[0]["content"] == "ab"
+    assert parse_chat(listed).messages[0]["content"] == "ab"
 
 
 @pytest.mark.parametrize("body,param", [
@@ -31,7 +32,7 @@ def test_input_and_instructions_become_chat_messages():
     ({"input": "x", "instructions": ["no"]}, "instructions"),
 ])
 def test_unsupported_and_malformed_requests_are_typed_400s(body, param):
-    with pytest.raises(P.ApiError) as e:
+    with pytest.raises(ApiError) as e:
         R.to_chat(body)
     assert e.value.status == 400 and e.value.param == param
 

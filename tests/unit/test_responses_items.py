@@ -7,7 +7,7 @@ from pydantic import TypeAdapter
 
 from consort_engine.serving import responses as R
 from consort_engine.text import tool_calls as T
-from consort_engine.serving.protocol import ApiError
+from consort_engine.serving.errors import ApiError
 
 TOOL = {"type": "function", "name": "get_weather", "description": "forecast", "strict": True,
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}

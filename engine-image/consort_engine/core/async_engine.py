@@ -126,6 +126,11 @@ class AsyncEngine:
             self._thread.join(timeout)
         self.state = "stopped" if self.state != "failed" else self.state
 
+    def on_start(self, ready: Callable[[], None], failed: Callable[[], None]) -> None:
+        """Call `ready` (or `failed`, when the model cannot load) on the event loop once start-up ends."""
+        self._on_ready.append(ready)
+        self._on_failed.append(failed)
+
     @property
     def ready(self) -> bool:
         return self.state == "ready"

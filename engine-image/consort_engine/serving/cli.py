@@ -12,7 +12,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from consort_engine.serving import protocol as P
+from consort_engine.serving.limits import ADAPTER_NAME
 from consort_engine.model.attention import default_block_size
 from consort_engine.core.async_engine import AsyncEngine
 from consort_common.help import HelpFormatter
@@ -117,7 +117,7 @@ def config_from_args(a: argparse.Namespace) -> EngineConfig:
         name, sep, path = item.partition("=")
         if not sep or not name or not path:
             raise SystemExit(f"consort engine: --adapter expects NAME=PATH, got {item!r}")
-        if not P.ADAPTER_NAME.fullmatch(name):
+        if not ADAPTER_NAME.fullmatch(name):
             raise SystemExit(f"consort engine: adapter name {name!r} must be a DNS label (lowercase, digits, '-')")
         adapters[name] = path
     if adapters and a.adapters_file:
@@ -232,10 +232,9 @@ async def serve(args: argparse.Namespace) -> int:
               f"{config.block_size} tokens; max_model_len {ctx.max_model_len}", flush=True)
 
     stop = asyncio.Event()
-    ctx.engine._on_ready.append(on_ready)
     # A model that cannot load is fatal: exit non-zero at once (a supervisor or kubelet restarts us
     # or shows the cause) rather than serve 503s forever.
-    ctx.engine._on_failed.append(stop.set)
+    ctx.engine.on_start(ready=on_ready, failed=stop.set)
     print("consort engine: loading model ...", flush=True)
     ctx.engine.start()
     if ctx.credentials:   # rotation: the file is followed, no restart

@@ -8,10 +8,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 
-from consort_engine.serving import protocol as P
+from consort_engine.serving.errors import ApiError
+from consort_engine.serving.limits import GUIDED_COMPILE_TIMEOUT_S, MAX_CONCURRENT_COMPILES
 from consort_engine.core.async_engine import AsyncEngine
 from consort_engine.config import EngineConfig
 from consort_engine.serving.adapter_sync import AdapterSync
@@ -65,7 +67,7 @@ class ServerContext:
     metrics_port: bool = False                  # /metrics is (also) served on its own port
     _grammars: Grammars | None = field(default=None, init=False, repr=False)
     compile_slots: CompileSlots = field(
-        default_factory=lambda: CompileSlots(P.MAX_CONCURRENT_COMPILES, P.GUIDED_COMPILE_TIMEOUT_S))
+        default_factory=lambda: CompileSlots(MAX_CONCURRENT_COMPILES, GUIDED_COMPILE_TIMEOUT_S))
 
     def __post_init__(self) -> None:
         c = self.config
@@ -100,6 +102,25 @@ class ServerContext:
         if self.adapter_sync is not None:
             return self.adapter_sync.states(paths)
         return {str(name): "loaded" for name in paths}
+
+    def check_target(self, req: Any) -> None:
+        """The model a request (generation, tokenize, a model card) names must be served here; `req.adapter`
+        is set when it names an adapter, bare (as vLLM serves LoRA modules) or as `base:adapter` (as
+        /v1/models lists it). A 404 otherwise."""
+        adapters = self.adapters_state()
+        if req.model is not None and req.model not in self.aliases:
+            base, sep, name = req.model.rpartition(":")
+            if req.model in adapters and req.adapter in (None, req.model):
+                req.adapter = req.model
+            elif sep and base in self.aliases and name in adapters and req.adapter in (None, name):
+                req.adapter = name
+            else:
+                raise ApiError(404, "model_not_found", f"model '{req.model}' is not served here; this engine serves "
+                               f"'{self.served_name}'" + (f" and adapters {sorted(adapters)}" if adapters else ""),
+                               "model")
+        if req.adapter is not None and req.adapter not in adapters:
+            raise ApiError(404, "adapter_not_found", f"adapter '{req.adapter}' is not loaded on this engine",
+                           "adapter")
 
     def pending_adapters(self) -> list[str]:
         """The adapters /ready waits for: those the engine started with and still serves. A hot-load

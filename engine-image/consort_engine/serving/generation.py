@@ -1,33 +1,38 @@
-"""One request's generation: the prompt built and checked, its sequences admitted, engine outputs
-turned into text deltas (incremental detokenizer + stop strings), the n / best_of choices merged."""
+"""One prepared request's generation: its sequences (prompts x samples) made and admitted in one engine
+command, engine outputs turned into text deltas (incremental detokenizer + stop strings), the n /
+best_of choices merged, and each choice's metrics recorded when it ends."""
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator
 
-
-from consort_engine.serving import protocol as P
-from consort_engine.serving import shapes
 from consort_engine.core.async_engine import EngineFailed, EngineNotReady
+from consort_engine.core.engine import AdmissionRejected
 from consort_engine.kv.sequence import PromptLogprobs, Sequence
-from consort_engine.text.guided import CompileBusy, CompileTimeout, GrammarError, GuidedSpec
-from consort_engine.text.tokenizer import (ChatTemplateError, IncrementalDetokenizer, StopStringMatcher, Tokenizer,
-                                           TooManyTokens)
 from consort_engine.serving.context import ServerContext
-from consort_engine.serving.http import server_error
+from consort_engine.serving.errors import admission_error, bad, server_error
+from consort_engine.serving.prepare import Prepared
+from consort_engine.serving.protocol import GenerationRequest
+from consort_engine.text.tokenizer import IncrementalDetokenizer, StopStringMatcher
 
 log = logging.getLogger("consort.server")
 
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float | None                       # None: the first prompt token (nothing predicts it)
+    top: list[tuple[int, float]] = field(default_factory=list)   # (token_id, logprob), best first
 
 
 @dataclass
 class Delta:
     text: str
     token_ids: list[int]
-    logprobs: list[shapes.TokenLogprob]
+    logprobs: list[TokenLogprob]
     finish_reason: str | None = None
     stop_reason: Any = None
     num_output_tokens: int = 0      # all tokens generated so far (set on every delta)
@@ -37,6 +42,7 @@ class Delta:
 @dataclass
 class RequestTimes:
     arrival: float
+    deadline: float | None = None      # monotonic; the first token should come before it
     admitted: float | None = None
     first: float | None = None
     last: float | None = None
@@ -49,21 +55,21 @@ class RequestTimes:
             self.first = now
         elif self.last is not None:
             gap = (now - self.last) / n
-            self.itls.extend([gap] * n)
+            self.itls += [gap] * n
         self.last = now
 
 
-def _token_logprobs(ids: list[int], raw: Any) -> list[shapes.TokenLogprob]:
+def _token_logprobs(ids: list[int], raw: Any) -> list[TokenLogprob]:
     """Normalize the engine's per-token logprobs (one entry per new token) into TokenLogprob."""
     if not raw:
         return []
     out = []
     for tid, entry in zip(ids, raw):
-        if isinstance(entry, shapes.TokenLogprob):
+        if isinstance(entry, TokenLogprob):
             out.append(entry)
             continue
         if isinstance(entry, dict) and "logprob" in entry:   # the Sampler's {"token_id", "logprob", "top"}
-            out.append(shapes.TokenLogprob(int(entry.get("token_id", tid)), float(entry["logprob"]),
+            out.append(TokenLogprob(int(entry.get("token_id", tid)), float(entry["logprob"]),
                                       [(int(t), float(v)) for t, v in entry.get("top", [])]))
             continue
         if isinstance(entry, dict):            # {token_id: logprob} incl. the chosen token
@@ -75,15 +81,14 @@ def _token_logprobs(ids: list[int], raw: Any) -> list[shapes.TokenLogprob]:
                 top_raw = top_raw.items()
             top = sorted(((int(k), float(v)) for k, v in top_raw), key=lambda kv: -kv[1])
             chosen = float(chosen)
-        out.append(shapes.TokenLogprob(int(tid), chosen, top))
+        out.append(TokenLogprob(int(tid), chosen, top))
     return out
 
 
-async def generate(ctx: ServerContext, req: P.GenerationRequest, seq: Sequence, times: RequestTimes,
-                   stream) -> AsyncIterator[Delta]:
-    """Yield text deltas for an admitted sequence; stops the sequence in the engine on a stop string."""
-    detok = IncrementalDetokenizer(ctx.tokenizer, seq.prompt_token_ids, req.skip_special_tokens)
-    matcher = StopStringMatcher(req.sampling.stop)
+async def generate(ctx: ServerContext, req: GenerationRequest, seq: Sequence, times: RequestTimes, stream,
+                   detok: IncrementalDetokenizer, matcher: StopStringMatcher) -> AsyncIterator[Delta]:
+    """Yield text deltas for an admitted sequence (its text through `detok`, cut at the first stop string
+    `matcher` finds); stops the sequence in the engine on a stop string."""
     k = seq.sampling.logprobs    # best_of ranks by them: the sequence has them even where the request did not ask
     total = 0
     async for out in stream:
@@ -97,7 +102,7 @@ async def generate(ctx: ServerContext, req: P.GenerationRequest, seq: Sequence, 
         times.on_tokens(time.monotonic(), len(ids))
         lps = _token_logprobs(ids, out.logprobs) if k is not None else []
         if k is not None:
-            lps = [shapes.TokenLogprob(lp.token_id, lp.logprob, lp.top[:k]) for lp in lps]
+            lps = [TokenLogprob(lp.token_id, lp.logprob, lp.top[:k]) for lp in lps]
         text, stopped = matcher.feed(detok.step(ids) if ids else "")
         if stopped:
             ctx.engine.abort(seq.seq_id, "stop")
@@ -117,69 +122,19 @@ async def generate(ctx: ServerContext, req: P.GenerationRequest, seq: Sequence, 
         yield Delta(text, ids, lps, num_output_tokens=total, prompt_logprobs=plp)
 
 
-def render_chat(tokenizer: Tokenizer, req: P.GenerationRequest | P.TokenizeRequest) -> str:
-    """The request's messages through the chat template; a template error is the client's (400)."""
-    try:
-        tools = getattr(req, "tools", None)
-        return tokenizer.apply_chat_template(req.messages, add_generation_prompt=req.add_generation_prompt,
-                                             continue_final_message=req.continue_final_message,
-                                             tools=tools.tools if tools is not None else None)
-    except ChatTemplateError as e:
-        raise P.bad("chat_template_error", str(e), "messages")
-
-
-def build_prompt(ctx: ServerContext, req: P.GenerationRequest) -> list[int]:
-    try:
-        if req.kind == "chat":
-            ids = ctx.tokenizer.encode_chat(render_chat(ctx.tokenizer, req), limit=ctx.max_model_len)
-        elif req.prompt_token_ids is not None:
-            ids = req.prompt_token_ids
-            P.check_token_ids(ids, ctx.vocab_size)
-        else:
-            ids = ctx.tokenizer.encode(req.prompt, limit=ctx.max_model_len)
-    except TooManyTokens as e:
-        P.resolve_max_tokens(req, e.count, ctx.max_model_len, e.at_least)   # raises context_length_exceeded
-        raise
-    if not ids:
-        raise P.bad("empty_prompt", "the prompt encodes to zero tokens", "prompt")
-    return ids
-
-
-def check_target(ctx: ServerContext, req: P.GenerationRequest) -> None:
-    """The model named must be served here. An adapter can be named as the model, bare (as vLLM
-    serves LoRA modules) or as `base:adapter` (as /v1/models lists it)."""
-    if req.model is not None and req.model not in ctx.aliases:
-        base, sep, name = req.model.rpartition(":")
-        adapters = ctx.adapters_state()
-        if req.model in adapters and req.adapter in (None, req.model):
-            req.adapter = req.model
-        elif sep and base in ctx.aliases and name in adapters and req.adapter in (None, name):
-            req.adapter = name
-        else:
-            raise P.ApiError(404, "model_not_found", f"model '{req.model}' is not served here; this engine serves "
-                             f"'{ctx.served_name}'" + (f" and adapters {sorted(adapters)}" if adapters else ""),
-                             "model")
-    if req.adapter is not None and req.adapter not in ctx.adapters_state():
-        raise P.ApiError(404, "adapter_not_found", f"adapter '{req.adapter}' is not loaded on this engine",
-                         "adapter")
-
-
 async def admit(ctx: ServerContext, seqs: list[Sequence], rid: str) -> list:
     try:
         return await ctx.engine.add(seqs)
     except EngineNotReady as e:
-        raise P.admission_error("warming", e.retry_after_ms, f"the engine is {e.state}; retry when /ready is 200")
+        raise admission_error("warming", e.retry_after_ms, f"the engine is {e.state}; retry when /ready is 200")
     except EngineFailed as e:
         raise server_error(rid, "engine_failed", "the engine has failed", e, status=503)
-    except Exception as e:
-        if type(e).__name__ == "AdmissionRejected":
-            if getattr(e, "permanent", False):   # can never fit this engine: retrying cannot help
-                raise P.bad("kv_capacity", getattr(e, "message", "") or str(e), "prompt")
-            raise P.admission_error(getattr(e, "code", "queue_full"), getattr(e, "retry_after_ms", 1000),
-                                    getattr(e, "message", "") or str(e))
-        if isinstance(e, ValueError):   # the engine refused the request itself (e.g. exceeds the pool)
-            raise P.bad("invalid_request", str(e))
-        raise
+    except AdmissionRejected as e:
+        if e.permanent:   # can never fit this engine: retrying cannot help
+            raise bad("kv_capacity", e.message or str(e), "prompt")
+        raise admission_error(e.code, e.retry_after_ms, e.message or str(e))
+    except ValueError as e:   # the engine refused the request itself (e.g. exceeds the pool)
+        raise bad("invalid_request", str(e))
 
 
 @dataclass
@@ -187,14 +142,14 @@ class Choice:
     """One sequence of a request and what it has produced: choice `index` of the response (prompt i,
     sample j -> i * n + j, as OpenAI numbers them)."""
     index: int
-    req: P.GenerationRequest        # the request as this choice's prompt sees it (prompt, echo)
+    req: GenerationRequest        # the request as this choice's prompt sees it (prompt, echo)
     seq: Sequence
     times: RequestTimes
     deltas: AsyncIterator[Delta] | None = None
     last: Delta | None = None       # the latest delta; its finish_reason is set once the choice is done
     text: list[str] = field(default_factory=list)
     ids: list[int] = field(default_factory=list)
-    lps: list[shapes.TokenLogprob] = field(default_factory=list)
+    lps: list[TokenLogprob] = field(default_factory=list)
     prompt_lps: PromptLogprobs | None = None     # the prompt's logprobs, when asked for
 
     @property
@@ -202,22 +157,32 @@ class Choice:
         return self.last is not None and self.last.finish_reason is not None
 
 
-async def compile_guided(ctx: ServerContext, g: GuidedSpec) -> None:
-    """Compile (or find cached) a request's grammar, off the loop (a new schema can take seconds) and
-    through the compile slots: a typed 400 when it does not compile or not in time, a typed 429 when
-    every slot stays busy."""
-    if ctx._grammars is not None and ctx._grammars.cached(g):
-        return
-    try:
-        await ctx.compile_slots.run(lambda: ctx.grammars.compile(g))
-    except GrammarError as e:
-        raise P.bad("invalid_value", str(e), e.param) from None
-    except CompileTimeout:
-        raise P.bad("grammar_timeout", f"'{g.param}' did not compile within {P.GUIDED_COMPILE_TIMEOUT_S:g} s (the "
-                    "compile finishes in the background; an identical request later reuses it)", g.param) from None
-    except CompileBusy:
-        raise P.admission_error("queue_full", 1000, f"{P.MAX_CONCURRENT_COMPILES} grammar compiles are running; "
-                                "retry later") from None
+def prompt_logprobs_width(req: GenerationRequest) -> int | None:
+    """Top-k alternatives the engine computes per prompt token: echo + logprobs k (the prompt's
+    logprobs lead the choice's), vLLM's prompt_logprobs k, the wider of both; None: none computed."""
+    ks = [k for k in (req.logprobs if req.echo else None, req.prompt_logprobs) if k is not None]
+    return max(ks) if ks else None
+
+
+def make_choices(ctx: ServerContext, prepared: Prepared, arrival: float) -> list[Choice]:
+    """A sequence per prompt and sample: choice i * k + j is prompt i's sample j (k = best_of or n)."""
+    req = prepared.req
+    deadline = arrival + req.deadline_ms / 1000.0 if req.deadline_ms is not None else None
+    k = req.samples
+    # best_of ranks by the sampled tokens' logprobs, so those are computed even when not returned
+    logprobs = req.logprobs if req.best_of is None else (req.logprobs or 0)
+    choices = []
+    for i, p in enumerate(prepared.prompts):
+        for j in range(k):
+            seed = req.sampling.seed if req.sampling.seed is None else req.sampling.seed + j
+            sampling = replace(req.sampling, max_tokens=p.max_tokens, logprobs=logprobs, seed=seed,
+                               prompt_logprobs=prompt_logprobs_width(req))
+            seq = Sequence(prompt_token_ids=p.ids, sampling=sampling, priority=req.priority, arrival=arrival,
+                           deadline=deadline, adapter=req.adapter, cache_salt=prepared.cache_salt)
+            if sampling.guided is not None:
+                seq.matcher = ctx.grammars.matcher(sampling.guided)   # compiled (cached) by prepare
+            choices.append(Choice(i * k + j, p.req, seq, RequestTimes(arrival=arrival, deadline=deadline)))
+    return choices
 
 
 async def admit_choices(ctx: ServerContext, choices: list[Choice], rid: str) -> None:
@@ -227,7 +192,9 @@ async def admit_choices(ctx: ServerContext, choices: list[Choice], rid: str) -> 
     streams = await admit(ctx, [c.seq for c in choices], rid)
     for c, stream in zip(choices, streams):
         c.times.admitted = stream.admitted_at
-        c.deltas = generate(ctx, c.req, c.seq, c.times, stream)
+        c.deltas = generate(ctx, c.req, c.seq, c.times, stream,
+                            IncrementalDetokenizer(ctx.tokenizer, c.seq.prompt_token_ids, c.req.skip_special_tokens),
+                            StopStringMatcher(c.req.sampling.stop))
 
 
 async def merged(choices: list[Choice]) -> AsyncIterator[tuple[Choice, Delta]]:
@@ -263,9 +230,9 @@ async def merged(choices: list[Choice]) -> AsyncIterator[tuple[Choice, Delta]]:
             t.cancel()
 
 
-def record(ctx: ServerContext, c: Choice, deadline: float | None) -> None:
+def record(ctx: ServerContext, c: Choice) -> None:
     """Metrics for a choice; one that did not finish (client gone, error) is aborted: its blocks free now."""
-    seq, times, n_prompt = c.seq, c.times, len(c.seq.prompt_token_ids)
+    seq, times, n_prompt, deadline = c.seq, c.times, len(c.seq.prompt_token_ids), c.times.deadline
     if not c.finished:
         ctx.engine.abort(seq.seq_id, "abort")
         if times.admitted is not None:

@@ -1,5 +1,5 @@
-"""HTTP plumbing every route shares: typed JSON errors, request ids, the credential and error
-middlewares, response headers, and request bodies parsed (off the loop when large)."""
+"""HTTP plumbing every route shares: typed errors rendered as JSON, request ids, the credential and
+error middlewares, response headers, and request bodies parsed (off the loop when large)."""
 from __future__ import annotations
 
 import asyncio
@@ -11,15 +11,14 @@ from typing import Any
 
 from aiohttp import web
 
-from consort_engine.serving import protocol as P
-from consort_engine.serving.credential import needs_credential, presented
 from consort_engine.serving.context import CTX, ServerContext
+from consort_engine.serving.credential import needs_credential, presented
+from consort_engine.serving.errors import ApiError, bad, server_error
 
 log = logging.getLogger("consort.server")
 
 
-
-def _json_error(err: P.ApiError) -> web.Response:
+def _json_error(err: ApiError) -> web.Response:
     return web.json_response(err.body(), status=err.status, headers=err.headers())
 
 
@@ -30,14 +29,6 @@ def request_id(request: web.Request) -> str:
     return rid
 
 
-def server_error(rid: str, code: str, what: str, cause: BaseException | None = None, status: int = 500) -> P.ApiError:
-    """A 5xx that names the request id, not the cause: exception text can carry paths, shapes or another
-    request's data. The cause is logged under the same id."""
-    if cause is not None:
-        log.error("request %s: %s: %s", rid, what, cause)
-    return P.ApiError(status, code, f"{what} (request id {rid}; the cause is in the server log)", type="server_error")
-
-
 @web.middleware
 async def credential_middleware(request: web.Request, handler):
     """With a credential configured, every route but the probes (and /metrics) needs it: a typed 401,
@@ -45,7 +36,7 @@ async def credential_middleware(request: web.Request, handler):
     ctx: ServerContext = request.app[CTX]
     if ctx.credentials and needs_credential(request.path, ctx.metrics_port) \
             and not presented(ctx.credentials, request.headers.get("Authorization")):
-        raise P.ApiError(401, "invalid_credential", "this engine requires its credential (Authorization: "
+        raise ApiError(401, "invalid_credential", "this engine requires its credential (Authorization: "
                          "Bearer <engine credential>); clients reach it through the router",
                          type="authentication_error")
     return await handler(request)
@@ -55,7 +46,7 @@ async def credential_middleware(request: web.Request, handler):
 async def error_middleware(request: web.Request, handler):
     try:
         return await handler(request)
-    except P.ApiError as err:
+    except ApiError as err:
         ctx: ServerContext = request.app[CTX]
         if err.status == 429:
             ctx.metrics.observe_rejected(request.get("consort_adapter"), err.code)
@@ -65,7 +56,7 @@ async def error_middleware(request: web.Request, handler):
     except web.HTTPException as exc:
         if exc.status >= 400 and exc.content_type != "application/json":
             code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status, "http_error")
-            return _json_error(P.ApiError(exc.status, code, exc.reason))
+            return _json_error(ApiError(exc.status, code, exc.reason))
         raise
     except (asyncio.CancelledError, ConnectionResetError):
         raise
@@ -97,9 +88,11 @@ def decode_json(raw: bytes) -> Any:
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
-        raise P.bad("invalid_json", f"request body is not valid JSON: {e}")
+        raise bad("invalid_json", f"request body is not valid JSON: {e}")
+    except RecursionError:      # nested deeper than the parser's stack (about a thousand levels)
+        raise bad("invalid_json", "request body is nested too deeply") from None
     if SURROGATE_ESCAPE.search(raw) and has_lone_surrogate(body):
-        raise P.bad("invalid_unicode", "request body contains a lone UTF-16 surrogate escape (such as "
+        raise bad("invalid_unicode", "request body contains a lone UTF-16 surrogate escape (such as "
                     "\\ud800): strings must be valid Unicode")
     return body
 

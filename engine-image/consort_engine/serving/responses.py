@@ -13,8 +13,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from consort_engine.text import tool_calls as T
-from consort_engine.serving.protocol import bad
+from pydantic import BaseModel, ConfigDict, model_validator
+
+from consort_engine.serving.errors import bad
+from consort_engine.serving.fields import Raw, Str, checked
+from consort_engine.text import tool_calls
 
 # Fields a chat request would not understand and that are not mapped below: rejected.
 UNSUPPORTED = ("previous_response_id", "conversation", "background", "prompt")
@@ -110,40 +113,67 @@ def _chat_tool_choice(choice: Any) -> Any:
 def _check_tools(chat: dict) -> None:
     """Chat's tool checks, their messages and params spelled the flat Responses way."""
     try:
-        T.parse_tools(chat)
-    except T.ToolsError as e:
+        tool_calls.parse_tools(chat)
+    except tool_calls.ToolsError as e:
         def flat(s: str) -> str:
             return s.replace(".function.", ".")
         raise bad(e.code, flat(e.message), flat(e.param)) from None
 
 
+class ResponsesBody(BaseModel):
+    """POST /v1/responses: checked here, then generated as the chat request it means (`chat`), whose
+    model checks the sampling fields it carries over."""
+    model_config = ConfigDict(extra="ignore")
+    input: checked(None, lambda v, key: _messages(v))
+    instructions: Str
+    tools: checked(None, lambda v, key: _chat_tools(v))
+    tool_choice: checked(None, lambda v, key: _chat_tool_choice(v))
+    max_output_tokens: Raw
+    model: Raw                      # carried over as they are: the chat body checks them
+    temperature: Raw
+    top_p: Raw
+    stream: Raw
+    seed: Raw
+    priority: Raw
+    user: Raw
+    parallel_tool_calls: Raw
+
+    @model_validator(mode="before")
+    @classmethod
+    def _supported(cls, body: Any) -> Any:
+        if not isinstance(body, dict):
+            raise bad("invalid_request", "request body must be a JSON object")
+        for key in UNSUPPORTED:
+            if body.get(key) is not None:
+                raise bad("unsupported_value", f"'{key}' is not supported by /v1/responses here", key)
+        if "input" not in body:
+            raise bad("missing_field", "'input' is required", "input")
+        return body
+
+    @model_validator(mode="after")
+    def _tools_checked(self) -> "ResponsesBody":
+        _check_tools(self.chat())
+        return self
+
+    def chat(self) -> dict:
+        """The chat request this Responses request means."""
+        messages = self.input
+        if self.instructions is not None:
+            messages = [{"role": "system", "content": self.instructions}] + messages
+        chat: dict[str, Any] = {"messages": messages}
+        for key in ("model", "temperature", "top_p", "stream", "seed", "priority", "user", "parallel_tool_calls"):
+            if getattr(self, key) is not None:
+                chat[key] = getattr(self, key)
+        for key, value in (("max_tokens", self.max_output_tokens), ("tools", self.tools),
+                           ("tool_choice", self.tool_choice)):
+            if value is not None:
+                chat[key] = value
+        return chat
+
+
 def to_chat(body: Any) -> dict:
     """The chat request a Responses request means; typed 400s for what is not supported."""
-    if not isinstance(body, dict):
-        raise bad("invalid_request", "request body must be a JSON object")
-    for key in UNSUPPORTED:
-        if body.get(key) is not None:
-            raise bad("unsupported_value", f"'{key}' is not supported by /v1/responses here", key)
-    if "input" not in body:
-        raise bad("missing_field", "'input' is required", "input")
-    messages = _messages(body["input"])
-    instructions = body.get("instructions")
-    if instructions is not None:
-        if not isinstance(instructions, str):
-            raise bad("invalid_type", "'instructions' must be a string", "instructions")
-        messages = [{"role": "system", "content": instructions}] + messages
-    chat: dict[str, Any] = {"messages": messages}
-    for key in ("model", "temperature", "top_p", "stream", "seed", "priority", "user", "parallel_tool_calls"):
-        if body.get(key) is not None:
-            chat[key] = body[key]
-    if body.get("max_output_tokens") is not None:
-        chat["max_tokens"] = body["max_output_tokens"]
-    if body.get("tools") is not None:
-        chat["tools"] = _chat_tools(body["tools"])
-    if body.get("tool_choice") is not None:
-        chat["tool_choice"] = _chat_tool_choice(body["tool_choice"])
-    _check_tools(chat)
-    return chat
+    return ResponsesBody.model_validate(body).chat()
 
 
 def new_id() -> str:
@@ -212,7 +242,7 @@ class OutputItems:
     _open: dict | None = None                            # the item being written (its final form)
     _call_index: int | None = None                       # the open function_call's index in the chat deltas
 
-    def feed(self, events: list[T.Event]) -> list[Event]:
+    def feed(self, events: list[tool_calls.Event]) -> list[Event]:
         out: list[Event] = []
         for kind, v in events:
             if kind == "content":

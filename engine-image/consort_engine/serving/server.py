@@ -1,9 +1,11 @@
 """`consort engine`: one specialist's engine behind an OpenAI-compatible aiohttp server.
 
-The routes and the app. Handlers are thin: protocol.py parses and validates, generation.py admits
-the request's sequences and turns engine outputs into text deltas, render.py shapes them into JSON
-or SSE; context.py holds what every route reads, http.py the middlewares and body parsing, cli.py
-the command line.
+The routes and the app. Handlers are thin and follow a request's stages: prepare.py parses the body
+(one pydantic model per endpoint: request_models.py, tokenize_request.py), checks it against the
+model and tokenizes it; generation.py admits its sequences and turns engine outputs into text deltas;
+a renderer per API family (render_completions.py, render_responses.py, render_tokenize.py) shapes
+them into JSON or SSE. context.py holds what every route reads, http.py the middlewares and body
+reading, errors.py the typed errors, cli.py the command line.
 """
 from __future__ import annotations
 
@@ -11,23 +13,22 @@ import asyncio
 import importlib.metadata
 import logging
 import time
-from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
 
-from consort_engine.serving import protocol as P
-from consort_engine.serving import responses as R
-from consort_engine.text import tool_calls as T
 from consort_engine.core.async_engine import EngineFailed
 from consort_engine.model.lora import AdapterError
-from consort_engine.kv.sequence import Sequence
-from consort_engine.serving.context import CTX, STREAM, ServerContext, TENANT_HEADER
-from consort_engine.serving.generation import (Choice, RequestTimes, admit_choices, build_prompt, check_target,
-                                               compile_guided, merged, record, render_chat)
-from consort_engine.serving.http import (OFF_LOOP_BYTES, credential_middleware, decode_json, error_middleware,
-                                         read_json, request_id, server_error, stamp_headers)
-from consort_engine.serving.render import sse_event, full_response, stream_response, usage_of
+from consort_engine.serving.context import CTX, STREAM, TENANT_HEADER, ServerContext
+from consort_engine.serving.errors import admission_error, bad, server_error
+from consort_engine.serving.generation import admit_choices, make_choices, merged, record
+from consort_engine.serving.http import credential_middleware, error_middleware, read_json, request_id, stamp_headers
+from consort_engine.serving.prepare import check_token_ids, prepare, render_chat
+from consort_engine.serving.render_completions import full_response, stream_response
+from consort_engine.serving.render_responses import responses_reply
+from consort_engine.serving.render_tokenize import detokenize_reply, tokenize_reply
+from consort_engine.serving.request_models import AdapterLoadBody
+from consort_engine.serving.tokenize_request import TokenizeRequest, parse_detokenize, parse_tokenize
 
 log = logging.getLogger("consort.server")
 
@@ -37,56 +38,27 @@ log = logging.getLogger("consort.server")
 
 
 async def handle_generation(request: web.Request, kind: str) -> web.StreamResponse:
+    """completion | chat | responses: prepare (parse, check, tokenize), admit, render."""
     ctx: ServerContext = request.app[CTX]
     arrival = time.monotonic()
     rid = request_id(request)
-    raw = await request.read()
-
-    def prepare() -> tuple[P.GenerationRequest, list[tuple[P.GenerationRequest, list[int]]]]:
-        body = decode_json(raw)
-        if kind == "responses":
-            request["responses_body"] = body
-            body = R.to_chat(body)
-        req = P.parse_completion(body) if kind == "completion" else P.parse_chat(body)
-        check_target(ctx, req)
-        P.check_vocab(req.sampling, ctx.vocab_size)
-        per_prompt = [replace(req, prompt=p if isinstance(p, str) else None,
-                              prompt_token_ids=p if isinstance(p, list) else None) for p in req.prompts] or [req]
-        return req, [(r, build_prompt(ctx, r)) for r in per_prompt]
-
-    req, prompts = await asyncio.to_thread(prepare) if len(raw) > OFF_LOOP_BYTES else prepare()
-    if req.sampling.guided is not None:
-        await compile_guided(ctx, req.sampling.guided)
+    prepared = await prepare(ctx, kind, await request.read(), request.headers.get(TENANT_HEADER))
+    req = prepared.req
     req.request_id = rid
     request["consort_adapter"] = req.adapter
     if req.ignored_fields:
         request["ignored_fields"] = req.ignored_fields
-        log.info("request %s: ignored unknown fields %s", req.request_id, ", ".join(req.ignored_fields))
-    deadline = arrival + req.deadline_ms / 1000.0 if req.deadline_ms is not None else None
-    choices = []
-    salt = P.prefix_salt(request.headers.get(TENANT_HEADER), req.cache_salt)
-    k = P.samples_per_prompt(req)
-    # best_of ranks by the sampled tokens' logprobs, so those are computed even when not returned
-    logprobs = req.logprobs if req.best_of is None else (req.logprobs or 0)
-    for i, (preq, ids) in enumerate(prompts):
-        max_tokens = max(1, P.resolve_max_tokens(preq, len(ids), ctx.max_model_len))   # 0: echo only, one dropped
-        for j in range(k):
-            seed = req.sampling.seed if req.sampling.seed is None else req.sampling.seed + j
-            sampling = replace(req.sampling, max_tokens=max_tokens, logprobs=logprobs, seed=seed,
-                               prompt_logprobs=P.prompt_logprobs_width(req))
-            seq = Sequence(prompt_token_ids=ids, sampling=sampling, priority=req.priority, arrival=arrival,
-                           deadline=deadline, adapter=req.adapter, cache_salt=salt)
-            if sampling.guided is not None:
-                seq.matcher = ctx.grammars.matcher(sampling.guided)   # compiled (cached) just above
-            choices.append(Choice(i * k + j, preq, seq, RequestTimes(arrival=arrival)))
+        log.info("request %s: ignored unknown fields %s", rid, ", ".join(req.ignored_fields))
+    choices = make_choices(ctx, prepared, arrival)
     ctx.in_flight += 1
     try:
         await admit_choices(ctx, choices, rid)
-        if kind == "responses":
-            return await responses_reply(request, ctx, request["responses_body"], choices)
+        deltas = merged(choices)
+        if prepared.responses_body is not None:
+            return await responses_reply(request, ctx, prepared.responses_body, choices, deltas, rid)
         if req.stream:
-            return await stream_response(request, ctx, req, choices)
-        return await full_response(ctx, req, choices)
+            return await stream_response(request, ctx, req, choices, deltas)
+        return await full_response(ctx, req, choices, deltas)
     except EngineFailed as e:
         raise server_error(rid, "engine_failed", "the engine failed while serving this request", e)
     except ConnectionResetError:
@@ -94,72 +66,13 @@ async def handle_generation(request: web.Request, kind: str) -> web.StreamRespon
             raise
         # The client left mid-stream (a benchmark tool cancels every in-flight request when its run ends):
         # not a server error, so no traceback. The choices are unfinished: the finally aborts them.
-        log.info("request %s: client disconnected mid-stream", req.request_id)
+        log.info("request %s: client disconnected mid-stream", rid)
         return request[STREAM]
     finally:
         ctx.in_flight -= 1
         ctx.last_request = time.monotonic()
         for c in choices:
-            record(ctx, c, deadline)
-
-
-async def responses_reply(request: web.Request, ctx: ServerContext, body: dict,
-                          choices: list[Choice]) -> web.StreamResponse:
-    """/v1/responses: the chat generation's one choice as a Response, or as Responses SSE events.
-    With tools its text goes through the chat tool-call parser: content and function_call items."""
-    rid, created, model = R.new_id(), R.now(), ctx.served_name
-    c = choices[0]
-    tc = c.req.tools if c.req.tools is not None and c.req.tools.parses else None
-    parser = T.ToolCallStreamer(tc) if tc is not None else None
-    items = R.OutputItems(rid)
-
-    def pieces(text: str) -> list[T.Event]:
-        return parser.feed(text) if parser is not None else [("content", text)]
-
-    def final() -> dict:
-        return R.response(rid, model, body, items.items, "completed", created, c.last.finish_reason,
-                          usage_of(choices, 1, len(c.ids)))
-
-    if not body.get("stream"):
-        async for _, d in merged(choices):
-            c.text.append(d.text)
-            c.ids.extend(d.token_ids)
-            c.last = d
-        items.feed(pieces("".join(c.text)) + (parser.finish() if parser is not None else []))
-        items.finish()
-        return web.json_response(final())
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    request[STREAM] = resp
-    await resp.prepare(request)
-    seq = 0
-
-    async def send(events: list[R.Event]) -> None:
-        nonlocal seq
-        for kind, fields in events:
-            await resp.write(f"event: {kind}\n".encode() + sse_event(R.event(kind, seq, **fields)))
-            seq += 1
-
-    await send([("response.created", dict(response=R.response(rid, model, body, None, "in_progress", created))),
-                ("response.in_progress", dict(response=R.response(rid, model, body, None, "in_progress", created)))])
-    if parser is None:      # plain text: the message item opens before the first token, as OpenAI's does
-        await send(items.open_message())
-    try:
-        async for _, d in merged(choices):
-            c.text.append(d.text)
-            c.ids.extend(d.token_ids)
-            c.last = d
-            await send(items.feed(pieces(d.text)))
-    except EngineFailed as e:   # headers are out: the Responses stream's own error event
-        err = server_error(request_id(request), "engine_failed", "the engine failed while serving this request", e)
-        await send([("error", dict(code="engine_failed", message=err.message, param=None))])
-        await resp.write_eof()
-        return resp
-    await send(items.feed(parser.finish() if parser is not None else []) + items.finish())
-    done = final()
-    await send([("response.incomplete" if done["status"] == "incomplete" else "response.completed",
-                 dict(response=done))])
-    await resp.write_eof()
-    return resp
+            record(ctx, c)
 
 
 async def responses(request: web.Request) -> web.StreamResponse:
@@ -219,37 +132,32 @@ async def models(request: web.Request) -> web.Response:
 
 async def model_card(request: web.Request) -> web.Response:
     ctx: ServerContext = request.app[CTX]
-    model_id = request.match_info["model_id"]
-    req = P.TokenizeRequest(model=model_id)
-    check_target(ctx, req)       # the same names a request may use: the served name, aliases, adapters
+    req = TokenizeRequest(model=request.match_info["model_id"])
+    ctx.check_target(req)       # the same names a request may use: the served name, aliases, adapters
     want = ctx.served_name if req.adapter is None else f"{ctx.served_name}:{req.adapter}"
     return web.json_response(next(c for c in model_cards(ctx) if c["id"] == want))
 
 
 async def tokenize(request: web.Request) -> web.Response:
     ctx: ServerContext = request.app[CTX]
-    req = P.parse_tokenize(await read_json(request))
-    check_target(ctx, req)
-    tok = ctx.tokenizer
-
-    def run() -> list[int]:
-        text = (req.prompt or "") if req.messages is None else render_chat(tok, req)
-        return tok.encode(text, add_special_tokens=req.add_special_tokens)
-
-    ids = await asyncio.to_thread(run)
-    body = {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids,
-            "token_strs": [tok.hf.id_to_token(i) for i in ids] if req.return_token_strs else None}
+    req = parse_tokenize(await read_json(request))
+    ctx.check_target(req)
     if req.ignored_fields:
         request["ignored_fields"] = req.ignored_fields
-    return web.json_response(body)
+
+    def run() -> list[int]:
+        text = (req.prompt or "") if req.messages is None else render_chat(ctx.tokenizer, req)
+        return ctx.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+
+    return tokenize_reply(ctx, req, await asyncio.to_thread(run))
 
 
 async def detokenize(request: web.Request) -> web.Response:
     ctx: ServerContext = request.app[CTX]
-    model, adapter, ids = P.parse_detokenize(await read_json(request))
-    check_target(ctx, P.TokenizeRequest(model=model, adapter=adapter))
-    P.check_token_ids(ids, ctx.vocab_size, "tokens")
-    return web.json_response({"prompt": await asyncio.to_thread(ctx.tokenizer.decode, ids, False)})
+    body = parse_detokenize(await read_json(request))
+    ctx.check_target(TokenizeRequest(model=body.model, adapter=body.adapter))
+    check_token_ids(body.tokens, ctx.vocab_size, "tokens")
+    return detokenize_reply(await asyncio.to_thread(ctx.tokenizer.decode, body.tokens, False))
 
 
 async def version(request: web.Request) -> web.Response:
@@ -267,30 +175,20 @@ ADAPTER_STATUS = {"invalid_adapter": 422, "adapter_exists": 409, "max_adapters":
 async def _adapter_call(ctx: ServerContext, fn, param: str) -> Any:
     """Run an adapter change on the engine thread between steps; AdapterError -> typed 4xx."""
     if not ctx.engine.ready:
-        raise P.admission_error("warming", 1000, "the engine is not ready; load adapters once /ready is 200")
+        raise admission_error("warming", 1000, "the engine is not ready; load adapters once /ready is 200")
     try:
         return await ctx.engine.call(fn)
     except AdapterError as e:
-        raise P.bad(e.code, str(e), param, status=ADAPTER_STATUS.get(e.code, 422))
+        raise bad(e.code, str(e), param, status=ADAPTER_STATUS.get(e.code, 422))
 
 
 async def load_adapter(request: web.Request) -> web.Response:
     """POST /v1/adapters {"name": ..., "path": PEFT dir}: hot-load a LoRA adapter."""
     ctx: ServerContext = request.app[CTX]
-    body = await read_json(request)
-    if not isinstance(body, dict):
-        raise P.bad("invalid_request", "body must be a JSON object with name and path")
-    unknown = sorted(set(body) - {"name", "path"})
-    if unknown:
-        raise P.bad("unknown_field", f"unknown fields: {', '.join(unknown)}", unknown[0])
-    name, path = body.get("name"), body.get("path")
-    if not isinstance(name, str) or not P.ADAPTER_NAME.fullmatch(name):
-        raise P.bad("invalid_name", "name must be a DNS label (lowercase letters, digits, '-'; at most 63)", "name")
-    if not isinstance(path, str) or not path:
-        raise P.bad("invalid_path", "path must be the adapter directory on the engine's filesystem", "path")
-    await _adapter_call(ctx, lambda engine: engine.load_adapter(name, path), "path")
-    log.info("adapter %s loaded from %s", name, path)
-    return web.json_response({"name": name, "path": path, "state": "loaded"})
+    body = AdapterLoadBody.model_validate(await read_json(request))
+    await _adapter_call(ctx, lambda engine: engine.load_adapter(body.name, body.path), "path")
+    log.info("adapter %s loaded from %s", body.name, body.path)
+    return web.json_response({"name": body.name, "path": body.path, "state": "loaded"})
 
 
 async def unload_adapter(request: web.Request) -> web.Response:
@@ -327,9 +225,3 @@ def build_app(ctx: ServerContext) -> web.Application:
     app.router.add_delete("/v1/adapters/{name}", unload_adapter)
     app.router.add_get("/metrics", metrics)
     return app
-
-
-# ---------------------------------------------------------------------------------------------
-# CLI
-
-

@@ -11,11 +11,12 @@ import jsonschema
 import pytest
 import torch
 
-from consort_engine.serving import protocol as P
 from consort_engine.demo_model import write_demo_model
 from consort_engine.text.guided import (CompileBusy, CompileSlots, CompileTimeout, GrammarError, Grammars, GuidedSpec,
                                         _unpack, apply_mask, choice_ebnf)
 from consort_engine.text.tokenizer import Tokenizer
+from consort_engine.serving.errors import ApiError
+from consort_engine.serving.protocol import parse_chat, parse_completion
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
           "maximum": 99}}, "required": ["ok", "n"], "additionalProperties": False}
@@ -40,16 +41,16 @@ def grammars(model_dir, tok) -> Grammars:
 
 def test_parse_each_form():
     chat = {"messages": [{"role": "user", "content": "hi"}]}
-    g = P.parse_chat({**chat, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA,
+    g = parse_chat({**chat, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA,
                                                                                        "strict": True}}}).sampling.guided
     assert g == GuidedSpec("json_schema", json.dumps(SCHEMA, separators=(",", ":")), "response_format.json_schema.schema")
-    assert P.parse_chat({**chat, "response_format": {"type": "json_object"}}).sampling.guided.kind == "json_object"
-    assert P.parse_chat({**chat, "response_format": {"type": "text"}}).sampling.guided is None
-    c = P.parse_completion({"prompt": "a", "guided_choice": ["yes", "no"]}).sampling.guided
+    assert parse_chat({**chat, "response_format": {"type": "json_object"}}).sampling.guided.kind == "json_object"
+    assert parse_chat({**chat, "response_format": {"type": "text"}}).sampling.guided is None
+    c = parse_completion({"prompt": "a", "guided_choice": ["yes", "no"]}).sampling.guided
     assert (c.kind, json.loads(c.spec), c.param) == ("choice", ["yes", "no"], "guided_choice")
-    r = P.parse_completion({"prompt": "a", "structured_outputs": {"regex": "[0-9]+"}}).sampling.guided
+    r = parse_completion({"prompt": "a", "structured_outputs": {"regex": "[0-9]+"}}).sampling.guided
     assert (r.kind, r.spec, r.param) == ("regex", "[0-9]+", "structured_outputs.regex")
-    assert P.parse_completion({"prompt": "a", "guided_json": json.dumps(SCHEMA)}).sampling.guided.kind == "json_schema"
+    assert parse_completion({"prompt": "a", "guided_json": json.dumps(SCHEMA)}).sampling.guided.kind == "json_schema"
 
 
 @pytest.mark.parametrize("body,param", [
@@ -60,8 +61,8 @@ def test_parse_each_form():
     ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
 ])
 def test_bad_forms_are_typed_400s(body, param):
-    with pytest.raises(P.ApiError) as e:
-        P.parse_chat({"messages": [{"role": "user", "content": "hi"}], **body})
+    with pytest.raises(ApiError) as e:
+        parse_chat({"messages": [{"role": "user", "content": "hi"}], **body})
     assert e.value.status == 400 and e.value.param == param
 
 

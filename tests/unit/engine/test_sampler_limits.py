@@ -7,9 +7,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from consort_engine.serving import protocol as P
 from consort_engine.model.sampler import Sampler
 from consort_engine.kv.sequence import Sequence
+from consort_engine.serving.errors import ApiError
+from consort_engine.serving.limits import MAX_LOGIT_BIAS
+from consort_engine.serving.prepare import check_vocab
+from consort_engine.serving.protocol import parse_completion
 
 VOCAB = 300
 HUGE = 10 ** 400
@@ -22,15 +25,15 @@ FIELDS = ("temperature", "top_p", "top_k", "min_p", "typical_p", "presence_penal
 BODY = st.fixed_dictionaries({}, optional={
     **{f: EDGES for f in FIELDS},
     "logit_bias": st.dictionaries(st.integers(0, VOCAB - 1).map(str), st.sampled_from([-100, -1e-9, 0, 55.5, 100]),
-                                  max_size=P.MAX_LOGIT_BIAS),
+                                  max_size=MAX_LOGIT_BIAS),
 })
 
 
 def parsed(body: dict) -> Sequence | None:
     try:
-        sp = P.parse_completion({"prompt": "x", **body}).sampling
-        P.check_vocab(sp, VOCAB)
-    except P.ApiError as e:
+        sp = parse_completion({"prompt": "x", **body}).sampling
+        check_vocab(sp, VOCAB)
+    except ApiError as e:
         assert e.status == 400 and e.param, e
         return None
     seq = Sequence(prompt_token_ids=list(range(VOCAB)), sampling=sp)   # every token seen: the penalties bite

@@ -9,10 +9,10 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from consort_engine.serving import protocol as P
-from consort_engine.serving import generation as G
-from consort_engine.serving import http as S
 from consort_engine.core.async_engine import EngineFailed
+from consort_engine.serving.errors import ApiError
+from consort_engine.serving.generation import admit
+from consort_engine.serving.http import error_middleware
 
 SECRET = "/var/lib/tenant-a/prompt.txt shape [4, 8192]"
 
@@ -21,7 +21,7 @@ async def test_an_unhandled_error_is_a_generic_500_with_the_request_id(caplog):
     async def boom(request):
         raise RuntimeError(SECRET)
 
-    app = web.Application(middlewares=[S.error_middleware])
+    app = web.Application(middlewares=[error_middleware])
     app.router.add_get("/boom", boom)
     async with TestClient(TestServer(app)) as client:
         with caplog.at_level(logging.ERROR, logger="consort.server"):
@@ -39,8 +39,8 @@ async def test_an_engine_failure_is_a_generic_5xx_with_the_request_id(caplog):
             raise EngineFailed(f"engine step failed: {SECRET}")
 
     ctx = SimpleNamespace(engine=Failing())
-    with caplog.at_level(logging.ERROR, logger="consort.server"), pytest.raises(P.ApiError) as e:
-        await G.admit(ctx, [], "rid-9")
+    with caplog.at_level(logging.ERROR, logger="consort.server"), pytest.raises(ApiError) as e:
+        await admit(ctx, [], "rid-9")
     assert (e.value.status, e.value.code) == (503, "engine_failed")
     assert "rid-9" in e.value.message and SECRET not in e.value.message
     assert SECRET in caplog.text and "rid-9" in caplog.text

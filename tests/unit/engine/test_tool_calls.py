@@ -9,11 +9,13 @@ import random
 import jsonschema
 import pytest
 
-from consort_engine.serving import protocol as P
 from consort_engine.text import tool_calls as T
 from consort_engine.demo_model import write_demo_model
 from consort_engine.text.guided import Grammars
 from consort_engine.text.tokenizer import Tokenizer
+from consort_engine.serving.errors import ApiError
+from consort_engine.serving.fields import check_message
+from consort_engine.serving.protocol import parse_chat
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
            "required": ["city", "days"]}
@@ -46,15 +48,15 @@ def streamed(tc: T.ToolChoice, text: str, seed: int) -> tuple[T.ParsedOutput, li
 
 
 def test_parse_chat_accepts_tools_and_each_choice():
-    r = P.parse_chat(CHAT)
+    r = parse_chat(CHAT)
     assert r.tools.mode == "auto" and r.tools.parallel and r.sampling.guided is None
-    assert P.parse_chat({**CHAT, "tool_choice": "none"}).tools.mode == "none"
-    req = P.parse_chat({**CHAT, "tool_choice": "required", "parallel_tool_calls": False})
+    assert parse_chat({**CHAT, "tool_choice": "none"}).tools.mode == "none"
+    req = parse_chat({**CHAT, "tool_choice": "required", "parallel_tool_calls": False})
     assert (req.tools.mode, req.tools.parallel, req.sampling.guided.param) == ("required", False, "tools")
-    named = P.parse_chat({**CHAT, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
+    named = parse_chat({**CHAT, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
     assert named.tools.name == "get_weather" and json.loads(named.sampling.guided.spec) == WEATHER
-    assert P.parse_chat({**CHAT, "tools": []}).tools is None
-    assert P.parse_chat({"messages": CHAT["messages"], "tool_choice": "none"}).tools is None
+    assert parse_chat({**CHAT, "tools": []}).tools is None
+    assert parse_chat({"messages": CHAT["messages"], "tool_choice": "none"}).tools is None
 
 
 @pytest.mark.parametrize("extra,code,param", [
@@ -76,17 +78,17 @@ def test_parse_chat_accepts_tools_and_each_choice():
     ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "invalid_value", "tool_choice"),
 ])
 def test_bad_tool_fields_are_typed_400s(extra, code, param):
-    with pytest.raises(P.ApiError) as e:
-        P.parse_chat({**CHAT, **extra})
+    with pytest.raises(ApiError) as e:
+        parse_chat({**CHAT, **extra})
     assert (e.value.status, e.value.code, e.value.param) == (400, code, param)
 
 
 def test_required_or_named_without_tools_is_a_400_and_history_tool_calls_are_checked():
-    with pytest.raises(P.ApiError) as e:
-        P.parse_chat({"messages": CHAT["messages"], "tool_choice": "required"})
+    with pytest.raises(ApiError) as e:
+        parse_chat({"messages": CHAT["messages"], "tool_choice": "required"})
     assert e.value.param == "tool_choice"
-    with pytest.raises(P.ApiError) as e:
-        P.parse_chat({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"function": 1}]}]})
+    with pytest.raises(ApiError) as e:
+        parse_chat({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"function": 1}]}]})
     assert e.value.param == "messages[0].tool_calls[0]"
 
 
@@ -237,7 +239,7 @@ HISTORY = [{"role": "system", "content": "be brief"},
 
 def test_template_without_tools_gets_the_hermes_block_calls_and_responses(demo):
     tok = Tokenizer.from_dir(demo)               # the demo template knows nothing of tools
-    msgs = [P._message(i, m) for i, m in enumerate(HISTORY)]
+    msgs = [check_message(i, m) for i, m in enumerate(HISTORY)]
     text = tok.apply_chat_template(msgs, tools=TOOLS)
     assert text.startswith("<|system|>\nbe brief\n\n# Tools\n")
     assert "<tools>\n" + json.dumps(TOOLS[0], ensure_ascii=False) + "\n" + json.dumps(TOOLS[1]) + "\n</tools>" in text
@@ -277,5 +279,5 @@ def test_a_call_whose_head_streamed_stays_a_call_when_its_json_breaks_later():
 
 
 def test_auto_or_none_without_tools_is_no_tools():
-    assert P.parse_chat({"messages": CHAT["messages"], "tool_choice": "auto"}).tools is None
-    assert P.parse_chat({"messages": CHAT["messages"], "parallel_tool_calls": True}).tools is None
+    assert parse_chat({"messages": CHAT["messages"], "tool_choice": "auto"}).tools is None
+    assert parse_chat({"messages": CHAT["messages"], "parallel_tool_calls": True}).tools is None
