@@ -69,7 +69,7 @@ class TokenCounts:
 
     def logit_bias(self, sp: SamplingParams, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids, biases), built once: rebuilding them from the dict every step cost 0.6 s a step for 8 rows of
-        100k entries (now at most 300 each, protocol.MAX_LOGIT_BIAS)."""
+        100k entries (now at most 300 each, serving.limits.MAX_LOGIT_BIAS)."""
         if self.bias is None or self.bias[0].device != device:
             ids = [t for t in sp.logit_bias if 0 <= t < vocab]
             self.bias = (torch.tensor(ids, dtype=torch.int64, device=device),

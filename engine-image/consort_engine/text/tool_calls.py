@@ -41,7 +41,7 @@ _DECODER = json.JSONDecoder()
 
 
 class ToolsError(ValueError):
-    """A bad `tools` / `tool_choice` field; protocol.py turns it into a typed 400."""
+    """A bad `tools` / `tool_choice` field; the serving layer turns it into a typed 400."""
 
     def __init__(self, code: str, message: str, param: str) -> None:
         super().__init__(message)
