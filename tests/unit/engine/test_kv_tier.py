@@ -1,9 +1,13 @@
 """The KV tier's bookkeeping: checksummed, identity-checked, byte-bounded LRU files, off on disk failure."""
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 
+import pytest
+
+from consort_engine.config import byte_size
 from consort_engine.kv.events import KVEventLog
 from consort_engine.kv.tier import SUFFIX, KVTier, layout_dir
 
@@ -95,3 +99,11 @@ def test_host_memory_tier_has_the_same_bound(tmp_path):
     tier = written(KVTier(None, 150, ID), (h(1), b"1" * 100), (h(2), b"2" * 100))
     assert tier.kind == "memory" and tier.load(h(2)) == b"2" * 100 and tier.load(h(1)) is None
     assert not os.listdir(tmp_path)
+
+
+def test_tier_size_flag_takes_binary_suffixes_and_refuses_nonsense():
+    assert (byte_size("4G"), byte_size("512M"), byte_size("1.5GiB"), byte_size("1000")) == (
+        4 << 30, 512 << 20, 3 << 29, 1000)
+    for bad in ("0", "x", "-1G", ""):
+        with pytest.raises(argparse.ArgumentTypeError):
+            byte_size(bad)
