@@ -239,14 +239,16 @@ class LLMEngine:
     def _move_tier_blocks(self) -> None:
         """Copy the blocks this step's allocations evicted out to the tier, then the blocks found
         in the tier into their new pool blocks (in that order: one block may be both)."""
-        bm, kv = self.block_manager, self.runner.kv_cache
-        saves = bm.take_offloads()
+        saves = self.block_manager.take_offloads()
         if saves:
-            for (_, h), data in zip(saves, read_blocks(kv, [b for b, _ in saves])):
-                self.kv_tier.save(h, data)
-        loads = bm.take_onloads()
+            self._save_to_tier(saves)
+        loads = self.block_manager.take_onloads()
         if loads:
-            write_blocks(kv, [b for b, _ in loads], [d for _, d in loads])
+            write_blocks(self.runner.kv_cache, [b for b, _ in loads], [d for _, d in loads])
+
+    def _save_to_tier(self, blocks: list[tuple[int, bytes]], wait: bool = False) -> None:
+        for (_, h), data in zip(blocks, read_blocks(self.runner.kv_cache, [b for b, _ in blocks])):
+            self.kv_tier.save(h, data, wait=wait)
 
     def close(self) -> None:
         """Stop: the prefix blocks still in the pool go to the tier first (a restart on the same
@@ -260,9 +262,7 @@ class LLMEngine:
                     log.warning("KV tier: %d pool blocks not written at shutdown (%.0f s spent)",
                                 len(held) - i, CLOSE_FLUSH_S)
                     break
-                chunk = held[i:i + 64]
-                for (_, h), data in zip(chunk, read_blocks(self.runner.kv_cache, [b for b, _ in chunk])):
-                    self.kv_tier.save(h, data, wait=True)
+                self._save_to_tier(held[i:i + 64], wait=True)
             self.kv_tier.flush(timeout=max(1.0, deadline - time.monotonic()))
             self.kv_tier.close()
         close = getattr(self.runner, "close", None)
