@@ -13,6 +13,22 @@ def checkpoint_dir(text: str) -> str:
     return text
 
 
+_SIZE_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def byte_size(text: str) -> int:
+    """argparse type: a positive number of bytes, with an optional binary suffix (512M, 4G, 1T)."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = t[-1:] if t[-1:] in _SIZE_UNITS and t[-1:] else ""
+    try:
+        n = int(float(t[:len(t) - len(unit)]) * _SIZE_UNITS[unit])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text}: not a size (a number of bytes, or with K, M, G or T)") from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"{text}: must be positive")
+    return n
+
+
 @dataclass
 class EngineConfig:
     model: str                          # checkpoint dir: config.json, *.safetensors, tokenizer.json
@@ -31,6 +47,10 @@ class EngineConfig:
     hybrid_swap: bool = True            # hybrids: preemption parks KV + state in host memory (False: recompute)
     max_waiting: int = 1024             # waiting-queue bound: beyond it, 429 queue_full
     enable_prefix_caching: bool = True
+    # KV tier below the pool (kv/tier.py): evicted prefix blocks go to files under this directory
+    # (None: host memory, when kv_tier_bytes is set), at most kv_tier_bytes of them; both None: off
+    kv_tier_path: str | None = None
+    kv_tier_bytes: int | None = None
     speculative: str = "off"            # off | ngram | mtp  (next issue)
     num_speculative_tokens: int = 3
     spec_typical_tau: float = 0.1       # typical acceptance for sampled requests; 0 = greedy requests only

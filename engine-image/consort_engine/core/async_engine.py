@@ -216,7 +216,8 @@ class AsyncEngine:
         try:
             self._loop_steps()
         finally:
-            close = getattr(getattr(self.engine, "runner", None), "close", None)
+            close = (getattr(self.engine, "close", None)   # LLMEngine.close: tier flush, then the runner
+                     or getattr(getattr(self.engine, "runner", None), "close", None))
             if close is not None:
                 close()   # tensor-parallel worker ranks stop with the loop
 

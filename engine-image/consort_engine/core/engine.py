@@ -15,7 +15,10 @@ import torch
 
 from consort_engine.core.admission import StepEstimates
 from consort_engine.kv.block_manager import BlockManager, blocks_for
+from consort_engine.kv.events import KVEventLog
+from consort_engine.kv.tier import KVTier
 from consort_engine.config import EngineConfig
+from consort_engine.model.kv_blocks import layout_identity, read_blocks, write_blocks
 from consort_engine.model.lora import AdapterError
 from consort_engine.core.scheduler import Scheduler, StepOutput
 from consort_engine.kv.sequence import SamplingParams, ScheduledBatch, Sequence
@@ -25,6 +28,8 @@ __all__ = ["AdmissionRejected", "LLMEngine", "StepOutput"]
 
 log = logging.getLogger("consort.engine")
 
+DEFAULT_TIER_BYTES = 4 * 2**30
+CLOSE_FLUSH_S = 5.0        # at shutdown, pool blocks go to the tier for at most this long (the thread gets 10 s)
 PREEMPTING_WINDOW_S = 10.0   # `preempting` in stats: a preemption happened this recently
 EWMA_ALPHA = 0.2
 
@@ -51,6 +56,19 @@ class Ewma:
         self.count += 1
 
 
+def make_tier(config: EngineConfig, runner, events: KVEventLog) -> KVTier | None:
+    """The KV tier the flags ask for, or None (not asked for, or this engine cannot copy its blocks)."""
+    if config.kv_tier_path is None and config.kv_tier_bytes is None:
+        return None
+    if config.tensor_parallel_size > 1 or not hasattr(runner, "kv_cache"):
+        log.warning("KV tier is off: it needs the whole KV pool in this process (tensor_parallel_size 1)")
+        return None
+    identity = layout_identity(config, runner.kv_cache, runner.backend, 0, 1)
+    tier = KVTier(config.kv_tier_path, config.kv_tier_bytes or DEFAULT_TIER_BYTES, identity, events)
+    log.info("KV tier: %s, %.1f GiB, %s", tier.dir or "host memory", tier.max_bytes / 2**30, identity)
+    return tier
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, runner=None, sampler=None) -> None:
         if runner is None:
@@ -69,9 +87,12 @@ class LLMEngine:
             # A cached prefix's KV is useless without the mixers' state at that token: never reuse it.
             log.warning("prefix caching is off for %s: hybrid (attention + Mamba2) model", config.name)
             caching = False
+        self.kv_events = KVEventLog()
+        self.kv_tier = make_tier(config, runner, self.kv_events) if caching else None
         self.block_manager = BlockManager(runner.num_blocks, runner.block_size, namespace=config.name,
                                           enable_caching=caching,
-                                          state_slots=config.max_num_seqs if hybrid else 0)
+                                          state_slots=config.max_num_seqs if hybrid else 0,
+                                          events=self.kv_events, tier=self.kv_tier)
         # Swap preemption needs the whole pool in this process (no tensor-parallel ranks to replay it).
         swap = hybrid and config.hybrid_swap and config.tensor_parallel_size == 1
         self.scheduler = Scheduler(config, self.block_manager, eos_token_ids=runner.eos_token_ids,
@@ -179,6 +200,8 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if self.scheduler.swap_bytes is not None:
             self._swap(batch)
+        if self.kv_tier is not None:
+            self._move_tier_blocks()
         t1 = time.perf_counter()
         if not batch.seqs:
             self.last_batch = batch
@@ -212,6 +235,39 @@ class LLMEngine:
             if seq.swapped is not None:
                 self.runner.swap_in(seq.swapped, seq.block_table, seq.state_slot)
                 seq.swapped = None
+
+    def _move_tier_blocks(self) -> None:
+        """Copy the blocks this step's allocations evicted out to the tier, then the blocks found
+        in the tier into their new pool blocks (in that order: one block may be both)."""
+        saves = self.block_manager.take_offloads()
+        if saves:
+            self._save_to_tier(saves)
+        loads = self.block_manager.take_onloads()
+        if loads:
+            write_blocks(self.runner.kv_cache, [b for b, _ in loads], [d for _, d in loads])
+
+    def _save_to_tier(self, blocks: list[tuple[int, bytes]], wait: bool = False) -> None:
+        for (_, h), data in zip(blocks, read_blocks(self.runner.kv_cache, [b for b, _ in blocks])):
+            self.kv_tier.save(h, data, wait=wait)
+
+    def close(self) -> None:
+        """Stop: the prefix blocks still in the pool go to the tier first (a restart on the same
+        directory starts warm), then the runner's ranks stop."""
+        if self.kv_tier is not None and self.kv_tier.enabled:
+            self._move_tier_blocks()
+            held = self.block_manager.tier_candidates()
+            deadline = time.monotonic() + CLOSE_FLUSH_S
+            for i in range(0, len(held), 64):
+                if time.monotonic() > deadline:
+                    log.warning("KV tier: %d pool blocks not written at shutdown (%.0f s spent)",
+                                len(held) - i, CLOSE_FLUSH_S)
+                    break
+                self._save_to_tier(held[i:i + 64], wait=True)
+            self.kv_tier.flush(timeout=max(1.0, deadline - time.monotonic()))
+            self.kv_tier.close()
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
 
     def _draft_mtp(self, batch: ScheduledBatch) -> None:
         self.spec.draft_mtp(batch, self.runner)
@@ -311,6 +367,12 @@ class LLMEngine:
             "num_preemptions_swapped": sched.num_swapped,
             "prefix_cache_queries": bm.prefix_queries,
             "prefix_cache_hits": bm.prefix_hits,
+            "tier_cache_queries": bm.tier_queries,
+            "tier_cache_hits": bm.tier_hits,
+            "kv_events_seq": self.kv_events.seq,
+            "kv_events_snapshots": self.kv_events.snapshots_served,
+            "kv_events_lag": self.kv_events.last_lag,
+            **(self.kv_tier.stats() if self.kv_tier is not None else {}),
             "step_time_ewma_s": self._step_time.value,
             "prefill_tokens_per_s": est.prefill_tokens_per_s,
             "decode_step_s": est.decode_step_s,

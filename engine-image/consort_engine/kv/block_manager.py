@@ -5,40 +5,46 @@ empty, or free but still holding a reusable prefix ("cached"). Cached blocks are
 least-recently-freed first, and only when no empty block is left.
 
 Prefix cache: every FULL block whose K/V has been computed gets a hash chained over its
-parent: hash_fn(parent_hash, namespace, adapter, block token ids). The namespace (specialist
-name) and the adapter are part of the key so that two adapters never share K/V; a sequence's
-cache salt (its tenant, vLLM's cache_salt) seeds the chain's root, so two salts never share a
-block and a cache hit tells nobody about another tenant's prompts. A lookup hit is verified, not
+parent: kv/block_hash.block_hash(parent hash, block token ids, namespace, adapter, salt), the one
+definition routers compute too. The namespace (specialist name), the adapter and the sequence's
+cache salt (its tenant, vLLM's cache_salt) are in every block's key, so two adapters never share
+K/V and a cache hit tells nobody about another tenant's prompts. A lookup hit is verified, not
 trusted: the candidate's token ids, adapter, salt and parent must match exactly.
 "Parent" is compared through content ids: blocks holding the same verified prefix share one
 content id, a new prefix gets a fresh one, and ids are never reused. Verifying the parent's
 content id (not just its hash) makes a forced hash collision harmless for the whole chain.
+
+Registered and evicted blocks are published as block events (kv/events.py). With a KV tier
+(kv/tier.py), a cached block evicted from the pool is queued for the tier (`take_offloads`: the
+engine copies its K/V out before the step reuses the block), and a prompt's blocks past the pool's
+hits are looked up in the tier at admission; each one found is registered at once and queued to
+be copied into its new pool block before the step runs (`take_onloads`).
 """
 from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
+from typing import Protocol
 
+from consort_engine.kv.block_hash import ROOT, block_hash
+from consort_engine.kv.events import KVEventLog
 from consort_engine.kv.sequence import Sequence
 from consort_engine.kv.state_pool import StateSlots
 
-HashFn = Callable[[int, str, "str | None", tuple[int, ...]], Hashable]
+# (parent hash, block token ids, namespace, adapter, salt) -> hash; tests pass colliding ones
+HashFn = Callable[[Hashable, tuple[int, ...], str, "str | None", "str | None"], Hashable]
 
-_NO_PARENT_HASH = 0
 _NO_CONTENT = 0   # content id of "no block" (root parent) and of unregistered blocks
 
 
-def root_hash(salt: str | None) -> Hashable:
-    """The parent hash of a chain's first block: salted chains start apart."""
-    return _NO_PARENT_HASH if salt is None else hash(("salt", salt))
+class TierLookup(Protocol):
+    """What the block manager asks of a KV tier (kv/tier.py)."""
+    enabled: bool
 
+    def holds(self, h: bytes) -> bool: ...
 
-def chain_hash(parent_hash: Hashable, namespace: str, adapter: str | None, tokens: tuple[int, ...]) -> Hashable:
-    """Hash of a full block given its parent's hash. Python's tuple hash: fast, and every hit
-    is verified against the stored tokens and parent, so collisions cost a miss, never a
-    wrong block."""
-    return hash((parent_hash, namespace, adapter, tokens))
+    def load(self, h: bytes) -> bytes | None: ...
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -47,13 +53,18 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, namespace: str = "",
-                 enable_caching: bool = True, hash_fn: HashFn = chain_hash, state_slots: int = 0) -> None:
+                 enable_caching: bool = True, hash_fn: HashFn = block_hash, state_slots: int = 0,
+                 events: KVEventLog | None = None, tier: TierLookup | None = None) -> None:
         assert num_blocks > 0 and block_size > 0
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.namespace = namespace
         self.enable_caching = enable_caching
         self._hash_fn = hash_fn
+        self.events = events
+        self.tier = tier if enable_caching else None
+        self._offloads: list[tuple[int, Hashable]] = []   # (evicted block, its hash): copy to the tier
+        self._onloads: list[tuple[int, bytes]] = []       # (pool block, K/V bytes from the tier): copy in
         # Hybrid models: a conv/SSM state slot per running sequence, taken and given back with its blocks.
         self.state_slots = StateSlots(state_slots) if state_slots else None
 
@@ -78,6 +89,9 @@ class BlockManager:
         # vLLM semantics, in tokens: queried = prompt tokens looked up, hits = tokens reused.
         self.prefix_queries = 0
         self.prefix_hits = 0
+        # The tier, in tokens (vLLM's external_prefix_cache_*): looked up past the pool's hits, found.
+        self.tier_queries = 0
+        self.tier_hits = 0
 
     # ---------------------------------------------------------------- pool state
     @property
@@ -108,11 +122,11 @@ class BlockManager:
         max_blocks = (len(tokens) - 1) // bs
         blocks: list[int] = []
         hashes: list[Hashable] = []
-        parent_hash: Hashable = root_hash(seq.cache_salt)
+        parent_hash: Hashable = ROOT
         parent_content = _NO_CONTENT
         for i in range(max_blocks):
             block_tokens = tuple(tokens[i * bs:(i + 1) * bs])
-            h = self._hash_fn(parent_hash, self.namespace, seq.adapter, block_tokens)
+            h = self._hash_fn(parent_hash, block_tokens, self.namespace, seq.adapter, seq.cache_salt)
             b = self._by_hash.get(h)
             if b is None or not self._same_content(b, block_tokens, seq, parent_content):
                 break
@@ -167,13 +181,55 @@ class BlockManager:
         for _ in range(blocks_for(seq.num_tokens + num_lookahead, self.block_size) - len(hits)):
             table.append(self._take_free_block())
         seq.block_table = table
-        seq.num_cached_tokens = len(hits) * self.block_size
-        seq.num_computed_tokens = seq.num_cached_tokens
         self._seq_hashes[seq.seq_id] = hashes
+        loaded = self._load_from_tier(seq) if self.tier is not None and self.tier.enabled else 0
+        seq.num_cached_tokens = len(hashes) * self.block_size
+        seq.num_computed_tokens = seq.num_cached_tokens
         if self.enable_caching:
             self.prefix_queries += seq.num_tokens
-            self.prefix_hits += seq.num_cached_tokens
+            self.prefix_hits += seq.num_cached_tokens - loaded
         return True
+
+    def _load_from_tier(self, seq: Sequence) -> int:
+        """Extend seq's reused prefix past the pool's hits with blocks the tier holds: each is
+        registered now and queued for copying into its pool block before the step runs.
+        Adapter blocks never go to the tier (an adapter's weights can change under its name).
+        Returns the tokens found."""
+        if seq.adapter is not None or seq.needs_prompt_logprobs:
+            return 0
+        bs = self.block_size
+        hashes = self._seq_hashes[seq.seq_id]
+        max_blocks = (seq.num_tokens - 1) // bs
+        self.tier_queries += (max_blocks - len(hashes)) * bs
+        found = 0
+        for i in range(len(hashes), max_blocks):
+            parent_hash = hashes[i - 1] if i else ROOT
+            block_tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            h = self._hash_fn(parent_hash, block_tokens, self.namespace, seq.adapter, seq.cache_salt)
+            data = self.tier.load(h) if isinstance(h, bytes) else None
+            if data is None:
+                break
+            b = seq.block_table[i]
+            self._onloads.append((b, data))
+            stored = self._register(b, h, block_tokens, seq, self._content[seq.block_table[i - 1]] if i else _NO_CONTENT)
+            if stored and self.events is not None:
+                self.events.record("stored", "pool", [h])
+            hashes.append(h)
+            found += bs
+        self.tier_hits += found
+        return found
+
+    def take_offloads(self) -> list[tuple[int, Hashable]]:
+        """(pool block, hash) of the cached blocks evicted since the last call, for the tier; the
+        caller copies them out before the next forward overwrites them."""
+        out, self._offloads = self._offloads, []
+        return out
+
+    def take_onloads(self) -> list[tuple[int, bytes]]:
+        """(pool block, K/V bytes) found in the tier since the last call; the caller copies them in
+        (after take_offloads' copies: a block may be evicted and refilled in one step)."""
+        out, self._onloads = self._onloads, []
+        return out
 
     def forget_adapter(self, adapter: str) -> int:
         """Drop the cached prefixes computed with an adapter (it was unloaded: a later adapter of the
@@ -191,6 +247,10 @@ class BlockManager:
             b = self._free_empty.pop()
         else:
             b, _ = self._free_cached.popitem(last=False)   # least recently freed
+            h = self._hash[b]
+            if (self.tier is not None and self.tier.enabled and self._adapter[b] is None and isinstance(h, bytes)
+                    and not self.tier.holds(h) and all(b != ob for ob, _ in self._onloads)):
+                self._offloads.append((b, h))
             self._evict(b)
         self.ref_count[b] = 1
         return b
@@ -199,6 +259,8 @@ class BlockManager:
         h = self._hash[b]
         if h is not None and self._by_hash.get(h) == b:
             del self._by_hash[h]
+            if self.events is not None:
+                self.events.record("removed", "pool", [h])
         self._hash[b] = None
         self._tokens[b] = None
         self._adapter[b] = None
@@ -239,27 +301,35 @@ class BlockManager:
             return
         table = seq.block_table
         tokens = seq.token_ids
+        stored = []
         for i in range(len(hashes), num_full):
-            parent_hash = hashes[i - 1] if i else root_hash(seq.cache_salt)
+            parent_hash = hashes[i - 1] if i else ROOT
             parent_content = self._content[table[i - 1]] if i else _NO_CONTENT
             block_tokens = tuple(tokens[i * bs:(i + 1) * bs])
-            h = self._hash_fn(parent_hash, self.namespace, seq.adapter, block_tokens)
-            b = table[i]
-            self._hash[b] = h
-            self._tokens[b] = block_tokens
-            self._adapter[b] = seq.adapter
-            self._salt[b] = seq.cache_salt
-            self._parent_content[b] = parent_content
-            other = self._by_hash.get(h)
-            if other is not None and other != b and self._same_content(other, block_tokens, seq, parent_content):
-                # Same prefix computed twice (admitted in the same step): same content id, so
-                # chains through either copy verify. Keep the existing entry.
-                self._content[b] = self._content[other]
-            else:
-                # New content, or a genuine hash collision: the newest block takes the slot.
-                self._content[b] = next(self._content_ids)
-                self._by_hash[h] = b
+            h = self._hash_fn(parent_hash, block_tokens, self.namespace, seq.adapter, seq.cache_salt)
+            if self._register(table[i], h, block_tokens, seq, parent_content):
+                stored.append(h)
             hashes.append(h)
+        if stored and self.events is not None:
+            self.events.record("stored", "pool", stored)
+
+    def _register(self, b: int, h: Hashable, block_tokens: tuple[int, ...], seq: Sequence, parent_content: int) -> bool:
+        """Record block b's content; True when h is newly findable in the cache (a `stored` event)."""
+        self._hash[b] = h
+        self._tokens[b] = block_tokens
+        self._adapter[b] = seq.adapter
+        self._salt[b] = seq.cache_salt
+        self._parent_content[b] = parent_content
+        other = self._by_hash.get(h)
+        if other is not None and other != b and self._same_content(other, block_tokens, seq, parent_content):
+            # Same prefix computed twice (admitted in the same step): same content id, so
+            # chains through either copy verify. Keep the existing entry.
+            self._content[b] = self._content[other]
+            return False
+        # New content, or a genuine hash collision: the newest block takes the slot.
+        self._content[b] = next(self._content_ids)
+        self._by_hash[h] = b
+        return other is None
 
     # ---------------------------------------------------------------- release
     def free(self, seq: Sequence) -> None:
@@ -321,6 +391,13 @@ class BlockManager:
         for b in reversed(seq.block_table[keep:]):
             self._release(b)
         del seq.block_table[keep:]
+
+    def tier_candidates(self) -> list[tuple[int, Hashable]]:
+        """(block, hash) of every findable block the tier could take and does not hold (at shutdown)."""
+        if self.tier is None:
+            return []
+        return [(b, h) for h, b in self._by_hash.items()
+                if self._adapter[b] is None and isinstance(h, bytes) and not self.tier.holds(h)]
 
     # ---------------------------------------------------------------- introspection (tests, status)
     def num_registered_blocks(self, seq: Sequence) -> int:

@@ -16,7 +16,7 @@ from consort_engine.serving.limits import ADAPTER_NAME
 from consort_engine.model.attention import default_block_size
 from consort_engine.core.async_engine import AsyncEngine
 from consort_common.help import HelpFormatter
-from consort_engine.config import EngineConfig
+from consort_engine.config import EngineConfig, byte_size
 from consort_engine.serving.adapter_sync import AdapterSync
 from consort_engine.serving.credential import CredentialSource
 from consort_engine.model.cpu import apply_threads
@@ -64,6 +64,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="share of the memory left after the weights that the KV pool may take (without --num-blocks)")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="do not reuse the KV blocks of a prompt prefix seen before")
+    p.add_argument("--kv-tier-path", default=None, metavar="DIR",
+                   help="KV tier: prefix blocks evicted from the pool are written here and read back on a prefix "
+                        "hit instead of recomputed; survives restarts, and replicas sharing the directory share "
+                        "prefills (docs/kv-cache.md). Unset: no disk tier")
+    p.add_argument("--kv-tier-bytes", type=byte_size, default=None, metavar="SIZE",
+                   help="KV tier bound (e.g. 20G), least recently used blocks out first; with --kv-tier-path "
+                        "unset, the tier is host memory (GPU pods). Unset: 4G with --kv-tier-path, else no tier")
     p.add_argument("--speculative", default="off", choices=["off", "ngram", "mtp"],
                    help="speculative decoding: ngram drafts from the prompt and output so far, mtp from the "
                         "checkpoint's multi-token-prediction block")
@@ -140,6 +147,7 @@ def config_from_args(a: argparse.Namespace) -> EngineConfig:
         block_size=a.block_size or default_block_size(a.device), num_blocks=a.num_blocks, kv_memory_fraction=a.kv_memory_fraction,
         max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
         max_waiting=a.max_waiting, enable_prefix_caching=not a.no_prefix_caching, speculative=a.speculative,
+        kv_tier_path=a.kv_tier_path, kv_tier_bytes=a.kv_tier_bytes,
         num_speculative_tokens=a.num_speculative_tokens, spec_typical_tau=a.spec_typical_tau,
         adapters=adapters, max_adapters=a.max_adapters, seed=a.seed, enforce_eager=a.enforce_eager,
         slo_ttft_ms=a.slo_ttft_ms, slo_itl_ms=a.slo_itl_ms, max_body_bytes=a.max_body_bytes,

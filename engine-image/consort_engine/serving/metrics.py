@@ -92,7 +92,14 @@ class _EngineStatsCollector:
                   ("consort_kv_cached_blocks", "KV blocks holding reusable prefix-cache content",
                    s.get("kv_cached_blocks", 0)),
                   ("consort_preempting", "1 while the scheduler is preempting", int(bool(s.get("preempting")))),
-                  ("consort_warm", "1 once warmup finished and the engine serves", int(bool(s.get("warm")))))
+                  ("consort_warm", "1 once warmup finished and the engine serves", int(bool(s.get("warm")))),
+                  ("consort_kv_tier_enabled", "1 while the KV tier below the pool is on (0: off, or turned off "
+                   "after a disk failure or a slow write)", int(bool(s.get("kv_tier_enabled")))),
+                  ("consort_kv_tier_bytes", "Bytes of KV blocks this engine keeps in its tier", s.get("kv_tier_bytes", 0)),
+                  ("consort_kv_tier_blocks", "KV blocks this engine keeps in its tier", s.get("kv_tier_blocks", 0)),
+                  ("consort_kv_events_seq", "Sequence number of the latest block event", s.get("kv_events_seq", 0)),
+                  ("consort_kv_events_lag", "Events the last caught-up subscriber of /v1/kv/events was behind",
+                   s.get("kv_events_lag", 0)))
         for name, doc, value in gauges:
             g = GaugeMetricFamily(name, doc, labels=ENGINE_LABELS)
             g.add_metric(self.labels, float(value or 0))
@@ -100,6 +107,23 @@ class _EngineStatsCollector:
         counters = (("vllm:num_preemptions", "Cumulative preemptions", s.get("num_preemptions", 0)),
                     ("vllm:prefix_cache_queries", "Prefix-cache queries, in tokens", s.get("prefix_cache_queries", 0)),
                     ("vllm:prefix_cache_hits", "Prefix-cache hits, in tokens", s.get("prefix_cache_hits", 0)),
+                    ("vllm:external_prefix_cache_queries", "KV-tier queries (prompt tokens past the pool's hits), "
+                     "in tokens", s.get("tier_cache_queries", 0)),
+                    ("vllm:external_prefix_cache_hits", "KV-tier hits (tokens loaded instead of recomputed)",
+                     s.get("tier_cache_hits", 0)),
+                    ("consort_kv_tier_lookups_hit", "KV-tier block reads that found a valid block", s.get("kv_tier_hits", 0)),
+                    ("consort_kv_tier_lookups_missed", "KV-tier block reads that found none", s.get("kv_tier_misses", 0)),
+                    ("consort_kv_tier_rejected_blocks", "KV-tier blocks refused: torn, corrupted or another "
+                     "model's or layout's", s.get("kv_tier_rejected", 0)),
+                    ("consort_kv_tier_written_blocks", "KV blocks written to the tier", s.get("kv_tier_written", 0)),
+                    ("consort_kv_tier_dropped_writes", "KV blocks not written: the tier's writer was behind",
+                     s.get("kv_tier_dropped_writes", 0)),
+                    ("consort_kv_tier_evicted_blocks", "KV blocks dropped from the tier by its byte bound",
+                     s.get("kv_tier_evicted", 0)),
+                    ("consort_kv_tier_load_seconds", "Seconds spent reading blocks found in the tier (divide by "
+                     "consort_kv_tier_lookups_hit for the mean load latency)", s.get("kv_tier_load_seconds", 0.0)),
+                    ("consort_kv_event_snapshots", "Snapshots served to /v1/kv/events subscribers that could not "
+                     "catch up from the event ring", s.get("kv_events_snapshots", 0)),
                     ("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed for verification",
                      (s.get("speculation") or {}).get("draft_tokens", 0)),
                     ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted by verification",

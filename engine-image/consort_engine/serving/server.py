@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.metadata
+import json
 import logging
 import time
 from typing import Any
@@ -29,6 +30,7 @@ from consort_engine.serving.render_responses import responses_reply
 from consort_engine.serving.render_tokenize import detokenize_reply, tokenize_reply
 from consort_engine.serving.request_models import AdapterLoadBody
 from consort_engine.serving.tokenize_request import TokenizeRequest, parse_detokenize, parse_tokenize
+from consort_engine.kv.events import MAX_EVENTS_PER_REPLY
 
 log = logging.getLogger("consort.server")
 
@@ -200,6 +202,36 @@ async def unload_adapter(request: web.Request) -> web.Response:
     return web.json_response({"name": name, "state": "unloaded", "dropped_cached_blocks": dropped})
 
 
+async def kv_events(request: web.Request) -> web.Response:
+    """GET /v1/kv/events?epoch=E&since=N: this engine's block events after N in epoch E, or a snapshot of
+    the blocks it holds when it cannot answer that exactly (kv/events.py; docs/kv-cache.md)."""
+    ctx: ServerContext = request.app[CTX]
+    log_ = getattr(ctx.engine.engine, "kv_events", None)
+    if log_ is None:
+        raise admission_error("warming", 1000, "the engine is still loading; no block events yet")
+    q = request.query
+    unknown = sorted(set(q) - {"epoch", "since", "limit"})
+    if unknown:
+        raise bad("unknown_parameter", f"unknown query parameters: {', '.join(unknown)}", unknown[0])
+    epoch = q.get("epoch")
+    if epoch is not None and len(epoch) > 64:
+        raise bad("invalid_epoch", "epoch is at most 64 characters (the value a reply gave)", "epoch")
+    since = limit = None
+    for name in ("since", "limit"):
+        text = q.get(name)
+        if text is None:
+            continue
+        if not text.isdigit() or len(text) > 18:
+            raise bad(f"invalid_{name}", f"{name} must be a non-negative integer", name)
+        if name == "since":
+            since = int(text)
+        else:
+            limit = min(max(int(text), 1), MAX_EVENTS_PER_REPLY)
+    body = await asyncio.get_running_loop().run_in_executor(
+        None, lambda: json.dumps(log_.read(epoch, since, limit or MAX_EVENTS_PER_REPLY)))
+    return web.Response(text=body, content_type="application/json")
+
+
 async def metrics(request: web.Request) -> web.Response:
     body, content_type = request.app[CTX].metrics.render()
     return web.Response(body=body, headers={"Content-Type": content_type})
@@ -223,5 +255,6 @@ def build_app(ctx: ServerContext) -> web.Application:
     app.router.add_get("/version", version)
     app.router.add_post("/v1/adapters", load_adapter)
     app.router.add_delete("/v1/adapters/{name}", unload_adapter)
+    app.router.add_get("/v1/kv/events", kv_events)
     app.router.add_get("/metrics", metrics)
     return app

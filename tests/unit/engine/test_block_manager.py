@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from consort_engine.kv.block_manager import BlockManager, chain_hash
+from consort_engine.kv.block_hash import block_hash
+from consort_engine.kv.block_manager import BlockManager
 from consort_engine.kv.sequence import SamplingParams, Sequence
 
 BS = 4
@@ -98,7 +99,7 @@ def test_cache_salt_is_part_of_the_key():
 
 def test_a_forced_collision_across_salts_is_still_a_miss():
     """Even with every hash equal, a block is verified against its salt."""
-    bm = BlockManager(16, BS, hash_fn=lambda parent, ns, adapter, tokens: 7)
+    bm = BlockManager(16, BS, hash_fn=lambda *keys: 7)
     a = Sequence(list(range(1, 6)), SamplingParams(), cache_salt="x")
     run_to_completion(bm, a)
     bm.free(a)
@@ -128,9 +129,9 @@ def test_forget_adapter_drops_only_that_adapters_cached_prefixes():
 def test_namespace_reaches_the_hash():
     seen = []
 
-    def spy(parent, namespace, adapter, tokens):
+    def spy(parent, tokens, namespace, adapter, salt):
         seen.append(namespace)
-        return chain_hash(parent, namespace, adapter, tokens)
+        return block_hash(parent, tokens, namespace, adapter, salt)
 
     bm = BlockManager(8, BS, namespace="template", hash_fn=spy)
     run_to_completion(bm, seq_of(range(1, 10)))
@@ -150,7 +151,7 @@ def test_constant_hash_never_hands_out_other_tokens():
 def test_parent_blind_hash_does_not_splice_a_block_onto_another_prefix():
     """Hash ignores the parent, so block [2,2,2,2] after [1,1,1,1] and after [5,5,5,5] collide.
     Tokens alone match; the parent check must refuse the splice."""
-    bm = BlockManager(16, BS, hash_fn=lambda parent, ns, adapter, tokens: tokens)
+    bm = BlockManager(16, BS, hash_fn=lambda parent, tokens, *keys: tokens)
     x = seq_of([1, 1, 1, 1, 2, 2, 2, 2, 3])
     run_to_completion(bm, x)
     y = seq_of([5, 5, 5, 5, 9])

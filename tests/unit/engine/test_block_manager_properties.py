@@ -8,7 +8,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from consort_engine.kv.block_manager import BlockManager, chain_hash
+from consort_engine.kv.block_hash import block_hash
+from consort_engine.kv.block_manager import BlockManager
 from consort_engine.kv.sequence import SamplingParams, Sequence
 
 NUM_BLOCKS = 12
@@ -19,7 +20,7 @@ adapter_st = st.sampled_from([None, "a"])
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
-    hash_fn = staticmethod(chain_hash)
+    hash_fn = staticmethod(block_hash)
 
     @initialize()
     def setup(self) -> None:
@@ -127,15 +128,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 assert self.kv[self._slot(seq, pos)] == tuple(seq.token_ids[:pos + 1]), (seq.seq_id, pos)
 
 
-def _constant_hash(parent, namespace, adapter, tokens):
+def _constant_hash(parent, tokens, namespace, adapter, salt):
     return 0
 
 
-def _parent_blind_hash(parent, namespace, adapter, tokens):
+def _parent_blind_hash(parent, tokens, namespace, adapter, salt):
     return tokens       # same tokens under a different prefix collide
 
 
-def _two_bucket_hash(parent, namespace, adapter, tokens):
+def _two_bucket_hash(parent, tokens, namespace, adapter, salt):
     return sum(tokens) % 2
 
 
