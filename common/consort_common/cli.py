@@ -19,6 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "up": ("consort_operator.local", "run Specialists and an EnsembleRouter from manifests as local processes"),
     "crds": ("consort_operator.api.crds", "print the CRD YAML generated from the pydantic models"),
     "demo-model": ("consort_engine.demo_model", "write a small Llama-family checkpoint + tokenizer"),
+    "model-cache": ("consort_engine.model_cache", "copy checkpoints through the node-local model cache"),
     "bench": ("consort_engine.bench.cli", "benchmarks with a report (`consort bench --help`)"),
 }
 # `consort COMMAND SUB` implemented outside COMMAND's module: `bench local` starts `consort up`,

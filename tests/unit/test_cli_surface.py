@@ -53,6 +53,7 @@ BAD = {
     ("crds", "--out-dir", NOT_A_DIR): f"consort crds: {NOT_A_DIR}: Not a directory",
     ("demo-model", "/tmp/unused", "--arch", "gpt2"): "consort demo-model: error: argument --arch: invalid choice",
     ("demo-model", "/tmp/unused", "--lora-for", MISSING): f"consort demo-model: error: argument --lora-for: {MISSING}",
+    ("model-cache", "demo://tiny"): "consort model-cache: error: expected SOURCE TARGET pairs",
     ("bench", "nosuch"): "consort bench: error: argument cmd: invalid choice",
     ("bench", "offline", "--model", MISSING): f"consort bench offline: error: argument --model: {MISSING}",
     ("bench", "roofline", "--model", MISSING): f"consort bench roofline: error: argument --model: {MISSING}",
