@@ -44,9 +44,10 @@ COMMIT = re.compile(r"^[0-9a-f]{40}$")
 # ---- pure decisions ----------------------------------------------------------------------------
 
 def cache_key(source: str, revision: str) -> str:
-    """The entry's directory name: readable prefix, then a digest of (source, revision)."""
+    """The entry's directory name: the end of the source (readable on the node), then a digest of
+    (source, revision)."""
     digest = hashlib.sha256(f"{source}\n{revision}".encode()).hexdigest()[:24]
-    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", source.split("://", 1)[-1]).strip("._")[:48]
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", source.split("://", 1)[-1])[-48:].strip("._-")
     return f"{slug}-{digest}"
 
 
@@ -236,11 +237,14 @@ class ModelCache:
     root: Path
     max_bytes: int
 
+    def prepare(self) -> None:
+        for sub in ("entries", "locks", "tmp"):
+            (self.root / sub).mkdir(parents=True, exist_ok=True)
+
     def usable(self) -> str | None:
         """Why the cache cannot be used, or None."""
         try:
-            for sub in ("entries", "locks", "tmp"):
-                (self.root / sub).mkdir(parents=True, exist_ok=True)
+            self.prepare()
             probe = self.root / "tmp" / f".probe.{os.getpid()}"
             probe.write_bytes(b"")
             probe.unlink()
@@ -254,6 +258,7 @@ class ModelCache:
     def materialize(self, source: str, target: Path, fetch_fn: Fetch = fetch) -> Outcome:
         """Make target a verified copy of source's checkpoint, from the cache when it holds it."""
         t0 = time.monotonic()
+        self.prepare()
         revision = source_revision(source)
         key = cache_key(source, revision)
         entry = self.root / "entries" / key
