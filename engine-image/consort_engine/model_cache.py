@@ -350,7 +350,7 @@ def materialize_direct(source: str, target: Path, fetch_fn: Fetch = fetch) -> Ou
     return Outcome("bypass", source, size, time.monotonic() - t0)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="consort model-cache", description=__doc__.splitlines()[0],
                                  formatter_class=HelpFormatter)
     ap.add_argument("pairs", nargs="+", metavar="SOURCE TARGET",
@@ -366,6 +366,14 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("expected SOURCE TARGET pairs")
     if a.max_bytes < 0:
         ap.error("--max-bytes must be >= 0")
+    for source in a.pairs[::2]:
+        if not source.startswith(("hf://", "demo://", "file://")):
+            ap.error(f"{source!r} is not an hf://, demo:// or file:// source")
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
     cache = ModelCache(Path(a.cache_dir), a.max_bytes) if a.cache_dir else None
     why = cache.usable() if cache else "no --cache-dir"
     if cache and why:

@@ -51,6 +51,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--poll-seconds", type=float, default=2.0, help="engine poll interval while replicas are cold")
     p.add_argument("--idle-seconds", type=float, default=30.0, help="re-check interval when settled")
     p.add_argument("--resync-seconds", type=float, default=600.0, help="re-read owned objects this often")
+    p.add_argument("--model-cache-dir", default="", type=node_dir,
+                   help="a directory on every node (hostPath) caching hf:// downloads and demo:// builds for the "
+                        "engine pods' init containers; '' (the default) turns the cache off")
+    p.add_argument("--model-cache-size", default="100Gi", type=cache_size,
+                   help="the node cache's bound (a Kubernetes quantity): least recently used entries go past it")
     p.add_argument("--credential-propagation-seconds", type=float, default=120.0,
                    help="a rotated engine credential is staged (engines accept it) this long before routers "
                         "send it: the kubelet's Secret sync time, with margin")
@@ -79,6 +84,24 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--log-level", default=os.environ.get("CONSORT_LOG_LEVEL", "INFO"),
                    help="DEBUG, INFO, WARNING or ERROR ($CONSORT_LOG_LEVEL)")
     return p.parse_args(argv)
+
+
+def node_dir(value: str) -> str:
+    if value and (not value.startswith("/") or "/../" in f"{value}/"):
+        raise argparse.ArgumentTypeError(f"{value!r} is not an absolute path on the node")
+    return value
+
+
+def cache_size(value: str) -> int:
+    from .api.base import quantity_value
+
+    try:
+        size = int(quantity_value(value))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a quantity like 100Gi") from e
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"{value!r} must be positive")
+    return size
 
 
 def _pairs(values: list[str]) -> tuple[tuple[str, str], ...]:
@@ -130,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         network_policy=args.network_policy, operator_namespace=args.operator_namespace,
         metrics_namespace_labels=_pairs(args.metrics_namespace_label),
         allowed_images=tuple(args.allowed_image), allow_torch_classifier=args.allow_torch_classifier,
-        credential_propagation_seconds=args.credential_propagation_seconds)
+        credential_propagation_seconds=args.credential_propagation_seconds,
+        model_cache_dir=args.model_cache_dir, model_cache_bytes=args.model_cache_size)
     rt.resolver = from_flag(args.pod_address)
     rt.warm_signal = args.warm_signal
     rt.poll_seconds = args.poll_seconds

@@ -39,6 +39,10 @@ class BuildContext:
     # How long a staged engine credential waits before routers send it (lifecycle/credential.py):
     # long enough for the updated Secret to reach every pod.
     credential_propagation_seconds: float = 120.0
+    # The node-local model cache (`consort model-cache`): a hostPath directory on every node that the
+    # init containers fetching hf:// and building demo:// checkpoints go through; "" turns it off.
+    model_cache_dir: str = ""
+    model_cache_bytes: int = 100 * 2**30
 
 
 def owner_reference(kind: str, name: str, uid: str) -> dict[str, Any]:

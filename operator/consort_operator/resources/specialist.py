@@ -33,6 +33,7 @@ DEMO_LIMIT = "4Gi"
 TMP_LIMIT = "2Gi"
 ASSEMBLED_LIMIT = "16Mi"   # symlinks only
 INIT_STORAGE = "256Mi"     # an init container's own logs
+MODEL_CACHE_MOUNT = "/var/cache/consort-models"   # the node's model cache, in the init containers only
 
 
 def selector_labels(name: str) -> dict[str, str]:
@@ -99,6 +100,21 @@ def parse_demo(url: str) -> tuple[str, int]:
 def _volume_name(prefix: str, name: str) -> str:
     vol = re.sub(r"[^a-z0-9-]", "-", f"{prefix}-{name}".lower())[:63].strip("-")
     return vol
+
+
+def _model_cache_command(ctx: BuildContext, pairs: list[tuple[str, str]]) -> list[str]:
+    """`consort model-cache` filling each target from the node's cache (fetching on a miss)."""
+    return ["consort", "model-cache", "--cache-dir", MODEL_CACHE_MOUNT, "--max-bytes", str(ctx.model_cache_bytes),
+            *(x for pair in pairs for x in pair)]
+
+
+def _with_model_cache(init: dict[str, Any]) -> dict[str, Any]:
+    """The node's cache mounted into this init container alone: the engine reads its own verified
+    copy, so it never sees (nor can write to) what other pods on the node will load. The outcome
+    line (`model cache hit|miss ...`) becomes the container's termination message in the pod status."""
+    init["volumeMounts"] = [*init["volumeMounts"], {"name": "model-cache", "mountPath": MODEL_CACHE_MOUNT}]
+    init["terminationMessagePolicy"] = "FallbackToLogsOnError"
+    return init
 
 
 def _download_script(downloads: list[tuple[str, str | None, str]]) -> str:
@@ -208,10 +224,14 @@ def engine_deployment(name: str, namespace: str, uid: str, spec: SpecialistSpec,
     # one of those rolls the pods, the fallback; demo:// and paths on volumes already there do not.
     # Every listed adapter's volume, rolled back or not: a rollback must not roll the pods either.
     desired_adapters(spec, frozenset(), src)
+    cached = bool(ctx.model_cache_dir)
     if src.downloads:
+        fetch_command = (_model_cache_command(ctx, [(f"hf://{repo}" + (f"@{rev}" if rev else ""), target)
+                                                    for repo, rev, target in src.downloads]) if cached
+                         else ["python", "-c", _download_script(src.downloads)])
         init_containers.append({
             "name": "fetch", "image": image, "imagePullPolicy": ctx.image_pull_policy,
-            "command": ["python", "-c", _download_script(src.downloads)],
+            "command": fetch_command,
             "env": [{"name": "HOME", "value": "/tmp"}, {"name": "HF_HOME", "value": "/tmp/hf"}],
             "volumeMounts": list(src.mounts.values()) + [{"name": "tmp", "mountPath": "/tmp"}],
             "securityContext": container_security_context(),
@@ -222,9 +242,11 @@ def engine_deployment(name: str, namespace: str, uid: str, spec: SpecialistSpec,
         # demo://lora adapters are written for the model, whose init container runs before theirs
         # (the model is resolved first, so it comes first in src.demos).
         what = ["--lora-for", model_dir] if size == "lora" else ["--size", size]
+        demo_command = (_model_cache_command(ctx, [(f"demo://{size}?seed={seed}", target)])
+                        if cached and size != "lora" else ["consort", "demo-model", target, *what, "--seed", str(seed)])
         init_containers.append({
             "name": f"demo-model-{size}-{seed}"[:63], "image": image, "imagePullPolicy": ctx.image_pull_policy,
-            "command": ["consort", "demo-model", target, *what, "--seed", str(seed)],
+            "command": demo_command,
             "env": [{"name": "HOME", "value": "/tmp"}],
             "volumeMounts": list(src.mounts.values()) + [{"name": "tmp", "mountPath": "/tmp"}],
             "securityContext": container_security_context(),
@@ -269,6 +291,11 @@ def engine_deployment(name: str, namespace: str, uid: str, spec: SpecialistSpec,
     for init in init_containers:
         if init["name"].startswith("demo-model-"):
             init["resources"] = {"requests": dict(requests), "limits": dict(limits)}
+    through_cache = [i for i in init_containers if i["command"][:2] == ["consort", "model-cache"]]
+    for init in through_cache:
+        _with_model_cache(init)
+    if through_cache:
+        volumes.append({"name": "model-cache", "hostPath": {"path": ctx.model_cache_dir, "type": "DirectoryOrCreate"}})
 
     tolerations = toleration_dicts(spec.tolerations)
     if r.gpus > 0 and not any(t.get("key") == r.gpu_resource_name for t in tolerations):

@@ -81,6 +81,19 @@ def test_allowed_images_and_torch_flag_reach_the_operator(cluster):
     assert not [a for a in plain["spec"]["template"]["spec"]["containers"][0]["args"] if "allow" in a]
 
 
+def test_model_cache_value_reaches_the_operator(cluster):
+    def operator_args(*sets: str) -> list[str]:
+        out = cluster.helm("template", "x", str(CHART), *(a for s in sets for a in ("--set", s)))
+        dep = next(d for d in yaml.safe_load_all(out.stdout) if d and d["kind"] == "Deployment")
+        return dep["spec"]["template"]["spec"]["containers"][0]["args"]
+
+    assert not [a for a in operator_args() if a.startswith("--model-cache")]      # off by default
+    args = operator_args("modelCache.hostPath=/var/lib/consort/model-cache", "modelCache.size=20Gi")
+    assert "--model-cache-dir=/var/lib/consort/model-cache" in args and "--model-cache-size=20Gi" in args
+    refused = cluster.helm("template", "x", str(CHART), "--set", "modelCache.hostPath=relative/dir", check=False)
+    assert refused.returncode != 0 and "modelCache" in refused.stderr
+
+
 @pytest.mark.timeout(600)
 def test_chart_installs_and_its_rbac_runs_two_operators_electing_a_leader(cluster, crds, namespace, tmp_path):
     release = f"c{namespace[-6:]}"

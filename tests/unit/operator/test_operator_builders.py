@@ -339,3 +339,64 @@ def test_replica_choice_reaches_the_router_config():
     assert RouterConfig.model_validate(cfg.model_dump()).replica_choice == cfg.replica_choice
     with pytest.raises(ValueError):
         EnsembleRouterSpec.model_validate({"replicaChoice": {"policy": "random"}})
+
+
+CACHE_CTX = BuildContext(engine_image="engine:test", router_image="router:test", operator_namespace="consort-system",
+                         model_cache_dir="/var/lib/consort/model-cache", model_cache_bytes=50 * 2**30)
+
+
+def test_model_cache_is_mounted_into_the_fetching_init_containers_only():
+    from consort_engine.model_cache import parse_args
+
+    s = spec(model={"source": "hf://Qwen/Qwen2.5-Coder-1.5B@main", "tokenizer": "pvc://tok/qwen"})
+    pod = S.engine_deployment("x", "ns", "u", s, CACHE_CTX)["spec"]["template"]["spec"]
+    inits = {c["name"]: c for c in pod["initContainers"]}
+    fetch = inits["fetch"]
+    assert fetch["command"][:2] == ["consort", "model-cache"]
+    args = parse_args(fetch["command"][2:])      # what the engine image's `consort model-cache` accepts
+    assert args.pairs == ["hf://Qwen/Qwen2.5-Coder-1.5B@main", "/models/hf/Qwen/Qwen2.5-Coder-1.5B@main"]
+    assert (args.cache_dir, args.max_bytes) == (S.MODEL_CACHE_MOUNT, 50 * 2**30)
+    assert {"name": "model-cache", "mountPath": S.MODEL_CACHE_MOUNT} in fetch["volumeMounts"]
+    assert fetch["terminationMessagePolicy"] == "FallbackToLogsOnError"   # the hit/miss line in the pod status
+    vols = {v["name"]: v for v in pod["volumes"]}
+    assert vols["model-cache"] == {"name": "model-cache",
+                                   "hostPath": {"path": "/var/lib/consort/model-cache", "type": "DirectoryOrCreate"}}
+    # the engine (and the assemble step) read the pod's own verified copy, never the node's directory
+    for c in [*pod["containers"], inits["assemble"]]:
+        assert "model-cache" not in {m["name"] for m in c["volumeMounts"]}
+    # the pod's security settings stay as they are without the cache
+    plain = S.engine_deployment("x", "ns", "u", s, CTX)["spec"]["template"]["spec"]
+    assert pod["securityContext"] == plain["securityContext"] and pod["securityContext"]["runAsNonRoot"] is True
+    assert all(c["securityContext"]["readOnlyRootFilesystem"] for c in [*pod["containers"], *pod["initContainers"]])
+    assert "model-cache" not in {v["name"] for v in plain["volumes"]}
+    assert "snapshot_download" in {c["name"]: c for c in plain["initContainers"]}["fetch"]["command"][2]
+
+
+def test_model_cache_builds_demo_models_through_the_cache_and_leaves_pvc_sources_alone():
+    from consort_engine.model_cache import parse_args
+
+    s = SpecialistSpec.model_validate({"model": {"source": "demo://tiny?seed=2"}, "resources": {"cpu": "400m", "memory": "2Gi"}})
+    pod = S.engine_deployment("algo", "ns", "uid-1", s, CACHE_CTX)["spec"]["template"]["spec"]
+    [model] = pod["initContainers"]
+    assert parse_args(model["command"][2:]).pairs == ["demo://tiny?seed=2", "/models/demo/tiny-2"]
+    assert model["resources"] == pod["containers"][0]["resources"]
+    assert {"name": "model-cache", "mountPath": S.MODEL_CACHE_MOUNT} in model["volumeMounts"]
+    # unpinned hf:// keeps its form (the cache resolves the branch to a commit on the node)
+    hf = S.engine_deployment("x", "ns", "u", spec(model={"source": "hf://org/m"}), CACHE_CTX)["spec"]["template"]["spec"]
+    assert parse_args(hf["initContainers"][0]["command"][2:]).pairs == ["hf://org/m", "/models/hf/org/m"]
+    # a pvc:// checkpoint is read in place: nothing to cache, no hostPath
+    pvc = S.engine_deployment("algo", "ns", "u", spec(), CACHE_CTX)["spec"]["template"]["spec"]
+    assert "initContainers" not in pvc and "model-cache" not in {v["name"] for v in pvc["volumes"]}
+
+
+def test_operator_model_cache_flags():
+    from consort_operator.main import parse_args
+
+    off = parse_args([])
+    assert off.model_cache_dir == "" and off.model_cache_size == 100 * 2**30
+    on = parse_args(["--model-cache-dir", "/var/lib/consort/model-cache", "--model-cache-size", "20Gi"])
+    assert (on.model_cache_dir, on.model_cache_size) == ("/var/lib/consort/model-cache", 20 * 2**30)
+    for bad in (["--model-cache-dir", "var/cache"], ["--model-cache-dir", "/a/../etc"],
+                ["--model-cache-size", "lots"], ["--model-cache-size", "0"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
