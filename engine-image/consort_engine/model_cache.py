@@ -1,7 +1,7 @@
-"""`consort model-cache`: a node-local cache of checkpoints, so a cold pod on a node that served a
-model before copies it from local disk instead of downloading (hf://) or building (demo://) it.
+"""`consort model-cache SOURCE TARGET ...`: fill each TARGET with SOURCE's checkpoint through the node-local cache.
 
-An engine pod's init container runs it with the node's cache directory (a hostPath) mounted:
+A cold pod on a node that served a model before copies it from local disk instead of downloading
+(hf://) or building (demo://) it again. An engine pod's init container runs it with the node's cache directory (a hostPath) mounted:
 
     <cache>/entries/<key>/        one checkpoint, with manifest.json (sha256 and size of every file)
     <cache>/locks/<key>.lock      flock: shared while a pod copies the entry, exclusive while one fetches it
