@@ -1,7 +1,8 @@
 """`consort model-cache SOURCE TARGET ...`: fill each TARGET with SOURCE's checkpoint through the node-local cache.
 
 A cold pod on a node that served a model before copies it from local disk instead of downloading
-(hf://) or building (demo://) it again. An engine pod's init container runs it with the node's cache directory (a hostPath) mounted:
+(hf://) or building (demo://) it again. An engine pod's init container runs it with the node's cache
+directory (a hostPath) mounted:
 
     <cache>/entries/<key>/        one checkpoint, with manifest.json (sha256 and size of every file)
     <cache>/locks/<key>.lock      flock: shared while a pod copies the entry, exclusive while one fetches it
@@ -141,6 +142,8 @@ def fetch(source: str, revision: str, out: Path) -> None:
 
         size, _, query = source[len("demo://"):].partition("?")
         seed = int(query.split("=", 1)[1]) if query.startswith("seed=") else 0
+        if size not in SIZES:
+            raise ValueError(f"model cache: {source!r}: demo sizes are {sorted(SIZES)}")
         s = SIZES[size]
         write_demo_model(out, hidden=s.hidden, layers=s.layers, heads=s.heads, kv_heads=s.kv_heads,
                          ffn=s.ffn, vocab=s.vocab, max_pos=s.max_pos, seed=seed)
@@ -306,24 +309,25 @@ class ModelCache:
         out = []
         for d in (self.root / "entries").iterdir():
             try:
-                files = json.loads((d / MANIFEST).read_text())["files"]
-                size = sum(int(v["size"]) for v in files.values())
-            except (OSError, ValueError, KeyError, TypeError):
-                size = sum(p.stat().st_size for p in d.rglob("*") if p.is_file())
-            out.append(Entry(d.name, size, d.stat().st_mtime))
+                try:
+                    files = json.loads((d / MANIFEST).read_text())["files"]
+                    size = sum(int(v["size"]) for v in files.values())
+                except (ValueError, KeyError, TypeError, FileNotFoundError):   # torn: still takes space
+                    size = sum(p.stat().st_size for p in d.rglob("*") if p.is_file())
+                out.append(Entry(d.name, size, d.stat().st_mtime))
+            except FileNotFoundError:
+                continue     # evicted by another pod meanwhile
         return out
 
-    def evict(self) -> list[str]:
-        """Delete least recently used entries past max_bytes; an entry whose lock another process
-        holds (being copied or fetched) is busy and stays."""
+    @contextlib.contextmanager
+    def idle_locks(self, keys: list[str]) -> Iterator[set[str]]:
+        """Take each key's lock exclusively if nobody holds it; yields the keys whose lock is held
+        elsewhere (busy). The locks taken are held until the block ends."""
         held: list[int] = []
         busy: set[str] = set()
         try:
-            entries = self.entries()
-            if sum(e.size for e in entries) <= self.max_bytes:
-                return []
-            for e in entries:
-                fd = os.open(self.lock_path(e.key), os.O_RDWR | os.O_CREAT, 0o640)
+            for key in keys:
+                fd = os.open(self.lock_path(key), os.O_RDWR | os.O_CREAT, 0o640)
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                     held.append(fd)
@@ -331,14 +335,33 @@ class ModelCache:
                     os.close(fd)
                     if err.errno not in (errno.EAGAIN, errno.EACCES):
                         raise
-                    busy.add(e.key)
-            chosen = evictions(entries, self.max_bytes, frozenset(busy))
-            for key in chosen:
-                clear(self.root / "entries" / key)
-            return chosen
+                    busy.add(key)
+            yield busy
         finally:
             for fd in held:
                 os.close(fd)
+
+    def drop_dead_fetches(self) -> None:
+        """tmp/ directories of fetches whose process died (nobody holds their key's lock)."""
+        dirs = list((self.root / "tmp").glob("*.*"))
+        keys = sorted({d.name.rsplit(".", 1)[0] for d in dirs if not d.name.startswith(".")})
+        with self.idle_locks(keys) as busy:
+            for d in dirs:
+                if not d.name.startswith(".") and d.name.rsplit(".", 1)[0] not in busy:
+                    clear(d)
+
+    def evict(self) -> list[str]:
+        """Delete least recently used entries past max_bytes; an entry whose lock another process
+        holds (being copied or fetched) is busy and stays."""
+        self.drop_dead_fetches()
+        entries = self.entries()
+        if sum(e.size for e in entries) <= self.max_bytes:
+            return []
+        with self.idle_locks([e.key for e in entries]) as busy:
+            chosen = evictions(entries, self.max_bytes, frozenset(busy))
+            for key in chosen:
+                clear(self.root / "entries" / key)
+        return chosen
 
 
 def materialize_direct(source: str, target: Path, fetch_fn: Fetch = fetch) -> Outcome:

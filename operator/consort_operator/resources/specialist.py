@@ -224,7 +224,10 @@ def engine_deployment(name: str, namespace: str, uid: str, spec: SpecialistSpec,
     # one of those rolls the pods, the fallback; demo:// and paths on volumes already there do not.
     # Every listed adapter's volume, rolled back or not: a rollback must not roll the pods either.
     desired_adapters(spec, frozenset(), src)
-    cached = bool(ctx.model_cache_dir)
+    # The node's cache is shared by every namespace's pods on the node, and a manifest catches torn
+    # or corrupted entries, not a writer that rewrites it too: only the operator's own engine image
+    # writes there, never a spec.image override.
+    cached = bool(ctx.model_cache_dir) and image == ctx.engine_image
     if src.downloads:
         fetch_command = (_model_cache_command(ctx, [(f"hf://{repo}" + (f"@{rev}" if rev else ""), target)
                                                     for repo, rev, target in src.downloads]) if cached

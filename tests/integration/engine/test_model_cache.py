@@ -133,5 +133,9 @@ def test_byte_bound_evicts_least_recently_used(tmp_path):
     assert cache.materialize(sources[2], tmp_path / "t", fetch).result == "miss"  # evicts m1
     assert sorted(p.name.rsplit("-", 1)[0][-2:] for p in entries.iterdir()) == ["m0", "m2"]
     assert sum(e.size for e in cache.entries()) <= 250_000
+    dead = tmp_path / "cache" / "tmp" / "gone-0123.4242"       # a fetch whose process died half-way
+    dead.mkdir()
+    (dead / "model.safetensors").write_bytes(b"x" * 1000)
     assert cache.materialize(sources[1], tmp_path / "t", fetch).result == "miss"
     assert same_files(Path(sources[1][len("file://"):]), tmp_path / "t")
+    assert not dead.exists() and list((tmp_path / "cache" / "tmp").iterdir()) == []

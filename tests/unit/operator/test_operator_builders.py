@@ -400,3 +400,10 @@ def test_operator_model_cache_flags():
                 ["--model-cache-size", "lots"], ["--model-cache-size", "0"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
+
+
+def test_model_cache_is_not_mounted_for_a_spec_image_override():
+    s = spec(model={"source": "demo://tiny"}, image="registry.internal/ml/engine:custom")
+    pod = S.engine_deployment("x", "ns", "u", s, CACHE_CTX)["spec"]["template"]["spec"]
+    assert pod["initContainers"][0]["command"][:2] == ["consort", "demo-model"]
+    assert "model-cache" not in {v["name"] for v in pod["volumes"]}
