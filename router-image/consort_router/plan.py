@@ -68,11 +68,11 @@ def plan_request(cfg: RouterConfig, table: RoutingTable, req: ParsedRequest, obs
             rejection = ApiError(429, "priority_floor", f"intent {d.intent!r} is throttled: priority "
                                  f"{req.priority} is below the floor {floor}", retry_after_ms=cfg.admission.retry_after_ms)
     targets = (d.specialist,) if d.source == "pinned" else \
-        (d.specialist, *[t for t in fallback_chain(cfg, obs.lanes, d.specialist) if t != d.routed])
+        (d.specialist, *[t for t in fallback_chain(table, obs.lanes, d.specialist) if t != d.routed])
     shadow = d.shadow if d.shadow is not None and obs.shadow_room else None
     verify = shadow is None and obs.verifier_available and obs.verify_draw < cfg.verifier.sample_rate
     requested = req.body.get("adapter")
-    adapters = {t: requested or cfg.specialist(t).adapter for t in targets}  # type: ignore[union-attr]
+    adapters = {t: requested or table.specialists[t].adapter for t in targets}
     if rejection is not None:
         shadow, verify = None, False
     return Plan(d, targets, shadow, verify, admission, adapters, rejection)

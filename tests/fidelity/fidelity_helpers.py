@@ -185,7 +185,7 @@ def assert_greedy_matches(refs: list[Reference], outs: list[list[int]], tol: flo
     return exact
 
 
-# --- quantization fidelity on held-out text (tests/fidelity/test_quantization.py, tests/gpu/test_fp8.py) ---
+# --- quantization fidelity on held-out text (tests/fidelity/engine/test_engine_quantization.py, tests/gpu/engine/test_engine_fp8.py) ---
 HELD_OUT = [Path("/usr/include/stdlib.h"), Path("/usr/include/stdio.h")]   # C headers: not the text the demo tokenizer was fitted on
 # quantization -> (min top-1 agreement, max |logprob error|, max relative perplexity delta), against
 # transformers' fp32 logits of the unquantized checkpoint; measured figures in docs/engine-speed.md. The

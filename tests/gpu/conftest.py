@@ -4,4 +4,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fidelity"))   # fidelity_helpers
+FIDELITY = Path(__file__).resolve().parents[1] / "fidelity"
+sys.path.insert(0, str(FIDELITY))             # fidelity_helpers
+sys.path.insert(0, str(FIDELITY / "engine"))  # test_engine_model_runner's schedules

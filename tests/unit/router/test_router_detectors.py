@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from consort_router import api
 from consort_router.config import Detector, RouterConfig
-from consort_router.detectors import BUILTIN_PATTERNS, SCAN_LIMIT, PatternSandbox, compile_detector, detect
+from consort_router.detectors import PatternSandbox
+from consort_router.routing import BUILTIN_PATTERNS, SCAN_LIMIT, compile_detector, detect
 
 KB64 = SCAN_LIMIT
 # Prompts built to make a backtracking pattern rescan the text from every start: the old sfinae pattern

@@ -10,8 +10,7 @@ import consort_router
 from consort_router.breaker import HALF_OPEN, OPEN
 from consort_router.classifier import build_classifier, load_examples, train_naive_bayes
 from consort_router.config import RouterConfig
-from consort_router.detectors import compile_detector, detect
-from consort_router.routing import LaneView, RouteError, RouteInput, RoutingTable, route
+from consort_router.routing import LaneView, RouteError, RouteInput, RoutingTable, compile_detector, detect, route
 
 EXAMPLES = Path(consort_router.__file__).parent / "examples" / "cpp_routing.jsonl"
 NAMES = ["Algo", "Template", "Memory", "Concurrency", "Systems", "Build", "Debug", "STL"]

@@ -27,7 +27,7 @@ from procs import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.real_node]
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 CHART = REPO / "charts" / "consort"
 EXAMPLES = REPO / "examples" / "local"
 RELEASE = "consort"

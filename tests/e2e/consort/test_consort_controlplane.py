@@ -11,8 +11,8 @@ from kube import NotYet, condition, owned_by, wait_for
 
 pytestmark = pytest.mark.e2e
 
-FIXTURES = Path(__file__).parent / "fixtures"
-REPO = Path(__file__).resolve().parents[2]
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+REPO = Path(__file__).resolve().parents[3]
 GPU = "nvidia.com/gpu"
 
 

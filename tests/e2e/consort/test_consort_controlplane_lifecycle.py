@@ -15,7 +15,7 @@ from kube import wait_for
 
 pytestmark = pytest.mark.e2e
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 CONTROLPLANE = REPO / "hack" / "controlplane.sh"
 sys.path.insert(0, str(REPO / "hack"))
 from localcluster import commands, components, layout, processes  # noqa: E402  (hack/localcluster)

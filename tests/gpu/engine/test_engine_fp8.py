@@ -1,7 +1,7 @@
 """FP8 (e4m3, per-channel weight scales, per-row activation scales) through `torch._scaled_mm` on CUDA:
-the product equals the CPU emulation's arithmetic (tests/unit/engine/test_quant_linear.py checks that
+the product equals the CPU emulation's arithmetic (tests/unit/engine/model/test_engine_quant_linear.py checks that
 one), and the engine with `--quantization fp8` on the GPU stays within the fp8 fidelity bounds on
-held-out text (tests/fidelity/test_quantization.py runs the same case with the CPU emulation).
+held-out text (tests/fidelity/engine/test_engine_quantization.py runs the same case with the CPU emulation).
 Row-wise scaled_mm needs compute capability 8.9 (Ada) or newer."""
 from __future__ import annotations
 

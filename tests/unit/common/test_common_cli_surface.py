@@ -19,7 +19,7 @@ import pytest
 from consort_common.cli import NESTED, SUBCOMMANDS
 
 CONSORT = str(Path(sys.executable).with_name("consort"))
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 BENCHES = ("offline", "roofline", "quant", "serve", "structured", "spec", "hybrid", "local", "affinity")
 MISSING = "/nonexistent/consort-test"
 NOT_A_DIR = "/dev/null/consort-test"   # cannot be created, even by root

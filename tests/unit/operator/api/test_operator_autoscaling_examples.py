@@ -11,7 +11,7 @@ import yaml
 from consort_engine.serving.metrics import ENGINE_LABELS, EngineMetrics
 from consort_operator.api.crds import specialist_crd
 
-EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "autoscaling"
+EXAMPLES = Path(__file__).resolve().parents[4] / "examples" / "autoscaling"
 # A PromQL metric name at the head of a selector: `name{` (colons allowed, as in vLLM's names).
 SERIES = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)\{([^}]*)\}")
 

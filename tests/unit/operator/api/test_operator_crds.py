@@ -11,7 +11,7 @@ from consort_operator.api import crds
 from consort_operator.api.router import EnsembleRouterSpec
 from consort_operator.api.specialist import SpecialistSpec
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[4]
 
 
 @pytest.mark.parametrize("folder", ["crds", "charts/consort/crds"])

@@ -17,7 +17,7 @@ import ast
 import re
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 PACKAGES = {"consort_engine": REPO / "engine-image", "consort_router": REPO / "router-image",
             "consort_operator": REPO / "operator", "consort_common": REPO / "common"}
 LAYERS = ["text", "kv", "model", "spec", "core", "serving"]      # bottom to top

@@ -43,7 +43,7 @@ def test_greedy_equals_transformers_on_the_same_gpu(backend, block_size, tmp_pat
     from fidelity_helpers import assert_greedy_matches, make_checkpoint
     from consort_engine.config import EngineConfig
     from consort_engine.model.model_runner import ModelRunner
-    from test_model_runner import make_prompts, run_mixed_schedule
+    from test_engine_model_runner import make_prompts, run_mixed_schedule
 
     if backend != "flash":
         monkeypatch.setenv("CONSORT_ATTENTION_BACKEND", backend)
@@ -73,7 +73,7 @@ def test_decode_graphs_give_the_greedy_output_of_enforce_eager_and_transformers(
     from consort_engine.config import EngineConfig
     from consort_engine.model.cuda_graphs import capture_sizes
     from consort_engine.model.model_runner import ModelRunner
-    from test_model_runner import make_prompts, run_mixed_schedule
+    from test_engine_model_runner import make_prompts, run_mixed_schedule
 
     if backend != "flash":
         monkeypatch.setenv("CONSORT_ATTENTION_BACKEND", backend)

@@ -2,7 +2,7 @@
 
 The testdata objects are built here from the operator's own pydantic status models (extra fields are
 errors there), so a renamed or removed status field fails this test instead of silently making the
-Lua read nil. `python tests/unit/operator/test_operator_argocd_health.py` rewrites testdata/ and
+Lua read nil. `python tests/unit/operator/api/test_operator_argocd_health.py` rewrites testdata/ and
 health_test.yaml; the test fails when the committed files differ from what the models produce.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from consort_operator.api.base import API_VERSION
 from consort_operator.api.router import EnsembleRouterSpec, EnsembleRouterStatus
 from consort_operator.api.specialist import SpecialistSpec, SpecialistStatus
 
-ARGOCD = Path(__file__).resolve().parents[3] / "examples" / "argocd" / "consort.dev"
+ARGOCD = Path(__file__).resolve().parents[4] / "examples" / "argocd" / "consort.dev"
 T = "2026-11-25T01:00:00Z"
 ARGO_STATUSES = {"Healthy", "Progressing", "Degraded", "Suspended", "Missing", "Unknown"}
 
@@ -194,7 +194,7 @@ def argocd_cm_patch() -> str:
     data = {f"resource.customizations.health.{ARGOCD.name}_{kind}": (ARGOCD / kind / "health.lua").read_text()
             for kind in sorted(KINDS)}
     cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "argocd-cm", "namespace": "argocd"}, "data": data}
-    return ("# Generated from consort.dev/*/health.lua by tests/unit/operator/test_operator_argocd_health.py; do not edit.\n"
+    return ("# Generated from consort.dev/*/health.lua by tests/unit/operator/api/test_operator_argocd_health.py; do not edit.\n"
             "# kubectl -n argocd patch configmap argocd-cm --patch-file examples/argocd/argocd-cm-patch.yaml\n"
             + yaml.dump(cm, Dumper=LiteralDumper, sort_keys=False, width=200))
 

@@ -9,7 +9,7 @@ Per quantization, against transformers' log_softmax of the unquantized checkpoin
 - perplexity delta: exp(-mean logprob) of the text, relative to the reference's.
 The bounds (fidelity_helpers.QUANT_BOUNDS) hold with a margin over what this checkpoint measures
 (printed with -s); the unquantized engine ("none") is held to tight ones, which checks the harness.
-fp8 runs the CPU emulation of the CUDA arithmetic here; tests/gpu/test_fp8.py runs `_scaled_mm`.
+fp8 runs the CPU emulation of the CUDA arithmetic here; tests/gpu/engine/test_engine_fp8.py runs `_scaled_mm`.
 """
 from __future__ import annotations
 

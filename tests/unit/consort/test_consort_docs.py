@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 DOCS = REPO / "docs"
 INDEX = DOCS / "README.md"
 
@@ -232,4 +232,4 @@ def test_the_readmes_local_chart_install_uses_the_local_images_values_file():
              re.findall(r'^\s+"\w+ \S+ (\S+)"$', (REPO / "hack/images.sh").read_text(), re.M)}
     used = {f"{values['image']['repository']}:{values['image']['tag']}", values["engineImage"], values["routerImage"]}
     assert used <= built, (used, built)
-    assert "values-local.yaml" in (REPO / "tests/e2e_real/test_user_path.py").read_text()
+    assert "values-local.yaml" in (REPO / "tests/e2e_real/consort/test_consort_user_path.py").read_text()

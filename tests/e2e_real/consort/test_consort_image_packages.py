@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 IMAGES = Path(os.environ.get("CONSORT_CACHE", Path.home() / ".cache" / "consort")) / "images"
 pytestmark = pytest.mark.real_node
 SITE_PACKAGE = re.compile(r"(?:^|/)site-packages/(consort_\w+)/__init__\.py$")
