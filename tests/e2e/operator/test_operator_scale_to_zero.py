@@ -73,18 +73,19 @@ def test_the_operator_scales_an_idle_specialist_to_zero_and_a_scale_patch_wakes_
     engine = start_process([CONSORT, "engine", "--model", demo_model, "--port", str(port), "--host", "127.0.0.1",
                             "--name", "idle", "--num-blocks", "128"], "engine-idle", tmp_path)
     try:
-        def status(phase: str):
+        def status(phase: str, ready: str | None = None):
             def check() -> dict:
                 obj = get_json(cluster, "specialist", "idle", "-n", namespace)
                 st = obj.get("status") or {}
-                if st.get("phase") != phase:
+                if st.get("phase") != phase or (ready is not None and st.get("ready") != ready):
                     raise NotYet(json.dumps({k: st.get(k) for k in ("phase", "ready", "replicas")}))
                 return obj
             return check
 
         wait_for(status("Ready"), 180, "Ready with the engine warm", interval=0.5)
         # No request for idleAfter: the operator writes 0 through /scale and reports Idle.
-        obj = wait_for(status("Idle"), 120, "Idle after the window", interval=0.5)
+        # (its pod may still be terminating when the phase turns Idle: "1/0" until it is gone)
+        obj = wait_for(status("Idle", "0/0"), 120, "Idle after the window, its pod gone", interval=0.5)
         assert obj["spec"]["replicas"] == 0 and obj["status"]["ready"] == "0/0"
         assert condition(obj, "Ready")["status"] == "True" and condition(obj, "Ready")["reason"] == "ScaledToZero"
         scale = get_json(cluster, "specialist", "idle", "-n", namespace, "--subresource=scale")
