@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from .metrics import RouterMetrics
+
 log = logging.getLogger("consort.router.kv")
 
 MEDIA = ("pool", "tier")
@@ -124,7 +126,7 @@ class KVSubscriber:
     """Polls every tracked replica's block events in the background; `blocks[url]` is its view."""
 
     def __init__(self, session: aiohttp.ClientSession, interval_s: float, timeout_s: float,
-                 max_hashes: int, limit: int = 4096) -> None:
+                 max_hashes: int, limit: int = 4096, metrics: RouterMetrics | None = None) -> None:
         self.session = session
         self.interval_s = interval_s
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
@@ -132,6 +134,7 @@ class KVSubscriber:
         self.limit = limit
         self.urls: set[str] = set()
         self.blocks: dict[str, ReplicaBlocks] = {}
+        self.metrics = metrics
         self.errors = 0
         self._task: asyncio.Task | None = None
 
@@ -156,6 +159,11 @@ class KVSubscriber:
                         return
                     reply = await resp.json(content_type=None)
                 view.apply(reply)
+                if self.metrics is not None:
+                    if "snapshot" in reply:
+                        self.metrics.kv_snapshots.inc()
+                    else:
+                        self.metrics.kv_events.inc(len(reply["events"]))
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
                 self.errors += 1
                 log.debug("kv events from %s: %s", url, e)
@@ -167,6 +175,9 @@ class KVSubscriber:
         urls = list(self.urls)
         if urls:
             await asyncio.gather(*(self.poll_one(u) for u in urls))
+        if self.metrics is not None:
+            now = time.monotonic()
+            self.metrics.kv_lag.set(max((now - v.updated_at for v in self.blocks.values()), default=0.0))
 
     async def run(self) -> None:
         while True:

@@ -19,13 +19,15 @@ import aiohttp
 from aiohttp import web
 
 from .activator import Activator
-from .affinity import Affinity, PrefixIndex, request_affinity
+from .affinity import Affinity, PrefixIndex, precise_affinity, request_affinity
 from .api import ParsedRequest
 from .auth import EngineCredential, KeyRing
 from .breaker import STATE_CODES, BreakerStore, FileStore, MemoryStore
 from .config import RouterConfig
 from .detectors import PatternSandbox
+from .kv_index import KVSubscriber
 from .metrics import RouterMetrics
+from .prompt_tokens import PromptTokenizer
 from .replicas import ReplicaPoller, ReplicaState
 from .shadow import CalibrationLog, Shadows
 from .state import Lanes, Runtime, build_runtime
@@ -69,6 +71,8 @@ class Router:
         self.poller: ReplicaPoller | None = None
         self.created = int(time.time())   # the model cards' `created`, as vLLM stamps its start
         self.prefixes = PrefixIndex(config.replica_choice.index_blocks)
+        self.kv: KVSubscriber | None = None
+        self.tokenizers: dict[str, PromptTokenizer | None] = {}   # tokenizer directory -> loaded (None: unreadable)
         self.waker = waker(lambda: self.config, self.base_dir)
         self.activator = Activator(self.waker, lambda lane: any(r.ready for r in self.replicas_now(lane)), self.metrics)
         self.buckets: dict[str, tn.Bucket] = {}   # tenant -> its token-rate quota bucket
@@ -117,6 +121,11 @@ class Router:
         self.poller.track(self._tracked())
         await self.poller.poll_all()
         self.poller.start()
+        rc = self.config.replica_choice
+        self.kv = KVSubscriber(self.session, rc.kv_events_interval_s, p.timeout_s, rc.kv_max_hashes,
+                               metrics=self.metrics)
+        self.track_kv()
+        self.kv.start()
         self._bg.append(asyncio.create_task(self.housekeeping(), name="router-housekeeping"))
         if any(s.service is not None for s in self.config.specialists):
             from .discovery import discovery_loop
@@ -136,6 +145,8 @@ class Router:
         await self.waker.close()
         if self.poller:
             await self.poller.stop()
+        if self.kv:
+            await self.kv.stop()
         self.lanes.save()
         self.patterns.close()
         if self.session:
@@ -152,6 +163,24 @@ class Router:
         self.prefixes.capacity = runtime.config.replica_choice.index_blocks
         if self.poller:
             self.poller.track(self._tracked())
+        self.track_kv()
+
+    def track_kv(self) -> None:
+        """Follow the block events of every replica (prefix-affine with kv_events on), and load each lane's
+        tokenizer once (a tokenizer.json takes 10s to 100s of milliseconds to read: not per request)."""
+        rc = self.config.replica_choice
+        if self.kv is not None:
+            on = rc.policy == "prefix-affine" and rc.kv_events
+            self.kv.track({r.url for reps in self.runtime.replicas.values() for r in reps} if on else set())
+        for s in self.config.specialists:
+            path = self._path(s.tokenizer)
+            if path is not None and path not in self.tokenizers:
+                try:
+                    self.tokenizers[path] = PromptTokenizer(path)
+                except Exception as e:  # noqa: BLE001 - the tokenizers library raises its own exception types
+                    log.warning("lane %s: tokenizer %s not loaded (%s); its prompts route on character hashes",
+                                s.name, path, e)
+                    self.tokenizers[path] = None
 
     # ------------------------------------------------------------------ background
     async def housekeeping(self) -> None:
@@ -254,9 +283,23 @@ class Router:
         return res
 
     def affinity(self, cfg: RouterConfig, req: ParsedRequest, target: str, adapter: object,
-                 tenant: str) -> Affinity | None:
-        """The prompt's prefix blocks on lane `target` and how deep each replica holds them (affinity.py)."""
-        return request_affinity(cfg.replica_choice, self.prefixes, req.body, req.text, target, adapter, tenant)
+                 tenant: str, body: dict | None = None) -> Affinity | None:
+        """The prompt's prefix blocks on lane `target` and how deep each replica holds them (affinity.py):
+        the engines' own block hashes scored from their block events when the lane's replicas publish
+        them and the router knows the prompt's token ids exactly; else the character-hash guess."""
+        rc = cfg.replica_choice
+        if rc.policy == "prefix-affine" and rc.kv_events and self.kv is not None:
+            replicas = self.replicas_now(target)
+            views = {r.url: v for r in replicas if (v := self.kv.blocks.get(r.url)) is not None and v.epoch}
+            sizes = {r.block_size for r in replicas if r.block_size}
+            spec = cfg.specialist(target)
+            if views and len(sizes) == 1 and spec is not None:
+                tokenizer = self.tokenizers.get(self._path(spec.tokenizer)) if spec.tokenizer else None
+                precise = precise_affinity(rc, views, sizes.pop(), tokenizer, body if body is not None else req.body,
+                                           target, adapter, tenant)
+                if precise is not None:
+                    return precise
+        return request_affinity(rc, self.prefixes, req.body, req.text, target, adapter, tenant)
 
     # ------------------------------------------------------------------ discovery
     async def replace_discovered(self, urls: dict[str, list[str]]) -> None:
