@@ -289,11 +289,13 @@ class Router:
         them and the router knows the prompt's token ids exactly; else the character-hash guess."""
         rc = cfg.replica_choice
         if rc.policy == "prefix-affine" and rc.kv_events and self.kv is not None:
-            replicas = self.replicas_now(target)
-            views = {r.url: v for r in replicas if (v := self.kv.blocks.get(r.url)) is not None and v.epoch}
-            sizes = {r.block_size for r in replicas if r.block_size}
+            # precise only while every ready replica is followed (one whose events are not known yet,
+            # or an engine without the route, would look empty) and they cut blocks alike
+            ready = [r for r in self.replicas_now(target) if r.ready]
+            views = {r.url: v for r in ready if (v := self.kv.blocks.get(r.url)) is not None and v.epoch}
+            sizes = {r.block_size for r in ready}
             spec = cfg.specialist(target)
-            if views and len(sizes) == 1 and spec is not None:
+            if views and len(views) == len(ready) and len(sizes) == 1 and None not in sizes and spec is not None:
                 tokenizer = self.tokenizers.get(self._path(spec.tokenizer)) if spec.tokenizer else None
                 precise = precise_affinity(rc, views, sizes.pop(), tokenizer, body if body is not None else req.body,
                                            target, adapter, tenant)
