@@ -25,7 +25,6 @@ from consort_common.block_hash import prefix_hashes as block_hashes
 
 from .config import ReplicaChoice
 from .kv_index import ReplicaBlocks
-from .prompt_tokens import PromptTokenizer, prompt_ids
 
 
 @dataclass(frozen=True)
@@ -99,16 +98,12 @@ class PrefixIndex:
         return len(self.entries)
 
 
-def precise_affinity(rc: ReplicaChoice, blocks: dict[str, ReplicaBlocks], block_size: int,
-                     tokenizer: PromptTokenizer | None, body: dict, target: str, adapter: object,
-                     tenant: str) -> Affinity | None:
-    """The engine's block hashes of this request's prompt on lane `target` and each followed replica's
-    depth in them; None when the prompt's token ids are not known exactly (the caller falls back).
-    The extra keys are the engine's: the specialist name, the adapter, and the salt formed from the
-    tenant the router sends (x-consort-tenant) and the body's cache_salt."""
-    ids = prompt_ids(tokenizer, body, rc.max_blocks * block_size, block_size)
-    if ids is None:
-        return None
+def precise_affinity(rc: ReplicaChoice, blocks: dict[str, ReplicaBlocks], block_size: int, ids: list[int],
+                     body: dict, target: str, adapter: object, tenant: str) -> Affinity:
+    """The engine's block hashes of a prompt's token ids `ids` (prompt_tokens.prompt_ids) on lane `target`
+    and each followed replica's depth in them. The extra keys are the engine's: the specialist name,
+    the adapter, and the salt formed from the tenant the router sends (x-consort-tenant) and the
+    body's cache_salt."""
     salt = body.get("cache_salt")
     hashes = tuple(block_hashes(ids, block_size, target, adapter if isinstance(adapter, str) else None,
                                 prefix_salt(tenant, salt if isinstance(salt, str) else None)))

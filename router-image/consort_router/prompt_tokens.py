@@ -21,6 +21,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 HEAD_CHARS_PER_TOKEN = 8       # text per token tokenized (English runs about 4 characters a token)
+OFF_LOOP_CHARS = 4096          # a longer prompt is tokenized on a worker thread (about a millisecond and up)
 
 
 class PromptTokenizer:

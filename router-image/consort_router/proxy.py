@@ -9,7 +9,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Awaitable, Callable
 
 import aiohttp
 from aiohttp import web
@@ -178,7 +178,7 @@ async def open_plan(session: aiohttp.ClientSession, rt: Runtime, plan: Plan, req
                     rid: str, tenant: str, lanes: Lanes, metrics: RouterMetrics,
                     prefixes: PrefixIndex, activator: Activator,
                     replicas_now: Callable[[str], list[ReplicaState]],
-                    affinity_of: Callable[..., Affinity | None] | None = None) -> tuple[str, Upstream]:
+                    affinity_of: Callable[..., Awaitable[Affinity | None]] | None = None) -> tuple[str, Upstream]:
     """The first of plan.targets that answers, before any byte reaches the client: a lane with no
     ready or reachable replica, or whose replicas all answer 5xx, passes the request on to the
     next target (its fallback). A 429 is an answer (admission), passed through. A lane scaled to
@@ -207,7 +207,7 @@ async def open_plan(session: aiohttp.ClientSession, rt: Runtime, plan: Plan, req
         body = upstream_body(req.body, target, plan.adapters.get(target))   # the lane's adapter unless one is asked
         payload = json.dumps(body).encode()
         adapter = plan.adapters.get(target) or body.get("adapter")
-        affinity = (affinity_of(cfg, req, target, adapter, tenant, body) if affinity_of is not None else
+        affinity = (await affinity_of(cfg, req, target, adapter, tenant, body) if affinity_of is not None else
                     request_affinity(cfg.replica_choice, prefixes, req.body, req.text, target, adapter, tenant))
         try:
             up = await open_upstream(session, replicas, path, payload,

@@ -27,7 +27,7 @@ from .config import RouterConfig
 from .detectors import PatternSandbox
 from .kv_index import KVSubscriber
 from .metrics import RouterMetrics
-from .prompt_tokens import PromptTokenizer
+from .prompt_tokens import OFF_LOOP_CHARS, PromptTokenizer, prompt_ids
 from .replicas import ReplicaPoller, ReplicaState
 from .shadow import CalibrationLog, Shadows
 from .state import Lanes, Runtime, build_runtime
@@ -282,8 +282,8 @@ class Router:
             self.feed(specialist, 1.0 if res.passed else 0.0)
         return res
 
-    def affinity(self, cfg: RouterConfig, req: ParsedRequest, target: str, adapter: object,
-                 tenant: str, body: dict | None = None) -> Affinity | None:
+    async def affinity(self, cfg: RouterConfig, req: ParsedRequest, target: str, adapter: object,
+                       tenant: str, body: dict | None = None) -> Affinity | None:
         """The prompt's prefix blocks on lane `target` and how deep each replica holds them (affinity.py):
         the engines' own block hashes scored from their block events when the lane's replicas publish
         them and the router knows the prompt's token ids exactly; else the character-hash guess."""
@@ -297,10 +297,13 @@ class Router:
             spec = cfg.specialist(target)
             if views and len(views) == len(ready) and len(sizes) == 1 and None not in sizes and spec is not None:
                 tokenizer = self.tokenizers.get(self._path(spec.tokenizer)) if spec.tokenizer else None
-                precise = precise_affinity(rc, views, sizes.pop(), tokenizer, body if body is not None else req.body,
-                                           target, adapter, tenant)
-                if precise is not None:
-                    return precise
+                body = body if body is not None else req.body
+                block_size = sizes.pop()
+                args = (tokenizer, body, rc.max_blocks * block_size, block_size)
+                # the tokenizers library lets go of the GIL: a long prompt's head is cut on a worker thread
+                ids = await asyncio.to_thread(prompt_ids, *args) if len(req.text) > OFF_LOOP_CHARS else prompt_ids(*args)
+                if ids is not None:
+                    return precise_affinity(rc, views, block_size, ids, body, target, adapter, tenant)
         return request_affinity(rc, self.prefixes, req.body, req.text, target, adapter, tenant)
 
     # ------------------------------------------------------------------ discovery

@@ -5,7 +5,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from consort_common.block_hash import prefix_hashes
+from consort_common.block_hash import prefix_hashes, prefix_salt
 from consort_engine.kv.events import KVEventLog
 from consort_router.kv_index import TIER_WEIGHT, KVSubscriber, ReplicaBlocks
 
@@ -113,3 +113,39 @@ async def test_subscriber_polls_an_engine_route_pages_and_forgets_replicas_that_
             assert url not in sub.blocks
     finally:
         await runner.cleanup()
+
+
+async def test_router_routes_precisely_only_while_every_ready_replica_is_followed():
+    """Router.affinity: engine block hashes scored from the views while each ready replica has one and
+    they share a block size; the character-hash guess otherwise (and for chat)."""
+    from consort_router.api import ParsedRequest
+    from consort_router.config import RouterConfig
+    from consort_router.router import Router
+
+    cfg = RouterConfig.model_validate({"ensemble": "e", "default_specialist": "A",
+                                       "specialists": [{"name": "A", "replicas": ["http://a", "http://b"]}]})
+    router = Router(cfg)
+    a, b = router.replicas_now("A")
+    for r in (a, b):
+        r.ready, r.block_size = True, 16
+    ids = list(range(64))
+    req = ParsedRequest({"prompt": ids}, None, None, 0, False, "")
+    router.kv = KVSubscriber(None, 1, 1, max_hashes=100)     # views set by hand: no polling here
+    log = KVEventLog()
+    log.record("stored", "pool", prefix_hashes(ids, 16, "A", None, prefix_salt("t", None))[:3])
+    router.kv.blocks[b.url] = ReplicaBlocks(100)
+    router.kv.blocks[b.url].apply(log.read(None, None))
+    assert not (await router.affinity(cfg, req, "A", None, "t")).precise      # a is not followed yet
+    router.kv.blocks[a.url] = ReplicaBlocks(100)
+    router.kv.blocks[a.url].apply(KVEventLog().read(None, None))
+    aff = await router.affinity(cfg, req, "A", None, "t")
+    assert aff.precise and aff.depth == {b.url: 3} and len(aff.hashes) == 4
+    assert (await router.affinity(cfg, req, "A", None, "other-tenant")).depth == {}
+    assert (await router.affinity(cfg, req, "A", "lora", "t")).depth == {}
+    a.block_size = 32                                                      # replicas cut blocks differently
+    assert not (await router.affinity(cfg, req, "A", None, "t")).precise
+    a.block_size = 16
+    chat = ParsedRequest({"messages": [{"role": "user", "content": "x" * 4000}]}, None, None, 0, False, "x" * 4000)
+    assert not (await router.affinity(cfg, chat, "A", None, "t")).precise
+    off = cfg.model_copy(update={"replica_choice": cfg.replica_choice.model_copy(update={"kv_events": False})})
+    assert not (await router.affinity(off, req, "A", None, "t")).precise
