@@ -81,7 +81,7 @@ class SpecialistRoute(_Strict):
     tokenizer: str | None = Field(
         None, description="Directory holding the specialist's tokenizer.json (and tokenizer_config.json): the "
         "router tokenizes completion prompts as the engine does to route on the engine's own block hashes. "
-        "None: only prompts given as token ids are routed that way.")
+        "None: the router fetches it from one of the lane's engines (GET /v1/kv/tokenizer).")
     adapter: str | None = Field(None, description="Adapter requested on the engine when the request names none.")
     revision: str | None = Field(
         None,

@@ -25,17 +25,35 @@ OFF_LOOP_CHARS = 4096          # a longer prompt is tokenized on a worker thread
 
 
 class PromptTokenizer:
-    def __init__(self, model_dir: str | Path) -> None:
+    def __init__(self, hf: Tokenizer, bos_token: object, add_bos_token: object) -> None:
+        self.hf = hf
+        self.bos_id = hf.token_to_id(bos_token) if isinstance(bos_token, str) and add_bos_token is True else None
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> "PromptTokenizer":
+        """A checkpoint directory's tokenizer.json and tokenizer_config.json (a lane's `tokenizer`)."""
         model_dir = Path(model_dir)
         path = model_dir / "tokenizer.json"
         if not path.is_file():
             raise FileNotFoundError(f"{path}: no such file (a lane's `tokenizer` names a checkpoint directory)")
-        self.hf = Tokenizer.from_file(str(path))
         cfg_path = model_dir / "tokenizer_config.json"
         cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
         bos = cfg.get("bos_token")
-        bos = bos.get("content") if isinstance(bos, dict) else bos
-        self.bos_id = self.hf.token_to_id(bos) if isinstance(bos, str) and cfg.get("add_bos_token") else None
+        return cls(Tokenizer.from_file(str(path)), bos.get("content") if isinstance(bos, dict) else bos,
+                   bool(cfg.get("add_bos_token", False)))
+
+    @classmethod
+    def from_engine(cls, reply: dict) -> "PromptTokenizer":
+        """An engine's GET /v1/kv/tokenizer reply (what the engine itself tokenizes with). Raises
+        ValueError on another shape, or a tokenizer.json the library cannot read."""
+        text = reply.get("tokenizer_json")
+        if not isinstance(text, str):
+            raise ValueError("the reply has no tokenizer_json")
+        try:
+            hf = Tokenizer.from_str(text)
+        except Exception as e:  # noqa: BLE001 - the tokenizers library raises its own exception type
+            raise ValueError(f"tokenizer_json is not a tokenizer: {e}") from None
+        return cls(hf, reply.get("bos_token"), reply.get("add_bos_token"))
 
     def encode_head(self, text: str, tokens: int, drop_tail: int) -> list[int]:
         """The first `tokens` ids of text (fewer when it is shorter), exact: see the module docstring."""

@@ -27,7 +27,8 @@ from .config import RouterConfig
 from .detectors import PatternSandbox
 from .kv_index import KVSubscriber
 from .metrics import RouterMetrics
-from .prompt_tokens import OFF_LOOP_CHARS, PromptTokenizer, prompt_ids
+from .lane_tokenizers import LaneTokenizers
+from .prompt_tokens import OFF_LOOP_CHARS, prompt_ids
 from .replicas import ReplicaPoller, ReplicaState
 from .shadow import CalibrationLog, Shadows
 from .state import Lanes, Runtime, build_runtime
@@ -72,7 +73,7 @@ class Router:
         self.created = int(time.time())   # the model cards' `created`, as vLLM stamps its start
         self.prefixes = PrefixIndex(config.replica_choice.index_blocks)
         self.kv: KVSubscriber | None = None
-        self.tokenizers: dict[str, PromptTokenizer | None] = {}   # tokenizer directory -> loaded (None: unreadable)
+        self.tokenizers = LaneTokenizers()
         self.waker = waker(lambda: self.config, self.base_dir)
         self.activator = Activator(self.waker, lambda lane: any(r.ready for r in self.replicas_now(lane)), self.metrics)
         self.buckets: dict[str, tn.Bucket] = {}   # tenant -> its token-rate quota bucket
@@ -166,21 +167,15 @@ class Router:
         self.track_kv()
 
     def track_kv(self) -> None:
-        """Follow the block events of every replica (prefix-affine with kv_events on), and load each lane's
-        tokenizer once (a tokenizer.json takes 10s to 100s of milliseconds to read: not per request)."""
+        """Follow the block events of every replica (prefix-affine with kv_events on), and load the tokenizer
+        directories the lanes name (lane_tokenizers.py)."""
         rc = self.config.replica_choice
         if self.kv is not None:
             on = rc.policy == "prefix-affine" and rc.kv_events
             self.kv.track({r.url for reps in self.runtime.replicas.values() for r in reps} if on else set())
         for s in self.config.specialists:
-            path = self._path(s.tokenizer)
-            if path is not None and path not in self.tokenizers:
-                try:
-                    self.tokenizers[path] = PromptTokenizer(path)
-                except Exception as e:  # noqa: BLE001 - the tokenizers library raises its own exception types
-                    log.warning("lane %s: tokenizer %s not loaded (%s); its prompts route on character hashes",
-                                s.name, path, e)
-                    self.tokenizers[path] = None
+            if s.tokenizer is not None:
+                self.tokenizers.load_dir(s.name, self._path(s.tokenizer))
 
     # ------------------------------------------------------------------ background
     async def housekeeping(self) -> None:
@@ -296,7 +291,8 @@ class Router:
             sizes = {r.block_size for r in ready}
             spec = cfg.specialist(target)
             if views and len(views) == len(ready) and len(sizes) == 1 and None not in sizes and spec is not None:
-                tokenizer = self.tokenizers.get(self._path(spec.tokenizer)) if spec.tokenizer else None
+                tokenizer = self.tokenizers.get(target, self._path(spec.tokenizer), [r.url for r in ready],
+                                                self.session, self.spawn)
                 body = body if body is not None else req.body
                 block_size = sizes.pop()
                 args = (tokenizer, body, rc.max_blocks * block_size, block_size)

@@ -37,7 +37,7 @@ def checkpoint(request, tmp_path_factory):
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_router_ids_are_the_engines(checkpoint, prompt):
     engine = Tokenizer.from_dir(checkpoint).encode(prompt)
-    router = PromptTokenizer(checkpoint)
+    router = PromptTokenizer.from_dir(checkpoint)
     assert router.encode_head(prompt, 100_000, 16) == engine
     # a head: tokens cut from a long text are the engine's first ids, never other ones
     head = router.encode_head(prompt, 64, 16)
@@ -58,7 +58,7 @@ def test_ids_need_no_tokenizer_and_chat_is_not_guessed():
 def test_the_router_view_fed_by_block_manager_events_holds_the_router_hashes(checkpoint):
     """Engine side: the block manager registers a prompt's blocks and publishes them; router side: its view
     of those events holds every hash it computes for the same prompt (and none for another adapter)."""
-    ids = PromptTokenizer(checkpoint).encode_head(PROMPTS[2], 256, 16)
+    ids = PromptTokenizer.from_dir(checkpoint).encode_head(PROMPTS[2], 256, 16)
     log = KVEventLog()
     bm = BlockManager(num_blocks=64, block_size=16, namespace="Algo", events=log)
     seq = Sequence(list(ids), SamplingParams(), adapter="v2", cache_salt=prefix_salt("team-a", None))
