@@ -70,3 +70,69 @@ def test_the_router_view_fed_by_block_manager_events_holds_the_router_hashes(che
     hashes = tuple(prefix_hashes(ids, 16, "Algo", "v2", prefix_salt("team-a", None)))
     assert len(hashes) == len(ids) // 16 and view.depth(hashes) == len(hashes)
     assert view.depth(tuple(prefix_hashes(ids, 16, "Algo", None, prefix_salt("team-a", None)))) == 0
+
+
+async def test_lane_tokenizers_fetch_once_per_revision_and_again_on_new_replicas(checkpoint, monkeypatch):
+    """A lane's tokenizer comes from its engine's /v1/kv/tokenizer (real aiohttp on 127.0.0.1 serving the
+    checkpoint's file): fetched in the background, shared by lanes with the same revision, fetched again
+    when the lane's replicas change, retried after a failure only after RETRY_S."""
+    import asyncio
+    import hashlib
+
+    import aiohttp
+    from aiohttp import web
+
+    from consort_router import lane_tokenizers as lt
+
+    text = (checkpoint / "tokenizer.json").read_text()
+    cfg = json.loads((checkpoint / "tokenizer_config.json").read_text())
+    calls: list[str] = []
+
+    async def route(request: web.Request) -> web.Response:
+        calls.append(request.path)
+        return web.json_response({"revision": hashlib.sha256(text.encode()).hexdigest()[:32], "tokenizer_json": text,
+                                  "bos_token": cfg.get("bos_token"), "add_bos_token": cfg.get("add_bos_token")})
+
+    async def missing(request: web.Request) -> web.Response:     # an engine without the route
+        return web.Response(status=404)
+
+    app = web.Application()
+    app.router.add_get("/v1/kv/tokenizer", route)
+    app.router.add_get("/bad/v1/kv/tokenizer", missing)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    tasks: list = []
+
+    def spawn(coro):
+        tasks.append(asyncio.ensure_future(coro))
+
+    async def settle():
+        await asyncio.gather(*tasks)
+        tasks.clear()
+
+    try:
+        async with aiohttp.ClientSession() as session:
+            lanes = lt.LaneTokenizers()
+            assert lanes.get("A", None, [url], session, spawn) is None        # fetch started, not there yet
+            await settle()
+            tok = lanes.get("A", None, [url], session, spawn)
+            assert tok is not None and not tasks                              # there; no second fetch
+            assert tok.encode_head(PROMPTS[0], 100, 16) == Tokenizer.from_dir(checkpoint).encode(PROMPTS[0])
+            assert lanes.get("B", None, [url], session, spawn) is None
+            await settle()
+            assert lanes.get("B", None, [url], session, spawn) is tok         # same revision, one copy
+            assert lanes.get("A", None, [url, url + "/x"], session, spawn) is tok and len(tasks) == 1  # new replicas
+            await settle()
+            assert len(calls) == 3
+            assert lanes.get("C", None, [url + "/bad"], session, spawn) is None
+            await settle()
+            assert lanes.get("C", None, [url + "/bad"], session, spawn) is None and not tasks   # no retry yet
+            monkeypatch.setattr(lt, "RETRY_S", 0.0)
+            lanes.get("C", None, [url + "/bad"], session, spawn)
+            assert len(tasks) == 1
+            await settle()
+    finally:
+        await runner.cleanup()
