@@ -21,7 +21,7 @@ from pathlib import Path
 from consort_engine.config import EngineConfig
 from consort_engine.core.engine import LLMEngine
 from consort_engine.demo_model import write_demo_model
-from consort_engine.kv.block_hash import ROOT, block_hash
+from consort_common.block_hash import ROOT, block_hash
 from consort_engine.kv.sequence import SamplingParams, Sequence
 
 

@@ -7,6 +7,11 @@ each hash chaining the previous one, and `PrefixIndex` remembers for each hash t
 served a prompt containing that block (LRU, bounded). Two prompts that share their first k blocks
 share their first k hashes; the replica with the deepest match is the one to ask. `choose_replica`
 (replicas.py) balances that against queue depth.
+
+Precise mode: when the router knows the prompt's token ids exactly as the engine computes them
+(prompt_tokens.py) and follows the lane's replicas' block events (kv_index.py), it computes the
+engine's own block hashes (consort_common/block_hash.py) and reads each replica's depth from what
+the replica says it holds, instead of from where the router sent earlier prompts.
 """
 from __future__ import annotations
 
@@ -15,7 +20,11 @@ import json
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from consort_common.block_hash import prefix_salt
+from consort_common.block_hash import prefix_hashes as block_hashes
+
 from .config import ReplicaChoice
+from .kv_index import ReplicaBlocks
 
 
 @dataclass(frozen=True)
@@ -23,8 +32,9 @@ class Affinity:
     """What one request brings to the replica choice."""
 
     hashes: tuple[bytes, ...]   # chained block hashes of its prompt (may be empty: nothing to match)
-    depth: dict[str, int]       # replica url -> number of leading blocks it served before
+    depth: dict[str, float]     # replica url -> leading blocks it holds (precise) or served before
     load_slack: float           # the affine replica wins while its load <= least load + this
+    precise: bool = False       # engine block hashes scored from block events (else character hashes)
 
 
 def prefix_hashes(text: str, salt: str, block_chars: int, max_blocks: int) -> tuple[bytes, ...]:
@@ -86,6 +96,19 @@ class PrefixIndex:
 
     def __len__(self) -> int:
         return len(self.entries)
+
+
+def precise_affinity(rc: ReplicaChoice, blocks: dict[str, ReplicaBlocks], block_size: int, ids: list[int],
+                     body: dict, target: str, adapter: object, tenant: str) -> Affinity:
+    """The engine's block hashes of a prompt's token ids `ids` (prompt_tokens.prompt_ids) on lane `target`
+    and each followed replica's depth in them. The extra keys are the engine's: the specialist name,
+    the adapter, and the salt formed from the tenant the router sends (x-consort-tenant) and the
+    body's cache_salt."""
+    salt = body.get("cache_salt")
+    hashes = tuple(block_hashes(ids, block_size, target, adapter if isinstance(adapter, str) else None,
+                                prefix_salt(tenant, salt if isinstance(salt, str) else None)))
+    depth = {url: d for url, view in blocks.items() if (d := view.depth(hashes)) > 0}
+    return Affinity(hashes, depth, rc.load_slack, precise=True)
 
 
 def request_affinity(rc: ReplicaChoice, prefixes: PrefixIndex, body: dict, text: str, target: str,

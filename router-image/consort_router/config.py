@@ -78,6 +78,10 @@ class SpecialistRoute(_Strict):
     fallback: str | None = Field(
         None, description="Specialist that takes this one's primary traffic while its breaker is open."
     )
+    tokenizer: str | None = Field(
+        None, description="Directory holding the specialist's tokenizer.json (and tokenizer_config.json): the "
+        "router tokenizes completion prompts as the engine does to route on the engine's own block hashes. "
+        "None: the router fetches it from one of the lane's engines (GET /v1/kv/tokenizer).")
     adapter: str | None = Field(None, description="Adapter requested on the engine when the request names none.")
     revision: str | None = Field(
         None,
@@ -365,6 +369,13 @@ class ReplicaChoice(_Strict):
     load_slack: float = Field(4.0, ge=0, description="Queue-depth units the affine replica may carry above the "
                               "least-loaded one before a request spills to the least-loaded one.")
     index_blocks: int = Field(200_000, ge=1, description="Block hashes remembered (LRU), all lanes together.")
+    kv_events: bool = Field(True, description="prefix-affine: follow each engine's block events (GET "
+                            "/v1/kv/events) and, for prompts whose token ids the router knows exactly, route on "
+                            "the blocks each replica says it holds (docs/prefix-affinity.md).")
+    kv_events_interval_s: float = Field(0.5, gt=0, description="Block events are polled this often per replica.")
+    kv_max_hashes: int = Field(262_144, ge=1, description="Block hashes held per replica and medium (pool, tier) "
+                               "in the router's view; the oldest stored are forgotten first (a miss, never a "
+                               "wrong route).")
 
 
 class RouterConfig(_Strict):

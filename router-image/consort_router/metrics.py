@@ -55,6 +55,13 @@ class RouterMetrics:
                                    ["specialist", "replica"], registry=r)
         self.replica_load = Gauge("consort_router_replica_queue_depth", "Polled waiting + running.",
                                   ["specialist", "replica"], registry=r)
+        self.kv_snapshots = Counter("consort_router_kv_snapshots", "Block-event snapshots taken from engines "
+                                    "(first contact, engine restart, or a subscriber that fell behind the ring).",
+                                    registry=r)
+        self.kv_events = Counter("consort_router_kv_events", "Engine block events applied to the router's view.",
+                                 registry=r)
+        self.kv_lag = Gauge("consort_router_kv_lag_seconds", "Age of the stalest replica view of block events "
+                            "(seconds since it was last brought up to date).", registry=r)
         self.replica_choice = Counter("consort_router_replica_choice",
                                       "Replica choices by outcome: affine (sent where its prefix is cached), spill "
                                       "(its prefix is on a replica too loaded), cold (cached nowhere), least_loaded "

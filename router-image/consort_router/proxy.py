@@ -9,7 +9,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Awaitable, Callable
 
 import aiohttp
 from aiohttp import web
@@ -177,13 +177,15 @@ async def open_upstream(
 async def open_plan(session: aiohttp.ClientSession, rt: Runtime, plan: Plan, req: ParsedRequest, path: str,
                     rid: str, tenant: str, lanes: Lanes, metrics: RouterMetrics,
                     prefixes: PrefixIndex, activator: Activator,
-                    replicas_now: Callable[[str], list[ReplicaState]]) -> tuple[str, Upstream]:
+                    replicas_now: Callable[[str], list[ReplicaState]],
+                    affinity_of: Callable[..., Awaitable[Affinity | None]] | None = None) -> tuple[str, Upstream]:
     """The first of plan.targets that answers, before any byte reaches the client: a lane with no
     ready or reachable replica, or whose replicas all answer 5xx, passes the request on to the
     next target (its fallback). A 429 is an answer (admission), passed through. A lane scaled to
     zero holds the request (`activator`) until a replica turns warm, or passes it to its fallback.
     Each answered attempt is recorded on its lane (`lanes`, `metrics`); the replica that served the
-    prompt is remembered in `prefixes`."""
+    prompt is remembered in `prefixes` (character hashes; `affinity_of`, the router's, may score the
+    engines' own block hashes instead: those are learnt from the engines' events, not remembered here)."""
     cfg = rt.config
     timeout = upstream_timeout(cfg)
     failures: list[str] = []
@@ -204,8 +206,9 @@ async def open_plan(session: aiohttp.ClientSession, rt: Runtime, plan: Plan, req
 
         body = upstream_body(req.body, target, plan.adapters.get(target))   # the lane's adapter unless one is asked
         payload = json.dumps(body).encode()
-        affinity = request_affinity(cfg.replica_choice, prefixes, req.body, req.text, target,
-                                    plan.adapters.get(target) or body.get("adapter"), tenant)
+        adapter = plan.adapters.get(target) or body.get("adapter")
+        affinity = (await affinity_of(cfg, req, target, adapter, tenant, body) if affinity_of is not None else
+                    request_affinity(cfg.replica_choice, prefixes, req.body, req.text, target, adapter, tenant))
         try:
             up = await open_upstream(session, replicas, path, payload,
                                      {"Content-Type": "application/json", "x-request-id": rid,
@@ -222,7 +225,7 @@ async def open_plan(session: aiohttp.ClientSession, rt: Runtime, plan: Plan, req
             metrics.retries.labels(target, "fallback").inc()
             continue
         metrics.replica_choice.labels(target, choice_outcome(affinity, up.replica)).inc()
-        if affinity is not None and up.response.status < 400:
+        if affinity is not None and not affinity.precise and up.response.status < 400:
             prefixes.record(affinity.hashes, up.replica.url)
         if i > 0:
             log.info("request %s: %s served for %s (%s)", rid, target, plan.targets[0], "; ".join(failures))

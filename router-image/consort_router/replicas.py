@@ -33,6 +33,7 @@ class ReplicaState:
     inflight_at_poll: int = 0    # ... when its status was last read
     adapters: tuple[str, ...] = ()
     max_model_len: int | None = None   # the engine's, from its status (the router's model cards)
+    block_size: int | None = None      # the engine's KV block size, from its status (precise prefix hashes)
 
     def load(self, preempting_penalty: float) -> float:
         """Queue depth as seen now: polled depth + requests sent since the poll, + preempting penalty."""
@@ -149,6 +150,8 @@ class ReplicaPoller:
         r.waiting, r.running, r.preempting, r.adapters = parse_status(status)
         max_len = status.get("max_model_len") if isinstance(status, dict) else None
         r.max_model_len = max_len if isinstance(max_len, int) and not isinstance(max_len, bool) else None
+        bs = status.get("block_size") if isinstance(status, dict) else None
+        r.block_size = bs if isinstance(bs, int) and not isinstance(bs, bool) and 0 < bs <= 4096 else None
         r.ready, r.reason = ready, reason
         r.inflight_at_poll = inflight
         r.polled_at = time.monotonic()

@@ -19,13 +19,16 @@ import aiohttp
 from aiohttp import web
 
 from .activator import Activator
-from .affinity import Affinity, PrefixIndex, request_affinity
+from .affinity import Affinity, PrefixIndex, precise_affinity, request_affinity
 from .api import ParsedRequest
 from .auth import EngineCredential, KeyRing
 from .breaker import STATE_CODES, BreakerStore, FileStore, MemoryStore
 from .config import RouterConfig
 from .detectors import PatternSandbox
+from .kv_index import KVSubscriber
 from .metrics import RouterMetrics
+from .lane_tokenizers import LaneTokenizers
+from .prompt_tokens import OFF_LOOP_CHARS, prompt_ids
 from .replicas import ReplicaPoller, ReplicaState
 from .shadow import CalibrationLog, Shadows
 from .state import Lanes, Runtime, build_runtime
@@ -69,6 +72,8 @@ class Router:
         self.poller: ReplicaPoller | None = None
         self.created = int(time.time())   # the model cards' `created`, as vLLM stamps its start
         self.prefixes = PrefixIndex(config.replica_choice.index_blocks)
+        self.kv: KVSubscriber | None = None
+        self.tokenizers = LaneTokenizers()
         self.waker = waker(lambda: self.config, self.base_dir)
         self.activator = Activator(self.waker, lambda lane: any(r.ready for r in self.replicas_now(lane)), self.metrics)
         self.buckets: dict[str, tn.Bucket] = {}   # tenant -> its token-rate quota bucket
@@ -117,6 +122,11 @@ class Router:
         self.poller.track(self._tracked())
         await self.poller.poll_all()
         self.poller.start()
+        rc = self.config.replica_choice
+        self.kv = KVSubscriber(self.session, rc.kv_events_interval_s, p.timeout_s, rc.kv_max_hashes,
+                               metrics=self.metrics)
+        self.track_kv()
+        self.kv.start()
         self._bg.append(asyncio.create_task(self.housekeeping(), name="router-housekeeping"))
         if any(s.service is not None for s in self.config.specialists):
             from .discovery import discovery_loop
@@ -136,6 +146,8 @@ class Router:
         await self.waker.close()
         if self.poller:
             await self.poller.stop()
+        if self.kv:
+            await self.kv.stop()
         self.lanes.save()
         self.patterns.close()
         if self.session:
@@ -152,6 +164,18 @@ class Router:
         self.prefixes.capacity = runtime.config.replica_choice.index_blocks
         if self.poller:
             self.poller.track(self._tracked())
+        self.track_kv()
+
+    def track_kv(self) -> None:
+        """Follow the block events of every replica (prefix-affine with kv_events on), and load the tokenizer
+        directories the lanes name (lane_tokenizers.py)."""
+        rc = self.config.replica_choice
+        if self.kv is not None:
+            on = rc.policy == "prefix-affine" and rc.kv_events
+            self.kv.track({r.url for reps in self.runtime.replicas.values() for r in reps} if on else set())
+        for s in self.config.specialists:
+            if s.tokenizer is not None:
+                self.tokenizers.load_dir(s.name, self._path(s.tokenizer))
 
     # ------------------------------------------------------------------ background
     async def housekeeping(self) -> None:
@@ -253,10 +277,30 @@ class Router:
             self.feed(specialist, 1.0 if res.passed else 0.0)
         return res
 
-    def affinity(self, cfg: RouterConfig, req: ParsedRequest, target: str, adapter: object,
-                 tenant: str) -> Affinity | None:
-        """The prompt's prefix blocks on lane `target` and how deep each replica holds them (affinity.py)."""
-        return request_affinity(cfg.replica_choice, self.prefixes, req.body, req.text, target, adapter, tenant)
+    async def affinity(self, cfg: RouterConfig, req: ParsedRequest, target: str, adapter: object,
+                       tenant: str, body: dict | None = None) -> Affinity | None:
+        """The prompt's prefix blocks on lane `target` and how deep each replica holds them (affinity.py):
+        the engines' own block hashes scored from their block events when the lane's replicas publish
+        them and the router knows the prompt's token ids exactly; else the character-hash guess."""
+        rc = cfg.replica_choice
+        if rc.policy == "prefix-affine" and rc.kv_events and self.kv is not None:
+            # precise only while every ready replica is followed (one whose events are not known yet,
+            # or an engine without the route, would look empty) and they cut blocks alike
+            ready = [r for r in self.replicas_now(target) if r.ready]
+            views = {r.url: v for r in ready if (v := self.kv.blocks.get(r.url)) is not None and v.epoch}
+            sizes = {r.block_size for r in ready}
+            spec = cfg.specialist(target)
+            if views and len(views) == len(ready) and len(sizes) == 1 and None not in sizes and spec is not None:
+                tokenizer = self.tokenizers.get(target, self._path(spec.tokenizer), [r.url for r in ready],
+                                                self.session, self.spawn)
+                body = body if body is not None else req.body
+                block_size = sizes.pop()
+                args = (tokenizer, body, rc.max_blocks * block_size, block_size)
+                # the tokenizers library lets go of the GIL: a long prompt's head is cut on a worker thread
+                ids = await asyncio.to_thread(prompt_ids, *args) if len(req.text) > OFF_LOOP_CHARS else prompt_ids(*args)
+                if ids is not None:
+                    return precise_affinity(rc, views, block_size, ids, body, target, adapter, tenant)
+        return request_affinity(rc, self.prefixes, req.body, req.text, target, adapter, tenant)
 
     # ------------------------------------------------------------------ discovery
     async def replace_discovered(self, urls: dict[str, list[str]]) -> None:

@@ -157,7 +157,8 @@ async def handle_generation(request: web.Request, kind: str, path: str) -> web.S
     try:
         try:
             served, up = await open_plan(router.session, rt, plan, req, path, rid, tenant, router.lanes,
-                                         router.metrics, router.prefixes, router.activator, router.replicas_now)
+                                         router.metrics, router.prefixes, router.activator, router.replicas_now,
+                                         router.affinity)
         except ApiError:
             request["stamp"] = plan.headers(d.specialist, admission="rejected:no_ready_replica")
             status = 503

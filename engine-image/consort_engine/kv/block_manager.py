@@ -5,7 +5,7 @@ empty, or free but still holding a reusable prefix ("cached"). Cached blocks are
 least-recently-freed first, and only when no empty block is left.
 
 Prefix cache: every FULL block whose K/V has been computed gets a hash chained over its
-parent: kv/block_hash.block_hash(parent hash, block token ids, namespace, adapter, salt), the one
+parent: consort_common/block_hash.block_hash(parent hash, block token ids, namespace, adapter, salt), the one
 definition routers compute too. The namespace (specialist name), the adapter and the sequence's
 cache salt (its tenant, vLLM's cache_salt) are in every block's key, so two adapters never share
 K/V and a cache hit tells nobody about another tenant's prompts. A lookup hit is verified, not
@@ -27,7 +27,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Protocol
 
-from consort_engine.kv.block_hash import ROOT, block_hash
+from consort_common.block_hash import ROOT, block_hash
 from consort_engine.kv.events import KVEventLog
 from consort_engine.kv.sequence import Sequence
 from consort_engine.kv.state_pool import StateSlots

@@ -2,7 +2,7 @@
 
 Every change to the set of reusable blocks is one event: `stored` / `removed`, on a medium, `pool`
 (the engine's KV pool) or `tier` (the KV tier below it, kv/tier.py), with the blocks' hashes
-(kv/block_hash.py: the router computes the same hashes from token ids). Events carry a sequence
+(consort_common/block_hash.py: the router computes the same hashes from token ids). Events carry a sequence
 number; the log keeps the latest `capacity` of them in a ring and, beside it, the set of hashes each
 medium holds now.
 

@@ -5,10 +5,9 @@ before a sequence exists."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
 from dataclasses import dataclass, replace
 
+from consort_common.block_hash import prefix_salt
 from consort_engine.kv.sequence import SamplingParams
 from consort_engine.serving.context import ServerContext
 from consort_engine.serving.errors import admission_error, bad
@@ -126,14 +125,6 @@ def resolve_max_tokens(req: GenerationRequest, num_prompt_tokens: int, max_model
                   f"prompt ({num_prompt_tokens} tokens) + max_tokens ({req.max_tokens}) exceeds this model's "
                   f"context of {max_model_len} tokens", "max_tokens")
     return req.max_tokens
-
-
-def prefix_salt(tenant: str | None, cache_salt: str | None) -> str | None:
-    """The prefix-cache salt of a request: its tenant (the router's x-consort-tenant) and, within the
-    tenant, its `cache_salt`. None (the shared cache) only when neither is given."""
-    if tenant is None and cache_salt is None:
-        return None
-    return hashlib.sha256(json.dumps([tenant, cache_salt]).encode()).hexdigest()
 
 
 async def compile_guided(ctx: ServerContext, g: GuidedSpec) -> None:

@@ -10,10 +10,12 @@ reading, errors.py the typed errors, cli.py the command line.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import importlib.metadata
 import json
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -232,6 +234,21 @@ async def kv_events(request: web.Request) -> web.Response:
     return web.Response(text=body, content_type="application/json")
 
 
+async def kv_tokenizer(request: web.Request) -> web.Response:
+    """GET /v1/kv/tokenizer: the checkpoint's tokenizer.json and the BOS rule this engine tokenizes
+    prompts with, so a router computes the same token ids and block hashes (docs/prefix-affinity.md).
+    `revision` names the file's content: a router keeps one copy per revision."""
+    ctx: ServerContext = request.app[CTX]
+    tok = ctx.tokenizer
+
+    def read() -> str:
+        text = (Path(ctx.config.model) / "tokenizer.json").read_text()
+        return json.dumps({"revision": hashlib.sha256(text.encode()).hexdigest()[:32], "tokenizer_json": text,
+                           "bos_token": tok.bos_token, "add_bos_token": tok.add_bos_token})
+
+    return web.Response(text=await asyncio.to_thread(read), content_type="application/json")
+
+
 async def metrics(request: web.Request) -> web.Response:
     body, content_type = request.app[CTX].metrics.render()
     return web.Response(body=body, headers={"Content-Type": content_type})
@@ -256,5 +273,6 @@ def build_app(ctx: ServerContext) -> web.Application:
     app.router.add_post("/v1/adapters", load_adapter)
     app.router.add_delete("/v1/adapters/{name}", unload_adapter)
     app.router.add_get("/v1/kv/events", kv_events)
+    app.router.add_get("/v1/kv/tokenizer", kv_tokenizer)
     app.router.add_get("/metrics", metrics)
     return app

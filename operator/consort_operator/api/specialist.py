@@ -76,6 +76,22 @@ class GpuResources(Model):
     ephemeral_storage: Quantity | None = Field(default=None, description="Ephemeral storage request (the hf:// download lands in an emptyDir).")
 
 
+class KVTier(Model):
+    model_config = Model.model_config | {"json_schema_extra": {"x-kubernetes-validations": [
+        cel("!has(self.claim) || self.kind == 'disk'", "kv.tier.claim needs kind: disk", field_path=".claim"),
+    ]}}
+
+    kind: Literal["memory", "disk"] = Field(description="Where the engine keeps the KV blocks its pool evicts: memory (host memory, lost with the process; the GPU case) or disk (a directory: blocks survive restarts, and replicas sharing a claim share prefills).")
+    size: Quantity = Field(default="4Gi", description="Bound of the tier per replica (least recently used blocks out first). memory: taken from the pod's memory, so leave room in resources.memory; disk without a claim: also the emptyDir's sizeLimit.")
+    claim: DnsLabel | None = Field(default=None, description="disk: a PersistentVolumeClaim in the same namespace mounted as the tier directory (ReadWriteMany for several replicas to share it). Unset: an emptyDir of `size` per pod (kept across engine restarts in the pod, lost with the pod).")
+
+    @model_validator(mode="after")
+    def _claim_is_disk(self) -> "KVTier":   # mirrors the CEL rule above
+        if self.claim is not None and self.kind != "disk":
+            raise ValueError("kv.tier.claim needs kind: disk")
+        return self
+
+
 class KVCache(Model):
     model_config = Model.model_config | {"json_schema_extra": {"x-kubernetes-validations": [
         cel("!(has(self.memoryFraction) && has(self.numBlocks))",
@@ -87,6 +103,7 @@ class KVCache(Model):
                                           description="Share of the memory left after the weights and an activation reserve that the KV pool takes (GPU: free device memory; CPU: the node's available memory capped by the pod's memory limit). Sized once at start; the pool never grows. Default: the engine's own (0.5 on CPU, 0.9 on GPU).")
     num_blocks: int | None = Field(default=None, ge=1, le=10_000_000, description="Exact KV pool size in blocks (overrides memoryFraction sizing).")
     prefix_caching: bool = Field(default=True, description="Reuse KV blocks across requests sharing a prefix (key: specialist, adapter, token-prefix hash).")
+    tier: KVTier | None = Field(default=None, description="A KV tier below the pool (docs/kv-cache.md): evicted prefix blocks are kept there and read back instead of recomputed. Unset: no tier.")
 
     @model_validator(mode="after")
     def _one_sizing(self) -> "KVCache":   # mirrors the CEL rule above

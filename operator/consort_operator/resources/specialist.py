@@ -34,6 +34,7 @@ TMP_LIMIT = "2Gi"
 ASSEMBLED_LIMIT = "16Mi"   # symlinks only
 INIT_STORAGE = "256Mi"     # an init container's own logs
 MODEL_CACHE_MOUNT = "/var/cache/consort-models"   # the node's model cache, in the init containers only
+KV_TIER_DIR = "/var/cache/consort-kv"   # spec.kv.tier kind disk: the tier directory (an emptyDir or a claim)
 
 
 def selector_labels(name: str) -> dict[str, str]:
@@ -163,6 +164,10 @@ def engine_args(name: str, spec: SpecialistSpec, model_dir: str, adapters: dict[
         args += ["--kv-memory-fraction", "0.9"]
     if not spec.kv.prefix_caching:
         args += ["--no-prefix-caching"]
+    elif spec.kv.tier is not None:
+        args += ["--kv-tier-bytes", str(int(quantity_value(spec.kv.tier.size)))]
+        if spec.kv.tier.kind == "disk":
+            args += ["--kv-tier-path", KV_TIER_DIR]
     s = spec.scheduler
     args += ["--max-num-seqs", str(s.max_num_seqs), "--max-num-batched-tokens", str(s.max_num_batched_tokens),
              "--max-waiting", str(s.max_waiting)]
@@ -289,6 +294,12 @@ def engine_deployment(name: str, namespace: str, uid: str, spec: SpecialistSpec,
         scratch_volume("tmp", TMP_LIMIT),
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}},
     ]
+    tier_mounts = []
+    tier = spec.kv.tier if spec.kv.prefix_caching else None
+    if tier is not None and tier.kind == "disk":
+        volumes.append({"name": "kv-tier", "persistentVolumeClaim": {"claimName": tier.claim}} if tier.claim else
+                       scratch_volume("kv-tier", str(tier.size)))
+        tier_mounts.append({"name": "kv-tier", "mountPath": KV_TIER_DIR})
     limits["ephemeral-storage"] = ephemeral_storage_limit(volumes)
 
     for init in init_containers:
@@ -309,7 +320,7 @@ def engine_deployment(name: str, namespace: str, uid: str, spec: SpecialistSpec,
         credential_mount,
         {"name": "tmp", "mountPath": "/tmp"},
         {"name": "dshm", "mountPath": "/dev/shm"},
-    ]
+    ] + tier_mounts
     container = {
         "name": CONTAINER,
         "image": image,

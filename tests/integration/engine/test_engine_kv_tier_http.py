@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 
 import procs
-from consort_engine.kv.block_hash import prefix_hashes
+from consort_common.block_hash import prefix_hashes
 
 CREDENTIAL = "kv-tier-test-credential"
 BLOCK_SIZE = 8

@@ -65,7 +65,7 @@ def test_metric_labels_are_bounded():
     assert tn.label(set(), 0, "a") == "other"
 
 
-def test_prefix_affinity_is_salted_like_the_engines_caches():
+async def test_prefix_affinity_is_salted_like_the_engines_caches():
     """A tenant's prefix is not 'cached' on a replica because another tenant sent it: the engines salt
     their caches by tenant and cache_salt, so the router's prefix index does too."""
     from consort_router.api import ParsedRequest
@@ -75,9 +75,9 @@ def test_prefix_affinity_is_salted_like_the_engines_caches():
     router = Router(cfg)
     text = "x" * 4096
     req = ParsedRequest({"prompt": text}, None, None, 0, False, text)
-    a = router.affinity(cfg, req, "A", None, "team-a")
+    a = await router.affinity(cfg, req, "A", None, "team-a")
     assert a is not None and a.hashes
-    assert a.hashes == router.affinity(cfg, req, "A", None, "team-a").hashes
-    assert set(a.hashes).isdisjoint(router.affinity(cfg, req, "A", None, "team-b").hashes)
+    assert a.hashes == (await router.affinity(cfg, req, "A", None, "team-a")).hashes
+    assert set(a.hashes).isdisjoint((await router.affinity(cfg, req, "A", None, "team-b")).hashes)
     salted = ParsedRequest({"prompt": text, "cache_salt": "s"}, None, None, 0, False, text)
-    assert set(a.hashes).isdisjoint(router.affinity(cfg, salted, "A", None, "team-a").hashes)
+    assert set(a.hashes).isdisjoint((await router.affinity(cfg, salted, "A", None, "team-a")).hashes)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from consort_engine.kv.block_hash import ROOT, block_hash, prefix_hashes
+from consort_common.block_hash import ROOT, block_hash, prefix_hashes
 from consort_engine.kv.block_manager import BlockManager
 from consort_engine.kv.sequence import SamplingParams, Sequence
 
@@ -14,7 +14,7 @@ BLOCK = list(range(100, 116))
 def test_same_inputs_same_hash_in_another_process():
     """No seed, no Python hash(): a fresh interpreter (another PYTHONHASHSEED) computes the same bytes."""
     here = block_hash(ROOT, BLOCK, "spec", "lora-a", "tenant").hex()
-    code = ("from consort_engine.kv.block_hash import ROOT, block_hash;"
+    code = ("from consort_common.block_hash import ROOT, block_hash;"
             f"print(block_hash(ROOT, {BLOCK!r}, 'spec', 'lora-a', 'tenant').hex())")
     there = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env={"PYTHONHASHSEED": "12345", "PYTHONPATH": ":".join(sys.path)}).stdout.strip()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from consort_engine.kv.block_hash import block_hash
+from consort_common.block_hash import block_hash
 from consort_engine.kv.block_manager import BlockManager
 from consort_engine.kv.sequence import SamplingParams, Sequence
 

@@ -8,7 +8,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from consort_engine.kv.block_hash import block_hash
+from consort_common.block_hash import block_hash
 from consort_engine.kv.block_manager import BlockManager
 from consort_engine.kv.sequence import SamplingParams, Sequence
 

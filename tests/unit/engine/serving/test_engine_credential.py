@@ -7,7 +7,8 @@ from consort_engine.serving import credential as C
 
 
 def test_probes_are_open_and_metrics_only_without_its_own_port():
-    for path in ("/v1/completions", "/v1/adapters", "/v1/status", "/tokenize", "/v1/models", "/version"):
+    for path in ("/v1/completions", "/v1/adapters", "/v1/status", "/tokenize", "/v1/models", "/version",
+                 "/v1/kv/events", "/v1/kv/tokenizer"):
         assert C.needs_credential(path, metrics_port=False) and C.needs_credential(path, metrics_port=True)
     for path in ("/health", "/ready"):
         assert not C.needs_credential(path, False) and not C.needs_credential(path, True)

@@ -5,7 +5,8 @@ import pytest
 
 from consort_engine.serving.errors import ApiError, admission_error
 from consort_engine.serving.limits import (MAX_CACHE_SALT_CHARS, MAX_DEADLINE_MS, MAX_GUIDED_CHARS, MAX_LOGIT_BIAS, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MIN_TEMPERATURE, PRIORITY_RANGE, SEED_RANGE)
-from consort_engine.serving.prepare import check_vocab, prefix_salt, resolve_max_tokens
+from consort_common.block_hash import prefix_salt
+from consort_engine.serving.prepare import check_vocab, resolve_max_tokens
 from consort_engine.serving.generation import prompt_logprobs_width
 from consort_engine.serving.protocol import parse_chat, parse_completion
 from consort_engine.serving.render_completions import (best_indices, completion_logprobs, prompt_token_logprobs,

@@ -17,6 +17,7 @@ in every process, on every machine, across restarts.
 from __future__ import annotations
 
 import hashlib
+import json
 import struct
 from collections.abc import Sequence
 from functools import lru_cache
@@ -63,3 +64,12 @@ def prefix_hashes(token_ids: Sequence[int], block_size: int, model: str, adapter
         parent = block_hash(parent, token_ids[start:start + block_size], model, adapter, salt)
         hashes.append(parent)
     return hashes
+
+
+def prefix_salt(tenant: str | None, cache_salt: str | None) -> str | None:
+    """The `salt` of a request's blocks: its tenant (the router's x-consort-tenant header) and, within
+    the tenant, its `cache_salt`. None (the shared cache) only when neither is given. The engine salts
+    its cache with it and a router computes the same value to look the request's blocks up."""
+    if tenant is None and cache_salt is None:
+        return None
+    return hashlib.sha256(json.dumps([tenant, cache_salt]).encode()).hexdigest()

@@ -1,0 +1,199 @@
+"""Which KV blocks each engine replica holds, from the engines' own block events (docs/kv-cache.md).
+
+Every engine publishes `GET /v1/kv/events?epoch=&since=&limit=`: the block hashes its prefix cache
+stored and removed, per medium (`pool`: its KV pool; `tier`: the KV tier below it), numbered within
+an epoch (one per engine start). `ReplicaBlocks.apply` folds one reply into the replica's view:
+events continue the view only when they follow its epoch and sequence number exactly; anything else
+(first contact, engine restart, a gap) comes back from the engine as a snapshot that replaces the
+view. So the view is never wrong, only late by one poll; a hash it lacks costs a cache miss.
+
+Memory is bounded: at most `max_hashes` hashes per replica and medium, the oldest stored forgotten
+first. Polling is bounded: one request per replica per round, a few more only while the engine says
+it has more, off the request path (`KVSubscriber`, a background task like the replica poller).
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from .metrics import RouterMetrics
+
+log = logging.getLogger("consort.router.kv")
+
+MEDIA = ("pool", "tier")
+TIER_WEIGHT = 0.5          # a block in the tier is worth less than one in the pool: it must be read back
+PAGES_PER_ROUND = 4        # replies fetched per replica per round while the engine says `more`
+
+
+@dataclass
+class ReplicaBlocks:
+    """One replica's held block hashes as its events last said (dicts keep insertion order: the oldest
+    stored hash is the first to forget when over `max_hashes`)."""
+
+    max_hashes: int
+    epoch: str | None = None
+    seq: int | None = None
+    held: dict[str, dict[bytes, None]] = field(default_factory=lambda: {m: {} for m in MEDIA})
+    snapshots: int = 0
+    events: int = 0
+    dropped: int = 0             # hashes forgotten over max_hashes (or cut from a truncated snapshot)
+    updated_at: float = 0.0
+
+    def apply(self, reply: dict) -> None:
+        """Fold one /v1/kv/events reply in. Raises ValueError on a reply that is not the engine's shape
+        (the view is left as it was)."""
+        epoch, seq = reply.get("epoch"), reply.get("seq")
+        if not isinstance(epoch, str) or not isinstance(seq, int) or isinstance(seq, bool):
+            raise ValueError("a kv events reply needs a string epoch and an integer seq")
+        if "snapshot" in reply:
+            snap = reply["snapshot"]
+            if not isinstance(snap, dict):
+                raise ValueError("snapshot is not an object")
+            held = {m: self._hashes(snap.get(m, ())) for m in MEDIA}
+            self.held = {m: {} for m in MEDIA}
+            for m in MEDIA:
+                self._store(m, held[m])
+            self.snapshots += 1
+        else:
+            if epoch != self.epoch:
+                raise ValueError("events of another epoch than the view's (the engine sends a snapshot then)")
+            events = reply.get("events")
+            if not isinstance(events, list):
+                raise ValueError("events is not a list")
+            parsed = []
+            for e in events:
+                if not isinstance(e, dict) or e.get("medium") not in MEDIA or \
+                        e.get("type") not in ("stored", "removed", "cleared"):
+                    raise ValueError(f"not a block event: {str(e)[:100]}")
+                parsed.append((e["type"], e["medium"], self._hashes(e.get("hashes", ()))))
+            for kind, medium, hashes in parsed:
+                if kind == "stored":
+                    self._store(medium, hashes)
+                elif kind == "removed":
+                    held = self.held[medium]
+                    for h in hashes:
+                        held.pop(h, None)
+                else:
+                    self.held[medium].clear()
+            self.events += len(parsed)
+        self.epoch, self.seq = epoch, seq
+        self.updated_at = time.monotonic()
+
+    def _store(self, medium: str, hashes: list[bytes]) -> None:
+        held = self.held[medium]
+        for h in hashes:
+            held.pop(h, None)      # re-stored: now the newest
+            held[h] = None
+        over = len(held) - self.max_hashes
+        if over > 0:
+            for h in list(itertools.islice(held, over)):
+                del held[h]
+            self.dropped += over
+
+    @staticmethod
+    def _hashes(raw: object) -> list[bytes]:
+        if not isinstance(raw, list):
+            raise ValueError("hashes is not a list")
+        try:
+            return [bytes.fromhex(h) for h in raw]
+        except (TypeError, ValueError):
+            raise ValueError("a block hash is not hex") from None
+
+    def depth(self, hashes: tuple[bytes, ...]) -> float:
+        """Leading blocks of `hashes` this replica holds: 1 per block in the pool, TIER_WEIGHT per block
+        only in the tier; the count stops at the first block held nowhere (a prefix is a chain)."""
+        pool, tier = self.held["pool"], self.held["tier"]
+        score = 0.0
+        for h in hashes:
+            if h in pool:
+                score += 1.0
+            elif h in tier:
+                score += TIER_WEIGHT
+            else:
+                break
+        return score
+
+    def size(self) -> int:
+        return sum(len(v) for v in self.held.values())
+
+
+class KVSubscriber:
+    """Polls every tracked replica's block events in the background; `blocks[url]` is its view."""
+
+    def __init__(self, session: aiohttp.ClientSession, interval_s: float, timeout_s: float,
+                 max_hashes: int, limit: int = 4096, metrics: RouterMetrics | None = None) -> None:
+        self.session = session
+        self.interval_s = interval_s
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.max_hashes = max_hashes
+        self.limit = limit
+        self.urls: set[str] = set()
+        self.blocks: dict[str, ReplicaBlocks] = {}
+        self.metrics = metrics
+        self.errors = 0
+        self._task: asyncio.Task | None = None
+
+    def track(self, urls: set[str]) -> None:
+        """The replicas to follow now; a replica that left takes its view with it."""
+        self.urls = set(urls)
+        for url in list(self.blocks):
+            if url not in self.urls:
+                del self.blocks[url]
+
+    async def poll_one(self, url: str) -> None:
+        view = self.blocks.get(url)
+        if view is None:
+            view = self.blocks[url] = ReplicaBlocks(self.max_hashes)
+        for _ in range(PAGES_PER_ROUND):
+            params = {"limit": str(self.limit)}
+            if view.epoch is not None and view.seq is not None:
+                params.update(epoch=view.epoch, since=str(view.seq))
+            try:
+                async with self.session.get(f"{url}/v1/kv/events", params=params, timeout=self.timeout) as resp:
+                    if resp.status != 200:     # warming (503), an engine without events (404): try next round
+                        return
+                    reply = await resp.json(content_type=None)
+                view.apply(reply)
+                if self.metrics is not None:
+                    if "snapshot" in reply:
+                        self.metrics.kv_snapshots.inc()
+                    else:
+                        self.metrics.kv_events.inc(len(reply["events"]))
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+                self.errors += 1
+                log.debug("kv events from %s: %s", url, e)
+                return
+            if not reply.get("more"):
+                return
+
+    async def poll_all(self) -> None:
+        urls = list(self.urls)
+        if urls:
+            await asyncio.gather(*(self.poll_one(u) for u in urls))
+        if self.metrics is not None:
+            now = time.monotonic()
+            self.metrics.kv_lag.set(max((now - v.updated_at for v in self.blocks.values()), default=0.0))
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.poll_all()
+            except Exception:  # noqa: BLE001 - keep subscribing whatever happens
+                log.exception("kv events poll failed")
+            await asyncio.sleep(self.interval_s)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self.run(), name="kv-subscriber")
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass

@@ -1,0 +1,81 @@
+"""A request's prompt token ids as the engine computes them, for precise prefix routing (affinity.py).
+
+The engine (consort_engine/text/tokenizer.py) tokenizes a completion's `prompt` with the checkpoint's
+`tokenizer.json` (the `tokenizers` library, special tokens on) and prepends the BOS token when
+`tokenizer_config.json` says `add_bos_token` and the ids do not start with it. `PromptTokenizer`
+does the same from the same two files (a lane's `tokenizer:` directory in the router config).
+A prompt given as token ids needs no tokenizer. Chat messages go through the checkpoint's jinja chat
+template and the engine's tool rendering, which the router does not reproduce: `ids` returns None
+for them and the lane falls back to the character-hash policy.
+
+Only the head of a long prompt is tokenized (the blocks a router matches are its first
+`max_blocks`): the text is cut at `HEAD_CHARS_PER_TOKEN` characters per token wanted, and when it was
+cut the tokens of the last block are dropped (cutting a word changes its last tokens), so every
+id returned is the engine's.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+HEAD_CHARS_PER_TOKEN = 8       # text per token tokenized (English runs about 4 characters a token)
+OFF_LOOP_CHARS = 4096          # a longer prompt is tokenized on a worker thread (about a millisecond and up)
+
+
+class PromptTokenizer:
+    def __init__(self, hf: Tokenizer, bos_token: object, add_bos_token: object) -> None:
+        self.hf = hf
+        self.bos_id = hf.token_to_id(bos_token) if isinstance(bos_token, str) and add_bos_token is True else None
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> "PromptTokenizer":
+        """A checkpoint directory's tokenizer.json and tokenizer_config.json (a lane's `tokenizer`)."""
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: no such file (a lane's `tokenizer` names a checkpoint directory)")
+        cfg_path = model_dir / "tokenizer_config.json"
+        cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        bos = cfg.get("bos_token")
+        return cls(Tokenizer.from_file(str(path)), bos.get("content") if isinstance(bos, dict) else bos,
+                   bool(cfg.get("add_bos_token", False)))
+
+    @classmethod
+    def from_engine(cls, reply: dict) -> "PromptTokenizer":
+        """An engine's GET /v1/kv/tokenizer reply (what the engine itself tokenizes with). Raises
+        ValueError on another shape, or a tokenizer.json the library cannot read."""
+        text = reply.get("tokenizer_json")
+        if not isinstance(text, str):
+            raise ValueError("the reply has no tokenizer_json")
+        try:
+            hf = Tokenizer.from_str(text)
+        except Exception as e:  # noqa: BLE001 - the tokenizers library raises its own exception type
+            raise ValueError(f"tokenizer_json is not a tokenizer: {e}") from None
+        return cls(hf, reply.get("bos_token"), reply.get("add_bos_token"))
+
+    def encode_head(self, text: str, tokens: int, drop_tail: int) -> list[int]:
+        """The first `tokens` ids of text (fewer when it is shorter), exact: see the module docstring."""
+        head = text[:HEAD_CHARS_PER_TOKEN * tokens]
+        ids = self.hf.encode_batch_fast([head], add_special_tokens=True)[0].ids
+        if self.bos_id is not None and (not ids or ids[0] != self.bos_id):
+            ids = [self.bos_id] + ids
+        if len(head) < len(text):
+            ids = ids[:max(0, len(ids) - drop_tail)]
+        return ids[:tokens]
+
+
+def prompt_ids(tokenizer: PromptTokenizer | None, body: dict, tokens: int, drop_tail: int) -> list[int] | None:
+    """The first `tokens` prompt token ids the engine will compute for this body, or None when the router
+    cannot know them exactly (chat messages, no tokenizer, several prompts, a malformed prompt)."""
+    prompt = body.get("prompt")
+    if "messages" in body or prompt is None:
+        return None
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]                      # one prompt in a list: the engine serves it alone
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return prompt[:tokens]
+    if isinstance(prompt, str) and tokenizer is not None:
+        return tokenizer.encode_head(prompt, tokens, drop_tail)
+    return None

@@ -1,0 +1,123 @@
+"""Precise prefix routing with real processes: two replicas of one lane behind the engine credential; the
+router follows their block events, computes the engine's own block hashes of a completion prompt (with
+the lane's tokenizer) and sends follow-ups that share a long prefix to the replica that holds it."""
+from __future__ import annotations
+
+import httpx
+import pytest
+
+import procs
+from conftest import wait_for
+from consort_common.block_hash import prefix_hashes, prefix_salt
+from consort_router.prompt_tokens import PromptTokenizer
+
+pytestmark = pytest.mark.timeout(400)
+
+CREDENTIAL = "kv-routing-engine-credential"
+AUTH = {"Authorization": f"Bearer {CREDENTIAL}"}
+
+
+def served(engine: procs.Engine) -> float:
+    text = httpx.get(engine.url + "/metrics", timeout=10).text
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith("vllm:request_success_total{"))
+
+
+def router_counter(router, name: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for ln in httpx.get(router.url + "/metrics", timeout=10).text.splitlines():
+        if ln.startswith(name):
+            label = ln.split('outcome="', 1)[1].split('"', 1)[0] if 'outcome="' in ln else ""
+            out[label] = out.get(label, 0) + float(ln.rsplit(" ", 1)[1])
+    return out
+
+
+def pool(engine: procs.Engine) -> set[bytes]:
+    snap = httpx.get(engine.url + "/v1/kv/events", headers=AUTH, timeout=10).json()["snapshot"]
+    return {bytes.fromhex(h) for h in snap["pool"]}
+
+
+@pytest.fixture(scope="module")
+def pair(demo_models, logs, tmp_path_factory):
+    cred = tmp_path_factory.mktemp("kv-cred") / "credential"
+    cred.write_text(CREDENTIAL + "\n")
+    started = [procs.start_engine(demo_models["Algo"], logs, "--num-blocks", "256", "--credential-file", str(cred),
+                                  name="Algo", wait_ready=False) for _ in range(2)]
+    try:
+        for e in started:
+            procs.wait_http(e.url + "/ready", e.proc, timeout=240)
+        yield started, cred
+    finally:
+        for e in started:
+            e.stop()
+
+
+@pytest.mark.parametrize("source", ["directory", "engine"])
+def test_follow_ups_land_on_the_replica_holding_their_prefix(pair, demo_models, make_router, source):
+    """Each replica computed a long prefix for a request the router never saw (another router replica
+    sent it, say): the router knows where each prefix is from the engines' events alone, and every
+    follow-up goes there (`affine`: the character-hash guess, knowing nothing, would place them cold).
+    The lane's tokenizer comes from a directory the router config names, or from the engines."""
+    engines, cred = pair
+    lane = {"name": "Algo", "replicas": [e.url for e in engines]}
+    if source == "directory":
+        lane["tokenizer"] = str(demo_models["Algo"])
+    router = make_router({
+        "ensemble": "cpp", "default_specialist": "Algo", "specialists": [lane],
+        "shadow": {"default_threshold": 0.0}, "breaker": {"fresh_samples": 0}, "verifier": {"sample_rate": 0.0},
+        "polling": {"interval_s": 0.2}, "replica_choice": {"kv_events_interval_s": 0.1},
+        "store": {"path": "breakers.json"}, "auth": {"engine_credential_file": str(cred)},
+    })
+    shared = [f"Context {k} ({source}): you are reviewing a long C++ code base with many templates and loops. " * 12
+              for k in range(2)]      # new to both engines (the module's tests share them): events, not snapshots
+    for home, prefix in enumerate(shared):
+        r = httpx.post(engines[home].url + "/v1/completions", timeout=60,
+                       headers={**AUTH, "x-consort-tenant": "anonymous"},   # the tenant the router sends without auth
+                       json={"model": "Algo", "prompt": prefix + "First question.", "max_tokens": 1})
+        assert r.status_code == 200, r.text
+    wait_for(lambda: router_counter(router, "consort_router_kv_events_total").get("", 0) >= 2, 20,
+             "the router applying both replicas' block events")
+    client = router.client()
+    want = {"affine": 6}
+    if source == "engine":      # the lane's first request starts the fetch (it goes by load: shorter than a block)
+        client.completions.create(model="Algo", prompt="warm up", max_tokens=1)
+        wait_for(lambda: "tokenizer revision" in router.proc.log_path.read_text(), 30, "the router fetching the tokenizer")
+        want["least_loaded"] = 1
+    for i in range(6):
+        home = i % 2
+        before = [served(e) for e in engines]
+        out = client.completions.create(model="Algo", prompt=shared[home] + f"Follow-up number {i}.", max_tokens=1)
+        assert [served(e) - b for e, b in zip(engines, before)].index(1) == home, f"follow-up {i} left its replica"
+        assert out.usage.prompt_tokens_details.cached_tokens > 0
+    assert router_counter(router, "consort_router_replica_choice_total") == want
+    assert router_counter(router, "consort_router_kv_snapshots_total")[""] >= 2   # first contact, each replica
+
+
+def test_router_hashes_are_the_engines_published_hashes(pair, demo_models, tmp_path):
+    """For the same prompt the router's hashes (its tokenizer, block size, the engine's extra keys) are the
+    hashes the engine publishes, for two tenants, a cache salt and an adapter (each a chain of its own)."""
+    engine = pair[0][0]
+    block_size = httpx.get(engine.url + "/v1/status", headers=AUTH, timeout=10).json()["block_size"]
+    tok = PromptTokenizer.from_dir(demo_models["Algo"])
+    assert httpx.get(engine.url + "/v1/kv/tokenizer", timeout=10).status_code == 401   # behind the credential
+    served_tok = PromptTokenizer.from_engine(httpx.get(engine.url + "/v1/kv/tokenizer", headers=AUTH, timeout=10).json())
+    prompt = "template <typename T> struct Holder { T value; }; " * 10
+    chains = []
+    adapter = procs.write_lora_adapter(demo_models["Algo"], tmp_path / "v2")
+    r = httpx.post(engine.url + "/v1/adapters", json={"name": "v2", "path": str(adapter)}, headers=AUTH, timeout=60)
+    assert r.status_code == 200, r.text
+    for tenant, salt, lora in (("team-a", None, None), ("team-b", None, None), ("team-a", "s1", None),
+                               ("team-a", None, "v2")):
+        body = {"model": "Algo", "prompt": prompt, "max_tokens": 1, **({"cache_salt": salt} if salt else {}),
+                **({"adapter": lora} if lora else {})}
+        r = httpx.post(engine.url + "/v1/completions", json=body, timeout=60,
+                       headers={**AUTH, "x-consort-tenant": tenant})
+        assert r.status_code == 200, r.text
+        ids = tok.encode_head(prompt, 4096, block_size)
+        engine_ids = httpx.post(engine.url + "/tokenize", json={"model": "Algo", "prompt": prompt}, headers=AUTH,
+                                timeout=10).json()["tokens"]
+        assert ids == engine_ids == served_tok.encode_head(prompt, 4096, block_size)
+        assert r.json()["usage"]["prompt_tokens"] == len(ids)
+        chain = prefix_hashes(ids, block_size, "Algo", lora, prefix_salt(tenant, salt))
+        assert len(chain) >= 4 and set(chain) <= pool(engine), (tenant, salt, lora)
+        chains.append(set(chain))
+    assert all(not (chains[a] & chains[b]) for a in range(4) for b in range(a + 1, 4))

@@ -1,0 +1,151 @@
+"""The router's view of each replica's KV blocks, fed by the engine's real event log (KVEventLog)."""
+from __future__ import annotations
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from consort_common.block_hash import prefix_hashes, prefix_salt
+from consort_engine.kv.events import KVEventLog
+from consort_router.kv_index import TIER_WEIGHT, KVSubscriber, ReplicaBlocks
+
+H = prefix_hashes(list(range(64)), 16, "spec")      # four chained block hashes
+
+
+def follow(log: KVEventLog, view: ReplicaBlocks, limit: int = 4096) -> dict:
+    """One subscriber round trip, as KVSubscriber asks."""
+    reply = log.read(view.epoch, view.seq, limit)
+    view.apply(reply)
+    return reply
+
+
+def test_first_contact_is_a_snapshot_then_events_follow():
+    log, view = KVEventLog(), ReplicaBlocks(max_hashes=100)
+    log.record("stored", "pool", H[:2])
+    assert "snapshot" in follow(log, view)
+    assert view.depth(H) == 2
+    log.record("stored", "pool", H[2:])
+    log.record("removed", "pool", [H[1]])
+    log.record("stored", "tier", [H[1]])
+    reply = follow(log, view)
+    assert "events" in reply and len(reply["events"]) == 3
+    assert view.depth(H) == 1 + TIER_WEIGHT + 2     # block 1 only in the tier counts for less
+    assert view.snapshots == 1 and view.events == 3
+    log.record("cleared", "tier")
+    follow(log, view)
+    assert view.depth(H) == 1                       # the chain stops at the block held nowhere
+
+
+def test_a_gap_gets_a_snapshot_that_replaces_the_view():
+    log, view = KVEventLog(capacity=4), ReplicaBlocks(max_hashes=100)
+    follow(log, view)
+    for h in H:                                     # more events than the ring keeps
+        log.record("stored", "pool", [h])
+    log.record("removed", "pool", [H[0]])
+    reply = follow(log, view)
+    assert "snapshot" in reply and view.snapshots == 2
+    assert set(view.held["pool"]) == set(H[1:]) and view.depth(H) == 0
+
+
+def test_an_engine_restart_new_epoch_is_a_snapshot():
+    old, view = KVEventLog(), ReplicaBlocks(max_hashes=100)
+    old.record("stored", "pool", H)
+    follow(old, view)
+    new = KVEventLog()                               # the engine restarted: empty cache, new epoch
+    new.record("stored", "pool", H[:1])
+    assert "snapshot" in follow(new, view)
+    assert view.epoch == new.epoch and view.depth(H) == 1
+
+
+def test_events_of_another_epoch_are_refused_and_leave_the_view():
+    log, view = KVEventLog(), ReplicaBlocks(max_hashes=100)
+    log.record("stored", "pool", H)
+    follow(log, view)
+    with pytest.raises(ValueError):
+        view.apply({"epoch": "other", "seq": 9, "events": []})
+    with pytest.raises(ValueError):
+        view.apply({"epoch": log.epoch, "seq": 9, "events": [{"type": "stored", "medium": "disk", "hashes": []}]})
+    with pytest.raises(ValueError):
+        view.apply({"epoch": log.epoch, "seq": 9, "events": [{"type": "stored", "medium": "pool", "hashes": ["zz"]}]})
+    assert view.depth(H) == 4 and view.epoch == log.epoch
+
+
+def test_the_view_is_capped_oldest_stored_forgotten_first():
+    log, view = KVEventLog(), ReplicaBlocks(max_hashes=3)
+    follow(log, view)
+    log.record("stored", "pool", H)
+    follow(log, view)
+    assert list(view.held["pool"]) == list(H[1:]) and view.dropped == 1
+    assert view.depth(H) == 0                       # its first block forgotten: no prefix match (a miss, not wrong)
+    assert view.depth(H[1:]) == 3
+
+
+async def test_subscriber_polls_an_engine_route_pages_and_forgets_replicas_that_left():
+    log = KVEventLog()
+    seen: list[dict] = []
+
+    async def events(request: web.Request) -> web.Response:
+        seen.append(dict(request.query) | {"auth": request.headers.get("Authorization")})
+        q = request.query
+        return web.json_response(log.read(q.get("epoch"), int(q["since"]) if "since" in q else None,
+                                          int(q.get("limit", 4096))))
+
+    app = web.Application()
+    app.router.add_get("/v1/kv/events", events)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    try:
+        async with aiohttp.ClientSession(headers={"Authorization": "Bearer engine-secret"}) as session:
+            sub = KVSubscriber(session, interval_s=0.05, timeout_s=2, max_hashes=100, limit=1)
+            sub.track({url})
+            await sub.poll_all()
+            assert sub.blocks[url].snapshots == 1 and seen[-1]["auth"] == "Bearer engine-secret"
+            for h in H:
+                log.record("stored", "pool", [h])
+            seen.clear()
+            await sub.poll_all()                    # limit 1: pages while `more`, at most PAGES_PER_ROUND
+            assert len(seen) == 4 and sub.blocks[url].depth(H) == 4
+            assert seen[0]["since"] == "0" and seen[-1]["since"] == "3"
+            sub.track(set())
+            assert url not in sub.blocks
+    finally:
+        await runner.cleanup()
+
+
+async def test_router_routes_precisely_only_while_every_ready_replica_is_followed():
+    """Router.affinity: engine block hashes scored from the views while each ready replica has one and
+    they share a block size; the character-hash guess otherwise (and for chat)."""
+    from consort_router.api import ParsedRequest
+    from consort_router.config import RouterConfig
+    from consort_router.router import Router
+
+    cfg = RouterConfig.model_validate({"ensemble": "e", "default_specialist": "A",
+                                       "specialists": [{"name": "A", "replicas": ["http://a", "http://b"]}]})
+    router = Router(cfg)
+    a, b = router.replicas_now("A")
+    for r in (a, b):
+        r.ready, r.block_size = True, 16
+    ids = list(range(64))
+    req = ParsedRequest({"prompt": ids}, None, None, 0, False, "")
+    router.kv = KVSubscriber(None, 1, 1, max_hashes=100)     # views set by hand: no polling here
+    log = KVEventLog()
+    log.record("stored", "pool", prefix_hashes(ids, 16, "A", None, prefix_salt("t", None))[:3])
+    router.kv.blocks[b.url] = ReplicaBlocks(100)
+    router.kv.blocks[b.url].apply(log.read(None, None))
+    assert not (await router.affinity(cfg, req, "A", None, "t")).precise      # a is not followed yet
+    router.kv.blocks[a.url] = ReplicaBlocks(100)
+    router.kv.blocks[a.url].apply(KVEventLog().read(None, None))
+    aff = await router.affinity(cfg, req, "A", None, "t")
+    assert aff.precise and aff.depth == {b.url: 3} and len(aff.hashes) == 4
+    assert (await router.affinity(cfg, req, "A", None, "other-tenant")).depth == {}
+    assert (await router.affinity(cfg, req, "A", "lora", "t")).depth == {}
+    a.block_size = 32                                                      # replicas cut blocks differently
+    assert not (await router.affinity(cfg, req, "A", None, "t")).precise
+    a.block_size = 16
+    chat = ParsedRequest({"messages": [{"role": "user", "content": "x" * 4000}]}, None, None, 0, False, "x" * 4000)
+    assert not (await router.affinity(cfg, chat, "A", None, "t")).precise
+    off = cfg.model_copy(update={"replica_choice": cfg.replica_choice.model_copy(update={"kv_events": False})})
+    assert not (await router.affinity(off, req, "A", None, "t")).precise
