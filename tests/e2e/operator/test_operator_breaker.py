@@ -68,12 +68,14 @@ def test_breaker_state_survives_router_restarts_and_demotes_the_specialist(clust
     env = {**cluster.env(), "CONSORT_ENSEMBLE_ROUTER": f"{namespace}/front", **as_router}
 
     # Its config as rendered by the operator, with local static replicas instead of EndpointSlices
-    # (kwok pod IPs are never contacted; nothing listens on the engine port, which is fine here).
+    # (kwok pod IPs are never contacted; nothing listens on the engine port, which is fine here), and
+    # without the mounted Secrets (keys and engine credential live in the pod, not on this machine).
     rendered = RouterConfig.model_validate(yaml.safe_load(get_json(cluster, "configmap", "front-router", "-n", namespace)["data"]["router.yaml"]))
     dead = f"http://127.0.0.1:{free_port()}"
     local = rendered.model_copy(update={
         "specialists": [s.model_copy(update={"service": None, "replicas": [dead]}) for s in rendered.specialists],
-        "store": rendered.store.model_copy(update={"save_interval_s": 0.2})})
+        "store": rendered.store.model_copy(update={"save_interval_s": 0.2}),
+        "auth": rendered.auth.model_copy(update={"api_keys_file": None, "engine_credential_file": None})})
     config = tmp_path / "router.yaml"
     config.write_text(RouterConfig.model_validate(local.model_dump()).dump_yaml())
 
