@@ -17,6 +17,7 @@ import asyncio
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -126,8 +127,10 @@ class KVSubscriber:
     """Polls every tracked replica's block events in the background; `blocks[url]` is its view."""
 
     def __init__(self, session: aiohttp.ClientSession, interval_s: float, timeout_s: float,
-                 max_hashes: int, limit: int = 4096, metrics: RouterMetrics | None = None) -> None:
+                 max_hashes: int, limit: int = 4096, metrics: RouterMetrics | None = None,
+                 is_ready: Callable[[str], bool] = lambda url: True) -> None:
         self.session = session
+        self.is_ready = is_ready   # a warming engine has no events yet, and must see no traffic from us
         self.interval_s = interval_s
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.max_hashes = max_hashes
@@ -172,7 +175,7 @@ class KVSubscriber:
                 return
 
     async def poll_all(self) -> None:
-        urls = list(self.urls)
+        urls = [u for u in self.urls if self.is_ready(u)]
         if urls:
             await asyncio.gather(*(self.poll_one(u) for u in urls))
         if self.metrics is not None:

@@ -101,6 +101,10 @@ class Router:
     def config(self) -> RouterConfig:
         return self.runtime.config
 
+    def replica_ready(self, url: str) -> bool:
+        """Whether the replica at `url` answers /ready as warm (the poller's last look)."""
+        return any(r.ready for reps in self.runtime.replicas.values() for r in reps if r.url == url)
+
     def replicas_now(self, lane: str) -> list[ReplicaState]:
         """The lane's replicas in the current runtime (discovery swaps the runtime)."""
         return self.runtime.replicas.get(lane, [])
@@ -124,7 +128,7 @@ class Router:
         self.poller.start()
         rc = self.config.replica_choice
         self.kv = KVSubscriber(self.session, rc.kv_events_interval_s, p.timeout_s, rc.kv_max_hashes,
-                               metrics=self.metrics)
+                               metrics=self.metrics, is_ready=self.replica_ready)
         self.track_kv()
         self.kv.start()
         self._bg.append(asyncio.create_task(self.housekeeping(), name="router-housekeeping"))

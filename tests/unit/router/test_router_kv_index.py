@@ -1,6 +1,8 @@
 """The router's view of each replica's KV blocks, fed by the engine's real event log (KVEventLog)."""
 from __future__ import annotations
 
+import asyncio
+
 import aiohttp
 import pytest
 from aiohttp import web
@@ -149,3 +151,20 @@ async def test_router_routes_precisely_only_while_every_ready_replica_is_followe
     assert not (await router.affinity(cfg, chat, "A", None, "t")).precise
     off = cfg.model_copy(update={"replica_choice": cfg.replica_choice.model_copy(update={"kv_events": False})})
     assert not (await router.affinity(off, req, "A", None, "t")).precise
+
+
+def test_a_replica_that_is_not_ready_is_not_polled():
+    calls: list[str] = []
+
+    class Session:
+        def get(self, url, **_):
+            calls.append(url)
+            raise AssertionError("a warming replica was polled")
+
+    async def go() -> None:
+        sub = KVSubscriber(Session(), 1.0, 1.0, 16, is_ready=lambda url: url.endswith(":2"))
+        sub.track({"http://127.0.0.1:1"})
+        await sub.poll_all()
+
+    asyncio.run(go())
+    assert calls == []
