@@ -5,6 +5,7 @@ ServiceAccount, under the Role the operator built) bringing it back."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import yaml
@@ -82,7 +83,11 @@ def test_the_operator_scales_an_idle_specialist_to_zero_and_a_scale_patch_wakes_
                 return obj
             return check
 
-        wait_for(status("Ready"), 180, "Ready with the engine warm", interval=0.5)
+        try:
+            wait_for(status("Ready"), 180, "Ready with the engine warm", interval=0.5)
+        except TimeoutError:
+            print("--- engine log tail\n" + engine.tail(), file=sys.stderr)   # what the operator's probes met
+            raise
         # No request for idleAfter: the operator writes 0 through /scale and reports Idle.
         # (its pod may still be terminating when the phase turns Idle: "1/0" until it is gone)
         obj = wait_for(status("Idle", "0/0"), 120, "Idle after the window, its pod gone", interval=0.5)
