@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from .metrics import RouterMetrics
+from .periodic import Periodic
 
 log = logging.getLogger("consort.router.kv")
 
@@ -123,8 +124,10 @@ class ReplicaBlocks:
         return sum(len(v) for v in self.held.values())
 
 
-class KVSubscriber:
+class KVSubscriber(Periodic):
     """Polls every tracked replica's block events in the background; `blocks[url]` is its view."""
+
+    task_name = "kv-subscriber"
 
     def __init__(self, session: aiohttp.ClientSession, interval_s: float, timeout_s: float,
                  max_hashes: int, limit: int = 4096, metrics: RouterMetrics | None = None,
@@ -139,7 +142,6 @@ class KVSubscriber:
         self.blocks: dict[str, ReplicaBlocks] = {}
         self.metrics = metrics
         self.errors = 0
-        self._task: asyncio.Task | None = None
 
     def track(self, urls: set[str]) -> None:
         """The replicas to follow now; a replica that left takes its view with it."""
@@ -181,22 +183,3 @@ class KVSubscriber:
         if self.metrics is not None:
             now = time.monotonic()
             self.metrics.kv_lag.set(max((now - v.updated_at for v in self.blocks.values()), default=0.0))
-
-    async def run(self) -> None:
-        while True:
-            try:
-                await self.poll_all()
-            except Exception:  # noqa: BLE001 - keep subscribing whatever happens
-                log.exception("kv events poll failed")
-            await asyncio.sleep(self.interval_s)
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self.run(), name="kv-subscriber")
-
-    async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from .affinity import Affinity
+from .periodic import Periodic
 
 log = logging.getLogger("consort.router.replicas")
 
@@ -121,15 +122,16 @@ def parse_status(body: object) -> tuple[int, int, bool, tuple[str, ...]]:
     return num("waiting"), num("running"), preempting, adapters
 
 
-class ReplicaPoller:
+class ReplicaPoller(Periodic):
     """Polls every replica's /ready and /v1/status in the background."""
+
+    task_name = "replica-poller"
 
     def __init__(self, session: aiohttp.ClientSession, interval_s: float, timeout_s: float) -> None:
         self.session = session
         self.interval_s = interval_s
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.replicas: dict[str, ReplicaState] = {}  # url -> state (shared with the router's table)
-        self._task: asyncio.Task | None = None
         self.first_round = asyncio.Event()
 
     def track(self, replicas: dict[str, ReplicaState]) -> None:
@@ -161,22 +163,3 @@ class ReplicaPoller:
         if reps:
             await asyncio.gather(*(self.poll_one(r) for r in reps))
         self.first_round.set()
-
-    async def run(self) -> None:
-        while True:
-            try:
-                await self.poll_all()
-            except Exception:  # noqa: BLE001 - keep polling whatever happens
-                log.exception("replica poll failed")
-            await asyncio.sleep(self.interval_s)
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self.run(), name="replica-poller")
-
-    async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
