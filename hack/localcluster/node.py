@@ -315,6 +315,24 @@ def ctr(node: NodeLayout, *args: str, check: bool = True, timeout: float = 600) 
     return run("ctr", f"--address={node.containerd_sock}", "--namespace=k8s.io", *args, check=check, timeout=timeout)
 
 
+def import_archive(node: NodeLayout, archive: Path, attempts: int = 3) -> None:
+    """`ctr images import`, tried again when it loses a race with containerd's garbage collector.
+
+    Importing an image under a name that already exists unreferences the old image's snapshots;
+    the unpacker can find a shared parent snapshot, then see the collector delete it before it
+    prepares the child ("parent snapshot ... does not exist"). The next try finds the chain gone and
+    unpacks it afresh, so the cached image store heals itself."""
+    for attempt in range(1, attempts + 1):
+        result = ctr(node, "images", "import", "--no-unpack=false", str(archive), check=False, timeout=1800)
+        if result.returncode == 0:
+            return
+        error = (result.stderr or result.stdout).strip()
+        if attempt == attempts:
+            raise ClusterError(f"importing {archive.name} into containerd failed {attempts} times: {error}")
+        print(f"node: importing {archive.name} failed ({error}); trying again", file=sys.stderr)
+        time.sleep(2 * attempt)
+
+
 def import_images(node: NodeLayout, archives: list[Path]) -> list[str]:
     """Import oci-archives into the node's image store, skipping those whose digest is there."""
     known = ctr(node, "images", "ls").stdout
@@ -326,7 +344,7 @@ def import_images(node: NodeLayout, archives: list[Path]) -> list[str]:
             continue
         t0 = time.monotonic()
         print(f"node: importing {archive.name} into containerd", file=sys.stderr)
-        ctr(node, "images", "import", "--no-unpack=false", str(archive), timeout=1800)
+        import_archive(node, archive)
         print(f"node: imported {archive.name} in {time.monotonic() - t0:.0f}s", file=sys.stderr)
         done.append(archive.name)
     return done

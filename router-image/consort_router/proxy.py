@@ -303,6 +303,11 @@ async def relay_stream(up: Upstream, out: web.StreamResponse, request: web.Reque
                         first_relay = time.perf_counter() - t
                     if idle_timeout_s is not None:
                         idle.reschedule(loop.time() + idle_timeout_s)
+        except ConnectionResetError:
+            # aiohttp's ClientConnectionResetError ("Cannot write to closing transport") is both a
+            # ClientConnectionError and a ConnectionResetError; only writes to the client raise it here,
+            # so it is the client leaving, not the engine failing.
+            raise
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as e:
             code, why = (("idle_timeout", f"no token from the engine for {idle_timeout_s:g} s")
                          if isinstance(e, TimeoutError) else
