@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+import urllib.request
 
 import pytest
 import yaml
@@ -57,7 +58,7 @@ def test_the_operator_scales_an_idle_specialist_to_zero_and_a_scale_patch_wakes_
         cluster, namespace, operator_factory, demo_model, tmp_path):
     mapping = tmp_path / "pod-addresses.json"
     mapping.write_text("{}")
-    operator_factory(namespace, "--warm-signal", "engine", "--pod-address", f"file:{mapping}")
+    operator = operator_factory(namespace, "--warm-signal", "engine", "--pod-address", f"file:{mapping}")
     cluster.kubectl("apply", "-n", namespace, "-f", "-", input=specialist("idle", idleAfter="5s"))
     cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(ROUTER))
 
@@ -83,11 +84,23 @@ def test_the_operator_scales_an_idle_specialist_to_zero_and_a_scale_patch_wakes_
                 return obj
             return check
 
+        def engine_ready() -> bool:
+            if not engine.alive():
+                raise AssertionError(f"the engine exited: {engine.tail(20)}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2) as r:
+                    return r.status == 200
+            except OSError:
+                return False
+
+        wait_for(engine_ready, 120, "the engine's own /ready", interval=0.5)
         try:
             wait_for(status("Ready"), 180, "Ready with the engine warm", interval=0.5)
-        except TimeoutError:
-            print("--- engine log tail\n" + engine.tail(), file=sys.stderr)   # what the operator's probes met
-            raise
+        except TimeoutError as e:
+            # One line that survives a CI summary: was it the engine or the operator's view of it?
+            print("--- engine log tail\n" + engine.tail(), file=sys.stderr)
+            last = " | ".join(operator.tail(4).splitlines())[-600:]
+            raise AssertionError(f"{e}; engine /ready now: {engine_ready()}; operator log: {last}") from e
         # No request for idleAfter: the operator writes 0 through /scale and reports Idle.
         # (its pod may still be terminating when the phase turns Idle: "1/0" until it is gone)
         obj = wait_for(status("Idle", "0/0"), 120, "Idle after the window, its pod gone", interval=0.5)
