@@ -21,6 +21,9 @@ REQUIRED = {
     "breaker state": "consort_router_breaker_state",
     "shadow disagreement": "consort_router_shadow_total",
     "speculation acceptance": "vllm:spec_decode_num_accepted_tokens_total",
+    "prefix-cache hits": "vllm:prefix_cache_hits_total",
+    "kv tier hits": "vllm:external_prefix_cache_hits_total",
+    "kv tier refusals": "consort_kv_tier_rejected_blocks_total",
 }
 
 
