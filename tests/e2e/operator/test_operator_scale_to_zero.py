@@ -71,12 +71,24 @@ def test_the_operator_scales_an_idle_specialist_to_zero_and_a_scale_patch_wakes_
 
     pod = wait_for(one_pod, 120, "the engine pod")
     port = free_port()
-    mapping.write_text(json.dumps({pod: f"127.0.0.1:{port}"}))
+
+    def map_live_pods() -> None:
+        """Every live engine pod -> the one local engine. The Specialist's first pass may precede its
+        router's, and the router's credential then rolls the pod: the new pod must be reachable too."""
+        pods = [p["metadata"]["name"] for p in get_json(cluster, "pods", "-n", namespace, "-l",
+                                                        "consort.dev/specialist=idle")["items"]
+                if not p["metadata"].get("deletionTimestamp")]
+        want = {name: f"127.0.0.1:{port}" for name in pods}
+        if json.loads(mapping.read_text()) != want:
+            mapping.write_text(json.dumps(want))
+
+    map_live_pods()
     engine = start_process([CONSORT, "engine", "--model", demo_model, "--port", str(port), "--host", "127.0.0.1",
                             "--name", "idle", "--num-blocks", "128"], "engine-idle", tmp_path)
     try:
         def status(phase: str, ready: str | None = None):
             def check() -> dict:
+                map_live_pods()
                 obj = get_json(cluster, "specialist", "idle", "-n", namespace)
                 st = obj.get("status") or {}
                 if st.get("phase") != phase or (ready is not None and st.get("ready") != ready):
