@@ -113,9 +113,11 @@ async def specialist_index(namespace: str, name: str, labels: Any, spec: Any, st
 
 
 @kopf.index(GROUP, VERSION, "ensemblerouters")
-async def router_index(namespace: str, name: str, spec: Any, status: Any, **_: Any) -> dict[Any, Any]:
-    return {namespace: {"name": name, "selector": copy.deepcopy(dict(spec.get("specialistSelector") or {})),
-                        "breakerState": copy.deepcopy(status.get("breakerState") or {})}}
+async def router_index(namespace: str, name: str, meta: Any, spec: Any, status: Any, **_: Any) -> dict[Any, Any]:
+    return {namespace: {"name": name, "uid": meta.get("uid"),
+                        "selector": copy.deepcopy(dict(spec.get("specialistSelector") or {})),
+                        "breakerState": copy.deepcopy(status.get("breakerState") or {}),
+                        "credentialDigest": status.get("engineCredentialDigest")}}
 
 
 @kopf.on.event("v1", "pods", labels=MANAGED)

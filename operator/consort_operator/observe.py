@@ -43,11 +43,16 @@ async def observe_specialist(rt: Runtime, body: Any, pod_index: Any, deployment_
     labels = dict(meta.get("labels") or {})
     selecting = selection.selecting_routers(router_index.get(namespace, []), labels)
     routers = tuple(sorted(r["name"] for r in selecting))   # the engines accept each one's credential
+    credentials = []   # what the engines accept from each (read again only when a router's digest moves)
+    for r in sorted(selecting, key=lambda r: r["name"]):
+        text = await rt.accepted.read(rt.client(), namespace, r["name"], r["uid"], r.get("credentialDigest"))
+        credentials += [(r["name"], text)] if text is not None else []
     token = rt.prober.token(namespace, routers) if targets else None
     results = await asyncio.gather(*(rt.prober.probe(a, token) for a in targets.values())) if targets else []
     observed = specialist_lc.SpecialistObserved(
         name, namespace, meta["uid"], meta.get("generation"), dep, tuple(_pod(p) for p in pods_raw),
-        dict(zip(targets, results)), tuple(r["breakerState"] for r in selecting), routers, tuple(unaddressed))
+        dict(zip(targets, results)), tuple(r["breakerState"] for r in selecting), routers, tuple(unaddressed),
+        tuple(credentials))
     return observed, (dep_raw or {}).get("hash")
 
 

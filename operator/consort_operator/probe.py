@@ -51,7 +51,11 @@ class Prober:
                 spec: dict[str, Any] = {}
                 idle_s: float | None = None
                 async with self.session.get(f"{base}/v1/status", headers=auth) as resp:
-                    if resp.status == 200:
+                    if token and resp.status in (401, 403) and warm:
+                        # Its router would be refused too: not warm until the kubelet brings the
+                        # Specialist's credentials Secret to the pod (its sync period, about a minute).
+                        warm, reason = False, "the engine does not accept its router's credential yet"
+                    elif resp.status == 200:
                         st = await resp.json(content_type=None)
                         adapters = {str(k): str(v) for k, v in (st.get("adapters") or {}).items()}
                         errors = {str(k): str(v)[:300] for k, v in (st.get("adapter_errors") or {}).items()}

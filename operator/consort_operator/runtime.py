@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from .credentials import AcceptedTokens
 from .kube import Kube
 from .lifecycle.children import Owned
 from .lifecycle.pacing import Pacing
@@ -57,6 +58,7 @@ class Runtime:
     write_guard: Callable[[], None] | None = None   # leader election's check before each write
     kube: Kube | None = None
     prober: Prober | None = None
+    accepted: AcceptedTokens = field(default_factory=AcceptedTokens)   # router tokens engines accept
     wakers: dict[ObjectKey, asyncio.Event] = field(default_factory=dict)
     objects: dict[ObjectKey, ObjectState] = field(default_factory=dict)
     phases: dict[tuple[str, str], str] = field(default_factory=dict)

@@ -20,7 +20,7 @@ from .api import ApiError, ParsedRequest, upstream_body
 from .config import RouterConfig
 from .metrics import RouterMetrics
 from .plan import Plan
-from .replicas import ReplicaState, choice_outcome, choose_replica
+from .replicas import CREDENTIAL_REFUSED, ReplicaState, choice_outcome, choose_replica
 from .state import Lanes, Runtime
 
 log = logging.getLogger("consort.router")
@@ -152,6 +152,18 @@ async def open_upstream(
             r.inflight -= 1
             raise
         first = time.monotonic()
+        if resp.status in (401, 403):
+            # The engine refuses this router's credential (not on the pod yet): the client's key is
+            # not at fault, so its 401 is never relayed; another replica, or no replica, is tried.
+            resp.release()
+            r.inflight -= 1
+            r.ready, r.reason = False, CREDENTIAL_REFUSED
+            last_error = RuntimeError(CREDENTIAL_REFUSED)
+            a = Attempt(r, resp.status, "credential_refused")
+            attempts.append(a)
+            if on_attempt:
+                on_attempt(a, True)
+            continue
         if resp.status == 429 or resp.status >= 500:
             another = choose_replica(replicas, preempting_penalty, frozenset(tried), adapter, affinity) is not None
             if another:

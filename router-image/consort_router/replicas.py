@@ -122,6 +122,11 @@ def parse_status(body: object) -> tuple[int, int, bool, tuple[str, ...]]:
     return num("waiting"), num("running"), preempting, adapters
 
 
+# An engine whose mounted credentials do not hold this router's token yet (the kubelet brings a
+# Secret's new content to a running pod within its sync period, about a minute).
+CREDENTIAL_REFUSED = "the engine refuses this router's engine credential"
+
+
 class ReplicaPoller(Periodic):
     """Polls every replica's /ready and /v1/status in the background."""
 
@@ -145,6 +150,8 @@ class ReplicaPoller(Periodic):
                 reason = "ready" if ready else (await resp.text())[:200]
             async with self.session.get(f"{r.url}/v1/status", timeout=self.timeout) as resp:
                 status = await resp.json(content_type=None) if resp.status == 200 else {}
+                if resp.status in (401, 403):   # its requests would be refused too: not ready for this router
+                    ready, reason = False, CREDENTIAL_REFUSED
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
             r.ready, r.reason = False, f"unreachable: {type(e).__name__}"
             r.polled_at = time.monotonic()

@@ -181,4 +181,5 @@ class EnsembleRouterStatus(Model):
     breaker_state: dict[str, Any] | None = Field(
         default=None, json_schema_extra={"type": "object", "x-kubernetes-preserve-unknown-fields": True},
         description="Breaker states written by the router itself ({version, breakers: {specialist: state}}), so they survive router restarts; the operator mirrors them into each Specialist's status.breaker.")
+    engine_credential_digest: str | None = Field(default=None, description="A digest of the engine credential tokens the engines accept (it changes at each step of a rotation); the Specialists this EnsembleRouter selects copy the tokens into their engines' credentials Secret when it changes.")
     conditions: list[Condition] | None = Field(default=None, description="Ready and ConfigValid.")

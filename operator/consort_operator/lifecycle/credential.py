@@ -15,6 +15,7 @@ on each node at its own time):
 from __future__ import annotations
 
 import base64
+import hashlib
 import secrets
 from dataclasses import dataclass, replace
 from datetime import datetime
@@ -96,6 +97,18 @@ def next_state(state: CredentialState | None, requested: str, now: datetime, min
     return state
 
 
+def accepted_text(state: CredentialState) -> str:
+    """The `accepted` file: a token a line, the one the router sends next first."""
+    return "".join(t + "\n" for t in state.accepted())
+
+
+def accepted_digest(text: str) -> str:
+    """A digest of what the engines accept, for the EnsembleRouter's status: it changes at each step of
+    a rotation, which is how the Specialists it selects learn to copy the tokens again (the tokens are
+    random 256-bit values: their digest reveals nothing about them)."""
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 def wait_seconds(state: CredentialState, now: datetime, propagation_s: float = PROPAGATION_S) -> float | None:
     """Seconds until a staged token may be promoted; None when nothing is staged."""
     if state.pending is None or state.staged_at is None:
@@ -106,7 +119,7 @@ def wait_seconds(state: CredentialState, now: datetime, propagation_s: float = P
 def secret_content(state: CredentialState) -> tuple[dict[str, str], dict[str, str]]:
     """The Secret's data (base64) and annotations for `state`."""
     b64 = credential_res.b64
-    data = {"current": b64(state.current + "\n"), "accepted": b64("".join(t + "\n" for t in state.accepted()))}
+    data = {"current": b64(state.current + "\n"), "accepted": b64(accepted_text(state))}
     annotations = {ROTATION_DONE: state.rotation}
     if state.previous:
         data["previous"] = b64(state.previous + "\n")
@@ -128,9 +141,9 @@ def ours(live: dict[str, Any] | None, name: str, uid: str) -> dict[str, Any] | N
 
 def router_secrets(router: str, namespace: str, uid: str, generate_keys: bool, observed: RouterSecrets,
                    labels: dict[str, str], owner: dict[str, Any], now: datetime, propagation_s: float,
-                   mint: Callable[[], str] = new_token) -> tuple[list[dict[str, Any]], float | None]:
-    """The Secrets to hold (the engine credential; generated API keys when the spec names none), and
-    the seconds until a staged rotation may be promoted (None: nothing staged)."""
+                   mint: Callable[[], str] = new_token) -> tuple[list[dict[str, Any]], float | None, str]:
+    """The Secrets to hold (the engine credential; generated API keys when the spec names none), the
+    seconds until a staged rotation may be promoted (None: nothing staged), and accepted_digest."""
     name = credential_res.engine_credential_secret_name(router)
     state = next_state(state_from_secret(ours(observed.engine_credential, name, uid)), observed.rotation, now,
                        mint, propagation_s)
@@ -141,4 +154,4 @@ def router_secrets(router: str, namespace: str, uid: str, generate_keys: bool, o
         kept = ((ours(observed.api_keys, keys_name, uid) or {}).get("data") or {}).get(credential_res.API_KEYS_KEY)
         keys = {credential_res.API_KEYS_KEY: kept or credential_res.generated_keys(mint())}
         out.append(credential_res.secret(keys_name, namespace, labels, owner, keys))
-    return out, wait_seconds(state, now, propagation_s)
+    return out, wait_seconds(state, now, propagation_s), accepted_digest(accepted_text(state))

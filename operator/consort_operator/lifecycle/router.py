@@ -75,6 +75,7 @@ def decide(spec_raw: dict[str, Any], observed: RouterObserved, prev: dict[str, A
                   for s in selected] or None,
         # written by the router itself; carried so the typed status is whole (never patched by us)
         "breakerState": prev.get("breakerState"),
+        "engineCredentialDigest": prev.get("engineCredentialDigest"),
     }
     # An image or classifier the operator will not run (admission.py) fails like a config that does
     # not render: nothing is written.
@@ -100,7 +101,7 @@ def decide(spec_raw: dict[str, Any], observed: RouterObserved, prev: dict[str, A
         f"; skipped (Specialist not in the ensemble): {', '.join(skipped)}" if skipped else ""), now, o.generation)
     status["configHash"] = content_hash(config.model_dump(mode="json"))
     # The Secrets first: the router pods mount them.
-    secrets, staged_s = credential_lc.router_secrets(
+    secrets, staged_s, status["engineCredentialDigest"] = credential_lc.router_secrets(
         o.name, o.namespace, o.uid, spec.auth.enabled and spec.auth.api_keys_secret_ref is None, o.secrets,
         router_res.router_labels(o.name, ctx), owner_reference(KIND, o.name, o.uid), now,
         ctx.credential_propagation_seconds)

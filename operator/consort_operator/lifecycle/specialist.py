@@ -48,6 +48,8 @@ class SpecialistObserved:
     routers: tuple[str, ...] = ()
     # replicas the engine warm signal wants probed that have no address (yet): polled for one
     unaddressed: tuple[str, ...] = ()
+    # (EnsembleRouter, the tokens its engine credential Secret accepts) for those whose Secret was read
+    credentials: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass
@@ -144,7 +146,7 @@ def decide(spec_raw: dict[str, Any], observed: SpecialistObserved, prev: dict[st
     events += ev
     # The engines stop loading an adapter in the pass that rolls it back (not one pass later).
     children = specialist_res.specialist_children(o.name, o.namespace, o.uid, spec, ctx, rollout_lc.rolled_back(adapters),
-                                                  o.routers)
+                                                  dict(o.credentials))
     status["adapters"] = adapters or None
     status["activeAdapter"] = active
     if adapters or prev.get("adapters"):

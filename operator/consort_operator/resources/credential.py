@@ -1,8 +1,12 @@
 """Pure builders for the Secrets an EnsembleRouter owns and how pods mount them:
 
 - `<router>-engine-credential`: the engine credential (lifecycle/credential.py decides its content).
-  The router pods mount its `current`; the engine pods of every Specialist the router selects mount
-  its `accepted`, one file per EnsembleRouter in one directory (`consort engine --credential-file DIR`).
+  The router pods mount its `current`.
+- `<specialist>-engine-credentials`, owned by the Specialist: the `accepted` tokens of every
+  EnsembleRouter that selects it, one key (and file) per EnsembleRouter, mounted as one directory
+  into its engine pods (`consort engine --credential-file DIR`). One Secret whose keys change, not one
+  volume source per router: adding or removing an EnsembleRouter changes no pod template (no
+  rollout); the kubelet brings the new files to the running engines.
 - `<router>-api-keys`: API keys generated when the EnsembleRouter names no `auth.apiKeysSecretRef`
   (one tenant, `default`); written once, then left to the user to edit.
 """
@@ -22,6 +26,10 @@ GENERATED_TENANT = "default"
 
 def engine_credential_secret_name(router: str) -> str:
     return f"{router}-engine-credential"
+
+
+def engine_credentials_secret_name(specialist: str) -> str:
+    return f"{specialist}-engine-credentials"
 
 
 def api_keys_secret_name(router: str) -> str:
@@ -57,16 +65,17 @@ def router_credential_volume(router: str) -> tuple[dict[str, Any], dict[str, Any
     return volume, {"name": "engine-credential", "mountPath": ROUTER_CREDENTIAL_DIR, "readOnly": True}
 
 
-def engine_credentials_volume(routers: tuple[str, ...]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The engine pod's volume and mount: `accepted` of each EnsembleRouter that selects the Specialist,
-    as a file named after it. None selecting it: an empty directory, which the engine treats as closed
-    (its probes only), never open. Optional sources: an EnsembleRouter whose spec is refused writes no
-    Secret, and must not keep the pods of the Specialists it selects from starting."""
-    if routers:
-        volume: dict[str, Any] = {"name": "engine-credentials", "projected": {"sources": [
-            {"secret": {"name": engine_credential_secret_name(r), "items": [{"key": "accepted", "path": r}],
-                        "optional": True}}
-            for r in sorted(set(routers))]}}
-    else:
-        volume = {"name": "engine-credentials", "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}}
+def engine_credentials_secret(specialist: str, namespace: str, labels: dict[str, str], owner: dict[str, Any],
+                              accepted: dict[str, str]) -> dict[str, Any]:
+    """What the engines of `specialist` accept: {EnsembleRouter name: its `accepted` tokens, a line each}."""
+    return secret(engine_credentials_secret_name(specialist), namespace, labels, owner,
+                  {router: b64(text) for router, text in accepted.items()})
+
+
+def engine_credentials_volume(specialist: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The engine pod's volume and mount: the Specialist's credentials Secret, a file per EnsembleRouter.
+    No EnsembleRouter selecting it: an empty directory, which the engine treats as closed (its probes
+    only), never open. Optional, so the pods start before the operator's first write of the Secret."""
+    volume = {"name": "engine-credentials",
+              "secret": {"secretName": engine_credentials_secret_name(specialist), "optional": True}}
     return volume, {"name": "engine-credentials", "mountPath": ENGINE_CREDENTIALS_DIR, "readOnly": True}

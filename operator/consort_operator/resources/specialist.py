@@ -16,7 +16,7 @@ from ..api.specialist import KIND, SpecialistSpec
 from .common import (LABEL_SPECIALIST, BuildContext, common_labels, container_security_context,
                      LOG_STORAGE, ephemeral_storage_limit, object_meta, owner_reference, pod_security_context,
                      scratch_volume, stamp_hash, toleration_dicts)
-from .credential import ENGINE_CREDENTIALS_DIR, engine_credentials_volume
+from .credential import ENGINE_CREDENTIALS_DIR, engine_credentials_secret, engine_credentials_volume
 
 COMPONENT = "engine"
 CONTAINER = "engine"
@@ -214,9 +214,7 @@ def rollout_strategy(spec: SpecialistSpec) -> dict[str, Any]:
     return {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": unavailable}}
 
 
-def engine_deployment(name: str, namespace: str, uid: str, spec: SpecialistSpec, ctx: BuildContext,
-                      routers: tuple[str, ...] = ()) -> dict[str, Any]:
-    """`routers`: the EnsembleRouters selecting this Specialist, whose engine credentials it accepts."""
+def engine_deployment(name: str, namespace: str, uid: str, spec: SpecialistSpec, ctx: BuildContext) -> dict[str, Any]:
     owner = owner_reference(KIND, name, uid)
     labels = engine_labels(name, ctx)
     r = spec.resources
@@ -287,7 +285,7 @@ def engine_deployment(name: str, namespace: str, uid: str, spec: SpecialistSpec,
     # An explicit request: with a limit alone Kubernetes defaults the request to it, and a pod asking
     # for its whole download budget (100Gi) would not schedule on most nodes.
     requests["ephemeral-storage"] = str(r.ephemeral_storage) if r.ephemeral_storage is not None else LOG_STORAGE
-    credential_volume, credential_mount = engine_credentials_volume(routers)
+    credential_volume, credential_mount = engine_credentials_volume(name)
     volumes = list(src.volumes.values()) + [
         {"name": "adapters", "configMap": {"name": adapters_configmap_name(name)}},
         credential_volume,
@@ -494,13 +492,16 @@ def adapters_configmap(name: str, namespace: str, uid: str, spec: SpecialistSpec
 
 def specialist_children(name: str, namespace: str, uid: str, spec: SpecialistSpec, ctx: BuildContext,
                         exclude_adapters: frozenset[str] = frozenset(),
-                        routers: tuple[str, ...] = ()) -> list[dict[str, Any]]:
-    """Everything one Specialist owns, in apply order (the adapters ConfigMap before the pods mounting it)."""
+                        credentials: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """Everything one Specialist owns, in apply order (what the pods mount before the pods).
+    `credentials`: {EnsembleRouter selecting it: the tokens its engines accept from that router}."""
     children = [
         adapters_configmap(name, namespace, uid, spec, ctx, exclude_adapters),
+        engine_credentials_secret(name, namespace, engine_labels(name, ctx), owner_reference(KIND, name, uid),
+                                  credentials or {}),
         engine_service(name, namespace, uid, spec, ctx),
         engine_pdb(name, namespace, uid, spec, ctx),
-        engine_deployment(name, namespace, uid, spec, ctx, routers),
+        engine_deployment(name, namespace, uid, spec, ctx),
     ]
     if ctx.network_policy:
         children.insert(0, engine_network_policy(name, namespace, uid, spec, ctx))

@@ -1,7 +1,7 @@
 """The engine credential and the generated API keys on the real apiserver: each EnsembleRouter owns a
-random engine credential Secret, mounted into its router pods and the engine pods of the Specialists
-it selects; annotating it rotates the Secret (staged, then promoted, the previous token kept) without
-touching any pod template; API keys are generated when none are named and then left to the user."""
+random engine credential Secret, mounted into its router pods; each Specialist it selects copies what
+it accepts into the Secret its engine pods mount; annotating it rotates the Secret (staged, then
+promoted, the previous token kept) without touching any pod template; API keys are generated when none are named and then left to the user."""
 from __future__ import annotations
 
 import base64
@@ -80,27 +80,28 @@ def test_router_credential_and_keys_are_owned_mounted_and_rotate(cluster, namesp
     config = yaml.safe_load(get_json(cluster, "configmap", "front-router", "-n", namespace)["data"]["router.yaml"])
     assert config["auth"]["engine_credential_file"].endswith("/current") and config["auth"]["api_keys_file"].endswith("/keys")
 
-    def engine_template(name: str) -> dict:
-        dep = get_json(cluster, "deployment", name, "-n", namespace)
-        return dep
-    def selected_template(name: str) -> dict:
-        # the Specialist's first pass may run before its router is known (then its engines are closed):
-        # the operator rewrites the template once the router selects it
-        dep = engine_template(name)
-        vol = next(v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == "engine-credentials")
-        if "projected" not in vol:
-            raise NotYet(json.dumps(vol))
-        return dep
-    algo = wait_for(lambda: selected_template("algo"), 60, "engine Deployment algo with its router's credential")
+    # the engines of each Specialist mount one Secret of their own, holding the `accepted` tokens of
+    # every router that selects it: the router's arrival rolls no engine (generation 1: one write)
+    def copied(specialist: str, want: dict[str, str]):
+        def check() -> dict:
+            out = cluster.kubectl("get", "secret", f"{specialist}-engine-credentials", "-n", namespace, "-o", "json",
+                                  check=False)
+            got = {} if out.returncode else secret_data(cluster, namespace, f"{specialist}-engine-credentials")
+            if got != want or out.returncode:
+                raise NotYet(str(sorted(got)) if not out.returncode else out.stderr.strip())
+            return True
+        return check
+    wait_for(copied("algo", {"front": first["accepted"]}), 60, "algo's engines accepting front's credential")
+    algo_uid = get_json(cluster, "specialist", "algo", "-n", namespace)["metadata"]["uid"]
+    assert owned_by(get_json(cluster, "secret", "algo-engine-credentials", "-n", namespace), algo_uid)
+    algo = wait_for(lambda: get_json(cluster, "deployment", "algo", "-n", namespace), 60, "engine Deployment algo")
+    assert algo["metadata"]["generation"] == 1
     engine_pod = algo["spec"]["template"]["spec"]
     ev = next(v for v in engine_pod["volumes"] if v["name"] == "engine-credentials")
-    assert ev["projected"]["sources"] == [{"secret": {"name": "front-engine-credential",
-                                                      "items": [{"key": "accepted", "path": "front"}],
-                                                      "optional": True}}]
+    assert ev["secret"] == {"secretName": "algo-engine-credentials", "optional": True, "defaultMode": 420}
     args = engine_pod["containers"][0]["args"]
     assert args[args.index("--credential-file") + 1] == "/etc/consort/engine-credentials"
-    hub = wait_for(lambda: engine_template("hub"), 60, "engine Deployment hub")    # selected by no router: closed
-    assert "emptyDir" in next(v for v in hub["spec"]["template"]["spec"]["volumes"] if v["name"] == "engine-credentials")
+    wait_for(copied("hub", {}), 60, "hub's engines closed (selected by no router)")
 
     # egress: DNS for every engine, HTTPS only for the one downloading from the hub
     def egress(name: str) -> list:
@@ -133,6 +134,7 @@ def test_router_credential_and_keys_are_owned_mounted_and_rotate(cluster, namesp
     assert new != token and done["previous"].strip() == token and done["accepted"].splitlines() == [new, token]
     assert get_json(cluster, "secret", "front-engine-credential", "-n", namespace)["metadata"]["annotations"][
         "consort.dev/credential-rotation"] == "1"
+    wait_for(copied("algo", {"front": done["accepted"]}), 60, "algo's engines following the rotation")
     # no pod template changed: the running pods follow their mounted files
     assert (get_json(cluster, "deployment", "algo", "-n", namespace)["metadata"]["generation"],
             get_json(cluster, "deployment", "front-router", "-n", namespace)["metadata"]["generation"]) == generation

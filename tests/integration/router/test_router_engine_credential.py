@@ -60,6 +60,39 @@ def test_engine_requires_its_credential_and_the_router_presents_it(locked_engine
     router_cred.write_text("not-the-credential\n")
     procs.wait_until(lambda: r.post("/v1/completions", {**body, "model": "cpp"}).status_code != 200, 20,
                      what="the router presenting the changed (wrong) credential")
+    # The engine's 401 blames the router's credential, not the client's key: never relayed. The
+    # replica is not ready for this router (its poll says why), and the client gets a typed 503.
+    refused = r.post("/v1/completions", {**body, "model": "cpp"})
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "no_ready_replica", refused.text
+    assert "retry-after" in {k.lower() for k in refused.headers}
+    procs.wait_until(lambda: r.routing()["specialists"]["Locked"]["replicas"][0]["reason"].startswith(
+        "the engine refuses this router's engine credential"), 20, what="the poll marking the replica not ready")
+    assert r.routing()["specialists"]["Locked"]["replicas"][0]["ready"] is False
     router_cred.write_text(NEXT + "\n")
     procs.wait_until(lambda: r.post("/v1/completions", {**body, "model": "cpp"}).status_code == 200, 20,
                      what="the router presenting the next credential")
+
+
+def test_the_operators_probe_counts_an_engine_warm_only_once_it_accepts_the_routers_credential(locked_engine):
+    """A Specialist's credentials Secret reaches running pods within the kubelet's sync period: until
+    then its engine answers /ready but would refuse its router, so the operator must not call it warm."""
+    import asyncio
+
+    from consort_operator.probe import Prober
+
+    e, _, _ = locked_engine
+    address = e.url.removeprefix("http://")
+
+    async def probe(token: str | None):
+        prober = Prober(timeout=10)
+        try:
+            return await prober.probe(address, token)
+        finally:
+            await prober.close()
+
+    refused = asyncio.run(probe("a-token-the-engine-does-not-hold"))
+    assert refused.reachable and not refused.warm and "credential" in refused.reason
+    accepted = asyncio.run(probe(CREDENTIAL))
+    assert accepted.warm and accepted.reason == ""
+    # no router token known yet (an operator that just started): /ready alone decides
+    assert asyncio.run(probe(None)).warm

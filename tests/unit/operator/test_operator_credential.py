@@ -133,25 +133,50 @@ def test_a_staged_rotation_brings_the_next_pass_forward_and_promotes_on_time():
     assert s2["metadata"]["annotations"][cred_lc.ROTATION_DONE] == "1"
 
 
-def engine_pod(routers: tuple[str, ...], spec: dict = SPECIALIST) -> dict:
-    o = specialist_lc.SpecialistObserved("algo", "ns", "uid-1", 1, routers=routers)
-    d = specialist_lc.decide(spec, o, {}, T0, CTX, Pacing("engine", 2.0, 30.0))
+def specialist_decision(credentials: tuple[tuple[str, str], ...]) -> specialist_lc.Decision:
+    o = specialist_lc.SpecialistObserved("algo", "ns", "uid-1", 1, routers=tuple(r for r, _ in credentials),
+                                         credentials=credentials)
+    return specialist_lc.decide(SPECIALIST, o, {}, T0, CTX, Pacing("engine", 2.0, 30.0))
+
+
+def engine_pod(d: specialist_lc.Decision) -> dict:
     return next(c for c in d.children if c["kind"] == "Deployment")["spec"]["template"]["spec"]
 
 
 def test_engines_accept_the_credential_of_every_router_that_selects_them_and_are_closed_without_one():
-    pod = engine_pod(("b-router", "a-router"))
+    both = specialist_decision((("a-router", "tok-a\n"), ("b-router", "tok-b2\ntok-b1\n")))
+    pod = engine_pod(both)
     c = pod["containers"][0]
     i = c["args"].index("--credential-file")
     mount = next(m for m in c["volumeMounts"] if m["name"] == "engine-credentials")
     assert c["args"][i + 1] == mount["mountPath"] and mount["readOnly"]
     vol = next(v for v in pod["volumes"] if v["name"] == "engine-credentials")
-    assert vol["projected"]["sources"] == [
-        {"secret": {"name": f"{r}-engine-credential", "items": [{"key": "accepted", "path": r}], "optional": True}}
-        for r in ("a-router", "b-router")]
-    lonely = engine_pod(())
-    assert "--credential-file" in lonely["containers"][0]["args"]     # still closed: an empty directory
-    assert "emptyDir" in next(v for v in lonely["volumes"] if v["name"] == "engine-credentials")
+    assert vol["secret"] == {"secretName": "algo-engine-credentials", "optional": True}
+    secret = next(c for c in both.children if c["kind"] == "Secret")
+    assert secret["metadata"]["name"] == "algo-engine-credentials"
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == "uid-1"       # the Specialist's: gone with it
+    assert data(secret) == {"a-router": "tok-a\n", "b-router": "tok-b2\ntok-b1\n"}
+    # No router selecting it: the same Secret, empty (a closed engine), and the same pod template.
+    lonely = specialist_decision(())
+    assert data(next(c for c in lonely.children if c["kind"] == "Secret")) == {}
+    assert engine_pod(lonely) == pod
+    # Adding, removing or rotating a router's credential changes the Secret, never the pod template:
+    # no rollout; the kubelet brings the files to the running engines.
+    deployment = next(c for c in both.children if c["kind"] == "Deployment")
+    one = next(c for c in specialist_decision((("a-router", "tok-a\n"),)).children if c["kind"] == "Deployment")
+    assert one["metadata"]["annotations"][ANNOTATION_HASH] == deployment["metadata"]["annotations"][ANNOTATION_HASH]
+
+
+def test_a_router_status_carries_a_digest_of_what_its_engines_accept_that_moves_with_each_rotation_step():
+    first = router_decision({}, cred_lc.RouterSecrets(None, None, ""), T0)
+    s1 = next(c for c in first.children if c["metadata"]["name"] == "front-engine-credential")
+    digest = first.status["engineCredentialDigest"]
+    assert digest == cred_lc.accepted_digest(data(s1)["accepted"]) and digest.startswith("sha256:")
+    assert data(s1)["current"].strip() not in digest
+    staged = router_decision({}, cred_lc.RouterSecrets(as_live(s1), None, "1"), T0 + timedelta(seconds=1))
+    assert staged.status["engineCredentialDigest"] != digest
+    same = router_decision({}, cred_lc.RouterSecrets(as_live(s1), None, ""), T0 + timedelta(seconds=1))
+    assert same.status["engineCredentialDigest"] == digest
 
 
 def test_engine_egress_is_dns_and_only_https_when_a_source_downloads():

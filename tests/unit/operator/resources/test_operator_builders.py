@@ -104,7 +104,7 @@ def test_sources_pvc_hf_and_tokenizer_assembly():
 def test_service_pdb_networkpolicy():
     s = spec(replicas=4, minReady=3, port=9000)
     objs = by_kind(S.specialist_children("algo", "ns", "u", s, CTX))
-    assert set(objs) == {"ConfigMap", "Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy"}
+    assert set(objs) == {"ConfigMap", "Secret", "Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy"}
     assert objs["Service"]["spec"]["ports"][0]["port"] == 9000
     assert objs["PodDisruptionBudget"]["spec"]["maxUnavailable"] == 1          # the slack above minReady
     assert "minAvailable" not in objs["PodDisruptionBudget"]["spec"]
