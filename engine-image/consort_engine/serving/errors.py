@@ -48,6 +48,12 @@ def admission_error(code: str, retry_after_ms: float, message: str) -> ApiError:
     return ApiError(429, code, message or f"admission rejected: {code}", type="admission_rejected", retry_after_ms=ms)
 
 
+def not_ready(message: str) -> ApiError:
+    """A 503 with Retry-After for a route that is not a generation request (adapters, block events)
+    while the engine loads: not an admission decision, so not counted as one."""
+    return ApiError(503, "not_ready", message, type="server_error", retry_after_ms=1000)
+
+
 def server_error(rid: str, code: str, what: str, cause: BaseException | None = None, status: int = 500) -> ApiError:
     """A 5xx that names the request id, not the cause: exception text can carry paths, shapes or another
     request's data. The cause is logged under the same id."""

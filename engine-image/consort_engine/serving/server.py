@@ -23,7 +23,7 @@ from aiohttp import web
 from consort_engine.core.async_engine import EngineFailed
 from consort_engine.model.lora import AdapterError
 from consort_engine.serving.context import CTX, STREAM, TENANT_HEADER, ServerContext
-from consort_engine.serving.errors import admission_error, bad, server_error
+from consort_engine.serving.errors import bad, not_ready, server_error
 from consort_engine.serving.generation import admit_choices, make_choices, merged, record
 from consort_engine.serving.http import credential_middleware, error_middleware, read_json, request_id, stamp_headers
 from consort_engine.serving.prepare import check_token_ids, prepare, render_chat
@@ -179,7 +179,7 @@ ADAPTER_STATUS = {"invalid_adapter": 422, "adapter_exists": 409, "max_adapters":
 async def _adapter_call(ctx: ServerContext, fn, param: str) -> Any:
     """Run an adapter change on the engine thread between steps; AdapterError -> typed 4xx."""
     if not ctx.engine.ready:
-        raise admission_error("warming", 1000, "the engine is not ready; load adapters once /ready is 200")
+        raise not_ready("the engine is not ready; load adapters once /ready is 200")
     try:
         return await ctx.engine.call(fn)
     except AdapterError as e:
@@ -210,7 +210,7 @@ async def kv_events(request: web.Request) -> web.Response:
     ctx: ServerContext = request.app[CTX]
     log_ = getattr(ctx.engine.engine, "kv_events", None)
     if log_ is None:
-        raise admission_error("warming", 1000, "the engine is still loading; no block events yet")
+        raise not_ready("the engine is still loading; no block events yet")
     q = request.query
     unknown = sorted(set(q) - {"epoch", "since", "limit"})
     if unknown:
