@@ -146,3 +146,18 @@ def test_a_linear_missing_a_part_is_named(tmp_path):
     save_file({"l.qweight": q["qweight"], "l.scales": q["scales"]}, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match=r"l lacks \['qzeros'\]"):
         list(checkpoint_weights(str(tmp_path), Int4Format("awq", 64)))
+
+
+def test_engine_cli_refuses_a_flag_the_checkpoint_disagrees_with(tmp_path):
+    from consort_engine.serving.cli import config_from_args, parse_args
+
+    src = tmp_path / "src"
+    src.mkdir()
+    save_file({"model.layers.0.mlp.up_proj.weight": weight()}, str(src / "model.safetensors"))
+    (src / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    write_int4_checkpoint(src, tmp_path / "gptq", "gptq", 64)
+    assert config_from_args(parse_args(["--model", str(tmp_path / "gptq"), "--port", "8000", "--quantization", "gptq"])).quantization == "gptq"
+    with pytest.raises(SystemExit, match="--quantization: --quantization awq: the checkpoint is already quantized"):
+        config_from_args(parse_args(["--model", str(tmp_path / "gptq"), "--port", "8000", "--quantization", "awq"]))
+    with pytest.raises(SystemExit, match="not gptq-quantized"):
+        config_from_args(parse_args(["--model", str(src), "--port", "8000", "--quantization", "gptq"]))
