@@ -5,8 +5,9 @@ tensor, and the model loads it like a bf16/fp32 checkpoint (then packed for the 
 
 Why dequantize rather than keep int4: measured on the 2-core AVX2 EPYC (docs/engine-speed.md), torch's
 CPU int4 kernel (`aten._weight_int4pack_mm_for_cpu`, per-group dequant inside the matmul) ran 2.4x
-slower than the fp32 packed GEMM at one row and 2.3x slower at 32 rows on a 4096 x 4096 layer, and
-behind bf16 everywhere; the memory saving does not buy time on such CPUs.
+slower than the fp32 packed GEMM at one row and 2.3x slower at 32 rows on a 4096 x 4096 layer; the
+memory it saves does not buy time on such CPUs, and the dequantized weight reuses every float path
+(packed GEMM, LoRA, tensor-parallel shards) unchanged.
 
 The layouts (w = (q - zero) * scale, groups of `group_size` input columns, one scale per output
 channel and group):
