@@ -487,7 +487,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "both"], default="both",
                    help="weights and KV cache; both: one run each (roofline: float32)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the engine runs")
-    p.add_argument("--quantization", default="none", choices=["none", "int8", "w8a8", "fp8"],
+    p.add_argument("--quantization", default="none", choices=["none", "auto", "int8", "w8a8", "fp8", "awq", "gptq", "compressed-tensors"],
                    help="the engine's --quantization (`consort bench quant` runs several side by side)")
     # Defaults are `consort engine`'s own (EngineConfig's), so a bare bench runs the engine a bare server runs.
     p.add_argument("--block-size", type=int, default=EngineConfig.block_size, help="tokens per KV block")

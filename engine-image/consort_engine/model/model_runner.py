@@ -25,11 +25,12 @@ from consort_engine.config import EngineConfig
 from consort_engine.model.cpu import cgroup_memory_available, memory_available
 from consort_engine.model.cuda_graphs import DecodeGraphs, use_decode_graphs
 from consort_engine.model.host_staging import PinnedStaging
-from consort_engine.model.loader import checkpoint_names, eos_token_ids, iter_safetensors, load_model_config, resolve_dtype
+from consort_engine.model.loader import checkpoint_names, eos_token_ids, load_model_config, resolve_dtype
 from consort_engine.model.models import MODELS
 from consort_engine.model.models.mtp import has_mtp
 from consort_engine.model.lora import AdapterError, LoraAdapter, LoraContext, load_peft_adapter, segments_of
 from consort_engine.model.models.packed import has_amx
+from consort_engine.model.int4_checkpoint import checkpoint_format, checkpoint_weights, resolve_quantization
 from consort_engine.model.models.quant import check_quantization
 from consort_engine.kv.sequence import PromptLogprobs, ScheduledBatch, Sequence
 from consort_engine.kv.state_pool import SwappedState, build_state_metadata, seqs_per_pool
@@ -152,12 +153,14 @@ class ModelRunner:
                                                     tp, mtp=self.has_mtp)
         finally:
             torch.set_default_dtype(default_dtype)
-        self.model.load_weights((name, t.to(self.dtype)) for name, t in iter_safetensors(config.model))
+        int4 = checkpoint_format(cfg.raw)                 # a pre-quantized checkpoint: dequantized as it loads
+        self.quantization = resolve_quantization(config.quantization, int4)
+        self.model.load_weights((name, t.to(self.dtype)) for name, t in checkpoint_weights(config.model, int4))
         self.model.eval()
         self.num_packed = 0
-        if config.quantization != "none" or (self.device.type == "cpu"
-                                             and os.environ.get("CONSORT_PACK_WEIGHTS", "1") != "0"):
-            self.num_packed = self.model.pack_weights(config.quantization)
+        if self.quantization != "none" or (self.device.type == "cpu"
+                                           and os.environ.get("CONSORT_PACK_WEIGHTS", "1") != "0"):
+            self.num_packed = self.model.pack_weights(self.quantization)
         self.lora_ctx = LoraContext()
         self.adapters: dict[str, LoraAdapter] = {}
         for name, path in config.adapters.items():

@@ -20,7 +20,7 @@ from consort_engine.config import EngineConfig, byte_size
 from consort_engine.serving.adapter_sync import AdapterSync
 from consort_engine.serving.credential import CredentialSource
 from consort_engine.model.cpu import apply_threads
-from consort_engine.model.models.quant import QUANTIZATIONS, check_quantization
+from consort_engine.model.models.quant import QUANTIZATIONS, check_checkpoint_quantization, check_quantization
 from consort_engine.text.tokenizer import Tokenizer
 
 from consort_engine.serving.context import CTX, ServerContext, StartupError, process_age_s
@@ -51,7 +51,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="weights and KV cache; auto: float32 on cpu, bfloat16 on cuda")
     p.add_argument("--quantization", default="none", choices=list(QUANTIZATIONS),
                    help="quantize the decoder's linear weights at load: int8 (int8 weights, cpu), w8a8 (int8 "
-                        "weights and activations, cpu), fp8 (e4m3 weights and activations, cuda); per-channel scales")
+                        "weights and activations, cpu), fp8 (e4m3 weights and activations, cuda); per-channel scales. "
+                        "An int4 checkpoint (awq, gptq, compressed-tensors, named by config.json's quantization_config) "
+                        "loads with none, auto or its own format's name, dequantized to --dtype")
     p.add_argument("--max-model-len", type=int, default=None, metavar="TOKENS",
                    help="longest prompt + completion; unset: the checkpoint's max_position_embeddings")
     p.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs, metavar="N",
@@ -136,6 +138,7 @@ def config_from_args(a: argparse.Namespace) -> EngineConfig:
             raise SystemExit(f"consort engine: {flag} must be a positive number of milliseconds, got {value}")
     try:
         check_quantization(a.quantization, a.device)
+        check_checkpoint_quantization(a.quantization, a.model)
     except ValueError as e:
         raise SystemExit(f"consort engine: --quantization: {e}")
     if a.tensor_parallel_size < 1:

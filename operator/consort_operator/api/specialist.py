@@ -56,12 +56,16 @@ class ModelSource(Model):
     tokenizer: str | None = Field(
         default=None, pattern=MODEL_SOURCE, max_length=512,
         description="Tokenizer location (same URL forms as source); defaults to the checkpoint directory itself.")
-    quantization: Literal["none", "int8", "w8a8", "fp8"] = Field(
+    quantization: Literal["none", "auto", "int8", "w8a8", "fp8", "awq", "gptq", "compressed-tensors"] = Field(
         default="none",
         description=("Quantize the decoder's linear weights when the engine loads the checkpoint (bf16/fp32 "
                      "on disk), one scale per output channel: `int8` (int8 weights, CPU), `w8a8` (int8 weights "
                      "and activations, CPU; the fastest on CPUs), `fp8` (e4m3 weights and activations, GPUs "
-                     "of compute capability 8.9 or newer). LoRA adapters stay in full precision."))
+                     "of compute capability 8.9 or newer). A pre-quantized int4 checkpoint (AWQ, GPTQ or "
+                     "compressed-tensors pack-quantized, named by its config.json's quantization_config) loads "
+                     "with `none`, `auto` or its own format's name (`awq`, `gptq`, `compressed-tensors`; the "
+                     "engine refuses to start when the checkpoint is another), dequantized to the dtype. "
+                     "LoRA adapters stay in full precision."))
 
     _no_parent = field_validator("source", "tokenizer")(no_pvc_parent)
 
@@ -156,9 +160,10 @@ class Slo(Model):
         return duration_seconds(self.window)
 
 
-# int8 and w8a8 are CPU kernels, fp8 a GPU one (model/models/quant.py in the engine)
-QUANTIZATION_RULE = ("!has(self.model.quantization) || self.model.quantization == 'none' || "
+# int8 and w8a8 are CPU kernels, fp8 a GPU one (model/models/quant.py in the engine); int4 checkpoints load on either
+QUANTIZATION_RULE = ("!has(self.model.quantization) || !(self.model.quantization in ['int8', 'w8a8', 'fp8']) || "
                      "((self.model.quantization == 'fp8') == (!has(self.resources) || !has(self.resources.gpus) || self.resources.gpus > 0))")
+LOAD_TIME_QUANTIZATIONS = ("int8", "w8a8", "fp8")
 QUANTIZATION_MESSAGE = "model.quantization fp8 needs resources.gpus > 0; int8 and w8a8 run on CPU engines (gpus 0)"
 
 
@@ -234,7 +239,7 @@ class SpecialistSpec(Model):
                 raise ValueError("resources.gpus must equal tensorParallelSize (one GPU per rank), or be 0 (CPU ranks)")
             if self.adapters:
                 raise ValueError("LoRA adapters are not supported with tensorParallelSize > 1 yet")
-        if self.model.quantization != "none" and (self.model.quantization == "fp8") != (self.resources.gpus > 0):
+        if self.model.quantization in LOAD_TIME_QUANTIZATIONS and (self.model.quantization == "fp8") != (self.resources.gpus > 0):
             raise ValueError(QUANTIZATION_MESSAGE)
         return self
 

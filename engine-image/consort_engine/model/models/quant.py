@@ -20,13 +20,20 @@ ones that won; a dequantize-then-matmul int8 path and `torch._int_mm` on CPU los
 """
 from __future__ import annotations
 
+import json
 import warnings
+from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-QUANTIZATIONS = ("none", "int8", "w8a8", "fp8")
+from consort_engine.model.int4_checkpoint import CHECKPOINT_FORMATS, checkpoint_format, resolve_quantization
+
+LOAD_TIME = ("int8", "w8a8", "fp8")              # quantized here, from a float checkpoint
+# none: the checkpoint as it is (a pre-quantized one dequantized, model/int4_checkpoint.py); auto: the same,
+# spelled for "whatever the checkpoint is"; awq | gptq | compressed-tensors: the checkpoint must be that
+QUANTIZATIONS = ("none", "auto", *LOAD_TIME, *CHECKPOINT_FORMATS)
 INT8_MAX = 127.0
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)      # 448
@@ -39,6 +46,14 @@ def check_quantization(quantization: str, device: str) -> None:
         raise ValueError(f"unknown quantization {quantization!r}; use one of {', '.join(QUANTIZATIONS)}")
     if quantization in ("int8", "w8a8") and device.startswith("cuda"):
         raise ValueError(f"quantization {quantization} runs on CPU; on CUDA use fp8")
+
+
+def check_checkpoint_quantization(quantization: str, model_dir: str) -> None:
+    """A clear error when --quantization disagrees with the checkpoint's own (config.json's
+    quantization_config), before any weight loads; a missing config.json is the loader's error."""
+    config = Path(model_dir) / "config.json"
+    if config.is_file():
+        resolve_quantization(quantization, checkpoint_format(json.loads(config.read_text())))
 
 
 def channel_scales(w: torch.Tensor, qmax: float) -> torch.Tensor:

@@ -10,6 +10,7 @@ from consort_engine.bench.quant import DEFAULT_ARMS, machine, parse_arms, round_
 def test_arms_parse_and_bad_ones_are_refused():
     assert parse_arms(DEFAULT_ARMS["cpu"])[0] == ("float32", "none")
     assert parse_arms("bfloat16:none, bfloat16:fp8") == [("bfloat16", "none"), ("bfloat16", "fp8")]
+    assert parse_arms("float32:none,bfloat16:awq") == [("float32", "none"), ("bfloat16", "awq")]
     for bad in ("float32", "float64:none", "float32:int4", "float32:none,float32:none"):
         with pytest.raises(BenchError):
             parse_arms(bad)

@@ -21,7 +21,8 @@ def engine_argv(s: SpecialistSpec) -> list[str]:
     return S.engine_deployment("algo", "ns", "u", s, CTX)["spec"]["template"]["spec"]["containers"][0]["args"]
 
 
-@pytest.mark.parametrize("quantization,gpus", [(None, 0), ("none", 1), ("int8", 0), ("w8a8", 0), ("fp8", 1)])
+@pytest.mark.parametrize("quantization,gpus", [(None, 0), ("none", 1), ("int8", 0), ("w8a8", 0), ("fp8", 1),
+                                               ("auto", 0), ("awq", 0), ("gptq", 1), ("compressed-tensors", 0)])
 def test_quantization_reaches_the_engine_flags(quantization, gpus):
     from consort_engine.serving.cli import config_from_args, parse_args
 
@@ -39,6 +40,7 @@ def test_quantization_the_device_cannot_run_is_refused(quantization, gpus):
 def test_crd_carries_the_field_its_description_and_the_rule():
     schema = specialist_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
     field = schema["properties"]["model"]["properties"]["quantization"]
-    assert field["enum"] == ["none", "int8", "w8a8", "fp8"] and field["default"] == "none"
+    assert field["enum"] == ["none", "auto", "int8", "w8a8", "fp8", "awq", "gptq", "compressed-tensors"]
+    assert field["default"] == "none"
     assert "per output channel" in field["description"]           # what `kubectl explain` prints
     assert any(r["rule"] == QUANTIZATION_RULE for r in schema["x-kubernetes-validations"])

@@ -1,0 +1,134 @@
+"""Writes int4 weight-only checkpoints (AWQ GEMM, GPTQ v1/v2, compressed-tensors pack-quantized) from a
+float checkpoint, bit by bit as each format's spec lays them out, and the fake-quantized float
+checkpoint with the same weights for transformers. Independent of the engine's unpacker
+(consort_engine/model/int4_checkpoint.py): packing here is a loop over nibbles, and the reference
+weight is (code - zero) * scale computed from the integers before they are packed.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)      # AutoAWQ GEMM: nibble i of a word holds column AWQ_ORDER[i] of its 8
+
+
+@dataclass
+class Int4Linear:
+    codes: torch.Tensor      # [out, in] int64 in 0..15
+    zeros: torch.Tensor      # [out, groups] int64 in 0..15
+    scales: torch.Tensor     # [out, groups] float16
+    g_idx: torch.Tensor      # [in] int64: the group of each input column
+
+    def dequantized(self) -> torch.Tensor:
+        return (self.codes - self.zeros[:, self.g_idx]).float() * self.scales.float()[:, self.g_idx]
+
+
+def quantize_int4(w: torch.Tensor, group_size: int, sym: bool, perm: torch.Tensor | None = None) -> Int4Linear:
+    """Round-to-nearest int4 per (output row, group of input columns); `perm` (GPTQ act-order) is the order
+    the columns are grouped in, the codes staying in the original column order."""
+    out, inp = w.shape
+    gs = inp if group_size == -1 else group_size
+    order = torch.arange(inp) if perm is None else perm
+    g_idx = torch.empty(inp, dtype=torch.long)
+    g_idx[order] = torch.arange(inp) // gs
+    groups = inp // gs
+    zeros = torch.empty(out, groups, dtype=torch.long)
+    scales = torch.empty(out, groups, dtype=torch.float16)
+    for g in range(groups):
+        cols = w[:, g_idx == g].float()
+        if sym:
+            scale = (cols.abs().amax(1) / 7.0).clamp(min=1e-6).half()
+            zero = torch.full((out,), 8, dtype=torch.long)
+        else:
+            lo, hi = cols.amin(1).clamp(max=0), cols.amax(1).clamp(min=0)
+            scale = ((hi - lo) / 15.0).clamp(min=1e-6).half()
+            zero = torch.round(-lo / scale.float()).long().clamp(0, 15)
+        zeros[:, g], scales[:, g] = zero, scale
+    codes = torch.round(w.float() / scales.float()[:, g_idx]).long() + zeros[:, g_idx]
+    return Int4Linear(codes.clamp(0, 15), zeros, scales, g_idx)
+
+
+def _int32(words: torch.Tensor) -> torch.Tensor:
+    """uint32 values held in int64 -> the same bits as int32."""
+    return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+
+
+def pack_last_dim(values: torch.Tensor, order: tuple[int, ...] = tuple(range(8))) -> torch.Tensor:
+    """[r, 8c] codes -> int32 [r, c]: word j's bits 4i..4i+3 hold value 8j + order[i]."""
+    r, n = values.shape
+    words = torch.zeros(r, n // 8, dtype=torch.int64)
+    for j in range(n // 8):
+        for i in range(8):
+            words[:, j] |= values[:, 8 * j + order[i]] << (4 * i)
+    return _int32(words)
+
+
+def pack_awq(q: Int4Linear) -> dict[str, torch.Tensor]:
+    return {"qweight": pack_last_dim(q.codes.t(), AWQ_ORDER), "qzeros": pack_last_dim(q.zeros.t(), AWQ_ORDER),
+            "scales": q.scales.t().contiguous()}
+
+
+def pack_gptq(q: Int4Linear, v1: bool) -> dict[str, torch.Tensor]:
+    return {"qweight": pack_last_dim(q.codes).t().contiguous(),            # [in/8, out]: 8 input rows a word
+            "qzeros": pack_last_dim(q.zeros.t() - int(v1)),             # v1 stores zero - 1
+            "scales": q.scales.t().contiguous(), "g_idx": q.g_idx.to(torch.int32)}
+
+
+def pack_compressed_tensors(q: Int4Linear) -> dict[str, torch.Tensor]:
+    assert bool((q.zeros == 8).all()), "pack-quantized is symmetric: codes are the signed value + 8"
+    return {"weight_packed": pack_last_dim(q.codes), "weight_scale": q.scales.contiguous(),
+            "weight_shape": torch.tensor(list(q.codes.shape), dtype=torch.int64)}
+
+
+def quantization_config(method: str, group_size: int, sym: bool, act_order: bool, v1: bool) -> dict:
+    if method == "awq":
+        return {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm"}
+    if method == "gptq":
+        return {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": act_order, "sym": sym,
+                "checkpoint_format": "gptq" if v1 else "gptq_v2"}
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
+            "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "weights": {
+                "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": group_size}}}}
+
+
+def write_int4_checkpoint(src: Path, dst: Path, method: str, group_size: int, sym: bool = False,
+                          act_order: bool = False, v1: bool = True, fake_dst: Path | None = None) -> dict[str, torch.Tensor]:
+    """Quantize src's decoder linears into dst in `method`'s layout (everything else copied); with
+    fake_dst, also write the float checkpoint of the dequantized weights. Returns weight name ->
+    dequantized float32 weight."""
+    sym = sym or method == "compressed-tensors"
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, dst / f.name)
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    g = torch.Generator().manual_seed(7)
+    packed, fake, reference = {}, {}, {}
+    for name, t in tensors.items():
+        prefix, _, leaf = name.rpartition(".")
+        if leaf != "weight" or prefix.rpartition(".")[2] not in LINEARS:
+            packed[name] = fake[name] = t
+            continue
+        perm = torch.randperm(t.shape[1], generator=g) if act_order else None
+        q = quantize_int4(t, group_size, sym, perm)
+        parts = (pack_awq(q) if method == "awq" else pack_gptq(q, v1) if method == "gptq"
+                 else pack_compressed_tensors(q))
+        packed.update({f"{prefix}.{k}": v for k, v in parts.items()})
+        reference[name] = q.dequantized()
+        fake[name] = reference[name].to(t.dtype)
+    save_file(packed, str(dst / "model.safetensors"))
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = quantization_config(method, group_size, sym, act_order, v1)
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    if fake_dst is not None:
+        shutil.copytree(src, fake_dst)
+        save_file(fake, str(fake_dst / "model.safetensors"))
+    return reference

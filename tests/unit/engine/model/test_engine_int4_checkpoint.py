@@ -1,0 +1,163 @@
+"""Pre-quantized int4 checkpoints (model/int4_checkpoint.py): the engine's unpacked weights equal the
+reference (code - zero) * scale exactly for AWQ GEMM, GPTQ (v1/v2, act-order) and compressed-tensors
+pack-quantized written by tests/int4_checkpoints.py; a spec-by-hand unpack of single words; format
+detection from config.json and the --quantization agreement rules."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from int4_checkpoints import AWQ_ORDER, pack_awq, pack_compressed_tensors, pack_gptq, quantize_int4, write_int4_checkpoint
+from safetensors.torch import save_file
+
+from consort_engine.model.int4_checkpoint import (Int4Format, checkpoint_format, checkpoint_weights, dequantize_awq,
+                                                  dequantize_gptq, dequantize_pack_quantized, resolve_quantization,
+                                                  unpack_columns)
+from consort_engine.model.models.quant import check_checkpoint_quantization
+
+OUT, IN = 48, 256
+
+
+def weight(seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(OUT, IN, generator=g) * torch.logspace(-2, 0, OUT)[:, None] + 0.01
+
+
+def test_one_awq_word_unpacks_in_the_interleaved_order():
+    """Nibble i of an AWQ word holds column AWQ_ORDER[i]: the word 0x76543210 (nibble i = i) is the
+    columns 0, 4, 1, 5, 2, 6, 3, 7 in order."""
+    word = torch.tensor([[0x76543210]], dtype=torch.int32)
+    assert unpack_columns(word, AWQ_ORDER).tolist() == [[0, 4, 1, 5, 2, 6, 3, 7]]
+    assert unpack_columns(word).tolist() == [[0, 1, 2, 3, 4, 5, 6, 7]]
+    # the sign bit is the top nibble's, not smeared over the others by the arithmetic shift
+    assert unpack_columns(torch.tensor([[0x80000000 - 2 ** 32]], dtype=torch.int32)).tolist() == [[0] * 7 + [8]]
+    assert unpack_columns(torch.tensor([[-1]], dtype=torch.int32)).tolist() == [[15] * 8]
+
+
+@pytest.mark.parametrize("group_size", [64, -1])
+def test_awq_unpacks_to_the_reference_weight_exactly(group_size):
+    q = quantize_int4(weight(), group_size, sym=False)
+    t = pack_awq(q)
+    assert t["qweight"].shape == (IN, OUT // 8) and t["qzeros"].shape == (q.zeros.shape[1], OUT // 8)
+    got = dequantize_awq(t["qweight"], t["qzeros"], t["scales"], group_size)
+    assert torch.equal(got, q.dequantized())
+    # the order matters: the same words read in GPTQ's plain order give a different weight
+    assert not torch.equal(unpack_columns(t["qweight"]), q.codes.t())
+
+
+@pytest.mark.parametrize("v1", [True, False])
+@pytest.mark.parametrize("sym,act_order", [(True, False), (False, True), (True, True)])
+def test_gptq_unpacks_to_the_reference_weight_exactly(v1, sym, act_order):
+    perm = torch.randperm(IN, generator=torch.Generator().manual_seed(3)) if act_order else None
+    q = quantize_int4(weight(1), 64, sym, perm)
+    t = pack_gptq(q, v1)
+    assert t["qweight"].shape == (IN // 8, OUT)
+    got = dequantize_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], 64, zeros_minus_one=v1)
+    assert torch.equal(got, q.dequantized())
+    # reading v1 as v2 (or back) shifts every zero by one step: off by one scale everywhere
+    wrong = dequantize_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], 64, zeros_minus_one=not v1)
+    assert torch.allclose((wrong - got).abs(), q.scales.float()[:, q.g_idx])
+    if act_order:        # g_idx, not the column index, picks the group
+        assert not torch.equal(dequantize_gptq(t["qweight"], t["qzeros"], t["scales"], None, 64, v1), got)
+
+
+@pytest.mark.parametrize("group_size", [32, -1])
+def test_compressed_tensors_pack_quantized_unpacks_exactly(group_size):
+    q = quantize_int4(weight(2), group_size, sym=True)
+    t = pack_compressed_tensors(q)
+    assert t["weight_packed"].shape == (OUT, IN // 8)
+    got = dequantize_pack_quantized(t["weight_packed"], t["weight_scale"], t["weight_shape"], group_size)
+    assert torch.equal(got, q.dequantized())
+
+
+CONFIGS = {
+    "awq": ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
+            Int4Format("awq", 128)),
+    "gptq": ({"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True, "sym": True},
+             Int4Format("gptq", 32, zeros_minus_one=True)),
+    "gptq_v2": ({"quant_method": "gptq", "bits": 4, "group_size": -1, "checkpoint_format": "gptq_v2"},
+                Int4Format("gptq", -1)),
+    "ct": ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {
+        "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 64}}}},
+           Int4Format("compressed-tensors", 64)),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_format_is_read_from_quantization_config(name):
+    qc, want = CONFIGS[name]
+    assert checkpoint_format({"quantization_config": qc}) == want
+    assert checkpoint_format({}) is None
+
+
+@pytest.mark.parametrize("qc,words", [
+    ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "gemm"),
+    ({"quant_method": "gptq", "bits": 8}, "only 4"),
+    ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}, "checkpoint_format"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized"}, "pack-quantized"),
+    ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes'"),
+])
+def test_unreadable_formats_are_clear_errors(qc, words):
+    with pytest.raises(ValueError, match=words):
+        checkpoint_format({"quantization_config": qc})
+
+
+def test_quantization_flag_must_agree_with_the_checkpoint():
+    awq = Int4Format("awq", 128)
+    for ok in ("none", "auto", "awq"):
+        assert resolve_quantization(ok, awq) == "none"
+    for bad in ("gptq", "int8", "w8a8", "fp8", "compressed-tensors"):
+        with pytest.raises(ValueError, match="already quantized"):
+            resolve_quantization(bad, awq)
+    assert resolve_quantization("auto", None) == "none" and resolve_quantization("w8a8", None) == "w8a8"
+    with pytest.raises(ValueError, match="not awq-quantized"):
+        resolve_quantization("awq", None)
+
+
+@pytest.mark.parametrize("method,kw", [("awq", {}), ("gptq", dict(sym=True, act_order=True)),
+                                        ("gptq", dict(v1=False)), ("compressed-tensors", {})])
+def test_checkpoint_weights_give_every_linear_dequantized(tmp_path, method, kw):
+    """A whole checkpoint directory: quantized linears come out as PREFIX.weight equal to the reference,
+    every other tensor unchanged; the flag check reads the same config.json."""
+    src = tmp_path / "src"
+    src.mkdir()
+    g = torch.Generator().manual_seed(5)
+    tensors = {"model.embed_tokens.weight": torch.randn(40, 64, generator=g),
+               "model.layers.0.self_attn.q_proj.weight": torch.randn(64, 64, generator=g),
+               "model.layers.0.mlp.down_proj.weight": torch.randn(64, 96, generator=g),
+               "model.layers.0.self_attn.q_proj.bias": torch.randn(64, generator=g)}
+    save_file(tensors, str(src / "model.safetensors"))
+    (src / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    dst = tmp_path / "q"
+    reference = write_int4_checkpoint(src, dst, method, 32, **kw)
+    fmt = checkpoint_format(json.loads((dst / "config.json").read_text()))
+    got = dict(checkpoint_weights(str(dst), fmt))
+    assert set(got) == set(tensors)
+    for name, t in got.items():
+        assert torch.equal(t, reference.get(name, tensors[name])), name
+    check_checkpoint_quantization("auto", str(dst))
+    with pytest.raises(ValueError, match="already quantized"):
+        check_checkpoint_quantization("int8", str(dst))
+
+
+def test_a_linear_missing_a_part_is_named(tmp_path):
+    q = pack_awq(quantize_int4(weight(), 64, sym=False))
+    save_file({"l.qweight": q["qweight"], "l.scales": q["scales"]}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"l lacks \['qzeros'\]"):
+        list(checkpoint_weights(str(tmp_path), Int4Format("awq", 64)))
+
+
+def test_engine_cli_refuses_a_flag_the_checkpoint_disagrees_with(tmp_path):
+    from consort_engine.serving.cli import config_from_args, parse_args
+
+    src = tmp_path / "src"
+    src.mkdir()
+    save_file({"model.layers.0.mlp.up_proj.weight": weight()}, str(src / "model.safetensors"))
+    (src / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    write_int4_checkpoint(src, tmp_path / "gptq", "gptq", 64)
+    assert config_from_args(parse_args(["--model", str(tmp_path / "gptq"), "--port", "8000", "--quantization", "gptq"])).quantization == "gptq"
+    with pytest.raises(SystemExit, match="--quantization: --quantization awq: the checkpoint is already quantized"):
+        config_from_args(parse_args(["--model", str(tmp_path / "gptq"), "--port", "8000", "--quantization", "awq"]))
+    with pytest.raises(SystemExit, match="not gptq-quantized"):
+        config_from_args(parse_args(["--model", str(src), "--port", "8000", "--quantization", "gptq"]))
