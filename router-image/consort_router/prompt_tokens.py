@@ -18,20 +18,36 @@ id returned is the engine's. A chat is rendered whole (a template may read every
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from consort_common.chat_template import ChatTemplate, load_chat_template, special_tokens
+from consort_common.chat_template import ChatTemplate, ChatTemplateError, load_chat_template, special_tokens
+
+log = logging.getLogger("consort.router.tokenizers")
 
 HEAD_CHARS_PER_TOKEN = 8       # text per token tokenized (English runs about 4 characters a token)
 OFF_LOOP_CHARS = 4096          # a longer prompt is tokenized on a worker thread (about a millisecond and up)
 
 
-def off_loop(body: dict, text: str) -> bool:
-    """Whether this body's ids are computed on a worker thread: a prompt or conversation over OFF_LOOP_CHARS
-    characters, or a chat with tools (their JSON schemas are rendered too, and are not in `text`)."""
-    return len(text) > OFF_LOOP_CHARS or bool(body.get("tools"))
+def off_loop(tokenizer: PromptTokenizer | None, body: dict, text: str) -> bool:
+    """Whether this body's ids are computed on a worker thread: a prompt over OFF_LOOP_CHARS characters, or
+    any chat the router renders (jinja is pure Python, and its cost follows fields `text` does not count:
+    tools, tool calls, whatever else a template reads; a short chat costs 0.2-0.4 ms, one with tools about
+    1 ms, a 100,000-character one 10 ms and up: docs/prefix-affinity.md)."""
+    return len(text) > OFF_LOOP_CHARS or ("messages" in body and tokenizer is not None and tokenizer.chat is not None)
+
+
+def compiled_or_none(template: ChatTemplate) -> ChatTemplate | None:
+    """The template compiled now (off the request path), or None when it does not compile here: the
+    lane's chats then route on character hashes (its completions still route precisely)."""
+    try:
+        template.compiled()
+    except ChatTemplateError as e:
+        log.warning("chat template not usable for routing (%s); chats route on character hashes", e)
+        return None
+    return template
 
 
 class PromptTokenizer:
@@ -51,7 +67,7 @@ class PromptTokenizer:
         cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
         special, template = special_tokens(cfg), load_chat_template(model_dir, cfg)
         return cls(Tokenizer.from_file(str(path)), special.get("bos_token"), bool(cfg.get("add_bos_token", False)),
-                   ChatTemplate(template, special) if template else None)
+                   compiled_or_none(ChatTemplate(template, special)) if template else None)
 
     @classmethod
     def from_engine(cls, reply: dict) -> "PromptTokenizer":
@@ -64,7 +80,7 @@ class PromptTokenizer:
         template, special = reply.get("chat_template"), reply.get("special_tokens") or {}
         if not (isinstance(special, dict) and all(isinstance(v, str) for v in special.values())):
             raise ValueError("special_tokens is not an object of strings")
-        chat = ChatTemplate(template, special) if isinstance(template, str) and template else None
+        chat = compiled_or_none(ChatTemplate(template, special)) if isinstance(template, str) and template else None
         try:
             hf = Tokenizer.from_str(text)
         except Exception as e:  # noqa: BLE001 - the tokenizers library raises its own exception type

@@ -302,7 +302,7 @@ class Router:
                 args = (tokenizer, body, rc.max_blocks * block_size, block_size)
                 # the tokenizers library lets go of the GIL: a long prompt's head is cut, and a long chat
                 # rendered, on a worker thread
-                ids = await asyncio.to_thread(prompt_ids, *args) if off_loop(body, req.text) else prompt_ids(*args)
+                ids = await asyncio.to_thread(prompt_ids, *args) if off_loop(tokenizer, body, req.text) else prompt_ids(*args)
                 if ids is not None:
                     return precise_affinity(rc, views, block_size, ids, body, target, adapter, tenant)
         return request_affinity(rc, self.prefixes, req.body, req.text, target, adapter, tenant)
