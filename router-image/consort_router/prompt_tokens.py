@@ -7,7 +7,8 @@ The engine (consort_engine/text/tokenizer.py) tokenizes a completion's `prompt` 
 consort_common/chat_template.py and tokenizes the text without special tokens (the template wrote
 them). `PromptTokenizer` does the same from the same files (a lane's `tokenizer:` directory in the
 router config) or from what the engine publishes (`GET /v1/kv/tokenizer`), rendering with the same
-module. A prompt given as token ids needs no tokenizer. A chat whose template the router does not
+module; a Responses body (`input`, `instructions`, `tools`) is first mapped to the chat it means
+by the engine's own mapping. A prompt given as token ids needs no tokenizer. A chat whose template the router does not
 have, or that fails to render here, gives None and the lane falls back to the character-hash policy.
 
 Only the head of a long prompt is tokenized (the blocks a router matches are its first
@@ -23,7 +24,9 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from consort_common.chat_messages import MessageError
 from consort_common.chat_template import ChatTemplate, ChatTemplateError, load_chat_template, special_tokens
+from consort_common.responses_input import chat_prompt as responses_chat_prompt
 
 log = logging.getLogger("consort.router.tokenizers")
 
@@ -36,7 +39,7 @@ def off_loop(tokenizer: PromptTokenizer | None, body: dict, text: str) -> bool:
     any chat the router renders (jinja is pure Python, and its cost follows fields `text` does not count:
     tools, tool calls, whatever else a template reads; a short chat costs 0.2-0.4 ms, one with tools about
     1 ms, a 100,000-character one 10 ms and up: docs/prefix-affinity.md)."""
-    return len(text) > OFF_LOOP_CHARS or ("messages" in body and tokenizer is not None and tokenizer.chat is not None)
+    return len(text) > OFF_LOOP_CHARS or (is_chat(body) and tokenizer is not None and tokenizer.chat is not None)
 
 
 def compiled_or_none(template: ChatTemplate) -> ChatTemplate | None:
@@ -99,15 +102,33 @@ class PromptTokenizer:
         return ids[:tokens]
 
 
+def is_chat(body: dict) -> bool:
+    """A chat body (`messages`) or a Responses body (`input`): rendered by the chat template."""
+    return "messages" in body or "input" in body
+
+
+def chat_text(template: ChatTemplate, body: dict) -> str | None:
+    """A chat or Responses body's prompt text as the engine renders it (None: the engine would refuse it,
+    or the template fails on it). A Responses body is mapped to its chat messages first, by the
+    engine's own mapping (consort_common/responses_input.py)."""
+    if "input" in body:
+        try:
+            body = responses_chat_prompt(body)
+        except MessageError:
+            return None
+    return template.render_body(body)
+
+
 def prompt_ids(tokenizer: PromptTokenizer | None, body: dict, tokens: int, drop_tail: int) -> list[int] | None:
     """The first `tokens` prompt token ids the engine will compute for this body (a completion's `prompt`,
-    or a chat's `messages`), or None when the router cannot know them exactly (no tokenizer or no chat
-    template, several prompts, a malformed prompt, a body with both `prompt` and `messages`)."""
+    a chat's `messages`, a Responses body's `input`), or None when the router cannot know them exactly
+    (no tokenizer or no chat template, several prompts, a malformed prompt, a body with the fields
+    of two kinds)."""
     prompt = body.get("prompt")
-    if "messages" in body:
-        if prompt is not None or tokenizer is None or tokenizer.chat is None:
+    if is_chat(body):
+        if prompt is not None or ("messages" in body and "input" in body) or tokenizer is None or tokenizer.chat is None:
             return None
-        text = tokenizer.chat.render_body(body)
+        text = chat_text(tokenizer.chat, body)
         return tokenizer.encode_head(text, tokens, drop_tail, chat=True) if text is not None else None
     if prompt is None:
         return None

@@ -146,9 +146,10 @@ def test_router_hashes_are_the_engines_published_hashes(pair, demo_models, tmp_p
 
 
 def test_chat_follow_up_turns_land_on_the_replica_holding_their_conversation(pair, make_router):
-    """The router renders a chat with the template the engines publish (GET /v1/kv/tokenizer) and scores the
-    engines' own block hashes: each follow-up turn of a conversation goes to the replica that served its
-    first turn, which finds the history in its prefix cache."""
+    """The router renders a chat (and a Responses request, mapped to its chat as the engine maps it) with the
+    template the engines publish (GET /v1/kv/tokenizer) and scores the engines' own block hashes: each
+    follow-up turn of a conversation goes to the replica that served its first turn, which finds the
+    history in its prefix cache."""
     engines, cred = pair
     router = kv_router(make_router, engines, cred)
     histories = first_turns(engines, "precise")
@@ -165,7 +166,15 @@ def test_chat_follow_up_turns_land_on_the_replica_holding_their_conversation(pai
             {"role": "user", "content": f"Follow-up number {i}: and std::bit_cast?"}])
         assert [served(e) - b for e, b in zip(engines, before)].index(1) == home, f"turn {i} left its replica"
         assert out.usage.prompt_tokens_details.cached_tokens >= 64
-    assert router_counter(router, "consort_router_replica_choice_total") == {"affine": 4, "least_loaded": 1}
+    # a Responses request continuing a conversation: the engine maps it to the same chat, and so does the router
+    for home in (1, 0):
+        system, *turns = histories[home]
+        before = [served(e) for e in engines]
+        resp = client.responses.create(model="Algo", max_output_tokens=1, instructions=system["content"],
+                                       input=turns + [{"role": "user", "content": "And std::bit_cast?"}])
+        assert [served(e) - b for e, b in zip(engines, before)].index(1) == home, "a Responses turn left its replica"
+        assert resp.usage.input_tokens_details.cached_tokens >= 64
+    assert router_counter(router, "consort_router_replica_choice_total") == {"affine": 6, "least_loaded": 1}
 
 
 def test_a_chat_template_the_router_cannot_render_routes_on_characters(pair, demo_models, make_router, tmp_path):

@@ -23,6 +23,7 @@ from consort_engine.kv.events import KVEventLog
 from consort_engine.kv.sequence import SamplingParams, Sequence
 from consort_engine.serving.prepare import render_chat
 from consort_engine.serving.protocol import parse_chat
+from consort_engine.serving.responses import to_chat
 from consort_engine.text.tokenizer import Tokenizer
 from consort_router.affinity import precise_affinity
 from consort_router.config import ReplicaChoice
@@ -141,6 +142,18 @@ BODIES = {
 }
 
 
+FLAT_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
+RESPONSES = {   # /v1/responses bodies: the engine maps them to chat (consort_common/responses_input.py)
+    "text": {"instructions": SYSTEM, "input": "Why does std::vector<bool> surprise people?"},
+    "items": {"instructions": SYSTEM, "tools": FLAT_TOOLS, "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "Weather in Paris?"}]},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{\"city\": \"Paris\"}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Sunny."}]},
+        {"role": "user", "content": "And tomorrow?"}]},
+}
+
+
 @pytest.fixture(scope="module")
 def tokenizer_model(tmp_path_factory):
     return train_tokenizer(1024, limit_bytes=600_000)
@@ -168,6 +181,11 @@ def engine_ids(tok: Tokenizer, body: dict) -> list[int]:
     return tok.encode_chat(render_chat(tok, parse_chat({"model": "Algo", **body})))
 
 
+def engine_responses_ids(tok: Tokenizer, body: dict) -> list[int]:
+    """The engine's prompt ids for a Responses body: mapped to chat as prepare() maps it, then the chat path."""
+    return engine_ids(tok, to_chat({"model": "Algo", **body}))
+
+
 def routers(checkpoint) -> dict[str, PromptTokenizer]:
     tok = Tokenizer.from_dir(checkpoint)
     reply = json.loads(json.dumps(tok.published((checkpoint / "tokenizer.json").read_text())))
@@ -185,6 +203,15 @@ def test_router_chat_ids_are_the_engines(checkpoint, name):
         assert prompt_ids(router, body, 100_000, 16) == want, source
         head = prompt_ids(router, body, 64, 16)    # a long chat: only its head, every id the engine's
         assert head == want[:len(head)] and (len(head) >= 48 or len(want) < 64), source
+
+
+@pytest.mark.parametrize("name", sorted(RESPONSES))
+def test_router_responses_ids_are_the_engines(checkpoint, name):
+    body = RESPONSES[name]
+    want = engine_responses_ids(Tokenizer.from_dir(checkpoint), body)
+    assert len(want) > 32
+    for source, router in routers(checkpoint).items():
+        assert prompt_ids(router, body, 100_000, 16) == want, source
 
 
 def test_router_chat_hashes_are_the_engines_registered_blocks(checkpoint):
@@ -229,7 +256,9 @@ def test_a_chat_the_router_cannot_render_falls_back(checkpoint):
                 {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
                 {"messages": [{"role": "user", "content": "x"}], "tools": "all"},
                 {"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": "yes"},
-                {"messages": "hi"}, {"messages": [{"role": "user", "content": "x"}], "prompt": "y"}):
+                {"messages": "hi"}, {"messages": [{"role": "user", "content": "x"}], "prompt": "y"},
+                {"input": ""}, {"input": [{"type": "image"}]}, {"input": "x", "instructions": 5},
+                {"input": "x", "tools": [{"type": "web_search"}]}, {"input": "x", "messages": []}):
         assert prompt_ids(router, bad, 64, 16) is None, bad
     with pytest.raises(ValueError):
         PromptTokenizer.from_engine({**reply, "special_tokens": {"bos_token": 5}})
