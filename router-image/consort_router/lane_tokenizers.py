@@ -1,8 +1,9 @@
-"""Each lane's tokenizer, for precise prefix routing: from the directory the lane's router config names
-(`tokenizer:`), else fetched once from one of the lane's engines (`GET /v1/kv/tokenizer`, behind the
-engine credential the router's session carries), one copy per tokenizer revision (lanes that share a
-tokenizer share the copy). Loading takes tens to hundreds of milliseconds: never on a request; until a
-lane's tokenizer is there, its text prompts route on character hashes.
+"""Each lane's tokenizer and chat template, for precise prefix routing: from the directory the lane's router
+config names (`tokenizer:`), else fetched once from one of the lane's engines (`GET /v1/kv/tokenizer`,
+behind the engine credential the router's session carries), one copy per revision (lanes that share a
+tokenizer and template share the copy). Loading (and compiling the template) takes tens to hundreds of
+milliseconds: never on a request; until a lane's tokenizer is there, its text prompts and chats route
+on character hashes.
 
 A lane whose replicas change (a rollout: new pods) fetches again; a failed fetch (an engine without
 the route, a network error) is retried after RETRY_S.

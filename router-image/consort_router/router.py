@@ -28,7 +28,7 @@ from .detectors import PatternSandbox
 from .kv_index import KVSubscriber
 from .metrics import RouterMetrics
 from .lane_tokenizers import LaneTokenizers
-from .prompt_tokens import OFF_LOOP_CHARS, prompt_ids
+from .prompt_tokens import off_loop, prompt_ids
 from .replicas import ReplicaPoller, ReplicaState
 from .shadow import CalibrationLog, Shadows
 from .state import Lanes, Runtime, build_runtime
@@ -300,8 +300,9 @@ class Router:
                 body = body if body is not None else req.body
                 block_size = sizes.pop()
                 args = (tokenizer, body, rc.max_blocks * block_size, block_size)
-                # the tokenizers library lets go of the GIL: a long prompt's head is cut on a worker thread
-                ids = await asyncio.to_thread(prompt_ids, *args) if len(req.text) > OFF_LOOP_CHARS else prompt_ids(*args)
+                # the tokenizers library lets go of the GIL: a long prompt's head is cut, and a long chat
+                # rendered, on a worker thread
+                ids = await asyncio.to_thread(prompt_ids, *args) if off_loop(tokenizer, body, req.text) else prompt_ids(*args)
                 if ids is not None:
                     return precise_affinity(rc, views, block_size, ids, body, target, adapter, tenant)
         return request_affinity(rc, self.prefixes, req.body, req.text, target, adapter, tenant)

@@ -10,8 +10,8 @@ from typing import Annotated, Any, Callable
 
 from pydantic import Field, PlainValidator, ValidationInfo
 
+from consort_common import chat_messages
 from consort_engine.serving.errors import bad
-from consort_engine.text import tool_calls
 from consort_engine.serving.limits import (MAX_CACHE_SALT_CHARS, MAX_LOGIT_BIAS, MAX_STOP_CHARS, MAX_STOP_STRINGS,
                                            MAX_STOP_TOKEN_IDS, MIN_TEMPERATURE)
 
@@ -162,40 +162,12 @@ LogitBias = checked({}, _logit_bias)
 CacheSalt = checked(None, _cache_salt)
 
 
-_ROLES = {"system", "user", "assistant", "tool", "developer"}
-
-
 def check_message(i: int, m: Any) -> dict:
-    """One chat message: a role we know and text content (a string or text parts, joined)."""
-    param = f"messages[{i}]"
-    if not isinstance(m, dict):
-        raise bad("invalid_type", f"'{param}' must be an object", param)
-    role = m.get("role")
-    if not isinstance(role, str) or role not in _ROLES:
-        raise bad("invalid_value", f"'{param}.role' must be one of {sorted(_ROLES)}", f"{param}.role")
-    content = m.get("content")
-    if isinstance(content, list):   # content parts: text only
-        texts = []
-        for j, part in enumerate(content):
-            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                raise bad("unsupported_content", f"'{param}.content[{j}]': only text parts are supported",
-                          f"{param}.content")
-            texts.append(part["text"])
-        content = "".join(texts)
-    elif content is None:
-        if role != "assistant":
-            raise bad("missing_field", f"'{param}.content' is required", f"{param}.content")
-        content = ""
-    elif not isinstance(content, str):
-        raise bad("invalid_type", f"'{param}.content' must be a string or a list of text parts", f"{param}.content")
-    if role == "assistant" and m.get("tool_calls") is not None:
-        try:
-            tool_calls.check_history_tool_calls(f"{param}.tool_calls", m["tool_calls"])
-        except tool_calls.ToolsError as e:
-            raise bad(e.code, e.message, e.param) from None
-    out = {k: v for k, v in m.items() if k not in ("role", "content")}
-    out.update(role=role, content=content)
-    return out
+    """One chat message as the chat template reads it (consort_common/chat_messages.py), or a typed 400."""
+    try:
+        return chat_messages.check_message(i, m)
+    except chat_messages.MessageError as e:
+        raise bad(e.code, e.message, e.param) from None
 
 
 def check_one_prompt(prompt: Any) -> str | list[int]:

@@ -1,7 +1,8 @@
 """OpenAI Responses API (/v1/responses) as a view of chat generation: text and function tools.
 
 A request becomes a chat request (instructions as the system message, `input` items as the messages,
-flat function tools as chat's nested ones); the chat path generates, and these pure functions shape its
+flat function tools as chat's nested ones: consort_common/responses_input.py, which routers use to
+render the same prompt); the chat path generates, and these pure functions shape its
 output into the Response object and the Responses SSE events (response.created ... response.completed)
 that `openai.types.responses` reads. Function calls come back as `function_call` output items, and
 `function_call` / `function_call_output` input items go back in as assistant tool calls and tool
@@ -11,90 +12,28 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
+from consort_common.chat_messages import MessageError
+from consort_common.responses_input import chat_tools, input_messages, with_instructions
 from consort_engine.serving.errors import bad
 from consort_engine.serving.fields import Raw, Str, checked
 from consort_engine.text import tool_calls
 
 # Fields a chat request would not understand and that are not mapped below: rejected.
 UNSUPPORTED = ("previous_response_id", "conversation", "background", "prompt")
-_ROLES = {"user", "assistant", "system", "developer"}
 
 
-def _content_text(param: str, content: Any) -> str:
-    """A message's content (or a function_call_output's output): a string, or text parts joined."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for j, p in enumerate(content):
-            if not isinstance(p, dict) or p.get("type") not in ("input_text", "output_text", "text") \
-                    or not isinstance(p.get("text"), str):
-                raise bad("unsupported_value", "only text content parts (input_text, output_text) are supported",
-                          f"{param}[{j}]")
-            parts.append(p["text"])
-        return "".join(parts)
-    raise bad("invalid_type", "a message's content must be a string or a list of text parts", param)
-
-
-def _str_field(item: dict, key: str, param: str) -> str:
-    if not isinstance(item.get(key), str):
-        raise bad("invalid_type" if key in item else "missing_field", f"'{param}.{key}' must be a string",
-                  f"{param}.{key}")
-    return item[key]
-
-
-def _function_call(i: int, item: dict) -> dict:
-    """A `function_call` input item (a call the model made earlier) as a chat tool call."""
-    p = f"input[{i}]"
-    return {"id": _str_field(item, "call_id", p), "type": "function",
-            "function": {"name": _str_field(item, "name", p), "arguments": _str_field(item, "arguments", p)}}
-
-
-def _messages(inp: Any) -> list[dict]:
-    if isinstance(inp, str):
-        if not inp:
-            raise bad("empty_prompt", "'input' must not be empty", "input")
-        return [{"role": "user", "content": inp}]
-    if not isinstance(inp, list) or not inp:
-        raise bad("invalid_type", "'input' must be a string or a non-empty list of messages", "input")
-    out: list[dict] = []
-    for i, m in enumerate(inp):
-        kind = m.get("type", "message") if isinstance(m, dict) else None
-        if kind == "function_call":   # joins the assistant turn it follows (OpenAI: message, then calls)
-            call = _function_call(i, m)
-            if out and out[-1]["role"] == "assistant":
-                out[-1].setdefault("tool_calls", []).append(call)
-            else:
-                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        elif kind == "function_call_output":
-            out.append({"role": "tool", "tool_call_id": _str_field(m, "call_id", f"input[{i}]"),
-                        "content": _content_text(f"input[{i}].output", m.get("output"))})
-        elif kind == "message" and m.get("role") in _ROLES:
-            out.append({"role": m["role"], "content": _content_text(f"input[{i}].content", m.get("content"))})
-        else:
-            raise bad("unsupported_value", "'input' items must be messages with role user, assistant, system "
-                      "or developer, function_call or function_call_output items", f"input[{i}]")
-    return out
-
-
-def _chat_tools(raw: Any) -> list[dict]:
-    """Flat Responses function tools -> chat's nested ones; other tool types (web_search ...) are 400s."""
-    if not isinstance(raw, list):
-        raise bad("invalid_type", "'tools' must be a list of function tools", "tools")
-    out = []
-    for i, t in enumerate(raw):
-        if not isinstance(t, dict):
-            raise bad("invalid_type", f"'tools[{i}]' must be an object", f"tools[{i}]")
-        if t.get("type") != "function":
-            raise bad("unsupported_value", f"'tools[{i}].type' {t.get('type')!r} is not supported here: only "
-                      "function tools", f"tools[{i}].type")
-        out.append({"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters", "strict")
-                                                      if t.get(k) is not None}})
-    return out
+def _mapped(convert: Callable[[Any], Any]) -> Any:
+    """A field mapped by consort_common/responses_input.py (shared with routers); its errors as typed 400s."""
+    def check(v: Any, key: str) -> Any:
+        try:
+            return convert(v)
+        except MessageError as e:
+            raise bad(e.code, e.message, e.param) from None
+    return checked(None, check)
 
 
 def _chat_tool_choice(choice: Any) -> Any:
@@ -124,9 +63,9 @@ class ResponsesBody(BaseModel):
     """POST /v1/responses: checked here, then generated as the chat request it means (`chat`), whose
     model checks the sampling fields it carries over."""
     model_config = ConfigDict(extra="ignore")
-    input: checked(None, lambda v, key: _messages(v))
+    input: _mapped(input_messages)
     instructions: Str
-    tools: checked(None, lambda v, key: _chat_tools(v))
+    tools: _mapped(chat_tools)
     tool_choice: checked(None, lambda v, key: _chat_tool_choice(v))
     max_output_tokens: Raw
     model: Raw                      # carried over as they are: the chat body checks them
@@ -157,10 +96,7 @@ class ResponsesBody(BaseModel):
 
     def chat(self) -> dict:
         """The chat request this Responses request means."""
-        messages = self.input
-        if self.instructions is not None:
-            messages = [{"role": "system", "content": self.instructions}] + messages
-        chat: dict[str, Any] = {"messages": messages}
+        chat: dict[str, Any] = {"messages": with_instructions(self.input, self.instructions)}
         for key in ("model", "temperature", "top_p", "stream", "seed", "priority", "user", "parallel_tool_calls"):
             if getattr(self, key) is not None:
                 chat[key] = getattr(self, key)

@@ -10,7 +10,6 @@ reading, errors.py the typed errors, cli.py the command line.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import importlib.metadata
 import json
 import logging
@@ -235,16 +234,13 @@ async def kv_events(request: web.Request) -> web.Response:
 
 
 async def kv_tokenizer(request: web.Request) -> web.Response:
-    """GET /v1/kv/tokenizer: the checkpoint's tokenizer.json and the BOS rule this engine tokenizes
-    prompts with, so a router computes the same token ids and block hashes (docs/prefix-affinity.md).
-    `revision` names the file's content: a router keeps one copy per revision."""
+    """GET /v1/kv/tokenizer: the checkpoint's tokenizer.json, the BOS rule and the chat template this engine
+    tokenizes and renders prompts with, so a router computes the same token ids and block hashes
+    (Tokenizer.published; docs/prefix-affinity.md)."""
     ctx: ServerContext = request.app[CTX]
-    tok = ctx.tokenizer
 
     def read() -> str:
-        text = (Path(ctx.config.model) / "tokenizer.json").read_text()
-        return json.dumps({"revision": hashlib.sha256(text.encode()).hexdigest()[:32], "tokenizer_json": text,
-                           "bos_token": tok.bos_token, "add_bos_token": tok.add_bos_token})
+        return json.dumps(ctx.tokenizer.published((Path(ctx.config.model) / "tokenizer.json").read_text()))
 
     return web.Response(text=await asyncio.to_thread(read), content_type="application/json")
 

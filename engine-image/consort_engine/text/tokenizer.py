@@ -1,65 +1,22 @@
 """Text side of the engine: tokenizer.json + tokenizer_config.json, chat template, incremental detokenizer.
 
 No transformers import: the `tokenizers` library and jinja2 (the same sandboxed environment transformers
-uses for `apply_chat_template`) keep start-up fast.
+uses for `apply_chat_template`; consort_common/chat_template.py, which routers render with too) keep
+start-up fast.
 """
 from __future__ import annotations
 
 import collections
 import functools
+import hashlib
 import json
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from consort_engine.text.tool_calls import messages_for_template
-
-
-class ChatTemplateError(ValueError):
-    """The template is missing, or raised while rendering these messages (a client error)."""
-
-
-def _token_str(value: Any) -> str | None:
-    if isinstance(value, dict):
-        return value.get("content")
-    return value if isinstance(value, str) else None
-
-
-def _compile_template(source: str):
-    import jinja2
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message: str):
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    def strftime_now(fmt: str) -> str:
-        return datetime.now().strftime(fmt)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
-    return env.from_string(source)
-
-
-def _load_chat_template(model_dir: Path, cfg: dict) -> str | None:
-    jinja_file = model_dir / "chat_template.jinja"
-    if jinja_file.exists():
-        return jinja_file.read_text()
-    template = cfg.get("chat_template")
-    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default") or next(iter(named.values()), None)
-    if template is None and (model_dir / "chat_template.json").exists():
-        template = json.loads((model_dir / "chat_template.json").read_text()).get("chat_template")
-    return template if isinstance(template, str) else None
+from consort_common.chat_template import ChatTemplate, ChatTemplateError, load_chat_template, special_tokens
 
 
 @dataclass
@@ -72,7 +29,7 @@ class Tokenizer:
     special_tokens: dict[str, str] = field(default_factory=dict)   # bos_token/eos_token/unk_token/pad_token
     add_bos_token: bool = False
     chat_template: str | None = None
-    _compiled: Any = field(default=None, repr=False)
+    _compiled: ChatTemplate | None = field(default=None, repr=False)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "Tokenizer":
@@ -83,11 +40,10 @@ class Tokenizer:
         hf = HFTokenizer.from_file(str(path))
         cfg_path = model_dir / "tokenizer_config.json"
         cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
-        special = {k: s for k in ("bos_token", "eos_token", "unk_token", "pad_token")
-                   if (s := _token_str(cfg.get(k))) is not None}
+        special = special_tokens(cfg)
         return cls(hf=hf, bos_token=special.get("bos_token"), eos_token=special.get("eos_token"),
                    special_tokens=special, add_bos_token=bool(cfg.get("add_bos_token", False)),
-                   chat_template=_load_chat_template(model_dir, cfg))
+                   chat_template=load_chat_template(model_dir, cfg))
 
     # ---- ids ------------------------------------------------------------------------------
     @property
@@ -136,29 +92,33 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             continue_final_message: bool = False, tools: list[dict] | None = None,
                             **kwargs: Any) -> str:
-        """Render like transformers' `apply_chat_template(..., tools=..., tokenize=False)`. A template that
-        ignores tools or tool calls sees them as Qwen2.5's template writes them (tool_calls.py)."""
+        """Render like transformers' `apply_chat_template(..., tools=..., tokenize=False)`
+        (consort_common/chat_template.py: the one rendering, which routers reproduce)."""
         if not self.chat_template:
             raise ChatTemplateError("this model has no chat template; use /v1/completions")
         if self._compiled is None:
-            self._compiled = _compile_template(self.chat_template)
-        if tools or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages):
-            messages = messages_for_template(messages, tools, self.chat_template)
-        import jinja2
-        try:
-            text = self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         tools=tools or None, **self.special_tokens, **kwargs)
-        except jinja2.exceptions.TemplateError as e:
-            raise ChatTemplateError(f"chat template: {e}") from e
-        if continue_final_message and messages:
-            final = messages[-1].get("content")
-            if isinstance(final, str) and final.strip() and final.strip() in text:
-                text = text[: text.rindex(final.strip()) + len(final.strip())]
-        return text
+            self._compiled = ChatTemplate(self.chat_template, self.special_tokens)
+        return self._compiled.render(messages, add_generation_prompt=add_generation_prompt,
+                                     continue_final_message=continue_final_message, tools=tools, **kwargs)
 
     def encode_chat(self, text: str, limit: int | None = None) -> list[int]:
         """Tokenize a rendered chat: the template already wrote the special tokens (as transformers does)."""
         return self.encode(text, add_special_tokens=False, limit=limit)
+
+    def published(self, tokenizer_json: str) -> dict:
+        """What a router needs to compute this engine's prompt token ids (GET /v1/kv/tokenizer): the
+        checkpoint's tokenizer.json, the BOS rule, and the chat template with the special tokens it reads
+        (None when there is none, or it is over MAX_PUBLISHED_TEMPLATE_CHARS: chats then route on
+        characters). `revision` names all of it: a router keeps one copy per revision."""
+        template = self.chat_template
+        reply = {"tokenizer_json": tokenizer_json, "bos_token": self.bos_token, "add_bos_token": self.add_bos_token,
+                 "chat_template": template if template and len(template) <= MAX_PUBLISHED_TEMPLATE_CHARS else None,
+                 "special_tokens": self.special_tokens}
+        digest = hashlib.sha256(json.dumps(reply, sort_keys=True).encode()).hexdigest()[:32]
+        return {"revision": digest, **reply}
+
+
+MAX_PUBLISHED_TEMPLATE_CHARS = 256 << 10     # real templates are a few KB (tool-heavy ones tens of KB)
 
 
 # Prompts longer than HEAD_CHARS_PER_TOKEN characters per allowed token are counted on their head first.

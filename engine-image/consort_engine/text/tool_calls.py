@@ -4,9 +4,10 @@ Three parts, all pure (no engine, no aiohttp):
 - request side: `parse_tools` validates `tools` / `tool_choice` / `parallel_tool_calls` into a `ToolChoice`;
   `guided_schema` gives the JSON schema that enforces `required` and named choice through structured
   output (guided.py), as vLLM does;
-- prompt side: `messages_for_template` lets a chat template that knows nothing of tools still see them
-  (a Hermes/Qwen2.5-style system block listing them in <tools></tools>, assistant tool calls as
-  <tool_call> text, tool results as <tool_response> user turns);
+- prompt side (consort_common/chat_messages.py, shared with the router): `messages_for_template` lets
+  a chat template that knows nothing of tools still see them (a Hermes/Qwen2.5-style system block
+  listing them in <tools></tools>, assistant tool calls as <tool_call> text, tool results as
+  <tool_response> user turns);
 - output side: `ToolCallStreamer` turns generated text into content and OpenAI `tool_calls` deltas,
   chunk by chunk (a tag split across tokens is held back until it resolves); `parse_output` is the
   same streamer fed the whole text at once, so a streamed answer reassembles to the non-streamed one.
@@ -25,11 +26,12 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from consort_common.chat_messages import CALL_END, CALL_START, MessageError
+
 if TYPE_CHECKING:
     from consort_engine.text.guided import GuidedSpec
 
 TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
-CALL_START, CALL_END = "<tool_call>", "</tool_call>"
 MODES = ("none", "auto", "required")
 
 # The head of a call object in the order Hermes/Qwen models write it (and our guided JSON does):
@@ -40,12 +42,8 @@ _CLOSERS = "} \t\r\n"
 _DECODER = json.JSONDecoder()
 
 
-class ToolsError(ValueError):
+class ToolsError(MessageError):
     """A bad `tools` / `tool_choice` field; the serving layer turns it into a typed 400."""
-
-    def __init__(self, code: str, message: str, param: str) -> None:
-        super().__init__(message)
-        self.code, self.message, self.param = code, message, param
 
 
 @dataclass(frozen=True)
@@ -127,20 +125,6 @@ def parse_tools(body: dict) -> ToolChoice | None:
     return ToolChoice(tools, mode, name, parallel is not False)
 
 
-def check_history_tool_calls(param: str, calls: Any) -> None:
-    """An assistant message's `tool_calls` as OpenAI writes them back into the history."""
-    if not isinstance(calls, list):
-        raise ToolsError("invalid_type", f"'{param}' must be a list", param)
-    for j, c in enumerate(calls):
-        fn = c.get("function") if isinstance(c, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise ToolsError("invalid_value", f"'{param}[{j}]' must be {{\"type\": \"function\", \"function\": "
-                             "{\"name\", \"arguments\"}}", f"{param}[{j}]")
-        if not isinstance(fn.get("arguments", "{}"), (str, dict)):
-            raise ToolsError("invalid_type", f"'{param}[{j}].function.arguments' must be a JSON string",
-                             f"{param}[{j}].function.arguments")
-
-
 def _params(tool: dict) -> dict:
     return tool["function"].get("parameters") or {"type": "object", "properties": {}}
 
@@ -160,75 +144,6 @@ def guided_schema(tc: ToolChoice) -> GuidedSpec | None:
     one = calls[0] if len(calls) == 1 else {"anyOf": calls}
     schema = {"type": "array", "minItems": 1, "items": one} if tc.parallel else one
     return GuidedSpec("json_schema", json.dumps(schema, separators=(",", ":")), "tools")
-
-
-# ---------------------------------------------------------------------------------------------
-# prompt side
-
-
-def hermes_tools_block(tools: list[dict]) -> str:
-    """The tool listing Qwen2.5's chat template writes into the system message."""
-    listing = "".join("\n" + json.dumps(t, ensure_ascii=False) for t in tools)
-    return ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-            "You are provided with function signatures within <tools></tools> XML tags:\n<tools>" + listing +
-            "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
-            "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
-            "<args-json-object>}\n</tool_call>")
-
-
-def _arguments_obj(args: Any) -> Any:
-    """OpenAI history carries arguments as JSON text; templates expect the object (vLLM parses it too)."""
-    if isinstance(args, str):
-        try:
-            return json.loads(args)
-        except ValueError:
-            return args
-    return {} if args is None else args
-
-
-def _hermes_calls_text(calls: list[dict]) -> str:
-    return "\n".join(CALL_START + "\n" + json.dumps({"name": c["function"]["name"],
-                                                    "arguments": _arguments_obj(c["function"].get("arguments"))},
-                                                   ensure_ascii=False) + "\n" + CALL_END for c in calls)
-
-
-def template_knows(template: str, what: str) -> bool:
-    return re.search(rf"\b{what}\b", template) is not None
-
-
-def messages_for_template(messages: list[dict], tools: list[dict] | None, template: str) -> list[dict]:
-    """The messages a template can render. One that reads `tool_calls` gets the arguments as objects;
-    one that does not gets Hermes text instead (assistant <tool_call>s, <tool_response> user turns),
-    and one that ignores `tools` gets the Qwen2.5 tool listing in the system message."""
-    knows_calls = template_knows(template, "tool_calls")
-    out: list[dict] = []
-    for m in messages:
-        m = dict(m)
-        calls = m.get("tool_calls")
-        if calls and knows_calls:
-            m["tool_calls"] = [{**c, "function": {**c["function"],
-                                                  "arguments": _arguments_obj(c["function"].get("arguments"))}}
-                               for c in calls]
-        elif calls:
-            del m["tool_calls"]
-            text = m.get("content") or ""
-            m["content"] = (text + "\n" if text else "") + _hermes_calls_text(calls)
-        elif m.get("role") == "tool" and not knows_calls:
-            response = "<tool_response>\n" + (m.get("content") or "") + "\n</tool_response>"
-            if out and out[-1].get("role") == "user" and out[-1].get("_tool_turn"):
-                out[-1]["content"] += "\n" + response      # consecutive results share one turn, as Qwen2.5
-                continue
-            m = {"role": "user", "content": response, "_tool_turn": True}
-        out.append(m)
-    for m in out:
-        m.pop("_tool_turn", None)
-    if tools and not template_knows(template, "tools"):
-        block = hermes_tools_block(tools)
-        if out and out[0].get("role") == "system":
-            out[0] = {**out[0], "content": (out[0].get("content") or "") + "\n\n" + block}
-        else:
-            out.insert(0, {"role": "system", "content": block})
-    return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,7 +1,10 @@
 """Precise prefix routing with real processes: two replicas of one lane behind the engine credential; the
 router follows their block events, computes the engine's own block hashes of a completion prompt (with
-the lane's tokenizer) and sends follow-ups that share a long prefix to the replica that holds it."""
+the lane's tokenizer) or of a chat (rendered with the chat template the engines publish) and sends
+follow-ups that share a long prefix to the replica that holds it."""
 from __future__ import annotations
+
+import json
 
 import httpx
 import pytest
@@ -31,6 +34,32 @@ def router_counter(router, name: str) -> dict[str, float]:
     return out
 
 
+def kv_router(make_router, engines: list[procs.Engine], cred, **lane):
+    return make_router({
+        "ensemble": "cpp", "default_specialist": "Algo",
+        "specialists": [{"name": "Algo", "replicas": [e.url for e in engines], **lane}],
+        "shadow": {"default_threshold": 0.0}, "breaker": {"fresh_samples": 0}, "verifier": {"sample_rate": 0.0},
+        "polling": {"interval_s": 0.2}, "replica_choice": {"kv_events_interval_s": 0.1},
+        "store": {"path": "breakers.json"}, "auth": {"engine_credential_file": str(cred)},
+    })
+
+
+def first_turns(engines: list[procs.Engine], tag: str) -> list[list[dict]]:
+    """One conversation per replica, its first turn served by that replica directly (as if another
+    router replica had sent it): the history each follow-up turn repeats."""
+    histories = []
+    for home, engine in enumerate(engines):
+        messages = [{"role": "system", "content": f"Session {tag}-{home}: you review a long C++ code base with many "
+                                                  "templates, loops and allocators; answer in one line. " * 8},
+                    {"role": "user", "content": "What does std::launder do?"}]
+        r = httpx.post(engine.url + "/v1/chat/completions", timeout=60,
+                       headers={**AUTH, "x-consort-tenant": "anonymous"},   # the tenant the router sends without auth
+                       json={"model": "Algo", "messages": messages, "max_tokens": 4})
+        assert r.status_code == 200, r.text
+        histories.append(messages + [{"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]}])
+    return histories
+
+
 def pool(engine: procs.Engine) -> set[bytes]:
     snap = httpx.get(engine.url + "/v1/kv/events", headers=AUTH, timeout=10).json()["snapshot"]
     return {bytes.fromhex(h) for h in snap["pool"]}
@@ -58,15 +87,8 @@ def test_follow_ups_land_on_the_replica_holding_their_prefix(pair, demo_models, 
     follow-up goes there (`affine`: the character-hash guess, knowing nothing, would place them cold).
     The lane's tokenizer comes from a directory the router config names, or from the engines."""
     engines, cred = pair
-    lane = {"name": "Algo", "replicas": [e.url for e in engines]}
-    if source == "directory":
-        lane["tokenizer"] = str(demo_models["Algo"])
-    router = make_router({
-        "ensemble": "cpp", "default_specialist": "Algo", "specialists": [lane],
-        "shadow": {"default_threshold": 0.0}, "breaker": {"fresh_samples": 0}, "verifier": {"sample_rate": 0.0},
-        "polling": {"interval_s": 0.2}, "replica_choice": {"kv_events_interval_s": 0.1},
-        "store": {"path": "breakers.json"}, "auth": {"engine_credential_file": str(cred)},
-    })
+    router = kv_router(make_router, engines, cred,
+                       **({"tokenizer": str(demo_models["Algo"])} if source == "directory" else {}))
     shared = [f"Context {k} ({source}): you are reviewing a long C++ code base with many templates and loops. " * 12
               for k in range(2)]      # new to both engines (the module's tests share them): events, not snapshots
     for home, prefix in enumerate(shared):
@@ -121,3 +143,70 @@ def test_router_hashes_are_the_engines_published_hashes(pair, demo_models, tmp_p
         assert len(chain) >= 4 and set(chain) <= pool(engine), (tenant, salt, lora)
         chains.append(set(chain))
     assert all(not (chains[a] & chains[b]) for a in range(4) for b in range(a + 1, 4))
+
+
+def test_chat_follow_up_turns_land_on_the_replica_holding_their_conversation(pair, make_router):
+    """The router renders a chat (and a Responses request, mapped to its chat as the engine maps it) with the
+    template the engines publish (GET /v1/kv/tokenizer) and scores the engines' own block hashes: each
+    follow-up turn of a conversation goes to the replica that served its first turn, which finds the
+    history in its prefix cache."""
+    engines, cred = pair
+    router = kv_router(make_router, engines, cred)
+    histories = first_turns(engines, "precise")
+    wait_for(lambda: router_counter(router, "consort_router_kv_events_total").get("", 0) >= 2, 20,
+             "the router applying both replicas' block events")
+    client = router.client()
+    # the lane's first request starts the tokenizer fetch (it goes by load: shorter than a block)
+    client.chat.completions.create(model="Algo", messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+    wait_for(lambda: "tokenizer revision" in router.proc.log_path.read_text(), 30, "the router fetching the tokenizer")
+    for i in range(4):
+        home = i % 2
+        before = [served(e) for e in engines]
+        out = client.chat.completions.create(model="Algo", max_tokens=1, messages=histories[home] + [
+            {"role": "user", "content": f"Follow-up number {i}: and std::bit_cast?"}])
+        assert [served(e) - b for e, b in zip(engines, before)].index(1) == home, f"turn {i} left its replica"
+        assert out.usage.prompt_tokens_details.cached_tokens >= 64
+    # a Responses request continuing a conversation: the engine maps it to the same chat, and so does the router
+    for home in (1, 0):
+        system, *turns = histories[home]
+        before = [served(e) for e in engines]
+        resp = client.responses.create(model="Algo", max_output_tokens=1, instructions=system["content"],
+                                       input=turns + [{"role": "user", "content": "And std::bit_cast?"}])
+        assert [served(e) - b for e, b in zip(engines, before)].index(1) == home, "a Responses turn left its replica"
+        assert resp.usage.input_tokens_details.cached_tokens >= 64
+    assert router_counter(router, "consort_router_replica_choice_total") == {"affine": 6, "least_loaded": 1}
+
+
+def test_a_chat_template_the_router_cannot_render_routes_on_characters(pair, demo_models, make_router, tmp_path):
+    """A lane whose tokenizer directory carries a template that fails on every body (here one that raises;
+    the engines render their own): its chats are served as usual, placed by the character-hash guess
+    (which knows nothing of prefixes the engines computed for others: `cold`), and no error reaches
+    the client."""
+    engines, cred = pair
+    tok_dir = tmp_path / "tokenizer"
+    tok_dir.mkdir()
+    (tok_dir / "tokenizer.json").write_text((demo_models["Algo"] / "tokenizer.json").read_text())
+    cfg = json.loads((demo_models["Algo"] / "tokenizer_config.json").read_text())
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": "{{ raise_exception('no') }}"}))
+    router = kv_router(make_router, engines, cred, tokenizer=str(tok_dir))
+    histories = first_turns(engines, "fallback")
+    wait_for(lambda: router_counter(router, "consort_router_kv_events_total").get("", 0) >= 2, 20,
+             "the router applying both replicas' block events")
+    client = router.client()
+    for home in (0, 1):
+        out = client.chat.completions.create(model="Algo", max_tokens=1, messages=histories[home] + [
+            {"role": "user", "content": "And std::bit_cast?"}])
+        assert out.choices[0].finish_reason in ("stop", "length")
+    assert router_counter(router, "consort_router_replica_choice_total") == {"cold": 2}
+    # its completions still route on the engines' hashes (the tokenizer itself loaded)
+    shared = "Context fallback: you are reviewing a long C++ code base with many templates and loops. " * 12
+    events = router_counter(router, "consort_router_kv_events_total").get("", 0)
+    r = httpx.post(engines[1].url + "/v1/completions", timeout=60, headers={**AUTH, "x-consort-tenant": "anonymous"},
+                   json={"model": "Algo", "prompt": shared + "First question.", "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    before = served(engines[1])
+    wait_for(lambda: router_counter(router, "consort_router_kv_events_total").get("", 0) > events, 20,
+             "the router applying the replica's new blocks")
+    client.completions.create(model="Algo", prompt=shared + "Follow-up.", max_tokens=1)
+    assert served(engines[1]) - before == 1
+    assert router_counter(router, "consort_router_replica_choice_total") == {"cold": 2, "affine": 1}
