@@ -109,8 +109,9 @@ def test_an_idle_specialist_goes_to_zero_pods_reads_idle_and_argocd_healthy(inst
         return pods[0]
 
     pod = wait_for(ready_pod, 420, f"the {NAME} engine pod to be Ready", interval=2)
-    # The first start on a fresh node filled the cache through a directory kubelet created as root.
-    assert cache_outcome(pod).startswith("model cache miss demo://tiny"), cache_outcome(pod)
+    # The first start on a fresh node filled the cache through a directory kubelet created as root
+    # (a pod of the Deployment's first template may have filled it and this one copied it: a hit).
+    assert re.match(r"model cache (miss|hit) demo://tiny", cache_outcome(pod)), cache_outcome(pod)
     st = os.stat(cache_dir)
     assert (st.st_uid, st.st_gid) == (ENGINE_UID, ENGINE_UID), f"cache dir owned by {st.st_uid}:{st.st_gid}"
     assert any(p.is_dir() for p in cache_dir.iterdir()), list(cache_dir.iterdir())
