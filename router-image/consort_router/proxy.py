@@ -205,10 +205,6 @@ async def open_plan(session: aiohttp.ClientSession, rt: Runtime, plan: Plan, req
     for i, target in enumerate(plan.targets):
         spec = cfg.specialist(target)
         assert spec is not None
-        if not await activator.admit(spec, rt.replicas.get(target, []), i + 1 < len(plan.targets), deadline):
-            failures.append(f"{target}: starting from zero replicas")
-            continue
-        replicas = replicas_now(target)   # current: discovery may have added one while the request was held
 
         def on_attempt(a: Attempt, retried: bool, target: str = target) -> None:
             if a.status:
@@ -219,16 +215,32 @@ async def open_plan(session: aiohttp.ClientSession, rt: Runtime, plan: Plan, req
         body = upstream_body(req.body, target, plan.adapters.get(target))   # the lane's adapter unless one is asked
         payload = json.dumps(body).encode()
         adapter = plan.adapters.get(target) or body.get("adapter")
-        affinity = (await affinity_of(cfg, req, target, adapter, tenant, body) if affinity_of is not None else
-                    request_affinity(cfg.replica_choice, prefixes, req.body, req.text, target, adapter, tenant))
-        try:
-            up = await open_upstream(session, replicas, path, payload,
-                                     {"Content-Type": "application/json", "x-request-id": rid,
-                                      TENANT_HEADER: tenant}, timeout,
-                                     cfg.polling.preempting_penalty, on_attempt, adapter=plan.adapters.get(target),
-                                     affinity=affinity)
-        except NoReplica as e:
-            failures.append(f"{target}: {e}")
+        up: Upstream | None = None
+        # A lane that scales to zero is admitted a second time when none of its replicas could be
+        # reached: its last engine stopped for idleness after the router's last poll still saw it
+        # ready. The refused connections marked its replicas not ready, so the activator now holds
+        # the request (and asks for a replica) like any request that finds the lane cold.
+        admissions = 2 if spec.scale_from_zero is not None else 1
+        for admission in range(admissions):
+            if not await activator.admit(spec, replicas_now(target) if admission else rt.replicas.get(target, []),
+                                         i + 1 < len(plan.targets), deadline):
+                failures.append(f"{target}: starting from zero replicas")
+                break
+            replicas = replicas_now(target)   # current: discovery may have added one while the request was held
+            affinity = (await affinity_of(cfg, req, target, adapter, tenant, body) if affinity_of is not None else
+                        request_affinity(cfg.replica_choice, prefixes, req.body, req.text, target, adapter, tenant))
+            try:
+                up = await open_upstream(session, replicas, path, payload,
+                                         {"Content-Type": "application/json", "x-request-id": rid,
+                                          TENANT_HEADER: tenant}, timeout,
+                                         cfg.polling.preempting_penalty, on_attempt, adapter=plan.adapters.get(target),
+                                         affinity=affinity)
+                break
+            except NoReplica as e:
+                if admission + 1 == admissions or any(r.ready for r in replicas_now(target)):
+                    failures.append(f"{target}: {e}")
+                    break
+        if up is None:
             continue
         if up.response.status >= 500 and i + 1 < len(plan.targets):
             failures.append(f"{target}: HTTP {up.response.status}")

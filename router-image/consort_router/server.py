@@ -262,8 +262,12 @@ async def health(request: web.Request) -> web.Response:
 async def ready(request: web.Request) -> web.Response:
     router: Router = request.app[ROUTER]
     routable = sorted(n for n, reps in router.runtime.replicas.items() if any(r.ready for r in reps))
-    if routable:
-        return web.json_response({"status": "ready", "routable": routable})
+    # A lane scaled to zero serves too: its requests are held while the router starts a replica. A
+    # router whose lanes are all at zero must stay in its Service, or no request could wake them.
+    from_zero = sorted(s.name for s in router.runtime.config.specialists
+                       if s.scale_from_zero is not None and s.name not in routable)
+    if routable or from_zero:
+        return web.json_response({"status": "ready", "routable": routable, "from_zero": from_zero})
     return web.json_response({"status": "not_ready", "reason": "no specialist has a ready replica"}, status=503)
 
 

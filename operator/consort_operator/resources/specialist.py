@@ -118,6 +118,25 @@ def _with_model_cache(init: dict[str, Any]) -> dict[str, Any]:
     return init
 
 
+def _model_cache_owner(ctx: BuildContext) -> dict[str, Any]:
+    """The first init container with the cache: hands the node's directory to the engines' user.
+    kubelet creates a missing hostPath directory (`DirectoryOrCreate`) owned by root, which the
+    fetching step (uid run_as_user) cannot write, and fsGroup does not apply to hostPath volumes. So
+    this step alone runs as root, with CAP_CHOWN only, and touches nothing but the directory itself
+    (its entries are the engines' own); a directory already owned by that user is left as it is."""
+    uid = ctx.run_as_user
+    return {
+        "name": "model-cache-owner", "image": ctx.engine_image, "imagePullPolicy": ctx.image_pull_policy,
+        "command": ["sh", "-c", f'[ "$(stat -c %u:%g {MODEL_CACHE_MOUNT})" = "{uid}:{uid}" ] || '
+                                f"chown {uid}:{uid} {MODEL_CACHE_MOUNT}"],
+        "volumeMounts": [{"name": "model-cache", "mountPath": MODEL_CACHE_MOUNT}],
+        "securityContext": {"runAsUser": 0, "runAsGroup": 0, "runAsNonRoot": False, "allowPrivilegeEscalation": False,
+                            "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"], "add": ["CHOWN"]}},
+        "resources": {"requests": {"cpu": "10m", "memory": "16Mi"},
+                      "limits": {"memory": "32Mi", "ephemeral-storage": INIT_STORAGE}},
+    }
+
+
 def _download_script(downloads: list[tuple[str, str | None, str]]) -> str:
     calls = "; ".join(
         f"snapshot_download(repo_id={repo!r}, revision={rev!r}, local_dir={target!r})"
@@ -194,6 +213,10 @@ def _probe(path: str, port: int, period: int, failures: int, timeout: int, initi
 
 
 STARTUP_PERIOD = 10
+# A Specialist that scales to zero starts while requests wait for it: its probes look every second,
+# so the pod turns Ready (and the router sends the held requests) within a second of the engine's
+# /ready, not a probe period later. Readiness keeps the same 10 s of failures before it drops a pod.
+COLD_START_PROBE_PERIOD = 1
 # Pod deletion: preStop waits PRESTOP_S so Services and routers stop sending new requests, then
 # SIGTERM lets accepted requests finish for DRAIN_S (`consort engine --drain-timeout`), all inside
 # the grace period.
@@ -204,8 +227,15 @@ TERMINATION_GRACE_S = PRESTOP_S + DRAIN_S + 10
 
 def startup_probe(spec: SpecialistSpec) -> dict[str, Any]:
     """/ready may take up to warmupTimeoutSeconds to turn 200; after that kubelet restarts the container."""
-    return _probe("/ready", spec.port, STARTUP_PERIOD,
-                  max(1, math.ceil(spec.warmup_timeout_seconds / STARTUP_PERIOD)), 5)
+    period = COLD_START_PROBE_PERIOD if spec.scale_to_zero is not None else STARTUP_PERIOD
+    return _probe("/ready", spec.port, period, max(1, math.ceil(spec.warmup_timeout_seconds / period)),
+                  min(5, period))
+
+
+def readiness_probe(spec: SpecialistSpec) -> dict[str, Any]:
+    if spec.scale_to_zero is not None:
+        return _probe("/ready", spec.port, COLD_START_PROBE_PERIOD, 10, COLD_START_PROBE_PERIOD)
+    return _probe("/ready", spec.port, 5, 2, 3)
 
 
 def rollout_strategy(spec: SpecialistSpec) -> dict[str, Any]:
@@ -308,6 +338,7 @@ def engine_deployment(name: str, namespace: str, uid: str, spec: SpecialistSpec,
         _with_model_cache(init)
     if through_cache:
         volumes.append({"name": "model-cache", "hostPath": {"path": ctx.model_cache_dir, "type": "DirectoryOrCreate"}})
+        init_containers.insert(0, _model_cache_owner(ctx))
 
     tolerations = toleration_dicts(spec.tolerations)
     if r.gpus > 0 and not any(t.get("key") == r.gpu_resource_name for t in tolerations):
@@ -332,7 +363,7 @@ def engine_deployment(name: str, namespace: str, uid: str, spec: SpecialistSpec,
                 {"name": "CONSORT_SPECIALIST", "value": name}],
         "resources": {"requests": requests, "limits": limits},
         "startupProbe": startup_probe(spec),
-        "readinessProbe": _probe("/ready", spec.port, 5, 2, 3),
+        "readinessProbe": readiness_probe(spec),
         # /health is answered by the event loop, never by the model thread: a busy engine passes it.
         "livenessProbe": _probe("/health", spec.port, 10, 6, 5),
         "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_S}}},

@@ -35,7 +35,8 @@ def test_operator_mounts_the_node_model_cache_into_the_init_container_only(clust
     pod = wait_for(template, 90, "the engine Deployment")
     vols = {v["name"]: v for v in pod["volumes"]}
     assert vols["model-cache"]["hostPath"] == {"path": CACHE_DIR, "type": "DirectoryOrCreate"}
-    [init] = pod["initContainers"]
+    owner, init = pod["initContainers"]   # the first hands the node's directory to the engines' user
+    assert owner["name"] == "model-cache-owner" and owner["securityContext"]["capabilities"]["add"] == ["CHOWN"]
     assert init["command"][:2] == ["consort", "model-cache"]
     assert init["command"][init["command"].index("--max-bytes") + 1] == str(20 * 2**30)
     assert init["command"][-2:] == ["demo://tiny?seed=4", "/models/demo/tiny-4"]

@@ -39,11 +39,11 @@ def alive(pid: int) -> bool:
         return False
 
 
-def wait_for(predicate, timeout: float, what: str, log_path) -> None:
+def wait_for(predicate, timeout: float, what: str, log_path, every: float = 0.2) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         assert time.monotonic() < deadline, f"{what} not within {timeout:.0f} s:\n{log_path.read_text()[-3000:]}"
-        time.sleep(0.2)
+        time.sleep(every)
 
 
 def metric(text: str, name: str, **labels: str) -> float:
@@ -71,11 +71,19 @@ def test_an_idle_engine_stops_and_a_burst_while_stopped_is_held_then_served(tmp_
         first = client.completions.create(model="algo", prompt="int main() {", max_tokens=4)
         assert first.usage.completion_tokens == 4
         stops = log_path.read_text().count("scaling to zero")
+
+        # Idle for the window after that answer: consort up stops the engine (the operator's own
+        # decision). A request sent the moment it stops finds the router's last poll still saying
+        # ready (polls are 0.5 s apart): it is held and the engine started again, never refused.
+        wait_for(lambda: log_path.read_text().count("scaling to zero") > stops, IDLE_AFTER_S + 15, "scale to zero",
+                 log_path, every=0.01)
+        at_stop = client.completions.with_raw_response.create(model="algo", prompt="int g() {", max_tokens=4)
+        assert at_stop.http_response.status_code == 200
+        stops = log_path.read_text().count("scaling to zero")
         pids = re.findall(r"engine algo: (?:pid|a request is waiting; starting 1 process\(es\) \(pid) (\d+)",
                           log_path.read_text())
         pid = int(pids[-1])
 
-        # Idle for the window after that answer: consort up stops the engine (the operator's own decision).
         wait_for(lambda: log_path.read_text().count("scaling to zero") > stops, IDLE_AFTER_S + 15, "scale to zero",
                  log_path)
         wait_for(lambda: not alive(pid), 30, "the idle engine exiting", log_path)
@@ -98,9 +106,13 @@ def test_an_idle_engine_stops_and_a_burst_while_stopped_is_held_then_served(tmp_
         first_answer = min(s for _, s, _ in results)
         text = log_path.read_text()
         cold = float(re.findall(r"engine algo: warm after a cold start of ([0-9.]+) s", text)[-1])
-        print(f"\nscale from zero: {BURST} requests while stopped, 0 errors; engine cold start {cold:.1f} s, "
-              f"first answer after {first_answer:.1f} s, last after {max(s for _, s, _ in results):.1f} s "
-              f"(burst took {time.monotonic() - t0:.1f} s)")
+        engine_log = (tmp_path / "run" / "logs" / "engine-algo-0.log").read_text()
+        ready, load, warmup = map(float, re.findall(
+            r"ready in ([0-9.]+) s from process start \(load ([0-9.]+) s, warmup ([0-9.]+) s\)", engine_log)[-1])
+        print(f"\nscale from zero: {BURST} requests while stopped, 0 errors; engine cold start {cold:.1f} s "
+              f"(process start {ready - load - warmup:.1f} s, model load {load:.1f} s, warmup {warmup:.1f} s, "
+              f"consort up and router {cold - ready:.1f} s), first answer after {first_answer:.1f} s, last after "
+              f"{max(s for _, s, _ in results):.1f} s (burst took {time.monotonic() - t0:.1f} s)")
         new_pid = int(re.findall(r"engine algo: a request is waiting; starting 1 process\(es\) \(pid (\d+)\)", text)[-1])
         assert new_pid != pid and alive(new_pid)
 

@@ -240,3 +240,21 @@ def test_not_ready_without_a_warm_replica(make_router, logs):
     resp = r.post("/v1/completions", {"model": "e", "prompt": "x"})
     assert resp.status_code == 503 and resp.json()["error"]["code"] == "no_ready_replica"
     assert "Retry-After" in resp.headers
+
+
+def test_ready_while_every_lane_is_at_zero_when_they_scale_from_zero(make_router, logs, tmp_path):
+    """Every Specialist scaled to zero: the router stays Ready (in its Service), or the request that
+    would wake a lane could never reach it."""
+    import procs
+    dead = f"http://127.0.0.1:{procs.free_port()}"
+    cfg = {"ensemble": "e", "default_specialist": "A", "classifier": {"kind": "none"},
+           "activator": {"kind": "file", "dir": str(tmp_path / "wake")},
+           "specialists": [{"name": "A", "replicas": [dead], "scale_from_zero": {"hold_timeout_s": 1}},
+                           {"name": "B", "replicas": [dead]}]}
+    r = make_router(cfg, wait_ready=False)
+    code, body = r.get("/ready")
+    assert code == 200 and body == {"status": "ready", "routable": [], "from_zero": ["A"]}, body
+    # it holds the request and asks for a replica (none comes here: a typed timeout, not a refusal)
+    resp = r.post("/v1/completions", {"model": "A", "prompt": "x"})
+    assert resp.status_code == 503 and resp.json()["error"]["code"] == "cold_start_timeout"
+    assert (tmp_path / "wake" / "A").exists()

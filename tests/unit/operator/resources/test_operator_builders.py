@@ -377,16 +377,52 @@ def test_model_cache_builds_demo_models_through_the_cache_and_leaves_pvc_sources
 
     s = SpecialistSpec.model_validate({"model": {"source": "demo://tiny?seed=2"}, "resources": {"cpu": "400m", "memory": "2Gi"}})
     pod = S.engine_deployment("algo", "ns", "uid-1", s, CACHE_CTX)["spec"]["template"]["spec"]
-    [model] = pod["initContainers"]
+    owner, model = pod["initContainers"]
+    assert owner["name"] == "model-cache-owner"
     assert parse_args(model["command"][2:]).pairs == ["demo://tiny?seed=2", "/models/demo/tiny-2"]
     assert model["resources"] == pod["containers"][0]["resources"]
     assert {"name": "model-cache", "mountPath": S.MODEL_CACHE_MOUNT} in model["volumeMounts"]
     # unpinned hf:// keeps its form (the cache resolves the branch to a commit on the node)
     hf = S.engine_deployment("x", "ns", "u", spec(model={"source": "hf://org/m"}), CACHE_CTX)["spec"]["template"]["spec"]
-    assert parse_args(hf["initContainers"][0]["command"][2:]).pairs == ["hf://org/m", "/models/hf/org/m"]
+    assert parse_args(hf["initContainers"][1]["command"][2:]).pairs == ["hf://org/m", "/models/hf/org/m"]
     # a pvc:// checkpoint is read in place: nothing to cache, no hostPath
     pvc = S.engine_deployment("algo", "ns", "u", spec(), CACHE_CTX)["spec"]["template"]["spec"]
     assert "initContainers" not in pvc and "model-cache" not in {v["name"] for v in pvc["volumes"]}
+
+
+def test_model_cache_directory_is_handed_to_the_engines_user_by_a_root_step_with_chown_only():
+    """kubelet creates a missing hostPath directory owned by root; fsGroup does not reach hostPath:
+    the first init container chowns the directory (only it) to the pods' user, as root with CAP_CHOWN."""
+    s = SpecialistSpec.model_validate({"model": {"source": "demo://tiny"}, "resources": {"cpu": "400m", "memory": "2Gi"}})
+    pod = S.engine_deployment("algo", "ns", "uid-1", s, CACHE_CTX)["spec"]["template"]["spec"]
+    owner = pod["initContainers"][0]
+    assert owner["name"] == "model-cache-owner" and owner["image"] == CACHE_CTX.engine_image
+    assert owner["volumeMounts"] == [{"name": "model-cache", "mountPath": S.MODEL_CACHE_MOUNT}]
+    sc = owner["securityContext"]
+    assert sc["runAsUser"] == 0 and sc["runAsNonRoot"] is False and sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]} and sc["readOnlyRootFilesystem"] is True
+    uid = CACHE_CTX.run_as_user
+    assert owner["command"][:2] == ["sh", "-c"] and f"chown {uid}:{uid} {S.MODEL_CACHE_MOUNT}" in owner["command"][2]
+    assert "-R" not in owner["command"][2]   # the directory, never the entries other pods are reading
+    # every other container, and the pod, still run as the engines' user
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert all("runAsUser" not in c["securityContext"] for c in [*pod["containers"], *pod["initContainers"][1:]])
+    plain = S.engine_deployment("algo", "ns", "uid-1", s, CTX)["spec"]["template"]["spec"]
+    assert "model-cache-owner" not in {c["name"] for c in plain["initContainers"]}
+
+
+def test_a_scale_to_zero_specialist_probes_every_second_so_held_requests_wait_no_probe_period():
+    base = {"model": {"source": "demo://tiny"}, "resources": {"cpu": "400m", "memory": "2Gi"}, "warmupTimeoutSeconds": 120}
+    plain = S.engine_deployment("a", "ns", "u", SpecialistSpec.model_validate(base), CTX)
+    s2z = S.engine_deployment("a", "ns", "u", SpecialistSpec.model_validate({**base, "scaleToZero": {"idleAfter": "5m"}}), CTX)
+    [p], [z] = plain["spec"]["template"]["spec"]["containers"], s2z["spec"]["template"]["spec"]["containers"]
+    assert (p["startupProbe"]["periodSeconds"], p["readinessProbe"]["periodSeconds"]) == (10, 5)
+    assert (z["startupProbe"]["periodSeconds"], z["readinessProbe"]["periodSeconds"]) == (1, 1)
+    for c in (p, z):   # the same warmup budget and the same failure window either way
+        start, ready = c["startupProbe"], c["readinessProbe"]
+        assert start["periodSeconds"] * start["failureThreshold"] == 120
+        assert ready["periodSeconds"] * ready["failureThreshold"] == 10
+        assert start["timeoutSeconds"] <= start["periodSeconds"] or start["timeoutSeconds"] == 5
 
 
 def test_operator_model_cache_flags():
