@@ -267,17 +267,17 @@ class BlockManager:
         bs = self.block_size
         start = seq.num_computed_tokens
         prompt_ends = {(seq.num_prompt_tokens - 1) // bs * bs, seq.num_prompt_tokens // bs * bs}
+        at = [p for p in range((start // bs + 1) * bs, start + num_new_tokens + 1, bs)
+              if p % self.checkpoint_every == 0 or p in prompt_ends]
         pending = self._ckpt_pending.setdefault(seq.seq_id, {})
         cuts = []
-        for p in range((start // bs + 1) * bs, start + num_new_tokens + 1, bs):
-            if p % self.checkpoint_every and p not in prompt_ends:
-                continue
+        for p in sorted(at, key=lambda p: (p not in prompt_ends, p)):   # when rows run short: the prompt's end first
             row = self._take_checkpoint()
             if row < 0:
                 break
             pending[p // bs - 1] = row
             cuts.append((p - start, row))
-        return cuts
+        return sorted(cuts)
 
     def _take_checkpoint(self) -> int:
         """A free checkpoint row, else the one on the least recently freed cached block; -1: every
