@@ -5,8 +5,8 @@ The runner holds one pool per kind, [max_num_seqs, mixer layers, ...]; a running
 slot index (Sequence.state_slot), taken on admission with its KV blocks and given back with them on
 finish, abort or preemption (block_manager.py). A sequence's first chunk runs on a zeroed slot.
 
-Preemption swaps instead of recomputing (SwappedState): prefix caching is off for hybrids, so a
-recompute would run the whole sequence again, while the bytes that let it resume are its attention
+Preemption swaps instead of recomputing (SwappedState): a hybrid's prefix cache hits only at state
+checkpoints, so a recompute would run most of the sequence again, while the bytes that let it resume are its attention
 layers' KV (a few layers) plus one state slot. The scheduler records what to copy; the engine has the
 runner copy it to host memory (pinned on CUDA) before the step that reuses the blocks runs, and back
 into the blocks and slot the sequence gets when it is readmitted. Which runner goes is pick_victim's
