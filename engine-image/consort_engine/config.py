@@ -47,8 +47,8 @@ class EngineConfig:
     hybrid_swap: bool = True            # hybrids: preemption parks KV + state in host memory (False: recompute)
     max_waiting: int = 1024             # waiting-queue bound: beyond it, 429 queue_full
     enable_prefix_caching: bool = True
-    # Hybrids' prefix caching: rows of saved conv/SSM state (each one slot's bytes; None: max_num_seqs,
-    # 0: no prefix caching for hybrids), and the tokens between the block boundaries that get one
+    # Hybrids' prefix caching: rows of saved conv/SSM state (each one slot's bytes; None: a quarter of
+    # max_num_seqs, at least 1; 0: no prefix caching for hybrids), and the tokens between the block boundaries that get one
     # (besides each prompt's last full block): see docs/hybrid-models.md
     hybrid_checkpoints: int | None = None
     hybrid_checkpoint_every: int = 256

@@ -159,9 +159,11 @@ class ModelRunner:
         self.hybrid_state = self.conv_state = self.ssm_state = None
         self.state_bytes_per_seq = self.num_checkpoints = 0
         if self.is_hybrid:
-            rows = config.hybrid_checkpoints if config.hybrid_checkpoints is not None else config.max_num_seqs
-            self.hybrid_state = HybridState(self.model.mixers, config.max_num_seqs,
-                                            rows if config.enable_prefix_caching else 0, self.compute_dtype, self.device)
+            rows = config.hybrid_checkpoints
+            if rows is None:
+                rows = max(1, config.max_num_seqs // 4)
+            self.hybrid_state = HybridState(self.model.mixers, config.max_num_seqs, rows if config.enable_prefix_caching
+                                            else 0, self.compute_dtype, self.device)
             self.conv_state, self.ssm_state = self.hybrid_state.conv, self.hybrid_state.ssm
             self.state_bytes_per_seq = self.hybrid_state.bytes_per_seq
             self.num_checkpoints = self.hybrid_state.num_checkpoints

@@ -94,7 +94,7 @@ def test_hybrid_greedy_matches_transformers(hybrid, case):
     assert stats["kv_free_blocks"] == stats["kv_total_blocks"], "every block is released at the end"
     slots = engine.block_manager.state_slots
     assert slots.num_free == slots.num_slots == 8, "every state slot is released at the end"
-    assert engine.block_manager.enable_caching and engine.block_manager.checkpoints == 8
+    assert engine.block_manager.enable_caching and engine.block_manager.checkpoints == 2   # max_num_seqs // 4
     if case.startswith("preempt"):
         assert stats["num_preemptions"] > 0
     executed = sum(sum(c) for c in chunks.values())
