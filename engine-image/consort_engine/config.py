@@ -47,6 +47,11 @@ class EngineConfig:
     hybrid_swap: bool = True            # hybrids: preemption parks KV + state in host memory (False: recompute)
     max_waiting: int = 1024             # waiting-queue bound: beyond it, 429 queue_full
     enable_prefix_caching: bool = True
+    # Hybrids' prefix caching: rows of saved conv/SSM state (each one slot's bytes; None: a quarter of
+    # max_num_seqs, at least 1; 0: no prefix caching for hybrids), and the tokens between the block boundaries that get one
+    # (besides each prompt's last full block): see docs/hybrid-models.md
+    hybrid_checkpoints: int | None = None
+    hybrid_checkpoint_every: int = 256
     # KV tier below the pool (kv/tier.py): evicted prefix blocks go to files under this directory
     # (None: host memory, when kv_tier_bytes is set), at most kv_tier_bytes of them; both None: off
     kv_tier_path: str | None = None

@@ -7,6 +7,9 @@ Per model, from our runner: KV bytes per token (attention layers only), state by
 holds; then throughput: `--batch` greedy requests of `--prompt-len` tokens generating `--max-tokens`
 each, output tokens over the wall time of `generate` (prefill included, warm-up excluded, the fastest
 of --repeats runs) and over the process's CPU time (steadier where other work shares the CPU).
+Then, for the hybrid, prefix caching: the time to first token of a prompt whose first
+`--cached-prefix` tokens are in the prefix cache (KV blocks + the mixers' state checkpoint at that
+boundary) against the same-length prompt computed from scratch.
 """
 from __future__ import annotations
 
@@ -68,6 +71,41 @@ def measure(name: str, path: Path, params: int, args) -> dict:
             "tok_cpu_s": sum(map(len, outs)) / cpu}
 
 
+def measure_prefix_ttft(path: Path, args) -> dict:
+    """TTFT (one greedy token) of prefix + a new suffix after prefix + another suffix was served, vs a
+    prompt of the same length that shares nothing with the cache; the fastest of --repeats each."""
+    from consort_engine.config import EngineConfig
+    from consort_engine.core.engine import LLMEngine
+    from consort_engine.kv.sequence import SamplingParams
+    n, suffix = args.cached_prefix, 16
+    engine = LLMEngine(EngineConfig(model=str(path), name="bench", device=args.device, dtype=args.dtype,
+                                    max_num_seqs=16, num_blocks=args.num_blocks, block_size=16,
+                                    max_model_len=n + 2 * suffix + 64, max_num_batched_tokens=max(2048, n + suffix)))
+    engine.warmup()
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+
+    def prompt(seed: int, length: int) -> list[int]:
+        return [(seed * 7919 + 31 * j) % (args.vocab - 3) + 3 for j in range(length)]
+
+    def ttft(p: list[int]) -> float:
+        if args.device == "cuda":
+            import torch
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        engine.generate([p], one)
+        return time.perf_counter() - t0
+    cold = cached = float("inf")
+    for r in range(args.repeats):
+        cold = min(cold, ttft(prompt(1000 + r, n + suffix)))         # nothing of it is cached
+        prefix = prompt(2000 + r, n)
+        ttft(prefix + prompt(3000 + r, suffix))                        # fills the cache
+        hits = engine.block_manager.prefix_hits
+        cached = min(cached, ttft(prefix + prompt(4000 + r, suffix)))
+        if engine.block_manager.prefix_hits - hits != n:
+            raise RuntimeError(f"the cached prefix did not hit ({engine.block_manager.prefix_hits - hits} of {n} tokens)")
+    return {"prefix": n, "suffix": suffix, "ttft_cold_s": cold, "ttft_cached_s": cached}
+
+
 def main(args: argparse.Namespace) -> int:
     if args.threads:
         from consort_engine.model.cpu_kernels import set_threads
@@ -75,9 +113,12 @@ def main(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(args.out) if args.out else Path(tmp)
         rows = []
+        ttft = None
         for name, (path, params) in write_checkpoints(out, args).items():
             rows.append(measure(name, path, params, args))
             print(f"{name}: {rows[-1]}", file=sys.stderr, flush=True)
+            if name.startswith("bamba") and args.cached_prefix:
+                ttft = measure_prefix_ttft(path, args)
     dt = args.dtype if args.dtype != "auto" else ("bfloat16" if args.device == "cuda" else "float32")
     print(f"| model | params | KV layers | KV bytes/token ({dt}) | state bytes/seq | seqs of {args.context} tokens "
           f"in {args.pool_mib} MiB | output tok/s (batch {args.batch}, {args.device}) | tok/CPU-s |")
@@ -85,8 +126,12 @@ def main(args: argparse.Namespace) -> int:
     for r in rows:
         print(f"| {r['model']} | {r['params_m']:.1f}M | {r['kv_layers']} | {r['kv_bytes_per_token']} | "
               f"{r['state_bytes_per_seq']} | {r['seqs_in_pool']} | {r['tok_s']:.1f} | {r['tok_cpu_s']:.1f} |")
+    if ttft is not None:
+        print(f"\nbamba prefix cache: TTFT of {ttft['prefix']} cached + {ttft['suffix']} new tokens "
+              f"{ttft['ttft_cached_s'] * 1e3:.1f} ms vs {ttft['ttft_cold_s'] * 1e3:.1f} ms uncached "
+              f"({ttft['ttft_cached_s'] / ttft['ttft_cold_s']:.3f}x, {args.device})")
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
+        Path(args.json).write_text(json.dumps({"rows": rows, "prefix_ttft": ttft}, indent=2))
     return 0
 
 
@@ -109,4 +154,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-blocks", type=int, default=512, help="pool blocks of the throughput runs")
     p.add_argument("--repeats", type=int, default=2, help="runs per model; the fastest counts")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's choice)")
+    p.add_argument("--cached-prefix", type=int, default=1024,
+                   help="the hybrid's prefix-cache TTFT: tokens of the cached prefix (a multiple of 256; 0: skip)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")

@@ -63,6 +63,11 @@ def make_tier(config: EngineConfig, runner, events: KVEventLog) -> KVTier | None
     if config.tensor_parallel_size > 1 or not hasattr(runner, "kv_cache"):
         log.warning("KV tier is off: it needs the whole KV pool in this process (tensor_parallel_size 1)")
         return None
+    if getattr(runner, "is_hybrid", False):
+        # A hybrid's block is reusable only with the mixers' state saved at its end, which stays in the engine.
+        log.warning("KV tier is off for %s: hybrid (attention + Mamba2) blocks are not tiered (their state "
+                    "checkpoints live in the engine's memory only); the prefix cache stays on", config.name)
+        return None
     identity = layout_identity(config, runner.kv_cache, runner.backend, 0, 1)
     tier = KVTier(config.kv_tier_path, config.kv_tier_bytes or DEFAULT_TIER_BYTES, identity, events)
     log.info("KV tier: %s, %.1f GiB, %s", tier.dir or "host memory", tier.max_bytes / 2**30, identity)
@@ -83,16 +88,20 @@ class LLMEngine:
         self.max_model_len: int = runner.max_model_len
         hybrid = getattr(runner, "is_hybrid", False)
         caching = config.enable_prefix_caching
-        if hybrid and caching:
+        checkpoints = getattr(runner, "num_checkpoints", 0)
+        if hybrid and caching and not checkpoints:
             # A cached prefix's KV is useless without the mixers' state at that token: never reuse it.
-            log.warning("prefix caching is off for %s: hybrid (attention + Mamba2) model", config.name)
+            log.warning("prefix caching is off for %s: hybrid (attention + Mamba2) model without state "
+                        "checkpoints (hybrid_checkpoints 0)", config.name)
             caching = False
         self.kv_events = KVEventLog()
         self.kv_tier = make_tier(config, runner, self.kv_events) if caching else None
         self.block_manager = BlockManager(runner.num_blocks, runner.block_size, namespace=config.name,
                                           enable_caching=caching,
                                           state_slots=config.max_num_seqs if hybrid else 0,
-                                          events=self.kv_events, tier=self.kv_tier)
+                                          events=self.kv_events, tier=self.kv_tier,
+                                          checkpoints=checkpoints if hybrid else 0,
+                                          checkpoint_every=config.hybrid_checkpoint_every)
         # Swap preemption needs the whole pool in this process (no tensor-parallel ranks to replay it).
         swap = hybrid and config.hybrid_swap and config.tensor_parallel_size == 1
         self.scheduler = Scheduler(config, self.block_manager, eos_token_ids=runner.eos_token_ids,
@@ -200,6 +209,8 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if self.scheduler.swap_bytes is not None:
             self._swap(batch)
+        if self.block_manager.checkpoints:
+            self._checkpoint_states(batch)
         if self.kv_tier is not None:
             self._move_tier_blocks()
         t1 = time.perf_counter()
@@ -235,6 +246,19 @@ class LLMEngine:
             if seq.swapped is not None:
                 self.runner.swap_in(seq.swapped, seq.block_table, seq.state_slot)
                 seq.swapped = None
+
+    def _checkpoint_states(self, batch: ScheduledBatch) -> None:
+        """Hybrid prefix caching: the admitted hits' slots get their saved state (after the swaps: a
+        hit may take a victim's slot), and the step's prefill chunks learn where to save theirs."""
+        bm = self.block_manager
+        restores = bm.take_state_restores()
+        if restores:
+            self.runner.restore_states(restores)
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            if n > 1 and not (batch.num_draft and batch.num_draft[i]):
+                cuts = bm.plan_checkpoints(seq, n)
+                if cuts:
+                    batch.checkpoints[i] = cuts
 
     def _move_tier_blocks(self) -> None:
         """Copy the blocks this step's allocations evicted out to the tier, then the blocks found

@@ -7,7 +7,7 @@ possibly itself); (2) running chunked prefills; (3) admission from the waiting h
 (priority DESC, arrival ASC) order while the token budget, the seat limit and the pool allow.
 Preemption is recompute: blocks are freed (their full blocks stay in the prefix cache, so the
 recompute mostly hits), generated tokens are kept and recomputed with the prompt. Hybrid models
-(no prefix cache) swap instead: the victim's KV and state go to host memory and come back at
+(whose prefix cache only hits at state checkpoints) swap instead: the victim's KV and state go to host memory and come back at
 readmission (state_pool.SwappedState), and the victim is chosen by state_pool.pick_victim.
 """
 from __future__ import annotations

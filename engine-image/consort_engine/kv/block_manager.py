@@ -19,6 +19,17 @@ Registered and evicted blocks are published as block events (kv/events.py). With
 engine copies its K/V out before the step reuses the block), and a prompt's blocks past the pool's
 hits are looked up in the tier at admission; each one found is registered at once and queued to
 be copied into its new pool block before the step runs (`take_onloads`).
+
+Hybrid (attention + Mamba2) models: a cached block's K/V is only reusable together with the mixers'
+conv/SSM state at the same token. With `checkpoints` (a count of state checkpoint rows the runner
+holds), the engine asks `plan_checkpoints` which block boundaries of each prefill chunk to snapshot;
+the snapshot is attached to the block ending there when that block is registered (the findable
+entry for its hash: one content id, so one prefix). A hybrid hit stops at the deepest matched block
+that carries a checkpoint, and admission queues (state slot, checkpoint) for the engine to copy
+before the step runs (`take_state_restores`). A checkpoint leaves with its block (eviction), or,
+when all rows are taken, the one on the least recently freed cached block goes; checkpoints of
+blocks that running sequences hold are never taken, so a restore always reads the state saved at
+exactly that boundary.
 """
 from __future__ import annotations
 
@@ -54,7 +65,8 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, namespace: str = "",
                  enable_caching: bool = True, hash_fn: HashFn = block_hash, state_slots: int = 0,
-                 events: KVEventLog | None = None, tier: TierLookup | None = None) -> None:
+                 events: KVEventLog | None = None, tier: TierLookup | None = None,
+                 checkpoints: int = 0, checkpoint_every: int = 0) -> None:
         assert num_blocks > 0 and block_size > 0
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -67,6 +79,13 @@ class BlockManager:
         self._onloads: list[tuple[int, bytes]] = []       # (pool block, K/V bytes from the tier): copy in
         # Hybrid models: a conv/SSM state slot per running sequence, taken and given back with its blocks.
         self.state_slots = StateSlots(state_slots) if state_slots else None
+        # Hybrids with prefix caching: state checkpoint rows (see module doc); every: tokens between them.
+        self.checkpoints = checkpoints if enable_caching and state_slots else 0
+        self.checkpoint_every = max(block_size, checkpoint_every // block_size * block_size)
+        self._ckpt_free: list[int] = list(range(self.checkpoints - 1, -1, -1))
+        self._ckpt: list[int] = [-1] * num_blocks              # block -> checkpoint row of the state at its end
+        self._ckpt_pending: dict[int, dict[int, int]] = {}      # seq_id -> {block index: row written this step}
+        self._restores: list[tuple[int, int]] = []              # (state slot, checkpoint row): copy in
 
         # Per-block state, indexed by physical block id.
         self.ref_count: list[int] = [0] * num_blocks
@@ -115,7 +134,7 @@ class BlockManager:
         through the model so that there are logits to sample from. A sequence that still needs
         its prompt logprobs reuses nothing: they come from the logits at every prompt position.
         """
-        if not self.enable_caching or seq.needs_prompt_logprobs:
+        if not self.enable_caching or seq.needs_prompt_logprobs or seq.swapped is not None:
             return [], []
         bs = self.block_size
         tokens = seq.token_ids
@@ -133,6 +152,10 @@ class BlockManager:
             blocks.append(b)
             hashes.append(h)
             parent_hash, parent_content = h, self._content[b]
+        if self.state_slots is not None:     # hybrids: the KV is reusable only up to a saved state
+            while blocks and self._ckpt[blocks[-1]] < 0:
+                blocks.pop()
+                hashes.pop()
         return blocks, hashes
 
     def _same_content(self, block: int, tokens: tuple[int, ...], seq: Sequence, parent_content: int) -> bool:
@@ -182,6 +205,8 @@ class BlockManager:
             table.append(self._take_free_block())
         seq.block_table = table
         self._seq_hashes[seq.seq_id] = hashes
+        if hits and self.checkpoints:
+            self._restores.append((seq.state_slot, self._ckpt[hits[-1]]))
         loaded = self._load_from_tier(seq) if self.tier is not None and self.tier.enabled else 0
         seq.num_cached_tokens = len(hashes) * self.block_size
         seq.num_computed_tokens = seq.num_cached_tokens
@@ -225,6 +250,60 @@ class BlockManager:
         out, self._offloads = self._offloads, []
         return out
 
+    def take_state_restores(self) -> list[tuple[int, int]]:
+        """(state slot, checkpoint row) of the hybrid hits admitted since the last call; the caller
+        copies each row into its slot before the next forward (the hit's blocks pin the row)."""
+        out, self._restores = self._restores, []
+        return out
+
+    def plan_checkpoints(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
+        """Which block boundaries of seq's next prefill chunk get a state checkpoint: (tokens into the
+        chunk, checkpoint row) for every multiple of checkpoint_every and the prompt's last full-block
+        boundaries (a repeat or a continuation of this prompt hits there). The rows are attached to
+        their blocks when those are registered. A boundary that finds no row is skipped: a later hit
+        stops at an earlier checkpoint, it never reads a wrong state."""
+        if not self.checkpoints:
+            return []
+        bs = self.block_size
+        start = seq.num_computed_tokens
+        prompt_ends = {(seq.num_prompt_tokens - 1) // bs * bs, seq.num_prompt_tokens // bs * bs}
+        at = [p for p in range((start // bs + 1) * bs, start + num_new_tokens + 1, bs)
+              if p % self.checkpoint_every == 0 or p in prompt_ends]
+        pending = self._ckpt_pending.setdefault(seq.seq_id, {})
+        cuts = []
+        for p in sorted(at, key=lambda p: (p not in prompt_ends, p)):   # when rows run short: the prompt's end first
+            row = self._take_checkpoint()
+            if row < 0:
+                break
+            pending[p // bs - 1] = row
+            cuts.append((p - start, row))
+        return sorted(cuts)
+
+    def _take_checkpoint(self) -> int:
+        """A free checkpoint row, else the one on the least recently freed cached block; -1: every
+        row belongs to blocks in use or to this step's snapshots."""
+        if self._ckpt_free:
+            return self._ckpt_free.pop()
+        for b in self._free_cached:
+            row = self._ckpt[b]
+            if row >= 0:
+                self._ckpt[b] = -1
+                return row
+        return -1
+
+    def _attach_checkpoint(self, seq: Sequence, i: int, h: Hashable) -> None:
+        """Give the state snapshot taken at the end of seq's block i (if any) to the findable block of
+        hash h: after _register it holds the same content (the same prefix), so the same state."""
+        pending = self._ckpt_pending.get(seq.seq_id)
+        row = pending.pop(i, -1) if pending else -1
+        if row < 0:
+            return
+        owner = self._by_hash[h]
+        if self._ckpt[owner] < 0:
+            self._ckpt[owner] = row
+        else:                       # the same prefix was computed twice: keep the first state
+            self._ckpt_free.append(row)
+
     def take_onloads(self) -> list[tuple[int, bytes]]:
         """(pool block, K/V bytes) found in the tier since the last call; the caller copies them in
         (after take_offloads' copies: a block may be evicted and refilled in one step)."""
@@ -256,6 +335,9 @@ class BlockManager:
         return b
 
     def _evict(self, b: int) -> None:
+        if self._ckpt[b] >= 0:      # the state goes with its block
+            self._ckpt_free.append(self._ckpt[b])
+            self._ckpt[b] = -1
         h = self._hash[b]
         if h is not None and self._by_hash.get(h) == b:
             del self._by_hash[h]
@@ -309,6 +391,8 @@ class BlockManager:
             h = self._hash_fn(parent_hash, block_tokens, self.namespace, seq.adapter, seq.cache_salt)
             if self._register(table[i], h, block_tokens, seq, parent_content):
                 stored.append(h)
+            if self.checkpoints:
+                self._attach_checkpoint(seq, i, h)
             hashes.append(h)
         if stored and self.events is not None:
             self.events.record("stored", "pool", stored)
@@ -327,6 +411,9 @@ class BlockManager:
             self._content[b] = self._content[other]
             return False
         # New content, or a genuine hash collision: the newest block takes the slot.
+        if other is not None and other != b and self._ckpt[other] >= 0:   # unfindable now: its state is of no use
+            self._ckpt_free.append(self._ckpt[other])
+            self._ckpt[other] = -1
         self._content[b] = next(self._content_ids)
         self._by_hash[h] = b
         return other is None
@@ -340,6 +427,8 @@ class BlockManager:
             self._release(b)
         seq.block_table = []
         self._seq_hashes.pop(seq.seq_id, None)
+        for row in self._ckpt_pending.pop(seq.seq_id, {}).values():   # snapshots of blocks never computed
+            self._ckpt_free.append(row)
         if self.state_slots is not None and seq.state_slot >= 0:
             self.state_slots.give(seq.state_slot)
             seq.state_slot = -1
@@ -420,3 +509,8 @@ class BlockManager:
             held = [s.state_slot for s in live if s.block_table]
             assert -1 not in held and len(set(held)) == len(held), "state slot missing or shared"
             assert len(held) + self.state_slots.num_free == self.state_slots.num_slots, "state slot leak"
+        rows = [r for r in self._ckpt if r >= 0] + self._ckpt_free
+        rows += [r for p in self._ckpt_pending.values() for r in p.values()]
+        assert sorted(rows) == list(range(self.checkpoints)), "checkpoint row leaked or shared"
+        for b, row in enumerate(self._ckpt):
+            assert row < 0 or self._by_hash.get(self._hash[b]) == b, "checkpoint on a block nobody can find"

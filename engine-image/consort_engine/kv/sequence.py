@@ -169,6 +169,8 @@ class ScheduledBatch:
     `num_draft[i]` (spec_verify) counts the draft tokens at the end of sequence i's window: they sit
     at the end of `seq.token_ids` until the step commits, and each of the 1 + num_draft[i] rows is
     sampled (empty list: no drafts in this step).
+    `checkpoints[i]` (hybrids with prefix caching): (tokens into sequence i's prefill chunk, checkpoint
+    row) where the mixers' state is saved for later prefix hits (BlockManager.plan_checkpoints).
     """
     seqs: list[Sequence]
     num_new_tokens: list[int]
@@ -176,6 +178,7 @@ class ScheduledBatch:
     mode: str = "decode"                       # prefill | decode | mixed | spec_verify
     preempted: list[Sequence] = field(default_factory=list)
     num_draft: list[int] = field(default_factory=list)
+    checkpoints: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
 
     def rows_sampled(self, i: int) -> int:
         """Logit rows sequence i contributes: 0 (prefill chunk), 1, or 1 + drafts."""

@@ -5,8 +5,8 @@ The runner holds one pool per kind, [max_num_seqs, mixer layers, ...]; a running
 slot index (Sequence.state_slot), taken on admission with its KV blocks and given back with them on
 finish, abort or preemption (block_manager.py). A sequence's first chunk runs on a zeroed slot.
 
-Preemption swaps instead of recomputing (SwappedState): prefix caching is off for hybrids, so a
-recompute would run the whole sequence again, while the bytes that let it resume are its attention
+Preemption swaps instead of recomputing (SwappedState): a hybrid's prefix cache hits only at state
+checkpoints, so a recompute would run most of the sequence again, while the bytes that let it resume are its attention
 layers' KV (a few layers) plus one state slot. The scheduler records what to copy; the engine has the
 runner copy it to host memory (pinned on CUDA) before the step that reuses the blocks runs, and back
 into the blocks and slot the sequence gets when it is readmitted. Which runner goes is pick_victim's
@@ -17,6 +17,12 @@ Speculative verify: a window (last token + K drafts) steps the recurrence row by
 every window of the step, and keeps a snapshot of each slot's state after every window position
 (WindowSnapshots). Once acceptance is known, commit() puts back the state after the last kept
 token (the pool already holds it when every draft was accepted): rejected drafts leave no trace.
+
+Prefix caching: a prefill chunk may carry checkpoints, (tokens into the chunk, checkpoint row): the
+scan stops at each and saves the conv and SSM state there into the runner's checkpoint pools
+([rows, mixers, ...]), which the block manager attaches to the block ending at that token. A prefix
+hit copies its row into the new sequence's slot before the step runs, and the prefill continues
+from it.
 """
 from __future__ import annotations
 
@@ -34,6 +40,10 @@ class StateMetadata:
     decode_rows: torch.Tensor | slice | None = None   # rows of single-token groups (one batched step)
     decode_slots: torch.Tensor | slice | None = None  # their slots (a slice when consecutive: views, no gather)
     chunks: list[tuple[int, int, int]] = field(default_factory=list)   # (start row, end row, slot) scans
+    # per chunk: (rows into it, checkpoint row) where its state is saved into ckpt_conv / ckpt_ssm
+    chunk_checkpoints: list[list[tuple[int, int]]] = field(default_factory=list)
+    ckpt_conv: torch.Tensor | None = None       # [rows, mixers, conv_dim, d_conv - 1]
+    ckpt_ssm: torch.Tensor | None = None        # [rows, mixers, heads, head_dim, d_state] float32
     # verify windows, position by position: (rows, slots, window indices) of the windows that long
     window_steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
     snapshots: "WindowSnapshots | None" = None
@@ -120,11 +130,14 @@ def as_index(ids: list[int], device: torch.device) -> torch.Tensor | slice:
 
 
 def build_state_metadata(conv: torch.Tensor, ssm: torch.Tensor, rows: list[tuple[int, int]],
-                         slots: list[int], windows: list[bool]) -> StateMetadata:
-    """Split a step's row groups (item order: [start, end) rows, slot, whether it is a verify window)
-    into the batched decode rows, the verify windows and the per-sequence scan chunks."""
-    dec_rows, dec_slots, chunks, wins = [], [], [], []
-    for (a, b), s, w in zip(rows, slots, windows):
+                         slots: list[int], windows: list[bool],
+                         checkpoints: list[list[tuple[int, int]]] | None = None,
+                         ckpt: tuple[torch.Tensor, torch.Tensor] | None = None) -> StateMetadata:
+    """Split a step's row groups (item order: [start, end) rows, slot, whether it is a verify window,
+    the checkpoints of a prefill chunk) into the batched decode rows, the verify windows and the
+    per-sequence scan chunks."""
+    dec_rows, dec_slots, chunks, wins, cuts = [], [], [], [], []
+    for k, ((a, b), s, w) in enumerate(zip(rows, slots, windows)):
         assert s >= 0, "a hybrid model's sequence runs without a state slot"
         if b - a == 1:
             dec_rows.append(a)
@@ -133,8 +146,12 @@ def build_state_metadata(conv: torch.Tensor, ssm: torch.Tensor, rows: list[tuple
             wins.append((a, b - a, s))
         elif b > a:
             chunks.append((a, b, s))
+            cuts.append(checkpoints[k] if checkpoints else [])
+        assert not (checkpoints and checkpoints[k]) or (b - a > 1 and not w), "checkpoint outside a prefill chunk"
     dev = conv.device
-    meta = StateMetadata(conv, ssm, chunks=chunks)
+    meta = StateMetadata(conv, ssm, chunks=chunks, chunk_checkpoints=cuts)
+    if ckpt is not None:
+        meta.ckpt_conv, meta.ckpt_ssm = ckpt
     if dec_rows:
         meta.decode_rows, meta.decode_slots = as_index(dec_rows, dev), as_index(dec_slots, dev)
     if wins:

@@ -33,7 +33,8 @@ from consort_engine.model.models.packed import has_amx
 from consort_engine.model.int4_checkpoint import checkpoint_format, checkpoint_weights, resolve_quantization
 from consort_engine.model.models.quant import check_quantization
 from consort_engine.kv.sequence import PromptLogprobs, ScheduledBatch, Sequence
-from consort_engine.kv.state_pool import SwappedState, build_state_metadata, seqs_per_pool
+from consort_engine.kv.state_pool import SwappedState, seqs_per_pool
+from consort_engine.model.hybrid_state import HybridState
 from consort_engine.model.step_inputs import MTPRows, RowGroup, StepInputs
 from consort_engine.model.tensor_parallel import SINGLE, TPGroup, TPWorkers
 
@@ -52,15 +53,6 @@ def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
             and os.environ.get("CONSORT_BF16_COMPUTE") != "1"):
         return torch.float32
     return dtype
-
-
-def to_host(t: torch.Tensor) -> torch.Tensor:
-    """A host copy of t: pinned memory filled without blocking on CUDA, a plain copy on the CPU."""
-    if t.device.type != "cuda":
-        return t.clone()
-    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    out.copy_(t, non_blocking=True)
-    return out
 
 
 def mem_available(device: torch.device) -> int:
@@ -166,17 +158,18 @@ class ModelRunner:
         for name, path in config.adapters.items():
             self.load_adapter(name, path)
 
-        self.conv_state = self.ssm_state = None
-        self.window_snapshots = None     # the last step's verify windows (hybrids, state_pool.WindowSnapshots)
-        self.state_bytes_per_seq = 0
-        if self.is_hybrid:    # [max_num_seqs, mixers, ...]: one row per running sequence (state_pool.py)
-            mixers = self.model.mixers
-            (cd, ck), (sh, sp, sn) = mixers[0].state_shapes()
-            s = config.max_num_seqs
-            self.conv_state = torch.zeros(s, len(mixers), cd, ck, dtype=self.compute_dtype, device=self.device)
-            self.ssm_state = torch.zeros(s, len(mixers), sh, sp, sn, dtype=torch.float32, device=self.device)
-            self.state_bytes_per_seq = (self.conv_state[0].numel() * self.conv_state.element_size()
-                                        + self.ssm_state[0].numel() * 4)
+        # hybrids: state slots (one per running sequence) and, with prefix caching, checkpoint rows (hybrid_state.py)
+        self.hybrid_state = self.conv_state = self.ssm_state = None
+        self.state_bytes_per_seq = self.num_checkpoints = 0
+        if self.is_hybrid:
+            rows = config.hybrid_checkpoints
+            if rows is None:
+                rows = max(1, config.max_num_seqs // 4)
+            self.hybrid_state = HybridState(self.model.mixers, config.max_num_seqs, rows if config.enable_prefix_caching
+                                            else 0, self.compute_dtype, self.device)
+            self.conv_state, self.ssm_state = self.hybrid_state.conv, self.hybrid_state.ssm
+            self.state_bytes_per_seq = self.hybrid_state.bytes_per_seq
+            self.num_checkpoints = self.hybrid_state.num_checkpoints
         self.num_blocks = self._pool_blocks()
         if tp.size > 1:   # every rank holds the same block ids: agree on the smallest pool
             n = torch.tensor([self.num_blocks])
@@ -270,7 +263,7 @@ class ModelRunner:
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             s = seq.num_computed_tokens
             groups.append(RowGroup(seq.token_ids[s:s + n], s, seq.block_table, batch.rows_sampled(i), seq.adapter,
-                                   seq.state_slot))
+                                   seq.state_slot, batch.checkpoints.get(i, [])))
         return self.build_inputs(groups, on_host)
 
     def build_inputs(self, groups: list[RowGroup], on_host: bool = False) -> StepInputs:
@@ -350,7 +343,7 @@ class ModelRunner:
         if self.device.type != "cpu" and not on_host:
             ids, positions, sample_idx = self._upload(ids, positions, sample_idx, meta)
         if self.is_hybrid:
-            meta.state = self._state_metadata(groups, item_rows)
+            meta.state = self.hybrid_state.metadata(groups, item_rows)
         lora = segments_of([groups[i].adapter for i in order], lens) if self.adapters else []
         return StepInputs(ids, positions, meta, sample_idx, lora, order, item_rows)
 
@@ -369,26 +362,16 @@ class ModelRunner:
             setattr(meta, name, t)
         return ids, positions, sample_idx
 
-    def _state_metadata(self, groups: list[RowGroup], item_rows: list[tuple[int, int]]):
-        """The mixers' view of a step; a sequence's first chunk starts from zero state (a fresh slot,
-        or a preempted sequence recomputing: no prefix reuse for hybrids, so start 0 means fresh)."""
-        fresh = [g.state_slot for g in groups if g.start == 0]
-        if fresh:
-            idx = torch.tensor(fresh, dtype=torch.int64, device=self.device)
-            self.conv_state[idx] = 0
-            self.ssm_state[idx] = 0
-        meta = build_state_metadata(self.conv_state, self.ssm_state, item_rows, [g.state_slot for g in groups],
-                                    [g.num_sampled > 1 for g in groups])
-        self.window_snapshots = meta.snapshots
-        return meta
-
     @torch.inference_mode()
     def commit_windows(self, kept: dict[int, int]) -> None:
         """After a verify step of a hybrid: state slot -> window tokens kept; the mixers' state goes
         back to the one after the last kept token (WindowSnapshots.commit)."""
-        snaps, self.window_snapshots = self.window_snapshots, None
-        if snaps is not None and kept:
-            snaps.commit(self.conv_state, self.ssm_state, kept)
+        self.hybrid_state.commit_windows(kept)
+
+    @torch.inference_mode()
+    def restore_states(self, pairs: list[tuple[int, int]]) -> None:
+        """Hybrid prefix hits: (state slot, checkpoint row) copied in before the step runs."""
+        self.hybrid_state.restore(pairs)
 
     def load_adapter(self, name: str, path: str) -> LoraAdapter:
         """Read a PEFT LoRA adapter and attach it (between steps). AdapterError when it cannot be served."""
@@ -414,19 +397,12 @@ class ModelRunner:
     def swap_out(self, sw: SwappedState) -> None:
         """Copy a preempted hybrid sequence's computed KV blocks and its state slot to host memory
         (pinned on CUDA, so the copy is asynchronous and ordered before the step that reuses them)."""
-        blocks = torch.tensor(sw.src_blocks, dtype=torch.int64, device=self.device)
-        sw.kv = to_host(self.kv_cache[:, :, blocks])     # block dim 2 in both pool layouts
-        sw.conv = to_host(self.conv_state[sw.src_slot])
-        sw.ssm = to_host(self.ssm_state[sw.src_slot])
+        self.hybrid_state.swap_out(sw, self.kv_cache)
 
     @torch.inference_mode()
     def swap_in(self, sw: SwappedState, block_table: list[int], slot: int) -> None:
         """Put a swapped sequence's KV into the first blocks of its new table and its state into its new slot."""
-        assert sw.copied, "swap_in before swap_out"
-        blocks = torch.tensor(block_table[:len(sw.src_blocks)], dtype=torch.int64, device=self.device)
-        self.kv_cache[:, :, blocks] = sw.kv.to(self.device, non_blocking=True)
-        self.conv_state[slot] = sw.conv.to(self.device, non_blocking=True)
-        self.ssm_state[slot] = sw.ssm.to(self.device, non_blocking=True)
+        self.hybrid_state.swap_in(sw, self.kv_cache, block_table, slot)
 
     @torch.inference_mode()
     def zero_slots(self, slots: list[int]) -> None:

@@ -30,6 +30,7 @@ class RowGroup:
     num_sampled: int
     adapter: str | None = None
     state_slot: int = -1          # hybrid models: the sequence's conv/SSM state slot
+    checkpoints: list[tuple[int, int]] = field(default_factory=list)   # hybrids: (rows in, checkpoint row) to save
 
 
 @dataclass

@@ -7,7 +7,9 @@ transformers' under concurrency (mixed lengths: decodes batched in one state upd
 scan), chunked prefill (a small token budget: the scan continues from the saved state across chunk
 boundaries that do not line up with the SSD chunk size) and preemption (swap: KV + state parked in
 host memory and put back into new blocks and a new slot; and recompute: the slot is freed and the
-sequence prefills again from zero state).
+sequence prefills again from its last state checkpoint or zero state). Prefix caching: prompts that
+share a prefix restore the conv/SSM state saved at the last cached block boundary and prefill only
+the rest; greedy tokens equal caching off and transformers'.
 """
 from __future__ import annotations
 
@@ -92,7 +94,7 @@ def test_hybrid_greedy_matches_transformers(hybrid, case):
     assert stats["kv_free_blocks"] == stats["kv_total_blocks"], "every block is released at the end"
     slots = engine.block_manager.state_slots
     assert slots.num_free == slots.num_slots == 8, "every state slot is released at the end"
-    assert not engine.block_manager.enable_caching
+    assert engine.block_manager.enable_caching and engine.block_manager.checkpoints == 2   # max_num_seqs // 4
     if case.startswith("preempt"):
         assert stats["num_preemptions"] > 0
     executed = sum(sum(c) for c in chunks.values())
@@ -165,22 +167,110 @@ def test_hybrid_speculative_greedy_matches_transformers(hybrid, case, monkeypatc
     assert exact >= N - 1, f"{name}/{case}: only {exact}/{N} speculative requests matched transformers"
 
 
-def test_hybrid_turns_prefix_caching_off(tmp_path, caplog):
-    """A cached prefix's KV without the mixers' state at that token is useless: prefix reuse is off
-    for hybrids, with a log line, and n samples of one prompt each prefill."""
+def shared_prefix_workload(vocab: int) -> tuple[list[list[int]], list[list[int]], list[int]]:
+    """Two waves: the first computes prompts that share a 50-token prefix, the second hits it (exact
+    repeats, longer continuations, other suffixes). 50 is not a block multiple: hits end at 48."""
+    rng = random.Random(11)
+    prefix = [rng.randrange(3, vocab) for _ in range(50)]
+    first = [prefix + [rng.randrange(3, vocab) for _ in range(k)] for k in (0, 13, 29)]
+    second = [first[0], first[1] + [rng.randrange(3, vocab) for _ in range(9)], first[2],
+              prefix + [rng.randrange(3, vocab) for _ in range(21)], prefix[:33]]
+    max_tokens = [rng.randrange(14, 24) for _ in range(len(first) + len(second))]
+    return first, second, max_tokens
+
+
+@pytest.fixture(scope="module")
+def shared_prefix(tmp_path_factory):
+    ckpt = make_checkpoint("bamba", tmp_path_factory.mktemp("shared"), attn_layer_indices=[0, 3])
+    first, second, max_tokens = shared_prefix_workload(512)
+    return ckpt, first, second, max_tokens, hf_greedy(ckpt, first + second, max_tokens)
+
+
+def run_waves(ckpt, first, second, max_tokens, case: str, **kw):
+    engine = LLMEngine(EngineConfig(model=str(ckpt), dtype="float32", block_size=4, max_num_seqs=8,
+                                    hybrid_checkpoints=16, hybrid_checkpoint_every=8, name="hyb",
+                                    **{**CASES[case], **kw}))
+    engine.warmup()
+    seqs = []
+    for wave in (first, second):
+        batch = [Sequence(list(p), SamplingParams(temperature=0.0, max_tokens=max_tokens[len(seqs) + i],
+                                                  ignore_eos=True, logprobs=5)) for i, p in enumerate(wave)]
+        for s in batch:        # offline: no admission control, the small pools preempt instead
+            engine.validate(s)
+            engine.scheduler.add(s)
+        seqs += batch
+        steps = 0
+        while any(not s.is_finished for s in batch):
+            engine.step()
+            engine.block_manager.check_invariants(engine.scheduler.running)
+            steps += 1
+            assert steps < 2000
+    return engine, seqs
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_hybrid_prefix_hits_match_caching_off_and_transformers(shared_prefix, case):
+    """The second wave restores the mixers' state saved at a cached block boundary (checkpoints every
+    8 tokens, inside prefill chunks and at their ends in "chunked") and prefills only the rest; greedy
+    tokens equal the same run with caching off and transformers'. Hits show in the prefix counters,
+    the hit blocks in the block events."""
+    from consort_common.block_hash import prefix_hashes
+    ckpt, first, second, max_tokens, refs = shared_prefix
+    pool = dict(num_blocks=32) if case.startswith("preempt") else {}    # a wave outgrows it as it decodes
+    on, seqs = run_waves(ckpt, first, second, max_tokens, case, **pool)
+    off, seqs_off = run_waves(ckpt, first, second, max_tokens, case, enable_prefix_caching=False, **pool)
+    stats = on.stats()
+    assert off.stats()["prefix_cache_hits"] == 0 and on.block_manager.enable_caching
+    assert stats["kv_free_blocks"] == stats["kv_total_blocks"]
+    hit = [s.num_cached_tokens for s in seqs[len(first):]]
+    assert stats["prefix_cache_hits"] >= sum(hit) > 0, (stats["prefix_cache_hits"], hit)
+    assert all(n % 8 == 0 or n in (60, 76) for n in hit), hit     # checkpoints: every 8 tokens, prompt ends
+    if case in ("concurrent", "chunked"):        # a roomy pool: the repeats hit at their last full block
+        assert hit[0] == 48 and hit[2] == 76, hit
+        held = set(on.kv_events.read(None, None)["snapshot"]["pool"])
+        assert {h.hex() for h in prefix_hashes(second[0][:48], 4, "hyb", None, None)} <= held
+    if case.startswith("preempt"):
+        assert stats["num_preemptions"] > 0
+    same = exact = 0
+    for i, (s, s_off, ref) in enumerate(zip(seqs, seqs_off, refs)):
+        assert len(s.output_token_ids) == max_tokens[i]
+        same += s.output_token_ids == s_off.output_token_ids
+        top = [lp["top"] for lp in s.output_logprobs]
+        exact += check_logprobs_close(ref, s.output_token_ids, top, name=f"{case} request {i}") == max_tokens[i]
+    assert same >= len(seqs) - 1, f"{case}: only {same}/{len(seqs)} equal caching off"
+    assert exact >= len(seqs) - 1, f"{case}: only {exact}/{len(seqs)} matched transformers exactly in fp32"
+
+
+def test_hybrid_n_samples_share_one_prefill_and_checkpoints_off(tmp_path, caplog):
+    """n samples of one prompt: one prefill, the others restore its last checkpoint. With no
+    checkpoint rows (hybrid_checkpoints 0) prefix caching is off for a hybrid, with a log line."""
+    ckpt = make_checkpoint("bamba", tmp_path)
+    prompts, max_tokens = workload(512)
+    refs = hf_greedy(ckpt, prompts[:1], max_tokens[:1])
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens[0], ignore_eos=True)
+    engine = LLMEngine(EngineConfig(model=str(ckpt), dtype="float32", block_size=4, **CASES["concurrent"]))
+    seqs = [Sequence(list(prompts[0]), params) for _ in range(3)]
+    engine.warmup()
+    engine.add_requests(seqs)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.block_manager.prefix_hits == 2 * ((LONG - 1) // 4 * 4)
+    assert seqs[0].output_token_ids == seqs[1].output_token_ids == seqs[2].output_token_ids
+    greedy_agrees(refs[0].logits, refs[0].tokens, seqs[0].output_token_ids, tol=2e-3, name="n samples")
+    with caplog.at_level("WARNING", logger="consort.engine"):
+        engine = LLMEngine(EngineConfig(model=str(ckpt), dtype="float32", block_size=4, hybrid_checkpoints=0,
+                                        **CASES["concurrent"]))
+    assert "prefix caching is off" in caplog.text and not engine.block_manager.enable_caching
+    outs = engine.generate([prompts[0], prompts[0]], params)
+    assert engine.block_manager.prefix_hits == 0 and outs[0] == outs[1] == seqs[0].output_token_ids
+
+
+def test_hybrid_blocks_stay_out_of_the_tier(tmp_path, caplog):
     ckpt = make_checkpoint("bamba", tmp_path)
     with caplog.at_level("WARNING", logger="consort.engine"):
-        engine = LLMEngine(EngineConfig(model=str(ckpt), dtype="float32", block_size=4, **CASES["concurrent"]))
-    assert "prefix caching is off" in caplog.text
-    prompts, max_tokens = workload(512)
-    refs = hf_greedy(ckpt, prompts[:2], max_tokens[:2])
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens[1], ignore_eos=True)
-    engine.generate([prompts[1]], params)
-    outs = engine.generate([prompts[1], prompts[1]], params)
-    assert engine.block_manager.prefix_hits == 0
-    assert outs[0] == outs[1]
-    # transformers' tokens, or parted at a near-tie (the hybrid's logits agree to 2e-3, as above)
-    greedy_agrees(refs[1].logits, refs[1].tokens, outs[0], tol=2e-3, name="hybrid, caching off")
+        engine = LLMEngine(EngineConfig(model=str(ckpt), dtype="float32", block_size=4, kv_tier_bytes=1 << 20,
+                                        **CASES["concurrent"]))
+    assert "KV tier is off" in caplog.text and engine.kv_tier is None and engine.block_manager.enable_caching
 
 
 @pytest.mark.parametrize("n,groups", [(1, 1), (37, 2), (64, 4)])

@@ -1,6 +1,7 @@
 """`consort engine` serving a hybrid attention + Mamba2 checkpoint (transformers' BambaForCausalLM)
 over HTTP: greedy completions equal transformers' generate, streamed and not, concurrent requests
-release every block and state slot, and the log says prefix caching is off for it."""
+release every block and state slot, and a repeated prompt is served from the prefix cache (its KV
+blocks and the mixers' state checkpoint) with the same tokens."""
 from __future__ import annotations
 
 import shutil
@@ -57,8 +58,11 @@ def test_bamba_engine_matches_transformers_over_http(bamba_model, engine_logs):
             ref, logits = out.sequences[0, len(p):].tolist(), [row[0] for row in out.logits]
             # transformers' tokens, or parted at a near-tie (the hybrid's logits agree to ~2e-3)
             greedy_agrees(logits, ref, got, tol=2e-3, name=f"prompt of {len(p)}")
+        again = httpx.post(eng.url + "/v1/completions", json={**body, "prompt": prompts[1]}, timeout=120).json()
+        assert again["choices"][0]["token_ids"] == ours[1]
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 48     # 50 tokens: full blocks to 48
         s = eng.status()
         assert s["kv_free_blocks"] == s["kv_total_blocks"] == 64
     finally:
         assert eng.stop() == 0, eng.proc.tail()
-    assert "prefix caching is off for hybrid" in eng.proc.log_path.read_text()
+    assert "prefix caching is off" not in eng.proc.log_path.read_text()

@@ -6,7 +6,8 @@ head rotates). Mixer layers hold no KV: their conv and SSM state live in the run
 - every single-token row (decode) of the batch goes through ONE batched recurrence step per layer,
   reading and writing the states of their slots by index;
 - every multi-token row group (a prefill chunk) runs the chunked SSD scan from its slot's state and
-  writes the state after its last token back (chunked prefill continues from it).
+  writes the state after its last token back (chunked prefill continues from it). A chunk with
+  checkpoints (prefix caching) scans up to each one and saves the state there too.
 """
 from __future__ import annotations
 
@@ -132,16 +133,27 @@ class Mamba2Mixer(nn.Module):
             conv_new, ssm_new = self._step(xbc, dt, A, y, rows, slots, conv_state, ssm_state)
             st.snapshots.conv[j, live, self.index] = conv_new
             st.snapshots.ssm[j, live, self.index] = ssm_new
-        for start, end, slot in st.chunks:     # prefill chunks: the SSD scan from the slot's state
+        for (start, end, slot), cuts in zip(st.chunks, st.chunk_checkpoints):   # prefill chunks: SSD scans
+            if cuts:       # the conv state at a cut: the d_conv - 1 inputs before it
+                window = torch.cat((conv_state[slot].to(xbc.dtype), xbc[start:end].t()), dim=1)
+                for off, row in cuts:
+                    st.ckpt_conv[row, self.index] = window[:, off:off + self.d_conv - 1]
             out, conv_new = ssd.conv_chunk(xbc[start:end], conv_state[slot], w, self.conv1d.bias)
             conv_state[slot] = conv_new.to(conv_state.dtype)
             xs, B, C = out.split([n, gs, gs], dim=-1)
-            k = end - start
-            ys, final = ssd.chunk_scan(xs.view(k, self.heads, self.head_dim), dt[start:end], A,
-                                       B.view(k, self.groups, -1), C.view(k, self.groups, -1), self.D,
-                                       self.dt_bias, self.chunk_size, ssm_state[slot], self.dt_limit)
-            ssm_state[slot] = final
-            y[start:end] = ys.reshape(k, -1)
+            state = ssm_state[slot]
+            a = 0
+            for b, row in [*cuts, (end - start, -1)]:     # scan up to each cut, save, go on from there
+                if b > a:
+                    k = b - a
+                    ys, state = ssd.chunk_scan(xs[a:b].view(k, self.heads, self.head_dim), dt[start + a:start + b], A,
+                                               B[a:b].view(k, self.groups, -1), C[a:b].view(k, self.groups, -1),
+                                               self.D, self.dt_bias, self.chunk_size, state, self.dt_limit)
+                    y[start + a:start + b] = ys.reshape(k, -1)
+                if row >= 0:
+                    st.ckpt_ssm[row, self.index] = state
+                a = b
+            ssm_state[slot] = state
         return self.out_proj(self.norm(y, gate))
 
 
