@@ -50,6 +50,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import signal
 import socket
 import subprocess
@@ -108,6 +109,62 @@ def specialists(n: int) -> str:
     return "\n---\n".join(docs)
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of one process so far (0 when it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_snapshot(pids: dict[str, int]) -> dict[str, float]:
+    return {name: cpu_seconds(pid) for name, pid in pids.items()}
+
+
+def cpu_line(before: dict[str, float], after: dict[str, float], n: int) -> str:
+    """CPU seconds each process spent between two snapshots, and ms per Specialist in all."""
+    spent = {name: after[name] - before.get(name, 0.0) for name in after}
+    total = sum(spent.values())
+    parts = ", ".join(f"{name} {sec:.1f}" for name, sec in sorted(spent.items(), key=lambda kv: -kv[1]) if sec >= 0.05)
+    return f"{total:.1f} CPU s ({1000 * total / n:.0f} ms per Specialist): {parts}"
+
+
+def apiserver_requests(kubectl: "Kubectl") -> dict[str, float]:
+    """The apiserver's own request counters (apiserver_request_total), summed by verb and resource."""
+    out: dict[str, float] = {}
+    for line in kubectl("get", "--raw", "/metrics").splitlines():
+        if not line.startswith("apiserver_request_total{"):
+            continue
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}", 1)[0]))
+        if labels.get("verb") == "WATCH":
+            continue
+        what = labels.get("resource", "") + ("/" + labels["subresource"] if labels.get("subresource") else "")
+        key = f"{labels.get('verb')} {what}"
+        out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def requests_line(before: dict[str, float], after: dict[str, float], n: int, top: int = 8) -> str:
+    diff = {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0) > 0}
+    total = sum(diff.values())
+    parts = ", ".join(f"{k} {v / n:.2f}" for k, v in sorted(diff.items(), key=lambda kv: -kv[1])[:top])
+    return f"{total / n:.1f} per Specialist ({total:.0f}): {parts}"
+
+
+def machine() -> str:
+    """CPU model, cores, the avx512f/amx_tile flags and the load average: the context of every figure."""
+    model, flags = "unknown CPU", set()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name") and model == "unknown CPU":
+            model = line.split(":", 1)[1].strip()
+        elif line.startswith("flags") and not flags:
+            flags = set(line.split(":", 1)[1].split())
+    have = ", ".join(f"{f} {'yes' if f in flags else 'no'}" for f in ("avx512f", "amx_tile"))
+    load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    return f"{model}, {os.cpu_count()} cores, {have}; load average {load}"
+
+
 def metric_sum(text: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith(name + "{") or line.startswith(name + " "))
@@ -119,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kubeconfig", help="use this cluster (else start a private one with enough kwok GPU nodes)")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--with-router", action="store_true", help="also apply an EnsembleRouter selecting all of them")
+    ap.add_argument("--apply", choices=("server-side", "client-side"), default="server-side",
+                    help="how kubectl applies the manifest (default: server-side)")
     args = ap.parse_args(argv)
 
     cluster_dir = None
@@ -180,9 +239,21 @@ def main(argv: list[str] | None = None) -> int:
                                   "--watch", "--output-watch-events", "--no-headers",
                                   "-o", "custom-columns=TYPE:.type,NAME:.object.metadata.name"],
                                  stdout=watch_out, stderr=subprocess.DEVNULL, text=True)
+        pids = {"operator": op.pid}
+        if cluster_dir is not None:
+            pids |= {f.stem: int(f.read_text()) for f in sorted((cluster_dir / "pids").glob("*.pid"))}
+        load_start = " ".join(Path("/proc/loadavg").read_text().split()[:3])
+        requests0 = apiserver_requests(kubectl)
+        cpu0 = cpu_snapshot(pids)
+        kubectl_cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
         t0 = time.monotonic()
-        kubectl("apply", "-n", NS, "-f", "-", input=manifest, timeout=args.timeout)
+        side = ["--server-side", "--force-conflicts"] if args.apply == "server-side" else []
+        kubectl("apply", *side, "-n", NS, "-f", "-", input=manifest, timeout=args.timeout)
         t_applied = time.monotonic() - t0
+        kubectl_cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu1 = cpu_snapshot(pids) | {"kubectl apply": kubectl_cpu1.ru_utime + kubectl_cpu1.ru_stime
+                                     - kubectl_cpu0.ru_utime - kubectl_cpu0.ru_stime}
+        requests1 = apiserver_requests(kubectl)
         marks: dict[str, float] = {}
         last = ""
         while True:
@@ -209,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
                 break
             time.sleep(1.0)
         time.sleep(2)
+        cpu2 = cpu_snapshot(pids)
+        requests2 = apiserver_requests(kubectl)
         m = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
         stop.set()
         watch.terminate()
@@ -228,12 +301,18 @@ def main(argv: list[str] | None = None) -> int:
         dur_count = metric_sum(m, "consort_operator_reconcile_duration_seconds_count")
         ready_s = marks.get("ready")
         print("\n=== consort operator benchmark ===")
-        print(f"specialists applied at once : {args.count} (kubectl apply took {t_applied:.1f} s)")
+        print(f"machine                     : {machine()} (at the end; {load_start} at the start)")
+        n = args.count
+        print(f"specialists applied at once : {n} (kubectl apply --{args.apply} took {t_applied:.1f} s,"
+              f" {1000 * t_applied / n:.0f} ms per Specialist)")
+        print(f"CPU during the apply        : {cpu_line(cpu0, cpu1, n)}")
+        print(f"CPU after it, to all Ready  : {cpu_line(cpu1, cpu2, n)}")
+        print(f"apiserver requests, apply   : {requests_line(requests0, requests1, n)}")
+        print(f"apiserver requests, all     : {requests_line(requests0, requests2, n)}")
         print(f"all Deployments created     : {marks.get('deployments', float('nan')):.1f} s")
         print(f"half Ready                  : {marks.get('half', float('nan')):.1f} s")
         print(f"all Ready                   : {'%.1f s' % ready_s if ready_s else 'NOT REACHED'}  (goal <= 120 s)")
         print(f"operator RSS                : idle {rss_idle:.0f} MB, peak {max(peak[0], hwm):.0f} MB, end {rss_end:.0f} MB  (goal <= 300 MB)")
-        n = args.count
         print(f"reconcile passes            : {reconciles:.0f} ({errors:.0f} errors), {reconciles / n:.2f} per Specialist"
               f" (goal <= 4), mean {1000 * dur_sum / max(dur_count, 1):.1f} ms;"
               f" {unchanged:.0f} wake-ups found nothing changed (no pass)")
