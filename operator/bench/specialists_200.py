@@ -13,36 +13,29 @@ Specialist, operator RSS <= 300 MB.
 
 The operator runs as a real subprocess (`consort operator --namespace consort-bench`) with the warm
 signal falling back to pod readiness (kwok pods are Ready at once; their IPs are never contacted).
+The manifest goes in with one `kubectl apply --server-side` (what a user applying many objects runs;
+`--apply client-side` for a GET and a create per object). Besides the goals it reports where the work
+goes: CPU seconds of each control-plane process, the operator and kubectl during the apply and after
+it, and the apiserver's own request counts (apiserver_request_total) per Specialist.
 
-Report. AMD EPYC, 2 cores, no avx512f, no amx_tile; the control plane (etcd, kube-apiserver,
-controller-manager, scheduler, kwok), kubectl and the operator on the same 2 cores, shared with other
-work (load average 22 to 36 throughout). "Before": the operator that ran a pass on every wake-up
-(its own status patches included) and polled every 2 s while cold, 10 s settled. "After": a pass
-runs only when what it decides from changed or a timer it asked for is due (lifecycle/pacing.py).
+Report (AMD EPYC, 2 cores, no avx512f, no amx_tile; the control plane, kubectl and the operator on
+the same 2 cores, shared with other work). With no operator running, 200 Specialists apply in 2.4 s
+(server-side, 2.2 CPU s in all); the CRD's CEL rules cost about 0.6 ms of apiserver CPU per object.
+In the benchmark the apply is slow because it competes with everything it sets off (the operator's
+writes, the Deployment, ReplicaSet, scheduler, kwok and PodDisruptionBudget work): about 40 apiserver
+requests and 0.3 CPU s per Specialist. N = 200, each run on its own control plane:
 
-| N = 1000                         | before                              | after                     |
-|----------------------------------|-------------------------------------|---------------------------|
-| reconcile passes per Specialist  | 31 after 850 applied (26,567)       | 3.52 (3,519; 24 failed)   |
-| status patches per Specialist    | 4.7 after 850 applied (3,981)       | 2.91 (2,914)              |
-| failed passes (apiserver timeouts)| 448 after 850 applied              | 24                        |
-| kubectl apply of the 1000        | over 900 s (cut off at 850, twice)  | 1,088 s                   |
-| all Ready                        | not reached                         | 1,225 s (137 s after the apply returned) |
-| operator RSS peak                | -                                   | 253 MB                    |
+| N = 200                           | read first, client-side | read first, server-side | create first, server-side |
+|-----------------------------------|-------------------------|-------------------------|---------------------------|
+| load average during the run       | 22 to 27                | 23                      | 31 to 37                  |
+| apiserver requests per Specialist | 56.8                    | 51.9                    | 43.6                      |
+| CPU per Specialist, all processes | 435 ms                  | 425 ms                  | 318 ms                    |
+| kubectl apply / all Ready         | 168.4 s / 180.7 s       | 153.5 s / 176.2 s       | 109.3 s / 123.4 s         |
+| passes / status patches per Spec. | 2.61 / 2.61             | 3.08 / 3.08             | 3.07 / 3.07               |
+| operator RSS peak                 | 133 MB                  | 131 MB                  | 142 MB                    |
 
-A run on a quieter machine (same CPU) measured, before: 20.7 passes and 6.75 status patches per
-Specialist, apply 183 s, all Ready 190 s, RSS 208 MB. Under the load above the 120 s goal is missed
-because the apiserver itself is starved: the apply alone (one client, no operator work in it) took
-1,088 s, and the operator's passes, each a few requests, took 4.6 s on average against it.
-
-N = 200, before and after side by side in one run (load average 32 to 37):
-
-| N = 200                          | before                  | after                              |
-|----------------------------------|-------------------------|------------------------------------|
-| reconcile passes per Specialist  | 18.25 (3,650; 5 failed) | 4.50 (900, of which 251 failed: apiserver timeouts, retried) |
-| status patches per Specialist    | 6.06 (1,212)            | 3.06 (612)                         |
-| watch: MODIFIED per Specialist   | 6.45                    | 4.05 (= patches + finalizer)       |
-| kubectl apply / all Ready        | 243.5 s / 292.7 s       | 102.0 s / 256.9 s                  |
-| operator RSS peak                | 175 MB                  | 187 MB                             |
+"Create first": a new Specialist's children are created with a create-only server-side apply (409
+when one exists, then read) instead of a GET each first. The N = 1000 figures: docs/operations.md.
 """
 from __future__ import annotations
 
