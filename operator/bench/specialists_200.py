@@ -13,36 +13,29 @@ Specialist, operator RSS <= 300 MB.
 
 The operator runs as a real subprocess (`consort operator --namespace consort-bench`) with the warm
 signal falling back to pod readiness (kwok pods are Ready at once; their IPs are never contacted).
+The manifest goes in with one `kubectl apply --server-side` (what a user applying many objects runs;
+`--apply client-side` for a GET and a create per object). Besides the goals it reports where the work
+goes: CPU seconds of each control-plane process, the operator and kubectl during the apply and after
+it, and the apiserver's own request counts (apiserver_request_total) per Specialist.
 
-Report. AMD EPYC, 2 cores, no avx512f, no amx_tile; the control plane (etcd, kube-apiserver,
-controller-manager, scheduler, kwok), kubectl and the operator on the same 2 cores, shared with other
-work (load average 22 to 36 throughout). "Before": the operator that ran a pass on every wake-up
-(its own status patches included) and polled every 2 s while cold, 10 s settled. "After": a pass
-runs only when what it decides from changed or a timer it asked for is due (lifecycle/pacing.py).
+Report (AMD EPYC, 2 cores, no avx512f, no amx_tile; the control plane, kubectl and the operator on
+the same 2 cores, shared with other work). With no operator running, 200 Specialists apply in 2.4 s
+(server-side, 2.2 CPU s in all); the CRD's CEL rules cost about 0.6 ms of apiserver CPU per object.
+In the benchmark the apply is slow because it competes with everything it sets off (the operator's
+writes, the Deployment, ReplicaSet, scheduler, kwok and PodDisruptionBudget work): about 40 apiserver
+requests and 0.3 CPU s per Specialist. N = 200, each run on its own control plane:
 
-| N = 1000                         | before                              | after                     |
-|----------------------------------|-------------------------------------|---------------------------|
-| reconcile passes per Specialist  | 31 after 850 applied (26,567)       | 3.52 (3,519; 24 failed)   |
-| status patches per Specialist    | 4.7 after 850 applied (3,981)       | 2.91 (2,914)              |
-| failed passes (apiserver timeouts)| 448 after 850 applied              | 24                        |
-| kubectl apply of the 1000        | over 900 s (cut off at 850, twice)  | 1,088 s                   |
-| all Ready                        | not reached                         | 1,225 s (137 s after the apply returned) |
-| operator RSS peak                | -                                   | 253 MB                    |
+| N = 200                           | read first, client-side | read first, server-side | create first, server-side |
+|-----------------------------------|-------------------------|-------------------------|---------------------------|
+| load average during the run       | 22 to 27                | 23                      | 31 to 37                  |
+| apiserver requests per Specialist | 56.8                    | 51.9                    | 43.6                      |
+| CPU per Specialist, all processes | 435 ms                  | 425 ms                  | 318 ms                    |
+| kubectl apply / all Ready         | 168.4 s / 180.7 s       | 153.5 s / 176.2 s       | 109.3 s / 123.4 s         |
+| passes / status patches per Spec. | 2.61 / 2.61             | 3.08 / 3.08             | 3.07 / 3.07               |
+| operator RSS peak                 | 133 MB                  | 131 MB                  | 142 MB                    |
 
-A run on a quieter machine (same CPU) measured, before: 20.7 passes and 6.75 status patches per
-Specialist, apply 183 s, all Ready 190 s, RSS 208 MB. Under the load above the 120 s goal is missed
-because the apiserver itself is starved: the apply alone (one client, no operator work in it) took
-1,088 s, and the operator's passes, each a few requests, took 4.6 s on average against it.
-
-N = 200, before and after side by side in one run (load average 32 to 37):
-
-| N = 200                          | before                  | after                              |
-|----------------------------------|-------------------------|------------------------------------|
-| reconcile passes per Specialist  | 18.25 (3,650; 5 failed) | 4.50 (900, of which 251 failed: apiserver timeouts, retried) |
-| status patches per Specialist    | 6.06 (1,212)            | 3.06 (612)                         |
-| watch: MODIFIED per Specialist   | 6.45                    | 4.05 (= patches + finalizer)       |
-| kubectl apply / all Ready        | 243.5 s / 292.7 s       | 102.0 s / 256.9 s                  |
-| operator RSS peak                | 175 MB                  | 187 MB                             |
+"Create first": a new Specialist's children are created with a create-only server-side apply (409
+when one exists, then read) instead of a GET each first. The N = 1000 figures: docs/operations.md.
 """
 from __future__ import annotations
 
@@ -50,6 +43,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import signal
 import socket
 import subprocess
@@ -108,6 +102,62 @@ def specialists(n: int) -> str:
     return "\n---\n".join(docs)
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of one process so far (0 when it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_snapshot(pids: dict[str, int]) -> dict[str, float]:
+    return {name: cpu_seconds(pid) for name, pid in pids.items()}
+
+
+def cpu_line(before: dict[str, float], after: dict[str, float], n: int) -> str:
+    """CPU seconds each process spent between two snapshots, and ms per Specialist in all."""
+    spent = {name: after[name] - before.get(name, 0.0) for name in after}
+    total = sum(spent.values())
+    parts = ", ".join(f"{name} {sec:.1f}" for name, sec in sorted(spent.items(), key=lambda kv: -kv[1]) if sec >= 0.05)
+    return f"{total:.1f} CPU s ({1000 * total / n:.0f} ms per Specialist): {parts}"
+
+
+def apiserver_requests(kubectl: "Kubectl") -> dict[str, float]:
+    """The apiserver's own request counters (apiserver_request_total), summed by verb and resource."""
+    out: dict[str, float] = {}
+    for line in kubectl("get", "--raw", "/metrics").splitlines():
+        if not line.startswith("apiserver_request_total{"):
+            continue
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}", 1)[0]))
+        if labels.get("verb") == "WATCH":
+            continue
+        what = labels.get("resource", "") + ("/" + labels["subresource"] if labels.get("subresource") else "")
+        key = f"{labels.get('verb')} {what}"
+        out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def requests_line(before: dict[str, float], after: dict[str, float], n: int, top: int = 8) -> str:
+    diff = {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0) > 0}
+    total = sum(diff.values())
+    parts = ", ".join(f"{k} {v / n:.2f}" for k, v in sorted(diff.items(), key=lambda kv: -kv[1])[:top])
+    return f"{total / n:.1f} per Specialist ({total:.0f}): {parts}"
+
+
+def machine() -> str:
+    """CPU model, cores, the avx512f/amx_tile flags and the load average: the context of every figure."""
+    model, flags = "unknown CPU", set()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name") and model == "unknown CPU":
+            model = line.split(":", 1)[1].strip()
+        elif line.startswith("flags") and not flags:
+            flags = set(line.split(":", 1)[1].split())
+    have = ", ".join(f"{f} {'yes' if f in flags else 'no'}" for f in ("avx512f", "amx_tile"))
+    load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    return f"{model}, {os.cpu_count()} cores, {have}; load average {load}"
+
+
 def metric_sum(text: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith(name + "{") or line.startswith(name + " "))
@@ -119,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kubeconfig", help="use this cluster (else start a private one with enough kwok GPU nodes)")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--with-router", action="store_true", help="also apply an EnsembleRouter selecting all of them")
+    ap.add_argument("--apply", choices=("server-side", "client-side"), default="server-side",
+                    help="how kubectl applies the manifest (default: server-side)")
     args = ap.parse_args(argv)
 
     cluster_dir = None
@@ -180,9 +232,21 @@ def main(argv: list[str] | None = None) -> int:
                                   "--watch", "--output-watch-events", "--no-headers",
                                   "-o", "custom-columns=TYPE:.type,NAME:.object.metadata.name"],
                                  stdout=watch_out, stderr=subprocess.DEVNULL, text=True)
+        pids = {"operator": op.pid}
+        if cluster_dir is not None:
+            pids |= {f.stem: int(f.read_text()) for f in sorted((cluster_dir / "pids").glob("*.pid"))}
+        load_start = " ".join(Path("/proc/loadavg").read_text().split()[:3])
+        requests0 = apiserver_requests(kubectl)
+        cpu0 = cpu_snapshot(pids)
+        kubectl_cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
         t0 = time.monotonic()
-        kubectl("apply", "-n", NS, "-f", "-", input=manifest, timeout=args.timeout)
+        side = ["--server-side", "--force-conflicts"] if args.apply == "server-side" else []
+        kubectl("apply", *side, "-n", NS, "-f", "-", input=manifest, timeout=args.timeout)
         t_applied = time.monotonic() - t0
+        kubectl_cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu1 = cpu_snapshot(pids) | {"kubectl apply": kubectl_cpu1.ru_utime + kubectl_cpu1.ru_stime
+                                     - kubectl_cpu0.ru_utime - kubectl_cpu0.ru_stime}
+        requests1 = apiserver_requests(kubectl)
         marks: dict[str, float] = {}
         last = ""
         while True:
@@ -209,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
                 break
             time.sleep(1.0)
         time.sleep(2)
+        cpu2 = cpu_snapshot(pids)
+        requests2 = apiserver_requests(kubectl)
         m = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
         stop.set()
         watch.terminate()
@@ -228,12 +294,18 @@ def main(argv: list[str] | None = None) -> int:
         dur_count = metric_sum(m, "consort_operator_reconcile_duration_seconds_count")
         ready_s = marks.get("ready")
         print("\n=== consort operator benchmark ===")
-        print(f"specialists applied at once : {args.count} (kubectl apply took {t_applied:.1f} s)")
+        print(f"machine                     : {machine()} (at the end; {load_start} at the start)")
+        n = args.count
+        print(f"specialists applied at once : {n} (kubectl apply --{args.apply} took {t_applied:.1f} s,"
+              f" {1000 * t_applied / n:.0f} ms per Specialist)")
+        print(f"CPU during the apply        : {cpu_line(cpu0, cpu1, n)}")
+        print(f"CPU after it, to all Ready  : {cpu_line(cpu1, cpu2, n)}")
+        print(f"apiserver requests, apply   : {requests_line(requests0, requests1, n)}")
+        print(f"apiserver requests, all     : {requests_line(requests0, requests2, n)}")
         print(f"all Deployments created     : {marks.get('deployments', float('nan')):.1f} s")
         print(f"half Ready                  : {marks.get('half', float('nan')):.1f} s")
         print(f"all Ready                   : {'%.1f s' % ready_s if ready_s else 'NOT REACHED'}  (goal <= 120 s)")
         print(f"operator RSS                : idle {rss_idle:.0f} MB, peak {max(peak[0], hwm):.0f} MB, end {rss_end:.0f} MB  (goal <= 300 MB)")
-        n = args.count
         print(f"reconcile passes            : {reconciles:.0f} ({errors:.0f} errors), {reconciles / n:.2f} per Specialist"
               f" (goal <= 4), mean {1000 * dur_sum / max(dur_count, 1):.1f} ms;"
               f" {unchanged:.0f} wake-ups found nothing changed (no pass)")

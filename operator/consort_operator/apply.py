@@ -23,7 +23,7 @@ def now_utc() -> datetime:
 
 
 async def ensure_children(rt: Runtime, body: Any, children: list[dict[str, Any]], owned: children_lc.Owned,
-                          deployments: Any) -> tuple[list[Event], list[ownership_lc.Conflict]]:
+                          deployments: Any, parent_status: dict[str, Any]) -> tuple[list[Event], list[ownership_lc.Conflict]]:
     """Read and write only what lifecycle/children.py says; conflicts (someone else's objects) returned."""
     events: list[Event] = []
     conflicts: list[ownership_lc.Conflict] = []
@@ -33,6 +33,13 @@ async def ensure_children(rt: Runtime, body: Any, children: list[dict[str, Any]]
         if children_lc.known_current(child, owned, first(deployments.get((meta["namespace"], meta["name"]))), resync):
             owned.record(key, children_lc.wanted_hash(child))
             continue
+        if children_lc.create_first(child, owned, parent_status):
+            created = await rt.client().apply_new(child)
+            if created is not None:
+                APPLIES.labels(child["kind"]).inc()
+                owned.record(key, children_lc.wanted_hash(child), int(created.get("metadata", {}).get("generation") or 0))
+                events.append(children_lc.written_event(child, "create"))
+                continue
         live = await rt.client().get(child["kind"], meta["namespace"], meta["name"])
         what = children_lc.action(child, live, owned, body["metadata"]["uid"])
         if isinstance(what, ownership_lc.Conflict):
@@ -54,7 +61,7 @@ async def apply_decision(rt: Runtime, kind: str, body: Any, state: ObjectState, 
                          decision: Decision, deployment_index: Any) -> tuple[dict[str, Any], list[ownership_lc.Conflict]]:
     """Children (only what changed), then status (merge patch of what changed), then events.
     Returns the status the object holds afterwards and the children refused (someone else's)."""
-    events, conflicts = await ensure_children(rt, body, decision.children, state.owned, deployment_index)
+    events, conflicts = await ensure_children(rt, body, decision.children, state.owned, deployment_index, prev)
     meta = body["metadata"]
     status = decision.status
     if decision.children:   # no children decided (invalid spec): ownership was not looked at

@@ -39,7 +39,8 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "Specialist": (f"/apis/{GROUP}/{VERSION}", "specialists"),
     "EnsembleRouter": (f"/apis/{GROUP}/{VERSION}", "ensemblerouters"),
 }
-JSON_ONLY = {200: "object", 201: "object"}     # deserialised as plain dicts, camelCase as on the wire
+JSON_ONLY = {200: "object", 201: "object"}
+NO_STORED_VERSION = "1"    # a resourceVersion precondition that no stored object satisfies (apply_new)     # deserialised as plain dicts, camelCase as on the wire
 
 
 class KubeError(Exception):
@@ -128,6 +129,19 @@ class Kube:
         return await self._call("PATCH", object_path(obj["kind"], meta["namespace"], meta["name"]),
                                 f"apply {obj['kind']} {meta['namespace']}/{meta['name']}", query=query, body=obj,
                                 content_type="application/apply-patch+yaml")
+
+    async def apply_new(self, obj: dict[str, Any], field_manager: str = FIELD_MANAGER) -> dict[str, Any] | None:
+        """Server-side apply that only creates: None (HTTP 409, nothing written) when the object exists.
+        The precondition is a resourceVersion no stored object has (etcd's first write is revision 2,
+        and "0" would mean unconditional), so one request replaces a GET that would answer 404 and
+        the object is created with this manager's Apply field ownership, as `apply` would."""
+        body = {**obj, "metadata": {**obj["metadata"], "resourceVersion": NO_STORED_VERSION}}
+        try:
+            return await self.apply(body, field_manager)
+        except KubeError as e:
+            if e.status == 409:
+                return None
+            raise
 
     async def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         try:

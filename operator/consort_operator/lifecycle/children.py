@@ -5,6 +5,8 @@ one, when its Deployment drifted (someone changed it: its generation moved away 
 operator's last write produced), or when it does not exist. Deployments are watched (Kopf's index
 says their hash and generation without a read); other children are read only when this operator has
 not written their current content yet, and re-read every resync period (to recreate deleted ones).
+A new parent's children are created without a read (`create_first`): a create-only apply answers
+409 for one that exists, and only then is it read.
 An existing object that is not this parent's is never written (ownership.py).
 """
 from __future__ import annotations
@@ -68,6 +70,13 @@ def known_current(child: dict[str, Any], owned: Owned, deployment: dict[str, Any
     if child["kind"] == "Deployment":
         return deployment is not None and deployment["hash"] == want and not _drifted(owned, key, deployment["generation"])
     return owned.hashes.get(key) == want and not resync
+
+
+def create_first(child: dict[str, Any], owned: Owned, parent_status: dict[str, Any]) -> bool:
+    """True when the child is most likely absent, so a create-only apply (409 when it exists) should
+    replace the read: this operator knows nothing of it and no pass ever wrote the parent's status
+    (a new parent). After a restart the parents have a status: their children are read first."""
+    return key_of(child) not in owned.hashes and not parent_status
 
 
 def action(child: dict[str, Any], live: dict[str, Any] | None, owned: Owned, parent_uid: str

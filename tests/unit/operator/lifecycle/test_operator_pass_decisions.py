@@ -52,6 +52,14 @@ def test_other_children_are_read_until_written_and_again_at_each_resync():
     assert not children.known_current(child("Service", "h2"), owned, None, resync=False)
 
 
+def test_children_of_a_new_parent_are_created_before_any_read():
+    owned = children.Owned()
+    assert children.create_first(child("Service"), owned, {})
+    assert not children.create_first(child("Service"), owned, {"phase": "Ready"})   # after a restart: read first
+    owned.record(("Service", "web"), "h1")
+    assert not children.create_first(child("Service", "h2"), owned, {})   # known to exist: read, then update
+
+
 def test_create_update_keep_or_refuse_from_the_live_object():
     owned = children.Owned()
     assert children.action(child("Service"), None, owned, UID) == "create"

@@ -96,6 +96,7 @@ class FakeKube:
     def __init__(self, objects: dict[tuple[str, str], dict[str, Any]]):
         self.objects = objects
         self.applied: list[dict[str, Any]] = []
+        self.created_first: list[str] = []
 
     async def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         return self.objects.get((kind, name))
@@ -104,12 +105,17 @@ class FakeKube:
         self.applied.append(obj)
         return {"metadata": {"generation": 1}}
 
+    async def apply_new(self, obj: dict[str, Any]) -> dict[str, Any] | None:
+        self.created_first.append(obj["kind"])
+        return None if (obj["kind"], obj["metadata"]["name"]) in self.objects else await self.apply(obj)
 
-def run_ensure(objects: dict, children: list[dict]) -> tuple[FakeKube, list, list]:
+
+def run_ensure(objects: dict, children: list[dict], parent_status: dict | None = None) -> tuple[FakeKube, list, list]:
     kube = FakeKube(objects)
     rt = Runtime(kube=kube)   # type: ignore[arg-type]
     body = {"metadata": {"name": "web", "namespace": "ns", "uid": UID, "generation": 1}}
-    events, conflicts = asyncio.run(apply.ensure_children(rt, body, children, Owned(), {}))
+    status = {"phase": "Ready"} if parent_status is None else parent_status
+    events, conflicts = asyncio.run(apply.ensure_children(rt, body, children, Owned(), {}, status))
     return kube, events, conflicts
 
 
@@ -127,6 +133,14 @@ def test_ensure_children_still_creates_and_updates_its_own():
     kube, events, conflicts = run_ensure({("Deployment", "web"): mine}, [child(), child("Service")])
     assert [o["kind"] for o in kube.applied] == ["Deployment", "Service"]
     assert conflicts == [] and [e.reason for e in events] == ["UpdatedDeployment", "CreatedService"]
+
+
+def test_a_new_parent_creates_without_reading_and_still_refuses_what_exists():
+    kube, events, conflicts = run_ensure({("Service", "web"): {"metadata": {"name": "web"}}},
+                                         [child(), child("Service")], parent_status={})
+    assert kube.created_first == ["Deployment", "Service"]   # one create-only apply each, no read first
+    assert [o["kind"] for o in kube.applied] == ["Deployment"]
+    assert [(c.kind, c.name) for c in conflicts] == [("Service", "web")] and [e.reason for e in events] == ["CreatedDeployment"]
 
 
 # ---- images and TorchScript classifiers ------------------------------------------------------------
