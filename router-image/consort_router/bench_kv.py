@@ -64,7 +64,7 @@ class Size:
     in_flight: int                      # requests out at once over the 3 replicas
 
 
-SIZES = {"quick": Size(16, 3, 24, (24, 8), 4, 3), "full": Size(18, 5, 80, (40, 20), 16, 6)}
+SIZES = {"quick": Size(16, 3, 24, (24, 8), 4, 3), "full": Size(16, 4, 60, (40, 20), 16, 3)}
 
 
 def working_set_blocks(size: Size) -> int:
