@@ -25,7 +25,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 # `consort COMMAND SUB` implemented outside COMMAND's module: `bench local` starts `consort up`,
 # which the engine package (home of the other benchmarks) does not know about.
 NESTED: dict[tuple[str, str], str] = {("bench", "local"): "consort_operator.bench_local",
-                                      ("bench", "affinity"): "consort_router.bench_affinity"}
+                                      ("bench", "affinity"): "consort_router.bench_affinity",
+                                      ("bench", "kv"): "consort_router.bench_kv"}
 BENCH_LIST = "consort_engine.bench.cli"   # its BENCHES: benchmark -> one-line help
 
 

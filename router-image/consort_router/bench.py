@@ -218,16 +218,17 @@ CONSORT = str(Path(sys.executable).with_name("consort"))
 
 
 def start_engine(model: str, name: str, extra_args: list[str], logdir: Path, cpus: str | None = None,
-                 ) -> tuple[subprocess.Popen, str]:
-    """A `consort engine` on a free loopback port (pinned to `cpus` with its threads set to match)."""
-    port = free_port()
+                 port: int | None = None) -> tuple[subprocess.Popen, str]:
+    """A `consort engine` on `port` (default: a free loopback port), pinned to `cpus` with its threads
+    set to match."""
+    port = port or free_port()
     env = dict(os.environ)
     pin: list[str] = []
     if cpus:
         pin = ["taskset", "-c", cpus]
         env["OMP_NUM_THREADS"] = str(len(cpu_list(cpus)))
     p = subprocess.Popen([*pin, CONSORT, "engine", "--model", model, "--port", str(port), "--name", name,
-                          *extra_args], env=env, stdout=open(logdir / f"engine-{port}.log", "w"),
+                          *extra_args], env=env, stdout=open(logdir / f"engine-{port}.log", "a"),
                          stderr=subprocess.STDOUT)
     return p, f"http://127.0.0.1:{port}"
 

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,33 +53,95 @@ def words(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
+class TurnGate:
+    """Holds every conversation before each turn in `actions` until all conversations still going have
+    arrived there, then runs that turn's action once (a restart, a counter reading) and lets them on.
+    `arrive` gets the turn's prompt text (completions) so an action can see what comes next."""
+
+    def __init__(self, parties: int, actions: dict[int, Callable[[list[str]], Awaitable[None]]]) -> None:
+        self.parties = parties
+        self.actions = actions
+        self.prompts: dict[int, list[str]] = {t: [] for t in actions}
+        self.done = {t: asyncio.Event() for t in actions}
+        self.started: set[int] = set()
+
+    async def arrive(self, turn: int, prompt: str) -> None:
+        if turn in self.actions:
+            self.prompts[turn].append(prompt)
+            await self._run_ready()
+            await self.done[turn].wait()
+
+    async def leave(self) -> None:
+        """A conversation ended (all its turns, or its first failed one): no turn waits for it any more."""
+        self.parties -= 1
+        await self._run_ready()
+
+    async def _run_ready(self) -> None:
+        for t, action in self.actions.items():
+            if t not in self.started and len(self.prompts[t]) >= self.parties:
+                self.started.add(t)
+                try:
+                    await action(self.prompts[t])
+                finally:
+                    self.done[t].set()
+
+
+def completion_prompt(system: str, exchanges: list[tuple[str, str]], question: str) -> str:
+    """A completions prompt resending the whole history, as a chat client over /v1/completions does."""
+    return system + "".join(f"\n\nUser: {q}\nAssistant: {a}" for q, a in exchanges) + f"\n\nUser: {question}\nAssistant:"
+
+
 async def conversation(session: aiohttp.ClientSession, url: str, system: str, rng: random.Random, turns: int,
-                       max_tokens: int, start_delay: float, policy: ClientPolicy = ClientPolicy()) -> list[Turn]:
-    """One chat client: each turn resends the whole history. A turn that is not answered in full
-    (rejected after its retries, an error event, a timeout) ends the conversation, as a user would
-    give up: the next turn would resend a history with a hole in it."""
+                       max_tokens: int, start_delay: float, policy: ClientPolicy = ClientPolicy(),
+                       api: str = "chat", question_words: tuple[int, int] = (60, 30),
+                       gate: TurnGate | None = None, in_flight: asyncio.Semaphore | None = None) -> list[Turn]:
+    """One chat client: each turn resends the whole history (`api` chat: as messages; completions: as
+    one text prompt). A turn that is not answered in full (rejected after its retries, an error event,
+    a timeout) ends the conversation, as a user would give up: the next turn would resend a history
+    with a hole in it. `in_flight` bounds the requests the arm's conversations have out at once (all
+    conversations stay open, their turns interleave: each history waits in some cache meanwhile)."""
     await asyncio.sleep(start_delay)
-    messages = [{"role": "system", "content": system}, {"role": "user", "content": words(rng, 60)}]
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": words(rng, question_words[0])}]
+    exchanges: list[tuple[str, str]] = []
     out: list[Turn] = []
-    for t in range(turns):
-        body = {"model": "ens", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-                "ignore_eos": True, "stream": True}
-        res = await request(session, url + "/v1/chat/completions", body, policy=policy)
-        out.append(Turn(t == 0, res))
-        if not res.ok:
-            break
-        messages += [{"role": "assistant", "content": res.text}, {"role": "user", "content": words(rng, 30)}]
+    try:
+        for t in range(turns):
+            body = {"model": "ens", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+            if api == "chat":
+                body["messages"] = messages
+            else:
+                body |= {"prompt": completion_prompt(system, exchanges, messages[-1]["content"]),
+                         "stream_options": {"include_usage": True}}
+            if gate is not None:
+                await gate.arrive(t, body.get("prompt", ""))
+            async with in_flight or contextlib.nullcontext():
+                res = await request(session, url + ("/v1/chat/completions" if api == "chat" else "/v1/completions"),
+                                    body, policy=policy)
+            out.append(Turn(t == 0, res))
+            if not res.ok:
+                break
+            exchanges.append((messages[-1]["content"], res.text))
+            messages += [{"role": "assistant", "content": res.text},
+                         {"role": "user", "content": words(rng, question_words[1])}]
+    finally:
+        if gate is not None:
+            await gate.leave()
     return out
 
 
-async def prefix_counters(session: aiohttp.ClientSession, urls: list[str]) -> tuple[int, int]:
-    queries = hits = 0
+COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "tier_cache_queries", "tier_cache_hits")
+
+
+async def prefix_counters(session: aiohttp.ClientSession, urls: list[str]) -> dict[str, int]:
+    """The engines' prefix-cache counters (/v1/status), summed: prompt tokens looked up in the pool and
+    found there, then looked up in the KV tier and loaded from it (tokens)."""
+    out = dict.fromkeys(COUNTERS, 0)
     for u in urls:
         async with session.get(u + "/v1/status") as r:
             s = await r.json()
-        queries += int(s.get("prefix_cache_queries", 0))
-        hits += int(s.get("prefix_cache_hits", 0))
-    return queries, hits
+        for k in COUNTERS:
+            out[k] += int(s.get(k, (s.get("engine") or {}).get(k, 0)) or 0)
+    return out
 
 
 async def choice_outcomes(session: aiohttp.ClientSession, router_url: str) -> dict[str, int]:
@@ -91,27 +155,42 @@ async def choice_outcomes(session: aiohttp.ClientSession, router_url: str) -> di
     return out
 
 
-async def run_arm(arm: str, router_url: str, engine_urls: list[str], args: argparse.Namespace) -> dict:
+async def run_arm(arm: str, router_urls: list[str], engine_urls: list[str], args: argparse.Namespace,
+                  api: str = "chat", question_words: tuple[int, int] = (60, 30),
+                  gate: TurnGate | None = None, in_flight: int = 0) -> dict:
+    """One arm's conversations, split round-robin over `router_urls` (at most `in_flight` requests out
+    at once; 0: no bound), and what the engines and routers counted meanwhile."""
     rng = random.Random(f"{args.seed}-{arm}")
     system = words(rng, args.system_words)
+    bound = asyncio.Semaphore(in_flight) if in_flight else None
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
-        q0, h0 = await prefix_counters(session, engine_urls)
+        c0 = await prefix_counters(session, engine_urls)
         t0 = time.perf_counter()
         convs = await asyncio.gather(*(
-            conversation(session, router_url, system, random.Random(rng.random()), args.turns, args.max_tokens,
-                         0.05 * i, openai_stream.policy_of(args))
+            conversation(session, router_urls[i % len(router_urls)], system, random.Random(rng.random()), args.turns,
+                         args.max_tokens, 0.05 * i, openai_stream.policy_of(args), api, question_words, gate,
+                         bound)
             for i in range(args.conversations)))
         wall = time.perf_counter() - t0
-        q1, h1 = await prefix_counters(session, engine_urls)
-        outcomes = await choice_outcomes(session, router_url)
+        c1 = await prefix_counters(session, engine_urls)
+        outcomes: dict[str, int] = {}
+        for u in router_urls:
+            for k, v in (await choice_outcomes(session, u)).items():
+                outcomes[k] = outcomes.get(k, 0) + v
     turns = [t for c in convs for t in c]
     follow = [t.result.ttft for t in turns if t.ok and not t.first_turn and t.result.ttft is not None]
     counts = tally(t.result for t in turns)
-    return {"arm": arm, "replicas": len(engine_urls), "requests": len(turns), "ok": counts["ok"],
-            "rejected": counts["rejected"], "error_events": counts["error_event"], "timeouts": counts["timeout"],
-            "failed": counts["failed"], "retries": counts["retries"], "hit_rate": (h1 - h0) / max(q1 - q0, 1),
-            "followup_ttft_p50_ms": 1e3 * percentile(follow, 50), "followup_ttft_p99_ms": 1e3 * percentile(follow, 99),
-            "wall_s": wall, "outcomes": outcomes}
+    delta = {k: c1[k] - c0[k] for k in COUNTERS}
+    return {"arm": arm, "replicas": len(engine_urls), "routers": len(router_urls), "requests": len(turns),
+            "ok": counts["ok"], "rejected": counts["rejected"], "error_events": counts["error_event"],
+            "timeouts": counts["timeout"], "failed": counts["failed"], "retries": counts["retries"],
+            "hit_rate": delta["prefix_cache_hits"] / max(delta["prefix_cache_queries"], 1),
+            "tier_hit_rate": delta["tier_cache_hits"] / max(delta["prefix_cache_queries"], 1), "counters": delta,
+            "followup_ttft_p50_ms": 1e3 * percentile(follow, 50), "followup_ttft_p90_ms": 1e3 * percentile(follow, 90),
+            "followup_ttft_p99_ms": 1e3 * percentile(follow, 99), "wall_s": wall,
+            "output_tokens": sum(t.result.completion_tokens or t.result.chunks for t in turns if t.ok),
+            "last_prompt_tokens": [c[-1].result.prompt_tokens + c[-1].result.completion_tokens for c in convs if c],
+            "outcomes": outcomes, "error_samples": sorted({t.result.error[:200] for t in turns if not t.ok})[:5]}
 
 
 def report(results: list[dict], args: argparse.Namespace) -> str:
@@ -172,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         results = []
         for arm in ARMS:
             print(f"bench: arm {arm} ...", file=sys.stderr)
-            results.append(asyncio.run(run_arm(arm, routers[arm], setups[arm][0], args)))
+            results.append(asyncio.run(run_arm(arm, [routers[arm]], setups[arm][0], args)))
         print(report(results, args))
         if args.json:
             print(json.dumps(results, indent=2))

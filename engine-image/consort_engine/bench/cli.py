@@ -9,6 +9,7 @@ quant:   quantized weights (int8, w8a8, fp8) vs the unquantized engine, side by 
 serve:   TTFT / ITL percentiles and throughput of any OpenAI-compatible endpoint (bench/serve.py).
 local:   the ensemble on one box vs one engine: consort_operator/bench_local.py (it starts `consort up`).
 affinity: prefix-affine vs least-loaded replicas through a router: consort_router/bench_affinity.py.
+kv:      character-hash affinity vs precise routing vs precise routing + KV tier: consort_router/bench_kv.py.
 The HTTP load generators (serve, local, affinity, offline --vs-server) count what the server does not
 answer in full (rejections after their Retry-After retries, error events, timeouts): consort_common/openai_stream.py.
 Heavy imports stay inside the subcommands.
@@ -33,10 +34,11 @@ BENCHES: dict[str, str] = {
     "hybrid": "hybrid (attention + Mamba2) vs pure attention: KV and tok/s",
     "local": "the ensemble on one box vs one engine (starts `consort up`)",
     "affinity": "prefix-affine vs least-loaded replicas through a router",
+    "kv": "precise routing and the KV tier vs character-hash affinity",
 }
 # Implemented outside the engine (consort_common/cli.py NESTED dispatches them before this module
 # sees them): listed here so that `consort bench --help` shows every benchmark.
-ELSEWHERE = ("local", "affinity")
+ELSEWHERE = ("local", "affinity", "kv")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,10 +12,10 @@ import argparse
 import copy
 import json
 import os
-import platform
 import statistics
 from pathlib import Path
 
+from consort_common.machine import machine
 from consort_engine.bench import BenchError
 from consort_engine.bench.workload import BENCH_SPEC, bench_model, log, make_workload
 
@@ -24,7 +24,6 @@ DEFAULT_ARMS = {"cpu": "float32:none,float32:int8,float32:w8a8,bfloat16:none",
 QUANTIZATIONS = ("none", "int8", "w8a8", "fp8", "awq", "gptq", "compressed-tensors")
 INT4 = ("awq", "gptq", "compressed-tensors")     # arms that load --int4-model, a pre-quantized checkpoint
 DTYPES = ("float32", "bfloat16")
-CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile")
 
 
 def parse_arms(text: str) -> list[tuple[str, str]]:
@@ -45,21 +44,6 @@ def round_order(arms: list, r: int) -> list:
     """Round r runs the arms rotated by r: each arm takes each position once every len(arms) rounds."""
     k = r % len(arms)
     return arms[k:] + arms[:k]
-
-
-def machine() -> str:
-    """CPU model and its vector / matrix flags (the figures depend on them)."""
-    model, flags = platform.processor() or "unknown CPU", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and model in ("unknown CPU", ""):
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags") and not flags:
-                flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    have = [f for f in CPU_FLAGS if f in flags]
-    return f"{model}; {os.cpu_count()} CPUs; flags: {' '.join(have) or 'none of ' + ' '.join(CPU_FLAGS)}"
 
 
 def table(arms: list[tuple[str, str]], runs: dict[tuple[str, str], list[float]], unit: str) -> list[str]:

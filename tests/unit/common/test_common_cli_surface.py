@@ -20,7 +20,7 @@ from consort_common.cli import NESTED, SUBCOMMANDS
 
 CONSORT = str(Path(sys.executable).with_name("consort"))
 ROOT = Path(__file__).resolve().parents[3]
-BENCHES = ("offline", "roofline", "quant", "serve", "structured", "spec", "hybrid", "local", "affinity")
+BENCHES = ("offline", "roofline", "quant", "serve", "structured", "spec", "hybrid", "local", "affinity", "kv")
 MISSING = "/nonexistent/consort-test"
 NOT_A_DIR = "/dev/null/consort-test"   # cannot be created, even by root
 
@@ -64,6 +64,7 @@ BAD = {
     ("bench", "local", "-f", MISSING): f"consort bench local: {MISSING}: no such file or directory",
     ("bench", "local", "--specialist", "nope"): "consort bench local: no Specialist nope in",
     ("bench", "affinity", "--model", MISSING): f"consort bench affinity: error: --model {MISSING}: no checkpoint",
+    ("bench", "kv", "--model", MISSING): f"consort bench kv: error: --model {MISSING}: no checkpoint",
     # a newcomer's first hour
     ("up", "-f", str(CASES / "broken.yaml")): f"consort up: {CASES / 'broken.yaml'}:3:5: not valid YAML",
     ("up", "-f", str(CASES / "typo.yaml")): "Specialist algo: spec.replica: unknown field (did you mean replicas?)",

@@ -172,7 +172,7 @@ async def test_affinity_arm_counts_rejections_error_events_and_timeouts(fake_rou
     bad = ["429-advised", "429-bare", "error-event", "stall"]
     url = await fake_router(lambda n, body: bad[n] if n < len(bad) else "ok")
     args = affinity_args()
-    r = await bench_affinity.run_arm("single", url, [url], args)
+    r = await bench_affinity.run_arm("single", [url], [url], args)
     # three conversations end at their first turn, the other two run both turns
     assert (r["requests"], r["ok"], r["rejected"], r["error_events"], r["timeouts"], r["failed"], r["retries"]) \
         == (3 + 2 * 2, 4, 1, 1, 1, 0, 1), r
@@ -190,6 +190,28 @@ async def test_affinity_conversation_sends_the_answered_text_back(fake_router):
         turns = await bench_affinity.conversation(session, url, "sys", random.Random(0), 2, 4, 0.0)
     assert [t.ok for t in turns] == [True, True]
     assert sent[1]["messages"][2] == {"role": "assistant", "content": "first second"}
+
+
+async def test_affinity_completions_resend_the_history_and_wait_at_the_gate(fake_router):
+    """Completions conversations resend the history as one prompt; a gated turn starts only once every
+    conversation still going reached it, after its action ran once with their prompts."""
+    sent: list[dict] = []
+    url = await fake_router(lambda n, body: sent.append(body) or "ok")
+    ran: list[list[str]] = []
+
+    async def action(prompts: list[str]) -> None:
+        ran.append(list(prompts))
+        assert len(sent) == 3                     # every first turn went out before the gate opened
+
+    gate = bench_affinity.TurnGate(3, {1: action})
+    async with aiohttp.ClientSession() as session:
+        convs = await asyncio.gather(*(bench_affinity.conversation(
+            session, url, "sys", random.Random(i), 2, 4, 0.01 * i, api="completions", gate=gate) for i in range(3)))
+    assert all(t.ok for c in convs for t in c) and len(sent) == 6 and len(ran) == 1 and len(ran[0]) == 3
+    firsts = {b["prompt"] for b in sent[:3]}
+    for body in sent[3:]:
+        head = body["prompt"].split(" first second\n\nUser: ")[0]
+        assert head in firsts and body["prompt"] in ran[0] and body["stream_options"] == {"include_usage": True}
 
 
 async def test_router_bench_one_counts_instead_of_failing(fake_router):
