@@ -192,7 +192,7 @@ class PodTimeline:
         self.thread.join(10)
 
 
-def test_a_burst_at_zero_is_held_and_all_20_answered_first_within_20s(installed, figure):
+def test_a_burst_at_zero_is_held_and_all_20_answered(installed, figure):
     from openai import OpenAI
 
     c, _ = installed
@@ -257,5 +257,12 @@ def test_a_burst_at_zero_is_held_and_all_20_answered_first_within_20s(installed,
     # A speed target is a reported figure, not a pass/fail on a shared machine: the test asserts that the
     # burst was held and answered, with a bound that only a broken wake-up misses.
     assert first_token <= HELD_AT_MOST_S, f"first token {first_token:.1f}s after the first request: {split}"
-    obj = c.kubectl_json("get", "specialist", NAME, "-n", NS)
-    assert obj["spec"]["replicas"] == 1 and obj["status"]["phase"] == "Ready", obj["status"]
+    # The router serves the warm engine as soon as it answers; the operator's status follows at its
+    # next probe (the burst can be over within a second of the engine turning warm).
+    def ready_again() -> dict:
+        obj = c.kubectl_json("get", "specialist", NAME, "-n", NS)
+        if obj["status"].get("phase") != "Ready":
+            raise NotYet(f"phase {obj['status'].get('phase')}")
+        return obj
+    obj = wait_for(ready_again, 60, f"{NAME} to read Ready again", interval=1)
+    assert obj["spec"]["replicas"] == 1
