@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from consort_common.block_hash import prefix_salt
 from consort_common.block_hash import prefix_hashes as block_hashes
@@ -35,6 +35,17 @@ class Affinity:
     depth: dict[str, float]     # replica url -> leading blocks it holds (precise) or served before
     load_slack: float           # the affine replica wins while its load <= least load + this
     precise: bool = False       # engine block hashes scored from block events (else character hashes)
+    views: dict[str, ReplicaBlocks] | None = field(default=None, compare=False)   # precise: told where it went
+
+    def sent(self, url: str, prefixes: "PrefixIndex") -> None:
+        """The request went to `url` and was accepted: remember its blocks there (precise: expected in
+        that replica's view until its events confirm them; else in the character-hash index)."""
+        if self.precise:
+            view = (self.views or {}).get(url)
+            if view is not None:
+                view.expect(self.hashes)
+        else:
+            prefixes.record(self.hashes, url)
 
 
 def prefix_hashes(text: str, salt: str, block_chars: int, max_blocks: int) -> tuple[bytes, ...]:
@@ -108,7 +119,7 @@ def precise_affinity(rc: ReplicaChoice, blocks: dict[str, ReplicaBlocks], block_
     hashes = tuple(block_hashes(ids, block_size, target, adapter if isinstance(adapter, str) else None,
                                 prefix_salt(tenant, salt if isinstance(salt, str) else None)))
     depth = {url: d for url, view in blocks.items() if (d := view.depth(hashes)) > 0}
-    return Affinity(hashes, depth, rc.load_slack, precise=True)
+    return Affinity(hashes, depth, rc.load_slack, precise=True, views=blocks)
 
 
 def request_affinity(rc: ReplicaChoice, prefixes: PrefixIndex, body: dict, text: str, target: str,

@@ -30,6 +30,11 @@ log = logging.getLogger("consort.router.kv")
 MEDIA = ("pool", "tier")
 TIER_WEIGHT = 0.5          # a block in the tier is worth less than one in the pool: it must be read back
 PAGES_PER_ROUND = 4        # replies fetched per replica per round while the engine says `more`
+# A prompt this router just sent is expected on its replica until the engine's events say so or this
+# many seconds pass: a follow-up turn sent before the next events poll (interval, prefill) still
+# finds its prefix. Only this router's own sends: another router replica learns from the events.
+EXPECT_S = 5.0
+MAX_EXPECTED = 65536
 
 
 @dataclass
@@ -45,6 +50,18 @@ class ReplicaBlocks:
     events: int = 0
     dropped: int = 0             # hashes forgotten over max_hashes (or cut from a truncated snapshot)
     updated_at: float = 0.0
+    expected: dict[bytes, float] = field(default_factory=dict)   # sent here, not in the events yet: deadline
+
+    def expect(self, hashes: tuple[bytes, ...], now: float | None = None) -> None:
+        """This router sent a prompt with these blocks here: count them held until EXPECT_S passes or
+        the events bring them (a failed or evicted prefill then costs a miss, never a wrong block:
+        the engine verifies every hit)."""
+        now = time.monotonic() if now is None else now
+        for h in hashes:
+            self.expected.pop(h, None)
+            self.expected[h] = now + EXPECT_S
+        while len(self.expected) > MAX_EXPECTED:
+            del self.expected[next(iter(self.expected))]
 
     def apply(self, reply: dict) -> None:
         """Fold one /v1/kv/events reply in. Raises ValueError on a reply that is not the engine's shape
@@ -74,6 +91,8 @@ class ReplicaBlocks:
                     raise ValueError(f"not a block event: {str(e)[:100]}")
                 parsed.append((e["type"], e["medium"], self._hashes(e.get("hashes", ()))))
             for kind, medium, hashes in parsed:
+                for h in hashes:
+                    self.expected.pop(h, None)    # the engine's word replaces the guess
                 if kind == "stored":
                     self._store(medium, hashes)
                 elif kind == "removed":
@@ -106,13 +125,15 @@ class ReplicaBlocks:
         except (TypeError, ValueError):
             raise ValueError("a block hash is not hex") from None
 
-    def depth(self, hashes: tuple[bytes, ...]) -> float:
-        """Leading blocks of `hashes` this replica holds: 1 per block in the pool, TIER_WEIGHT per block
-        only in the tier; the count stops at the first block held nowhere (a prefix is a chain)."""
-        pool, tier = self.held["pool"], self.held["tier"]
+    def depth(self, hashes: tuple[bytes, ...], now: float | None = None) -> float:
+        """Leading blocks of `hashes` this replica holds: 1 per block in the pool (or expected there),
+        TIER_WEIGHT per block only in the tier; the count stops at the first block held nowhere (a
+        prefix is a chain)."""
+        pool, tier, expected = self.held["pool"], self.held["tier"], self.expected
+        now = time.monotonic() if now is None else now
         score = 0.0
         for h in hashes:
-            if h in pool:
+            if h in pool or expected.get(h, 0.0) > now:
                 score += 1.0
             elif h in tier:
                 score += TIER_WEIGHT

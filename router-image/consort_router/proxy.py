@@ -196,8 +196,9 @@ async def open_plan(session: aiohttp.ClientSession, rt: Runtime, plan: Plan, req
     next target (its fallback). A 429 is an answer (admission), passed through. A lane scaled to
     zero holds the request (`activator`) until a replica turns warm, or passes it to its fallback.
     Each answered attempt is recorded on its lane (`lanes`, `metrics`); the replica that served the
-    prompt is remembered in `prefixes` (character hashes; `affinity_of`, the router's, may score the
-    engines' own block hashes instead: those are learnt from the engines' events, not remembered here)."""
+    prompt is remembered (Affinity.sent): in `prefixes` for character hashes, or, when `affinity_of`
+    (the router's) scored the engines' own block hashes, as blocks expected on that replica until its
+    block events confirm them."""
     cfg = rt.config
     timeout = upstream_timeout(cfg)
     failures: list[str] = []
@@ -249,8 +250,8 @@ async def open_plan(session: aiohttp.ClientSession, rt: Runtime, plan: Plan, req
             metrics.retries.labels(target, "fallback").inc()
             continue
         metrics.replica_choice.labels(target, choice_outcome(affinity, up.replica)).inc()
-        if affinity is not None and not affinity.precise and up.response.status < 400:
-            prefixes.record(affinity.hashes, up.replica.url)
+        if affinity is not None and up.response.status < 400:
+            affinity.sent(up.replica.url, prefixes)
         if i > 0:
             log.info("request %s: %s served for %s (%s)", rid, target, plan.targets[0], "; ".join(failures))
         return target, up

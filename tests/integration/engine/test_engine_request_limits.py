@@ -109,6 +109,8 @@ def test_hostile_requests_neither_stall_nor_break_the_replica(engine):
     status, lines = done["stream"]
     assert status == 200 and lines[-1] == "data: [DONE]" and not any('"error"' in line for line in lines)
     assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "length"
-    assert max(latencies) < 0.1, f"/health took up to {max(latencies) * 1000:.0f} ms"
+    # A stall is seconds (one hostile stop list once cost 164 ms per token per choice, with n=64); a
+    # loaded 2-core machine alone can delay one /health by a few hundred ms.
+    assert max(latencies) < 1.0, f"/health took up to {max(latencies) * 1000:.0f} ms"
     s = engine.status()
     assert s["state"] == "ready" and s["running"] == 0 and s["kv_free_blocks"] == s["kv_total_blocks"]

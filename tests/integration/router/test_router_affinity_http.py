@@ -6,7 +6,7 @@ import httpx
 import pytest
 
 import procs
-from conftest import router_config
+from conftest import router_config, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -26,6 +26,12 @@ def choices(router) -> dict[str, float]:
     return out
 
 
+def kv_snapshots(router) -> float:
+    text = httpx.get(router.url + "/metrics", timeout=10).text
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
+               if ln.startswith("consort_router_kv_snapshots_total"))
+
+
 def test_conversation_turns_return_to_the_replica_holding_their_prefix(engines, demo_models, logs, make_router):
     extra = procs.start_engine(demo_models["Algo"], logs, "--num-blocks", "128", name="Algo")
     try:
@@ -36,6 +42,13 @@ def test_conversation_turns_return_to_the_replica_holding_their_prefix(engines, 
                 s["replicas"] = [e.url for e in pair]
         router = make_router(cfg)
         client = router.client()
+        # Chats route on the engines' own block hashes once the lane's tokenizer (fetched from an
+        # engine on the lane's first request) and both replicas' block events are in: wait for both,
+        # so that every turn below is placed the same way (the warm-up goes by load: under a block).
+        client.completions.create(model="Algo", prompt="warm up", max_tokens=1)
+        wait_for(lambda: "tokenizer revision" in router.proc.log_path.read_text(), 60, "the router fetching the tokenizer")
+        replicas = sum(len(s["replicas"]) for s in cfg["specialists"])
+        wait_for(lambda: kv_snapshots(router) >= replicas, 60, "the router following every replica's block events")
         homes: list[int] = []
         for conv in range(6):
             messages = [{"role": "user", "content": f"conversation {conv}: review this loop please. " * 8}]
@@ -51,7 +64,7 @@ def test_conversation_turns_return_to_the_replica_holding_their_prefix(engines, 
                 messages += [{"role": "assistant", "content": out.choices[0].message.content or "ok"},
                              {"role": "user", "content": f"and now turn {turn + 1}, once more in detail. " * 4}]
             homes.append(home)
-        assert choices(router) == {"cold": 6, "affine": 12}
+        assert choices(router) == {"cold": 6, "affine": 12, "least_loaded": 1}
         # New conversations spread over both replicas (rendezvous hashing of their first block).
         for i in range(12):
             before = [served(e) for e in pair]
@@ -60,7 +73,7 @@ def test_conversation_turns_return_to_the_replica_holding_their_prefix(engines, 
         assert set(homes) == {0, 1}, homes
         # A prompt shorter than one block is placed by load alone.
         client.completions.create(model="Algo", prompt="x", max_tokens=2)
-        assert choices(router) == {"cold": 18, "affine": 12, "least_loaded": 1}
+        assert choices(router) == {"cold": 18, "affine": 12, "least_loaded": 2}
     finally:
         extra.stop()
 

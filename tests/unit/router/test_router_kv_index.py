@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import aiohttp
 import pytest
@@ -9,7 +10,8 @@ from aiohttp import web
 
 from consort_common.block_hash import prefix_hashes, prefix_salt
 from consort_engine.kv.events import KVEventLog
-from consort_router.kv_index import TIER_WEIGHT, KVSubscriber, ReplicaBlocks
+from consort_router.affinity import Affinity, PrefixIndex
+from consort_router.kv_index import EXPECT_S, TIER_WEIGHT, KVSubscriber, ReplicaBlocks
 
 H = prefix_hashes(list(range(64)), 16, "spec")      # four chained block hashes
 
@@ -47,6 +49,24 @@ def test_a_gap_gets_a_snapshot_that_replaces_the_view():
     reply = follow(log, view)
     assert "snapshot" in reply and view.snapshots == 2
     assert set(view.held["pool"]) == set(H[1:]) and view.depth(H) == 0
+
+
+def test_a_prompt_this_router_sent_is_expected_there_until_the_events_say_or_the_deadline_passes():
+    """A follow-up turn sent before the next events poll still finds its prefix on the replica its
+    first turn went to; the engine's own events then replace the guess, and an unconfirmed guess
+    (a failed prefill) lapses."""
+    log, here, there = KVEventLog(), ReplicaBlocks(max_hashes=100), ReplicaBlocks(max_hashes=100)
+    follow(log, here)
+    sent = Affinity(H, {}, 4.0, precise=True, views={"http://here": here, "http://there": there})
+    sent.sent("http://here", PrefixIndex(16))
+    assert here.depth(H) == 4 and there.depth(H) == 0
+    assert here.depth(H, now=time.monotonic() + EXPECT_S + 1) == 0          # never confirmed: gone
+    log.record("stored", "pool", H[:2])
+    follow(log, here)                                                        # confirmed: held for good
+    assert here.depth(H[:2], now=time.monotonic() + EXPECT_S + 1) == 2 and set(here.expected) == set(H[2:])
+    log.record("removed", "pool", [H[0]])
+    follow(log, here)
+    assert here.depth(H) == 0                                                # the engine's word wins
 
 
 def test_an_engine_restart_new_epoch_is_a_snapshot():
