@@ -46,6 +46,3 @@ class AcceptedTokens:
         if accepted_digest(text) == digest:   # a status behind its Secret is read again next pass
             self._known[(namespace, router)] = (digest, text)
         return text
-
-    def forget(self, namespace: str, router: str) -> None:
-        self._known.pop((namespace, router), None)
