@@ -102,6 +102,25 @@ def specialists(n: int) -> str:
     return "\n---\n".join(docs)
 
 
+def floor_manifests(n: int, parts: int) -> list[str]:
+    """--floor: the Specialists and the children the operator would write for them (rendered by its own
+    builders, without ownerReferences: no owner uid exists yet), split in `parts` for parallel applies.
+    What the control plane does for them is the floor under any operator's all-Ready time."""
+    sys.path.insert(0, str(REPO / "operator"))
+    from consort_operator.api.specialist import SpecialistSpec
+    from consort_operator.resources.common import BuildContext
+    from consort_operator.resources.specialist import specialist_children
+
+    out: list[list[str]] = [[] for _ in range(parts)]
+    for i, doc in enumerate(json.loads("[" + specialists(n).replace("\n---\n", ",") + "]")):
+        name = doc["metadata"]["name"]
+        docs = [doc] + specialist_children(name, NS, "floor", SpecialistSpec.model_validate(doc["spec"]), BuildContext())
+        for d in docs[1:]:
+            d["metadata"].pop("ownerReferences", None)
+        out[i % parts] += [json.dumps(d) for d in docs]
+    return ["\n---\n".join(docs) for docs in out]
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of one process so far (0 when it is gone)."""
     try:
@@ -163,6 +182,50 @@ def metric_sum(text: str, name: str) -> float:
                if line.startswith(name + "{") or line.startswith(name + " "))
 
 
+def floor_run(args: argparse.Namespace, kubectl: Kubectl, cluster_dir: Path | None) -> int:
+    """--floor: the Specialists and their children applied directly, no operator, until every Deployment
+    is available; CPU and apiserver requests as in the operator run."""
+    try:
+        kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
+        kubectl("wait", "--for=condition=Established", "crd/specialists.consort.dev", "--timeout=60s")
+        kubectl("create", "namespace", NS, check=False)
+        manifests = floor_manifests(args.count, 4)
+        pids = {f.stem: int(f.read_text()) for f in sorted((cluster_dir / "pids").glob("*.pid"))} if cluster_dir else {}
+        requests0, cpu0, t0 = apiserver_requests(kubectl), cpu_snapshot(pids), time.monotonic()
+        procs = [subprocess.Popen([kubectl.exe, f"--kubeconfig={args.kubeconfig}", "apply", "--server-side",
+                                   "--force-conflicts", "-n", NS, "-f", "-"], stdin=subprocess.PIPE,
+                                  stdout=subprocess.DEVNULL, text=True) for _ in manifests]
+        for p, m in zip(procs, manifests):
+            p.stdin.write(m)
+            p.stdin.close()
+        if any(p.wait(args.timeout) for p in procs):
+            raise RuntimeError("a kubectl apply failed")
+        t_applied, cpu1, requests1 = time.monotonic() - t0, cpu_snapshot(pids), apiserver_requests(kubectl)
+        ready_s = None
+        while time.monotonic() - t0 < args.timeout:
+            items = json.loads(kubectl("get", "deployments", "-n", NS, "-o", "json"))["items"]
+            available = sum(1 for d in items if ((d.get("status") or {}).get("availableReplicas") or 0) >= 1)
+            print(f"[{time.monotonic() - t0:6.1f}s] deployments {len(items)}/{args.count}, available {available}", flush=True)
+            if available >= args.count:
+                ready_s = time.monotonic() - t0
+                break
+            time.sleep(1.0)
+        n = args.count
+        print("\n=== control plane floor (no operator) ===")
+        print(f"machine                     : {machine()}")
+        print(f"objects applied             : {n} Specialists and their children in 4 parallel kubectl applies,"
+              f" {t_applied:.1f} s")
+        print(f"CPU during the apply        : {cpu_line(cpu0, cpu1, n)}")
+        print(f"CPU to all available        : {cpu_line(cpu0, cpu_snapshot(pids), n)}")
+        print(f"apiserver requests, all     : {requests_line(requests0, apiserver_requests(kubectl), n, top=14)}")
+        print(f"all Deployments available   : {'%.1f s' % ready_s if ready_s else 'NOT REACHED'}")
+        return 0
+    finally:
+        if cluster_dir is not None:
+            subprocess.run([str(REPO / "hack" / "controlplane.sh"), "down"], capture_output=True, timeout=120,
+                           env={**os.environ, "CONSORT_CLUSTER_DIR": str(cluster_dir)})
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     ap.add_argument("-n", "--count", type=int, default=200)
@@ -171,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--with-router", action="store_true", help="also apply an EnsembleRouter selecting all of them")
     ap.add_argument("--apply", choices=("server-side", "client-side"), default="server-side",
                     help="how kubectl applies the manifest (default: server-side)")
+    ap.add_argument("--floor", action="store_true",
+                    help="no operator: apply the Specialists and the children it would write (4 kubectl applies "
+                         "in parallel) and time until every Deployment is available: the control plane's floor")
     args = ap.parse_args(argv)
 
     cluster_dir = None
@@ -187,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
         args.kubeconfig = up.stdout.strip().splitlines()[-1]
     kubectl = Kubectl(args.kubeconfig)
     op = None
+    if args.floor:
+        return floor_run(args, kubectl, cluster_dir)
     try:
         kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
         kubectl("wait", "--for=condition=Established", "crd/specialists.consort.dev", "--timeout=60s")

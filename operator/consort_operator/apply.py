@@ -25,7 +25,7 @@ def now_utc() -> datetime:
 async def ensure_children(rt: Runtime, body: Any, children: list[dict[str, Any]], owned: children_lc.Owned,
                           deployments: Any, parent_status: dict[str, Any]) -> tuple[list[Event], list[ownership_lc.Conflict]]:
     """Read and write only what lifecycle/children.py says; conflicts (someone else's objects) returned."""
-    events: list[Event] = []
+    written: list[tuple[dict[str, Any], children_lc.Action]] = []
     conflicts: list[ownership_lc.Conflict] = []
     resync = children_lc.resync_due(owned, time.monotonic(), rt.resync_seconds)
     for child in children:
@@ -38,7 +38,7 @@ async def ensure_children(rt: Runtime, body: Any, children: list[dict[str, Any]]
             if created is not None:
                 APPLIES.labels(child["kind"]).inc()
                 owned.record(key, children_lc.wanted_hash(child), int(created.get("metadata", {}).get("generation") or 0))
-                events.append(children_lc.written_event(child, "create"))
+                written.append((child, "create"))
                 continue
         live = await rt.client().get(child["kind"], meta["namespace"], meta["name"])
         what = children_lc.action(child, live, owned, body["metadata"]["uid"])
@@ -51,10 +51,10 @@ async def ensure_children(rt: Runtime, body: Any, children: list[dict[str, Any]]
             result = await rt.client().apply(child)
             APPLIES.labels(child["kind"]).inc()
             owned.record(key, children_lc.wanted_hash(child), int(result.get("metadata", {}).get("generation") or 0))
-            events.append(children_lc.written_event(child, what))
+            written.append((child, what))
     if resync:
         owned.last_resync = time.monotonic()
-    return events, conflicts
+    return children_lc.written_events(written), conflicts
 
 
 async def apply_decision(rt: Runtime, kind: str, body: Any, state: ObjectState, prev: dict[str, Any],

@@ -45,12 +45,28 @@ OWNER_KIND = {"engine": "Specialist", "router": "EnsembleRouter"}
 
 # ---- operator settings and login ---------------------------------------------------------------
 
+class NoDiffBase(kopf.DiffBaseStorage):
+    """No diff base: the operator has no on.create/update/delete handlers (its passes are daemons that
+    read whole objects), so the diff Kopf builds of every watch event against the last handled spec
+    is never read; building it deep-copies each pod, Deployment and Specialist event, a tenth of the
+    operator's CPU while 1,000 Specialists are applied. Nothing is stored on the objects either."""
+
+    def build(self, *, body: Any, extra_fields: Any = None) -> Any:
+        return None
+
+    def fetch(self, *, body: Any) -> None:
+        return None
+
+    def store(self, *, body: Any, patch: Any, essence: Any) -> None:
+        return None
+
+
 @kopf.on.startup()
 async def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
     runtime: Runtime = memo.runtime   # Kopf copies the memo shallowly: every handler sees this one
     settings.persistence.finalizer = f"{GROUP}/operator"
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP, key="last-handled-configuration")
+    settings.persistence.diffbase_storage = NoDiffBase()
     settings.posting.loggers = False             # only our explicit transition Events
     settings.posting.level = logging.INFO
     settings.peering.lifetime = 30

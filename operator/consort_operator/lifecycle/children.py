@@ -94,7 +94,12 @@ def action(child: dict[str, Any], live: dict[str, Any] | None, owned: Owned, par
     return "update"
 
 
-def written_event(child: dict[str, Any], what: Action) -> Event:
-    verb = "Created" if what == "create" else "Updated"
-    kind, name = key_of(child)
-    return Event("Normal", f"{verb}{kind}", f"{verb.lower()} {kind} {name}")
+def written_events(written: list[tuple[dict[str, Any], Action]]) -> list[Event]:
+    """One Event per pass and verb naming every child written (each Event is a write to the apiserver:
+    a new Specialist's six children are one CreatedChildren Event, not six)."""
+    events = []
+    for what, verb in (("create", "Created"), ("update", "Updated")):
+        names = [" ".join(key_of(child)) for child, w in written if w == what]
+        if names:
+            events.append(Event("Normal", f"{verb}Children", f"{verb.lower()} {', '.join(names)}"))
+    return events

@@ -180,7 +180,8 @@ def test_cpp_ensemble_reconcile_restart_update_delete(cluster, namespace, operat
     wait_for(observed, 90, "template observedGeneration to catch up", interval=0.5)
     events = get_json(cluster, "events", "-n", namespace, "--field-selector", "involvedObject.name=template,involvedObject.kind=Specialist")["items"]
     reasons = {e["reason"] for e in events}
-    assert {"CreatedDeployment", "UpdatedDeployment", "Ready"} <= reasons, reasons
+    assert {"CreatedChildren", "UpdatedChildren", "Ready"} <= reasons, reasons
+    assert any(e["reason"] == "UpdatedChildren" and "Deployment template" in e["message"] for e in events), events
 
     # Deleting a Specialist garbage-collects what it owned and drops it from the routing table.
     cluster.kubectl("delete", "specialist", "debug", "-n", namespace, "--wait=true", "--timeout=60s")

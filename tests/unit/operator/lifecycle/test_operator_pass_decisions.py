@@ -70,8 +70,10 @@ def test_create_update_keep_or_refuse_from_the_live_object():
     orphan = {"metadata": {"labels": {"app.kubernetes.io/managed-by": MANAGED_BY},
                            "managedFields": [{"manager": FIELD_MANAGER}]}}
     assert children.action(child("Service"), orphan, owned, UID) == "update"   # ours, orphaned: adopted
-    assert [children.written_event(child(), w).reason for w in ("create", "update")] == ["CreatedDeployment",
-                                                                                        "UpdatedDeployment"]
+    events = children.written_events([(child(), "update"), (child("Service"), "create"), (child("ConfigMap"), "create")])
+    assert [(e.reason, e.message) for e in events] == [("CreatedChildren", "created Service web, ConfigMap web"),
+                                                       ("UpdatedChildren", "updated Deployment web")]
+    assert children.written_events([]) == []    # nothing written: no Event
 
 
 def test_resync_is_due_at_first_and_then_every_period():

@@ -132,7 +132,8 @@ def test_ensure_children_still_creates_and_updates_its_own():
     mine = victim(ownerReferences=[owner_reference("Specialist", "web", UID)])
     kube, events, conflicts = run_ensure({("Deployment", "web"): mine}, [child(), child("Service")])
     assert [o["kind"] for o in kube.applied] == ["Deployment", "Service"]
-    assert conflicts == [] and [e.reason for e in events] == ["UpdatedDeployment", "CreatedService"]
+    assert conflicts == [] and [(e.reason, e.message) for e in events] == [
+        ("CreatedChildren", "created Service web"), ("UpdatedChildren", "updated Deployment web")]
 
 
 def test_a_new_parent_creates_without_reading_and_still_refuses_what_exists():
@@ -140,7 +141,7 @@ def test_a_new_parent_creates_without_reading_and_still_refuses_what_exists():
                                          [child(), child("Service")], parent_status={})
     assert kube.created_first == ["Deployment", "Service"]   # one create-only apply each, no read first
     assert [o["kind"] for o in kube.applied] == ["Deployment"]
-    assert [(c.kind, c.name) for c in conflicts] == [("Service", "web")] and [e.reason for e in events] == ["CreatedDeployment"]
+    assert [(c.kind, c.name) for c in conflicts] == [("Service", "web")] and [e.message for e in events] == ["created Deployment web"]
 
 
 # ---- images and TorchScript classifiers ------------------------------------------------------------
