@@ -254,7 +254,8 @@ class LLMEngine:
 
     def _checkpoint_states(self, batch: ScheduledBatch) -> None:
         """Hybrid prefix caching: the admitted hits' slots get their saved state (after the swaps: a
-        hit may take a victim's slot; after the tier loads: a tier hit's state arrives in its row), and the step's prefill chunks learn where to save theirs."""
+        hit may take a victim's slot; after the tier loads: a tier hit's state arrives in its row), and
+        the step's prefill chunks learn where to save theirs."""
         bm = self.block_manager
         restores = bm.take_state_restores()
         if restores:

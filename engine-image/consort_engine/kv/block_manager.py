@@ -83,7 +83,8 @@ class BlockManager:
         self._hash_fn = hash_fn
         self.events = events
         self.tier = tier if enable_caching else None
-        self._offloads: list[tuple[int, Hashable, int]] = []   # (evicted block, hash, checkpoint row or -1): to the tier
+        # (evicted block, hash, checkpoint row or -1): copy to the tier
+        self._offloads: list[tuple[int, Hashable, int]] = []
         # (pool block, K/V bytes, checkpoint row or -1, state bytes) found in the tier: copy in
         self._onloads: list[tuple[int, bytes, int, bytes]] = []
         # Hybrid models: a conv/SSM state slot per running sequence, taken and given back with its blocks.

@@ -3,9 +3,9 @@
 A block's file is `<root>/<layout id>/<hash hex>.kvb`: the block's K/V bytes, then (hybrid models,
 when the engine holds one) the mixers' conv/SSM state checkpoint saved at the block's last token,
 behind a header that names what they are (the layout identity: model, dtype, pool layout, block
-size, shard, the state's shapes) and one checksum of both. A block is loaded only when all of these match what this engine asks for;
-anything else (a torn or truncated file, another model's or layout's block, flipped bits) is
-refused, counted and deleted, and the prefix is recomputed. Files are written to a temporary name
+size, shard, the state's shapes) and one checksum of both. A block is loaded only when all of
+these match what this engine asks for; anything else (a torn or truncated file, another model's
+or layout's block, flipped bits) is refused, counted and deleted, and the prefix is recomputed. Files are written to a temporary name
 and renamed into place, so a reader never sees half a block: several replicas may share one
 directory, and one replica's prefill serves another's prompt. The files outlive the process: an
 engine restarted on the same directory starts warm.

@@ -28,7 +28,8 @@ def layout_identity(config, kv_cache: torch.Tensor, backend: str, tp_rank: int, 
     layout = "heads-first" if backend == "cpu_kernel" else "tokens-first"
     return (f"model={digest.hexdigest()[:16]} quant={config.quantization} dtype={str(kv_cache.dtype).removeprefix('torch.')} "
             f"block={shape} layout={layout} shard={tp_rank}/{tp_size}"
-            + "".join(f" state={'x'.join(map(str, t.shape[1:]))}:{str(t.dtype).removeprefix('torch.')}" for t in states))
+            + "".join(f" state={'x'.join(map(str, t.shape[1:]))}:{str(t.dtype).removeprefix('torch.')}"
+                      for t in states))
 
 
 @torch.inference_mode()
