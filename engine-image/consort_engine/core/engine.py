@@ -18,7 +18,7 @@ from consort_engine.kv.block_manager import BlockManager, blocks_for
 from consort_engine.kv.events import KVEventLog
 from consort_engine.kv.tier import KVTier
 from consort_engine.config import EngineConfig
-from consort_engine.model.kv_blocks import layout_identity, read_blocks, write_blocks
+from consort_engine.model.kv_blocks import layout_identity, read_blocks, read_states, write_blocks, write_states
 from consort_engine.model.lora import AdapterError
 from consort_engine.core.scheduler import Scheduler, StepOutput
 from consort_engine.kv.sequence import SamplingParams, ScheduledBatch, Sequence
@@ -63,12 +63,9 @@ def make_tier(config: EngineConfig, runner, events: KVEventLog) -> KVTier | None
     if config.tensor_parallel_size > 1 or not hasattr(runner, "kv_cache"):
         log.warning("KV tier is off: it needs the whole KV pool in this process (tensor_parallel_size 1)")
         return None
-    if getattr(runner, "is_hybrid", False):
-        # A hybrid's block is reusable only with the mixers' state saved at its end, which stays in the engine.
-        log.warning("KV tier is off for %s: hybrid (attention + Mamba2) blocks are not tiered (their state "
-                    "checkpoints live in the engine's memory only); the prefix cache stays on", config.name)
-        return None
-    identity = layout_identity(config, runner.kv_cache, runner.backend, 0, 1)
+    # a hybrid's blocks carry the state checkpoint at their end: its shapes are part of the layout
+    states = runner.hybrid_state.checkpoint_pools if getattr(runner, "is_hybrid", False) else ()
+    identity = layout_identity(config, runner.kv_cache, runner.backend, 0, 1, states)
     tier = KVTier(config.kv_tier_path, config.kv_tier_bytes or DEFAULT_TIER_BYTES, identity, events)
     log.info("KV tier: %s, %.1f GiB, %s", tier.dir or "host memory", tier.max_bytes / 2**30, identity)
     return tier
@@ -207,12 +204,19 @@ class LLMEngine:
     def step(self) -> list[StepOutput]:
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
-        if self.scheduler.swap_bytes is not None:
-            self._swap(batch)
+        # The copies this step's allocations asked for: every read of a freed block, slot or row first
+        # (swapped victims, blocks evicted to the tier), then the writes into their new owners.
+        swap = self.scheduler.swap_bytes is not None
+        if swap:
+            self._swap_out(batch)
+        if self.kv_tier is not None:
+            self._save_evicted()
+        if swap:
+            self._swap_in(batch)
+        if self.kv_tier is not None:
+            self._load_found()
         if self.block_manager.checkpoints:
             self._checkpoint_states(batch)
-        if self.kv_tier is not None:
-            self._move_tier_blocks()
         t1 = time.perf_counter()
         if not batch.seqs:
             self.last_batch = batch
@@ -235,13 +239,14 @@ class LLMEngine:
         self._record(batch, t3 - t0, (t1 - t0) + (t3 - t2))
         return outputs
 
-    def _swap(self, batch: ScheduledBatch) -> None:
-        """Hybrids: copy this step's victims out before the forward reuses their blocks and slots,
-        then the readmitted ones back into theirs (in that order: a readmitted sequence may get a
-        victim's blocks)."""
+    def _swap_out(self, batch: ScheduledBatch) -> None:
+        """Hybrids: copy this step's victims out before the forward reuses their blocks and slots
+        (before _swap_in: a readmitted sequence may get a victim's blocks)."""
         for seq in batch.preempted:
             if seq.swapped is not None and not seq.swapped.copied:
                 self.runner.swap_out(seq.swapped)
+
+    def _swap_in(self, batch: ScheduledBatch) -> None:
         for seq in batch.seqs:
             if seq.swapped is not None:
                 self.runner.swap_in(seq.swapped, seq.block_table, seq.state_slot)
@@ -249,7 +254,8 @@ class LLMEngine:
 
     def _checkpoint_states(self, batch: ScheduledBatch) -> None:
         """Hybrid prefix caching: the admitted hits' slots get their saved state (after the swaps: a
-        hit may take a victim's slot), and the step's prefill chunks learn where to save theirs."""
+        hit may take a victim's slot; after the tier loads: a tier hit's state arrives in its row), and
+        the step's prefill chunks learn where to save theirs."""
         bm = self.block_manager
         restores = bm.take_state_restores()
         if restores:
@@ -260,25 +266,33 @@ class LLMEngine:
                 if cuts:
                     batch.checkpoints[i] = cuts
 
-    def _move_tier_blocks(self) -> None:
-        """Copy the blocks this step's allocations evicted out to the tier, then the blocks found
-        in the tier into their new pool blocks (in that order: one block may be both)."""
+    def _save_evicted(self) -> None:
+        """Copy the blocks (and hybrid state rows) this step's allocations evicted out to the tier,
+        before _load_found fills the blocks and rows found in the tier (one block or row may be both)."""
         saves = self.block_manager.take_offloads()
         if saves:
             self._save_to_tier(saves)
+
+    def _load_found(self) -> None:
         loads = self.block_manager.take_onloads()
         if loads:
-            write_blocks(self.runner.kv_cache, [b for b, _ in loads], [d for _, d in loads])
+            write_blocks(self.runner.kv_cache, [b for b, *_ in loads], [kv for _, kv, *_ in loads])
+            states = [(row, st) for _, _, row, st in loads if row >= 0]
+            if states:
+                write_states(self.runner.hybrid_state.checkpoint_pools, [r for r, _ in states], [st for _, st in states])
 
-    def _save_to_tier(self, blocks: list[tuple[int, bytes]], wait: bool = False) -> None:
-        for (_, h), data in zip(blocks, read_blocks(self.runner.kv_cache, [b for b, _ in blocks])):
-            self.kv_tier.save(h, data, wait=wait)
+    def _save_to_tier(self, blocks: list[tuple[int, bytes, int]], wait: bool = False) -> None:
+        rows = [row for _, _, row in blocks if row >= 0]
+        states = iter(read_states(self.runner.hybrid_state.checkpoint_pools, rows) if rows else ())
+        for (_, h, row), kv in zip(blocks, read_blocks(self.runner.kv_cache, [b for b, *_ in blocks])):
+            self.kv_tier.save(h, kv, next(states) if row >= 0 else b"", wait=wait)
 
     def close(self) -> None:
         """Stop: the prefix blocks still in the pool go to the tier first (a restart on the same
         directory starts warm), then the runner's ranks stop."""
         if self.kv_tier is not None and self.kv_tier.enabled:
-            self._move_tier_blocks()
+            self._save_evicted()
+            self._load_found()        # registered blocks whose bytes are still on their way in
             held = self.block_manager.tier_candidates()
             deadline = time.monotonic() + CLOSE_FLUSH_S
             for i in range(0, len(held), 64):

@@ -16,16 +16,18 @@ content id (not just its hash) makes a forced hash collision harmless for the wh
 
 Registered and evicted blocks are published as block events (kv/events.py). With a KV tier
 (kv/tier.py), a cached block evicted from the pool is queued for the tier (`take_offloads`: the
-engine copies its K/V out before the step reuses the block), and a prompt's blocks past the pool's
-hits are looked up in the tier at admission; each one found is registered at once and queued to
-be copied into its new pool block before the step runs (`take_onloads`).
+engine copies its K/V, and a hybrid's state checkpoint at its end, out before the step reuses the
+block), and a prompt's blocks past the pool's hits are looked up in the tier at admission; each one
+found is registered at once and queued to be copied into its new pool block before the step runs
+(`take_onloads`).
 
 Hybrid (attention + Mamba2) models: a cached block's K/V is only reusable together with the mixers'
 conv/SSM state at the same token. With `checkpoints` (a count of state checkpoint rows the runner
 holds), the engine asks `plan_checkpoints` which block boundaries of each prefill chunk to snapshot;
 the snapshot is attached to the block ending there when that block is registered (the findable
 entry for its hash: one content id, so one prefix). A hybrid hit stops at the deepest matched block
-that carries a checkpoint, and admission queues (state slot, checkpoint) for the engine to copy
+that carries a checkpoint (`hybrid_hit_blocks`: in the pool a row, in the tier a state saved with the
+block, which is loaded into a row), and admission queues (state slot, checkpoint) for the engine to copy
 before the step runs (`take_state_restores`). A checkpoint leaves with its block (eviction), or,
 when all rows are taken, the one on the least recently freed cached block goes; checkpoints of
 blocks that running sequences hold are never taken, so a restore always reads the state saved at
@@ -62,6 +64,12 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return (num_tokens + block_size - 1) // block_size
 
 
+def hybrid_hit_blocks(has_state: list[bool]) -> int:
+    """How many of a hybrid's matched leading blocks a hit may reuse: up to the deepest one whose
+    mixers' state at its last token is available (the prefill continues from that state)."""
+    return max((i + 1 for i, ok in enumerate(has_state) if ok), default=0)
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, namespace: str = "",
                  enable_caching: bool = True, hash_fn: HashFn = block_hash, state_slots: int = 0,
@@ -75,8 +83,10 @@ class BlockManager:
         self._hash_fn = hash_fn
         self.events = events
         self.tier = tier if enable_caching else None
-        self._offloads: list[tuple[int, Hashable]] = []   # (evicted block, its hash): copy to the tier
-        self._onloads: list[tuple[int, bytes]] = []       # (pool block, K/V bytes from the tier): copy in
+        # (evicted block, hash, checkpoint row or -1): copy to the tier
+        self._offloads: list[tuple[int, Hashable, int]] = []
+        # (pool block, K/V bytes, checkpoint row or -1, state bytes) found in the tier: copy in
+        self._onloads: list[tuple[int, bytes, int, bytes]] = []
         # Hybrid models: a conv/SSM state slot per running sequence, taken and given back with its blocks.
         self.state_slots = StateSlots(state_slots) if state_slots else None
         # Hybrids with prefix caching: state checkpoint rows (see module doc); every: tokens between them.
@@ -153,9 +163,8 @@ class BlockManager:
             hashes.append(h)
             parent_hash, parent_content = h, self._content[b]
         if self.state_slots is not None:     # hybrids: the KV is reusable only up to a saved state
-            while blocks and self._ckpt[blocks[-1]] < 0:
-                blocks.pop()
-                hashes.pop()
+            n = hybrid_hit_blocks([self._ckpt[b] >= 0 for b in blocks])
+            del blocks[n:], hashes[n:]
         return blocks, hashes
 
     def _same_content(self, block: int, tokens: tuple[int, ...], seq: Sequence, parent_content: int) -> bool:
@@ -205,9 +214,9 @@ class BlockManager:
             table.append(self._take_free_block())
         seq.block_table = table
         self._seq_hashes[seq.seq_id] = hashes
-        if hits and self.checkpoints:
-            self._restores.append((seq.state_slot, self._ckpt[hits[-1]]))
         loaded = self._load_from_tier(seq) if self.tier is not None and self.tier.enabled else 0
+        if hashes and self.checkpoints:      # the state at the hit's last block, pool's or tier's
+            self._restores.append((seq.state_slot, self._ckpt[table[len(hashes) - 1]]))
         seq.num_cached_tokens = len(hashes) * self.block_size
         seq.num_computed_tokens = seq.num_cached_tokens
         if self.enable_caching:
@@ -217,36 +226,52 @@ class BlockManager:
 
     def _load_from_tier(self, seq: Sequence) -> int:
         """Extend seq's reused prefix past the pool's hits with blocks the tier holds: each is
-        registered now and queued for copying into its pool block before the step runs.
-        Adapter blocks never go to the tier (an adapter's weights can change under its name).
-        Returns the tokens found."""
-        if seq.adapter is not None or seq.needs_prompt_logprobs:
+        registered now and queued for copying into its pool block before the step runs. A hybrid's
+        hit ends at the deepest found block saved with its state (not one the pool already holds: its
+        row could not be pinned), which is loaded into a checkpoint row for the restore.
+        Adapter blocks never go to the tier (an adapter's weights can change under its name); a
+        swapped-out sequence resumes from its own copy. Returns the tokens found."""
+        if seq.adapter is not None or seq.needs_prompt_logprobs or seq.swapped is not None:
             return 0
         bs = self.block_size
         hashes = self._seq_hashes[seq.seq_id]
-        max_blocks = (seq.num_tokens - 1) // bs
-        self.tier_queries += (max_blocks - len(hashes)) * bs
-        found = 0
-        for i in range(len(hashes), max_blocks):
-            parent_hash = hashes[i - 1] if i else ROOT
-            block_tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            h = self._hash_fn(parent_hash, block_tokens, self.namespace, seq.adapter, seq.cache_salt)
-            data = self.tier.load(h) if isinstance(h, bytes) else None
-            if data is None:
+        start, max_blocks = len(hashes), (seq.num_tokens - 1) // bs
+        self.tier_queries += (max_blocks - start) * bs
+        found: list[tuple[bytes, bytes, bytes]] = []      # (hash, K/V, state) of blocks start, start + 1, ...
+        parent_hash = hashes[-1] if hashes else ROOT
+        for i in range(start, max_blocks):
+            h = self._hash_fn(parent_hash, tuple(seq.token_ids[i * bs:(i + 1) * bs]), self.namespace,
+                              seq.adapter, seq.cache_salt)
+            got = self.tier.load(h) if isinstance(h, bytes) else None
+            if got is None:
                 break
+            found.append((h, *got))
+            parent_hash = h
+        row = -1
+        if self.state_slots is not None:
+            del found[hybrid_hit_blocks([bool(st) and h not in self._by_hash for h, _, st in found]):]
+            row = self._take_checkpoint() if found else -1
+            if row < 0:
+                found = []
+        for k, (h, kv, state) in enumerate(found):
+            i = start + k
             b = seq.block_table[i]
-            self._onloads.append((b, data))
+            last = row >= 0 and k == len(found) - 1
+            self._onloads.append((b, kv, row if last else -1, state if last else b""))
+            block_tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             stored = self._register(b, h, block_tokens, seq, self._content[seq.block_table[i - 1]] if i else _NO_CONTENT)
             if stored and self.events is not None:
                 self.events.record("stored", "pool", [h])
+            if last:
+                self._ckpt[b] = row
             hashes.append(h)
-            found += bs
-        self.tier_hits += found
-        return found
+        self.tier_hits += len(found) * bs
+        return len(found) * bs
 
-    def take_offloads(self) -> list[tuple[int, Hashable]]:
-        """(pool block, hash) of the cached blocks evicted since the last call, for the tier; the
-        caller copies them out before the next forward overwrites them."""
+    def take_offloads(self) -> list[tuple[int, Hashable, int]]:
+        """(pool block, hash, checkpoint row or -1) of the cached blocks evicted since the last call,
+        for the tier; the caller copies them (and the row: the state at the block's end) out before
+        the next forward or tier load overwrites them."""
         out, self._offloads = self._offloads, []
         return out
 
@@ -304,9 +329,10 @@ class BlockManager:
         else:                       # the same prefix was computed twice: keep the first state
             self._ckpt_free.append(row)
 
-    def take_onloads(self) -> list[tuple[int, bytes]]:
-        """(pool block, K/V bytes) found in the tier since the last call; the caller copies them in
-        (after take_offloads' copies: a block may be evicted and refilled in one step)."""
+    def take_onloads(self) -> list[tuple[int, bytes, int, bytes]]:
+        """(pool block, K/V bytes, checkpoint row or -1, state bytes) found in the tier since the last
+        call; the caller copies them in (after take_offloads' copies: a block or row may be freed and
+        refilled in one step) and before take_state_restores' copies read the rows."""
         out, self._onloads = self._onloads, []
         return out
 
@@ -327,9 +353,8 @@ class BlockManager:
         else:
             b, _ = self._free_cached.popitem(last=False)   # least recently freed
             h = self._hash[b]
-            if (self.tier is not None and self.tier.enabled and self._adapter[b] is None and isinstance(h, bytes)
-                    and not self.tier.holds(h) and all(b != ob for ob, _ in self._onloads)):
-                self._offloads.append((b, h))
+            if self._tier_wants(b, h) and all(b != ob for ob, *_ in self._onloads):
+                self._offloads.append((b, h, self._ckpt[b]))
             self._evict(b)
         self.ref_count[b] = 1
         return b
@@ -481,12 +506,15 @@ class BlockManager:
             self._release(b)
         del seq.block_table[keep:]
 
-    def tier_candidates(self) -> list[tuple[int, Hashable]]:
-        """(block, hash) of every findable block the tier could take and does not hold (at shutdown)."""
-        if self.tier is None:
-            return []
-        return [(b, h) for h, b in self._by_hash.items()
-                if self._adapter[b] is None and isinstance(h, bytes) and not self.tier.holds(h)]
+    def _tier_wants(self, b: int, h: Hashable) -> bool:
+        """Whether block b (hash h) goes to the tier: computed without an adapter, and the tier lacks it
+        or b carries a state checkpoint (a hybrid's copy with its state serves more hits)."""
+        return (self.tier is not None and self.tier.enabled and self._adapter[b] is None and isinstance(h, bytes)
+                and (self._ckpt[b] >= 0 or not self.tier.holds(h)))
+
+    def tier_candidates(self) -> list[tuple[int, Hashable, int]]:
+        """(block, hash, checkpoint row or -1) of every findable block the tier could take (at shutdown)."""
+        return [(b, h, self._ckpt[b]) for h, b in self._by_hash.items() if self._tier_wants(b, h)]
 
     # ---------------------------------------------------------------- introspection (tests, status)
     def num_registered_blocks(self, seq: Sequence) -> int:

@@ -1,10 +1,11 @@
 """The KV tier: prefix-cache blocks evicted from the pool, kept as files (or host memory) below it.
 
-A block's file is `<root>/<layout id>/<hash hex>.kvb`: the block's K/V bytes behind a header that
-names what they are (the layout identity: model, dtype, pool layout, block size, shard) and a
-checksum of the bytes. A block is loaded only when all of these match what this engine asks for;
-anything else (a torn or truncated file, another model's or layout's block, flipped bits) is
-refused, counted and deleted, and the prefix is recomputed. Files are written to a temporary name
+A block's file is `<root>/<layout id>/<hash hex>.kvb`: the block's K/V bytes, then (hybrid models,
+when the engine holds one) the mixers' conv/SSM state checkpoint saved at the block's last token,
+behind a header that names what they are (the layout identity: model, dtype, pool layout, block
+size, shard, the state's shapes) and one checksum of both. A block is loaded only when all of
+these match what this engine asks for; anything else (a torn or truncated file, another model's
+or layout's block, flipped bits) is refused, counted and deleted, and the prefix is recomputed. Files are written to a temporary name
 and renamed into place, so a reader never sees half a block: several replicas may share one
 directory, and one replica's prefill serves another's prompt. The files outlive the process: an
 engine restarted on the same directory starts warm.
@@ -44,14 +45,19 @@ def layout_dir(identity: str) -> str:
     return hashlib.sha256(identity.encode()).hexdigest()[:16]
 
 
-def encode_block(identity: str, h: bytes, data: bytes) -> bytes:
-    header = json.dumps({"identity": identity, "hash": h.hex(), "bytes": len(data),
+# A block as stored: its K/V bytes and its state checkpoint's bytes (b"": none, or not a hybrid).
+TierBlock = tuple[bytes, bytes]
+
+
+def encode_block(identity: str, h: bytes, kv: bytes, state: bytes = b"") -> bytes:
+    data = kv + state
+    header = json.dumps({"identity": identity, "hash": h.hex(), "bytes": len(data), "state_bytes": len(state),
                          "checksum": hashlib.blake2b(data, digest_size=16).hexdigest()}).encode()
     return MAGIC + header + b"\n" + data
 
 
-def decode_block(blob: bytes, identity: str, h: bytes) -> tuple[bytes | None, str]:
-    """(K/V bytes, "") when blob is block h of this identity, intact; else (None, why not)."""
+def decode_block(blob: bytes, identity: str, h: bytes) -> tuple[TierBlock | None, str]:
+    """((K/V bytes, state bytes), "") when blob is block h of this identity, intact; else (None, why not)."""
     if not blob.startswith(MAGIC):
         return None, "bad magic"
     end = blob.find(b"\n", len(MAGIC), len(MAGIC) + MAX_HEADER)
@@ -70,7 +76,10 @@ def decode_block(blob: bytes, identity: str, h: bytes) -> tuple[bytes | None, st
         return None, "truncated"
     if header.get("checksum") != hashlib.blake2b(data, digest_size=16).hexdigest():
         return None, "checksum mismatch"
-    return data, ""
+    state = header.get("state_bytes", 0)
+    if not isinstance(state, int) or not 0 <= state <= len(data):
+        return None, "bad header"
+    return (data[:len(data) - state], data[len(data) - state:]), ""
 
 
 class KVTier:
@@ -85,14 +94,14 @@ class KVTier:
         self.kind = "memory" if self.dir is None else "disk"
         self.enabled = True
         self.disabled_reason = ""
-        self._memory: dict[bytes, bytes] = {}
+        self._memory: dict[bytes, TierBlock] = {}
         self._lru: OrderedDict[bytes, int] = OrderedDict()   # hash -> bytes, this process's blocks
         self.bytes = 0
         self._lock = threading.Lock()
         # counters (metrics)
         self.hits = self.misses = self.rejected = self.written = self.dropped_writes = self.evicted = 0
         self.load_seconds = 0.0
-        self._queue: queue.Queue[tuple[bytes, bytes] | None] = queue.Queue(maxsize=queue_blocks)
+        self._queue: queue.Queue[tuple[bytes, bytes, bytes] | None] = queue.Queue(maxsize=queue_blocks)
         if self.dir is not None:
             try:
                 self.dir.mkdir(parents=True, exist_ok=True)
@@ -107,8 +116,8 @@ class KVTier:
         with self._lock:
             return h in self._lru
 
-    def load(self, h: bytes) -> bytes | None:
-        """Block h's K/V bytes, verified, or None (a miss, a refused block or a turned-off tier)."""
+    def load(self, h: bytes) -> TierBlock | None:
+        """Block h's (K/V bytes, state bytes), verified, or None (a miss, a refused block or a turned-off tier)."""
         if not self.enabled:
             return None
         t0 = time.perf_counter()
@@ -127,7 +136,7 @@ class KVTier:
                 self._lru.move_to_end(h)
         return data
 
-    def _read_file(self, h: bytes) -> bytes | None:
+    def _read_file(self, h: bytes) -> TierBlock | None:
         path = self.dir / (h.hex() + SUFFIX)
         try:
             blob = path.read_bytes()
@@ -150,13 +159,13 @@ class KVTier:
         return data
 
     # ------------------------------------------------------------------ writes (queued)
-    def save(self, h: bytes, data: bytes, wait: bool = False) -> None:
-        """Queue block h for writing; dropped (counted) when the writer is behind (unless `wait`:
-        at shutdown, up to a second for room)."""
+    def save(self, h: bytes, kv: bytes, state: bytes = b"", wait: bool = False) -> None:
+        """Queue block h (its K/V bytes and, for a hybrid, the state checkpoint at its end) for writing;
+        dropped (counted) when the writer is behind (unless `wait`: at shutdown, up to a second for room)."""
         if not self.enabled:
             return
         try:
-            self._queue.put((h, data), block=wait, timeout=1.0 if wait else None)
+            self._queue.put((h, kv, state), block=wait, timeout=1.0 if wait else None)
         except queue.Full:
             with self._lock:
                 self.dropped_writes += 1
@@ -185,17 +194,17 @@ class KVTier:
             finally:
                 self._queue.task_done()
 
-    def _write(self, h: bytes, data: bytes) -> None:
+    def _write(self, h: bytes, kv: bytes, state: bytes) -> None:
         t0 = time.monotonic()
         if self.dir is None:
             with self._lock:
-                self._memory[h] = data
+                self._memory[h] = (kv, state)
         else:
             path = self.dir / (h.hex() + SUFFIX)
             tmp = self.dir / f".{h.hex()}.{os.getpid()}.tmp"
             try:
                 with open(tmp, "wb") as f:
-                    f.write(encode_block(self.identity, h, data))
+                    f.write(encode_block(self.identity, h, kv, state))
                 os.replace(tmp, path)      # readers see the whole block or none
             except OSError as e:
                 try:
@@ -205,7 +214,7 @@ class KVTier:
                 self._disable(f"cannot write {path}: {e}")
                 return
         took = time.monotonic() - t0
-        self._add(h, len(data))
+        self._add(h, len(kv) + len(state))
         if took > self.slow_write_s:
             self._disable(f"a block write took {took:.1f} s (limit {self.slow_write_s:.1f} s)")
 

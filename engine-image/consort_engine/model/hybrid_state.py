@@ -39,6 +39,11 @@ class HybridState:
     def num_checkpoints(self) -> int:
         return self.ckpt_conv.shape[0]
 
+    @property
+    def checkpoint_pools(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The checkpoint rows' pools, conv then SSM: a row's bytes go to the KV tier with its block."""
+        return self.ckpt_conv, self.ckpt_ssm
+
     def metadata(self, groups: list[RowGroup], item_rows: list[tuple[int, int]]) -> StateMetadata:
         """The mixers' view of a step; a sequence's first chunk starts from zero state (a fresh slot, or a
         preempted sequence recomputing from its first token). A chunk that starts later continues from

@@ -1,9 +1,10 @@
 """Whole KV blocks in and out of the pool as bytes: what the KV tier (kv/tier.py) stores.
 
 The pool is one tensor [kv layers, 2, blocks, ...] (model_runner.py); a block's bytes are
-pool[:, :, block] made contiguous: every layer's K then V, in the pool's own layout. The layout
-identity names everything those bytes depend on, so a block is only ever loaded into an engine
-that would have computed the same bytes.
+pool[:, :, block] made contiguous: every layer's K then V, in the pool's own layout. A hybrid's
+state checkpoint (model/hybrid_state.py) travels with its block: a checkpoint row's conv state then
+its SSM state, every mixer layer's. The layout identity names everything those bytes depend on, so
+a block is only ever loaded into an engine that would have computed the same bytes.
 """
 from __future__ import annotations
 
@@ -13,10 +14,12 @@ from pathlib import Path
 import torch
 
 
-def layout_identity(config, kv_cache: torch.Tensor, backend: str, tp_rank: int, tp_size: int) -> str:
+def layout_identity(config, kv_cache: torch.Tensor, backend: str, tp_rank: int, tp_size: int,
+                    states: tuple[torch.Tensor, ...] = ()) -> str:
     """Model (its config.json and weight files' names and sizes), weight quantization, dtype, per-block
-    shape, pool layout and shard: two engines with the same identity compute the same K/V for the same
-    tokens (quantized weights compute other K/V from the same files)."""
+    shape, pool layout, shard and, for a hybrid, its checkpoint pools' per-row shapes and dtypes: two
+    engines with the same identity compute the same K/V and state for the same tokens (quantized
+    weights compute other K/V from the same files)."""
     root = Path(config.model)
     digest = hashlib.sha256((root / "config.json").read_bytes())
     for f in sorted(root.glob("*.safetensors")):
@@ -24,7 +27,9 @@ def layout_identity(config, kv_cache: torch.Tensor, backend: str, tp_rank: int, 
     shape = "x".join(str(d) for d in kv_cache[:, :, 0].shape)
     layout = "heads-first" if backend == "cpu_kernel" else "tokens-first"
     return (f"model={digest.hexdigest()[:16]} quant={config.quantization} dtype={str(kv_cache.dtype).removeprefix('torch.')} "
-            f"block={shape} layout={layout} shard={tp_rank}/{tp_size}")
+            f"block={shape} layout={layout} shard={tp_rank}/{tp_size}"
+            + "".join(f" state={'x'.join(map(str, t.shape[1:]))}:{str(t.dtype).removeprefix('torch.')}"
+                      for t in states))
 
 
 @torch.inference_mode()
@@ -44,3 +49,28 @@ def write_blocks(kv_cache: torch.Tensor, blocks: list[int], data: list[bytes]) -
     host = host.view(kv_cache.dtype).view(len(blocks), *per_block).movedim(0, 2)
     idx = torch.tensor(blocks, dtype=torch.int64, device=kv_cache.device)
     kv_cache[:, :, idx] = host.to(kv_cache.device)
+
+
+@torch.inference_mode()
+def read_states(pools: tuple[torch.Tensor, ...], rows: list[int]) -> list[bytes]:
+    """The bytes of each checkpoint row (every pool's row in turn: conv, then SSM), in order."""
+    idx = torch.tensor(rows, dtype=torch.int64, device=pools[0].device)
+    raws = [p[idx].contiguous().cpu().view(torch.uint8).reshape(len(rows), -1).numpy() for p in pools]
+    return [b"".join(raw[i].tobytes() for raw in raws) for i in range(len(rows))]
+
+
+def state_bytes(pools: tuple[torch.Tensor, ...]) -> int:
+    """Bytes of one checkpoint row as read_states writes it."""
+    return sum(p[0].numel() * p.element_size() for p in pools)
+
+
+@torch.inference_mode()
+def write_states(pools: tuple[torch.Tensor, ...], rows: list[int], data: list[bytes]) -> None:
+    """Put each row's bytes (from read_states, same layout identity) into its checkpoint row."""
+    host = torch.frombuffer(bytearray(b"".join(data)), dtype=torch.uint8).view(len(rows), -1)
+    idx = torch.tensor(rows, dtype=torch.int64, device=pools[0].device)
+    at = 0
+    for p in pools:
+        n = p[0].numel() * p.element_size()
+        p[idx] = host[:, at:at + n].contiguous().view(p.dtype).view(len(rows), *p.shape[1:]).to(p.device)
+        at += n

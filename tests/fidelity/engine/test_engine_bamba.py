@@ -265,14 +265,6 @@ def test_hybrid_n_samples_share_one_prefill_and_checkpoints_off(tmp_path, caplog
     assert engine.block_manager.prefix_hits == 0 and outs[0] == outs[1] == seqs[0].output_token_ids
 
 
-def test_hybrid_blocks_stay_out_of_the_tier(tmp_path, caplog):
-    ckpt = make_checkpoint("bamba", tmp_path)
-    with caplog.at_level("WARNING", logger="consort.engine"):
-        engine = LLMEngine(EngineConfig(model=str(ckpt), dtype="float32", block_size=4, kv_tier_bytes=1 << 20,
-                                        **CASES["concurrent"]))
-    assert "KV tier is off" in caplog.text and engine.kv_tier is None and engine.block_manager.enable_caching
-
-
 @pytest.mark.parametrize("n,groups", [(1, 1), (37, 2), (64, 4)])
 def test_ssd_functions_match_transformers_reference(n, groups):
     """Our chunk scan (state in, state out, B/C per group) and batched state update equal transformers'

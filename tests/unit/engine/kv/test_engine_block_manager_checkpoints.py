@@ -139,3 +139,31 @@ def test_a_collision_takes_the_row_off_the_block_nobody_finds():
     prefill(bm, b)
     bm.check_invariants([b])
     assert sum(r >= 0 for r in bm._ckpt) == 1
+
+
+def test_evicted_blocks_go_to_the_tier_with_their_rows_and_a_tier_hit_ends_at_a_saved_state():
+    """Eviction hands the tier each block with its checkpoint row; a tier lookup stops at the deepest
+    found block saved with a state (the pool's rule), loads that state into a row and restores it."""
+    from consort_engine.kv.tier import KVTier
+    tier = KVTier(None, 1 << 20, "hybrid-test")
+    bm = hybrid_bm(tier=tier)
+    a = seq_of(30)
+    prefill(bm, a)
+    rows = {i: bm._ckpt[b] for i, b in enumerate(a.block_table) if bm._ckpt[b] >= 0}
+    assert sorted(rows) == [1, 3, 5, 6]
+    bm.free(a)
+    big = seq_of(64 * BS - 1, start=1000)       # takes every block: the cached ones are evicted
+    assert bm.try_allocate(big)
+    out = bm.take_offloads()
+    assert sorted(row for _, _, row in out if row >= 0) == sorted(rows.values()) and len(out) == 7
+    for b, h, row in out:                          # the engine's copy: K/V, and the row's state
+        tier.save(h, f"kv{b}".encode(), f"state{row}".encode() if row >= 0 else b"")
+    assert tier.flush(5.0)
+    bm.free(big)
+    b = Sequence(list(range(1, 23)) + [99] * 5, SamplingParams())   # 5 full blocks in the tier
+    assert bm.try_allocate(b)
+    assert b.num_cached_tokens == 16 and bm.tier_hits == 16, "block 4 (ending at 20) was saved without a state"
+    loads = bm.take_onloads()
+    assert [(row >= 0, st) for _, _, row, st in loads] == [(False, b"")] * 3 + [(True, f"state{rows[3]}".encode())]
+    assert bm.take_state_restores() == [(b.state_slot, loads[-1][2])]
+    bm.check_invariants([b])

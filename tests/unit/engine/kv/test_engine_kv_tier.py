@@ -27,7 +27,7 @@ def written(tier: KVTier, *items: tuple[bytes, bytes]) -> KVTier:
 
 def test_a_block_round_trips_and_a_missing_one_is_a_miss(tmp_path):
     tier = written(KVTier(str(tmp_path), 1 << 20, ID), (h(1), b"kv-bytes-1"))
-    assert tier.load(h(1)) == b"kv-bytes-1"
+    assert tier.load(h(1)) == (b"kv-bytes-1", b"")
     assert tier.load(h(2)) is None
     s = tier.stats()
     assert (s["kv_tier_hits"], s["kv_tier_misses"], s["kv_tier_blocks"]) == (1, 1, 1)
@@ -60,6 +60,20 @@ def test_a_foreign_block_another_model_or_layout_is_refused(tmp_path):
     assert mine.stats()["kv_tier_rejected"] == 2
 
 
+def test_a_hybrid_block_carries_its_state_under_the_same_checksum(tmp_path):
+    tier = KVTier(str(tmp_path), 1 << 20, ID)
+    tier.save(h(1), b"K" * 64, b"S" * 32)
+    tier.save(h(2), b"K" * 64)                     # no state checkpoint at its end: K/V only
+    assert tier.flush(5.0)
+    assert tier.load(h(1)) == (b"K" * 64, b"S" * 32) and tier.load(h(2)) == (b"K" * 64, b"")
+    assert tier.bytes == 64 + 32 + 64
+    path = tmp_path / layout_dir(ID) / (h(1).hex() + SUFFIX)
+    flipped = bytearray(path.read_bytes())
+    flipped[-3] ^= 0x01                            # inside the state part
+    path.write_bytes(bytes(flipped))
+    assert tier.load(h(1)) is None and tier.stats()["kv_tier_rejected"] == 1 and not path.exists()
+
+
 def test_the_byte_bound_drops_least_recently_used_blocks(tmp_path):
     events = KVEventLog()
     tier = written(KVTier(str(tmp_path), 300, ID, events), (h(1), b"1" * 100), (h(2), b"2" * 100), (h(3), b"3" * 100))
@@ -75,7 +89,7 @@ def test_a_restart_adopts_the_directory_and_a_second_replica_reads_the_first_one
     written(KVTier(str(tmp_path), 1 << 20, ID), (h(1), b"x" * 10), (h(2), b"y" * 10))
     again = KVTier(str(tmp_path), 1 << 20, ID)
     assert again.holds(h(1)) and again.bytes > 0
-    assert again.load(h(2)) == b"y" * 10
+    assert again.load(h(2)) == (b"y" * 10, b"")
 
 
 def test_a_failing_disk_turns_the_tier_off_with_a_reason_and_an_event(tmp_path):
@@ -97,7 +111,7 @@ def test_a_slow_disk_turns_the_tier_off(tmp_path):
 
 def test_host_memory_tier_has_the_same_bound(tmp_path):
     tier = written(KVTier(None, 150, ID), (h(1), b"1" * 100), (h(2), b"2" * 100))
-    assert tier.kind == "memory" and tier.load(h(2)) == b"2" * 100 and tier.load(h(1)) is None
+    assert tier.kind == "memory" and tier.load(h(2)) == (b"2" * 100, b"") and tier.load(h(1)) is None
     assert not os.listdir(tmp_path)
 
 
