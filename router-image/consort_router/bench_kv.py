@@ -3,8 +3,9 @@
 What precise routing (the engines' block events) and the KV tier buy a fleet whose working set is
 several times one replica's KV pool. The `consort bench affinity` workload (multi-turn conversations
 sharing a system prompt, each turn resending the whole history) goes as completions with text
-prompts through real routers over three real engines, in four arms run one after another, each with
-its own system prompt and conversations (no arm inherits another's cache):
+prompts through real routers over three real engines, in four arms run one after another. Every arm
+sends the same words (the same token counts: how many blocks the shared system prompt fills decides
+much of the hit rate), each under its own `cache_salt`, so no arm inherits another's cache:
 
   affinity           3 replicas, prefix-affine on character hashes (replica_choice.kv_events off)
   precise            the same replicas, precise routing on the engines' block events, 1 router
@@ -170,7 +171,7 @@ class RestartCheck:
 
     def hashes(self, prompt: str) -> list[bytes]:
         ids = self.tok.encode_head(prompt, 1 << 20, 0)
-        return prefix_hashes(ids[:len(ids) - 1], BLOCK, NAME, None, prefix_salt(TENANT, None))
+        return prefix_hashes(ids[:len(ids) - 1], BLOCK, NAME, None, prefix_salt(TENANT, "precise+tier"))
 
     async def restart(self, prompts: list[str]) -> None:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
@@ -331,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
                 if arm == "precise+tier" else None
             print(f"bench: arm {arm} ...", file=sys.stderr, flush=True)
             r = asyncio.run(run_arm(arm, routers[arm], engines, args, "completions", size.question_words, gate,
-                                    size.in_flight))
+                                    size.in_flight, workload="kv", cache_salt=arm))
             print(f"bench: arm {arm}: {r['ok']}/{r['requests']} ok in {r['wall_s']:.0f} s, pool hit "
                   f"{100 * r['hit_rate']:.1f}%, tier hit {100 * r['tier_hit_rate']:.1f}%"
                   + "".join(f"; {e}" for e in r["error_samples"]), file=sys.stderr, flush=True)
