@@ -132,9 +132,13 @@ class ReplicaBlocks:
         """Leading blocks of `hashes` this replica holds: 1 per block in the pool (or expected there),
         TIER_WEIGHT per block only in the tier; the count stops at the first block held nowhere (a
         prefix is a chain)."""
+        return self.match(hashes, now)[0]
+
+    def match(self, hashes: tuple[bytes, ...], now: float | None = None) -> tuple[float, int]:
+        """(depth, how many leading blocks of `hashes` it holds in any medium)."""
         pool, tier, expected = self.held["pool"], self.held["tier"], self.expected
         now = time.monotonic() if now is None else now
-        score = 0.0
+        score, n = 0.0, 0
         for h in hashes:
             if h in pool or expected.get(h, 0.0) > now:
                 score += 1.0
@@ -142,7 +146,8 @@ class ReplicaBlocks:
                 score += TIER_WEIGHT
             else:
                 break
-        return score
+            n += 1
+        return score, n
 
     def size(self) -> int:
         return sum(len(v) for v in self.held.values())

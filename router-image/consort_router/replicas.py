@@ -66,9 +66,10 @@ def choose_replica(
     replica and different ones spread. A replica further above the least load than the slack is
     not worth its cache hits: the request spills to the least-loaded one.
 
-    Replicas that hold the same deepest prefix (typically: all hold only a shared system prompt)
-    are told apart by rendezvous hashing too, on the first block past what they hold (the last
-    block when they hold it all), never by load or in-flight counts: those differ between router
+    Replicas that hold the same deepest prefix (typically: all hold only a shared system prompt;
+    of equal depth, the one holding more blocks, some in its tier, goes first) are told apart by
+    rendezvous hashing too, on the first block past what they hold (the last block when they hold
+    it all), never by load or in-flight counts: those differ between router
     replicas (each sees its own sends), the block does not, so every router in front of the same
     engines sends a conversation to the same replica, and so does its next turn when its history
     was evicted everywhere (its block at that index is unchanged)."""
@@ -84,9 +85,10 @@ def choose_replica(
     near = [r for r in candidates if loads[r.url] <= loads[least.url] + affinity.load_slack]
     held = [r for r in near if affinity.depth.get(r.url, 0) > 0]
     if held:
-        top = max(affinity.depth[r.url] for r in held)
-        deepest = [r for r in held if affinity.depth[r.url] == top]
-        return rendezvous(deepest, affinity.hashes[min(int(top), len(affinity.hashes) - 1)])
+        rank = {r.url: (affinity.depth[r.url], affinity.blocks_held(r.url)) for r in held}
+        top = max(rank.values())
+        deepest = [r for r in held if rank[r.url] == top]
+        return rendezvous(deepest, affinity.hashes[min(top[1], len(affinity.hashes) - 1)])
     if any(affinity.depth.get(r.url, 0) > 0 for r in candidates):
         return least  # the prefix is on a replica too busy to wait for: spill
     return rendezvous(near, affinity.hashes[0])

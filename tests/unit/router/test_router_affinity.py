@@ -140,3 +140,17 @@ def test_conversations_sharing_a_system_prompt_spread_over_tied_replicas():
     # A prompt that is all held (no block past it): keyed on its last block, still a held replica.
     whole = hashes(SYSTEM)
     assert choose_replica(reps, 8.0, affinity=Affinity(whole, depth, load_slack=4.0)).url in depth
+
+
+def test_of_equal_depth_the_replica_holding_more_blocks_wins():
+    # A replica back from a restart holds a conversation's four blocks in its tier (4 x 0.5); another
+    # holds the two blocks of the system prompt in its pool (2 x 1): the same depth, but the first
+    # has more of the prompt, whatever the loads or the block past the shorter chain hash to.
+    for i in range(8):
+        h = hashes(SYSTEM + f"conversation {i} of its own " * 40)
+        reps = [rep("http://restarted", running=i % 3), rep("http://other", running=2 - i % 3)]
+        aff = Affinity(h, {"http://restarted": 2.0, "http://other": 2.0}, 4.0, precise=True,
+                       chain={"http://restarted": 4, "http://other": 2})
+        assert choose_replica(reps, 8.0, affinity=aff).url == "http://restarted"
+        assert aff.blocks_held("http://other") == 2
+    assert Affinity(hashes(SYSTEM), {"a": 3}, 4.0).blocks_held("a") == 3    # character mode: its depth
