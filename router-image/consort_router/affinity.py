@@ -36,6 +36,11 @@ class Affinity:
     load_slack: float           # the affine replica wins while its load <= least load + this
     precise: bool = False       # engine block hashes scored from block events (else character hashes)
     views: dict[str, ReplicaBlocks] | None = field(default=None, compare=False)   # precise: told where it went
+    chain: dict[str, int] = field(default_factory=dict)   # precise: url -> leading blocks held, any medium
+
+    def blocks_held(self, url: str) -> int:
+        """Leading blocks of the prompt `url` holds (in character mode, its depth)."""
+        return self.chain.get(url, int(self.depth.get(url, 0)))
 
     def sent(self, url: str, prefixes: "PrefixIndex") -> None:
         """The request went to `url` and was accepted: remember its blocks there (precise: expected in
@@ -118,8 +123,9 @@ def precise_affinity(rc: ReplicaChoice, blocks: dict[str, ReplicaBlocks], block_
     salt = body.get("cache_salt")
     hashes = tuple(block_hashes(ids, block_size, target, adapter if isinstance(adapter, str) else None,
                                 prefix_salt(tenant, salt if isinstance(salt, str) else None)))
-    depth = {url: d for url, view in blocks.items() if (d := view.depth(hashes)) > 0}
-    return Affinity(hashes, depth, rc.load_slack, precise=True, views=blocks)
+    matches = {url: m for url, view in blocks.items() if (m := view.match(hashes))[0] > 0}
+    return Affinity(hashes, {url: m[0] for url, m in matches.items()}, rc.load_slack, precise=True, views=blocks,
+                    chain={url: m[1] for url, m in matches.items()})
 
 
 def request_affinity(rc: ReplicaChoice, prefixes: PrefixIndex, body: dict, text: str, target: str,

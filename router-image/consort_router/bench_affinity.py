@@ -94,7 +94,8 @@ def completion_prompt(system: str, exchanges: list[tuple[str, str]], question: s
 async def conversation(session: aiohttp.ClientSession, url: str, system: str, rng: random.Random, turns: int,
                        max_tokens: int, start_delay: float, policy: ClientPolicy = ClientPolicy(),
                        api: str = "chat", question_words: tuple[int, int] = (60, 30),
-                       gate: TurnGate | None = None, in_flight: asyncio.Semaphore | None = None) -> list[Turn]:
+                       gate: TurnGate | None = None, in_flight: asyncio.Semaphore | None = None,
+                       cache_salt: str | None = None) -> list[Turn]:
     """One chat client: each turn resends the whole history (`api` chat: as messages; completions: as
     one text prompt). A turn that is not answered in full (rejected after its retries, an error event,
     a timeout) ends the conversation, as a user would give up: the next turn would resend a history
@@ -107,6 +108,8 @@ async def conversation(session: aiohttp.ClientSession, url: str, system: str, rn
     try:
         for t in range(turns):
             body = {"model": "ens", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+            if cache_salt is not None:
+                body["cache_salt"] = cache_salt
             if api == "chat":
                 body["messages"] = messages
             else:
@@ -157,26 +160,31 @@ async def choice_outcomes(session: aiohttp.ClientSession, router_url: str) -> di
 
 async def run_arm(arm: str, router_urls: list[str], engine_urls: list[str], args: argparse.Namespace,
                   api: str = "chat", question_words: tuple[int, int] = (60, 30),
-                  gate: TurnGate | None = None, in_flight: int = 0) -> dict:
+                  gate: TurnGate | None = None, in_flight: int = 0, workload: str | None = None,
+                  cache_salt: str | None = None) -> dict:
     """One arm's conversations, split round-robin over `router_urls` (at most `in_flight` requests out
-    at once; 0: no bound), and what the engines and routers counted meanwhile."""
-    rng = random.Random(f"{args.seed}-{arm}")
+    at once; 0: no bound), and what the engines and routers counted meanwhile. The words are drawn
+    from the seed and `workload` (default: the arm's name: each arm its own prompts); `cache_salt`
+    keeps arms that share a workload out of each other's cache."""
+    rng = random.Random(f"{args.seed}-{workload or arm}")
     system = words(rng, args.system_words)
     bound = asyncio.Semaphore(in_flight) if in_flight else None
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
         c0 = await prefix_counters(session, engine_urls)
+        o0 = [await choice_outcomes(session, u) for u in router_urls]     # a router may serve an earlier arm too
         t0 = time.perf_counter()
         convs = await asyncio.gather(*(
             conversation(session, router_urls[i % len(router_urls)], system, random.Random(rng.random()), args.turns,
                          args.max_tokens, 0.05 * i, openai_stream.policy_of(args), api, question_words, gate,
-                         bound)
+                         bound, cache_salt)
             for i in range(args.conversations)))
         wall = time.perf_counter() - t0
         c1 = await prefix_counters(session, engine_urls)
         outcomes: dict[str, int] = {}
-        for u in router_urls:
+        for u, before in zip(router_urls, o0):
             for k, v in (await choice_outcomes(session, u)).items():
-                outcomes[k] = outcomes.get(k, 0) + v
+                if v > before.get(k, 0):
+                    outcomes[k] = outcomes.get(k, 0) + v - before.get(k, 0)
     turns = [t for c in convs for t in c]
     follow = [t.result.ttft for t in turns if t.ok and not t.first_turn and t.result.ttft is not None]
     counts = tally(t.result for t in turns)

@@ -3,8 +3,9 @@
 What precise routing (the engines' block events) and the KV tier buy a fleet whose working set is
 several times one replica's KV pool. The `consort bench affinity` workload (multi-turn conversations
 sharing a system prompt, each turn resending the whole history) goes as completions with text
-prompts through real routers over three real engines, in four arms run one after another, each with
-its own system prompt and conversations (no arm inherits another's cache):
+prompts through real routers over three real engines, in four arms run one after another. Every arm
+sends the same words (the same token counts: how many blocks the shared system prompt fills decides
+much of the hit rate), each under its own `cache_salt`, so no arm inherits another's cache:
 
   affinity           3 replicas, prefix-affine on character hashes (replica_choice.kv_events off)
   precise            the same replicas, precise routing on the engines' block events, 1 router
@@ -121,10 +122,13 @@ class Fleet:
         self.args[url] = extra
         return url
 
-    def router(self, engines: list[str], kv_events: bool) -> str:
+    def router(self, engines: list[str], kv_events: bool, load_slack: float | None = None) -> str:
         # The default polling periods: four routers polling six engines faster would take a share of
         # two cores that shows in every arm.
-        cfg = router_config({NAME: engines}, NAME, replica_choice={"policy": "prefix-affine", "kv_events": kv_events})
+        choice = {"policy": "prefix-affine", "kv_events": kv_events}
+        if load_slack is not None:
+            choice["load_slack"] = load_slack
+        cfg = router_config({NAME: engines}, NAME, replica_choice=choice)
         p, url = start_router(cfg, self.tmp)
         self.procs.append(p)
         return url
@@ -167,7 +171,7 @@ class RestartCheck:
 
     def hashes(self, prompt: str) -> list[bytes]:
         ids = self.tok.encode_head(prompt, 1 << 20, 0)
-        return prefix_hashes(ids[:len(ids) - 1], BLOCK, NAME, None, prefix_salt(TENANT, None))
+        return prefix_hashes(ids[:len(ids) - 1], BLOCK, NAME, None, prefix_salt(TENANT, "precise+tier"))
 
     async def restart(self, prompts: list[str]) -> None:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
@@ -245,7 +249,8 @@ def report(res: dict, args) -> str:
     arms = {r["arm"]: r for r in res["arms"]}
     model, flags = cpu_model_and_flags()
     lines = [f"KV fleet: {args.conversations} conversations x {args.turns} turns (completions, history resent), "
-             f"system prompt {args.system_words} words, max_tokens {args.max_tokens}; 3 replicas",
+             f"system prompt {args.system_words} words, max_tokens {args.max_tokens}; 3 replicas; precise arms' "
+             f"load_slack {'default' if args.load_slack is None else f'{args.load_slack:g}'}",
              f"  KV pool {res['pool_blocks']} blocks of {BLOCK} per replica; working set {res['working_set_blocks']} "
              f"blocks (measured: system prompt once + every conversation's last prompt and answer) = "
              f"{res['working_set_blocks'] / res['pool_blocks']:.1f}x one pool",
@@ -287,10 +292,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="a small run (a few minutes on 2 cores)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the workload's draws")
     ap.add_argument("--json", action="store_true", help="also print the results as JSON")
+    ap.add_argument("--load-slack", type=float, default=None, metavar="UNITS",
+                    help="replica_choice.load_slack of the precise arms' routers (default: the router's, 4)")
     openai_stream.add_args(ap)
     args = ap.parse_args(argv)
     if not Path(args.model, "config.json").is_file():
         ap.error(f"--model {args.model}: no checkpoint there (no config.json; `consort demo-model DIR` writes one)")
+    if args.load_slack is not None and not 0 <= args.load_slack <= 1e6:
+        ap.error(f"--load-slack {args.load_slack:g}: queue-depth units from 0 to 1e6")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))    # a killed run stops its engines and routers too
     size = SIZES["quick" if args.quick else "full"]
     args.conversations, args.turns, args.system_words, args.max_tokens = \
@@ -306,9 +315,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         plain = [fleet.engine(base) for _ in range(3)]
         tiered = [fleet.engine(tier) for _ in range(3)]
-        routers = {"affinity": [fleet.router(plain, False)], "precise": [fleet.router(plain, True)],
-                   "precise+tier": [fleet.router(tiered, True)]}
-        routers["precise-2-routers"] = [routers["precise"][0], fleet.router(plain, True)]
+        slack = args.load_slack
+        routers = {"affinity": [fleet.router(plain, False)], "precise": [fleet.router(plain, True, slack)],
+                   "precise+tier": [fleet.router(tiered, True, slack)]}
+        routers["precise-2-routers"] = [routers["precise"][0], fleet.router(plain, True, slack)]
         print(f"bench: starting 6 engines and 4 routers on {args.model} (logs in {tmp})", file=sys.stderr, flush=True)
         if not wait_ready(plain + tiered + [u for rs in routers.values() for u in rs], fleet.procs):
             print(f"bench: engines/routers did not become ready; logs in {tmp}", file=sys.stderr)
@@ -322,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
                 if arm == "precise+tier" else None
             print(f"bench: arm {arm} ...", file=sys.stderr, flush=True)
             r = asyncio.run(run_arm(arm, routers[arm], engines, args, "completions", size.question_words, gate,
-                                    size.in_flight))
+                                    size.in_flight, workload="kv", cache_salt=arm))
             print(f"bench: arm {arm}: {r['ok']}/{r['requests']} ok in {r['wall_s']:.0f} s, pool hit "
                   f"{100 * r['hit_rate']:.1f}%, tier hit {100 * r['tier_hit_rate']:.1f}%"
                   + "".join(f"; {e}" for e in r["error_samples"]), file=sys.stderr, flush=True)

@@ -372,7 +372,13 @@ class ReplicaChoice(_Strict):
     kv_events: bool = Field(True, description="prefix-affine: follow each engine's block events (GET "
                             "/v1/kv/events) and, for prompts whose token ids the router knows exactly, route on "
                             "the blocks each replica says it holds (docs/prefix-affinity.md).")
-    kv_events_interval_s: float = Field(0.5, gt=0, description="Block events are polled this often per replica.")
+    kv_events_wait_s: float = Field(10.0, gt=0, le=30, description="How long an engine holds the router's "
+                                    "block-events request when it has nothing new (a long poll: the engine answers "
+                                    "it at its next event, so the router's view follows within a round trip).")
+    kv_events_interval_s: float = Field(0.5, gt=0, description="Retry delay of the block-events subscriber: a replica "
+                                        "not ready yet is looked at again this often, a failed request is retried "
+                                        "after it (doubling per failure in a row, up to 8 s), and an engine without "
+                                        "the long poll is polled this often.")
     kv_max_hashes: int = Field(262_144, ge=1, description="Block hashes held per replica and medium (pool, tier) "
                                "in the router's view; the oldest stored are forgotten first (a miss, never a "
                                "wrong route).")

@@ -60,8 +60,8 @@ class RouterMetrics:
                                     registry=r)
         self.kv_events = Counter("consort_router_kv_events", "Engine block events applied to the router's view.",
                                  registry=r)
-        self.kv_lag = Gauge("consort_router_kv_lag_seconds", "Age of the stalest replica view of block events "
-                            "(seconds since it was last brought up to date).", registry=r)
+        self.kv_lag = Gauge("consort_router_kv_lag_seconds", "Seconds since the stalest replica view of block "
+                            "events last heard from its engine (up to kv_events_wait_s while the engine is quiet).", registry=r)
         self.replica_choice = Counter("consort_router_replica_choice",
                                       "Replica choices by outcome: affine (sent where its prefix is cached), spill "
                                       "(its prefix is on a replica too loaded), cold (cached nowhere), least_loaded "

@@ -64,7 +64,15 @@ def choose_replica(
     the one holding the deepest prefix of the prompt; when none holds any, the one the prompt's
     first block hashes to (rendezvous hashing), so prompts that share a beginning meet on one
     replica and different ones spread. A replica further above the least load than the slack is
-    not worth its cache hits: the request spills to the least-loaded one."""
+    not worth its cache hits: the request spills to the least-loaded one.
+
+    Replicas that hold the same deepest prefix (typically: all hold only a shared system prompt;
+    of equal depth, the one holding more blocks, some in its tier, goes first) are told apart by
+    rendezvous hashing too, on the first block past what they hold (the last block when they hold
+    it all), never by load or in-flight counts: those differ between router
+    replicas (each sees its own sends), the block does not, so every router in front of the same
+    engines sends a conversation to the same replica, and so does its next turn when its history
+    was evicted everywhere (its block at that index is unchanged)."""
     candidates = [r for r in replicas if r.ready and r.url not in exclude]
     if adapter is not None:
         candidates = [r for r in candidates if adapter in r.adapters] or candidates
@@ -77,11 +85,19 @@ def choose_replica(
     near = [r for r in candidates if loads[r.url] <= loads[least.url] + affinity.load_slack]
     held = [r for r in near if affinity.depth.get(r.url, 0) > 0]
     if held:
-        return min(held, key=lambda r: (-affinity.depth[r.url], loads[r.url], r.inflight, r.url))
+        rank = {r.url: (affinity.depth[r.url], affinity.blocks_held(r.url)) for r in held}
+        top = max(rank.values())
+        deepest = [r for r in held if rank[r.url] == top]
+        return rendezvous(deepest, affinity.hashes[min(top[1], len(affinity.hashes) - 1)])
     if any(affinity.depth.get(r.url, 0) > 0 for r in candidates):
         return least  # the prefix is on a replica too busy to wait for: spill
-    first = affinity.hashes[0]
-    return max(near, key=lambda r: hashlib.blake2b(first + r.url.encode(), digest_size=8).digest())
+    return rendezvous(near, affinity.hashes[0])
+
+
+def rendezvous(replicas: list[ReplicaState], key: bytes) -> ReplicaState:
+    """The replica `key` hashes to (highest random weight): the same for every router that sees the
+    same replicas, and moving only the keys of a replica that comes or goes."""
+    return max(replicas, key=lambda r: hashlib.blake2b(key + r.url.encode(), digest_size=8).digest())
 
 
 def choice_outcome(affinity: Affinity | None, chosen: ReplicaState) -> str:

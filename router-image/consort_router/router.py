@@ -128,7 +128,7 @@ class Router:
         self.poller.start()
         rc = self.config.replica_choice
         self.kv = KVSubscriber(self.session, rc.kv_events_interval_s, p.timeout_s, rc.kv_max_hashes,
-                               metrics=self.metrics, is_ready=self.replica_ready)
+                               metrics=self.metrics, is_ready=self.replica_ready, wait_s=rc.kv_events_wait_s)
         self.track_kv()
         self.kv.start()
         self._bg.append(asyncio.create_task(self.housekeeping(), name="router-housekeeping"))

@@ -13,6 +13,10 @@ gets a snapshot instead: the held sets and the sequence number they are current 
 same lock as the events, so "snapshot, then events after its seq" is never a wrong index. Held sets
 above `snapshot_cap` hashes are cut (`truncated`: the subscriber knows it misses some).
 
+A subscriber that is caught up may also ask to be woken at the next event (`wake_on_event`): the
+HTTP handler holds its request open until then or until its bounded wait ends (a long poll), so a
+router learns where a prompt went as soon as the engine stored it, without polling often.
+
 Thread-safe: the engine loop records, HTTP handlers read.
 """
 from __future__ import annotations
@@ -22,11 +26,13 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 MEDIA = ("pool", "tier")
 KINDS = ("stored", "removed", "cleared")    # cleared: the medium holds nothing any more (tier turned off)
 MAX_EVENTS_PER_REPLY = 4096
+MAX_WAITERS = 256          # subscribers held waiting at once (a router holds one per engine)
 
 
 @dataclass(frozen=True)
@@ -52,6 +58,8 @@ class KVEventLog:
         self._lock = threading.Lock()
         self.snapshots_served = 0
         self.last_lag = 0          # events the last caught-up subscriber was behind when it asked
+        self._waiters: list[Callable[[], None]] = []   # woken once at the next event, then dropped
+        self._closed = False
 
     @property
     def seq(self) -> int:
@@ -71,6 +79,38 @@ class KVEventLog:
                 held.clear()
             self._seq += 1
             self._ring.append(BlockEvent(self._seq, kind, medium, tuple(hashes), time.time()))
+            waiters, self._waiters = self._waiters, []
+        for wake in waiters:
+            wake()
+
+    def wake_on_event(self, epoch: str | None, since: int | None, wake: Callable[[], None]) -> bool:
+        """Call `wake` once, from the thread that records it, at the next event after `since` in `epoch`.
+        False (nothing registered: read now) when a read would not come back empty: another epoch, no
+        `since`, events after it already, or the log closed."""
+        with self._lock:
+            if self._closed or epoch != self.epoch or since != self._seq:
+                return False
+            self._waiters.append(wake)
+            return True
+
+    def forget_waiter(self, wake: Callable[[], None]) -> None:
+        """A waiter whose wait ended without an event."""
+        with self._lock:
+            if wake in self._waiters:
+                self._waiters.remove(wake)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    def close(self) -> None:
+        """The engine stops: wake every waiter now and let no more wait (a held request would hold up
+        the drain)."""
+        with self._lock:
+            self._closed = True
+            waiters, self._waiters = self._waiters, []
+        for wake in waiters:
+            wake()
 
     def held(self, medium: str) -> int:
         return len(self._held[medium])

@@ -13,6 +13,7 @@ import asyncio
 import importlib.metadata
 import json
 import logging
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from aiohttp import web
 from consort_engine.core.async_engine import EngineFailed
 from consort_engine.model.lora import AdapterError
 from consort_engine.serving.context import CTX, STREAM, TENANT_HEADER, ServerContext
-from consort_engine.serving.errors import bad, not_ready, server_error
+from consort_engine.serving.errors import ApiError, bad, not_ready, server_error
 from consort_engine.serving.generation import admit_choices, make_choices, merged, record
 from consort_engine.serving.http import credential_middleware, error_middleware, read_json, request_id, stamp_headers
 from consort_engine.serving.prepare import check_token_ids, prepare, render_chat
@@ -31,7 +32,9 @@ from consort_engine.serving.render_responses import responses_reply
 from consort_engine.serving.render_tokenize import detokenize_reply, tokenize_reply
 from consort_engine.serving.request_models import AdapterLoadBody
 from consort_engine.serving.tokenize_request import TokenizeRequest, parse_detokenize, parse_tokenize
-from consort_engine.kv.events import MAX_EVENTS_PER_REPLY
+from consort_engine.kv.events import MAX_EVENTS_PER_REPLY, MAX_WAITERS, KVEventLog
+
+MAX_KV_WAIT_S = 30.0       # the longest a block-events request may be held (a router asks for less)
 
 log = logging.getLogger("consort.server")
 
@@ -204,19 +207,22 @@ async def unload_adapter(request: web.Request) -> web.Response:
 
 
 async def kv_events(request: web.Request) -> web.Response:
-    """GET /v1/kv/events?epoch=E&since=N: this engine's block events after N in epoch E, or a snapshot of
-    the blocks it holds when it cannot answer that exactly (kv/events.py; docs/kv-cache.md)."""
+    """GET /v1/kv/events?epoch=E&since=N[&wait=S]: this engine's block events after N in epoch E, or a
+    snapshot of the blocks it holds when it cannot answer that exactly (kv/events.py; docs/kv-cache.md).
+    With `wait` (seconds, at most MAX_KV_WAIT_S) and nothing after N yet, the reply waits for the next
+    event or the end of the wait, whichever comes first (a long poll; empty `events` at the end)."""
     ctx: ServerContext = request.app[CTX]
     log_ = getattr(ctx.engine.engine, "kv_events", None)
     if log_ is None:
         raise not_ready("the engine is still loading; no block events yet")
     q = request.query
-    unknown = sorted(set(q) - {"epoch", "since", "limit"})
+    unknown = sorted(set(q) - {"epoch", "since", "limit", "wait"})
     if unknown:
         raise bad("unknown_parameter", f"unknown query parameters: {', '.join(unknown)}", unknown[0])
     epoch = q.get("epoch")
     if epoch is not None and len(epoch) > 64:
         raise bad("invalid_epoch", "epoch is at most 64 characters (the value a reply gave)", "epoch")
+    wait = kv_wait_seconds(q.get("wait"))
     since = limit = None
     for name in ("since", "limit"):
         text = q.get(name)
@@ -228,9 +234,53 @@ async def kv_events(request: web.Request) -> web.Response:
             since = int(text)
         else:
             limit = min(max(int(text), 1), MAX_EVENTS_PER_REPLY)
+    if wait > 0:
+        await wait_for_kv_event(log_, epoch, since, wait)
     body = await asyncio.get_running_loop().run_in_executor(
         None, lambda: json.dumps(log_.read(epoch, since, limit or MAX_EVENTS_PER_REPLY)))
     return web.Response(text=body, content_type="application/json")
+
+
+def kv_wait_seconds(text: str | None) -> float:
+    """The `wait` of a block-events request: 0 (answer at once) unless given, at most MAX_KV_WAIT_S."""
+    if text is None:
+        return 0.0
+    try:
+        wait = float(text) if len(text) <= 16 else math.nan
+    except ValueError:
+        wait = math.nan
+    if not 0 <= wait <= MAX_KV_WAIT_S:     # NaN fails this too
+        raise bad("invalid_wait", f"wait must be a number of seconds from 0 to {MAX_KV_WAIT_S:g}", "wait")
+    return wait
+
+
+async def wait_for_kv_event(log_: KVEventLog, epoch: str | None, since: int | None, wait: float) -> None:
+    """Hold a caught-up subscriber until the next block event or `wait` seconds; at once when there is
+    something to read already (events after `since`, or a snapshot to send)."""
+    if log_.waiting >= MAX_WAITERS:
+        raise ApiError(429, "too_many_waiters", f"{MAX_WAITERS} block-event subscribers wait already; "
+                       "retry later", "wait", type="rate_limit_error", retry_after_ms=1000)
+    loop = asyncio.get_running_loop()
+    woken = asyncio.Event()
+
+    def wake() -> None:
+        loop.call_soon_threadsafe(woken.set)
+
+    if not log_.wake_on_event(epoch, since, wake):
+        return
+    try:
+        await asyncio.wait_for(woken.wait(), wait)
+    except TimeoutError:
+        pass
+    finally:
+        log_.forget_waiter(wake)
+
+
+async def end_kv_waits(app: web.Application) -> None:
+    """On shutdown: held block-event requests answer now, so they do not hold up the drain."""
+    log_ = getattr(app[CTX].engine.engine, "kv_events", None)
+    if log_ is not None:
+        log_.close()
 
 
 async def kv_tokenizer(request: web.Request) -> web.Response:
@@ -255,6 +305,7 @@ def build_app(ctx: ServerContext) -> web.Application:
                           client_max_size=ctx.config.max_body_bytes)
     app[CTX] = ctx
     app.on_response_prepare.append(stamp_headers)
+    app.on_shutdown.append(end_kv_waits)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/responses", responses)

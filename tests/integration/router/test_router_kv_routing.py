@@ -5,6 +5,7 @@ follow-ups that share a long prefix to the replica that holds it."""
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -34,12 +35,12 @@ def router_counter(router, name: str) -> dict[str, float]:
     return out
 
 
-def kv_router(make_router, engines: list[procs.Engine], cred, **lane):
+def kv_router(make_router, engines: list[procs.Engine], cred, retry_s: float = 0.1, **lane):
     return make_router({
         "ensemble": "cpp", "default_specialist": "Algo",
         "specialists": [{"name": "Algo", "replicas": [e.url for e in engines], **lane}],
         "shadow": {"default_threshold": 0.0}, "breaker": {"fresh_samples": 0}, "verifier": {"sample_rate": 0.0},
-        "polling": {"interval_s": 0.2}, "replica_choice": {"kv_events_interval_s": 0.1},
+        "polling": {"interval_s": 0.2}, "replica_choice": {"kv_events_interval_s": retry_s},
         "store": {"path": "breakers.json"}, "auth": {"engine_credential_file": str(cred)},
     })
 
@@ -112,6 +113,32 @@ def test_follow_ups_land_on_the_replica_holding_their_prefix(pair, demo_models, 
         assert out.usage.prompt_tokens_details.cached_tokens > 0
     assert router_counter(router, "consort_router_replica_choice_total") == want
     assert router_counter(router, "consort_router_kv_snapshots_total")[""] >= 2   # first contact, each replica
+
+
+def test_block_events_reach_the_router_as_the_engine_stores_them(pair, make_router):
+    """The router holds a long poll on each engine, answered at the engine's next block event: the
+    blocks of a prompt another router sent are in this router's view about one round trip after the
+    engine stored them. Measured against a retry delay (`kv_events_interval_s`) of 4 s, the period
+    the router polled at before: four lags together stay below one period, where polling would make
+    each about half of one."""
+    engines, cred = pair
+    interval = 4.0
+    router = kv_router(make_router, engines, cred, retry_s=interval)
+    wait_for(lambda: router_counter(router, "consort_router_kv_snapshots_total").get("", 0) >= 2, 30,
+             "the router's first contact with both replicas")
+    lags = []
+    for i in range(4):
+        seen = router_counter(router, "consort_router_kv_events_total").get("", 0)
+        r = httpx.post(engines[i % 2].url + "/v1/completions", timeout=60,
+                       headers={**AUTH, "x-consort-tenant": "anonymous"},
+                       json={"model": "Algo", "prompt": f"Lag probe {i}: a prompt of its own, long enough for a "
+                                                        "few blocks of the engine's cache. " * 4, "max_tokens": 1})
+        assert r.status_code == 200, r.text
+        answered = time.monotonic()
+        wait_for(lambda: router_counter(router, "consort_router_kv_events_total").get("", 0) > seen, 30,
+                 "the router applying the engine's new block events")
+        lags.append(time.monotonic() - answered)
+    assert sum(lags) < interval, lags
 
 
 def test_router_hashes_are_the_engines_published_hashes(pair, demo_models, tmp_path):

@@ -103,3 +103,54 @@ def test_affinity_respects_ready_exclude_and_adapter():
     assert choose_replica(reps, 8.0, affinity=aff).url == "c"              # a is not ready
     assert choose_replica(reps, 8.0, frozenset({"c"}), affinity=aff).url == "b"
     assert choose_replica(reps, 8.0, adapter="fix", affinity=aff).url == "b"  # only b has the adapter
+
+
+def test_routers_with_different_in_flight_agree_on_a_tied_depth():
+    # Two router replicas in front of the same three engines, each with its own sends in flight: all
+    # three hold the system prompt (depth 2), so the choice must not hang on what only one router sees.
+    h = hashes(SYSTEM + "a conversation of its own " * 20)
+    depth = {"http://r0": 2, "http://r1": 2, "http://r2": 2}
+    router1 = [rep("http://r0"), rep("http://r1"), rep("http://r2")]
+    router2 = [rep("http://r0"), rep("http://r1"), rep("http://r2")]
+    for r, n in zip(router1, (0, 2, 1)):
+        r.inflight = n
+    for r, n in zip(router2, (3, 0, 2)):
+        r.inflight = n
+    one = choose_replica(router1, 8.0, affinity=Affinity(h, depth, load_slack=4.0))
+    two = choose_replica(router2, 8.0, affinity=Affinity(h, depth, load_slack=4.0))
+    assert one.url == two.url
+    assert choice_outcome(Affinity(h, depth, 4.0), one) == "affine"
+    # The next turn, its history evicted everywhere: the same first block past the system prompt,
+    # the same replica.
+    later = hashes(SYSTEM + "a conversation of its own " * 20 + "an answer, then more " * 20)
+    assert later[2] == h[2]
+    assert choose_replica(router2, 8.0, affinity=Affinity(later, depth, load_slack=4.0)).url == one.url
+    # A deeper holder still wins over the tie.
+    deeper = dict(depth, **{"http://r0" if one.url != "http://r0" else "http://r1": 3})
+    assert choose_replica(router1, 8.0, affinity=Affinity(h, deeper, load_slack=4.0)).url != one.url
+
+
+def test_conversations_sharing_a_system_prompt_spread_over_tied_replicas():
+    reps = [rep("http://r0"), rep("http://r1"), rep("http://r2")]
+    depth = {r.url: 2 for r in reps}                   # everyone holds the system prompt only
+    picks = Counter(choose_replica(reps, 8.0, affinity=Affinity(hashes(SYSTEM + f"user {i:03d} asks " * 20),
+                                                                depth, load_slack=4.0)).url
+                    for i in range(60))
+    assert len(picks) == 3 and min(picks.values()) >= 8
+    # A prompt that is all held (no block past it): keyed on its last block, still a held replica.
+    whole = hashes(SYSTEM)
+    assert choose_replica(reps, 8.0, affinity=Affinity(whole, depth, load_slack=4.0)).url in depth
+
+
+def test_of_equal_depth_the_replica_holding_more_blocks_wins():
+    # A replica back from a restart holds a conversation's four blocks in its tier (4 x 0.5); another
+    # holds the two blocks of the system prompt in its pool (2 x 1): the same depth, but the first
+    # has more of the prompt, whatever the loads or the block past the shorter chain hash to.
+    for i in range(8):
+        h = hashes(SYSTEM + f"conversation {i} of its own " * 40)
+        reps = [rep("http://restarted", running=i % 3), rep("http://other", running=2 - i % 3)]
+        aff = Affinity(h, {"http://restarted": 2.0, "http://other": 2.0}, 4.0, precise=True,
+                       chain={"http://restarted": 4, "http://other": 2})
+        assert choose_replica(reps, 8.0, affinity=aff).url == "http://restarted"
+        assert aff.blocks_held("http://other") == 2
+    assert Affinity(hashes(SYSTEM), {"a": 3}, 4.0).blocks_held("a") == 3    # character mode: its depth

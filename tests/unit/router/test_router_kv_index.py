@@ -121,14 +121,14 @@ async def test_subscriber_polls_an_engine_route_pages_and_forgets_replicas_that_
     url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
     try:
         async with aiohttp.ClientSession(headers={"Authorization": "Bearer engine-secret"}) as session:
-            sub = KVSubscriber(session, interval_s=0.05, timeout_s=2, max_hashes=100, limit=1)
+            sub = KVSubscriber(session, retry_s=0.05, timeout_s=2, max_hashes=100, limit=1)
             sub.track({url})
-            await sub.poll_all()
+            assert await sub.poll_one(url) == 1     # the snapshot
             assert sub.blocks[url].snapshots == 1 and seen[-1]["auth"] == "Bearer engine-secret"
             for h in H:
                 log.record("stored", "pool", [h])
             seen.clear()
-            await sub.poll_all()                    # limit 1: pages while `more`, at most PAGES_PER_ROUND
+            assert await sub.poll_one(url) == 4     # limit 1: pages while `more`, at most PAGES_PER_ROUND
             assert len(seen) == 4 and sub.blocks[url].depth(H) == 4
             assert seen[0]["since"] == "0" and seen[-1]["since"] == "3"
             sub.track(set())
@@ -182,9 +182,118 @@ def test_a_replica_that_is_not_ready_is_not_polled():
             raise AssertionError("a warming replica was polled")
 
     async def go() -> None:
-        sub = KVSubscriber(Session(), 1.0, 1.0, 16, is_ready=lambda url: url.endswith(":2"))
+        sub = KVSubscriber(Session(), 0.01, 1.0, 16, is_ready=lambda url: url.endswith(":2"))
         sub.track({"http://127.0.0.1:1"})
-        await sub.poll_all()
+        sub.start()
+        await asyncio.sleep(0.1)
+        await sub.stop()
 
     asyncio.run(go())
     assert calls == []
+
+
+async def serve(handler, keys: dict | None = None) -> tuple[web.AppRunner, str]:
+    app = web.Application()
+    for key, value in (keys or {}).items():
+        app[key] = value
+    app.router.add_get("/v1/kv/events", handler)
+    runner = web.AppRunner(app, handler_cancellation=True)     # as the engine runs it
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+
+
+async def until(check, timeout_s: float = 5.0) -> float:
+    t0 = time.monotonic()
+    while not check():
+        assert time.monotonic() - t0 < timeout_s, "not within the timeout"
+        await asyncio.sleep(0.005)
+    return time.monotonic() - t0
+
+
+async def test_subscriber_holds_one_long_poll_per_replica_and_drops_a_replica_that_left():
+    """The engine's own handler (a long poll over the real event log): an event reaches the view while
+    the request is held, long before the retry delay; one request per replica at a time."""
+    from types import SimpleNamespace
+
+    from consort_engine.serving.context import CTX
+    from consort_engine.serving.server import kv_events
+
+    log = KVEventLog()
+    held = {"now": 0, "most": 0, "waits": []}
+
+    async def handler(request: web.Request) -> web.Response:
+        held["now"] += 1
+        held["most"] = max(held["most"], held["now"])
+        held["waits"].append(request.query.get("wait"))
+        try:
+            return await kv_events(request)
+        finally:
+            held["now"] -= 1
+
+    runner, url = await serve(handler, {CTX: SimpleNamespace(engine=SimpleNamespace(engine=SimpleNamespace(kv_events=log)))})
+    retry_s = 2.0
+    try:
+        async with aiohttp.ClientSession() as session:
+            sub = KVSubscriber(session, retry_s=retry_s, timeout_s=2, max_hashes=100, wait_s=20)
+            sub.track({url})
+            sub.start()
+            await until(lambda: url in sub.blocks and sub.blocks[url].snapshots == 1)
+            await until(lambda: log.waiting == 1)          # caught up: held on the engine
+            log.record("stored", "pool", list(H[:3]))
+            lag = await until(lambda: sub.blocks[url].depth(H) == 3)
+            assert lag < retry_s                           # pushed, not found by a later poll
+            await until(lambda: log.waiting == 1)
+            assert held["most"] == 1 and held["waits"][0] is None and held["waits"][-1] == "20"
+            sub.track(set())                               # the replica left: its request goes too
+            await until(lambda: held["now"] == 0 and log.waiting == 0)
+            assert url not in sub.blocks and not sub._tasks
+            await sub.stop()
+    finally:
+        await runner.cleanup()
+
+
+async def test_subscriber_backs_off_a_failing_engine_and_polls_one_without_the_long_poll():
+    calls: list[str | None] = []
+
+    async def failing(request: web.Request) -> web.Response:
+        calls.append(request.query.get("wait"))
+        return web.json_response({"error": {"code": "boom"}}, status=500)
+
+    runner, url = await serve(failing)
+    try:
+        async with aiohttp.ClientSession() as session:
+            sub = KVSubscriber(session, retry_s=0.05, timeout_s=2, max_hashes=100, wait_s=5)
+            sub.track({url})
+            sub.start()
+            await asyncio.sleep(0.7)
+            await sub.stop()
+        # 0.05, 0.1, 0.2, 0.4 s apart: about 4 requests, where a fixed 0.05 s retry would make 14
+        assert 2 <= len(calls) <= 6 and sub.errors == len(calls)
+    finally:
+        await runner.cleanup()
+
+    log = KVEventLog()
+    asked: list[dict] = []
+
+    async def before_the_long_poll(request: web.Request) -> web.Response:
+        q = dict(request.query)
+        asked.append(q)
+        if "wait" in q:
+            return web.json_response({"error": {"code": "unknown_parameter"}}, status=400)
+        return web.json_response(log.read(q.get("epoch"), int(q["since"]) if "since" in q else None))
+
+    runner, url = await serve(before_the_long_poll)
+    try:
+        async with aiohttp.ClientSession() as session:
+            sub = KVSubscriber(session, retry_s=0.05, timeout_s=2, max_hashes=100, wait_s=5)
+            sub.track({url})
+            sub.start()
+            await until(lambda: url in sub.polled)
+            log.record("stored", "pool", list(H[:2]))
+            await until(lambda: sub.blocks[url].depth(H) == 2)
+            await sub.stop()
+        assert sum("wait" in q for q in asked) == 1 and sub.errors == 0
+    finally:
+        await runner.cleanup()

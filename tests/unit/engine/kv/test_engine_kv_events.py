@@ -107,3 +107,24 @@ def test_block_manager_publishes_what_its_cache_can_find():
     sub.poll(log)
     assert sub.held["pool"] == set()
     assert sub.snapshots == 1
+
+
+def test_a_caught_up_waiter_is_woken_once_at_the_next_event_and_all_at_close():
+    log = KVEventLog(capacity=16)
+    woken: list[str] = []
+    log.record("stored", "pool", [h(1)])
+    assert not log.wake_on_event(log.epoch, 0, lambda: woken.append("behind"))      # events to read now
+    assert not log.wake_on_event("another epoch", log.seq, lambda: woken.append("epoch"))   # a snapshot now
+    assert not log.wake_on_event(log.epoch, None, lambda: woken.append("first"))
+    assert log.wake_on_event(log.epoch, log.seq, lambda: woken.append("a"))
+    gone = lambda: woken.append("gone")   # noqa: E731 - a waiter whose wait ended
+    assert log.wake_on_event(log.epoch, log.seq, gone)
+    log.forget_waiter(gone)
+    assert log.waiting == 1 and woken == []
+    log.record("removed", "pool", [h(1)])
+    log.record("stored", "pool", [h(2)])
+    assert woken == ["a"] and log.waiting == 0       # once, then dropped
+    assert log.wake_on_event(log.epoch, log.seq, lambda: woken.append("b"))
+    log.close()                                      # the engine stops: nobody is left holding
+    assert woken == ["a", "b"] and log.waiting == 0
+    assert not log.wake_on_event(log.epoch, log.seq, lambda: woken.append("late"))
