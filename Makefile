@@ -20,7 +20,7 @@ thirdparty-crds:
 
 # Every suite, the real node's user path (tests/e2e_real) included: it needs the images and the node.
 test: venv controlplane thirdparty-crds node images prometheus-tools
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests --durations=30
 
 # promtool (Debian's prometheus package) for the alert-rule tests and `promtool check metrics`.
 prometheus-tools:

@@ -64,6 +64,7 @@ class TurnGate:
         self.prompts: dict[int, list[str]] = {t: [] for t in actions}
         self.done = {t: asyncio.Event() for t in actions}
         self.started: set[int] = set()
+        self.action_s = 0.0      # time spent in the actions (a restart): not serving time
 
     async def arrive(self, turn: int, prompt: str) -> None:
         if turn in self.actions:
@@ -80,9 +81,11 @@ class TurnGate:
         for t, action in self.actions.items():
             if t not in self.started and len(self.prompts[t]) >= self.parties:
                 self.started.add(t)
+                t0 = time.perf_counter()
                 try:
                     await action(self.prompts[t])
                 finally:
+                    self.action_s += time.perf_counter() - t0
                     self.done[t].set()
 
 
@@ -196,6 +199,7 @@ async def run_arm(arm: str, router_urls: list[str], engine_urls: list[str], args
             "tier_hit_rate": delta["tier_cache_hits"] / max(delta["prefix_cache_queries"], 1), "counters": delta,
             "followup_ttft_p50_ms": 1e3 * percentile(follow, 50), "followup_ttft_p90_ms": 1e3 * percentile(follow, 90),
             "followup_ttft_p99_ms": 1e3 * percentile(follow, 99), "wall_s": wall,
+            "serving_s": wall - (gate.action_s if gate is not None else 0.0),
             "output_tokens": sum(t.result.completion_tokens or t.result.chunks for t in turns if t.ok),
             "last_prompt_tokens": [c[-1].result.prompt_tokens + c[-1].result.completion_tokens for c in convs if c],
             "outcomes": outcomes, "error_samples": sorted({t.result.error[:200] for t in turns if not t.ok})[:5]}

@@ -65,7 +65,7 @@ class Size:
     in_flight: int                      # requests out at once over the 3 replicas
 
 
-SIZES = {"quick": Size(14, 3, 24, (24, 8), 4, 3), "full": Size(16, 4, 60, (40, 20), 16, 3)}
+SIZES = {"quick": Size(14, 3, 24, (24, 8), 4, 3), "full": Size(16, 4, 60, (300, 12), 16, 3)}
 
 
 def working_set_blocks(size: Size) -> int:
@@ -261,11 +261,11 @@ def report(res: dict, args) -> str:
     for r in res["arms"]:
         lines.append(f"  {r['arm']:<18} {r['routers']:>7} {r['ok']:>3}/{r['requests']:<3} "
                      f"{r['followup_ttft_p50_ms']:>7.0f}ms {r['followup_ttft_p90_ms']:>7.0f}ms "
-                     f"{r['output_tokens'] / r['wall_s']:>9.1f} {100 * r['hit_rate']:>7.1f}% "
+                     f"{r['output_tokens'] / r['serving_s']:>9.1f} {100 * r['hit_rate']:>7.1f}% "
                      f"{100 * r['tier_hit_rate']:>7.1f}%  " + ", ".join(f"{k} {v}" for k, v in sorted(r["outcomes"].items())))
     a, t = arms["affinity"], arms["precise+tier"]
     ratio = a["followup_ttft_p90_ms"] / max(t["followup_ttft_p90_ms"], 1e-9)
-    tput = (t["output_tokens"] / t["wall_s"]) / max(a["output_tokens"] / a["wall_s"], 1e-9)
+    tput = (t["output_tokens"] / t["serving_s"]) / max(a["output_tokens"] / a["serving_s"], 1e-9)
     one, two = arms["precise"]["hit_rate"], arms["precise-2-routers"]["hit_rate"]
     rs, sh = res["restart"], res["shared"]
     lines += [
@@ -281,7 +281,8 @@ def report(res: dict, args) -> str:
         f"{sh.get('prefix_tokens', 0)} prefix tokens replica 1 held came from the tier ({100 * sh.get('of_prefix', 0):.1f}%, target "
         f">= 90%) {verdict(sh.get('of_prefix', 0) >= 0.9)}",
         "  (TTFT: follow-up turns; pool hit / tier hit: prompt tokens found in the engines' pools / loaded from "
-        "the tier, over all prompt tokens of the arm; ok: turns answered in full / sent)"]
+        "the tier, over all prompt tokens of the arm; out tok/s: output tokens over the arm's serving time, the "
+        "restart's pause excluded; ok: turns answered in full / sent)"]
     return "\n".join(lines)
 
 
