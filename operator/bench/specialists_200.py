@@ -10,6 +10,7 @@ Specialist, operator RSS <= 300 MB.
 
     .venv/bin/python operator/bench/specialists_200.py -n 1000         # private cluster, N/8 GPU nodes
     .venv/bin/python operator/bench/specialists_200.py --kubeconfig K  # an existing (kwok) cluster
+    .venv/bin/python operator/bench/specialists_200.py -n 1000 --floor # no operator: the control plane's floor
 
 The operator runs as a real subprocess (`consort operator --namespace consort-bench`) with the warm
 signal falling back to pod readiness (kwok pods are Ready at once; their IPs are never contacted).
