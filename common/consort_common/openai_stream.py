@@ -48,7 +48,7 @@ class StreamResult:
     error: str = ""               # the typed error's code (or type), the exception, or the body's head
     retry_after_s: float | None = None
     retries: int = 0              # rejected attempts before this one
-    ttft: float | None = None     # first content chunk, from the answered attempt's send
+    ttft: float | None = None     # first token's chunk (its text may be held back), from the answered attempt's send
     itls: list[float] = field(default_factory=list)
     e2e: float = 0.0
     text: str = ""
@@ -110,6 +110,7 @@ async def _attempt(session: Any, url: str, body: dict, headers: dict, idle_timeo
 
     res = StreamResult()
     stamps: list[float] = []          # arrival of each content-bearing chunk
+    first: list[float] = []           # arrival of the first chunk that carries a token
     t0 = time.perf_counter()
     loop = asyncio.get_running_loop()
     idle = asyncio.timeout(idle_timeout_s)
@@ -126,7 +127,7 @@ async def _attempt(session: Any, url: str, body: dict, headers: dict, idle_timeo
                     async for line in _lines(resp):
                         if idle_timeout_s is not None:
                             idle.reschedule(loop.time() + idle_timeout_s)
-                        if done := _event(res, line, stamps):
+                        if done := _event(res, line, stamps, first):
                             break
                     if not done:
                         res.outcome, res.error = "failed", "the stream ended without data: [DONE]"
@@ -138,8 +139,8 @@ async def _attempt(session: Any, url: str, body: dict, headers: dict, idle_timeo
     except aiohttp.ClientError as e:
         res.outcome, res.error = "failed", f"{type(e).__name__}: {e}"
     res.e2e = time.perf_counter() - t0
-    if stamps:
-        res.ttft = stamps[0] - t0
+    if first or stamps:
+        res.ttft = (first or stamps)[0] - t0
         res.itls = [b - a for a, b in zip(stamps, stamps[1:])]
     return res
 
@@ -156,8 +157,10 @@ async def _lines(resp: Any):
         yield buf.strip()
 
 
-def _event(res: StreamResult, line: bytes, stamps: list[float]) -> bool:
-    """Fold one SSE line into `res`; True when the stream is over (done, an error event, garbage)."""
+def _event(res: StreamResult, line: bytes, stamps: list[float], first: list[float] | None = None) -> bool:
+    """Fold one SSE line into `res`; True when the stream is over (done, an error event, garbage).
+    `first` gets the arrival of the first chunk carrying a token: a completion choice, or a chat delta
+    that is not the opening role-only one (a token whose text is held back comes with empty text)."""
     if not line.startswith(b"data:"):
         return False            # comments, event:/id: fields, the blank line between events
     data = line[5:].strip()
@@ -176,7 +179,10 @@ def _event(res: StreamResult, line: bytes, stamps: list[float]) -> bool:
         return True
     _usage(res, msg)
     for ch in msg.get("choices") or []:
-        piece = ch.get("text") if "text" in ch else (ch.get("delta") or {}).get("content")
+        delta = ch.get("delta") or {}
+        if first is not None and not first and ("text" in ch or ("content" in delta and "role" not in delta)):
+            first.append(time.perf_counter())
+        piece = ch.get("text") if "text" in ch else delta.get("content")
         if piece:
             stamps.append(time.perf_counter())
             res.chunks += 1

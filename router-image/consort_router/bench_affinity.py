@@ -199,6 +199,9 @@ async def run_arm(arm: str, router_urls: list[str], engine_urls: list[str], args
             "tier_hit_rate": delta["tier_cache_hits"] / max(delta["prefix_cache_queries"], 1), "counters": delta,
             "followup_ttft_p50_ms": 1e3 * percentile(follow, 50), "followup_ttft_p90_ms": 1e3 * percentile(follow, 90),
             "followup_ttft_p99_ms": 1e3 * percentile(follow, 99), "wall_s": wall,
+            "ttft_p90_ms_by_turn": [1e3 * percentile([c[t].result.ttft for c in convs if len(c) > t and c[t].ok
+                                                      and c[t].result.ttft is not None], 90)
+                                    for t in range(max((len(c) for c in convs), default=0))],
             "serving_s": wall - (gate.action_s if gate is not None else 0.0),
             "output_tokens": sum(t.result.completion_tokens or t.result.chunks for t in turns if t.ok),
             "last_prompt_tokens": [c[-1].result.prompt_tokens + c[-1].result.completion_tokens for c in convs if c],

@@ -262,7 +262,8 @@ def report(res: dict, args) -> str:
         lines.append(f"  {r['arm']:<18} {r['routers']:>7} {r['ok']:>3}/{r['requests']:<3} "
                      f"{r['followup_ttft_p50_ms']:>7.0f}ms {r['followup_ttft_p90_ms']:>7.0f}ms "
                      f"{r['output_tokens'] / r['serving_s']:>9.1f} {100 * r['hit_rate']:>7.1f}% "
-                     f"{100 * r['tier_hit_rate']:>7.1f}%  " + ", ".join(f"{k} {v}" for k, v in sorted(r["outcomes"].items())))
+                     f"{100 * r['tier_hit_rate']:>7.1f}%  " + ", ".join(f"{k} {v}" for k, v in sorted(r["outcomes"].items()))
+                     + "; TTFT p90 by turn " + " ".join(f"{v:.0f}" for v in r["ttft_p90_ms_by_turn"]) + " ms")
     a, t = arms["affinity"], arms["precise+tier"]
     ratio = a["followup_ttft_p90_ms"] / max(t["followup_ttft_p90_ms"], 1e-9)
     tput = (t["output_tokens"] / t["serving_s"]) / max(a["output_tokens"] / a["serving_s"], 1e-9)

@@ -259,8 +259,10 @@ async def stream_response(request: web.Request, ctx: ServerContext, req: Generat
                 parser = parsers[c.index]
                 pieces = tool_calls.chunk_pieces(parser.feed(d.text) + (parser.finish() if finish else [])) or [("", None)]
                 finish = finish and tool_calls.finish_reason(req.tools, parser.called, finish)
-            if not (any(t or tc for t, tc in pieces) or finish or (req.return_token_ids and d.token_ids)
-                    or d.logprobs):
+            # New tokens are sent even while their text is held back (an incomplete UTF-8 sequence, a
+            # possible stop string or tool-call tag): the chunk says a token came, as vLLM's does, so
+            # a client's time to first token is the first token's, not the first decodable text's.
+            if not (any(t or tc for t, tc in pieces) or finish or d.token_ids or d.logprobs):
                 continue
             logprobs = None
             if req.logprobs is not None:
