@@ -32,6 +32,10 @@ MEDIA = ("pool", "tier")
 TIER_WEIGHT = 0.5          # a block in the tier is worth less than one in the pool: it must be read back
 PAGES_PER_ROUND = 4        # replies fetched per replica per round while the engine says `more`
 MAX_RETRY_S = 8.0          # the longest pause before asking a failing engine again
+# At most one answered long poll per replica this often: a busy engine has block events every few
+# steps, and a router asking again at each would cost the engine and itself a request per event
+# (several routers, several times that). What the router sent itself it already expects (Affinity.sent).
+MIN_FOLLOW_S = 0.05
 # A prompt this router just sent is expected on its replica until the engine's events say so or this
 # many seconds pass: a follow-up turn sent before the engine has computed (and published) the prompt's
 # blocks still finds its prefix. Only this router's own sends: another router replica learns from the
@@ -160,7 +164,7 @@ class KVSubscriber:
     at its next block event, so the view follows the engine within a round trip. A replica not ready
     yet is looked at again every `retry_s`; a failed request is retried after `retry_s`, doubling
     per failure in a row up to MAX_RETRY_S. An engine that does not know `wait` (400) is polled
-    every `retry_s` instead."""
+    every `retry_s` instead. Answered polls are at least MIN_FOLLOW_S apart."""
 
     def __init__(self, session: aiohttp.ClientSession, retry_s: float, timeout_s: float,
                  max_hashes: int, limit: int = 4096, metrics: RouterMetrics | None = None,
@@ -263,7 +267,9 @@ class KVSubscriber:
             elif url in self.polled or (got == 0 and time.monotonic() - started < wait_s / 2):
                 delay = self.retry_s    # polled; or answered early with nothing new (an engine stopping)
             else:
-                continue
+                delay = MIN_FOLLOW_S - (time.monotonic() - started)
+                if delay <= 0:
+                    continue
             await asyncio.sleep(delay)
 
     def _lag(self) -> None:
