@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import json
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -353,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     finally:
         stop_all(fleet.procs)
+        shutil.rmtree(tmp / "tier", ignore_errors=True)    # the logs stay; the tier's blocks (up to 2 GB) go
 
 
 if __name__ == "__main__":
