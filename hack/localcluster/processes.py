@@ -34,7 +34,8 @@ def belongs_to(pid: int, layout: Layout) -> bool:
     if not argv or Path(argv[0]).name not in PROGRAMS:
         return False
     root = str(layout.root)
-    return any(root in arg for arg in argv[1:])
+    # The dir itself or a path under it: /x/cluster must not claim /x/cluster-real's processes.
+    return any(arg == root or arg.endswith("=" + root) or root + "/" in arg for arg in argv[1:])
 
 
 def real_node_elsewhere(layout: Layout) -> Path | None:

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -142,6 +143,11 @@ def test_a_second_real_node_is_refused_in_one_line_naming_the_running_one(tmp_pa
     fake_containerd = subprocess.Popen(
         ["containerd", "-c", "import time; time.sleep(60)", "--config", str(other / "node" / "containerd.toml")],
         executable=sys.executable)
+    # Until the child has exec'd, /proc shows the parent's command line: wait for the fake's own.
+    deadline = time.monotonic() + 10
+    while b"containerd.toml" not in Path(f"/proc/{fake_containerd.pid}/cmdline").read_bytes():
+        assert time.monotonic() < deadline, "the fake containerd did not start"
+        time.sleep(0.01)
     monkeypatch.setattr(commands.real, "preflight", lambda: None)   # root and the node's tools: not the point here
     cluster_dir = tmp_path / "cluster"
     try:
@@ -154,3 +160,20 @@ def test_a_second_real_node_is_refused_in_one_line_naming_the_running_one(tmp_pa
     assert len(lines) == 1 and f"a real node already runs from {other}" in lines[0], lines
     assert f"CONSORT_REAL_CLUSTER_DIR={other}" in lines[0]
     assert live_pids(cluster_dir) == {} and not (cluster_dir / "node").exists()
+
+
+def test_a_cluster_dir_does_not_claim_a_sibling_whose_name_it_prefixes(tmp_path: Path):
+    # /x/cluster and /x/cluster-real are two clusters: `down` of the first must not stop the second's.
+    sibling = tmp_path / "cluster-real" / "node" / "containerd.toml"
+    fake = subprocess.Popen(["containerd", "-c", "import time; time.sleep(60)", "--config", str(sibling)],
+                            executable=sys.executable)
+    try:
+        deadline = time.monotonic() + 10
+        while b"containerd.toml" not in Path(f"/proc/{fake.pid}/cmdline").read_bytes():
+            assert time.monotonic() < deadline, "the fake containerd did not start"
+            time.sleep(0.01)
+        assert not processes.belongs_to(fake.pid, layout.Layout(tmp_path / "cluster", tmp_path / "bin"))
+        assert processes.belongs_to(fake.pid, layout.Layout(tmp_path / "cluster-real", tmp_path / "bin"))
+    finally:
+        fake.kill()
+        fake.wait()
