@@ -183,13 +183,22 @@ def metric_sum(text: str, name: str) -> float:
                if line.startswith(name + "{") or line.startswith(name + " "))
 
 
+def install_crds(kubectl: Kubectl) -> None:
+    kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
+    kubectl("wait", "--for=condition=Established", "crd/specialists.consort.dev", "--timeout=60s")
+    kubectl("create", "namespace", NS, check=False)
+
+
+def cluster_down(cluster_dir: Path) -> None:
+    subprocess.run([str(REPO / "hack" / "controlplane.sh"), "down"], capture_output=True, timeout=120,
+                   env={**os.environ, "CONSORT_CLUSTER_DIR": str(cluster_dir)})
+
+
 def floor_run(args: argparse.Namespace, kubectl: Kubectl, cluster_dir: Path | None) -> int:
     """--floor: the Specialists and their children applied directly, no operator, until every Deployment
     is available; CPU and apiserver requests as in the operator run."""
     try:
-        kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
-        kubectl("wait", "--for=condition=Established", "crd/specialists.consort.dev", "--timeout=60s")
-        kubectl("create", "namespace", NS, check=False)
+        install_crds(kubectl)
         manifests = floor_manifests(args.count, 4)
         pids = {f.stem: int(f.read_text()) for f in sorted((cluster_dir / "pids").glob("*.pid"))} if cluster_dir else {}
         requests0, cpu0, t0 = apiserver_requests(kubectl), cpu_snapshot(pids), time.monotonic()
@@ -223,8 +232,7 @@ def floor_run(args: argparse.Namespace, kubectl: Kubectl, cluster_dir: Path | No
         return 0
     finally:
         if cluster_dir is not None:
-            subprocess.run([str(REPO / "hack" / "controlplane.sh"), "down"], capture_output=True, timeout=120,
-                           env={**os.environ, "CONSORT_CLUSTER_DIR": str(cluster_dir)})
+            cluster_down(cluster_dir)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -257,9 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.floor:
         return floor_run(args, kubectl, cluster_dir)
     try:
-        kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
-        kubectl("wait", "--for=condition=Established", "crd/specialists.consort.dev", "--timeout=60s")
-        kubectl("create", "namespace", NS, check=False)
+        install_crds(kubectl)
         metrics_port, live_port = free_port(), free_port()
         log = open(Path(tempfile.gettempdir()) / "consort-bench-operator.log", "wb")
         op = subprocess.Popen([CONSORT, "operator", "--kubeconfig", args.kubeconfig, "--namespace", NS, "--standalone",
@@ -394,8 +400,7 @@ def main(argv: list[str] | None = None) -> int:
             except subprocess.TimeoutExpired:
                 op.kill()
         if cluster_dir is not None:
-            subprocess.run([str(REPO / "hack" / "controlplane.sh"), "down"], capture_output=True, timeout=120,
-                           env={**os.environ, "CONSORT_CLUSTER_DIR": str(cluster_dir)})
+            cluster_down(cluster_dir)
         else:
             kubectl("delete", "namespace", NS, "--wait=false", check=False)
 
