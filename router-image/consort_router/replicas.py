@@ -60,38 +60,39 @@ def choose_replica(
     the least-loaded replica answers, typed (404 adapter_not_found) if it cannot serve it either.
 
     Without `affinity` (or a prompt too short to hash): the least load; ties go to the fewest in
-    flight, then URL. With it, among the replicas whose load is within `load_slack` of the least:
-    the one holding the deepest prefix of the prompt; when none holds any, the one the prompt's
-    first block hashes to (rendezvous hashing), so prompts that share a beginning meet on one
-    replica and different ones spread. A replica further above the least load than the slack is
-    not worth its cache hits: the request spills to the least-loaded one.
+    flight, then URL. With it, each replica is scored in queue-depth units: its load, less
+    `load_slack` times the share of the prompt's blocks it holds (`prefix_credit`), and the lowest
+    score wins. A replica holding the whole prompt may carry `load_slack` more requests than one
+    holding none before a request goes elsewhere; one holding only a shared system prompt (a small
+    share of a long prompt) earns a fraction of that, so conversations that share one system prompt
+    spread over idle replicas instead of queueing on the first replica that served it.
 
-    Replicas that hold the same deepest prefix (typically: all hold only a shared system prompt;
-    of equal depth, the one holding more blocks, some in its tier, goes first) are told apart by
-    rendezvous hashing too, on the first block past what they hold (the last block when they hold
-    it all), never by load or in-flight counts: those differ between router
-    replicas (each sees its own sends), the block does not, so every router in front of the same
+    Replicas with the same score (typically idle ones holding the same prefix, or nothing) are told
+    apart by rendezvous hashing on the first block past what they hold (the last block when they
+    hold it all), never by in-flight counts alone: every router replica in front of the same idle
     engines sends a conversation to the same replica, and so does its next turn when its history
-    was evicted everywhere (its block at that index is unchanged)."""
+    was evicted everywhere (its block at that index is unchanged); prompts that share a beginning
+    meet on one replica and different ones spread."""
     candidates = [r for r in replicas if r.ready and r.url not in exclude]
     if adapter is not None:
         candidates = [r for r in candidates if adapter in r.adapters] or candidates
     if not candidates:
         return None
     loads = {r.url: r.load(preempting_penalty) for r in candidates}
-    least = min(candidates, key=lambda r: (loads[r.url], r.inflight, r.url))
     if affinity is None or not affinity.hashes:
-        return least
-    near = [r for r in candidates if loads[r.url] <= loads[least.url] + affinity.load_slack]
-    held = [r for r in near if affinity.depth.get(r.url, 0) > 0]
-    if held:
-        rank = {r.url: (affinity.depth[r.url], affinity.blocks_held(r.url)) for r in held}
-        top = max(rank.values())
-        deepest = [r for r in held if rank[r.url] == top]
-        return rendezvous(deepest, affinity.hashes[min(top[1], len(affinity.hashes) - 1)])
-    if any(affinity.depth.get(r.url, 0) > 0 for r in candidates):
-        return least  # the prefix is on a replica too busy to wait for: spill
-    return rendezvous(near, affinity.hashes[0])
+        return min(candidates, key=lambda r: (loads[r.url], r.inflight, r.url))
+    score = {r.url: round(loads[r.url] - prefix_credit(affinity, r.url), 9) for r in candidates}
+    best = min(score.values())
+    tied = [r for r in candidates if score[r.url] == best]
+    held = max(affinity.blocks_held(r.url) for r in tied)
+    tied = [r for r in tied if affinity.blocks_held(r.url) == held]
+    return rendezvous(tied, affinity.hashes[min(held, len(affinity.hashes) - 1)])
+
+
+def prefix_credit(affinity: Affinity, url: str) -> float:
+    """Queue-depth units a replica's cached prefix is worth: `load_slack` for the whole prompt held in
+    the pool, in proportion to the share held (tier blocks count at their weight in the depth)."""
+    return affinity.load_slack * affinity.depth.get(url, 0) / len(affinity.hashes)
 
 
 def rendezvous(replicas: list[ReplicaState], key: bytes) -> ReplicaState:

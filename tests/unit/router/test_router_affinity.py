@@ -105,17 +105,14 @@ def test_affinity_respects_ready_exclude_and_adapter():
     assert choose_replica(reps, 8.0, adapter="fix", affinity=aff).url == "b"  # only b has the adapter
 
 
-def test_routers_with_different_in_flight_agree_on_a_tied_depth():
-    # Two router replicas in front of the same three engines, each with its own sends in flight: all
-    # three hold the system prompt (depth 2), so the choice must not hang on what only one router sees.
+def test_routers_agree_on_a_tied_depth_and_on_a_held_history():
+    # Two router replicas in front of the same three idle engines that all hold the system prompt
+    # (depth 2): the choice hangs on the prompt's blocks, not on the router, so both send it to the
+    # same replica.
     h = hashes(SYSTEM + "a conversation of its own " * 20)
     depth = {"http://r0": 2, "http://r1": 2, "http://r2": 2}
     router1 = [rep("http://r0"), rep("http://r1"), rep("http://r2")]
     router2 = [rep("http://r0"), rep("http://r1"), rep("http://r2")]
-    for r, n in zip(router1, (0, 2, 1)):
-        r.inflight = n
-    for r, n in zip(router2, (3, 0, 2)):
-        r.inflight = n
     one = choose_replica(router1, 8.0, affinity=Affinity(h, depth, load_slack=4.0))
     two = choose_replica(router2, 8.0, affinity=Affinity(h, depth, load_slack=4.0))
     assert one.url == two.url
@@ -125,9 +122,32 @@ def test_routers_with_different_in_flight_agree_on_a_tied_depth():
     later = hashes(SYSTEM + "a conversation of its own " * 20 + "an answer, then more " * 20)
     assert later[2] == h[2]
     assert choose_replica(router2, 8.0, affinity=Affinity(later, depth, load_slack=4.0)).url == one.url
-    # A deeper holder still wins over the tie.
-    deeper = dict(depth, **{"http://r0" if one.url != "http://r0" else "http://r1": 3})
-    assert choose_replica(router1, 8.0, affinity=Affinity(h, deeper, load_slack=4.0)).url != one.url
+    # Its history held on one replica: both routers send it there, though each has its own sends in
+    # flight elsewhere.
+    held = dict(depth, **{one.url: len(later)})
+    for r, n in zip(router1, (0, 2, 1)):
+        r.inflight = n
+    for r, n in zip(router2, (3, 0, 2)):
+        r.inflight = n
+    for router in (router1, router2):
+        assert choose_replica(router, 8.0, affinity=Affinity(later, held, load_slack=4.0)).url == one.url
+
+
+def test_a_shared_system_prompt_does_not_pull_every_conversation_onto_one_replica():
+    # r0 served the first conversation and holds the system prompt (2 of the prompt's blocks): one
+    # request there outweighs it, and the next conversation goes to an idle replica.
+    h = hashes(SYSTEM + "a long first question of its own " * 40)
+    assert len(h) >= 10
+    reps = [rep("http://r0", running=1), rep("http://r1"), rep("http://r2")]
+    aff = Affinity(h, {"http://r0": 2}, load_slack=4.0)
+    chosen = choose_replica(reps, 8.0, affinity=aff)
+    assert chosen.url != "http://r0" and choice_outcome(aff, chosen) == "spill"
+    # Its whole history there, the same load keeps it: the credit is the share of the prompt held.
+    deep = Affinity(h, {"http://r0": len(h)}, load_slack=4.0)
+    assert choose_replica(reps, 8.0, affinity=deep).url == "http://r0"
+    # ... up to load_slack requests more than an idle replica holding none.
+    reps[0].running = 5
+    assert choose_replica(reps, 8.0, affinity=deep).url != "http://r0"
 
 
 def test_conversations_sharing_a_system_prompt_spread_over_tied_replicas():
@@ -145,10 +165,10 @@ def test_conversations_sharing_a_system_prompt_spread_over_tied_replicas():
 def test_of_equal_depth_the_replica_holding_more_blocks_wins():
     # A replica back from a restart holds a conversation's four blocks in its tier (4 x 0.5); another
     # holds the two blocks of the system prompt in its pool (2 x 1): the same depth, but the first
-    # has more of the prompt, whatever the loads or the block past the shorter chain hash to.
+    # has more of the prompt, whatever the block past the shorter chain hashes to.
     for i in range(8):
         h = hashes(SYSTEM + f"conversation {i} of its own " * 40)
-        reps = [rep("http://restarted", running=i % 3), rep("http://other", running=2 - i % 3)]
+        reps = [rep("http://restarted", running=i % 3), rep("http://other", running=i % 3)]
         aff = Affinity(h, {"http://restarted": 2.0, "http://other": 2.0}, 4.0, precise=True,
                        chain={"http://restarted": 4, "http://other": 2})
         assert choose_replica(reps, 8.0, affinity=aff).url == "http://restarted"
