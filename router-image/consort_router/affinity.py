@@ -33,7 +33,7 @@ class Affinity:
 
     hashes: tuple[bytes, ...]   # chained block hashes of its prompt (may be empty: nothing to match)
     depth: dict[str, float]     # replica url -> leading blocks it holds (precise) or served before
-    load_slack: float           # queue-depth units the whole prompt held is worth (replicas.prefix_credit)
+    load_slack: float           # the affine replica wins while its load <= least load + this
     precise: bool = False       # engine block hashes scored from block events (else character hashes)
     views: dict[str, ReplicaBlocks] | None = field(default=None, compare=False)   # precise: told where it went
     chain: dict[str, int] = field(default_factory=dict)   # precise: url -> leading blocks held, any medium

@@ -231,7 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="consort bench affinity", description=__doc__.splitlines()[0],
                                  formatter_class=HelpFormatter)
     ap.add_argument("--model", required=True, help="checkpoint dir: three `consort engine`s are started on it")
-    ap.add_argument("--engine-args", default="--num-blocks 512", help="extra `consort engine` arguments")
+    ap.add_argument("--engine-args", default="--num-blocks 512 --threads 1",
+                    help="extra `consort engine` arguments (one thread each: every replica a one-CPU pod; engines "
+                         "whose threads outnumber the machine's cores spin on each other's)")
     ap.add_argument("--conversations", type=int, default=24, help="conversations, all sharing one system prompt")
     ap.add_argument("--turns", type=int, default=4, help="turns per conversation")
     ap.add_argument("--system-words", type=int, default=120, help="length of the shared system prompt, words")

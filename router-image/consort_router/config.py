@@ -359,16 +359,16 @@ class ReplicaChoice(_Strict):
 
     policy: Literal["prefix-affine", "least-loaded"] = Field(
         "prefix-affine",
-        description="prefix-affine: the replica with the lowest queue depth less the credit for the prompt's prefix "
-        "it holds in its KV cache (see load_slack); least-loaded: the least queue depth only.",
+        description="prefix-affine: the replica holding the deepest prefix of the prompt in its KV cache (at least half "
+        "its blocks), while its load is within load_slack of the least; a shorter prefix (a shared system prompt) "
+        "goes to the least loaded; least-loaded: the least queue depth only.",
     )
     block_chars: int = Field(128, ge=8, description="Prompt characters per hashed block (engines cache whole "
                              "KV blocks; 128 characters is about two 16-token blocks).")
     max_blocks: int = Field(64, ge=1, description="Leading blocks hashed per prompt (longer prompts match on "
                             "their first max_blocks * block_chars characters).")
-    load_slack: float = Field(4.0, ge=0, description="Queue-depth units a replica holding the prompt's whole prefix "
-                              "may carry above one holding none before the request goes to the other; a replica "
-                              "holding part of the prompt earns that share of it.")
+    load_slack: float = Field(4.0, ge=0, description="Queue-depth units the affine replica may carry above the "
+                              "least-loaded one before a request spills to the least-loaded one.")
     index_blocks: int = Field(200_000, ge=1, description="Block hashes remembered (LRU), all lanes together.")
     kv_events: bool = Field(True, description="prefix-affine: follow each engine's block events (GET "
                             "/v1/kv/events) and, for prompts whose token ids the router knows exactly, route on "

@@ -49,6 +49,12 @@ class ReplicaState:
         }
 
 
+# The share of a prompt's blocks a replica must hold for its prefix to outweigh load (SGLang's router
+# has the same rule, cache_threshold 0.5): a shared system prompt ahead of a long message of its own
+# is cheaper to recompute on an idle replica than to queue for on a busy one.
+MIN_AFFINE_SHARE = 0.5
+
+
 def choose_replica(
     replicas: list[ReplicaState], preempting_penalty: float, exclude: frozenset[str] = frozenset(),
     adapter: str | None = None, affinity: Affinity | None = None,
@@ -60,39 +66,51 @@ def choose_replica(
     the least-loaded replica answers, typed (404 adapter_not_found) if it cannot serve it either.
 
     Without `affinity` (or a prompt too short to hash): the least load; ties go to the fewest in
-    flight, then URL. With it, each replica is scored in queue-depth units: its load, less
-    `load_slack` times the share of the prompt's blocks it holds (`prefix_credit`), and the lowest
-    score wins. A replica holding the whole prompt may carry `load_slack` more requests than one
-    holding none before a request goes elsewhere; one holding only a shared system prompt (a small
-    share of a long prompt) earns a fraction of that, so conversations that share one system prompt
-    spread over idle replicas instead of queueing on the first replica that served it.
+    flight, then URL. With it, among the replicas whose load is within `load_slack` of the least:
+    the one holding the deepest prefix of the prompt, as long as it holds at least
+    MIN_AFFINE_SHARE of the prompt's blocks (pool or tier). A replica further above the least load
+    than the slack is not worth its cache hits: the request spills to the least-loaded one. A
+    prefix shorter than that share (typically a system prompt every conversation shares, ahead of a
+    long message of its own) is not worth a queue: the least-loaded replica takes the request, of
+    equally loaded ones the one holding more of it, so conversations that share a system prompt
+    spread over idle replicas instead of queueing on the first one that served it. A prompt no
+    replica holds any of goes where its first block hashes to (rendezvous hashing), so prompts that
+    share a beginning meet on one replica and different ones spread.
 
-    Replicas with the same score (typically idle ones holding the same prefix, or nothing) are told
+    Replicas that tie (the same deepest prefix; or, equally loaded, the same short one) are told
     apart by rendezvous hashing on the first block past what they hold (the last block when they
-    hold it all), never by in-flight counts alone: every router replica in front of the same idle
-    engines sends a conversation to the same replica, and so does its next turn when its history
-    was evicted everywhere (its block at that index is unchanged); prompts that share a beginning
-    meet on one replica and different ones spread."""
+    hold it all), never by in-flight counts: every router replica in front of the same engines
+    sends a conversation to the same replica, and so does its next turn when its history was
+    evicted everywhere and the engines are equally loaded (its block at that index is unchanged)."""
     candidates = [r for r in replicas if r.ready and r.url not in exclude]
     if adapter is not None:
         candidates = [r for r in candidates if adapter in r.adapters] or candidates
     if not candidates:
         return None
     loads = {r.url: r.load(preempting_penalty) for r in candidates}
+    least = min(candidates, key=lambda r: (loads[r.url], r.inflight, r.url))
     if affinity is None or not affinity.hashes:
-        return min(candidates, key=lambda r: (loads[r.url], r.inflight, r.url))
-    score = {r.url: round(loads[r.url] - prefix_credit(affinity, r.url), 9) for r in candidates}
-    best = min(score.values())
-    tied = [r for r in candidates if score[r.url] == best]
-    held = max(affinity.blocks_held(r.url) for r in tied)
-    tied = [r for r in tied if affinity.blocks_held(r.url) == held]
-    return rendezvous(tied, affinity.hashes[min(held, len(affinity.hashes) - 1)])
+        return least
+    enough = MIN_AFFINE_SHARE * len(affinity.hashes)
+    affine = [r for r in candidates if affinity.depth.get(r.url, 0) > 0 and affinity.blocks_held(r.url) >= enough]
+    if affine:
+        near = [r for r in affine if loads[r.url] <= loads[least.url] + affinity.load_slack]
+        if not near:
+            return least  # the prefix is on a replica too busy to wait for: spill
+        return deepest_of(near, affinity, lambda r: (affinity.depth[r.url], affinity.blocks_held(r.url)))
+    if not affinity.depth:
+        near = [r for r in candidates if loads[r.url] <= loads[least.url] + affinity.load_slack]
+        return rendezvous(near, affinity.hashes[0])
+    idle = [r for r in candidates if loads[r.url] == loads[least.url]]
+    return deepest_of(idle, affinity, lambda r: (affinity.blocks_held(r.url), affinity.depth.get(r.url, 0)))
 
 
-def prefix_credit(affinity: Affinity, url: str) -> float:
-    """Queue-depth units a replica's cached prefix is worth: `load_slack` for the whole prompt held in
-    the pool, in proportion to the share held (tier blocks count at their weight in the depth)."""
-    return affinity.load_slack * affinity.depth.get(url, 0) / len(affinity.hashes)
+def deepest_of(replicas: list[ReplicaState], affinity: Affinity, rank) -> ReplicaState:
+    """Of `replicas`, those with the highest `rank` (a tuple whose first element counts blocks held),
+    told apart by rendezvous hashing on the prompt's first block past what they hold."""
+    top = max(rank(r) for r in replicas)
+    tied = [r for r in replicas if rank(r) == top]
+    return rendezvous(tied, affinity.hashes[min(affinity.blocks_held(tied[0].url), len(affinity.hashes) - 1)])
 
 
 def rendezvous(replicas: list[ReplicaState], key: bytes) -> ReplicaState:

@@ -96,8 +96,8 @@ class Verifier(Model):
 
 
 class ReplicaChoice(Model):
-    policy: Literal["prefix-affine", "least-loaded"] = Field(default="prefix-affine", description="How a lane picks among its warm replicas: prefix-affine sends a request to the replica most likely to hold its prompt's prefix in KV cache (the engines' own block hashes, followed through their block events, where the router can tokenize the prompt; otherwise chained hashes of its text blocks) unless its queue depth, less loadSlack times the share of the prompt it holds, is above another replica's; least-loaded uses queue depth only.")
-    load_slack: float = Field(default=4.0, ge=0.0, le=1000.0, description="Queue-depth units a replica holding the prompt's whole prefix may carry above one holding none before the request goes to the other; a replica holding part of the prompt earns that share of it.")
+    policy: Literal["prefix-affine", "least-loaded"] = Field(default="prefix-affine", description="How a lane picks among its warm replicas: prefix-affine sends a request to the replica most likely to hold its prompt's prefix in KV cache (the engines' own block hashes, followed through their block events, where the router can tokenize the prompt; otherwise chained hashes of its text blocks) while that replica holds at least half the prompt's blocks and its queue depth is within loadSlack of the least-loaded one (a shorter prefix, such as a shared system prompt, goes to the least loaded); least-loaded uses queue depth only.")
+    load_slack: float = Field(default=4.0, ge=0.0, le=1000.0, description="Queue-depth units the affine replica may carry above the least-loaded one before a request spills to the least-loaded one.")
     block_chars: int = Field(default=128, ge=8, le=65_536, description="Prompt characters per hashed block (engines cache whole KV blocks; 128 characters is about two 16-token blocks).")
 
 

@@ -2,10 +2,11 @@
 hits against queue depth."""
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 from consort_router.affinity import Affinity, PrefixIndex, prefix_hashes
-from consort_router.replicas import ReplicaState, choice_outcome, choose_replica
+from consort_router.replicas import MIN_AFFINE_SHARE, ReplicaState, choice_outcome, choose_replica
 
 SYSTEM = "You are a careful C++ reviewer. " * 10   # 320 chars: two full 128-char blocks
 
@@ -134,18 +135,23 @@ def test_routers_agree_on_a_tied_depth_and_on_a_held_history():
 
 
 def test_a_shared_system_prompt_does_not_pull_every_conversation_onto_one_replica():
-    # r0 served the first conversation and holds the system prompt (2 of the prompt's blocks): one
-    # request there outweighs it, and the next conversation goes to an idle replica.
+    # r0 served the first conversation and holds the system prompt (2 of the prompt's blocks, under
+    # MIN_AFFINE_SHARE): one request there outweighs it, and the next conversation goes to an idle
+    # replica; of idle ones, one holding the system prompt goes first.
     h = hashes(SYSTEM + "a long first question of its own " * 40)
-    assert len(h) >= 10
+    assert 2 < MIN_AFFINE_SHARE * len(h)
     reps = [rep("http://r0", running=1), rep("http://r1"), rep("http://r2")]
     aff = Affinity(h, {"http://r0": 2}, load_slack=4.0)
     chosen = choose_replica(reps, 8.0, affinity=aff)
     assert chosen.url != "http://r0" and choice_outcome(aff, chosen) == "spill"
-    # Its whole history there, the same load keeps it: the credit is the share of the prompt held.
-    deep = Affinity(h, {"http://r0": len(h)}, load_slack=4.0)
+    assert choose_replica(reps, 8.0, affinity=Affinity(h, {"http://r0": 2, "http://r2": 2}, 4.0)).url == "http://r2"
+    # Its history there (at least half the prompt), r0 keeps it within load_slack of the least load...
+    for held in (len(h), math.ceil(MIN_AFFINE_SHARE * len(h))):
+        deep = Affinity(h, {"http://r0": held, "http://r1": 2}, load_slack=4.0)
+        assert choose_replica(reps, 8.0, affinity=deep).url == "http://r0"
+    # ... and no further: one request past the slack, it spills to the least loaded.
+    reps[0].running = 4
     assert choose_replica(reps, 8.0, affinity=deep).url == "http://r0"
-    # ... up to load_slack requests more than an idle replica holding none.
     reps[0].running = 5
     assert choose_replica(reps, 8.0, affinity=deep).url != "http://r0"
 
