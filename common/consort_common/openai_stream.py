@@ -55,6 +55,7 @@ class StreamResult:
     chunks: int = 0               # content-bearing chunks (a token count where usage is absent)
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0        # usage.prompt_tokens_details.cached_tokens: prompt tokens the server had cached
 
     @property
     def ok(self) -> bool:
@@ -239,3 +240,6 @@ def _usage(res: StreamResult, msg: dict) -> None:
     if isinstance(usage, dict):
         res.prompt_tokens = int(usage.get("prompt_tokens") or 0)
         res.completion_tokens = int(usage.get("completion_tokens") or 0)
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict):
+            res.cached_tokens = int(details.get("cached_tokens") or 0)

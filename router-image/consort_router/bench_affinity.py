@@ -65,6 +65,10 @@ class TurnGate:
         self.done = {t: asyncio.Event() for t in actions}
         self.started: set[int] = set()
         self.action_s = 0.0      # time spent in the actions (a restart): not serving time
+        self.answers: dict[int, list[tuple[str, StreamResult]]] = {}   # turn -> (prompt, its result)
+
+    def answered(self, turn: int, prompt: str, res: StreamResult) -> None:
+        self.answers.setdefault(turn, []).append((prompt, res))
 
     async def arrive(self, turn: int, prompt: str) -> None:
         if turn in self.actions:
@@ -124,6 +128,8 @@ async def conversation(session: aiohttp.ClientSession, url: str, system: str, rn
                 res = await request(session, url + ("/v1/chat/completions" if api == "chat" else "/v1/completions"),
                                     body, policy=policy)
             out.append(Turn(t == 0, res))
+            if gate is not None:
+                gate.answered(t, body.get("prompt", ""), res)
             if not res.ok:
                 break
             exchanges.append((messages[-1]["content"], res.text))

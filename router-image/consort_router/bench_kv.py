@@ -160,8 +160,9 @@ async def router_snapshots(session: aiohttp.ClientSession, url: str) -> float:
 class RestartCheck:
     """Before the middle turn of the precise+tier arm, the replica holding the most conversations (their
     next prompt's leading blocks in its pool or tier, deeper than on any other replica) restarts on the
-    same tier directory: how many of their prefix tokens it held, and what the new process found
-    cached in their next turn."""
+    same tier directory: how many of their prefix tokens it held, how many of those their next turn
+    found cached (each answer's usage.prompt_tokens_details.cached_tokens, up to what the replica held
+    of that prompt), and how many tokens the new process loaded from the tier meanwhile."""
 
     def __init__(self, fleet: Fleet, engines: list[str], router: str, tok: PromptTokenizer) -> None:
         self.fleet, self.engines, self.router, self.tok = fleet, engines, router, tok
@@ -170,6 +171,8 @@ class RestartCheck:
         self.after: dict = {}
         self.before: dict = {}
         self.replica = 0
+        self.held: dict[str, int] = {}       # the held conversations' next prompts -> prefix tokens held
+        self.turn = 0                        # the turn those prompts go in
 
     def hashes(self, prompt: str) -> list[bytes]:
         ids = self.tok.encode_head(prompt, 1 << 20, 0)
@@ -178,14 +181,15 @@ class RestartCheck:
     async def restart(self, prompts: list[str]) -> None:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
             views = [await held(session, u) for u in self.engines]
-            owned: list[list[int]] = [[] for _ in self.engines]     # per replica: held tokens per conversation
+            owned: list[dict[str, int]] = [{} for _ in self.engines]     # per replica: prompt -> held tokens
             for p in prompts:
                 d = [depth(self.hashes(p), v) for v in views]
                 top = max(range(len(d)), key=d.__getitem__)
                 if d[top] > max(d[:top] + d[top + 1:]):
-                    owned[top].append(d[top] * BLOCK)
+                    owned[top][p] = d[top] * BLOCK
             self.replica = max(range(len(owned)), key=lambda i: len(owned[i]))
-            self.conversations, self.held_tokens = len(owned[self.replica]), sum(owned[self.replica])
+            self.held = owned[self.replica]
+            self.conversations, self.held_tokens = len(self.held), sum(self.held.values())
             print(f"bench: restarting replica {self.replica} ({self.conversations} of {len(prompts)} conversations "
                   f"held there, {self.held_tokens} prefix tokens)", file=sys.stderr, flush=True)
             snaps = await router_snapshots(session, self.router)
@@ -199,12 +203,13 @@ class RestartCheck:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
             self.after = await status(session, self.engines[self.replica])
 
-    def result(self) -> dict:
+    def result(self, gate: TurnGate | None) -> dict:
         d = {k: self.after.get(k, 0) - self.before.get(k, 0) for k in
              ("prefix_cache_queries", "prefix_cache_hits", "tier_cache_hits")}
-        cached = d["prefix_cache_hits"] + d["tier_cache_hits"]
-        return {"replica": self.replica, "conversations": self.conversations, "held_tokens": self.held_tokens, "served_tokens": d,
-                "tier_tokens": d["tier_cache_hits"], "cached_tokens": cached,
+        answers = gate.answers.get(self.turn, []) if gate is not None else []
+        cached = sum(min(res.cached_tokens, self.held[p]) for p, res in answers if p in self.held and res.ok)
+        return {"replica": self.replica, "conversations": self.conversations, "held_tokens": self.held_tokens,
+                "served_tokens": d, "tier_tokens": d["tier_cache_hits"], "cached_tokens": cached,
                 "of_held": cached / max(self.held_tokens, 1),
                 "tier_of_prompt": d["tier_cache_hits"] / max(d["prefix_cache_queries"], 1)}
 
@@ -277,10 +282,10 @@ def report(res: dict, args) -> str:
         f"throughput precise+tier / affinity {tput:.2f}x (target >= 1) {verdict(tput >= 1)}",
         f"  hit rate 2 routers {100 * two:.1f}% vs 1 router {100 * one:.1f}%: {100 * (two - one):+.1f} points "
         f"(target within 5) {verdict(abs(two - one) <= 0.05)}",
-        f"  restart: replica {rs['replica']} held {rs['held_tokens']} prefix tokens of {rs['conversations']} conversations; the new "
-        f"process found {rs['cached_tokens']} cached in their next turn ({rs['tier_tokens']} loaded from the tier, "
-        f"the rest pool blocks loaded earlier that turn): {100 * rs['of_held']:.1f}% (target >= 90%) "
-        f"{verdict(rs['of_held'] >= 0.9)}; tier tokens / all its prompt tokens {100 * rs['tier_of_prompt']:.1f}%",
+        f"  restart: replica {rs['replica']} held {rs['held_tokens']} prefix tokens of {rs['conversations']} conversations; their "
+        f"next turn found {rs['cached_tokens']} of them cached: {100 * rs['of_held']:.1f}% (target >= 90%) "
+        f"{verdict(rs['of_held'] >= 0.9)}; the new process loaded {rs['tier_tokens']} tokens from the tier that turn, "
+        f"{100 * rs['tier_of_prompt']:.1f}% of all its prompt tokens",
         f"  shared tier: a conversation of replica 1 (stopped) continued on replica 2: {sh.get('tier_tokens', 0)} of "
         f"{sh.get('prefix_tokens', 0)} prefix tokens replica 1 held came from the tier ({100 * sh.get('of_prefix', 0):.1f}%, target "
         f">= 90%) {verdict(sh.get('of_prefix', 0) >= 0.9)}",
@@ -333,11 +338,13 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         restart = RestartCheck(fleet, tiered, routers["precise+tier"][0], tok)
         mid = size.turns // 2
-        results = []
+        restart.turn = mid
+        results, tier_gate = [], None
         for arm in ARMS:
             engines = tiered if arm == "precise+tier" else plain
             gate = TurnGate(size.conversations, {mid: restart.restart, mid + 1: restart.read}) \
                 if arm == "precise+tier" else None
+            tier_gate = gate or tier_gate
             print(f"bench: arm {arm} ...", file=sys.stderr, flush=True)
             r = asyncio.run(run_arm(arm, routers[arm], engines, args, "completions", size.question_words, gate,
                                     size.in_flight, workload="kv", cache_salt=arm))
@@ -351,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         shared = asyncio.run(shared_tier_check(fleet, tiered, tok, args))
         ws = max(int((TOKENS_PER_WORD * args.system_words + sum(
             t - TOKENS_PER_WORD * args.system_words for t in r["last_prompt_tokens"])) / BLOCK) for r in results)
-        res = {"pool_blocks": pool, "working_set_blocks": ws, "arms": results, "restart": restart.result(),
+        res = {"pool_blocks": pool, "working_set_blocks": ws, "arms": results, "restart": restart.result(tier_gate),
                "shared": shared}
         print(report(res, args))
         if args.json:

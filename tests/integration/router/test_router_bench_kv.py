@@ -51,6 +51,7 @@ def test_tier_serves_another_process_blocks(run):
     _, res, _ = run
     rs, sh = res["restart"], res["shared"]
     assert rs["conversations"] > 0 and rs["held_tokens"] > 0, rs
+    assert 0 < rs["cached_tokens"] <= rs["held_tokens"], rs     # their answers' cached_tokens, up to what was held
     assert sh["ok"] and sh["on_disk_tokens"] > 0, sh
     assert 0 < sh["tier_tokens"] <= sh["on_disk_tokens"], sh
 

@@ -29,3 +29,13 @@ def test_chat_role_chunk_is_not_a_token():
     assert len(first) == 1 and stamps == []
     _event(res, line({"choices": [{"index": 0, "delta": {"content": "x"}}]}), stamps, first)
     assert len(stamps) == 1 and res.text == "x"
+
+
+def test_usage_chunk_carries_prompt_completion_and_cached_tokens():
+    res, stamps, first = StreamResult(), [], []
+    _event(res, line({"choices": [], "usage": {"prompt_tokens": 40, "completion_tokens": 4,
+                                               "prompt_tokens_details": {"cached_tokens": 32}}}), stamps, first)
+    assert (res.prompt_tokens, res.completion_tokens, res.cached_tokens) == (40, 4, 32)
+    other = StreamResult()
+    _event(other, line({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 1}}), stamps, first)
+    assert other.cached_tokens == 0       # a server that does not say: nothing counted as cached
