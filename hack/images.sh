@@ -37,11 +37,7 @@ missing=()
 for p in buildah debootstrap; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
-if [ ${#missing[@]} -gt 0 ]; then
-  say "installing ${missing[*]} (Debian packages)"
-  DEBIAN_FRONTEND=noninteractive apt-get update -q >/dev/null
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null
-fi
+[ ${#missing[@]} -eq 0 ] || "$ROOT/hack/apt-install.sh" images "${missing[@]}"
 
 # --- 1. base image ---------------------------------------------------------------------------
 tarball=$CACHE/base/debian-$SUITE-minbase.tar.gz

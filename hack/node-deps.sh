@@ -9,11 +9,7 @@ for p in "${PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
 [ ${#missing[@]} -eq 0 ] && exit 0
-[ "$(id -u)" -eq 0 ] || { echo "node-deps: need root to apt-get install ${missing[*]}" >&2; exit 1; }
-echo "node-deps: installing ${missing[*]}" >&2
-export DEBIAN_FRONTEND=noninteractive
-apt-get update -q >/dev/null
-apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null
+"$(dirname "${BASH_SOURCE[0]}")/apt-install.sh" node-deps "${missing[@]}"
 # Debian's package starts containerd as a service where an init system runs; the node runs its own
 # containerd with its own config and socket, so a system one is harmless but not needed.
 echo "node-deps: installed ${missing[*]}" >&2

@@ -5,9 +5,5 @@
 set -euo pipefail
 command -v promtool >/dev/null && exit 0
 dpkg-query -W -f='${Status}' prometheus 2>/dev/null | grep -q "install ok installed" && exit 0
-[ "$(id -u)" -eq 0 ] || { echo "prometheus-tools: need root to apt-get install prometheus (promtool)" >&2; exit 1; }
-echo "prometheus-tools: installing prometheus (promtool)" >&2
-export DEBIAN_FRONTEND=noninteractive
-apt-get update -q >/dev/null
-apt-get install -y -q --no-install-recommends prometheus >/dev/null
+"$(dirname "${BASH_SOURCE[0]}")/apt-install.sh" prometheus-tools prometheus
 echo "prometheus-tools: installed $(promtool --version 2>&1 | head -1)" >&2
