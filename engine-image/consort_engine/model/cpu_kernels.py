@@ -1,26 +1,43 @@
-"""The CPU kernels (csrc/cpu_kernels.c): compiled once per machine with the system C compiler
-(a second or two, cached under ~/.cache/consort/kernels keyed by source and flags) and called
-through ctypes, which releases the GIL. None when no compiler is available: callers fall back
-to torch ops. CONSORT_CPU_KERNEL=0 disables them.
+"""The CPU kernels (csrc/cpu_kernels.c), called through ctypes, which releases the GIL.
+
+Where the library comes from, first found:
+1. a prebuilt one for the CPU's x86-64 level (v4: AVX-512; v3: AVX2 + FMA; v2) in CONSORT_KERNELS_DIR:
+   the engine image builds the three (`python -m consort_engine.model.cpu_kernels --prebuild DIR`),
+   so a pod's first start loads one instead of compiling (seconds of a scale-from-zero);
+2. one compiled for this machine (-march=native) with the system C compiler, cached under
+   $CONSORT_CACHE/kernels keyed by source, flags and CPU (a second or two, once per machine).
+None when neither works (no compiler): callers fall back to torch ops. CONSORT_CPU_KERNEL=0
+disables them.
 """
 from __future__ import annotations
 
+import argparse
 import ctypes
 import hashlib
 import os
+import platform
 import subprocess
+import sys
 import sysconfig
 import tempfile
 from pathlib import Path
 
 import torch  # noqa: F401  (loads torch's libgomp first: the kernels' libgomp.so.1 resolves to it)
 
+from consort_common.machine import cpu_model_and_flags
+
 SRC = Path(__file__).with_name("csrc") / "cpu_kernels.c"
 # Reassociation lets the compiler vectorise the reductions; not -ffast-math, whose crtfastmath
 # would switch the whole process to flush-to-zero when the library loads.
-FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
+FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
          "-fno-signed-zeros", "-freciprocal-math", "-fopenmp", "-shared", "-fPIC"]
 
+# gcc's x86-64 microarchitecture levels, each with the /proc/cpuinfo flags it assumes (lzcnt shows
+# as abm); the kernels' own paths need AVX-512F (v4) or AVX2 + FMA (v3).
+_V2 = {"cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3"}
+_V3 = _V2 | {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"}
+LEVELS = {"x86-64-v4": _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"},
+          "x86-64-v3": _V3, "x86-64-v2": _V2}
 P, I, L, F32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {   # name (per dtype suffix) -> (argtypes, restype)
     "paged_attention": ([P, L, P, P, P, L, P, I, P, P, I, I, I, I, I, L, L, L, F32], I),
@@ -38,36 +55,69 @@ SIGNATURES = {   # name (per dtype suffix) -> (argtypes, restype)
 _lib: ctypes.CDLL | None | bool = False   # False = not tried yet
 
 
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), os.uname().machine)
-    except OSError:
-        return os.uname().machine
+def cpu_level(flags: set[str]) -> str | None:
+    """The highest x86-64 level a CPU with these flags runs (None: not x86-64, or below v2)."""
+    return next((level for level, need in LEVELS.items() if need <= flags), None)
 
 
-def _build() -> ctypes.CDLL | None:
-    if os.environ.get("CONSORT_CPU_KERNEL", "1") == "0" or not SRC.exists():
-        return None
+def library_name(march: str, cc: str = "", flags: set[str] = frozenset()) -> str:
+    """File name of the library built with -march=`march`, keyed by source and flags; for
+    -march=native by the compiler and the CPU too (a cache directory may be shared by machines)."""
+    native = f"{cc} {' '.join(sorted(flags))}" if march == "native" else ""
+    key = hashlib.sha256(SRC.read_bytes() + " ".join([f"-march={march}", *FLAGS, native]).encode()).hexdigest()[:16]
+    return f"cpu_kernels-{march}-{key}{sysconfig.get_config_var('SHLIB_SUFFIX') or '.so'}"
+
+
+def compile_library(so: Path, march: str, cc: str) -> bool:
+    """Compile the kernels into `so` (atomically: concurrent engines never load a half-written file)."""
+    with tempfile.TemporaryDirectory(dir=so.parent) as tmp:
+        out = Path(tmp) / so.name
+        try:
+            subprocess.run([cc, f"-march={march}", *FLAGS, "-o", str(out), str(SRC), "-lm"], check=True,
+                           capture_output=True, timeout=120)
+        except (OSError, subprocess.SubprocessError):
+            return False
+        os.replace(out, so)
+    return True
+
+
+def prebuild(out_dir: Path, cc: str = "cc") -> list[Path]:
+    """One library per x86-64 level into `out_dir` (the engine image's build step); none on other
+    architectures, whose engines compile for their machine at first start."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    built: list[Path] = []
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return built
+    for level in LEVELS:
+        so = out_dir / library_name(level)
+        if not compile_library(so, level, cc):
+            raise RuntimeError(f"{cc} could not build the CPU kernels for {level}")
+        built.append(so)
+    return built
+
+
+def library_path() -> Path | None:
+    """The library to load: a prebuilt one for this CPU's level, else one compiled for this machine."""
     cc = os.environ.get("CC", "cc")
-    key = hashlib.sha256(SRC.read_bytes() + " ".join([cc, *FLAGS]).encode()
-                         + _cpu_flags().encode()).hexdigest()[:16]   # -march=native: per CPU model
-    name = f"cpu_kernels-{key}{sysconfig.get_config_var('SHLIB_SUFFIX') or '.so'}"
+    flags = cpu_model_and_flags()[1]
+    prebuilt, level = os.environ.get("CONSORT_KERNELS_DIR"), cpu_level(flags)
+    if prebuilt and level and (so := Path(prebuilt) / library_name(level)).is_file():
+        return so
     cache = Path(os.environ.get("CONSORT_CACHE", Path.home() / ".cache" / "consort")) / "kernels"
     try:
         cache.mkdir(parents=True, exist_ok=True)
     except OSError:           # read-only home (a locked-down pod): build in a private temp dir
         cache = Path(tempfile.mkdtemp(prefix="consort-kernels-"))
-    so = cache / name
-    if not so.exists():
-        with tempfile.TemporaryDirectory(dir=cache) as tmp:
-            out = Path(tmp) / so.name
-            try:
-                subprocess.run([cc, *FLAGS, "-o", str(out), str(SRC), "-lm"], check=True,
-                               capture_output=True, timeout=120)
-            except (OSError, subprocess.SubprocessError):
-                return None
-            os.replace(out, so)     # atomic: concurrent engines never load a half-written file
+    so = cache / library_name("native", cc, flags)
+    return so if so.exists() or compile_library(so, "native", cc) else None
+
+
+def _build() -> ctypes.CDLL | None:
+    if os.environ.get("CONSORT_CPU_KERNEL", "1") == "0" or not SRC.exists():
+        return None
+    so = library_path()
+    if so is None:
+        return None
     lib = ctypes.CDLL(str(so))
     for name, (argtypes, restype) in SIGNATURES.items():
         for suffix in ("f32", "bf16", "f32_bf16kv"):
@@ -103,3 +153,17 @@ def kernel(name: str, dtype: torch.dtype, kv_dtype: torch.dtype | None = None):
     if kv_dtype is not None and kv_dtype != dtype:
         suffix = "f32_bf16kv"
     return getattr(cpu_kernels(), f"{name}_{suffix}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m consort_engine.model.cpu_kernels",
+                                 description="Build the CPU kernels for every x86-64 level (the engine image's step).")
+    ap.add_argument("--prebuild", type=Path, required=True, metavar="DIR", help="where the libraries go")
+    args = ap.parse_args(argv)
+    for so in prebuild(args.prebuild):
+        print(f"cpu_kernels: built {so}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
