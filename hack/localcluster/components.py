@@ -78,6 +78,12 @@ def component_argv(name: str, layout: Layout, ports: Ports) -> list[str]:
                 f"--cluster-signing-key-file={pki / 'ca.key'}",
                 "--controllers=*,-cloud-node-lifecycle-controller,-service-lb-controller,-node-route-controller",
                 "--cluster-name=consort", "--kube-api-qps=100", "--kube-api-burst=200",
+                # After an apiserver outage longer than this, the node controller finds no lease
+                # renewal in its cache and marks the (healthy) node's pods NotReady until the kubelet
+                # renews, which takes their endpoints out of every Service for seconds. One
+                # apiserver has no failover, so the period covers the outage the e2e suite
+                # rehearses (60 s); a dead kubelet is still seen within two minutes.
+                "--node-monitor-grace-period=120s",
             ]
         return argv
     if name == "kwok":
