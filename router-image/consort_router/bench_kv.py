@@ -164,15 +164,15 @@ class RestartCheck:
     found cached (each answer's usage.prompt_tokens_details.cached_tokens, up to what the replica held
     of that prompt), and how many tokens the new process loaded from the tier meanwhile."""
 
-    def __init__(self, fleet: Fleet, engines: list[str], router: str, tok: PromptTokenizer) -> None:
+    def __init__(self, fleet: Fleet, engines: list[str], router: str, tok: PromptTokenizer, turn: int) -> None:
         self.fleet, self.engines, self.router, self.tok = fleet, engines, router, tok
+        self.turn = turn                     # the turn the restart comes before
         self.held_tokens = 0
         self.conversations = 0
         self.after: dict = {}
         self.before: dict = {}
         self.replica = 0
         self.held: dict[str, int] = {}       # the held conversations' next prompts -> prefix tokens held
-        self.turn = 0                        # the turn those prompts go in
 
     def hashes(self, prompt: str) -> list[bytes]:
         ids = self.tok.encode_head(prompt, 1 << 20, 0)
@@ -203,10 +203,10 @@ class RestartCheck:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
             self.after = await status(session, self.engines[self.replica])
 
-    def result(self, gate: TurnGate | None) -> dict:
+    def result(self, gate: TurnGate) -> dict:
         d = {k: self.after.get(k, 0) - self.before.get(k, 0) for k in
              ("prefix_cache_queries", "prefix_cache_hits", "tier_cache_hits")}
-        answers = gate.answers.get(self.turn, []) if gate is not None else []
+        answers = gate.answers.get(self.turn, [])
         cached = sum(min(res.cached_tokens, self.held[p]) for p, res in answers if p in self.held and res.ok)
         return {"replica": self.replica, "conversations": self.conversations, "held_tokens": self.held_tokens,
                 "served_tokens": d, "tier_tokens": d["tier_cache_hits"], "cached_tokens": cached,
@@ -336,15 +336,13 @@ def main(argv: list[str] | None = None) -> int:
         if not wait_ready(plain + tiered + [u for rs in routers.values() for u in rs], fleet.procs):
             print(f"bench: engines/routers did not become ready; logs in {tmp}", file=sys.stderr)
             return 1
-        restart = RestartCheck(fleet, tiered, routers["precise+tier"][0], tok)
         mid = size.turns // 2
-        restart.turn = mid
-        results, tier_gate = [], None
+        restart = RestartCheck(fleet, tiered, routers["precise+tier"][0], tok, mid)
+        tier_gate = TurnGate(size.conversations, {mid: restart.restart, mid + 1: restart.read})
+        results = []
         for arm in ARMS:
             engines = tiered if arm == "precise+tier" else plain
-            gate = TurnGate(size.conversations, {mid: restart.restart, mid + 1: restart.read}) \
-                if arm == "precise+tier" else None
-            tier_gate = gate or tier_gate
+            gate = tier_gate if arm == "precise+tier" else None
             print(f"bench: arm {arm} ...", file=sys.stderr, flush=True)
             r = asyncio.run(run_arm(arm, routers[arm], engines, args, "completions", size.question_words, gate,
                                     size.in_flight, workload="kv", cache_salt=arm))

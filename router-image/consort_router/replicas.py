@@ -92,22 +92,22 @@ def choose_replica(
     if affinity is None or not affinity.hashes:
         return least
     enough = MIN_AFFINE_SHARE * len(affinity.hashes)
+    near = [r for r in candidates if loads[r.url] <= loads[least.url] + affinity.load_slack]
     affine = [r for r in candidates if affinity.depth.get(r.url, 0) > 0 and affinity.blocks_held(r.url) >= enough]
     if affine:
-        near = [r for r in affine if loads[r.url] <= loads[least.url] + affinity.load_slack]
+        near = [r for r in near if r in affine]
         if not near:
             return least  # the prefix is on a replica too busy to wait for: spill
         return deepest_of(near, affinity, lambda r: (affinity.depth[r.url], affinity.blocks_held(r.url)))
     if not affinity.depth:
-        near = [r for r in candidates if loads[r.url] <= loads[least.url] + affinity.load_slack]
         return rendezvous(near, affinity.hashes[0])
     idle = [r for r in candidates if loads[r.url] == loads[least.url]]
     return deepest_of(idle, affinity, lambda r: (affinity.blocks_held(r.url), affinity.depth.get(r.url, 0)))
 
 
 def deepest_of(replicas: list[ReplicaState], affinity: Affinity, rank) -> ReplicaState:
-    """Of `replicas`, those with the highest `rank` (a tuple whose first element counts blocks held),
-    told apart by rendezvous hashing on the prompt's first block past what they hold."""
+    """Of `replicas`, those with the highest `rank` (a tuple that includes blocks_held, so the tied
+    hold the same blocks), told apart by rendezvous hashing on the prompt's first block past them."""
     top = max(rank(r) for r in replicas)
     tied = [r for r in replicas if rank(r) == top]
     return rendezvous(tied, affinity.hashes[min(affinity.blocks_held(tied[0].url), len(affinity.hashes) - 1)])
