@@ -1,9 +1,11 @@
 """GFLOP/s of the packed CPU GEMMs the engine can use (models/packed.py): its own kernel (csrc gemm_f32,
 AVX2 + FMA builds), oneDNN and MKL, for the benchmark model's shapes (hidden 512, FFN 1408, vocab 32000)
 at decode and prefill row counts. Each backend is timed best-of-5 in rotation, so a burst of
-neighbour load hits all of them alike.
+neighbour load hits all of them alike. With --quantized: the int8 products instead (models/quant.py),
+against the default fp32 one: the engine's int8 weight-only kernel (gemm_i8w_f32), torch's
+`_weight_int8pack_mm` on bf16 activations, and w8a8 (FBGEMM's dynamic int8 linear).
 
-    PYTHONPATH=engine-image .venv/bin/python hack/gemm_backends.py [--threads N] [--rows 1 8 32 2048]
+    PYTHONPATH=engine-image .venv/bin/python hack/gemm_backends.py [--threads N] [--rows 1 8 32 2048] [--quantized]
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import time
 
 import torch
 
-from consort_engine.model.models import packed
+from consort_engine.model.models import packed, quant
 
 SHAPES = ((512, 1024), (512, 2816), (1408, 512), (512, 32000))   # (in, out): qkv, gate_up, down, LM head
 
@@ -31,24 +33,41 @@ def rates(fns: dict, x: torch.Tensor, flops: float, rounds: int = 5) -> dict[str
     return best
 
 
+def torch_int8(w: torch.Tensor):
+    q, scale = quant.quantize_int8(w)
+    scale = scale.to(torch.bfloat16)
+    return lambda x: torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), q, scale).float()
+
+
+def quantized(w: torch.Tensor) -> dict:
+    q, scale = quant.quantize_int8(w)
+    return {"fp32": packed.pack_linear(w, None), "int8 (engine)": packed.consort_int8(q, scale, None),
+            "int8 (torch)": torch_int8(w), "w8a8": quant.quantize_linear(w, None, "w8a8")}
+
+
+def backends(w: torch.Tensor) -> dict:
+    return {name: f for name, pack in packed.FP32_BACKENDS.items() if (f := pack(w, None)) is not None}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64, 256, 2048])
+    p.add_argument("--quantized", action="store_true", help="the int8 products against fp32")
     a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
-    names = list(packed.FP32_BACKENDS)
-    print(f"{torch.get_num_threads()} threads; GFLOP/s, best of 5; default backend here: {packed.fp32_backend()}")
-    print("| rows | in x out | " + " | ".join(names) + " | consort / oneDNN |")
+    make, (first, second) = (quantized, ("fp32", "int8 (engine)")) if a.quantized else (backends, ("consort", "onednn"))
+    names = list(make(torch.randn(16, 16)))
+    print(f"{torch.get_num_threads()} threads; GFLOP/s, best of 5; default fp32 backend here: {packed.fp32_backend()}")
+    print("| rows | in x out | " + " | ".join(names) + f" | {second} / {first} |")
     print("|---|---|" + "---|" * (len(names) + 1))
     for m in a.rows:
         for k, n in SHAPES:
-            w, x = torch.randn(n, k), torch.randn(m, k)
-            fns = {name: f for name, pack in packed.FP32_BACKENDS.items() if (f := pack(w, None)) is not None}
-            r = rates(fns, x, 2.0 * m * k * n)
+            w, x = torch.randn(n, k) * 0.02, torch.randn(m, k)
+            r = rates({name: f for name, f in make(w).items() if f is not None}, x, 2.0 * m * k * n)
             cells = " | ".join(f"{r[name]:.0f}" if name in r else "-" for name in names)
-            ratio = f"{r['consort'] / r['onednn']:.2f}" if "consort" in r and "onednn" in r else "-"
+            ratio = f"{r[second] / r[first]:.2f}" if first in r and second in r else "-"
             print(f"| {m} | {k} x {n} | {cells} | {ratio} |", flush=True)
 
 

@@ -47,6 +47,34 @@ def _mkl(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Ten
     return run
 
 
+def _aligned(size: int, dtype: torch.dtype) -> torch.Tensor:
+    """An empty 1-d tensor of `size` elements starting on a 64-byte boundary (the kernel's aligned loads)."""
+    per = torch.empty(0, dtype=dtype).element_size()
+    raw = torch.empty(size + 64 // per, dtype=dtype)
+    start = (-raw.data_ptr() % 64) // per
+    return raw[start:start + size]
+
+
+def _consort_call(gemm: Callable[..., int], n: int, k: int, bias: torch.Tensor | None,
+                  *weights: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x [..., k] -> x W^T + b through one of the engine's GEMMs, its packed weight tensors given."""
+    b = None if bias is None else bias.float().contiguous()
+    ptrs = [w.data_ptr() for w in weights]
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, k)
+        if x2.stride(1) != 1:
+            x2 = x2.contiguous()
+        y = torch.empty(x2.shape[0], n, dtype=torch.float32)
+        if x2.shape[0] and gemm(x2.data_ptr(), x2.stride(0), x2.shape[0], k, *ptrs, n, y.data_ptr(), n,
+                                None if b is None else b.data_ptr()):
+            raise MemoryError(f"{gemm.__name__}: no memory for its buffers ({x2.shape[0]} x {k})")
+        return y.view(*lead, n)
+    run.weights = weights                       # keeps the packed tensors alive with the function
+    return run
+
+
 def _consort(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """The engine's own kernel (csrc/cpu_kernels.c `gemm_f32`, AVX2 + FMA builds) over its panel layout;
     None where it is not built."""
@@ -56,26 +84,27 @@ def _consort(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch
     if lib is None or not hasattr(lib, "gemm_f32"):
         return None
     n, k = weight.shape
-    size = lib.gemm_packed_floats_f32(n, k)
-    raw = torch.empty(size + 16, dtype=torch.float32)             # 64-byte aligned panels (aligned loads)
-    start = (-raw.data_ptr() % 64) // 4
-    packed = raw[start:start + size]
-    w = weight.contiguous()
-    lib.gemm_pack_f32(w.data_ptr(), n, k, packed.data_ptr())
-    b = None if bias is None else bias.float().contiguous()
-    gemm = lib.gemm_f32
+    packed = _aligned(lib.gemm_packed_floats_f32(n, k), torch.float32)
+    lib.gemm_pack_f32(weight.contiguous().data_ptr(), n, k, packed.data_ptr())
+    return _consort_call(lib.gemm_f32, n, k, bias, packed)
 
-    def run(x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, k)
-        if x2.stride(1) != 1:
-            x2 = x2.contiguous()
-        y = torch.empty(x2.shape[0], n, dtype=torch.float32)
-        if x2.shape[0] and gemm(x2.data_ptr(), x2.stride(0), x2.shape[0], k, packed.data_ptr(), n, y.data_ptr(), n,
-                                None if b is None else b.data_ptr()):
-            raise MemoryError(f"gemm_f32: no memory to pack the rows of x ({x2.shape[0]} x {k})")
-        return y.view(*lead, n)
-    return run
+
+def consort_int8(codes: torch.Tensor, scale: torch.Tensor,
+                 bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """int8 weight-only through the engine's kernel (`gemm_i8w_f32`): codes [n, k] int8, one fp32 scale
+    per output row; fp32 activations and output. None where the kernel is not built."""
+    from consort_engine.model.cpu_kernels import cpu_kernels
+
+    lib = cpu_kernels()
+    if lib is None or not hasattr(lib, "gemm_i8w_f32"):
+        return None
+    n, k = codes.shape
+    size = lib.gemm_packed_floats_f32(n, k)
+    packed = _aligned(size, torch.int8)
+    lib.gemm_pack_i8w_f32(codes.contiguous().data_ptr(), n, k, packed.data_ptr())
+    scales = _aligned(size // k, torch.float32)                   # padded columns: scale 0
+    scales.zero_()[:n] = scale.float()
+    return _consort_call(lib.gemm_i8w_f32, n, k, bias, packed, scales)
 
 
 def fp32_backend() -> str:

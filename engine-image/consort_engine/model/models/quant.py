@@ -1,10 +1,11 @@
 """Quantized linear weights (`--quantization`), made once at load time from the checkpoint's bf16 or
 fp32 weight; every scale is per output channel (one per row of W), symmetric, no zero point.
 
-- int8 (CPU): int8 weights, activations stay in floating point; the product is torch's CPU int8
-  weight-only kernel `aten._weight_int8pack_mm` (the one gpt-fast uses) on bf16 activations. A
-  quarter of fp32's weight bytes; on a CPU without AMX its speed is close to the fp32 GEMM's
-  (docs/engine-speed.md), so it saves memory more than time there.
+- int8 (CPU): int8 weights, activations stay in floating point. The engine's own kernel
+  (csrc/cpu_kernels.c `gemm_i8w_f32`, AVX2 + FMA builds) streams the codes, a quarter of fp32's
+  weight bytes, through the fp32 GEMM's register tiles, widening each code as it loads; elsewhere
+  torch's CPU weight-only kernel `aten._weight_int8pack_mm` (gpt-fast's) on bf16 activations, which
+  ran the AVX2 machine's anchor workload at 0.58x fp32.
 - w8a8 (CPU): int8 weights and dynamically quantized int8 activations (one scale per call, taken
   from the rows of that call), multiplied in int8 with int32 accumulation by FBGEMM's dynamic
   quantized linear (`quantized::linear_dynamic`, the x86 kernels with AVX2 / AVX-512 and VNNI where
@@ -29,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from consort_engine.model.int4_checkpoint import CHECKPOINT_FORMATS, checkpoint_format, resolve_quantization
+from consort_engine.model.models.packed import consort_int8
 
 LOAD_TIME = ("int8", "w8a8", "fp8")              # quantized here, from a float checkpoint
 # none: the checkpoint as it is (a pre-quantized one dequantized, model/int4_checkpoint.py); auto: the same,
@@ -85,8 +87,13 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def _int8_weight_only(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
     q, scale = quantize_int8(weight)
-    scale_bf16 = scale.to(torch.bfloat16)
     b = None if bias is None else bias.float()
+    ours = consort_int8(q, scale, b) if weight.device.type == "cpu" else None
+    if ours is not None:
+        def widened(x: torch.Tensor) -> torch.Tensor:
+            return ours(x.float()).to(x.dtype)
+        return widened
+    scale_bf16 = scale.to(torch.bfloat16)
 
     def run(x: torch.Tensor) -> torch.Tensor:
         y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.shape[-1]).to(torch.bfloat16), q, scale_bf16)
