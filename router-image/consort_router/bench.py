@@ -217,6 +217,12 @@ def report(res: dict) -> str:
 CONSORT = str(Path(sys.executable).with_name("consort"))
 
 
+# Threads of each engine when a benchmark runs several replicas on one machine: every replica a one-CPU
+# pod. OpenMP threads wait actively, so engines whose threads outnumber the cores spin on each other's
+# (three two-thread engines on two cores: 10.6 against 84 tok/s).
+REPLICA_THREADS = 1
+
+
 def start_engine(model: str, name: str, extra_args: list[str], logdir: Path, cpus: str | None = None,
                  port: int | None = None) -> tuple[subprocess.Popen, str]:
     """A `consort engine` on `port` (default: a free loopback port), pinned to `cpus` with its threads

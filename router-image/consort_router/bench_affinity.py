@@ -32,7 +32,7 @@ from pathlib import Path
 import aiohttp
 
 from consort_common import openai_stream
-from .bench import WORDS, percentile, router_config, start_engine, start_router, stop_all, wait_ready
+from .bench import REPLICA_THREADS, WORDS, percentile, router_config, start_engine, start_router, stop_all, wait_ready
 from consort_common.openai_stream import ClientPolicy, StreamResult, request, tally
 from consort_common.help import HelpFormatter
 
@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="consort bench affinity", description=__doc__.splitlines()[0],
                                  formatter_class=HelpFormatter)
     ap.add_argument("--model", required=True, help="checkpoint dir: three `consort engine`s are started on it")
-    ap.add_argument("--engine-args", default="--num-blocks 512 --threads 1",
+    ap.add_argument("--engine-args", default=f"--num-blocks 512 --threads {REPLICA_THREADS}",
                     help="extra `consort engine` arguments (one thread each: every replica a one-CPU pod; engines "
                          "whose threads outnumber the machine's cores spin on each other's)")
     ap.add_argument("--conversations", type=int, default=24, help="conversations, all sharing one system prompt")

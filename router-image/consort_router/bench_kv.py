@@ -45,7 +45,7 @@ from consort_common.block_hash import prefix_hashes, prefix_salt
 from consort_common.help import HelpFormatter
 from consort_common.machine import cpu_model_and_flags, machine
 from consort_common.openai_stream import request
-from .bench import router_config, start_engine, start_router, stop_all, wait_ready
+from .bench import REPLICA_THREADS, router_config, start_engine, start_router, stop_all, wait_ready
 from .bench_affinity import TurnGate, completion_prompt, prefix_counters, run_arm, words
 from .prompt_tokens import PromptTokenizer
 
@@ -53,7 +53,6 @@ ARMS = ("affinity", "precise", "precise-2-routers", "precise+tier")
 NAME = "bench"                 # the engines' specialist name (it is in every block hash)
 TENANT = "anonymous"           # the tenant the router sends without auth (in every block's salt)
 BLOCK = 16                     # the engines' block size on CPU
-ENGINE_THREADS = 1             # each replica's CPU share (see main)
 TOKENS_PER_WORD = 1.1          # the workload's words in the demo tokenizer (measured, to size the pool)
 
 
@@ -256,7 +255,7 @@ def report(res: dict, args) -> str:
     arms = {r["arm"]: r for r in res["arms"]}
     model, flags = cpu_model_and_flags()
     lines = [f"KV fleet: {args.conversations} conversations x {args.turns} turns (completions, history resent), "
-             f"system prompt {args.system_words} words, max_tokens {args.max_tokens}; 3 replicas of {ENGINE_THREADS} "
+             f"system prompt {args.system_words} words, max_tokens {args.max_tokens}; 3 replicas of {REPLICA_THREADS} "
              f"thread; precise arms' "
              f"load_slack {'default' if args.load_slack is None else f'{args.load_slack:g}'}",
              f"  KV pool {res['pool_blocks']} blocks of {BLOCK} per replica; working set {res['working_set_blocks']} "
@@ -320,10 +319,8 @@ def main(argv: list[str] | None = None) -> int:
           file=sys.stderr, flush=True)
     tmp = Path(tempfile.mkdtemp(prefix="consort-kv-bench-"))
     fleet = Fleet(args.model, tmp)
-    # One thread per engine, as each replica were a pod with one CPU: three engines of two threads
-    # on two cores spin on each other's cores (OpenMP waits actively) and serve several times slower
-    # whenever two of them work at once, which would measure the oversubscription, not the routing.
-    base = ["--num-blocks", str(pool), "--block-size", str(BLOCK), "--threads", str(ENGINE_THREADS)]
+    # REPLICA_THREADS: otherwise the arms would measure the engines' oversubscription, not the routing
+    base = ["--num-blocks", str(pool), "--block-size", str(BLOCK), "--threads", str(REPLICA_THREADS)]
     tier = [*base, "--kv-tier-path", str(tmp / "tier"), "--kv-tier-bytes", "2G"]
     try:
         plain = [fleet.engine(base) for _ in range(3)]

@@ -91,9 +91,8 @@ def choose_replica(
     least = min(candidates, key=lambda r: (loads[r.url], r.inflight, r.url))
     if affinity is None or not affinity.hashes:
         return least
-    enough = MIN_AFFINE_SHARE * len(affinity.hashes)
     near = [r for r in candidates if loads[r.url] <= loads[least.url] + affinity.load_slack]
-    affine = [r for r in candidates if affinity.depth.get(r.url, 0) > 0 and affinity.blocks_held(r.url) >= enough]
+    affine = [r for r in candidates if holds_enough(affinity, r.url)]
     if affine:
         near = [r for r in near if r in affine]
         if not near:
@@ -119,15 +118,24 @@ def rendezvous(replicas: list[ReplicaState], key: bytes) -> ReplicaState:
     return max(replicas, key=lambda r: hashlib.blake2b(key + r.url.encode(), digest_size=8).digest())
 
 
+def holds_enough(affinity: Affinity, url: str) -> bool:
+    """Whether the replica holds a prefix of the prompt worth routing to: MIN_AFFINE_SHARE of its blocks."""
+    return affinity.depth.get(url, 0) > 0 and affinity.blocks_held(url) >= MIN_AFFINE_SHARE * len(affinity.hashes)
+
+
 def choice_outcome(affinity: Affinity | None, chosen: ReplicaState) -> str:
-    """How a choice went, for consort_router_replica_choice_total: affine (sent where its prefix
-    is), spill (its prefix is elsewhere, on a replica too loaded), cold (no replica holds any of
-    it), least_loaded (no affinity asked: policy off, or a prompt shorter than one block)."""
+    """How a choice went, for consort_router_replica_choice_total: affine (sent where enough of its
+    prefix is), spill (enough of it is elsewhere, on a replica too loaded), short_prefix (replicas hold
+    less than MIN_AFFINE_SHARE of it, typically a shared system prompt: the load decided), cold (no
+    replica holds any of it), least_loaded (no affinity asked: policy off, or a prompt shorter than
+    one block)."""
     if affinity is None or not affinity.hashes:
         return "least_loaded"
-    if affinity.depth.get(chosen.url, 0) > 0:
+    if holds_enough(affinity, chosen.url):
         return "affine"
-    return "spill" if affinity.depth else "cold"
+    if any(holds_enough(affinity, url) for url in affinity.depth):
+        return "spill"
+    return "short_prefix" if affinity.depth else "cold"
 
 
 def parse_status(body: object) -> tuple[int, int, bool, tuple[str, ...]]:

@@ -117,7 +117,7 @@ def test_routers_agree_on_a_tied_depth_and_on_a_held_history():
     one = choose_replica(router1, 8.0, affinity=Affinity(h, depth, load_slack=4.0))
     two = choose_replica(router2, 8.0, affinity=Affinity(h, depth, load_slack=4.0))
     assert one.url == two.url
-    assert choice_outcome(Affinity(h, depth, 4.0), one) == "affine"
+    assert choice_outcome(Affinity(h, depth, 4.0), one) == "short_prefix"   # the load chose; the system prompt alone is not enough
     # The next turn, its history evicted everywhere: the same first block past the system prompt,
     # the same replica.
     later = hashes(SYSTEM + "a conversation of its own " * 20 + "an answer, then more " * 20)
@@ -143,8 +143,11 @@ def test_a_shared_system_prompt_does_not_pull_every_conversation_onto_one_replic
     reps = [rep("http://r0", running=1), rep("http://r1"), rep("http://r2")]
     aff = Affinity(h, {"http://r0": 2}, load_slack=4.0)
     chosen = choose_replica(reps, 8.0, affinity=aff)
-    assert chosen.url != "http://r0" and choice_outcome(aff, chosen) == "spill"
-    assert choose_replica(reps, 8.0, affinity=Affinity(h, {"http://r0": 2, "http://r2": 2}, 4.0)).url == "http://r2"
+    assert chosen.url != "http://r0" and choice_outcome(aff, chosen) == "short_prefix"
+    both = Affinity(h, {"http://r0": 2, "http://r2": 2}, 4.0)
+    chosen = choose_replica(reps, 8.0, affinity=both)
+    # counted as the load's choice, not as affine, though r2 holds the system prompt
+    assert chosen.url == "http://r2" and choice_outcome(both, chosen) == "short_prefix"
     # Its history there (at least half the prompt), r0 keeps it within load_slack of the least load...
     for held in (len(h), math.ceil(MIN_AFFINE_SHARE * len(h))):
         deep = Affinity(h, {"http://r0": held, "http://r1": 2}, load_slack=4.0)
@@ -153,7 +156,8 @@ def test_a_shared_system_prompt_does_not_pull_every_conversation_onto_one_replic
     reps[0].running = 4
     assert choose_replica(reps, 8.0, affinity=deep).url == "http://r0"
     reps[0].running = 5
-    assert choose_replica(reps, 8.0, affinity=deep).url != "http://r0"
+    chosen = choose_replica(reps, 8.0, affinity=deep)
+    assert chosen.url != "http://r0" and choice_outcome(deep, chosen) == "spill"
 
 
 def test_conversations_sharing_a_system_prompt_spread_over_tied_replicas():
