@@ -793,7 +793,7 @@ static void gemm_group(const float *xp, int64_t m0, int64_t m1, int64_t K, const
  * quarter of fp32's weight bytes to stream), one fp32 scale per output column (padded to the panels).
  * The int8 tiles widen each code as they load it and scale the sums once at the end. Measured on the
  * AVX2 machine (hack/gemm_backends.py --quantized): 1.3-2.8x the fp32 kernel at 1-8 rows, level from 32
- * rows on (the FMAs are the same; the widening hides under them), where torch's `_weight_int8pack_mm`
+ * rows on (the FMAs are the same; the widening is shared by the tile's rows), where torch's `_weight_int8pack_mm`
  * (bf16 activations) ran at 0.4-0.6x. Widening a group once into an fp32 buffer for all rows measured
  * the same from 32 rows on and 0.8-0.95x at fewer, so it is not kept. */
 void gemm_pack_i8w_f32(const int8_t *q, int64_t N, int64_t K, int8_t *packed) {
