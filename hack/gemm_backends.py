@@ -33,8 +33,7 @@ def rates(fns: dict, x: torch.Tensor, flops: float, rounds: int = 5) -> dict[str
     return best
 
 
-def torch_int8(w: torch.Tensor):
-    q, scale = quant.quantize_int8(w)
+def torch_int8(q: torch.Tensor, scale: torch.Tensor):
     scale = scale.to(torch.bfloat16)
     return lambda x: torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), q, scale).float()
 
@@ -42,7 +41,7 @@ def torch_int8(w: torch.Tensor):
 def quantized(w: torch.Tensor) -> dict:
     q, scale = quant.quantize_int8(w)
     return {"fp32": packed.pack_linear(w, None), "int8 (engine)": packed.consort_int8(q, scale, None),
-            "int8 (torch)": torch_int8(w), "w8a8": quant.quantize_linear(w, None, "w8a8")}
+            "int8 (torch)": torch_int8(q, scale), "w8a8": quant.quantize_linear(w, None, "w8a8")}
 
 
 def backends(w: torch.Tensor) -> dict:

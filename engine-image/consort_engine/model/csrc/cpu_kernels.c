@@ -624,18 +624,23 @@ int64_t gemm_packed_floats_f32(int64_t N, int64_t K) {
     return panels * K * GEMM_NR;
 }
 
-void gemm_pack_f32(const float *w, int64_t N, int64_t K, float *packed) {
-    int64_t panels = gemm_packed_floats_f32(N, K) / (K * GEMM_NR);
-    #pragma omp parallel for schedule(static) num_threads(NT)
-    for (int64_t p = 0; p < panels; p++) {
-        float *dst = packed + p * K * GEMM_NR;
-        for (int64_t k = 0; k < K; k++)
-            for (int j = 0; j < GEMM_NR; j++) {
-                int64_t n = p * GEMM_NR + j;
-                dst[k * GEMM_NR + j] = n < N ? w[n * K + k] : 0.f;
-            }
-    }
+/* W [N, K] of element type T -> the panel layout (zero past N): gemm_pack_f32 for fp32 weights,
+ * gemm_pack_i8w_f32 for the int8 codes of `gemm_i8w_f32` (below). */
+#define DEFINE_GEMM_PACK(NAME, T)                                                                        \
+void NAME(const T *w, int64_t N, int64_t K, T *packed) {                                                 \
+    int64_t panels = gemm_packed_floats_f32(N, K) / (K * GEMM_NR);                                       \
+    _Pragma("omp parallel for schedule(static) num_threads(NT)")                                         \
+    for (int64_t p = 0; p < panels; p++) {                                                               \
+        T *dst = packed + p * K * GEMM_NR;                                                                \
+        for (int64_t k = 0; k < K; k++)                                                                   \
+            for (int j = 0; j < GEMM_NR; j++) {                                                           \
+                int64_t n = p * GEMM_NR + j;                                                              \
+                dst[k * GEMM_NR + j] = n < N ? w[n * K + k] : (T)0;                                       \
+            }                                                                                             \
+    }                                                                                                     \
 }
+DEFINE_GEMM_PACK(gemm_pack_f32, float)
+DEFINE_GEMM_PACK(gemm_pack_i8w_f32, int8_t)
 
 /* A register tile: (x rows packed k-major, panels (fp32, or int8 codes), K, out, ldo, the panels' column
  * scales (int8 only)). */
@@ -795,19 +800,8 @@ static void gemm_group(const float *xp, int64_t m0, int64_t m1, int64_t K, const
  * AVX2 machine (hack/gemm_backends.py --quantized): 1.3-2.8x the fp32 kernel at 1-8 rows, level from 32
  * rows on (the FMAs are the same; the widening is shared by the tile's rows), where torch's `_weight_int8pack_mm`
  * (bf16 activations) ran at 0.4-0.6x. Widening a group once into an fp32 buffer for all rows measured
- * the same from 32 rows on and 0.8-0.95x at fewer, so it is not kept. */
-void gemm_pack_i8w_f32(const int8_t *q, int64_t N, int64_t K, int8_t *packed) {
-    int64_t panels = gemm_packed_floats_f32(N, K) / (K * GEMM_NR);
-    #pragma omp parallel for schedule(static) num_threads(NT)
-    for (int64_t p = 0; p < panels; p++) {
-        int8_t *dst = packed + p * K * GEMM_NR;
-        for (int64_t k = 0; k < K; k++)
-            for (int j = 0; j < GEMM_NR; j++) {
-                int64_t n = p * GEMM_NR + j;
-                dst[k * GEMM_NR + j] = n < N ? q[n * K + k] : 0;
-            }
-    }
-}
+ * the same from 32 rows on and 0.8-0.95x at fewer, so it is not kept. The codes are packed by
+ * gemm_pack_i8w_f32 (above). */
 
 /* y = x W^T (+ bias) over fp32 panels (`packed`) or int8 ones (`codes` and `scales`). 0, or -2 when the
  * packed-rows buffer cannot be allocated (nothing computed). */
