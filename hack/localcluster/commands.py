@@ -321,7 +321,6 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"also run a real node ({real.NODE_NAME}: containerd, kubelet, kube-proxy; needs root)")
     parser.add_argument("--images", type=Path, help="import every oci-archive *.tar here into the real node")
     args = parser.parse_args(argv)
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `status | head` ends quietly
     layout = Layout(root=args.dir.expanduser().resolve(), bin_dir=args.bin_dir.expanduser().resolve())
     try:
         if args.command == "status":
