@@ -6,7 +6,7 @@ A step's tokens are laid out as [batched group | prefill spans]:
   call per layer: on CPU a C kernel that reads the pool in place through the block tables
   (csrc/cpu_kernels.c); otherwise a gather of the blocks + SDPA with a length mask.
 - prefill spans (one per sequence chunk): on CPU with a float32 pool and head size 64/128 (AVX-512
-  builds) all of them in one call of the C prefill kernel, in place like the batched group; otherwise
+  or AVX2 + FMA builds) all of them in one call of the C prefill kernel, in place like the batched group; otherwise
   SDPA: causal over the chunk's own K/V when nothing precedes it, else over the gathered context with
   a bottom-right causal mask.
 With flash-attn installed on CUDA (and block_size a multiple of 256, its paged-KV constraint) every
@@ -161,7 +161,7 @@ class PagedAttention(torch.nn.Module):
             raise RuntimeError(f"paged_attention kernel failed ({rc})")
 
     def _prefill_kernel(self, q: torch.Tensor, out: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """Every prefill span through the C kernel (float32 pool, head size 64/128, AVX-512 build), reading
+        """Every prefill span through the C kernel (float32 pool, head size 64/128, AVX-512 or AVX2 build), reading
         the pool in place; False where it does not apply (then SDPA runs)."""
         if self.backend != "cpu_kernel" or q.dtype != torch.float32 or self.k_cache.dtype != torch.float32 \
                 or meta.prefill_block_tables is None:

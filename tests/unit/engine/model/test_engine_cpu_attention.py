@@ -77,12 +77,13 @@ def test_rows_beyond_an_item_are_a_typed_failure_not_a_crash():
 HAS_PREFILL = cpu_kernels() is not None and hasattr(cpu_kernels(), "prefill_attention_f32")
 
 
-@pytest.mark.skipif(not HAS_PREFILL, reason="the prefill kernel is built for AVX-512 CPUs")
+@pytest.mark.skipif(not HAS_PREFILL, reason="the prefill kernel is built for AVX-512 or AVX2 + FMA CPUs")
 @pytest.mark.parametrize("h,kvh,d,bs,spans", [
     (8, 4, 64, 16, [(0, 300), (0, 17), (40, 33)]),        # (cached, new): fresh chunks and one after a cache hit
-    (8, 4, 64, 8, [(5, 1), (0, 16), (100, 64)]),          # a block size below the 16-key chunk
+    (8, 4, 64, 8, [(5, 1), (0, 16), (100, 64)]),          # a pool block size below the kernel's key block
     (16, 2, 128, 32, [(0, 45), (64, 16)]),               # G = 8, head size 128
     (4, 4, 64, 16, [(0, 130)]),                           # MHA
+    (16, 1, 64, 16, [(3, 40), (129, 7), (0, 64)]),        # G = 16 (a tile's most rows); contexts end mid key block
 ])
 def test_prefill_kernel_equals_causal_sdpa(h, kvh, d, bs, spans):
     g = torch.Generator().manual_seed(h + d + bs + len(spans))
@@ -108,7 +109,7 @@ def test_prefill_kernel_equals_causal_sdpa(h, kvh, d, bs, spans):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(not HAS_PREFILL, reason="the prefill kernel is built for AVX-512 CPUs")
+@pytest.mark.skipif(not HAS_PREFILL, reason="the prefill kernel is built for AVX-512 or AVX2 + FMA CPUs")
 def test_prefill_kernel_declines_what_it_does_not_cover():
     """Other head sizes and a bf16 pool go through SDPA: the kernel says no instead of computing."""
     meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.int64), num_batched_tokens=0,
