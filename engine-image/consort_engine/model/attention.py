@@ -4,11 +4,11 @@
 A step's tokens are laid out as [batched group | prefill spans]:
 - the batched group (decode tokens, short queries such as spec-verify windows) is attended in ONE
   call per layer: on CPU a C kernel that reads the pool in place through the block tables
-  (csrc/cpu_kernels.c); otherwise a gather of the blocks + SDPA with a length mask.
+  (csrc/paged_attention.c); otherwise a gather of the blocks + SDPA with a length mask.
 - prefill spans (one per sequence chunk): on CPU with a float32 pool and head size 64/128 (AVX-512
-  or AVX2 + FMA builds) all of them in one call of the C prefill kernel, in place like the batched group; otherwise
-  SDPA: causal over the chunk's own K/V when nothing precedes it, else over the gathered context with
-  a bottom-right causal mask.
+  or AVX2 + FMA builds) all of them in one call of the C prefill kernel (csrc/prefill_attention.c),
+  in place like the batched group; otherwise SDPA: causal over the chunk's own K/V when nothing
+  precedes it, else over the gathered context with a bottom-right causal mask.
 With flash-attn installed on CUDA (and block_size a multiple of 256, its paged-KV constraint) every
 token goes through flash_attn_varlen_func with the block table instead (decode CUDA graphs: through
 flash_attn_with_kvcache, which reads the lengths from a tensor); on CUDA otherwise the batched

@@ -1,4 +1,4 @@
-"""The CPU kernels (csrc/cpu_kernels.c), called through ctypes, which releases the GIL.
+"""The CPU kernels (csrc/: one library from its C files), called through ctypes, which releases the GIL.
 
 Where the library comes from, first found:
 1. a prebuilt one for the CPU's x86-64 level (v4: AVX-512; v3: AVX2 + FMA; v2) in CONSORT_KERNELS_DIR:
@@ -26,7 +26,8 @@ import torch  # noqa: F401  (loads torch's libgomp first: the kernels' libgomp.s
 
 from consort_common.machine import cpu_model_and_flags
 
-SRC = Path(__file__).with_name("csrc") / "cpu_kernels.c"
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = sorted(CSRC.glob("*.c"))   # one job each; common.h is what they share
 # Reassociation lets the compiler vectorise the reductions; not -ffast-math, whose crtfastmath
 # would switch the whole process to flush-to-zero when the library loads.
 FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
@@ -66,7 +67,8 @@ def library_name(march: str, cc: str = "", flags: set[str] = frozenset()) -> str
     """File name of the library built with -march=`march`, keyed by source and flags; for
     -march=native by the compiler and the CPU too (a cache directory may be shared by machines)."""
     native = f"{cc} {' '.join(sorted(flags))}" if march == "native" else ""
-    key = hashlib.sha256(SRC.read_bytes() + " ".join([f"-march={march}", *FLAGS, native]).encode()).hexdigest()[:16]
+    text = b"".join(p.name.encode() + p.read_bytes() for p in sorted(CSRC.glob("*.[ch]")))
+    key = hashlib.sha256(text + " ".join([f"-march={march}", *FLAGS, native]).encode()).hexdigest()[:16]
     return f"cpu_kernels-{march}-{key}{sysconfig.get_config_var('SHLIB_SUFFIX') or '.so'}"
 
 
@@ -75,7 +77,7 @@ def compile_library(so: Path, march: str, cc: str) -> bool:
     with tempfile.TemporaryDirectory(dir=so.parent) as tmp:
         out = Path(tmp) / so.name
         try:
-            subprocess.run([cc, f"-march={march}", *FLAGS, "-o", str(out), str(SRC), "-lm"], check=True,
+            subprocess.run([cc, f"-march={march}", *FLAGS, "-o", str(out), *map(str, SOURCES), "-lm"], check=True,
                            capture_output=True, timeout=120)
         except (OSError, subprocess.SubprocessError):
             return False
@@ -115,7 +117,7 @@ def library_path() -> Path | None:
 
 
 def _build() -> ctypes.CDLL | None:
-    if os.environ.get("CONSORT_CPU_KERNEL", "1") == "0" or not SRC.exists():
+    if os.environ.get("CONSORT_CPU_KERNEL", "1") == "0" or not SOURCES:
         return None
     so = library_path()
     if so is None:

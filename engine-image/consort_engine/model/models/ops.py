@@ -1,4 +1,4 @@
-"""Element-wise layers: fused C kernels on CPU (cpu_kernels.c), torch ops elsewhere.
+"""Element-wise layers: fused C kernels on CPU (csrc/elementwise.c), torch ops elsewhere.
 
 `fast` is decided once per model (CPU, fp32/bf16, kernels compiled); both paths compute what
 transformers computes, rounding at the same points in bf16.

@@ -2,7 +2,7 @@
 blocked format, so small-batch decode matmuls skip the per-call repacking.
 
 float32 has three backends (`fp32_backend`, CONSORT_GEMM=consort|onednn|mkl overrides):
-- consort: the engine's own kernel (csrc/cpu_kernels.c `gemm_f32`: 16-column panels, register tiles
+- consort: the engine's own kernel (csrc/gemm.c `gemm_f32`: 16-column panels, register tiles
   of up to 12 rows x 2 panels of zmm accumulators with AVX-512, 6 rows x 1 panel of ymm ones with
   AVX2, x packed k-major per tile, the next panels prefetched into L2). The default wherever it builds.
   Measured (docs/engine-speed.md): on the 2-core AMD EPYC Zen 4 (AVX-512), the 33 GEMMs of one decode
@@ -76,7 +76,7 @@ def _consort_call(gemm: Callable[..., int], n: int, k: int, bias: torch.Tensor |
 
 
 def _consort(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """The engine's own kernel (csrc/cpu_kernels.c `gemm_f32`, AVX2 + FMA builds) over its panel layout;
+    """The engine's own kernel (csrc/gemm.c `gemm_f32`, AVX2 + FMA builds) over its panel layout;
     None where it is not built."""
     from consort_engine.model.cpu_kernels import cpu_kernels
 

@@ -2,7 +2,7 @@
 fp32 weight; every scale is per output channel (one per row of W), symmetric, no zero point.
 
 - int8 (CPU): int8 weights, activations stay in floating point. The engine's own kernel
-  (csrc/cpu_kernels.c `gemm_i8w_f32`, AVX2 + FMA builds) streams the codes, a quarter of fp32's
+  (csrc/gemm.c `gemm_i8w_f32`, AVX2 + FMA builds) streams the codes, a quarter of fp32's
   weight bytes, through the fp32 GEMM's register tiles, widening each code as it loads; elsewhere
   torch's CPU weight-only kernel `aten._weight_int8pack_mm` (gpt-fast's) on bf16 activations, which
   ran the AVX2 machine's anchor workload at 0.58x fp32.

@@ -1,4 +1,4 @@
-"""The CPU paged-attention kernel (csrc/cpu_kernels.c) reads K/V in place through block tables and equals
+"""The CPU paged-attention kernel (csrc/paged_attention.c) reads K/V in place through block tables and equals
 softmax(q K^T) V over each sequence's visible context: decode rows and verify windows of several query
 rows in one call, grouped-query heads, items split across kv heads where a sequence's rows do not fit
 one item, head sizes with and without a specialised loop, and a bfloat16 pool under float32 queries."""

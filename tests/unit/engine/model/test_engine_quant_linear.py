@@ -70,11 +70,15 @@ def test_engine_int8_kernel_is_the_dequantized_weight_in_fp32(rows, out, inp):
     """gemm_i8w_f32's tiles widen the codes and scale the sums: the product of the dequantized weight,
     to fp32 rounding, for every row-tile cut (1-13 rows, the 240-row blocks) and column counts that
     leave a partial panel group."""
-    w, b = weight(out, inp, seed=rows), torch.randn(out)
+    w, b = weight(out, inp, seed=rows), torch.randn(out, generator=torch.Generator().manual_seed(3))
     q, scale = quantize_int8(w)
     x = torch.randn(rows, inp, generator=torch.Generator().manual_seed(2))
     got = consort_int8(q, scale, b)(x)
-    torch.testing.assert_close(got, F.linear(x, dequantize_int8(q, scale), b), rtol=1e-5, atol=1e-4)
+    dq = dequantize_int8(q, scale)
+    # fp32 rounding scales with the magnitudes summed, not with the sum (which can cancel to near 0):
+    # measured up to 4e-7 of them; a wrong panel or scale is off by the order of the sum itself
+    bound = 4e-6 * (x.abs() @ dq.abs().T + b.abs())
+    assert bool(((got - F.linear(x, dq, b)).abs() <= bound).all())
 
 
 @needs_int8_kernel

@@ -1,0 +1,92 @@
+/* What every CPU kernel of the engine shares: the SIMD vector of the kernels written with intrinsics,
+ * bf16 conversions, the exponential, and the team size.
+ *
+ * The kernels (paged_attention.c, prefill_attention.c, elementwise.c, gemm.c, team.c) are built into
+ * one library at run time with the system C compiler (-O3 -march=native -fopenmp; the engine image
+ * prebuilds one per x86-64 level) and called through ctypes (model/cpu_kernels.py); OpenMP resolves to
+ * the libgomp torch already loaded, so the thread pool is shared.
+ *
+ * Team size: every parallel region runs kernel_threads threads (set_num_threads, from the engine's
+ * thread plan), not OpenMP's per-thread default. The engine calls the kernels from its loop thread,
+ * whose default is libgomp's start-up value (every core of the node), not what torch.set_num_threads
+ * set in the main thread: engines sharing cores would each run a full team and oversubscribe them.
+ */
+#ifndef CONSORT_KERNELS_COMMON_H
+#define CONSORT_KERNELS_COMMON_H
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+/* One SIMD vector of fp32 lanes for the kernels written with intrinsics (the prefill attention, the
+ * GEMM): a zmm with AVX-512, a ymm with AVX2 + FMA. Without either those kernels are not built. */
+#if defined(__AVX512F__)
+#define VEC __m512
+#define VLEN 16
+#define VEC_ZERO _mm512_setzero_ps
+#define VEC_LOAD _mm512_load_ps
+#define VEC_LOADU _mm512_loadu_ps
+#define VEC_SET1 _mm512_set1_ps
+#define VEC_FMA _mm512_fmadd_ps
+#define VEC_MUL _mm512_mul_ps
+#define VEC_STORE _mm512_store_ps
+#define VEC_STOREU _mm512_storeu_ps
+#elif defined(__AVX2__) && defined(__FMA__)
+#define VEC __m256
+#define VLEN 8
+#define VEC_ZERO _mm256_setzero_ps
+#define VEC_LOAD _mm256_load_ps
+#define VEC_LOADU _mm256_loadu_ps
+#define VEC_SET1 _mm256_set1_ps
+#define VEC_FMA _mm256_fmadd_ps
+#define VEC_MUL _mm256_mul_ps
+#define VEC_STORE _mm256_store_ps
+#define VEC_STOREU _mm256_storeu_ps
+#endif
+
+typedef uint16_t bf16_t;
+
+/* 0: OpenMP's default (team.c); hidden: the library's own, read without a GOT load */
+extern int kernel_threads __attribute__((visibility("hidden")));
+#define NT (kernel_threads > 0 ? kernel_threads : omp_get_max_threads())
+
+static inline float bf16_to_f32(bf16_t x) {
+    uint32_t u = ((uint32_t)x) << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline bf16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    u += 0x7FFFu + ((u >> 16) & 1u); /* round to nearest even */
+    return (bf16_t)(u >> 16);
+}
+/* exp(x) as 2^k * p(f), |f| <= 1/2, degree-7 Taylor of 2^f: relative error < 1e-8,
+ * written so the compiler vectorises it (libm's expf is a scalar call without -ffast-math). */
+static inline float exp_nonpos_core(float x) { /* x in [-87, 88] */
+    const float t = x * 1.44269504088896341f;
+    const float k = __builtin_rintf(t);
+    const float f = (t - k) * 0.693147180559945309f; /* 2^(t-k) = e^f */
+    float p = 1.f / 5040.f;
+    p = p * f + 1.f / 720.f;
+    p = p * f + 1.f / 120.f;
+    p = p * f + 1.f / 24.f;
+    p = p * f + 1.f / 6.f;
+    p = p * f + 0.5f;
+    p = p * f + 1.f;
+    p = p * f + 1.f;
+    int32_t bits = ((int32_t)k + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return p * scale;
+}
+
+static inline float exp_nonpos(float x) { return exp_nonpos_core(x < -87.0f ? -87.0f : x); }
+
+#endif

@@ -1,0 +1,102 @@
+/* Fused element-wise layers (fp32 arithmetic; bf16 variants round where transformers rounds). */
+#include "common.h"
+
+static inline float exp_clamped(float x) { /* exp(x), x clamped to [-87, 88] */
+    x = x > 88.0f ? 88.0f : x;
+    return exp_nonpos_core(x < -87.0f ? -87.0f : x);
+}
+
+static inline float round_f32(float x) { return x; }
+static inline float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
+
+static inline float get_f32(const float *p, int64_t i) { return p[i]; }
+static inline float get_bf16(const bf16_t *p, int64_t i) { return bf16_to_f32(p[i]); }
+static inline void put_f32(float *p, int64_t i, float v) { p[i] = v; }
+static inline void put_bf16(bf16_t *p, int64_t i, float v) { p[i] = f32_to_bf16(v); }
+
+/* rows of D at x + t * x_stride + h * D (t < n_tok, h < n_head) -> out, same addressing.
+ * y = w * round(x / rms(x)), like transformers' RMSNorm. out may alias x. */
+#define DEFINE_RMSNORM(SUFFIX, T)                                                                 \
+    void rms_norm_##SUFFIX(const T *x, int64_t x_stride, T *out, int64_t out_stride, const T *w,  \
+                           int n_tok, int n_head, int D, float eps) {                             \
+        _Pragma("omp parallel for if (n_tok >= 64) num_threads(NT)")                                              \
+        for (int t = 0; t < n_tok; t++)                                                           \
+            for (int h = 0; h < n_head; h++) {                                                    \
+                const T *xr = x + t * x_stride + (int64_t)h * D;                                  \
+                T *o = out + t * out_stride + (int64_t)h * D;                                     \
+                float ss = 0.f;                                                                   \
+                for (int d = 0; d < D; d++) {                                                     \
+                    const float v = get_##SUFFIX(xr, d);                                          \
+                    ss += v * v;                                                                  \
+                }                                                                                 \
+                const float inv = 1.0f / sqrtf(ss / (float)D + eps);                              \
+                for (int d = 0; d < D; d++)                                                       \
+                    put_##SUFFIX(o, d, get_##SUFFIX(w, d) * round_##SUFFIX(get_##SUFFIX(xr, d) * inv)); \
+            }                                                                                     \
+    }
+
+/* residual += x (rounded like a bf16 add), out = RMSNorm(residual) * w. Rows of D, contiguous. */
+#define DEFINE_ADD_RMSNORM(SUFFIX, T)                                                             \
+    void add_rms_norm_##SUFFIX(T *residual, const T *x, T *out, const T *w, int n, int D,         \
+                               float eps) {                                                       \
+        _Pragma("omp parallel for if (n >= 64) num_threads(NT)")                                                  \
+        for (int t = 0; t < n; t++) {                                                             \
+            T *r = residual + (int64_t)t * D;                                                     \
+            const T *xr = x + (int64_t)t * D;                                                     \
+            T *o = out + (int64_t)t * D;                                                          \
+            float ss = 0.f;                                                                       \
+            for (int d = 0; d < D; d++) {                                                         \
+                const float v = round_##SUFFIX(get_##SUFFIX(r, d) + get_##SUFFIX(xr, d));         \
+                put_##SUFFIX(r, d, v);                                                            \
+                ss += v * v;                                                                      \
+            }                                                                                     \
+            const float inv = 1.0f / sqrtf(ss / (float)D + eps);                                  \
+            for (int d = 0; d < D; d++)                                                           \
+                put_##SUFFIX(o, d, get_##SUFFIX(w, d) * round_##SUFFIX(get_##SUFFIX(r, d) * inv)); \
+        }                                                                                         \
+    }
+
+/* In-place rotate-half RoPE on n_head heads of D per token (token stride x_stride), with
+ * cos/sin tables [max_len, D/2] in the model dtype indexed by positions. */
+#define DEFINE_ROPE(SUFFIX, T)                                                                    \
+    void rope_##SUFFIX(T *x, int64_t x_stride, int n_tok, int n_head, int D,                      \
+                       const int64_t *positions, const T *cos_t, const T *sin_t) {                \
+        const int half = D / 2;                                                                   \
+        _Pragma("omp parallel for if (n_tok >= 64) num_threads(NT)")                                              \
+        for (int t = 0; t < n_tok; t++) {                                                         \
+            const T *c = cos_t + positions[t] * half, *s = sin_t + positions[t] * half;           \
+            for (int h = 0; h < n_head; h++) {                                                    \
+                T *xh = x + t * x_stride + (int64_t)h * D;                                        \
+                for (int i = 0; i < half; i++) {                                                  \
+                    const float a = get_##SUFFIX(xh, i), b = get_##SUFFIX(xh, i + half);          \
+                    const float ci = get_##SUFFIX(c, i), si = get_##SUFFIX(s, i);                 \
+                    put_##SUFFIX(xh, i, round_##SUFFIX(a * ci) - round_##SUFFIX(b * si));         \
+                    put_##SUFFIX(xh, i + half, round_##SUFFIX(b * ci) + round_##SUFFIX(a * si));  \
+                }                                                                                 \
+            }                                                                                     \
+        }                                                                                         \
+    }
+
+/* out[t, f] = silu(gu[t, f]) * gu[t, F + f]   (gate and up halves of the fused projection) */
+#define DEFINE_SILU_MUL(SUFFIX, T)                                                                \
+    void silu_mul_##SUFFIX(const T *gu, T *out, int n, int F) {                                   \
+        _Pragma("omp parallel for if (n >= 16) num_threads(NT)")                                                  \
+        for (int t = 0; t < n; t++) {                                                             \
+            const T *g = gu + (int64_t)t * 2 * F, *u = g + F;                                     \
+            T *o = out + (int64_t)t * F;                                                          \
+            for (int f = 0; f < F; f++) {                                                         \
+                const float v = get_##SUFFIX(g, f);                                               \
+                const float act = round_##SUFFIX(v / (1.0f + exp_clamped(-v)));                   \
+                put_##SUFFIX(o, f, act * get_##SUFFIX(u, f));                                     \
+            }                                                                                     \
+        }                                                                                         \
+    }
+
+DEFINE_RMSNORM(f32, float)
+DEFINE_RMSNORM(bf16, bf16_t)
+DEFINE_ADD_RMSNORM(f32, float)
+DEFINE_ADD_RMSNORM(bf16, bf16_t)
+DEFINE_ROPE(f32, float)
+DEFINE_ROPE(bf16, bf16_t)
+DEFINE_SILU_MUL(f32, float)
+DEFINE_SILU_MUL(bf16, bf16_t)

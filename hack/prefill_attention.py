@@ -1,0 +1,85 @@
+"""GFLOP/s of the prefill attention the engine runs on CPU (model/attention.py): the C prefill kernel
+(csrc prefill_attention_f32, AVX-512 and AVX2 + FMA builds) against torch's SDPA, the path it replaces
+(causal over a fresh chunk's own K/V, or over the gathered context after a prefix-cache hit), on the
+benchmark model's heads (8 query heads, 4 kv heads, head size 64; --head-dim 128 takes 16 and 2) and
+scattered pool blocks. Both sides run the same spans through PagedAttention, best of 5 in rotation, so
+a burst of neighbour load hits both alike. FLOPs: 4 x heads x head size per visible (query, key) pair.
+
+    PYTHONPATH=engine-image .venv/bin/python hack/prefill_attention.py [--threads N] [--head-dim 64]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from consort_common.machine import cpu_model_and_flags
+from consort_engine.model.attention import AttentionMetadata, PagedAttention, PrefillSpan
+
+# (name, [(cached, new) per sequence]): the chunk lengths a 2,048-token step budget cuts prompts into
+CASES = (("1 x 128", [(0, 128)]), ("1 x 512", [(0, 512)]), ("4 x 512", [(0, 512)] * 4),
+         ("8 x 256", [(0, 256)] * 8), ("1 x 2048", [(0, 2048)]), ("256 cached + 256", [(256, 256)]),
+         ("1024 cached + 1024", [(1024, 1024)]))
+BLOCK = 16
+
+
+def setup(spans: list[tuple[int, int]], h: int, kvh: int, d: int, g: torch.Generator):
+    """A layer over a pool of scattered blocks holding every span's context, and the step's metadata."""
+    ctx_lens, qlens = [c + n for c, n in spans], [n for _, n in spans]
+    max_blocks = max((c + BLOCK - 1) // BLOCK for c in ctx_lens)
+    num_blocks = len(spans) * max_blocks
+    attn = PagedAttention(h, kvh, d, d ** -0.5, "cpu_kernel")
+    attn.k_cache = torch.randn(num_blocks, kvh, BLOCK, d, generator=g)
+    attn.v_cache = torch.randn(num_blocks, kvh, BLOCK, d, generator=g)
+    tables = torch.randperm(num_blocks, generator=g).view(len(spans), max_blocks).to(torch.int32)
+    starts = [0, *torch.tensor(qlens).cumsum(0).tolist()]
+    prefills = [PrefillSpan(starts[i], starts[i + 1], c, c + n,
+                            tables[i, :(c + n + BLOCK - 1) // BLOCK].long() if c else None)
+                for i, (c, n) in enumerate(spans)]
+    t = starts[-1]
+    # slots -1: the K/V are in the pool already (as after the step's store); both sides attend over it
+    meta = AttentionMetadata(slot_mapping=torch.full((t,), -1, dtype=torch.int64), prefills=prefills,
+                             prefill_block_tables=tables, prefill_context_lens=torch.tensor(ctx_lens, dtype=torch.int32),
+                             prefill_cu_query_lens=torch.tensor(starts, dtype=torch.int32))
+    qkv = [torch.randn(t, n, d, generator=g) for n in (h, kvh, kvh)]
+    flops = sum(4 * h * d * n * (c + (n + 1) / 2) for c, n in spans)
+    return attn, qkv, meta, flops
+
+
+def sdpa_only(attn: PagedAttention):
+    """The same forward with the kernel declining, as on a build without it."""
+    attn._prefill_kernel = lambda *a: False
+    return attn
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=0, help="torch and kernel threads (0: torch's default)")
+    ap.add_argument("--head-dim", type=int, default=64, choices=(64, 128))
+    a = ap.parse_args()
+    from consort_engine.model.cpu_kernels import cpu_kernels, set_threads
+    if a.threads:
+        set_threads(a.threads)
+    if cpu_kernels() is None or not hasattr(cpu_kernels(), "prefill_attention_f32"):
+        raise SystemExit("the prefill kernel is not built on this CPU (it needs AVX-512 or AVX2 + FMA)")
+    h, kvh = (8, 4) if a.head_dim == 64 else (16, 2)
+    model, flags = cpu_model_and_flags()
+    print(f"{model}; {' '.join(f for f in ('avx2', 'fma', 'avx512f', 'amx_tile') if f in flags)}; "
+          f"{torch.get_num_threads()} threads; heads {h}/{kvh} x {a.head_dim}; GFLOP/s, best of 5")
+    print("| spans | kernel | SDPA | kernel / SDPA |\n|---|---|---|---|")
+    g = torch.Generator().manual_seed(0)
+    for name, spans in CASES:
+        attn, (q, k, v), meta, flops = setup(spans, h, kvh, a.head_dim, g)
+        sides = {"kernel": attn, "sdpa": sdpa_only(setup(spans, h, kvh, a.head_dim, g)[0])}
+        best = dict.fromkeys(sides, 0.0)
+        for _ in range(5):
+            for side, layer in sides.items():
+                t0 = time.perf_counter()
+                layer(q, k, v, meta)
+                best[side] = max(best[side], flops / (time.perf_counter() - t0) / 1e9)
+        print(f"| {name} | {best['kernel']:.1f} | {best['sdpa']:.1f} | {best['kernel'] / best['sdpa']:.2f}x |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
