@@ -6,13 +6,13 @@
  * - their K rows transposed once into [D][PF_KEYS], shared by the tile's G x 32 query rows;
  * - scores for PF_SCORE_ROWS rows x 16 keys at a time in registers (a row's 16 are one zmm or two ymm);
  * - online softmax per row (running max and sum), over the block's scores in place;
- * - P V accumulated in registers, PF_PV_ROWS rows x PF_PV_VECS vectors of D at a time.
+ * - P V accumulated in registers, a tile of rows x vectors of D at a time (PF_PV).
  * Why: torch's fp32 SDPA ran fresh 128-512-token chunks at 24-59 GFLOP/s on the AVX-512 machine, this
  * kernel at 83-112 (2,048 tokens: level, ~120); SDPA stays the path for other head sizes and dtypes
  * (the kernel returns -3). Tiles of 32 tokens measured 3-5% faster than 16 at 300-2,048 tokens.
- * AVX2 (16 ymm): blocks of 64 keys (a row's fixed softmax work amortised over 4x the keys of 16:
- * +10-15%), 6-row score tiles (12 FMA chains, +15% over 4) and 4-row x 16-float P V tiles (8 chains,
- * every register left for them).
+ * AVX2 (16 ymm registers), per thread over 512-2,048-token spans: blocks of 64 keys (a row's softmax
+ * bookkeeping spread over 4x the keys: +10%), P V tiles of 4 rows x 16 floats (a tile's rows cut into
+ * full tiles, 8 FMA chains: +17%), score tiles of 6 rows (12 chains: +15%); 40-42 -> 60-67 GFLOP/s.
  */
 #include "common.h"
 
