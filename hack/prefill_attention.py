@@ -40,7 +40,8 @@ def setup(spans: list[tuple[int, int]], h: int, kvh: int, d: int, g: torch.Gener
     t = starts[-1]
     # slots -1: the K/V are in the pool already (as after the step's store); both sides attend over it
     meta = AttentionMetadata(slot_mapping=torch.full((t,), -1, dtype=torch.int64), prefills=prefills,
-                             prefill_block_tables=tables, prefill_context_lens=torch.tensor(ctx_lens, dtype=torch.int32),
+                             prefill_block_tables=tables,
+                             prefill_context_lens=torch.tensor(ctx_lens, dtype=torch.int32),
                              prefill_cu_query_lens=torch.tensor(starts, dtype=torch.int32))
     qkv = [torch.randn(t, n, d, generator=g) for n in (h, kvh, kvh)]
     flops = sum(4 * h * d * n * (c + (n + 1) / 2) for c, n in spans)
@@ -78,7 +79,8 @@ def main() -> None:
                 t0 = time.perf_counter()
                 layer(q, k, v, meta)
                 best[side] = max(best[side], flops / (time.perf_counter() - t0) / 1e9)
-        print(f"| {name} | {best['kernel']:.1f} | {best['sdpa']:.1f} | {best['kernel'] / best['sdpa']:.2f}x |", flush=True)
+        kern, sdpa = best["kernel"], best["sdpa"]
+        print(f"| {name} | {kern:.1f} | {sdpa:.1f} | {kern / sdpa:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":
