@@ -1,11 +1,12 @@
 """GFLOP/s of the prefill attention the engine runs on CPU (model/attention.py): the C prefill kernel
 (csrc prefill_attention_f32, AVX-512 and AVX2 + FMA builds) against torch's SDPA, the path it replaces
 (causal over a fresh chunk's own K/V, or over the gathered context after a prefix-cache hit), on the
-benchmark model's heads (8 query heads, 4 kv heads, head size 64; --head-dim 128 takes 16 and 2) and
+benchmark model's heads (8 query heads, 4 kv heads, head size 64; --head-dim 128 takes 16 and 2),
+float32 queries over a float32 pool (--kv-dtype bfloat16: a bf16 model on a CPU without AMX) and
 scattered pool blocks. Both sides run the same spans through PagedAttention, best of 5 in rotation, so
 a burst of neighbour load hits both alike. FLOPs: 4 x heads x head size per visible (query, key) pair.
 
-    PYTHONPATH=engine-image .venv/bin/python hack/prefill_attention.py [--threads N] [--head-dim 64]
+    PYTHONPATH=engine-image .venv/bin/python hack/prefill_attention.py [--head-dim 128] [--kv-dtype bfloat16]
 """
 from __future__ import annotations
 
@@ -24,14 +25,14 @@ CASES = (("1 x 128", [(0, 128)]), ("1 x 512", [(0, 512)]), ("4 x 512", [(0, 512)
 BLOCK = 16
 
 
-def setup(spans: list[tuple[int, int]], h: int, kvh: int, d: int, g: torch.Generator):
+def setup(spans: list[tuple[int, int]], h: int, kvh: int, d: int, kv_dtype: torch.dtype, g: torch.Generator):
     """A layer over a pool of scattered blocks holding every span's context, and the step's metadata."""
     ctx_lens, qlens = [c + n for c, n in spans], [n for _, n in spans]
     max_blocks = max((c + BLOCK - 1) // BLOCK for c in ctx_lens)
     num_blocks = len(spans) * max_blocks
     attn = PagedAttention(h, kvh, d, d ** -0.5, "cpu_kernel")
-    attn.k_cache = torch.randn(num_blocks, kvh, BLOCK, d, generator=g)
-    attn.v_cache = torch.randn(num_blocks, kvh, BLOCK, d, generator=g)
+    attn.k_cache = torch.randn(num_blocks, kvh, BLOCK, d, generator=g).to(kv_dtype)
+    attn.v_cache = torch.randn(num_blocks, kvh, BLOCK, d, generator=g).to(kv_dtype)
     tables = torch.randperm(num_blocks, generator=g).view(len(spans), max_blocks).to(torch.int32)
     starts = [0, *torch.tensor(qlens).cumsum(0).tolist()]
     prefills = [PrefillSpan(starts[i], starts[i + 1], c, c + n,
@@ -58,6 +59,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=0, help="torch and kernel threads (0: torch's default)")
     ap.add_argument("--head-dim", type=int, default=64, choices=(64, 128))
+    ap.add_argument("--kv-dtype", default="float32", choices=("float32", "bfloat16"))
     a = ap.parse_args()
     from consort_engine.model.cpu_kernels import cpu_kernels, set_threads
     if a.threads:
@@ -65,14 +67,15 @@ def main() -> None:
     if cpu_kernels() is None or not hasattr(cpu_kernels(), "prefill_attention_f32"):
         raise SystemExit("the prefill kernel is not built on this CPU (it needs AVX-512 or AVX2 + FMA)")
     h, kvh = (8, 4) if a.head_dim == 64 else (16, 2)
+    kv_dtype = getattr(torch, a.kv_dtype)
     model, flags = cpu_model_and_flags()
     print(f"{model}; {' '.join(f for f in ('avx2', 'fma', 'avx512f', 'amx_tile') if f in flags)}; "
-          f"{torch.get_num_threads()} threads; heads {h}/{kvh} x {a.head_dim}; GFLOP/s, best of 5")
+          f"{torch.get_num_threads()} threads; heads {h}/{kvh} x {a.head_dim}, {a.kv_dtype} pool; GFLOP/s, best of 5")
     print("| spans | kernel | SDPA | kernel / SDPA |\n|---|---|---|---|")
     g = torch.Generator().manual_seed(0)
     for name, spans in CASES:
-        attn, (q, k, v), meta, flops = setup(spans, h, kvh, a.head_dim, g)
-        sides = {"kernel": attn, "sdpa": sdpa_only(setup(spans, h, kvh, a.head_dim, g)[0])}
+        attn, (q, k, v), meta, flops = setup(spans, h, kvh, a.head_dim, kv_dtype, g)
+        sides = {"kernel": attn, "sdpa": sdpa_only(setup(spans, h, kvh, a.head_dim, kv_dtype, g)[0])}
         best = dict.fromkeys(sides, 0.0)
         for _ in range(5):
             for side, layer in sides.items():

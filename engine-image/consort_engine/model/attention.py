@@ -5,10 +5,11 @@ A step's tokens are laid out as [batched group | prefill spans]:
 - the batched group (decode tokens, short queries such as spec-verify windows) is attended in ONE
   call per layer: on CPU a C kernel that reads the pool in place through the block tables
   (csrc/paged_attention.c); otherwise a gather of the blocks + SDPA with a length mask.
-- prefill spans (one per sequence chunk): on CPU with a float32 pool and head size 64/128 (AVX-512
-  or AVX2 + FMA builds) all of them in one call of the C prefill kernel (csrc/prefill_attention.c),
-  in place like the batched group; otherwise SDPA: causal over the chunk's own K/V when nothing
-  precedes it, else over the gathered context with a bottom-right causal mask.
+- prefill spans (one per sequence chunk): on CPU with float32 activations (over a float32 or bfloat16
+  pool) and head size 64/128 (AVX-512 or AVX2 + FMA builds) all of them in one call of the C prefill
+  kernel (csrc/prefill_attention.c), in place like the batched group; otherwise SDPA: causal over the
+  chunk's own K/V when nothing precedes it, else over the gathered context with a bottom-right causal
+  mask.
 With flash-attn installed on CUDA (and block_size a multiple of 256, its paged-KV constraint) every
 token goes through flash_attn_varlen_func with the block table instead (decode CUDA graphs: through
 flash_attn_with_kvcache, which reads the lengths from a tensor); on CUDA otherwise the batched
@@ -161,13 +162,16 @@ class PagedAttention(torch.nn.Module):
             raise RuntimeError(f"paged_attention kernel failed ({rc})")
 
     def _prefill_kernel(self, q: torch.Tensor, out: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """Every prefill span through the C kernel (float32 pool, head size 64/128, AVX-512 or AVX2 build), reading
-        the pool in place; False where it does not apply (then SDPA runs)."""
-        if self.backend != "cpu_kernel" or q.dtype != torch.float32 or self.k_cache.dtype != torch.float32 \
+        """Every prefill span through the C kernel (float32 queries over a float32 or bfloat16 pool, head size
+        64/128, AVX-512 or AVX2 build), reading the pool in place; False where it does not apply (then SDPA
+        runs)."""
+        kv = self.k_cache.dtype
+        if self.backend != "cpu_kernel" or q.dtype != torch.float32 or kv not in (torch.float32, torch.bfloat16) \
                 or meta.prefill_block_tables is None:
             return False
-        fn = getattr(cpu_kernels(), "prefill_attention_f32", None)
-        if fn is None:
+        try:
+            fn = kernel("prefill_attention", q.dtype, kv)
+        except AttributeError:          # not built for this CPU (neither AVX-512 nor AVX2 + FMA)
             return False
         tb, bt, kc = meta.num_batched_tokens, meta.prefill_block_tables, self.k_cache
         qp, op = q[tb:], out[tb:]

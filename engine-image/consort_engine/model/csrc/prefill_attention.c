@@ -1,5 +1,6 @@
-/* Causal attention of prefill chunks over the pool (float32; AVX-512 or AVX2 + FMA builds, elsewhere
- * the engine uses torch's SDPA). Same arguments as paged_attention_f32: sequence b's query rows
+/* Causal attention of prefill chunks over the pool (float32 queries and output over a float32 or
+ * bfloat16 pool, the K/V widened as they are read; AVX-512 or AVX2 + FMA builds, elsewhere the engine
+ * uses torch's SDPA). Same arguments as paged_attention_f32: sequence b's query rows
  * cu_q[b] .. cu_q[b+1]-1 are the last tokens of its context, its K/V (the chunk's own already stored)
  * read in place through its block table. Work item = (sequence, kv head, tile of PF_TOKENS query
  * tokens); keys are taken PF_KEYS at a time, flash-attention style:
@@ -21,10 +22,20 @@
 #define PF_MAX_ROWS (PF_TOKENS * 16)      /* G <= 16 */
 #define PF_SUB (16 / VLEN)                /* vectors of 16 keys' scores */
 
+/* VLEN bf16 values from memory, widened to fp32 (a bf16 is the top half of its fp32). */
+#if defined(__AVX512F__)
+#define VEC_LOAD_BF16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+#else
+#define VEC_LOAD_BF16(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+#endif
+/* A row of V (or its part from element d0 on) as fp32 vectors: the pool's element type is a constant. */
+#define PF_LOAD_V(row, d0, bf16kv) ((bf16kv) ? VEC_LOAD_BF16((const bf16_t *)(row) + (d0)) : VEC_LOADU((const float *)(row) + (d0)))
+
 #if defined(__AVX512F__)
 #define PF_KEYS 16                        /* keys per block */
 #define PF_SCORE_ROWS 4                   /* query rows per scores tile: 4 FMA chains */
-#define PF_PV(D) ((D) == 64 ? pf_pv_4x6 : pf_pv_8x3)   /* the whole row of D in registers: 24 of 32 zmm */
+/* the whole row of D in registers: 24 of 32 zmm */
+#define PF_PV(D, ...) do { if ((D) == 64) pf_pv_4x6(__VA_ARGS__); else pf_pv_8x3(__VA_ARGS__); } while (0)
 
 /* e^x for x <= 0 lanes (clamped at -87), the same polynomial as exp_nonpos_core, 2^k by scalef. */
 static inline __m512 exp512_nonpos(__m512 x) {
@@ -65,7 +76,7 @@ static inline __attribute__((always_inline)) int pf_softmax_row(float *P, int c0
 #else
 #define PF_KEYS 64
 #define PF_SCORE_ROWS 6                   /* 12 FMA chains of two ymm */
-#define PF_PV(D) pf_pv_2x4                /* 4 rows x 16 floats of D: 8 chains */
+#define PF_PV(D, ...) pf_pv_2x4(__VA_ARGS__)   /* 4 rows x 16 floats of D: 8 chains */
 
 /* e^x for x <= 0 lanes (clamped at -87), the polynomial of exp_nonpos_core, 2^k built in the exponent. */
 static inline __m256 exp256_nonpos(__m256 x) {
@@ -128,10 +139,12 @@ static inline __attribute__((always_inline)) int pf_softmax_row(float *P, int c0
 #endif
 
 /* acc[r][0..D) = acc[r] * alpha[r] + sum_j P[r][j] V[j] over nk keys: rows RR at a time, D in slices of
- * SV vectors (the slice's accumulators stay in registers while the keys stream past). */
+ * SV vectors (the slice's accumulators stay in registers while the keys stream past). V rows are fp32,
+ * or bf16 (bf16kv, a constant) widened as they load. */
 #define DEFINE_PF_PV(SV, RR)                                                                              \
-static inline void pf_pv_##SV##x##RR(float *acc, int D, const float *P, const float *alpha,              \
-                                      const float *const *vrows, int nk, int rows) {                     \
+static inline __attribute__((always_inline)) void pf_pv_##SV##x##RR(                                    \
+        float *acc, int D, const float *P, const float *alpha, const void *const *vrows, int nk, int rows, \
+        const int bf16kv) {                                                                               \
     for (int d0 = 0; d0 < D; d0 += SV * VLEN)                                                             \
     for (int r0 = 0; r0 < rows; r0 += RR) {                                                               \
         const int rr = rows - r0 < RR ? rows - r0 : RR;                                                   \
@@ -143,7 +156,7 @@ static inline void pf_pv_##SV##x##RR(float *acc, int D, const float *P, const fl
         if (rr == RR) {                                                                                   \
             for (int j = 0; j < nk; j++) {                                                                \
                 VEC vv[SV];                                                                               \
-                for (int v = 0; v < SV; v++) vv[v] = VEC_LOADU(vrows[j] + d0 + v * VLEN);                 \
+                for (int v = 0; v < SV; v++) vv[v] = PF_LOAD_V(vrows[j], d0 + v * VLEN, bf16kv);           \
                 _Pragma("GCC unroll 8") for (int r = 0; r < RR; r++) {                                    \
                     const VEC p = VEC_SET1(P[(r0 + r) * PF_KEYS + j]);                                    \
                     _Pragma("GCC unroll 8") for (int v = 0; v < SV; v++) a[r][v] = VEC_FMA(p, vv[v], a[r][v]); \
@@ -152,7 +165,7 @@ static inline void pf_pv_##SV##x##RR(float *acc, int D, const float *P, const fl
         } else {                                                                                          \
             for (int j = 0; j < nk; j++) {                                                                \
                 VEC vv[SV];                                                                               \
-                for (int v = 0; v < SV; v++) vv[v] = VEC_LOADU(vrows[j] + d0 + v * VLEN);                 \
+                for (int v = 0; v < SV; v++) vv[v] = PF_LOAD_V(vrows[j], d0 + v * VLEN, bf16kv);           \
                 for (int r = 0; r < rr; r++) {                                                            \
                     const VEC p = VEC_SET1(P[(r0 + r) * PF_KEYS + j]);                                    \
                     for (int v = 0; v < SV; v++) a[r][v] = VEC_FMA(p, vv[v], a[r][v]);                    \
@@ -191,9 +204,14 @@ static inline __attribute__((always_inline)) void pf_scores(const float *qr, con
         for (int v = 0; v < PF_SUB; v++) VEC_STORE(P + r * PF_KEYS + kb + v * VLEN, s[r][v]);
 }
 
-static void pf_item(const float *q, int64_t q_stride, const float *kc, const float *vc, float *out, int64_t out_stride,
-                    const int32_t *bt, int ctx, int q0, int qlen, int t0, int t1, int kh, int H, int KVH, int D, int BS,
-                    int64_t blk_stride, int64_t tok, int64_t head_stride, float scale, float *scratch) {
+/* One work item. The pool (kc, vc) holds fp32, or bf16 where bf16kv (a constant: each caller's copy
+ * is specialised); K/V are widened to fp32 as they are read, as a bf16 model's fp32 activations
+ * attend over its bf16 cache on CPUs without AMX. Offsets are in elements. */
+static inline __attribute__((always_inline)) void pf_item(
+        const float *q, int64_t q_stride, const void *kc, const void *vc, float *out, int64_t out_stride,
+        const int32_t *bt, int ctx, int q0, int qlen, int t0, int t1, int kh, int H, int KVH, int D, int BS,
+        int64_t blk_stride, int64_t tok, int64_t head_stride, float scale, float *scratch, const int bf16kv) {
+    const int esize = bf16kv ? (int)sizeof(bf16_t) : (int)sizeof(float);
     const int G = H / KVH, rows = (t1 - t0) * G;
     float *qs = scratch;                                   /* [rows][D] */
     float *acc = qs + (int64_t)PF_MAX_ROWS * D;            /* [rows][D] */
@@ -201,7 +219,7 @@ static void pf_item(const float *q, int64_t q_stride, const float *kc, const flo
     float *P = kt + (int64_t)D * PF_KEYS;                  /* [rows][PF_KEYS] */
     float *m = P + PF_MAX_ROWS * PF_KEYS, *l = m + PF_MAX_ROWS, *alpha = l + PF_MAX_ROWS;
     int pos[PF_MAX_ROWS];
-    const float *vrows[PF_KEYS];
+    const void *vrows[PF_KEYS];
     for (int i = t0; i < t1; i++)
         for (int g = 0; g < G; g++) {
             const int r = (i - t0) * G + g;
@@ -218,9 +236,13 @@ static void pf_item(const float *q, int64_t q_stride, const float *kc, const flo
         for (int jj = 0; jj < PF_KEYS; jj++) {             /* K rows -> kt[d][jj] (zero past the end) */
             if (jj < nk) {
                 const int j = c0 + jj;
-                const float *kr = kc + (int64_t)bt[j / BS] * blk_stride + head + (int64_t)(j % BS) * tok;
-                vrows[jj] = vc + (int64_t)bt[j / BS] * blk_stride + head + (int64_t)(j % BS) * tok;
-                for (int d = 0; d < D; d++) kt[d * PF_KEYS + jj] = kr[d];
+                const int64_t at = ((int64_t)bt[j / BS] * blk_stride + head + (int64_t)(j % BS) * tok) * esize;
+                const void *kr = (const char *)kc + at;
+                vrows[jj] = (const char *)vc + at;
+                if (bf16kv)
+                    for (int d = 0; d < D; d++) kt[d * PF_KEYS + jj] = bf16_to_f32(((const bf16_t *)kr)[d]);
+                else
+                    for (int d = 0; d < D; d++) kt[d * PF_KEYS + jj] = ((const float *)kr)[d];
             } else {
                 for (int d = 0; d < D; d++) kt[d * PF_KEYS + jj] = 0.f;
             }
@@ -239,7 +261,7 @@ static void pf_item(const float *q, int64_t q_stride, const float *kc, const flo
         for (int r = 0; r < rows; r++)
             live |= pf_softmax_row(P + r * PF_KEYS, c0, nk, pos[r], m + r, l + r, alpha + r);
         if (!live) continue;
-        PF_PV(D)(acc, D, P, alpha, vrows, nk, rows);
+        PF_PV(D, acc, D, P, alpha, vrows, nk, rows, bf16kv);
     }
     for (int i = t0; i < t1; i++)
         for (int g = 0; g < G; g++) {
@@ -250,36 +272,45 @@ static void pf_item(const float *q, int64_t q_stride, const float *kc, const flo
         }
 }
 
-int prefill_attention_f32(const float *q, int64_t q_stride, const float *kc, const float *vc, float *out,
-                          int64_t out_stride, const int32_t *block_tables, int max_blocks, const int32_t *ctx_lens,
-                          const int32_t *cu_q, int B, int H, int KVH, int D, int BS, int64_t blk_stride,
-                          int64_t tok_stride, int64_t head_stride, float scale) {
-    if ((D != 64 && D != 128) || H % KVH || H / KVH > 16) return -3;
-    int tiles = 0;
-    for (int b = 0; b < B; b++) tiles += (cu_q[b + 1] - cu_q[b] + PF_TOKENS - 1) / PF_TOKENS;
-    const int64_t scratch_len = 2 * (int64_t)PF_MAX_ROWS * D + (int64_t)(D + PF_MAX_ROWS) * PF_KEYS + 3 * PF_MAX_ROWS + 16;
-    int err = 0;
-    #pragma omp parallel num_threads(NT)
-    {
-        float *scratch = (float *)aligned_alloc(64, sizeof(float) * ((scratch_len + 15) / 16 * 16));
-        if (!scratch) err = -2;
-        #pragma omp for schedule(dynamic, 1)
-        for (int it = 0; it < tiles * KVH; it++) {
-            if (!scratch) continue;
-            int t = it / KVH, b = 0;
-            const int kh = it % KVH;
-            for (;; b++) {                                 /* tile t -> (sequence b, its tile t) */
-                const int n = (cu_q[b + 1] - cu_q[b] + PF_TOKENS - 1) / PF_TOKENS;
-                if (t < n) break;
-                t -= n;
-            }
-            const int qlen = cu_q[b + 1] - cu_q[b], t0 = t * PF_TOKENS;
-            const int t1 = t0 + PF_TOKENS < qlen ? t0 + PF_TOKENS : qlen;
-            pf_item(q, q_stride, kc, vc, out, out_stride, block_tables + (int64_t)b * max_blocks, ctx_lens[b],
-                    cu_q[b], qlen, t0, t1, kh, H, KVH, D, BS, blk_stride, tok_stride, head_stride, scale, scratch);
-        }
-        free(scratch);
-    }
-    return err;
+/* The entry points: prefill_attention_f32 (fp32 pool) and prefill_attention_f32_bf16kv (bf16 pool), fp32
+ * queries and output; 0, -2 (no scratch), or -3 for what they do not cover (SDPA then runs). */
+#define DEFINE_PREFILL(SUFFIX, TKV, BF16KV)                                                                \
+int prefill_attention_##SUFFIX(const float *q, int64_t q_stride, const TKV *kc, const TKV *vc, float *out,  \
+                               int64_t out_stride, const int32_t *block_tables, int max_blocks,            \
+                               const int32_t *ctx_lens, const int32_t *cu_q, int B, int H, int KVH, int D, \
+                               int BS, int64_t blk_stride, int64_t tok_stride, int64_t head_stride,        \
+                               float scale) {                                                              \
+    if ((D != 64 && D != 128) || H % KVH || H / KVH > 16) return -3;                                        \
+    int tiles = 0;                                                                                          \
+    for (int b = 0; b < B; b++) tiles += (cu_q[b + 1] - cu_q[b] + PF_TOKENS - 1) / PF_TOKENS;               \
+    const int64_t scratch_len = 2 * (int64_t)PF_MAX_ROWS * D + (int64_t)(D + PF_MAX_ROWS) * PF_KEYS         \
+                                + 3 * PF_MAX_ROWS + 16;                                                     \
+    int err = 0;                                                                                            \
+    _Pragma("omp parallel num_threads(NT)")                                                                 \
+    {                                                                                                       \
+        float *scratch = (float *)aligned_alloc(64, sizeof(float) * ((scratch_len + 15) / 16 * 16));      \
+        if (!scratch) err = -2;                                                                             \
+        _Pragma("omp for schedule(dynamic, 1)")                                                             \
+        for (int it = 0; it < tiles * KVH; it++) {                                                          \
+            if (!scratch) continue;                                                                         \
+            int t = it / KVH, b = 0;                                                                        \
+            const int kh = it % KVH;                                                                        \
+            for (;; b++) {                                 /* tile t -> (sequence b, its tile t) */         \
+                const int n = (cu_q[b + 1] - cu_q[b] + PF_TOKENS - 1) / PF_TOKENS;                          \
+                if (t < n) break;                                                                           \
+                t -= n;                                                                                     \
+            }                                                                                               \
+            const int qlen = cu_q[b + 1] - cu_q[b], t0 = t * PF_TOKENS;                                     \
+            const int t1 = t0 + PF_TOKENS < qlen ? t0 + PF_TOKENS : qlen;                                   \
+            pf_item(q, q_stride, kc, vc, out, out_stride, block_tables + (int64_t)b * max_blocks,           \
+                    ctx_lens[b], cu_q[b], qlen, t0, t1, kh, H, KVH, D, BS, blk_stride, tok_stride,          \
+                    head_stride, scale, scratch, BF16KV);                                                   \
+        }                                                                                                   \
+        free(scratch);                                                                                      \
+    }                                                                                                       \
+    return err;                                                                                             \
 }
+
+DEFINE_PREFILL(f32, float, 0)
+DEFINE_PREFILL(f32_bf16kv, bf16_t, 1)
 #endif

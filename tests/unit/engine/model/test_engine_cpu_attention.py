@@ -85,15 +85,16 @@ HAS_PREFILL = cpu_kernels() is not None and hasattr(cpu_kernels(), "prefill_atte
     (4, 4, 64, 16, [(0, 130)]),                           # MHA
     (16, 1, 64, 16, [(3, 40), (129, 7), (0, 64)]),        # G = 16 (a tile's most rows); contexts end mid key block
 ])
-def test_prefill_kernel_equals_causal_sdpa(h, kvh, d, bs, spans):
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])   # bf16: a bf16 model without AMX
+def test_prefill_kernel_equals_causal_sdpa(h, kvh, d, bs, spans, kv_dtype):
     g = torch.Generator().manual_seed(h + d + bs + len(spans))
     ctx_lens = [c + n for c, n in spans]
     qlens = [n for _, n in spans]
     max_blocks = max((c + bs - 1) // bs for c in ctx_lens)
     num_blocks = len(spans) * max_blocks + 4
     attn = PagedAttention(h, kvh, d, d ** -0.5, "cpu_kernel")
-    attn.k_cache = torch.randn(num_blocks, kvh, bs, d, generator=g)
-    attn.v_cache = torch.randn(num_blocks, kvh, bs, d, generator=g)
+    attn.k_cache = torch.randn(num_blocks, kvh, bs, d, generator=g).to(kv_dtype)
+    attn.v_cache = torch.randn(num_blocks, kvh, bs, d, generator=g).to(kv_dtype)
     perm = torch.randperm(num_blocks, generator=g)[:len(spans) * max_blocks]
     block_tables = perm.view(len(spans), max_blocks).to(torch.int32)
     t = sum(qlens)
@@ -111,7 +112,7 @@ def test_prefill_kernel_equals_causal_sdpa(h, kvh, d, bs, spans):
 
 @pytest.mark.skipif(not HAS_PREFILL, reason="the prefill kernel is built for AVX-512 or AVX2 + FMA CPUs")
 def test_prefill_kernel_declines_what_it_does_not_cover():
-    """Other head sizes and a bf16 pool go through SDPA: the kernel says no instead of computing."""
+    """Other head sizes and bf16 activations go through SDPA: the kernel says no instead of computing."""
     meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.int64), num_batched_tokens=0,
                              prefill_block_tables=torch.zeros(1, 1, dtype=torch.int32),
                              prefill_context_lens=torch.tensor([4], dtype=torch.int32),
@@ -121,4 +122,4 @@ def test_prefill_kernel_declines_what_it_does_not_cover():
     assert not attn._prefill_kernel(torch.zeros(4, 2, 40), torch.empty(4, 80), meta)
     attn = PagedAttention(2, 2, 64, 0.1, "cpu_kernel")
     attn.k_cache = attn.v_cache = torch.zeros(2, 2, 16, 64, dtype=torch.bfloat16)
-    assert not attn._prefill_kernel(torch.zeros(4, 2, 64), torch.empty(4, 128), meta)
+    assert not attn._prefill_kernel(torch.zeros(4, 2, 64, dtype=torch.bfloat16), torch.empty(4, 128), meta)
