@@ -49,10 +49,12 @@ def setup(spans: list[tuple[int, int]], h: int, kvh: int, d: int, kv_dtype: torc
     return attn, qkv, meta, flops
 
 
-def sdpa_only(attn: PagedAttention):
-    """The same forward with the kernel declining, as on a build without it."""
-    attn._prefill_kernel = lambda *a: False
-    return attn
+def sdpa_only(attn: PagedAttention) -> PagedAttention:
+    """The same layer over the same pool, its kernel declining, as on a build without it."""
+    sdpa = PagedAttention(attn.h, attn.kvh, attn.d, attn.scale, attn.backend)
+    sdpa.k_cache, sdpa.v_cache = attn.k_cache, attn.v_cache
+    sdpa._prefill_kernel = lambda *a: False
+    return sdpa
 
 
 def main() -> None:
@@ -75,7 +77,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     for name, spans in CASES:
         attn, (q, k, v), meta, flops = setup(spans, h, kvh, a.head_dim, kv_dtype, g)
-        sides = {"kernel": attn, "sdpa": sdpa_only(setup(spans, h, kvh, a.head_dim, kv_dtype, g)[0])}
+        sides = {"kernel": attn, "sdpa": sdpa_only(attn)}
         best = dict.fromkeys(sides, 0.0)
         for _ in range(5):
             for side, layer in sides.items():

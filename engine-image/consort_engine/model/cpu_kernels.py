@@ -26,8 +26,8 @@ import torch  # noqa: F401  (loads torch's libgomp first: the kernels' libgomp.s
 
 from consort_common.machine import cpu_model_and_flags
 
-CSRC = Path(__file__).with_name("csrc")
-SOURCES = sorted(CSRC.glob("*.c"))   # one job each; common.h is what they share
+KERNEL_FILES = sorted(Path(__file__).with_name("csrc").glob("*.[ch]"))
+SOURCES = [p for p in KERNEL_FILES if p.suffix == ".c"]   # one job each; common.h is what they share
 # Reassociation lets the compiler vectorise the reductions; not -ffast-math, whose crtfastmath
 # would switch the whole process to flush-to-zero when the library loads.
 FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
@@ -67,7 +67,7 @@ def library_name(march: str, cc: str = "", flags: set[str] = frozenset()) -> str
     """File name of the library built with -march=`march`, keyed by source and flags; for
     -march=native by the compiler and the CPU too (a cache directory may be shared by machines)."""
     native = f"{cc} {' '.join(sorted(flags))}" if march == "native" else ""
-    text = b"".join(p.name.encode() + p.read_bytes() for p in sorted(CSRC.glob("*.[ch]")))
+    text = b"".join(p.name.encode() + p.read_bytes() for p in KERNEL_FILES)
     key = hashlib.sha256(text + " ".join([f"-march={march}", *FLAGS, native]).encode()).hexdigest()[:16]
     return f"cpu_kernels-{march}-{key}{sysconfig.get_config_var('SHLIB_SUFFIX') or '.so'}"
 

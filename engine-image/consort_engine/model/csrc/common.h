@@ -35,6 +35,10 @@
 #define VEC_MUL _mm512_mul_ps
 #define VEC_STORE _mm512_store_ps
 #define VEC_STOREU _mm512_storeu_ps
+#define VEC_MAX _mm512_max_ps
+#define VEC_SUB _mm512_sub_ps
+#define VEC_ROUND(x) _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define VEC_TIMES_POW2(p, k) _mm512_scalef_ps(p, k)      /* p * 2^k, k integral */
 #elif defined(__AVX2__) && defined(__FMA__)
 #define VEC __m256
 #define VLEN 8
@@ -46,6 +50,12 @@
 #define VEC_MUL _mm256_mul_ps
 #define VEC_STORE _mm256_store_ps
 #define VEC_STOREU _mm256_storeu_ps
+#define VEC_MAX _mm256_max_ps
+#define VEC_SUB _mm256_sub_ps
+#define VEC_ROUND(x) _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+/* p * 2^k, k integral in [-126, 127]: 2^k built in the exponent bits */
+#define VEC_TIMES_POW2(p, k) _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(                    \
+        _mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23)))
 #endif
 
 typedef uint16_t bf16_t;

@@ -22,6 +22,23 @@
 #define PF_MAX_ROWS (PF_TOKENS * 16)      /* G <= 16 */
 #define PF_SUB (16 / VLEN)                /* vectors of 16 keys' scores */
 
+/* e^x for x <= 0 lanes (clamped at -87): the polynomial of exp_nonpos_core, a vector at a time. */
+static inline VEC exp_vec_nonpos(VEC x) {
+    x = VEC_MAX(x, VEC_SET1(-87.f));
+    const VEC t = VEC_MUL(x, VEC_SET1(1.44269504088896341f));
+    const VEC k = VEC_ROUND(t);
+    const VEC f = VEC_MUL(VEC_SUB(t, k), VEC_SET1(0.693147180559945309f));
+    VEC p = VEC_SET1(1.f / 5040.f);
+    p = VEC_FMA(p, f, VEC_SET1(1.f / 720.f));
+    p = VEC_FMA(p, f, VEC_SET1(1.f / 120.f));
+    p = VEC_FMA(p, f, VEC_SET1(1.f / 24.f));
+    p = VEC_FMA(p, f, VEC_SET1(1.f / 6.f));
+    p = VEC_FMA(p, f, VEC_SET1(0.5f));
+    p = VEC_FMA(p, f, VEC_SET1(1.f));
+    p = VEC_FMA(p, f, VEC_SET1(1.f));
+    return VEC_TIMES_POW2(p, k);
+}
+
 /* VLEN bf16 values from memory, widened to fp32 (a bf16 is the top half of its fp32). */
 #if defined(__AVX512F__)
 #define VEC_LOAD_BF16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
@@ -37,23 +54,6 @@
 /* the whole row of D in registers: 24 of 32 zmm */
 #define PF_PV(D, ...) do { if ((D) == 64) pf_pv_4x6(__VA_ARGS__); else pf_pv_8x3(__VA_ARGS__); } while (0)
 
-/* e^x for x <= 0 lanes (clamped at -87), the same polynomial as exp_nonpos_core, 2^k by scalef. */
-static inline __m512 exp512_nonpos(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-    const __m512 k = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, k), _mm512_set1_ps(0.693147180559945309f));
-    __m512 p = _mm512_set1_ps(1.f / 5040.f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 720.f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120.f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24.f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6.f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-    return _mm512_scalef_ps(p, k);
-}
-
 /* One query row's online-softmax step over the block of keys c0 .. c0 + nk - 1: its scores in P (16
  * floats) become probabilities (zero past `pos`, the row's last visible key); *m and *l take the new
  * running max and sum, *alpha the factor the row's earlier P V sums take. 0 when the row sees none of
@@ -66,7 +66,7 @@ static inline __attribute__((always_inline)) int pf_softmax_row(float *P, int c0
     if (!vis) { *alpha = 1.f; memset(P, 0, 64); return 0; }
     const __m512 sv = _mm512_mask_blend_ps(vis, _mm512_set1_ps(-INFINITY), _mm512_load_ps(P));
     const float mx = _mm512_reduce_max_ps(sv), mnew = mx > *m ? mx : *m;
-    const __m512 p = _mm512_maskz_mov_ps(vis, exp512_nonpos(_mm512_sub_ps(sv, _mm512_set1_ps(mnew))));
+    const __m512 p = _mm512_maskz_mov_ps(vis, exp_vec_nonpos(_mm512_sub_ps(sv, _mm512_set1_ps(mnew))));
     *alpha = *m == -INFINITY ? 0.f : exp_nonpos(*m - mnew);
     *l = *l * *alpha + _mm512_reduce_add_ps(p);
     *m = mnew;
@@ -77,24 +77,6 @@ static inline __attribute__((always_inline)) int pf_softmax_row(float *P, int c0
 #define PF_KEYS 64
 #define PF_SCORE_ROWS 6                   /* 12 FMA chains of two ymm */
 #define PF_PV(D, ...) pf_pv_2x4(__VA_ARGS__)   /* 4 rows x 16 floats of D: 8 chains */
-
-/* e^x for x <= 0 lanes (clamped at -87), the polynomial of exp_nonpos_core, 2^k built in the exponent. */
-static inline __m256 exp256_nonpos(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
-    const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
-    const __m256 k = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m256 f = _mm256_mul_ps(_mm256_sub_ps(t, k), _mm256_set1_ps(0.693147180559945309f));
-    __m256 p = _mm256_set1_ps(1.f / 5040.f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 720.f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 120.f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 24.f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 6.f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
 
 static inline float hmax256(__m256 v) {
     __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -127,7 +109,7 @@ static inline __attribute__((always_inline)) int pf_softmax_row(float *P, int c0
     const __m256 mv = _mm256_set1_ps(mnew);
     __m256 sum = _mm256_setzero_ps();
     for (int v = 0; v < PF_KEYS / 8; v++) {
-        const __m256 p = _mm256_and_ps(vis[v], exp256_nonpos(_mm256_sub_ps(sv[v], mv)));
+        const __m256 p = _mm256_and_ps(vis[v], exp_vec_nonpos(_mm256_sub_ps(sv[v], mv)));
         sum = _mm256_add_ps(sum, p);
         _mm256_store_ps(P + v * 8, p);
     }
