@@ -91,18 +91,19 @@ def _consort(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch
 
 def consort_int8(codes: torch.Tensor, scale: torch.Tensor,
                  bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """int8 weight-only through the engine's kernel (`gemm_i8w_f32`): codes [n, k] int8, one fp32 scale
-    per output row; fp32 activations and output. None where the kernel is not built."""
+    """int8 weights through the engine's kernel (`gemm_i8w_f32`, activations rounded per row to 16-bit
+    integers inside it): codes [n, k] int8, one fp32 scale per output row; fp32 activations and output.
+    None where the kernel is not built."""
     from consort_engine.model.cpu_kernels import cpu_kernels
 
     lib = cpu_kernels()
     if lib is None or not hasattr(lib, "gemm_i8w_f32"):
         return None
     n, k = codes.shape
-    size = lib.gemm_packed_floats_f32(n, k)
+    size = lib.gemm_packed_bytes_i8w_f32(n, k)
     packed = _aligned(size, torch.int8)
     lib.gemm_pack_i8w_f32(codes.contiguous().data_ptr(), n, k, packed.data_ptr())
-    scales = _aligned(size // k, torch.float32)                   # padded columns: scale 0
+    scales = _aligned(size // (k + k % 2), torch.float32)        # padded columns: scale 0
     scales.zero_()[:n] = scale.float()
     return _consort_call(lib.gemm_i8w_f32, n, k, bias, packed, scales)
 

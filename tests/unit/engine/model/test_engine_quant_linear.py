@@ -63,29 +63,72 @@ needs_int8_kernel = pytest.mark.skipif(not hasattr(cpu_kernels(), "gemm_i8w_f32"
                                        reason="the engine's int8 kernel needs an AVX2 + FMA build")
 
 
+def rows_as_int16(x: torch.Tensor) -> torch.Tensor:
+    """x as gemm_i8w_f32 takes it: each row rounded to integers with its absolute maximum at 32767."""
+    amax = x.abs().amax(1, keepdim=True)
+    inv = torch.where(amax > 0, 32767.0 / amax, torch.zeros_like(amax))
+    return torch.round(x * inv) * (amax / 32767.0)
+
+
 @needs_int8_kernel
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 13, 40, 241, 500])
-@pytest.mark.parametrize("out,inp", [(96, 64), (130, 37), (64, 300)])
-def test_engine_int8_kernel_is_the_dequantized_weight_in_fp32(rows, out, inp):
-    """gemm_i8w_f32's tiles widen the codes and scale the sums: the product of the dequantized weight,
-    to fp32 rounding, for every row-tile cut (1-13 rows, the 240-row blocks) and column counts that
-    leave a partial panel group."""
+@pytest.mark.parametrize("out,inp", [(96, 64), (130, 37), (64, 300), (40, 1100)])
+def test_engine_int8_kernel_is_the_dequantized_weight_times_rows_rounded_to_int16(rows, out, inp):
+    """gemm_i8w_f32 rounds each row of x to 16-bit integers, multiplies them with the codes in integers
+    and scales the sums: the product of the dequantized weight and the rounded rows, to fp32 rounding,
+    for every row-tile cut (1-13 rows, the 240-row blocks), column counts that leave a partial panel
+    group, an odd K (a zero pair half) and a K of several int32 blocks (1,100: 550 pairs)."""
     w, b = weight(out, inp, seed=rows), torch.randn(out, generator=torch.Generator().manual_seed(3))
     q, scale = quantize_int8(w)
     x = torch.randn(rows, inp, generator=torch.Generator().manual_seed(2))
+    x[0, 1] = 40.0                               # a row with an outlier: its scale is its own
     got = consort_int8(q, scale, b)(x)
-    dq = dequantize_int8(q, scale)
-    # fp32 rounding scales with the magnitudes summed, not with the sum (which can cancel to near 0):
-    # measured up to 4e-7 of them; a wrong panel or scale is off by the order of the sum itself
-    bound = 4e-6 * (x.abs() @ dq.abs().T + b.abs())
-    assert bool(((got - F.linear(x, dq, b)).abs() <= bound).all())
+    dq, xr = dequantize_int8(q, scale).double(), rows_as_int16(x).double()
+    step = x.abs().amax(1, keepdim=True).double() / 32767
+    # fp32 rounding scales with the magnitudes summed, not with the sum (which can cancel to near 0), and
+    # the kernel's 32767 / max may differ from this one by an ulp, which can round an element at a near
+    # tie the other way (one step); a wrong panel, pair or scale is off by the order of the sum itself
+    bound = 4e-6 * (xr.abs() @ dq.abs().T + b.abs().double()) + step * dq.abs().amax(1)
+    assert bool(((got.double() - F.linear(xr, dq, b.double())).abs() <= bound).all())
+    # and the rounding of x costs at most half a step per element against the unrounded product
+    assert bool(((got.double() - F.linear(x.double(), dq, b.double())).abs() <= step / 2 * dq.abs().sum(1) + bound).all())
+
+
+@needs_int8_kernel
+def test_engine_int8_kernel_sums_the_largest_products_without_overflow():
+    """Every product at its largest (codes 127, every x at its row's maximum) over 2,048 k: each int32
+    block holds 256 pairs of them (2,130,591,232, just under 2^31) before the fp32 sum takes it."""
+    k = 2048
+    w = torch.full((16, k), 0.5)
+    w[1] = -0.5
+    x = torch.full((3, k), 2.0)
+    got = consort_int8(*quantize_int8(w), None)(x)
+    want = torch.full((3, 16), k * 1.0)
+    want[:, 1] = -k
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+
+
+@needs_int8_kernel
+def test_engine_int8_kernel_keeps_nan_and_zero_rows():
+    """A row holding NaN or an infinity comes out NaN (as the fp32 product would), an all-zero row
+    comes out as the bias, and neither disturbs the rows beside it."""
+    g = torch.Generator().manual_seed(4)
+    w, b = weight(), torch.randn(96, generator=g)
+    q, scale = quantize_int8(w)
+    x = torch.randn(4, 64, generator=g)
+    x[1, 5], x[2] = float("nan"), 0.0
+    x[3, 7] = float("inf")
+    got = consort_int8(q, scale, b)(x)
+    assert bool(got[1].isnan().all()) and bool(got[3].isnan().all())
+    torch.testing.assert_close(got[2], b)
+    torch.testing.assert_close(got[0], F.linear(rows_as_int16(x[:1]), dequantize_int8(q, scale), b)[0])
 
 
 @needs_int8_kernel
 def test_int8_runs_on_the_engine_kernel_in_either_activation_dtype():
     """--quantization int8 takes the engine's kernel where it is built (torch's _weight_int8pack_mm
     ran the anchor workload at 0.58x fp32 on AVX2); bf16 activations are widened and the output
-    rounded back to bf16."""
+    rounded back to bf16. (Rows of ones round to 16-bit integers exactly.)"""
     w = weight()
     q, scale = quantize_int8(w)
     want = F.linear(torch.ones(3, 64), dequantize_int8(q, scale))

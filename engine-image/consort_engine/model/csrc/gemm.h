@@ -1,0 +1,40 @@
+/* What the two packed GEMMs share (gemm.c: fp32 weights; gemm_i8w.c: int8 codes): the panel layout's
+ * sizes and the driver that cuts rows into register tiles and threads over panel groups.
+ *
+ * N is cut into panels of GEMM_NR = 16 columns, padded to a multiple of GEMM_GROUP = 4 panels (zeros).
+ * Threads split the panel groups; rows are taken in blocks of GEMM_MBLK so a block of x stays in L2, and
+ * each block's rows are cut into tiles and packed per tile (`gemm_kernel.pack_tile`) before any tile
+ * reads them.
+ */
+#ifndef CONSORT_KERNELS_GEMM_H
+#define CONSORT_KERNELS_GEMM_H
+#include "common.h"
+
+#define GEMM_NR 16
+#define GEMM_GROUP 4
+#define GEMM_MBLK 240
+#define GEMM_SCRATCH_ROWS 12          /* the tallest tile of any build */
+
+/* A register tile: (its rows of x as pack_tile left them, its panels, K, out, ldo (floats per out row),
+ * the rows' scales, the panels' column scales); row and column scales are NULL where a kernel has none. */
+typedef void (*gemm_tile_fn)(const void *restrict, const void *restrict, int64_t, float *restrict, int64_t,
+                             const float *restrict, const float *restrict);
+
+typedef struct {
+    const gemm_tile_fn *tiles;         /* by a tile's rows */
+    const int *tile_panels;            /* panels one tile call covers, by its rows */
+    int (*tile_rows)(int64_t left);    /* the next tile's rows out of `left` */
+    /* h rows of x (ldx apart) -> what that tile reads, at dst, and each row's scale (kernels with none
+     * leave row_scales alone) */
+    void (*pack_tile)(const float *x, int64_t ldx, int h, int64_t K, void *dst, float *row_scales);
+    int64_t (*row_bytes)(int64_t K);   /* one packed row of x */
+    int64_t (*panel_bytes)(int64_t K); /* one panel of W */
+} gemm_kernel;
+
+int64_t gemm_packed_floats_f32(int64_t N, int64_t K);
+
+/* y = x W^T (+ bias) over the panels of `kern`'s layout (col_scales: one per padded column, or NULL).
+ * 0, or -2 when a buffer cannot be allocated (nothing computed). */
+int gemm_run(const gemm_kernel *kern, const float *x, int64_t ldx, int64_t M, int64_t K, const char *panels,
+             const float *col_scales, int64_t N, float *y, int64_t ldy, const float *bias);
+#endif

@@ -1,0 +1,143 @@
+/* int8 weight GEMM (`--quantization int8`): y[M, N] = x[M, K] @ (codes * scale)^T (+ bias), the codes int8
+ * with one fp32 scale per output column, x fp32 in and y fp32 out.
+ *
+ * Why integers: with fp32 activations an int8 weight is widened to fp32 and multiplied at the FMA rate,
+ * no faster than fp32 weights once a GEMM has enough rows to reuse them. Rounding each row of x to
+ * 16-bit integers instead (one scale per row, its absolute maximum at 32767: 15 bits of resolution
+ * against bf16's 8) lets `vpmaddwd` multiply 16 pairs and add them pairwise into 8 int32 lanes: on Zen 3
+ * 1.5x the FMA pipes' multiply-adds per cycle (hack/gemm_backends.py --quantized has the measured rates).
+ *
+ * Packed layout: panels of GEMM_NR = 16 columns grouped as gemm.h says, K taken in pairs (an odd K ends
+ * with a zero); for k pair q a panel holds 32 bytes, columns 0-7 then 8-15, each column's two codes
+ * side by side, so one `vpmovsxbw` widens 8 columns x 2 k into the int16 lanes `vpmaddwd` pairs with a
+ * broadcast pair of x. A tile is R rows x V vectors of 8 columns with int32 accumulators, summed in
+ * blocks of I8W_KBLK pairs and converted to fp32 between blocks: 256 pairs of |32767 x 128| products
+ * stay below 2^31. The row's and the column's scales multiply the sum once, at the end.
+ */
+#include "gemm.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+
+#define I8W_KBLK 256                   /* k pairs summed in int32 before the fp32 sum takes them */
+#define I8W_QMAX 32767.0f
+
+int64_t gemm_packed_bytes_i8w_f32(int64_t N, int64_t K) { return gemm_packed_floats_f32(N, (K + 1) / 2 * 2); }
+
+/* codes [N, K] -> the pair layout (zero past N and past K). */
+void gemm_pack_i8w_f32(const int8_t *w, int64_t N, int64_t K, int8_t *packed) {
+    const int64_t Q = (K + 1) / 2, panels = gemm_packed_bytes_i8w_f32(N, K) / (Q * 2 * GEMM_NR);
+    #pragma omp parallel for schedule(static) num_threads(NT)
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t q = 0; q < Q; q++)
+            for (int j = 0; j < GEMM_NR; j++)
+                for (int e = 0; e < 2; e++) {
+                    const int64_t n = p * GEMM_NR + j, k = 2 * q + e;
+                    packed[(p * Q + q) * 32 + (j / 8) * 16 + (j % 8) * 2 + e] = n < N && k < K ? w[n * K + k] : 0;
+                }
+}
+
+/* acc += the pairwise products of b and w: one instruction with VNNI; otherwise vpmaddwd + vpaddd as
+ * one asm step, so the register allocator sees one read-modify-write accumulator as it does for an FMA
+ * (written as two intrinsics it kept copies of every accumulator and ran at half the rate). */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define I8W_MADD(acc, b, w) ((acc) = _mm256_dpwssd_epi32((acc), (b), (w)))
+#else
+#define I8W_MADD(acc, b, w)                                                                                \
+    do {                                                                                                   \
+        __m256i t_;                                                                                        \
+        __asm__("vpmaddwd %2, %3, %1\n\tvpaddd %1, %0, %0" : "+x"(acc), "=&x"(t_) : "x"(b), "x"(w));        \
+    } while (0)
+#endif
+
+/* R rows x V vectors of 8 columns (V / 2 panels); x is the tile's rows as pairs of int16, pair-major
+ * ([Q][R] int32, `i8w_pack_tile`). The sums go through out: each block's converted sums are added
+ * there, then out is scaled by row and column. */
+#define I8W_TILE(R, V)                                                                                    \
+static void i8w_tile_##R##x##V(const void *restrict xv, const void *restrict panels, int64_t K,           \
+                               float *restrict out, int64_t ldo, const float *restrict row_scales,        \
+                               const float *restrict col_scales) {                                        \
+    const int32_t *restrict x = (const int32_t *)xv;                                                      \
+    const int8_t *restrict pw = (const int8_t *)panels;                                                   \
+    const int64_t Q = (K + 1) / 2, ps = Q * 32;                                                           \
+    for (int64_t q0 = 0; q0 < Q; q0 += I8W_KBLK) {                                                        \
+        const int64_t q1 = q0 + I8W_KBLK < Q ? q0 + I8W_KBLK : Q;                                         \
+        __m256i acc[R][V];                                                                                \
+        _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)                                              \
+            _Pragma("GCC unroll 16") for (int v = 0; v < V; v++) acc[r][v] = _mm256_setzero_si256();      \
+        for (int64_t q = q0; q < q1; q++) {                                                               \
+            __m256i w[V];                                                                                 \
+            /* the panels after this tile's, into L2 (as the fp32 tiles do, gemm.c) */                    \
+            _Pragma("GCC unroll 16") for (int v = 0; v < V; v += 2)                                       \
+                _mm_prefetch((const char *)(pw + (V / 2 + v / 2) * ps + q * 32), _MM_HINT_T1);            \
+            _Pragma("GCC unroll 16") for (int v = 0; v < V; v++)                                          \
+                w[v] = _mm256_cvtepi8_epi16(_mm_load_si128((const __m128i *)(pw + (v / 2) * ps + q * 32 + (v % 2) * 16))); \
+            _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {                                        \
+                const __m256i b = _mm256_set1_epi32(x[q * R + r]);                                        \
+                _Pragma("GCC unroll 16") for (int v = 0; v < V; v++) I8W_MADD(acc[r][v], b, w[v]);        \
+            }                                                                                             \
+        }                                                                                                 \
+        _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)                                              \
+            _Pragma("GCC unroll 16") for (int v = 0; v < V; v++) {                                        \
+                float *o = out + r * ldo + v * 8;                                                         \
+                const __m256 f = _mm256_cvtepi32_ps(acc[r][v]);                                           \
+                _mm256_storeu_ps(o, q0 ? _mm256_add_ps(_mm256_loadu_ps(o), f) : f);                       \
+            }                                                                                             \
+    }                                                                                                     \
+    _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {                                                \
+        const __m256 s = _mm256_set1_ps(row_scales[r]);                                                   \
+        _Pragma("GCC unroll 16") for (int v = 0; v < V; v++) {                                            \
+            float *o = out + r * ldo + v * 8;                                                             \
+            _mm256_storeu_ps(o, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(o), s), _mm256_loadu_ps(col_scales + v * 8))); \
+        }                                                                                                 \
+    }                                                                                                     \
+}
+
+/* 6 and 4 rows: one panel (12 and 8 accumulators: 6 x 2 + 2 codes + a broadcast + a product is every
+ * ymm register); 2 rows and 1: two panels. Every build runs these ymm tiles. */
+I8W_TILE(6, 2) I8W_TILE(4, 2) I8W_TILE(2, 4) I8W_TILE(1, 4)
+static const gemm_tile_fn I8W_TILES[7] = {NULL, i8w_tile_1x4, i8w_tile_2x4, NULL, i8w_tile_4x2, NULL, i8w_tile_6x2};
+static const int I8W_TILE_PANELS[7] = {0, 2, 2, 0, 1, 0, 1};
+
+/* 6-row tiles, 8 as 4 + 4, then 4, 2, 1. */
+static int i8w_tile_rows(int64_t left) {
+    if (left == 8) return 4;
+    return left >= 6 ? 6 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+}
+
+/* h rows -> int16 pairs, pair-major ([Q][h] int32: x[2q] low, x[2q+1] high), each row rounded with its
+ * own scale (absolute maximum / 32767). A row holding NaN or an infinity gets a NaN scale, so its
+ * outputs are NaN as the fp32 product's would be. */
+static void i8w_pack_tile(const float *x, int64_t ldx, int h, int64_t K, void *dst, float *row_scales) {
+    int32_t *xp = dst;
+    const int64_t Q = (K + 1) / 2;
+    for (int i = 0; i < h; i++) {
+        const float *src = x + i * ldx;
+        float amax = 0.0f, probe = 0.0f;
+        for (int64_t k = 0; k < K; k++) {
+            const float a = fabsf(src[k]);
+            amax = a > amax ? a : amax;
+            probe += src[k] * 0.0f;                 /* NaN if any element is NaN or infinite */
+        }
+        const float inv = amax > 0.0f && probe == 0.0f ? I8W_QMAX / amax : 0.0f;
+        row_scales[i] = probe == 0.0f ? amax / I8W_QMAX : NAN;
+        for (int64_t q = 0; q < Q; q++) {
+            const int32_t lo = (int32_t)lrintf(src[2 * q] * inv);
+            const int32_t hi = 2 * q + 1 < K ? (int32_t)lrintf(src[2 * q + 1] * inv) : 0;
+            xp[q * h + i] = (int32_t)(((uint32_t)hi << 16) | ((uint32_t)lo & 0xFFFFu));
+        }
+    }
+}
+
+static int64_t i8w_row_bytes(int64_t K) { return (K + 1) / 2 * (int64_t)sizeof(int32_t); }
+static int64_t i8w_panel_bytes(int64_t K) { return (K + 1) / 2 * 32; }
+
+static const gemm_kernel GEMM_I8W = {I8W_TILES, I8W_TILE_PANELS, i8w_tile_rows, i8w_pack_tile,
+                                     i8w_row_bytes, i8w_panel_bytes};
+
+/* `scales` holds one float per packed column (gemm_packed_bytes_i8w_f32(N, K) / (K rounded up to even)
+ * of them; zero past N). */
+int gemm_i8w_f32(const float *x, int64_t ldx, int64_t M, int64_t K, const int8_t *codes, const float *scales,
+                 int64_t N, float *y, int64_t ldy, const float *bias) {
+    return gemm_run(&GEMM_I8W, x, ldx, M, K, (const char *)codes, scales, N, y, ldy, bias);
+}
+#endif
