@@ -49,8 +49,8 @@ void gemm_pack_i8w_f32(const int8_t *w, int64_t N, int64_t K, int8_t *packed) {
     } while (0)
 #endif
 
-/* R rows x V vectors of 8 columns (V / 2 panels); x is the tile's rows as pairs of int16, pair-major
- * ([Q][R] int32, `i8w_pack_tile`). The sums go through out: each block's converted sums are added
+/* R rows x V vectors of 8 columns (V / 2 panels); x is the tile's rows as pairs of int16, row after
+ * row ([R][Q] int32, `i8w_pack_tile`: R sequential streams). The sums go through out: each block's converted sums are added
  * there, then out is scaled by row and column. */
 #define I8W_TILE(R, V)                                                                                    \
 static void i8w_tile_##R##x##V(const void *restrict xv, const void *restrict panels, int64_t K,           \
@@ -72,7 +72,7 @@ static void i8w_tile_##R##x##V(const void *restrict xv, const void *restrict pan
             _Pragma("GCC unroll 16") for (int v = 0; v < V; v++)                                          \
                 w[v] = _mm256_cvtepi8_epi16(_mm_load_si128((const __m128i *)(pw + (v / 2) * ps + q * 32 + (v % 2) * 16))); \
             _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {                                        \
-                const __m256i b = _mm256_set1_epi32(x[q * R + r]);                                        \
+                const __m256i b = _mm256_set1_epi32(x[r * Q + q]);                                        \
                 _Pragma("GCC unroll 16") for (int v = 0; v < V; v++) I8W_MADD(acc[r][v], b, w[v]);        \
             }                                                                                             \
         }                                                                                                 \
@@ -104,7 +104,23 @@ static int i8w_tile_rows(int64_t left) {
     return left >= 6 ? 6 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
 }
 
-/* h rows -> int16 pairs, pair-major ([Q][h] int32: x[2q] low, x[2q+1] high), each row rounded with its
+/* One row: x[k] * inv rounded to int16 (round to nearest even), pairs (x[2q], x[2q+1]) as int32 into
+ * pairs[0, Q): vector for whole blocks of 16 k, scalar for the rest, zero past K. */
+static void i8w_round_pairs(const float *src, int64_t K, float inv, int32_t *pairs) {
+    const __m256 s = _mm256_set1_ps(inv);
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(src + k), s));
+        const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(src + k + 8), s));
+        /* packs works per 128-bit lane: [lo 0-3, hi 0-3, lo 4-7, hi 4-7] -> k order */
+        _mm256_storeu_si256((__m256i *)(pairs + k / 2), _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8));
+    }
+    int16_t *out = (int16_t *)(pairs + k / 2);
+    for (int64_t j = 0; k + j < K; j++) out[j] = (int16_t)lrintf(src[k + j] * inv);
+    if (K % 2) out[K - k] = 0;
+}
+
+/* h rows -> int16 pairs, row after row ([h][Q] int32: x[2q] low, x[2q+1] high), each row rounded with its
  * own scale (absolute maximum / 32767). A row holding NaN or an infinity gets a NaN scale, so its
  * outputs are NaN as the fp32 product's would be. */
 static void i8w_pack_tile(const float *x, int64_t ldx, int h, int64_t K, void *dst, float *row_scales) {
@@ -112,19 +128,26 @@ static void i8w_pack_tile(const float *x, int64_t ldx, int h, int64_t K, void *d
     const int64_t Q = (K + 1) / 2;
     for (int i = 0; i < h; i++) {
         const float *src = x + i * ldx;
-        float amax = 0.0f, probe = 0.0f;
-        for (int64_t k = 0; k < K; k++) {
+        const __m256 sign = _mm256_set1_ps(-0.0f), inf = _mm256_set1_ps(INFINITY);
+        __m256 vmax = _mm256_setzero_ps(), vbad = _mm256_setzero_ps();
+        int64_t k = 0;
+        for (; k + 8 <= K; k += 8) {
+            const __m256 a = _mm256_andnot_ps(sign, _mm256_loadu_ps(src + k));
+            vmax = _mm256_max_ps(vmax, a);
+            vbad = _mm256_or_ps(vbad, _mm256_cmp_ps(a, inf, _CMP_NLT_UQ));    /* NaN or infinite */
+        }
+        float m[8], amax = 0.0f;
+        int bad = _mm256_movemask_ps(vbad) != 0;
+        _mm256_storeu_ps(m, vmax);
+        for (int j = 0; j < 8; j++) amax = m[j] > amax ? m[j] : amax;
+        for (; k < K; k++) {
             const float a = fabsf(src[k]);
             amax = a > amax ? a : amax;
-            probe += src[k] * 0.0f;                 /* NaN if any element is NaN or infinite */
+            bad |= !(a < INFINITY);
         }
-        const float inv = amax > 0.0f && probe == 0.0f ? I8W_QMAX / amax : 0.0f;
-        row_scales[i] = probe == 0.0f ? amax / I8W_QMAX : NAN;
-        for (int64_t q = 0; q < Q; q++) {
-            const int32_t lo = (int32_t)lrintf(src[2 * q] * inv);
-            const int32_t hi = 2 * q + 1 < K ? (int32_t)lrintf(src[2 * q + 1] * inv) : 0;
-            xp[q * h + i] = (int32_t)(((uint32_t)hi << 16) | ((uint32_t)lo & 0xFFFFu));
-        }
+        const float inv = amax > 0.0f && !bad ? I8W_QMAX / amax : 0.0f;
+        row_scales[i] = bad ? NAN : amax / I8W_QMAX;
+        i8w_round_pairs(src, K, inv, xp + i * Q);
     }
 }
 

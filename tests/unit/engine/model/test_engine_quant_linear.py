@@ -209,3 +209,24 @@ def test_engine_flag_reaches_the_config(tmp_path):
         config_from_args(parse_args(base + ["--quantization", "int8", "--device", "cuda"]))
     with pytest.raises(SystemExit):
         parse_args(base + ["--quantization", "int4"])
+
+
+@pytest.mark.parametrize("quantization,head_quantized", [("int8", True), ("w8a8", False)])
+def test_the_lm_head_is_quantized_only_where_its_activations_keep_15_bits(quantization, head_quantized):
+    """--quantization int8 covers the LM head too (15-bit activations, and the head is a large share of a
+    decode step's weights); w8a8 leaves it in the checkpoint's dtype, as vLLM's recipes do."""
+    from consort_engine.model.loader import ModelConfig
+    from consort_engine.model.models.llama import LlamaForCausalLM
+
+    cfg = ModelConfig(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=32, vocab_size=96,
+                      max_position_embeddings=64)
+    model = LlamaForCausalLM(cfg, 64, "sdpa", torch.float32, torch.device("cpu"))
+    w = weight()
+    model.lm_head.weight.data.copy_(w)
+    model.pack_weights(quantization)
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(5))
+    got = model.lm_head(x)
+    quantized = quantize_linear(w, None, quantization)(x)
+    torch.testing.assert_close(got, quantized if head_quantized else F.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(quantized, F.linear(x, w), rtol=1e-5, atol=1e-5)   # the two are told apart
