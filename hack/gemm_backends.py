@@ -2,8 +2,9 @@
 AVX2 + FMA builds), oneDNN and MKL, for the benchmark model's shapes (hidden 512, FFN 1408, vocab 32000)
 at decode and prefill row counts. Each backend is timed best-of-5 in rotation, so a burst of
 neighbour load hits all of them alike. With --quantized: the int8 products instead (models/quant.py),
-against the default fp32 one: the engine's int8 weight-only kernel (gemm_i8w_f32), torch's
-`_weight_int8pack_mm` on bf16 activations, and w8a8 (FBGEMM's dynamic int8 linear).
+against the default fp32 one: the engine's int8 kernel (gemm_i8w_f32: int8 weights, each row of x
+rounded to int16), torch's `_weight_int8pack_mm` on bf16 activations, and w8a8 (FBGEMM's dynamic int8
+linear).
 
     PYTHONPATH=engine-image .venv/bin/python hack/gemm_backends.py [--threads N] [--rows 1 8 32 2048] [--quantized]
 """

@@ -36,7 +36,7 @@ class EngineConfig:
     device: str = "cpu"                 # cpu | cuda
     tensor_parallel_size: int = 1       # ranks (processes; GPUs on cuda) the weights and KV heads are split over
     dtype: str = "auto"                 # auto (fp32 on cpu, bf16 on cuda) | float32 | bfloat16 | float16
-    quantization: str = "none"          # none | int8 (weight-only, cpu) | w8a8 (cpu) | fp8 (cuda): model/models/quant.py
+    quantization: str = "none"          # none | int8 (int8 weights, int16 rows; cpu) | w8a8 (cpu) | fp8 (cuda): model/models/quant.py
     block_size: int = 16                # tokens per KV block (8 for prefix-heavy specialists)
     num_blocks: int | None = None       # None: size the pool from free memory after weights + reserve
     kv_memory_fraction: float = 0.5     # share of free memory (after weights) the pool may take when sizing

@@ -50,8 +50,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and KV cache; auto: float32 on cpu, bfloat16 on cuda")
     p.add_argument("--quantization", default="none", choices=list(QUANTIZATIONS),
-                   help="quantize the decoder's linear weights at load: int8 (int8 weights, cpu), w8a8 (int8 "
-                        "weights and activations, cpu), fp8 (e4m3 weights and activations, cuda); per-channel scales. "
+                   help="quantize the decoder's linear weights at load: int8 (int8 weights, each layer's input rounded "
+                        "per row to 16-bit integers, the LM head too; cpu), w8a8 (int8 weights and activations, cpu), fp8 (e4m3 weights and activations, cuda); per-channel scales. "
                         "An int4 checkpoint (awq, gptq, compressed-tensors, named by config.json's quantization_config) "
                         "loads with none, auto or its own format's name, dequantized to --dtype")
     p.add_argument("--max-model-len", type=int, default=None, metavar="TOKENS",

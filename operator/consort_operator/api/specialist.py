@@ -59,8 +59,9 @@ class ModelSource(Model):
     quantization: Literal["none", "auto", "int8", "w8a8", "fp8", "awq", "gptq", "compressed-tensors"] = Field(
         default="none",
         description=("Quantize the decoder's linear weights when the engine loads the checkpoint (bf16/fp32 "
-                     "on disk), one scale per output channel: `int8` (int8 weights, CPU), `w8a8` (int8 weights "
-                     "and activations, CPU; the fastest on CPUs), `fp8` (e4m3 weights and activations, GPUs "
+                     "on disk), one scale per output channel: `int8` (int8 weights, each layer's input rounded "
+                     "per row to 16-bit integers, CPU; the LM head too), `w8a8` (int8 weights and 8-bit "
+                     "activations, CPU), `fp8` (e4m3 weights and activations, GPUs "
                      "of compute capability 8.9 or newer). A pre-quantized int4 checkpoint (AWQ, GPTQ or "
                      "compressed-tensors pack-quantized, named by its config.json's quantization_config) loads "
                      "with `none`, `auto` or its own format's name (`awq`, `gptq`, `compressed-tensors`; the "
