@@ -14,6 +14,14 @@ static inline float get_bf16(const bf16_t *p, int64_t i) { return bf16_to_f32(p[
 static inline void put_f32(float *p, int64_t i, float v) { p[i] = v; }
 static inline void put_bf16(bf16_t *p, int64_t i, float v) { p[i] = f32_to_bf16(v); }
 
+/* o = w * round(x * inv), inv = 1 / rms: the output of both norms (ss: the row's sum of squares). */
+#define DEFINE_NORM_ROW(SUFFIX, T)                                                                \
+    static inline void norm_row_##SUFFIX(const T *x, T *o, const T *w, int D, float ss, float eps) { \
+        const float inv = 1.0f / sqrtf(ss / (float)D + eps);                                      \
+        for (int d = 0; d < D; d++)                                                               \
+            put_##SUFFIX(o, d, get_##SUFFIX(w, d) * round_##SUFFIX(get_##SUFFIX(x, d) * inv));    \
+    }
+
 /* rows of D at x + t * x_stride + h * D (t < n_tok, h < n_head) -> out, same addressing.
  * y = w * round(x / rms(x)), like transformers' RMSNorm. out may alias x. */
 #define DEFINE_RMSNORM(SUFFIX, T)                                                                 \
@@ -29,9 +37,7 @@ static inline void put_bf16(bf16_t *p, int64_t i, float v) { p[i] = f32_to_bf16(
                     const float v = get_##SUFFIX(xr, d);                                          \
                     ss += v * v;                                                                  \
                 }                                                                                 \
-                const float inv = 1.0f / sqrtf(ss / (float)D + eps);                              \
-                for (int d = 0; d < D; d++)                                                       \
-                    put_##SUFFIX(o, d, get_##SUFFIX(w, d) * round_##SUFFIX(get_##SUFFIX(xr, d) * inv)); \
+                norm_row_##SUFFIX(xr, o, w, D, ss, eps);                                          \
             }                                                                                     \
     }
 
@@ -50,9 +56,7 @@ static inline void put_bf16(bf16_t *p, int64_t i, float v) { p[i] = f32_to_bf16(
                 put_##SUFFIX(r, d, v);                                                            \
                 ss += v * v;                                                                      \
             }                                                                                     \
-            const float inv = 1.0f / sqrtf(ss / (float)D + eps);                                  \
-            for (int d = 0; d < D; d++)                                                           \
-                put_##SUFFIX(o, d, get_##SUFFIX(w, d) * round_##SUFFIX(get_##SUFFIX(r, d) * inv)); \
+            norm_row_##SUFFIX(r, o, w, D, ss, eps);                                               \
         }                                                                                         \
     }
 
@@ -92,6 +96,8 @@ static inline void put_bf16(bf16_t *p, int64_t i, float v) { p[i] = f32_to_bf16(
         }                                                                                         \
     }
 
+DEFINE_NORM_ROW(f32, float)
+DEFINE_NORM_ROW(bf16, bf16_t)
 DEFINE_RMSNORM(f32, float)
 DEFINE_RMSNORM(bf16, bf16_t)
 DEFINE_ADD_RMSNORM(f32, float)
