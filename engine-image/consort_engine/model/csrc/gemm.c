@@ -10,7 +10,7 @@
  * per panel row) or 2*R*V (AVX2: two ymm) accumulators, the W loads shared by the rows. Every tile
  * keeps enough independent FMA chains in flight to cover the FMA latency (4 cycles: 8 ymm chains for
  * two 256-bit pipes; 4 zmm chains, a zmm FMA taking both pipes on Zen 4): few rows take more panels
- * per tile. `gemm_tile_rows` cuts the rows with no padded rows. This file also holds the driver both
+ * per tile. `GEMM_TILE_ROWS` cuts the rows with no padded rows. This file also holds the driver both
  * GEMMs run through (`gemm_run`). Each output is one k-ordered fp32 FMA chain (differs from F.linear by summation order only).
  */
 #include "gemm.h"
@@ -86,9 +86,10 @@ static const gemm_tile_fn GEMM_TILES[GEMM_MAX_ROWS + 1] = {
     NULL, gemm_tile_1x4, gemm_tile_2x4, gemm_tile_3x4, gemm_tile_4x2, gemm_tile_5x2, gemm_tile_6x2,
     gemm_tile_7x2, gemm_tile_8x2, gemm_tile_9x2, gemm_tile_10x2, gemm_tile_11x2, gemm_tile_12x2};
 static const int GEMM_TILE_PANELS[GEMM_MAX_ROWS + 1] = {0, 4, 4, 4, 2, 2, 2, 2, 2, 2, 2, 2, 2};
+#define GEMM_TILE_ROWS gemm_tile_rows_12
 
 /* The next tile's rows out of `left`: up to 12, and 13-23 cut into two near halves (>= 7 and 6). */
-static int gemm_tile_rows(int64_t left) {
+static int gemm_tile_rows_12(int64_t left) {
     if (left <= GEMM_MAX_ROWS) return (int)left;
     if (left < 2 * GEMM_MAX_ROWS) return (int)((left + 1) / 2);
     return GEMM_MAX_ROWS;
@@ -99,12 +100,7 @@ GEMM_TILE(6, 1) GEMM_TILE(4, 1) GEMM_TILE(2, 2) GEMM_TILE(1, 4)
 static const gemm_tile_fn GEMM_TILES[GEMM_MAX_ROWS + 1] = {
     NULL, gemm_tile_1x4, gemm_tile_2x2, NULL, gemm_tile_4x1, NULL, gemm_tile_6x1};
 static const int GEMM_TILE_PANELS[GEMM_MAX_ROWS + 1] = {0, 4, 2, 0, 1, 0, 1};
-
-/* 6-row tiles, 8 as 4 + 4, then 4, 2, 1 (32 rows = 6+6+6+6+4+4). */
-static int gemm_tile_rows(int64_t left) {
-    if (left == 8) return 4;
-    return left >= 6 ? 6 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
-}
+#define GEMM_TILE_ROWS gemm_tile_rows_6421
 #endif
 
 /* The tallest register tile of this build: 12 with AVX-512 (zmm tiles), 6 with AVX2. */
@@ -122,7 +118,7 @@ static void gemm_pack_tile(const float *x, int64_t ldx, int h, int64_t K, void *
 static int64_t gemm_row_bytes_f32(int64_t K) { return K * (int64_t)sizeof(float); }
 static int64_t gemm_panel_bytes_f32(int64_t K) { return K * GEMM_NR * (int64_t)sizeof(float); }
 
-static const gemm_kernel GEMM_F32 = {GEMM_TILES, GEMM_TILE_PANELS, gemm_tile_rows, gemm_pack_tile,
+static const gemm_kernel GEMM_F32 = {GEMM_TILES, GEMM_TILE_PANELS, GEMM_TILE_ROWS, gemm_pack_tile,
                                      gemm_row_bytes_f32, gemm_panel_bytes_f32};
 
 /* Rows [m0, m1) of x, cut into tiles as the kernel cuts them, each tile packed at its first row's

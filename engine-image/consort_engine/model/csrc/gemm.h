@@ -31,6 +31,13 @@ typedef struct {
     int64_t (*panel_bytes)(int64_t K); /* one panel of W */
 } gemm_kernel;
 
+/* The next tile's rows out of `left` for tiles of 6, 4, 2 and 1 rows: 6-row tiles, 8 as 4 + 4, then 4,
+ * 2, 1 (32 rows = 6+6+6+6+4+4); the AVX2 fp32 tiles' cut and the int8 tiles' (every build). */
+static inline int gemm_tile_rows_6421(int64_t left) {
+    if (left == 8) return 4;
+    return left >= 6 ? 6 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+}
+
 int64_t gemm_packed_floats_f32(int64_t N, int64_t K);
 
 /* y = x W^T (+ bias) over the panels of `kern`'s layout (col_scales: one per padded column, or NULL).

@@ -50,8 +50,8 @@ void gemm_pack_i8w_f32(const int8_t *w, int64_t N, int64_t K, int8_t *packed) {
 #endif
 
 /* R rows x V vectors of 8 columns (V / 2 panels); x is the tile's rows as pairs of int16, row after
- * row ([R][Q] int32, `i8w_pack_tile`: R sequential streams). The sums go through out: each block's converted sums are added
- * there, then out is scaled by row and column. */
+ * row ([R][Q] int32, `i8w_pack_tile`: R sequential streams). The sums go through out: each block's
+ * converted sums are added there, then out is scaled by row and column. */
 #define I8W_TILE(R, V)                                                                                    \
 static void i8w_tile_##R##x##V(const void *restrict xv, const void *restrict panels, int64_t K,           \
                                float *restrict out, int64_t ldo, const float *restrict row_scales,        \
@@ -97,12 +97,6 @@ static void i8w_tile_##R##x##V(const void *restrict xv, const void *restrict pan
 I8W_TILE(6, 2) I8W_TILE(4, 2) I8W_TILE(2, 4) I8W_TILE(1, 4)
 static const gemm_tile_fn I8W_TILES[7] = {NULL, i8w_tile_1x4, i8w_tile_2x4, NULL, i8w_tile_4x2, NULL, i8w_tile_6x2};
 static const int I8W_TILE_PANELS[7] = {0, 2, 2, 0, 1, 0, 1};
-
-/* 6-row tiles, 8 as 4 + 4, then 4, 2, 1. */
-static int i8w_tile_rows(int64_t left) {
-    if (left == 8) return 4;
-    return left >= 6 ? 6 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
-}
 
 /* One row: x[k] * inv rounded to int16 (round to nearest even), pairs (x[2q], x[2q+1]) as int32 into
  * pairs[0, Q): vector for whole blocks of 16 k, scalar for the rest, zero past K. */
@@ -154,7 +148,7 @@ static void i8w_pack_tile(const float *x, int64_t ldx, int h, int64_t K, void *d
 static int64_t i8w_row_bytes(int64_t K) { return (K + 1) / 2 * (int64_t)sizeof(int32_t); }
 static int64_t i8w_panel_bytes(int64_t K) { return (K + 1) / 2 * 32; }
 
-static const gemm_kernel GEMM_I8W = {I8W_TILES, I8W_TILE_PANELS, i8w_tile_rows, i8w_pack_tile,
+static const gemm_kernel GEMM_I8W = {I8W_TILES, I8W_TILE_PANELS, gemm_tile_rows_6421, i8w_pack_tile,
                                      i8w_row_bytes, i8w_panel_bytes};
 
 /* `scales` holds one float per packed column (gemm_packed_bytes_i8w_f32(N, K) / (K rounded up to even)
