@@ -39,6 +39,8 @@
 #define VEC_SUB _mm512_sub_ps
 #define VEC_ROUND(x) _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 #define VEC_TIMES_POW2(p, k) _mm512_scalef_ps(p, k)      /* p * 2^k, k integral */
+/* VLEN bf16 values from memory, widened to fp32 (a bf16 is the top half of its fp32) */
+#define VEC_LOAD_BF16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
 #elif defined(__AVX2__) && defined(__FMA__)
 #define VEC __m256
 #define VLEN 8
@@ -56,6 +58,7 @@
 /* p * 2^k, k integral in [-126, 127]: 2^k built in the exponent bits */
 #define VEC_TIMES_POW2(p, k) _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(                    \
         _mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23)))
+#define VEC_LOAD_BF16(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
 #endif
 
 typedef uint16_t bf16_t;

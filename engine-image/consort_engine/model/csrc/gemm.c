@@ -17,17 +17,12 @@
 
 #if defined(__AVX2__) && defined(__FMA__)
 
-int64_t gemm_packed_floats_f32(int64_t N, int64_t K) {
-    int64_t panels = (N + GEMM_NR - 1) / GEMM_NR;
-    panels = (panels + GEMM_GROUP - 1) / GEMM_GROUP * GEMM_GROUP;
-    return panels * K * GEMM_NR;
-}
+int64_t gemm_packed_floats_f32(int64_t N, int64_t K) { return gemm_panels(N) * K * GEMM_NR; }
 
 /* W [N, K] -> the panel layout (zero past N). */
 void gemm_pack_f32(const float *w, int64_t N, int64_t K, float *packed) {
-    int64_t panels = gemm_packed_floats_f32(N, K) / (K * GEMM_NR);
     #pragma omp parallel for schedule(static) num_threads(NT)
-    for (int64_t p = 0; p < panels; p++) {
+    for (int64_t p = 0; p < gemm_panels(N); p++) {
         float *dst = packed + p * K * GEMM_NR;
         for (int64_t k = 0; k < K; k++)
             for (int j = 0; j < GEMM_NR; j++) {
@@ -122,23 +117,23 @@ static const gemm_kernel GEMM_F32 = {GEMM_TILES, GEMM_TILE_PANELS, GEMM_TILE_ROW
                                      gemm_row_bytes_f32, gemm_panel_bytes_f32};
 
 /* Rows [m0, m1) of x, cut into tiles as the kernel cuts them, each tile packed at its first row's
- * place in xp ((r - m0) row_bytes in) with its rows' scales. Tile t is packed by thread t % nt. */
+ * place in xp ((r - m0) rows of rb bytes in) with its rows' scales. Tile t is packed by thread t % nt. */
 static void gemm_pack_rows(const gemm_kernel *kern, const float *x, int64_t ldx, int64_t m0, int64_t m1, int64_t K,
-                           char *xp, float *row_scales, int tid, int nt) {
+                           int64_t rb, char *xp, float *row_scales, int tid, int nt) {
     for (int64_t r = m0, t = 0; r < m1; t++) {
         const int h = kern->tile_rows(m1 - r);
-        if (t % nt == tid) kern->pack_tile(x + r * ldx, ldx, h, K, xp + (r - m0) * kern->row_bytes(K), row_scales + (r - m0));
+        if (t % nt == tid) kern->pack_tile(x + r * ldx, ldx, h, K, xp + (r - m0) * rb, row_scales + (r - m0));
         r += h;
     }
 }
 
-/* One group of 4 panels (`pw`) for rows [m0, m1) (packed in xp), results into y (columns
- * col0..col0+63, ldy) or, where the group runs past N, into a scratch row block first (then only the
- * real columns are copied). */
-static void gemm_group(const gemm_kernel *kern, const char *xp, const float *row_scales, int64_t m0, int64_t m1,
-                       int64_t K, const char *pw, const float *col_scales,
+/* One group of 4 panels (`pw`, ps bytes each) for rows [m0, m1) (packed in xp, rb bytes a row), results
+ * into y (columns col0..col0+63, ldy) or, where the group runs past N, into a scratch row block first
+ * (then only the real columns are copied). */
+static void gemm_group(const gemm_kernel *kern, const char *xp, int64_t rb, const float *row_scales, int64_t m0,
+                       int64_t m1, int64_t K, const char *pw, int64_t ps, const float *col_scales,
                        float *y, int64_t ldy, int64_t col0, int64_t N, const float *bias, float *scratch) {
-    const int64_t width = GEMM_NR * GEMM_GROUP, ps = kern->panel_bytes(K), rb = kern->row_bytes(K);
+    const int64_t width = GEMM_NR * GEMM_GROUP;
     const int tail = col0 + width > N;
     for (int64_t r = m0; r < m1;) {
         const int h = kern->tile_rows(m1 - r), panels = kern->tile_panels[h];
@@ -160,9 +155,9 @@ static void gemm_group(const gemm_kernel *kern, const char *xp, const float *row
 
 int gemm_run(const gemm_kernel *kern, const float *x, int64_t ldx, int64_t M, int64_t K, const char *panels,
              const float *col_scales, int64_t N, float *y, int64_t ldy, const float *bias) {
-    const int64_t groups = gemm_packed_floats_f32(N, K) / (K * GEMM_NR * GEMM_GROUP);
-    const int64_t gbytes = GEMM_GROUP * kern->panel_bytes(K), rows = M < GEMM_MBLK ? M : GEMM_MBLK;
-    char *xp = aligned_alloc(64, (size_t)((rows * kern->row_bytes(K) + 63) / 64 * 64));
+    const int64_t groups = gemm_panels(N) / GEMM_GROUP, ps = kern->panel_bytes(K), rb = kern->row_bytes(K);
+    const int64_t rows = M < GEMM_MBLK ? M : GEMM_MBLK;
+    char *xp = aligned_alloc(64, (size_t)((rows * rb + 63) / 64 * 64));
     float *row_scales = malloc((size_t)rows * sizeof(float));
     if (!xp || !row_scales) {
         free(xp);
@@ -174,13 +169,13 @@ int gemm_run(const gemm_kernel *kern, const float *x, int64_t ldx, int64_t M, in
         float scratch[GEMM_SCRATCH_ROWS * GEMM_NR * GEMM_GROUP] __attribute__((aligned(64)));
         for (int64_t mb = 0; mb < M; mb += GEMM_MBLK) {
             int64_t me = mb + GEMM_MBLK < M ? mb + GEMM_MBLK : M;
-            gemm_pack_rows(kern, x, ldx, mb, me, K, xp, row_scales, omp_get_thread_num(), omp_get_num_threads());
+            gemm_pack_rows(kern, x, ldx, mb, me, K, rb, xp, row_scales, omp_get_thread_num(), omp_get_num_threads());
             #pragma omp barrier
             #pragma omp for schedule(static)     /* its closing barrier: xp is reused by the next block */
             for (int64_t g = 0; g < groups; g++) {
                 const int64_t col0 = g * GEMM_NR * GEMM_GROUP;
-                gemm_group(kern, xp, row_scales, mb, me, K, panels + g * gbytes, col_scales ? col_scales + col0 : NULL,
-                           y, ldy, col0, N, bias, scratch);
+                gemm_group(kern, xp, rb, row_scales, mb, me, K, panels + g * GEMM_GROUP * ps, ps,
+                           col_scales ? col_scales + col0 : NULL, y, ldy, col0, N, bias, scratch);
             }
         }
     }

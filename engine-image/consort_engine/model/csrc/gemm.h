@@ -38,7 +38,11 @@ static inline int gemm_tile_rows_6421(int64_t left) {
     return left >= 6 ? 6 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
 }
 
-int64_t gemm_packed_floats_f32(int64_t N, int64_t K);
+/* Panels of N's columns, padded to whole groups. */
+static inline int64_t gemm_panels(int64_t N) {
+    return ((N + GEMM_NR - 1) / GEMM_NR + GEMM_GROUP - 1) / GEMM_GROUP * GEMM_GROUP;
+}
+
 
 /* y = x W^T (+ bias) over the panels of `kern`'s layout (col_scales: one per padded column, or NULL).
  * 0, or -2 when a buffer cannot be allocated (nothing computed). */

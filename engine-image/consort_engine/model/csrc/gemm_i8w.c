@@ -21,13 +21,17 @@
 #define I8W_KBLK 256                   /* k pairs summed in int32 before the fp32 sum takes them */
 #define I8W_QMAX 32767.0f
 
-int64_t gemm_packed_bytes_i8w_f32(int64_t N, int64_t K) { return gemm_packed_floats_f32(N, (K + 1) / 2 * 2); }
+static int64_t i8w_pairs(int64_t K) { return (K + 1) / 2; }
+static int64_t i8w_row_bytes(int64_t K) { return i8w_pairs(K) * (int64_t)sizeof(int32_t); }
+static int64_t i8w_panel_bytes(int64_t K) { return i8w_pairs(K) * 32; }
+
+int64_t gemm_packed_bytes_i8w_f32(int64_t N, int64_t K) { return gemm_panels(N) * i8w_panel_bytes(K); }
 
 /* codes [N, K] -> the pair layout (zero past N and past K). */
 void gemm_pack_i8w_f32(const int8_t *w, int64_t N, int64_t K, int8_t *packed) {
-    const int64_t Q = (K + 1) / 2, panels = gemm_packed_bytes_i8w_f32(N, K) / (Q * 2 * GEMM_NR);
+    const int64_t Q = i8w_pairs(K);
     #pragma omp parallel for schedule(static) num_threads(NT)
-    for (int64_t p = 0; p < panels; p++)
+    for (int64_t p = 0; p < gemm_panels(N); p++)
         for (int64_t q = 0; q < Q; q++)
             for (int j = 0; j < GEMM_NR; j++)
                 for (int e = 0; e < 2; e++) {
@@ -58,7 +62,7 @@ static void i8w_tile_##R##x##V(const void *restrict xv, const void *restrict pan
                                const float *restrict col_scales) {                                        \
     const int32_t *restrict x = (const int32_t *)xv;                                                      \
     const int8_t *restrict pw = (const int8_t *)panels;                                                   \
-    const int64_t Q = (K + 1) / 2, ps = Q * 32;                                                           \
+    const int64_t Q = i8w_pairs(K), ps = i8w_panel_bytes(K);                                              \
     for (int64_t q0 = 0; q0 < Q; q0 += I8W_KBLK) {                                                        \
         const int64_t q1 = q0 + I8W_KBLK < Q ? q0 + I8W_KBLK : Q;                                         \
         __m256i acc[R][V];                                                                                \
@@ -119,7 +123,7 @@ static void i8w_round_pairs(const float *src, int64_t K, float inv, int32_t *pai
  * outputs are NaN as the fp32 product's would be. */
 static void i8w_pack_tile(const float *x, int64_t ldx, int h, int64_t K, void *dst, float *row_scales) {
     int32_t *xp = dst;
-    const int64_t Q = (K + 1) / 2;
+    const int64_t Q = i8w_pairs(K);
     for (int i = 0; i < h; i++) {
         const float *src = x + i * ldx;
         const __m256 sign = _mm256_set1_ps(-0.0f), inf = _mm256_set1_ps(INFINITY);
@@ -144,9 +148,6 @@ static void i8w_pack_tile(const float *x, int64_t ldx, int h, int64_t K, void *d
         i8w_round_pairs(src, K, inv, xp + i * Q);
     }
 }
-
-static int64_t i8w_row_bytes(int64_t K) { return (K + 1) / 2 * (int64_t)sizeof(int32_t); }
-static int64_t i8w_panel_bytes(int64_t K) { return (K + 1) / 2 * 32; }
 
 static const gemm_kernel GEMM_I8W = {I8W_TILES, I8W_TILE_PANELS, gemm_tile_rows_6421, i8w_pack_tile,
                                      i8w_row_bytes, i8w_panel_bytes};

@@ -39,12 +39,6 @@ static inline VEC exp_vec_nonpos(VEC x) {
     return VEC_TIMES_POW2(p, k);
 }
 
-/* VLEN bf16 values from memory, widened to fp32 (a bf16 is the top half of its fp32). */
-#if defined(__AVX512F__)
-#define VEC_LOAD_BF16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
-#else
-#define VEC_LOAD_BF16(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
-#endif
 /* A row of V (or its part from element d0 on) as fp32 vectors: the pool's element type is a constant. */
 #define PF_LOAD_V(row, d0, bf16kv) ((bf16kv) ? VEC_LOAD_BF16((const bf16_t *)(row) + (d0)) : VEC_LOADU((const float *)(row) + (d0)))
 
