@@ -34,7 +34,9 @@ mkdir -p "$WHEELS" "$OUT" "$LOGS" "$CACHE/base"
 
 [ "$(id -u)" -eq 0 ] || die "needs root (buildah storage, debootstrap)"
 missing=()
-for p in buildah debootstrap; do
+# runc: buildah's RUN steps need an OCI runtime, which Debian's buildah only recommends (and apt-install.sh
+# installs no recommends); the node installs it too, but on a cold `make -j3 test` it comes too late.
+for p in buildah debootstrap runc; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
 [ ${#missing[@]} -eq 0 ] || "$ROOT/hack/apt-install.sh" images "${missing[@]}"
