@@ -121,8 +121,11 @@ def _build() -> ctypes.CDLL | None:
     if os.environ.get("CONSORT_CPU_KERNEL", "1") == "0" or not SOURCES:
         return None
     so = library_path()
-    if so is None:
-        return None
+    return None if so is None else load_library(so)
+
+
+def load_library(so: Path) -> ctypes.CDLL:
+    """A kernels library with its functions' C signatures set and its team at torch's thread count."""
     lib = ctypes.CDLL(str(so))
     for name, (argtypes, restype) in SIGNATURES.items():
         for suffix in ("f32", "bf16", "f32_bf16kv"):

@@ -82,13 +82,6 @@ static const gemm_tile_fn GEMM_TILES[GEMM_MAX_ROWS + 1] = {
     gemm_tile_7x2, gemm_tile_8x2, gemm_tile_9x2, gemm_tile_10x2, gemm_tile_11x2, gemm_tile_12x2};
 static const int GEMM_TILE_PANELS[GEMM_MAX_ROWS + 1] = {0, 4, 4, 4, 2, 2, 2, 2, 2, 2, 2, 2, 2};
 #define GEMM_TILE_ROWS gemm_tile_rows_12
-
-/* The next tile's rows out of `left`: up to 12, and 13-23 cut into two near halves (>= 7 and 6). */
-static int gemm_tile_rows_12(int64_t left) {
-    if (left <= GEMM_MAX_ROWS) return (int)left;
-    if (left < 2 * GEMM_MAX_ROWS) return (int)((left + 1) / 2);
-    return GEMM_MAX_ROWS;
-}
 #else
 /* 6 and 4 rows: one panel (12 and 8 chains); 2 rows: two panels (8); 1 row: four (8). */
 GEMM_TILE(6, 1) GEMM_TILE(4, 1) GEMM_TILE(2, 2) GEMM_TILE(1, 4)

@@ -38,6 +38,14 @@ static inline int gemm_tile_rows_6421(int64_t left) {
     return left >= 6 ? 6 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
 }
 
+/* The next tile's rows out of `left` for tiles of 1-12 rows: up to 12, and 13-23 cut into two near halves
+ * (>= 7 and 6); the AVX-512 tiles' cut (fp32 and int8). */
+static inline int gemm_tile_rows_12(int64_t left) {
+    if (left <= 12) return (int)left;
+    if (left < 24) return (int)((left + 1) / 2);
+    return 12;
+}
+
 /* Panels of N's columns, padded to whole groups. */
 static inline int64_t gemm_panels(int64_t N) {
     return ((N + GEMM_NR - 1) / GEMM_NR + GEMM_GROUP - 1) / GEMM_GROUP * GEMM_GROUP;

@@ -4,15 +4,18 @@
  * Why integers: with fp32 activations an int8 weight is widened to fp32 and multiplied at the FMA rate,
  * no faster than fp32 weights once a GEMM has enough rows to reuse them. Rounding each row of x to
  * 16-bit integers instead (one scale per row, its absolute maximum at 32767: 15 bits of resolution
- * against bf16's 8) lets `vpmaddwd` multiply 16 pairs and add them pairwise into 8 int32 lanes: on Zen 3
- * 1.5x the FMA pipes' multiply-adds per cycle (hack/gemm_backends.py --quantized has the measured rates).
+ * against bf16's 8) lets `vpmaddwd` multiply 16 pairs and add them pairwise into 8 int32 lanes (a ymm;
+ * 32 pairs into 16 lanes in a zmm; VNNI's `vpdpwssd` adds them to the accumulator in the same
+ * instruction): on Zen 3 1.5x the FMA pipes' multiply-adds per cycle (hack/gemm_backends.py
+ * --quantized has the measured rates).
  *
  * Packed layout: panels of GEMM_NR = 16 columns grouped as gemm.h says, K taken in pairs (an odd K ends
  * with a zero); for k pair q a panel holds 32 bytes, columns 0-7 then 8-15, each column's two codes
- * side by side, so one `vpmovsxbw` widens 8 columns x 2 k into the int16 lanes `vpmaddwd` pairs with a
- * broadcast pair of x. A tile is R rows x V vectors of 8 columns with int32 accumulators, summed in
- * blocks of I8W_KBLK pairs and converted to fp32 between blocks: 256 pairs of |32767 x 128| products
- * stay below 2^31. The row's and the column's scales multiply the sum once, at the end.
+ * side by side, so one `vpmovsxbw` widens 8 columns x 2 k (ymm) or the whole panel's 16 (zmm) into the
+ * int16 lanes `vpmaddwd` pairs with a broadcast pair of x. A tile is R rows x P panels with int32
+ * accumulators, summed in blocks of I8W_KBLK pairs and converted to fp32 between blocks: 256 pairs of
+ * |32767 x 128| products stay below 2^31. The row's and the column's scales multiply the sum once, at
+ * the end. Every build gives the same bits: the sums are exact and converted and scaled in one order.
  */
 #include "gemm.h"
 
@@ -40,67 +43,125 @@ void gemm_pack_i8w_f32(const int8_t *w, int64_t N, int64_t K, int8_t *packed) {
                 }
 }
 
-/* acc += the pairwise products of b and w: one instruction with VNNI; otherwise vpmaddwd + vpaddd as
- * one asm step, so the register allocator sees one read-modify-write accumulator as it does for an FMA
- * (written as two intrinsics it kept copies of every accumulator and ran at half the rate). */
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-#define I8W_MADD(acc, b, w) ((acc) = _mm256_dpwssd_epi32((acc), (b), (w)))
+/* One accumulator vector: I8W_LANES int32 lanes, each a column's sum. With AVX-512BW a zmm holds a whole
+ * panel (16 columns: one `vpmovsxbw` of a pair's 32 bytes), otherwise a ymm holds half of one. */
+#if defined(__AVX512BW__)
+#define I8W_LANES 16
+#define I8W_ACC __m512i
+#define I8W_ACC_ZERO _mm512_setzero_si512
+#define I8W_CODES(p) _mm512_cvtepi8_epi16(_mm256_load_si256((const __m256i *)(p)))
+#define I8W_SET1 _mm512_set1_epi32
+#define I8W_F __m512
+#define I8W_F_CVT _mm512_cvtepi32_ps
+#define I8W_F_LOADU _mm512_loadu_ps
+#define I8W_F_STOREU _mm512_storeu_ps
+#define I8W_F_ADD _mm512_add_ps
+#define I8W_F_MUL _mm512_mul_ps
+#define I8W_F_SET1 _mm512_set1_ps
 #else
-#define I8W_MADD(acc, b, w)                                                                                \
+#define I8W_LANES 8
+#define I8W_ACC __m256i
+#define I8W_ACC_ZERO _mm256_setzero_si256
+#define I8W_CODES(p) _mm256_cvtepi8_epi16(_mm_load_si128((const __m128i *)(p)))
+#define I8W_SET1 _mm256_set1_epi32
+#define I8W_F __m256
+#define I8W_F_CVT _mm256_cvtepi32_ps
+#define I8W_F_LOADU _mm256_loadu_ps
+#define I8W_F_STOREU _mm256_storeu_ps
+#define I8W_F_ADD _mm256_add_ps
+#define I8W_F_MUL _mm256_mul_ps
+#define I8W_F_SET1 _mm256_set1_ps
+#endif
+#define I8W_VPP (GEMM_NR / I8W_LANES)  /* vectors per panel */
+
+/* acc += the pairwise products of w and b, as one asm statement: the register allocator then sees one
+ * read-modify-write accumulator, as it does for an FMA. Written as intrinsics (vpmaddwd + vpaddd, or
+ * VNNI's one `vpdpwssd`), gcc 12 kept every accumulator on the stack and the tile ran at half rate. */
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define I8W_MADD(acc, w, b) __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(b))
+#elif defined(__AVX512BW__)
+#define I8W_MADD(acc, w, b)                                                                                \
+    do {                                                                                                   \
+        __m512i t_;                                                                                        \
+        __asm__("vpmaddwd %2, %3, %1\n\tvpaddd %1, %0, %0" : "+v"(acc), "=&v"(t_) : "v"(b), "v"(w));        \
+    } while (0)
+#elif defined(__AVXVNNI__)              /* AVX-VNNI without AVX-512 (Alder Lake, Sierra Forest) */
+#define I8W_MADD(acc, w, b) __asm__("%{vex%} vpdpwssd %2, %1, %0" : "+x"(acc) : "x"(w), "x"(b))
+#else
+#define I8W_MADD(acc, w, b)                                                                                \
     do {                                                                                                   \
         __m256i t_;                                                                                        \
         __asm__("vpmaddwd %2, %3, %1\n\tvpaddd %1, %0, %0" : "+x"(acc), "=&x"(t_) : "x"(b), "x"(w));        \
     } while (0)
 #endif
 
-/* R rows x V vectors of 8 columns (V / 2 panels); x is the tile's rows as pairs of int16, row after
- * row ([R][Q] int32, `i8w_pack_tile`: R sequential streams). The sums go through out: each block's
- * converted sums are added there, then out is scaled by row and column. */
-#define I8W_TILE(R, V)                                                                                    \
-static void i8w_tile_##R##x##V(const void *restrict xv, const void *restrict panels, int64_t K,           \
+/* R rows x P panels (P * I8W_VPP accumulator vectors per row); x is the tile's rows as pairs of int16,
+ * row after row ([R][Q] int32, `i8w_pack_tile`: R sequential streams). The sums go through out: each
+ * block's converted sums are added there, then out is scaled by row and column. */
+#define I8W_TILE(R, P)                                                                                    \
+static void i8w_tile_##R##x##P(const void *restrict xv, const void *restrict panels, int64_t K,           \
                                float *restrict out, int64_t ldo, const float *restrict row_scales,        \
                                const float *restrict col_scales) {                                        \
+    enum { V = P * I8W_VPP };                                                                             \
     const int32_t *restrict x = (const int32_t *)xv;                                                      \
     const int8_t *restrict pw = (const int8_t *)panels;                                                   \
     const int64_t Q = i8w_pairs(K), ps = i8w_panel_bytes(K);                                              \
     for (int64_t q0 = 0; q0 < Q; q0 += I8W_KBLK) {                                                        \
         const int64_t q1 = q0 + I8W_KBLK < Q ? q0 + I8W_KBLK : Q;                                         \
-        __m256i acc[R][V];                                                                                \
+        I8W_ACC acc[R][V];                                                                                \
         _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)                                              \
-            _Pragma("GCC unroll 16") for (int v = 0; v < V; v++) acc[r][v] = _mm256_setzero_si256();      \
+            _Pragma("GCC unroll 16") for (int v = 0; v < V; v++) acc[r][v] = I8W_ACC_ZERO();              \
         for (int64_t q = q0; q < q1; q++) {                                                               \
-            __m256i w[V];                                                                                 \
+            I8W_ACC w[V];                                                                                 \
             /* the panels after this tile's, into L2 (as the fp32 tiles do, gemm.c) */                    \
-            _Pragma("GCC unroll 16") for (int v = 0; v < V; v += 2)                                       \
-                _mm_prefetch((const char *)(pw + (V / 2 + v / 2) * ps + q * 32), _MM_HINT_T1);            \
+            _Pragma("GCC unroll 16") for (int p = 0; p < P; p++)                                          \
+                _mm_prefetch((const char *)(pw + (P + p) * ps + q * 32), _MM_HINT_T1);                    \
             _Pragma("GCC unroll 16") for (int v = 0; v < V; v++)                                          \
-                w[v] = _mm256_cvtepi8_epi16(_mm_load_si128((const __m128i *)(pw + (v / 2) * ps + q * 32 + (v % 2) * 16))); \
+                w[v] = I8W_CODES(pw + (v / I8W_VPP) * ps + q * 32 + (v % I8W_VPP) * (32 / I8W_VPP));      \
             _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {                                        \
-                const __m256i b = _mm256_set1_epi32(x[r * Q + q]);                                        \
-                _Pragma("GCC unroll 16") for (int v = 0; v < V; v++) I8W_MADD(acc[r][v], b, w[v]);        \
+                const I8W_ACC b = I8W_SET1(x[r * Q + q]);                                                 \
+                _Pragma("GCC unroll 16") for (int v = 0; v < V; v++) I8W_MADD(acc[r][v], w[v], b);        \
             }                                                                                             \
         }                                                                                                 \
         _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)                                              \
             _Pragma("GCC unroll 16") for (int v = 0; v < V; v++) {                                        \
-                float *o = out + r * ldo + v * 8;                                                         \
-                const __m256 f = _mm256_cvtepi32_ps(acc[r][v]);                                           \
-                _mm256_storeu_ps(o, q0 ? _mm256_add_ps(_mm256_loadu_ps(o), f) : f);                       \
+                float *o = out + r * ldo + v * I8W_LANES;                                                 \
+                const I8W_F f = I8W_F_CVT(acc[r][v]);                                                     \
+                I8W_F_STOREU(o, q0 ? I8W_F_ADD(I8W_F_LOADU(o), f) : f);                                   \
             }                                                                                             \
     }                                                                                                     \
+    /* (sum x row scale) x column scale; the empty asm keeps the compiler's reassociation (-fassociative-math) \
+       from taking another order in some tiles, which made a row's bits depend on where it sat */          \
     _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {                                                \
-        const __m256 s = _mm256_set1_ps(row_scales[r]);                                                   \
+        const I8W_F s = I8W_F_SET1(row_scales[r]);                                                        \
         _Pragma("GCC unroll 16") for (int v = 0; v < V; v++) {                                            \
-            float *o = out + r * ldo + v * 8;                                                             \
-            _mm256_storeu_ps(o, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(o), s), _mm256_loadu_ps(col_scales + v * 8))); \
+            float *o = out + r * ldo + v * I8W_LANES;                                                     \
+            I8W_F t = I8W_F_MUL(I8W_F_LOADU(o), s);                                                       \
+            __asm__("" : "+v"(t));                                                                        \
+            I8W_F_STOREU(o, I8W_F_MUL(t, I8W_F_LOADU(col_scales + v * I8W_LANES)));                       \
         }                                                                                                 \
     }                                                                                                     \
 }
 
-/* 6 and 4 rows: one panel (12 and 8 accumulators: 6 x 2 + 2 codes + a broadcast + a product is every
- * ymm register); 2 rows and 1: two panels. Every build runs these ymm tiles. */
-I8W_TILE(6, 2) I8W_TILE(4, 2) I8W_TILE(2, 4) I8W_TILE(1, 4)
-static const gemm_tile_fn I8W_TILES[7] = {NULL, i8w_tile_1x4, i8w_tile_2x4, NULL, i8w_tile_4x2, NULL, i8w_tile_6x2};
+#if defined(__AVX512BW__)
+/* The fp32 AVX-512 tiles' shapes (gemm.c): 4-12 rows x two panels (up to 24 zmm accumulators + 2 codes;
+ * with VNNI the broadcast is a memory operand), 1-3 rows x four; cut as those are. */
+I8W_TILE(12, 2) I8W_TILE(11, 2) I8W_TILE(10, 2) I8W_TILE(9, 2) I8W_TILE(8, 2)
+I8W_TILE(7, 2) I8W_TILE(6, 2) I8W_TILE(5, 2) I8W_TILE(4, 2)
+I8W_TILE(3, 4) I8W_TILE(2, 4) I8W_TILE(1, 4)
+static const gemm_tile_fn I8W_TILES[13] = {
+    NULL, i8w_tile_1x4, i8w_tile_2x4, i8w_tile_3x4, i8w_tile_4x2, i8w_tile_5x2, i8w_tile_6x2,
+    i8w_tile_7x2, i8w_tile_8x2, i8w_tile_9x2, i8w_tile_10x2, i8w_tile_11x2, i8w_tile_12x2};
+static const int I8W_TILE_PANELS[13] = {0, 4, 4, 4, 2, 2, 2, 2, 2, 2, 2, 2, 2};
+#define I8W_TILE_ROWS gemm_tile_rows_12
+#else
+/* 6 and 4 rows: one panel (12 and 8 ymm accumulators: 6 x 2 + 2 codes + a broadcast + a product is
+ * every ymm register); 2 rows and 1: two panels. */
+I8W_TILE(6, 1) I8W_TILE(4, 1) I8W_TILE(2, 2) I8W_TILE(1, 2)
+static const gemm_tile_fn I8W_TILES[7] = {NULL, i8w_tile_1x2, i8w_tile_2x2, NULL, i8w_tile_4x1, NULL, i8w_tile_6x1};
 static const int I8W_TILE_PANELS[7] = {0, 2, 2, 0, 1, 0, 1};
+#define I8W_TILE_ROWS gemm_tile_rows_6421
+#endif
 
 /* One row: x[k] * inv rounded to int16 (round to nearest even), pairs (x[2q], x[2q+1]) as int32 into
  * pairs[0, Q): vector for whole blocks of 16 k, scalar for the rest, zero past K. */
@@ -149,7 +210,7 @@ static void i8w_pack_tile(const float *x, int64_t ldx, int h, int64_t K, void *d
     }
 }
 
-static const gemm_kernel GEMM_I8W = {I8W_TILES, I8W_TILE_PANELS, gemm_tile_rows_6421, i8w_pack_tile,
+static const gemm_kernel GEMM_I8W = {I8W_TILES, I8W_TILE_PANELS, I8W_TILE_ROWS, i8w_pack_tile,
                                      i8w_row_bytes, i8w_panel_bytes};
 
 /* `scales` holds one float per packed column (gemm_packed_bytes_i8w_f32(N, K) / (K rounded up to even)

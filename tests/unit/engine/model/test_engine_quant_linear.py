@@ -7,6 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from consort_common.machine import cpu_model_and_flags
+from consort_engine.model import cpu_kernels as ck
 from consort_engine.model.cpu_kernels import cpu_kernels
 from consort_engine.model.lora import LoraContext
 from consort_engine.model.models.packed import consort_int8
@@ -122,6 +124,46 @@ def test_engine_int8_kernel_keeps_nan_and_zero_rows():
     assert bool(got[1].isnan().all()) and bool(got[3].isnan().all())
     torch.testing.assert_close(got[2], b)
     torch.testing.assert_close(got[0], F.linear(rows_as_int16(x[:1]), dequantize_int8(q, scale), b)[0])
+
+
+# The int8 kernel's builds, each with its multiply-add (gemm_i8w.c `I8W_MADD`): -march flags -> the
+# /proc/cpuinfo flags a CPU needs to run it.
+INT8_BUILDS = {
+    ("-march=x86-64-v3",): ck.LEVELS["x86-64-v3"],                                  # ymm, vpmaddwd + vpaddd
+    ("-march=x86-64-v3", "-mavxvnni"): ck.LEVELS["x86-64-v3"] | {"avx_vnni"},         # ymm, AVX-VNNI
+    ("-march=x86-64-v4",): ck.LEVELS["x86-64-v4"],                                  # zmm, vpmaddwd + vpaddd
+    ("-march=x86-64-v4", "-mavx512vnni"): ck.LEVELS["x86-64-v4"] | {"avx512_vnni"},   # zmm, vpdpwssd
+}
+
+
+@needs_int8_kernel
+def test_engine_int8_kernel_gives_the_same_bits_in_every_build_this_cpu_runs(tmp_path, monkeypatch):
+    """The int32 sums are exact and every build converts and scales them in the same order, so the ymm
+    and zmm tiles (their row cuts differ: 6/4/2/1 against up to 12), with or without VNNI, give
+    bit-identical outputs: each build this CPU can run against the library the engine loads here. And a
+    row's bits do not depend on its place in the batch (which tile, which row of it)."""
+    import subprocess
+
+    flags = cpu_model_and_flags()[1]
+    runnable = [march for march, need in INT8_BUILDS.items() if need <= flags]
+    assert runnable                                          # an AVX2 + FMA build runs the int8 kernel
+    sources = [p for p in ck.SOURCES if p.stem in ("gemm", "gemm_i8w", "team")]
+    g = torch.Generator().manual_seed(7)
+    cases = []
+    for out, inp in ((96, 64), (130, 37), (40, 1100)):
+        q, scale = quantize_int8(torch.randn(out, inp, generator=g) * 0.05)
+        b = torch.randn(out, generator=g)
+        cases += [(q, scale, b, torch.randn(rows, inp, generator=g)) for rows in (1, 2, 3, 5, 8, 13, 23, 40, 241)]
+    want = [consort_int8(q, scale, b)(x) for q, scale, b, x in cases]
+    for i, march in enumerate(runnable):
+        so = tmp_path / f"int8-{i}.so"
+        subprocess.run(["cc", *march, *ck.FLAGS, "-o", str(so), *map(str, sources), "-lm"], check=True, timeout=300)
+        monkeypatch.setattr(ck, "_lib", ck.load_library(so))
+        for (q, scale, b, x), ref in zip(cases, want):
+            assert torch.equal(consort_int8(q, scale, b)(x), ref), (march, x.shape, q.shape)
+        q, scale, b, x = cases[-1]
+        same = consort_int8(q, scale, b)(x[:1].repeat(25, 1))
+        assert torch.equal(same, same[:1].expand_as(same)), march
 
 
 @needs_int8_kernel
