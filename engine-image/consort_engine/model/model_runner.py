@@ -5,7 +5,7 @@ activation reserve, times kv_memory_fraction) and never grows. `execute` reads t
 their block tables (allocated by the block manager) and never mutates them.
 
 dtype (config.dtype) is the weights' and the KV cache's; compute_dtype is the activations' (they
-differ only for bf16 on a CPU without AMX, see compute_dtype()). On CPU the attention, K/V store
+differ only for bf16 on a CPU without a bf16 dot product, see compute_dtype()). On CPU the attention, K/V store
 and element-wise layers run as C kernels (cpu_kernels.py) and the GEMM weights are pre-packed.
 On CUDA a step's inputs reach the device through pinned staging buffers (host_staging.py) and pure
 decode steps replay CUDA graphs captured at warm-up (cuda_graphs.py).
@@ -29,7 +29,7 @@ from consort_engine.model.loader import checkpoint_names, eos_token_ids, load_mo
 from consort_engine.model.models import MODELS
 from consort_engine.model.models.mtp import has_mtp
 from consort_engine.model.lora import AdapterError, LoraAdapter, LoraContext, load_peft_adapter, segments_of
-from consort_engine.model.models.packed import has_amx
+from consort_engine.model.models.packed import has_bf16_dot
 from consort_engine.model.int4_checkpoint import checkpoint_format, checkpoint_weights, resolve_quantization
 from consort_engine.model.models.quant import check_quantization
 from consort_engine.kv.sequence import PromptLogprobs, ScheduledBatch, Sequence
@@ -46,10 +46,11 @@ log = logging.getLogger("consort.engine")
 
 
 def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """bfloat16 on a CPU without AMX computes in float32: weights are rounded to bf16 and the KV
-    cache is bf16, but activations and GEMMs are fp32, because there oneDNN's bf16 GEMM runs at
-    about half the speed of MKL's fp32 GEMM. CONSORT_BF16_COMPUTE=1 forces bf16 activations."""
-    if (device.type == "cpu" and dtype == torch.bfloat16 and not has_amx()
+    """bfloat16 on a CPU without a bf16 dot product (AMX, AVX-512 BF16) computes in float32: weights
+    are rounded to bf16 and the KV cache is bf16, but activations and GEMMs are fp32, because there
+    oneDNN's bf16 GEMM runs at about half the speed of the fp32 one. CONSORT_BF16_COMPUTE=1 forces
+    bf16 activations."""
+    if (device.type == "cpu" and dtype == torch.bfloat16 and not has_bf16_dot()
             and os.environ.get("CONSORT_BF16_COMPUTE") != "1"):
         return torch.float32
     return dtype

@@ -18,6 +18,7 @@ from fidelity_helpers import NearTies, check_logprobs_close, greedy_agrees, hf_g
 
 from consort_engine.config import EngineConfig
 from consort_engine.model.model_runner import ModelRunner
+from consort_engine.model.models.packed import has_bf16_dot
 from consort_engine.kv.sequence import ScheduledBatch, SamplingParams, Sequence
 
 BS = 4          # the block size of most cases here (the driver takes the runner's)
@@ -176,14 +177,15 @@ def test_the_gpu_block_sizes_match_transformers_on_cpu(backend, block_size, chec
 @pytest.mark.parametrize("compute", ["auto", "bf16"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_bf16_on_cpu_stays_within_top5_of_fp32_transformers(arch, compute, checkpoint, monkeypatch):
-    """auto: on a CPU without AMX, bf16 weights and KV cache with fp32 activations; bf16: all bf16."""
+    """auto: bf16 activations where the CPU has a bf16 dot product (AMX, AVX-512 BF16), else bf16
+    weights and KV cache with fp32 activations; bf16: all bf16."""
     if compute == "bf16":
         monkeypatch.setenv("CONSORT_BF16_COMPUTE", "1")
     ckpt = checkpoint(arch)
     runner = ModelRunner(EngineConfig(model=str(ckpt), block_size=BS, num_blocks=128, dtype="bfloat16"))
     assert runner.dtype == torch.bfloat16 and runner.kv_cache.dtype == torch.bfloat16
-    if compute == "bf16":
-        assert runner.compute_dtype == torch.bfloat16
+    bf16_activations = compute == "bf16" or has_bf16_dot()
+    assert runner.compute_dtype == (torch.bfloat16 if bf16_activations else torch.float32)
     weights = runner.model.embed_tokens.weight
     assert torch.equal(weights, weights.to(torch.bfloat16).to(weights.dtype)), "weights hold bf16 values"
     prompts, shared = make_prompts(runner.vocab_size)

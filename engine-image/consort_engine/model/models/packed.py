@@ -15,11 +15,12 @@ float32 has three backends (`fp32_backend`, CONSORT_GEMM=consort|onednn|mkl over
 - mkl: MKL's packed sgemm, where oneDNN is missing.
 Results equal F.linear to float32 rounding (summation order).
 
-bfloat16 on a CPU without AMX: oneDNN's bf16 GEMM runs ~1.7x slower than MKL's fp32 GEMM there,
-so the bf16 weight is widened once (exactly) and multiplied in fp32, the output rounded to bf16.
-That is the arithmetic of a bf16 GEMM (bf16 x bf16 products are exact in fp32, fp32 accumulation,
-one rounding of the output); only the summation order differs. With AMX, oneDNN's packed bf16
-kernel is used.
+bfloat16 where the CPU has a bf16 dot product (AMX tiles, or AVX-512 BF16's `vdpbf16ps`): oneDNN's
+packed bf16 kernel (on the 2-core AMD EPYC Zen 5, 1.5-2x the engine's fp32 kernel from 32 rows:
+docs/engine-speed.md). Without one, oneDNN's bf16 GEMM is slower than the fp32 ones, so the bf16
+weight is widened once (exactly) and multiplied in fp32, the output rounded to bf16. That is the
+arithmetic of a bf16 GEMM (bf16 x bf16 products are exact in fp32, fp32 accumulation, one rounding of
+the output); only the summation order differs.
 
 Packing is verified at load time against F.linear; if the ops are missing or disagree, the
 plain weight is kept (returns None).
@@ -148,8 +149,9 @@ def has_cpu_flag(flag: str) -> bool:
         return False
 
 
-def has_amx() -> bool:
-    return has_cpu_flag("amx_bf16")
+def has_bf16_dot() -> bool:
+    """A bf16 dot-product instruction, which oneDNN's bf16 kernels run on: AMX or AVX-512 BF16."""
+    return has_cpu_flag("amx_bf16") or has_cpu_flag("avx512_bf16")
 
 
 def _onednn(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -172,7 +174,7 @@ def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[to
         fp32 = torch.backends.mkldnn.is_available() or torch.backends.mkl.is_available()
         if weight.dtype == torch.float32 and fp32:
             fn = _fp32(weight, bias)
-        elif weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available() and has_amx():
+        elif weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available() and has_bf16_dot():
             fn = _onednn(weight, bias)
         elif weight.dtype == torch.bfloat16 and fp32:
             fn = _fp32_compute(weight, bias)
