@@ -5,7 +5,7 @@ activation reserve, times kv_memory_fraction) and never grows. `execute` reads t
 their block tables (allocated by the block manager) and never mutates them.
 
 dtype (config.dtype) is the weights' and the KV cache's; compute_dtype is the activations' (they
-differ only for bf16 on a CPU without a bf16 dot product, see compute_dtype()). On CPU the attention, K/V store
+differ only for bf16 on some CPUs, see compute_dtype()). On CPU the attention, K/V store
 and element-wise layers run as C kernels (cpu_kernels.py) and the GEMM weights are pre-packed.
 On CUDA a step's inputs reach the device through pinned staging buffers (host_staging.py) and pure
 decode steps replay CUDA graphs captured at warm-up (cuda_graphs.py).
@@ -31,7 +31,7 @@ from consort_engine.model.models.mtp import has_mtp
 from consort_engine.model.lora import AdapterError, LoraAdapter, LoraContext, load_peft_adapter, segments_of
 from consort_engine.model.models.packed import has_bf16_dot
 from consort_engine.model.int4_checkpoint import checkpoint_format, checkpoint_weights, resolve_quantization
-from consort_engine.model.models.quant import check_quantization
+from consort_engine.model.models.quant import FP32_ROW_QUANTIZATIONS, check_quantization
 from consort_engine.kv.sequence import PromptLogprobs, ScheduledBatch, Sequence
 from consort_engine.kv.state_pool import SwappedState, seqs_per_pool
 from consort_engine.model.hybrid_state import HybridState
@@ -45,12 +45,14 @@ MiB = 1 << 20
 log = logging.getLogger("consort.engine")
 
 
-def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """bfloat16 on a CPU without a bf16 dot product (AMX, AVX-512 BF16) computes in float32: weights
-    are rounded to bf16 and the KV cache is bf16, but activations and GEMMs are fp32, because there
-    oneDNN's bf16 GEMM runs at about half the speed of the fp32 one. CONSORT_BF16_COMPUTE=1 forces
-    bf16 activations."""
-    if (device.type == "cpu" and dtype == torch.bfloat16 and not has_bf16_dot()
+def compute_dtype(dtype: torch.dtype, device: torch.device, quantization: str = "none") -> torch.dtype:
+    """bfloat16 on a CPU computes in float32 (weights rounded to bf16 and a bf16 KV cache, but fp32
+    activations and GEMMs) where bf16 GEMMs do not pay: without a bf16 dot product (AMX, AVX-512
+    BF16) oneDNN's bf16 GEMM runs at about half the speed of the fp32 one, and the int8 and w8a8
+    GEMMs read fp32 rows (bf16 ones would be widened at every call: the anchor workload measured
+    0.75x of fp32 activations on Zen 5). CONSORT_BF16_COMPUTE=1 forces bf16 activations."""
+    if (device.type == "cpu" and dtype == torch.bfloat16
+            and (not has_bf16_dot() or quantization in FP32_ROW_QUANTIZATIONS)
             and os.environ.get("CONSORT_BF16_COMPUTE") != "1"):
         return torch.float32
     return dtype
@@ -112,7 +114,7 @@ class ModelRunner:
         self.tp = tp = tp or SINGLE
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype, config.device)           # weights and KV cache
-        self.compute_dtype = compute_dtype(self.dtype, self.device)       # activations and GEMMs
+        self.compute_dtype = compute_dtype(self.dtype, self.device, config.quantization)   # activations, GEMMs
         self.hf_config = cfg = load_model_config(config.model)
         self.eos_token_ids: set[int] = eos_token_ids(config.model, cfg)
         # MTP drafting: one rank only (the block is not split for tensor parallelism yet)

@@ -35,6 +35,7 @@ from consort_engine.model.int4_checkpoint import CHECKPOINT_FORMATS, checkpoint_
 from consort_engine.model.models.packed import consort_int8
 
 LOAD_TIME = ("int8", "w8a8", "fp8")              # quantized here, from a float checkpoint
+FP32_ROW_QUANTIZATIONS = ("int8", "w8a8")         # CPU GEMMs that read fp32 rows (bf16 models run fp32 activations)
 # none: the checkpoint as it is (a pre-quantized one dequantized, model/int4_checkpoint.py); auto: the same,
 # spelled for "whatever the checkpoint is"; awq | gptq | compressed-tensors: the checkpoint must be that
 QUANTIZATIONS = ("none", "auto", *LOAD_TIME, *CHECKPOINT_FORMATS)

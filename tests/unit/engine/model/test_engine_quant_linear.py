@@ -272,3 +272,21 @@ def test_the_lm_head_is_quantized_only_where_its_activations_keep_15_bits(quanti
     quantized = quantize_linear(w, None, quantization)(x)
     torch.testing.assert_close(got, quantized if head_quantized else F.linear(x, w), rtol=1e-5, atol=1e-5)
     assert not torch.allclose(quantized, F.linear(x, w), rtol=1e-5, atol=1e-5)   # the two are told apart
+
+
+def test_bf16_activations_where_the_gemms_take_them(monkeypatch):
+    """A bf16 model computes in bf16 on a CPU only where its GEMMs run in bf16: with a bf16 dot product
+    (AMX, AVX-512 BF16) and without int8/w8a8, whose kernels read fp32 rows; on CUDA always."""
+    from consort_engine.model import model_runner
+
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+    monkeypatch.delenv("CONSORT_BF16_COMPUTE", raising=False)
+    for dot in (True, False):
+        monkeypatch.setattr(model_runner, "has_bf16_dot", lambda dot=dot: dot)
+        assert model_runner.compute_dtype(bf16, cpu, "none") == (bf16 if dot else torch.float32)
+        for q in ("int8", "w8a8"):
+            assert model_runner.compute_dtype(bf16, cpu, q) == torch.float32
+        assert model_runner.compute_dtype(torch.float32, cpu, "none") == torch.float32
+        assert model_runner.compute_dtype(bf16, torch.device("cuda"), "none") == bf16
+    monkeypatch.setenv("CONSORT_BF16_COMPUTE", "1")
+    assert model_runner.compute_dtype(bf16, cpu, "int8") == bf16
