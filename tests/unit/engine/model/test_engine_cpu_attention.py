@@ -85,8 +85,12 @@ HAS_PREFILL = cpu_kernels() is not None and hasattr(cpu_kernels(), "prefill_atte
     (4, 4, 64, 16, [(0, 130)]),                           # MHA
     (16, 1, 64, 16, [(3, 40), (129, 7), (0, 64)]),        # G = 16 (a tile's most rows); contexts end mid key block
 ])
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])   # bf16: a bf16 model without AMX
-def test_prefill_kernel_equals_causal_sdpa(h, kvh, d, bs, spans, kv_dtype):
+@pytest.mark.parametrize("kv_dtype,q_dtype", [
+    (torch.float32, torch.float32),
+    (torch.bfloat16, torch.float32),     # a bf16 model computing in fp32 (no bf16 dot product on the CPU)
+    (torch.bfloat16, torch.bfloat16),    # one computing in bf16: queries widened, the output rounded back
+])
+def test_prefill_kernel_equals_causal_sdpa(h, kvh, d, bs, spans, kv_dtype, q_dtype):
     g = torch.Generator().manual_seed(h + d + bs + len(spans))
     ctx_lens = [c + n for c, n in spans]
     qlens = [n for _, n in spans]
@@ -98,21 +102,26 @@ def test_prefill_kernel_equals_causal_sdpa(h, kvh, d, bs, spans, kv_dtype):
     perm = torch.randperm(num_blocks, generator=g)[:len(spans) * max_blocks]
     block_tables = perm.view(len(spans), max_blocks).to(torch.int32)
     t = sum(qlens)
-    q = torch.randn(t, h, d, generator=g)
+    q = torch.randn(t, h, d, generator=g).to(q_dtype)
     meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.int64), num_batched_tokens=0,
                              prefill_block_tables=block_tables,
                              prefill_context_lens=torch.tensor(ctx_lens, dtype=torch.int32),
                              prefill_cu_query_lens=torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()],
                                                                 dtype=torch.int32))
-    out = torch.full((t, h * d), float("nan"))
+    out = torch.full((t, h * d), float("nan"), dtype=q_dtype)
     assert attn._prefill_kernel(q, out, meta)
-    ref = reference(q, attn.k_cache, attn.v_cache, block_tables, ctx_lens, qlens, h, kvh, d)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    ref = reference(q.float(), attn.k_cache, attn.v_cache, block_tables, ctx_lens, qlens, h, kvh, d)
+    if q_dtype == torch.bfloat16:      # the fp32 result, rounded once
+        torch.testing.assert_close(out, ref.to(torch.bfloat16), rtol=0, atol=0.01)
+        assert float((out.float() - ref).abs().max()) <= float(ref.abs().max()) * 2 ** -8
+    else:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.skipif(not HAS_PREFILL, reason="the prefill kernel is built for AVX-512 or AVX2 + FMA CPUs")
 def test_prefill_kernel_declines_what_it_does_not_cover():
-    """Other head sizes and bf16 activations go through SDPA: the kernel says no instead of computing."""
+    """Other head sizes, and bf16 activations over an fp32 pool, go through SDPA: the kernel says no
+    instead of computing."""
     meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.int64), num_batched_tokens=0,
                              prefill_block_tables=torch.zeros(1, 1, dtype=torch.int32),
                              prefill_context_lens=torch.tensor([4], dtype=torch.int32),
@@ -121,5 +130,6 @@ def test_prefill_kernel_declines_what_it_does_not_cover():
     attn.k_cache = attn.v_cache = torch.zeros(2, 2, 16, 40)
     assert not attn._prefill_kernel(torch.zeros(4, 2, 40), torch.empty(4, 80), meta)
     attn = PagedAttention(2, 2, 64, 0.1, "cpu_kernel")
-    attn.k_cache = attn.v_cache = torch.zeros(2, 2, 16, 64, dtype=torch.bfloat16)
-    assert not attn._prefill_kernel(torch.zeros(4, 2, 64, dtype=torch.bfloat16), torch.empty(4, 128), meta)
+    attn.k_cache = attn.v_cache = torch.zeros(2, 2, 16, 64)
+    assert not attn._prefill_kernel(torch.zeros(4, 2, 64, dtype=torch.bfloat16),
+                                    torch.empty(4, 128, dtype=torch.bfloat16), meta)
