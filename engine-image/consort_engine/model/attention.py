@@ -6,11 +6,11 @@ A step's tokens are laid out as [batched group | prefill spans]:
   call per layer: on CPU a C kernel that reads the pool in place through the block tables
   (csrc/paged_attention.c); otherwise a gather of the blocks + SDPA with a length mask.
 - prefill spans (one per sequence chunk): on CPU with float32 activations over a float32 or bfloat16
-  pool, or bfloat16 ones over a bfloat16 pool (widened to float32 for the kernel: SDPA's bf16 path ran
-  the bf16 prefill mix at 0.76x), and head size 64/128 (AVX-512 or AVX2 + FMA builds), all of them in
-  one call of the C prefill kernel (csrc/prefill_attention.c), reading the pool in place like the
-  batched group; otherwise SDPA: causal over the chunk's own K/V when nothing precedes it, else over
-  the gathered context with a bottom-right causal mask.
+  pool, or bfloat16 ones over a bfloat16 pool without AMX (widened to float32 for the kernel: SDPA's
+  bf16 path ran the bf16 prefill mix at 0.76x), and head size 64/128 (AVX-512 or AVX2 + FMA builds),
+  all of them in one call of the C prefill kernel (csrc/prefill_attention.c), reading the pool in place
+  like the batched group; otherwise SDPA: causal over the chunk's own K/V when nothing precedes it,
+  else over the gathered context with a bottom-right causal mask.
 With flash-attn installed on CUDA (and block_size a multiple of 256, its paged-KV constraint) every
 token goes through flash_attn_varlen_func with the block table instead (decode CUDA graphs: through
 flash_attn_with_kvcache, which reads the lengths from a tensor); on CUDA otherwise the batched
@@ -24,8 +24,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from consort_common.machine import cpu_model_and_flags
 from consort_engine.model.cpu_kernels import cpu_kernels, kernel
 from consort_engine.model.triton_attention import paged_attention as triton_paged_attention, triton_available
+
+AMX = "amx_bf16" in cpu_model_and_flags()[1]      # bf16 prefill spans stay with SDPA there (_prefill_kernel)
 
 try:  # pragma: no cover - only on CUDA machines with flash-attn
     from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
@@ -165,9 +168,10 @@ class PagedAttention(torch.nn.Module):
     def _prefill_kernel(self, q: torch.Tensor, out: torch.Tensor, meta: AttentionMetadata) -> bool:
         """Every prefill span through the C kernel (float32 queries over a float32 or bfloat16 pool, head size
         64/128, AVX-512 or AVX2 build), reading the pool in place; bfloat16 queries over a bfloat16 pool are
-        widened to float32 for it and the output rounded back. False where it does not apply (then SDPA runs)."""
+        widened to float32 for it and the output rounded back, except with AMX, where SDPA's bf16 GEMMs run on
+        AMX tiles (the two were not compared there). False where it does not apply (then SDPA runs)."""
         kv = self.k_cache.dtype
-        widen = q.dtype == torch.bfloat16 and kv == torch.bfloat16
+        widen = q.dtype == torch.bfloat16 and kv == torch.bfloat16 and not AMX
         if self.backend != "cpu_kernel" or not (q.dtype == torch.float32 or widen) \
                 or kv not in (torch.float32, torch.bfloat16) or meta.prefill_block_tables is None:
             return False
