@@ -37,6 +37,8 @@
 #define VEC_STOREU _mm512_storeu_ps
 #define VEC_MAX _mm512_max_ps
 #define VEC_SUB _mm512_sub_ps
+#define VEC_ADD _mm512_add_ps
+#define VEC_FROM_I32 _mm512_cvtepi32_ps   /* VLEN int32 lanes -> fp32 */
 #define VEC_ROUND(x) _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 #define VEC_TIMES_POW2(p, k) _mm512_scalef_ps(p, k)      /* p * 2^k, k integral */
 /* VLEN bf16 values from memory, widened to fp32 (a bf16 is the top half of its fp32) */
@@ -54,6 +56,8 @@
 #define VEC_STOREU _mm256_storeu_ps
 #define VEC_MAX _mm256_max_ps
 #define VEC_SUB _mm256_sub_ps
+#define VEC_ADD _mm256_add_ps
+#define VEC_FROM_I32 _mm256_cvtepi32_ps
 #define VEC_ROUND(x) _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 /* p * 2^k, k integral in [-126, 127]: 2^k built in the exponent bits */
 #define VEC_TIMES_POW2(p, k) _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(                    \

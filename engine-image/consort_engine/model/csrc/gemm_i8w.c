@@ -19,7 +19,9 @@
  */
 #include "gemm.h"
 
-#if defined(__AVX2__) && defined(__FMA__)
+/* zmm int16 operations need AVX-512BW, which every AVX-512 CPU but the Xeon Phi has: an AVX-512F-only
+ * build leaves the kernel out (packed.consort_int8 then falls back). */
+#if defined(__AVX2__) && defined(__FMA__) && (!defined(__AVX512F__) || defined(__AVX512BW__))
 
 #define I8W_KBLK 256                   /* k pairs summed in int32 before the fp32 sum takes them */
 #define I8W_QMAX 32767.0f
@@ -43,43 +45,28 @@ void gemm_pack_i8w_f32(const int8_t *w, int64_t N, int64_t K, int8_t *packed) {
                 }
 }
 
-/* One accumulator vector: I8W_LANES int32 lanes, each a column's sum. With AVX-512BW a zmm holds a whole
- * panel (16 columns: one `vpmovsxbw` of a pair's 32 bytes), otherwise a ymm holds half of one. */
-#if defined(__AVX512BW__)
-#define I8W_LANES 16
+/* One accumulator vector: VLEN int32 lanes, each a column's sum, converted into the vector layer's fp32
+ * VEC (common.h). With AVX-512 a zmm holds a whole panel (16 columns: one `vpmovsxbw` of a pair's 32
+ * bytes), otherwise a ymm holds half of one. */
+#if defined(__AVX512F__)
 #define I8W_ACC __m512i
 #define I8W_ACC_ZERO _mm512_setzero_si512
 #define I8W_CODES(p) _mm512_cvtepi8_epi16(_mm256_load_si256((const __m256i *)(p)))
 #define I8W_SET1 _mm512_set1_epi32
-#define I8W_F __m512
-#define I8W_F_CVT _mm512_cvtepi32_ps
-#define I8W_F_LOADU _mm512_loadu_ps
-#define I8W_F_STOREU _mm512_storeu_ps
-#define I8W_F_ADD _mm512_add_ps
-#define I8W_F_MUL _mm512_mul_ps
-#define I8W_F_SET1 _mm512_set1_ps
 #else
-#define I8W_LANES 8
 #define I8W_ACC __m256i
 #define I8W_ACC_ZERO _mm256_setzero_si256
 #define I8W_CODES(p) _mm256_cvtepi8_epi16(_mm_load_si128((const __m128i *)(p)))
 #define I8W_SET1 _mm256_set1_epi32
-#define I8W_F __m256
-#define I8W_F_CVT _mm256_cvtepi32_ps
-#define I8W_F_LOADU _mm256_loadu_ps
-#define I8W_F_STOREU _mm256_storeu_ps
-#define I8W_F_ADD _mm256_add_ps
-#define I8W_F_MUL _mm256_mul_ps
-#define I8W_F_SET1 _mm256_set1_ps
 #endif
-#define I8W_VPP (GEMM_NR / I8W_LANES)  /* vectors per panel */
+#define I8W_VPP (GEMM_NR / VLEN)       /* vectors per panel */
 
 /* acc += the pairwise products of w and b, as one asm statement: the register allocator then sees one
  * read-modify-write accumulator, as it does for an FMA. Written as intrinsics (vpmaddwd + vpaddd, or
  * VNNI's one `vpdpwssd`), gcc 12 kept every accumulator on the stack and the tile ran at half rate. */
-#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
 #define I8W_MADD(acc, w, b) __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(b))
-#elif defined(__AVX512BW__)
+#elif defined(__AVX512F__)
 #define I8W_MADD(acc, w, b)                                                                                \
     do {                                                                                                   \
         __m512i t_;                                                                                        \
@@ -125,25 +112,25 @@ static void i8w_tile_##R##x##P(const void *restrict xv, const void *restrict pan
         }                                                                                                 \
         _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)                                              \
             _Pragma("GCC unroll 16") for (int v = 0; v < V; v++) {                                        \
-                float *o = out + r * ldo + v * I8W_LANES;                                                 \
-                const I8W_F f = I8W_F_CVT(acc[r][v]);                                                     \
-                I8W_F_STOREU(o, q0 ? I8W_F_ADD(I8W_F_LOADU(o), f) : f);                                   \
+                float *o = out + r * ldo + v * VLEN;                                                 \
+                const VEC f = VEC_FROM_I32(acc[r][v]);                                                     \
+                VEC_STOREU(o, q0 ? VEC_ADD(VEC_LOADU(o), f) : f);                                   \
             }                                                                                             \
     }                                                                                                     \
     /* (sum x row scale) x column scale; the empty asm keeps the compiler's reassociation (-fassociative-math) \
        from taking another order in some tiles, which made a row's bits depend on where it sat */          \
     _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {                                                \
-        const I8W_F s = I8W_F_SET1(row_scales[r]);                                                        \
+        const VEC s = VEC_SET1(row_scales[r]);                                                        \
         _Pragma("GCC unroll 16") for (int v = 0; v < V; v++) {                                            \
-            float *o = out + r * ldo + v * I8W_LANES;                                                     \
-            I8W_F t = I8W_F_MUL(I8W_F_LOADU(o), s);                                                       \
+            float *o = out + r * ldo + v * VLEN;                                                     \
+            VEC t = VEC_MUL(VEC_LOADU(o), s);                                                       \
             __asm__("" : "+v"(t));                                                                        \
-            I8W_F_STOREU(o, I8W_F_MUL(t, I8W_F_LOADU(col_scales + v * I8W_LANES)));                       \
+            VEC_STOREU(o, VEC_MUL(t, VEC_LOADU(col_scales + v * VLEN)));                       \
         }                                                                                                 \
     }                                                                                                     \
 }
 
-#if defined(__AVX512BW__)
+#if defined(__AVX512F__)
 /* The fp32 AVX-512 tiles' shapes (gemm.c): 4-12 rows x two panels (up to 24 zmm accumulators + 2 codes;
  * with VNNI the broadcast is a memory operand), 1-3 rows x four; cut as those are. */
 I8W_TILE(12, 2) I8W_TILE(11, 2) I8W_TILE(10, 2) I8W_TILE(9, 2) I8W_TILE(8, 2)
