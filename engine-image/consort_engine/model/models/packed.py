@@ -33,6 +33,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from consort_common.machine import cpu_model_and_flags
+
 # MKL blocks the packed weight for this many rows. Measured on the 2-core AVX-512 machine
 # (bench shapes, GFLOP/s): 64 is 5-30% faster than 32 at decode batches of 32-64 rows (the LM head
 # 152 -> 194 at 64 rows) and as fast at 2,048-row prefill chunks; 128/256 are no better.
@@ -141,17 +143,9 @@ def _fp32_compute(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[
     return run
 
 
-def has_cpu_flag(flag: str) -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(flag in line.split() for line in f if line.startswith("flags"))
-    except OSError:
-        return False
-
-
 def has_bf16_dot() -> bool:
     """A bf16 dot-product instruction, which oneDNN's bf16 kernels run on: AMX or AVX-512 BF16."""
-    return has_cpu_flag("amx_bf16") or has_cpu_flag("avx512_bf16")
+    return bool({"amx_bf16", "avx512_bf16"} & cpu_model_and_flags()[1])
 
 
 def _onednn(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
