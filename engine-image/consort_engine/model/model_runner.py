@@ -50,7 +50,7 @@ def compute_dtype(dtype: torch.dtype, device: torch.device, quantization: str = 
     activations and GEMMs) where bf16 GEMMs do not pay: without a bf16 dot product (AMX, AVX-512
     BF16) oneDNN's bf16 GEMM runs at about half the speed of the fp32 one, and the int8 and w8a8
     GEMMs read fp32 rows (bf16 ones would be widened at every call: the anchor workload measured
-    0.75x of fp32 activations on Zen 5). CONSORT_BF16_COMPUTE=1 forces bf16 activations."""
+    0.9-0.95x of fp32 activations on Zen 5). CONSORT_BF16_COMPUTE=1 forces bf16 activations."""
     if (device.type == "cpu" and dtype == torch.bfloat16
             and (not has_bf16_dot() or quantization in FP32_ROW_QUANTIZATIONS)
             and os.environ.get("CONSORT_BF16_COMPUTE") != "1"):
