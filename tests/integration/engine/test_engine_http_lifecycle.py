@@ -53,7 +53,9 @@ def test_warmup_gating_then_overload_429(demo_model, engine_logs):
         r = httpx.post(eng.url + "/v1/adapters", json={"name": "a", "path": "/nowhere"}, timeout=10)
         if r.status_code == 503 or procs.http_get(eng.url + "/ready")[0] != 200:   # (unless warm-up just ended)
             assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready" and r.headers["Retry-After"], r.text
-        assert procs.http_get(eng.url + "/v1/status")[1]["warm"] is False
+        # warm only once /ready says so (warm-up can end between any two of these calls on a fast CPU)
+        warm = procs.http_get(eng.url + "/v1/status")[1]["warm"]
+        assert warm is False or procs.http_get(eng.url + "/ready")[0] == 200
         procs.wait_http(eng.url + "/ready", eng.proc, timeout=120)
         assert eng.status()["warm"] is True
 
