@@ -74,13 +74,9 @@ static void gemm_tile_##R##x##V(const void *restrict xv, const void *restrict pa
 #if defined(__AVX512F__)
 /* 4-12 rows: two panels (8-24 chains; a broadcast of x feeds two FMAs, which measured 3-15% faster
  * than one panel at 8-64 rows); 1-3 rows: four (4-12). */
-GEMM_TILE(12, 2) GEMM_TILE(11, 2) GEMM_TILE(10, 2) GEMM_TILE(9, 2) GEMM_TILE(8, 2)
-GEMM_TILE(7, 2) GEMM_TILE(6, 2) GEMM_TILE(5, 2) GEMM_TILE(4, 2)
-GEMM_TILE(3, 4) GEMM_TILE(2, 4) GEMM_TILE(1, 4)
-static const gemm_tile_fn GEMM_TILES[GEMM_MAX_ROWS + 1] = {
-    NULL, gemm_tile_1x4, gemm_tile_2x4, gemm_tile_3x4, gemm_tile_4x2, gemm_tile_5x2, gemm_tile_6x2,
-    gemm_tile_7x2, gemm_tile_8x2, gemm_tile_9x2, gemm_tile_10x2, gemm_tile_11x2, gemm_tile_12x2};
-static const int GEMM_TILE_PANELS[GEMM_MAX_ROWS + 1] = {0, 4, 4, 4, 2, 2, 2, 2, 2, 2, 2, 2, 2};
+GEMM_TILE_SET_12(GEMM_TILE)
+static const gemm_tile_fn GEMM_TILES[GEMM_MAX_ROWS + 1] = GEMM_TILES_12(gemm);
+static const int GEMM_TILE_PANELS[GEMM_MAX_ROWS + 1] = GEMM_TILE_PANELS_12;
 #define GEMM_TILE_ROWS gemm_tile_rows_12
 #else
 /* 6 and 4 rows: one panel (12 and 8 chains); 2 rows: two panels (8); 1 row: four (8). */

@@ -46,11 +46,20 @@ static inline int gemm_tile_rows_12(int64_t left) {
     return 12;
 }
 
+/* The AVX-512 tile set both kernels instantiate, cut by gemm_tile_rows_12: 4-12 rows x 2 panels, 1-3 rows
+ * x 4 (gemm.c says why). TILE(R, P) defines `<prefix>_tile_RxP`; GEMM_TILES_12(prefix) is the table of
+ * them by rows. */
+#define GEMM_TILE_SET_12(TILE) TILE(12, 2) TILE(11, 2) TILE(10, 2) TILE(9, 2) TILE(8, 2) TILE(7, 2) \
+    TILE(6, 2) TILE(5, 2) TILE(4, 2) TILE(3, 4) TILE(2, 4) TILE(1, 4)
+#define GEMM_TILES_12(prefix) {NULL, prefix##_tile_1x4, prefix##_tile_2x4, prefix##_tile_3x4, prefix##_tile_4x2, \
+    prefix##_tile_5x2, prefix##_tile_6x2, prefix##_tile_7x2, prefix##_tile_8x2, prefix##_tile_9x2,            \
+    prefix##_tile_10x2, prefix##_tile_11x2, prefix##_tile_12x2}
+#define GEMM_TILE_PANELS_12 {0, 4, 4, 4, 2, 2, 2, 2, 2, 2, 2, 2, 2}
+
 /* Panels of N's columns, padded to whole groups. */
 static inline int64_t gemm_panels(int64_t N) {
     return ((N + GEMM_NR - 1) / GEMM_NR + GEMM_GROUP - 1) / GEMM_GROUP * GEMM_GROUP;
 }
-
 
 /* y = x W^T (+ bias) over the panels of `kern`'s layout (col_scales: one per padded column, or NULL).
  * 0, or -2 when a buffer cannot be allocated (nothing computed). */

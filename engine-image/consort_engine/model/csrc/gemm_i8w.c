@@ -131,15 +131,10 @@ static void i8w_tile_##R##x##P(const void *restrict xv, const void *restrict pan
 }
 
 #if defined(__AVX512F__)
-/* The fp32 AVX-512 tiles' shapes (gemm.c): 4-12 rows x two panels (up to 24 zmm accumulators + 2 codes;
- * with VNNI the broadcast is a memory operand), 1-3 rows x four; cut as those are. */
-I8W_TILE(12, 2) I8W_TILE(11, 2) I8W_TILE(10, 2) I8W_TILE(9, 2) I8W_TILE(8, 2)
-I8W_TILE(7, 2) I8W_TILE(6, 2) I8W_TILE(5, 2) I8W_TILE(4, 2)
-I8W_TILE(3, 4) I8W_TILE(2, 4) I8W_TILE(1, 4)
-static const gemm_tile_fn I8W_TILES[13] = {
-    NULL, i8w_tile_1x4, i8w_tile_2x4, i8w_tile_3x4, i8w_tile_4x2, i8w_tile_5x2, i8w_tile_6x2,
-    i8w_tile_7x2, i8w_tile_8x2, i8w_tile_9x2, i8w_tile_10x2, i8w_tile_11x2, i8w_tile_12x2};
-static const int I8W_TILE_PANELS[13] = {0, 4, 4, 4, 2, 2, 2, 2, 2, 2, 2, 2, 2};
+/* The fp32 AVX-512 tiles' set (gemm.h): up to 24 zmm accumulators + 2 codes + a broadcast. */
+GEMM_TILE_SET_12(I8W_TILE)
+static const gemm_tile_fn I8W_TILES[13] = GEMM_TILES_12(i8w);
+static const int I8W_TILE_PANELS[13] = GEMM_TILE_PANELS_12;
 #define I8W_TILE_ROWS gemm_tile_rows_12
 #else
 /* 6 and 4 rows: one panel (12 and 8 ymm accumulators: 6 x 2 + 2 codes + a broadcast + a product is
