@@ -4,7 +4,8 @@ at decode and prefill row counts. Each backend is timed best-of-5 in rotation, s
 neighbour load hits all of them alike. With --quantized: the int8 products instead (models/quant.py),
 against the default fp32 one: the engine's int8 kernel (gemm_i8w_f32: int8 weights, each row of x
 rounded to int16), torch's `_weight_int8pack_mm` on bf16 activations, and w8a8 (FBGEMM's dynamic int8
-linear). With --bf16: a bf16 weight as the engine can multiply it, widened once to fp32 (the fp32 kernel)
+linear), and an int4 checkpoint's codes on the engine's int8 kernel with one scale per group of 128 k
+(AWQ's and GPTQ's default). With --bf16: a bf16 weight as the engine can multiply it, widened once to fp32 (the fp32 kernel)
 or through oneDNN's packed bf16 GEMM (what it uses where the CPU has AMX or AVX-512 BF16), against fp32.
 
     PYTHONPATH=engine-image .venv/bin/python hack/gemm_backends.py [--threads N] [--rows 1 8 32 2048] [--quantized | --bf16]
@@ -40,10 +41,21 @@ def torch_int8(q: torch.Tensor, scale: torch.Tensor):
     return lambda x: torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), q, scale).float()
 
 
+def int4_group128(w: torch.Tensor):
+    """w rounded to int4 codes in [-8, 7], a scale per row and group of 128 k, on the engine's int8 kernel."""
+    if w.shape[1] % 128:
+        return None
+    groups = w.view(w.shape[0], -1, 128)
+    scales = (groups.abs().amax(2) / 7).clamp(min=quant.MIN_SCALE)
+    codes = (groups / scales[..., None]).round().clamp(-8, 7).to(torch.int8).view_as(w)
+    return packed.consort_int8(codes, scales, None, 128)
+
+
 def quantized(w: torch.Tensor) -> dict:
     q, scale = quant.quantize_int8(w)
     return {"fp32": packed.pack_linear(w, None), "int8 (engine)": packed.consort_int8(q, scale, None),
-            "int8 (torch)": torch_int8(q, scale), "w8a8": quant.quantize_linear(w, None, "w8a8")}
+            "int4 g128 (engine)": int4_group128(w), "int8 (torch)": torch_int8(q, scale),
+            "w8a8": quant.quantize_linear(w, None, "w8a8")}
 
 
 def bf16_input(f):

@@ -1,13 +1,14 @@
 """Pre-quantized int4 weight-only checkpoints: AWQ (GEMM), GPTQ (v1 and v2) and compressed-tensors
 pack-quantized. config.json's `quantization_config` names the format; at load every quantized linear
-(its packed int32 codes, zero points and fp16 scales) is dequantized once into a plain `weight`
-tensor, and the model loads it like a bf16/fp32 checkpoint (then packed for the CPU GEMM, in --dtype).
+(its packed int32 codes, zero points and fp16 scales) becomes its integers and scales (`GroupCodes`:
+code - zero as int8, one fp32 scale per output channel and group of input columns), exactly.
 
-Why dequantize rather than keep int4: measured on the 2-core AVX2 EPYC (docs/engine-speed.md), torch's
-CPU int4 kernel (`aten._weight_int4pack_mm_for_cpu`, per-group dequant inside the matmul) ran 2.4x
-slower than the fp32 packed GEMM at one row and 2.3x slower at 32 rows on a 4096 x 4096 layer; the
-memory it saves does not buy time on such CPUs, and the dequantized weight reuses every float path
-(packed GEMM, LoRA, tensor-parallel shards) unchanged.
+On CPU the engine keeps them so: each Linear multiplies them in the engine's int8 kernel with one scale
+per group (csrc/gemm_i8w.c; layers.Linear.pack), in a quarter of the fp32 weight's memory and at the
+int8 kernel's speed. Elsewhere (CUDA; a CPU the kernel does not build for; GPTQ act-order, whose groups
+are not runs of columns; a tensor-parallel cut inside a group) the weight is dequantized, w = (code -
+zero) * scale in fp32, and runs as a float checkpoint would. torch's own CPU int4 kernel
+(`aten._weight_int4pack_mm_for_cpu`) was measured and not kept (docs/engine-speed.md).
 
 The layouts (w = (q - zero) * scale, groups of `group_size` input columns, one scale per output
 channel and group):
@@ -109,44 +110,89 @@ def _group_index(in_features: int, group_size: int) -> torch.Tensor:
     return torch.arange(in_features) // (in_features if group_size == -1 else group_size)
 
 
-def dequantize_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
-    """AWQ GEMM tensors -> W [out, in] float32."""
+@dataclass
+class GroupCodes:
+    """One linear's int4 weight as its integers: W [out, in] = codes * scales[:, k // group_size]."""
+
+    codes: torch.Tensor          # int8 [out, in]: code - zero, in [-16, 15]
+    scales: torch.Tensor         # float32 [out, groups]
+    group_size: int              # input columns per scale; -1: the whole row
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+    def dequantize(self) -> torch.Tensor:
+        """W [out, in] float32, exactly (a code times an fp16 scale fits fp32's mantissa)."""
+        return self.codes.float() * self.scales[:, _group_index(self.codes.shape[1], self.group_size)]
+
+    def rows(self, index: slice) -> GroupCodes:
+        """Output channels `index` (a column-parallel shard)."""
+        return GroupCodes(self.codes[index], self.scales[index], self.group_size)
+
+    def columns(self, index: slice) -> GroupCodes | None:
+        """Input columns `index` (a row-parallel shard); None where the cut falls inside a group."""
+        start, stop = index.start, min(index.stop, self.codes.shape[1])
+        if self.group_size == -1:
+            return GroupCodes(self.codes[:, start:stop], self.scales, -1)
+        g = self.group_size
+        if start % g or (stop % g and stop != self.codes.shape[1]):
+            return None
+        return GroupCodes(self.codes[:, start:stop], self.scales[:, start // g:-(-stop // g)], g)
+
+
+def _codes(q: torch.Tensor, zeros: torch.Tensor | int, g: torch.Tensor) -> torch.Tensor:
+    """Codes [in, out] minus their groups' zeros -> int8 [out, in]."""
+    return (q - (zeros[g] if isinstance(zeros, torch.Tensor) else zeros)).t().to(torch.int8).contiguous()
+
+
+def awq_codes(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int) -> GroupCodes:
+    """AWQ GEMM tensors -> the linear's integers and scales."""
     q = unpack_columns(qweight, AWQ_PACK_ORDER)                     # [in, out]
     z = unpack_columns(qzeros, AWQ_PACK_ORDER)                      # [groups, out]
-    g = _group_index(q.shape[0], group_size)
-    return ((q - z[g]).float() * scales.float()[g]).t().contiguous()
+    return GroupCodes(_codes(q, z, _group_index(q.shape[0], group_size)), scales.float().t().contiguous(), group_size)
 
 
-def dequantize_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None,
-                    group_size: int, zeros_minus_one: bool) -> torch.Tensor:
-    """GPTQ tensors -> W [out, in] float32 (g_idx None: groups in order)."""
+def gptq_weight(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None,
+                group_size: int, zeros_minus_one: bool) -> GroupCodes | torch.Tensor:
+    """GPTQ tensors -> the linear's integers and scales; with act-order (a g_idx whose groups are not runs
+    of columns) W [out, in] float32 instead. g_idx None: groups in order."""
     q = unpack_rows(qweight)                                        # [in, out]
     out = q.shape[1]
     z = unpack_columns(qzeros)[:, :out] + int(zeros_minus_one)     # [groups, out]
-    g = _group_index(q.shape[0], group_size) if g_idx is None else g_idx.long()
+    in_order = _group_index(q.shape[0], group_size)
+    if g_idx is None or torch.equal(g_idx.long(), in_order):
+        return GroupCodes(_codes(q, z, in_order), scales.float().t().contiguous(), group_size)
+    g = g_idx.long()
     return ((q - z[g]).float() * scales.float()[g]).t().contiguous()
 
 
-def dequantize_pack_quantized(weight_packed: torch.Tensor, weight_scale: torch.Tensor, weight_shape: torch.Tensor,
-                              group_size: int) -> torch.Tensor:
-    """compressed-tensors pack-quantized tensors -> W [out, in] float32."""
+def pack_quantized_codes(weight_packed: torch.Tensor, weight_scale: torch.Tensor, weight_shape: torch.Tensor,
+                         group_size: int) -> GroupCodes:
+    """compressed-tensors pack-quantized tensors -> the linear's integers and scales."""
     out, inp = (int(v) for v in weight_shape.tolist())
     q = unpack_columns(weight_packed)[:out, :inp] - (1 << (BITS - 1))
-    return q.float() * weight_scale.float()[:, _group_index(inp, group_size)]
+    return GroupCodes(q.to(torch.int8), weight_scale.float().reshape(out, -1).contiguous(), group_size)
 
 
-def _dequantize(fmt: Int4Format, t: dict[str, torch.Tensor]) -> torch.Tensor:
+def _weight(fmt: Int4Format, t: dict[str, torch.Tensor]) -> GroupCodes | torch.Tensor:
     if fmt.method == "awq":
-        return dequantize_awq(t["qweight"], t["qzeros"], t["scales"], fmt.group_size)
+        return awq_codes(t["qweight"], t["qzeros"], t["scales"], fmt.group_size)
     if fmt.method == "gptq":
-        return dequantize_gptq(t["qweight"], t["qzeros"], t["scales"], t.get("g_idx"), fmt.group_size,
-                               fmt.zeros_minus_one)
-    return dequantize_pack_quantized(t["weight_packed"], t["weight_scale"], t["weight_shape"], fmt.group_size)
+        return gptq_weight(t["qweight"], t["qzeros"], t["scales"], t.get("g_idx"), fmt.group_size,
+                           fmt.zeros_minus_one)
+    return pack_quantized_codes(t["weight_packed"], t["weight_scale"], t["weight_shape"], fmt.group_size)
 
 
-def dequantized_tensors(fmt: Int4Format, tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's tensors with every quantized linear's parts replaced by its `PREFIX.weight`
-    (float32), yielded as soon as its parts are all read; every other tensor passes through."""
+def unpacked_tensors(fmt: Int4Format, tensors: Iterable[tuple[str, torch.Tensor]],
+                     keep_codes: bool) -> Iterator[tuple[str, GroupCodes | torch.Tensor]]:
+    """The checkpoint's tensors with every quantized linear's parts replaced by its `PREFIX.weight`,
+    yielded as soon as its parts are all read: its GroupCodes (keep_codes), else W float32; every other
+    tensor passes through."""
+    def weight(parts: dict[str, torch.Tensor]) -> GroupCodes | torch.Tensor:
+        w = _weight(fmt, parts)
+        return w.dequantize() if isinstance(w, GroupCodes) and not keep_codes else w
+
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in tensors:
         prefix, _, leaf = name.rpartition(".")
@@ -156,24 +202,29 @@ def dequantized_tensors(fmt: Int4Format, tensors: Iterable[tuple[str, torch.Tens
         parts = pending.setdefault(prefix, {})
         parts[leaf] = tensor
         if len(parts) == len(fmt.parts):
-            yield f"{prefix}.weight", _dequantize(fmt, pending.pop(prefix))
+            yield f"{prefix}.weight", weight(pending.pop(prefix))
     for prefix, parts in pending.items():      # GPTQ without g_idx: groups in order
         if fmt.method == "gptq" and set(fmt.parts) - set(parts) == {"g_idx"}:
-            yield f"{prefix}.weight", _dequantize(fmt, parts)
+            yield f"{prefix}.weight", weight(parts)
         else:
             raise ValueError(f"{fmt.method} checkpoint: {prefix} lacks {sorted(set(fmt.parts) - set(parts))}")
 
 
-def checkpoint_weights(model_dir: str, fmt: Int4Format | None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the checkpoint, quantized linears already dequantized (fmt from checkpoint_format)."""
+def checkpoint_weights(model_dir: str, fmt: Int4Format | None, dtype: torch.dtype,
+                       keep_codes: bool = False) -> Iterator[tuple[str, GroupCodes | torch.Tensor]]:
+    """Every tensor of the checkpoint in `dtype` (fmt from checkpoint_format); its quantized linears'
+    weights as GroupCodes (keep_codes) or dequantized."""
     tensors = iter_safetensors(model_dir)
-    return tensors if fmt is None else dequantized_tensors(fmt, tensors)
+    if fmt is not None:
+        tensors = unpacked_tensors(fmt, tensors, keep_codes)
+    return ((name, t if isinstance(t, GroupCodes) else t.to(dtype)) for name, t in tensors)
 
 
 def resolve_quantization(requested: str, fmt: Int4Format | None) -> str:
-    """--quantization against the checkpoint -> the quantization to apply at load (none | int8 | w8a8 |
-    fp8). A pre-quantized checkpoint takes `none`, `auto` or its own format's name; anything else is a
-    clear error rather than a second rounding of already rounded weights."""
+    """--quantization against the checkpoint -> the quantization the model runs: none | int8 | w8a8 | fp8
+    (applied at load) for a float checkpoint, the checkpoint's format (awq | gptq | compressed-tensors)
+    for a pre-quantized one. A pre-quantized checkpoint takes `none`, `auto` or its own format's name;
+    anything else is a clear error rather than a second rounding of already rounded weights."""
     if fmt is None:
         if requested in CHECKPOINT_FORMATS:
             raise ValueError(f"--quantization {requested}: the checkpoint is not {requested}-quantized "
@@ -182,4 +233,4 @@ def resolve_quantization(requested: str, fmt: Int4Format | None) -> str:
     if requested not in ("none", "auto", fmt.method):
         raise ValueError(f"--quantization {requested}: the checkpoint is already quantized ({fmt.method} int4); "
                          f"use auto or {fmt.method}")
-    return "none"
+    return fmt.method

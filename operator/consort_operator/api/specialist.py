@@ -65,7 +65,9 @@ class ModelSource(Model):
                      "of compute capability 8.9 or newer). A pre-quantized int4 checkpoint (AWQ, GPTQ or "
                      "compressed-tensors pack-quantized, named by its config.json's quantization_config) loads "
                      "with `none`, `auto` or its own format's name (`awq`, `gptq`, `compressed-tensors`; the "
-                     "engine refuses to start when the checkpoint is another), dequantized to the dtype. "
+                     "engine refuses to start when the checkpoint is another); on CPU its linears multiply "
+                     "their int4 codes with one scale per group in the engine's int8 kernel (a quarter of the "
+                     "fp32 weight's memory), elsewhere they are dequantized to the dtype. "
                      "LoRA adapters stay in full precision."))
 
     _no_parent = field_validator("source", "tokenizer")(no_pvc_parent)

@@ -1,18 +1,22 @@
 """Pre-quantized int4 checkpoints (AWQ, GPTQ, compressed-tensors; model/int4_checkpoint.py) through the
 whole engine against transformers running the fake-quantized model (the same dequantized weights in a
 float checkpoint): greedy tokens match (near-tie rule of fidelity_helpers), with top-5 logprobs close,
-for tiny Llama and Qwen2 checkpoints written by transformers and packed by tests/int4_checkpoints.py."""
+for tiny Llama and Qwen2 checkpoints written by transformers and packed by tests/int4_checkpoints.py.
+Where the engine's int8 kernel is built, the decoder's linears run on their codes (all but act-order's)."""
 from __future__ import annotations
 
 import random
 
 import pytest
+import torch
 from fidelity_helpers import assert_greedy_matches, check_logprobs_close, hf_greedy, make_checkpoint
 from int4_checkpoints import write_int4_checkpoint
 
 from consort_engine.config import EngineConfig
 from consort_engine.core.engine import LLMEngine
 from consort_engine.kv.sequence import SamplingParams, Sequence
+from consort_engine.model.cpu_kernels import cpu_kernels
+from consort_engine.model.models.layers import Linear
 
 FORMATS = {"awq": ("awq", {}), "gptq-act-order": ("gptq", dict(sym=True, act_order=True)),
            "gptq-v2-asym": ("gptq", dict(v1=False)), "compressed-tensors": ("compressed-tensors", {})}
@@ -41,5 +45,10 @@ def test_int4_checkpoint_greedy_matches_the_fake_quantized_model(tmp_path, arch,
         check_logprobs_close(ref, s.output_token_ids, [lp["top"] for lp in s.output_logprobs],
                              name=f"{arch}/{fmt} request {i}")
     assert_greedy_matches(refs, [s.output_token_ids for s in seqs], name=f"{arch}/{fmt}")
+    model = engine.runner.model
+    on_codes = [any(isinstance(w, torch.Tensor) and w.dtype == torch.int8 for w in getattr(m.packed, "weights", ()))
+                for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head]
+    assert len(on_codes) == 2 * 4      # 2 layers: qkv, o, gate_up, down
+    assert set(on_codes) == {hasattr(cpu_kernels(), "gemm_i8w_f32") and fmt != "gptq-act-order"}
     # the fake-quantized model is not the float one: the test would see a wrong unpack
     assert hf_greedy(src, prompts[2:], 12)[0].logits[0].ne(refs[2].logits[0]).any()

@@ -44,10 +44,10 @@ void gemm_pack_f32(const float *w, int64_t N, int64_t K, float *packed) {
 #define GEMM_TILE(R, V)                                                                                  \
 static void gemm_tile_##R##x##V(const void *restrict xv, const void *restrict panels, int64_t K,         \
                                 float *restrict out, int64_t ldo, const float *restrict row_scales,      \
-                                const float *restrict col_scales) {                                      \
+                                const float *restrict col_scales, int64_t scale_k, int64_t scale_ld) {   \
     const float *restrict x = (const float *)xv, *restrict pw = (const float *)panels;                   \
     const int64_t ps = K * GEMM_NR;                                                                       \
-    (void)row_scales, (void)col_scales;                                                                   \
+    (void)row_scales, (void)col_scales, (void)scale_k, (void)scale_ld;                                    \
     VEC acc[R][GEMM_VPP * V];                                                                             \
     _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)                                                  \
         _Pragma("GCC unroll 16") for (int v = 0; v < GEMM_VPP * V; v++) acc[r][v] = VEC_ZERO();           \
@@ -121,7 +121,8 @@ static void gemm_pack_rows(const gemm_kernel *kern, const float *x, int64_t ldx,
  * (then only the real columns are copied). */
 static void gemm_group(const gemm_kernel *kern, const char *xp, int64_t rb, const float *row_scales, int64_t m0,
                        int64_t m1, int64_t K, const char *pw, int64_t ps, const float *col_scales,
-                       float *y, int64_t ldy, int64_t col0, int64_t N, const float *bias, float *scratch) {
+                       int64_t scale_k, int64_t scale_ld, float *y, int64_t ldy, int64_t col0, int64_t N,
+                       const float *bias, float *scratch) {
     const int64_t width = GEMM_NR * GEMM_GROUP;
     const int tail = col0 + width > N;
     for (int64_t r = m0; r < m1;) {
@@ -130,7 +131,7 @@ static void gemm_group(const gemm_kernel *kern, const char *xp, int64_t rb, cons
         const int64_t ldo = tail ? width : ldy;
         for (int v = 0; v < GEMM_GROUP; v += panels)
             kern->tiles[h](xp + (r - m0) * rb, pw + v * ps, K, out + v * GEMM_NR, ldo, row_scales + (r - m0),
-                           col_scales ? col_scales + v * GEMM_NR : NULL);
+                           col_scales ? col_scales + v * GEMM_NR : NULL, scale_k, scale_ld);
         if (tail)
             for (int i = 0; i < h; i++) memcpy(y + (r + i) * ldy + col0, scratch + i * width, (N - col0) * sizeof(float));
         r += h;
@@ -143,7 +144,8 @@ static void gemm_group(const gemm_kernel *kern, const char *xp, int64_t rb, cons
 }
 
 int gemm_run(const gemm_kernel *kern, const float *x, int64_t ldx, int64_t M, int64_t K, const char *panels,
-             const float *col_scales, int64_t N, float *y, int64_t ldy, const float *bias) {
+             const float *col_scales, int64_t scale_k, int64_t scale_ld, int64_t N, float *y, int64_t ldy,
+             const float *bias) {
     const int64_t groups = gemm_panels(N) / GEMM_GROUP, ps = kern->panel_bytes(K), rb = kern->row_bytes(K);
     const int64_t rows = M < GEMM_MBLK ? M : GEMM_MBLK;
     char *xp = aligned_alloc(64, (size_t)((rows * rb + 63) / 64 * 64));
@@ -164,7 +166,7 @@ int gemm_run(const gemm_kernel *kern, const float *x, int64_t ldx, int64_t M, in
             for (int64_t g = 0; g < groups; g++) {
                 const int64_t col0 = g * GEMM_NR * GEMM_GROUP;
                 gemm_group(kern, xp, rb, row_scales, mb, me, K, panels + g * GEMM_GROUP * ps, ps,
-                           col_scales ? col_scales + col0 : NULL, y, ldy, col0, N, bias, scratch);
+                           col_scales ? col_scales + col0 : NULL, scale_k, scale_ld, y, ldy, col0, N, bias, scratch);
             }
         }
     }
@@ -175,6 +177,6 @@ int gemm_run(const gemm_kernel *kern, const float *x, int64_t ldx, int64_t M, in
 
 int gemm_f32(const float *x, int64_t ldx, int64_t M, int64_t K, const float *packed, int64_t N,
              float *y, int64_t ldy, const float *bias) {
-    return gemm_run(&GEMM_F32, x, ldx, M, K, (const char *)packed, NULL, N, y, ldy, bias);
+    return gemm_run(&GEMM_F32, x, ldx, M, K, (const char *)packed, NULL, 0, 0, N, y, ldy, bias);
 }
 #endif

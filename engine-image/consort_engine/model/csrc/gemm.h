@@ -16,9 +16,11 @@
 #define GEMM_SCRATCH_ROWS 12          /* the tallest tile of any build */
 
 /* A register tile: (its rows of x as pack_tile left them, its panels, K, out, ldo (floats per out row),
- * the rows' scales, the panels' column scales); row and column scales are NULL where a kernel has none. */
+ * the rows' scales, the panels' column scales, scale_k, scale_ld); row and column scales are NULL where
+ * a kernel has none. Column scales come per group of scale_k k (even): those of k in [g * scale_k,
+ * (g + 1) * scale_k) are at col_scales + g * scale_ld, one per padded column (scale_k >= K: one row). */
 typedef void (*gemm_tile_fn)(const void *restrict, const void *restrict, int64_t, float *restrict, int64_t,
-                             const float *restrict, const float *restrict);
+                             const float *restrict, const float *restrict, int64_t, int64_t);
 
 typedef struct {
     const gemm_tile_fn *tiles;         /* by a tile's rows */
@@ -61,8 +63,10 @@ static inline int64_t gemm_panels(int64_t N) {
     return ((N + GEMM_NR - 1) / GEMM_NR + GEMM_GROUP - 1) / GEMM_GROUP * GEMM_GROUP;
 }
 
-/* y = x W^T (+ bias) over the panels of `kern`'s layout (col_scales: one per padded column, or NULL).
- * 0, or -2 when a buffer cannot be allocated (nothing computed). */
+/* y = x W^T (+ bias) over the panels of `kern`'s layout (col_scales: one per padded column for each
+ * group of scale_k k, rows scale_ld floats apart; or NULL). 0, or -2 when a buffer cannot be allocated
+ * (nothing computed). */
 int gemm_run(const gemm_kernel *kern, const float *x, int64_t ldx, int64_t M, int64_t K, const char *panels,
-             const float *col_scales, int64_t N, float *y, int64_t ldy, const float *bias);
+             const float *col_scales, int64_t scale_k, int64_t scale_ld, int64_t N, float *y, int64_t ldy,
+             const float *bias);
 #endif

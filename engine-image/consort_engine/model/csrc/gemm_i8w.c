@@ -1,5 +1,6 @@
-/* int8 weight GEMM (`--quantization int8`): y[M, N] = x[M, K] @ (codes * scale)^T (+ bias), the codes int8
- * with one fp32 scale per output column, x fp32 in and y fp32 out.
+/* int8 weight GEMM (`--quantization int8`, and int4 checkpoints' codes): y[M, N] = x[M, K] @ (codes *
+ * scale)^T (+ bias), the codes int8 with one fp32 scale per output column and group of k (one group for
+ * `int8`'s per-channel scales; AWQ/GPTQ groups of 32-128 k), x fp32 in and y fp32 out.
  *
  * Why integers: with fp32 activations an int8 weight is widened to fp32 and multiplied at the FMA rate,
  * no faster than fp32 weights once a GEMM has enough rows to reuse them. Rounding each row of x to
@@ -13,9 +14,10 @@
  * with a zero); for k pair q a panel holds 32 bytes, columns 0-7 then 8-15, each column's two codes
  * side by side, so one `vpmovsxbw` widens 8 columns x 2 k (ymm) or the whole panel's 16 (zmm) into the
  * int16 lanes `vpmaddwd` pairs with a broadcast pair of x. A tile is R rows x P panels with int32
- * accumulators, summed in blocks of I8W_KBLK pairs and converted to fp32 between blocks: 256 pairs of
- * |32767 x 128| products stay below 2^31. The row's and the column's scales multiply the sum once, at
- * the end. Every build gives the same bits: the sums are exact and converted and scaled in one order.
+ * accumulators, summed in blocks of at most I8W_KBLK pairs (256 pairs of |32767 x 128| products stay
+ * below 2^31) that end at each scale group's end; a block's sums, converted to fp32, are added times
+ * their group's column scales (one FMA), and the row's scale multiplies the total once, at the end.
+ * Every build gives the same bits: the sums are exact and converted and scaled in one order.
  */
 #include "gemm.h"
 
@@ -84,17 +86,21 @@ void gemm_pack_i8w_f32(const int8_t *w, int64_t N, int64_t K, int8_t *packed) {
 
 /* R rows x P panels (P * I8W_VPP accumulator vectors per row); x is the tile's rows as pairs of int16,
  * row after row ([R][Q] int32, `i8w_pack_tile`: R sequential streams). The sums go through out: each
- * block's converted sums are added there, then out is scaled by row and column. */
+ * block's sums, converted, times their group's column scales, are added there (one FMA), then out is
+ * scaled by the rows' scales. A block ends at I8W_KBLK pairs and at every scale group's end. */
 #define I8W_TILE(R, P)                                                                                    \
 static void i8w_tile_##R##x##P(const void *restrict xv, const void *restrict panels, int64_t K,           \
                                float *restrict out, int64_t ldo, const float *restrict row_scales,        \
-                               const float *restrict col_scales) {                                        \
+                               const float *restrict col_scales, int64_t scale_k, int64_t scale_ld) {     \
     enum { V = P * I8W_VPP };                                                                             \
     const int32_t *restrict x = (const int32_t *)xv;                                                      \
     const int8_t *restrict pw = (const int8_t *)panels;                                                   \
-    const int64_t Q = i8w_pairs(K), ps = i8w_panel_bytes(K);                                              \
-    for (int64_t q0 = 0; q0 < Q; q0 += I8W_KBLK) {                                                        \
-        const int64_t q1 = q0 + I8W_KBLK < Q ? q0 + I8W_KBLK : Q;                                         \
+    const int64_t Q = i8w_pairs(K), ps = i8w_panel_bytes(K), gq = scale_k / 2;                            \
+    for (int64_t q0 = 0, q1; q0 < Q; q0 = q1) {                                                           \
+        const int64_t g = q0 / gq, gend = (g + 1) * gq;                                                   \
+        q1 = q0 + I8W_KBLK < gend ? q0 + I8W_KBLK : gend;                                                 \
+        q1 = q1 < Q ? q1 : Q;                                                                             \
+        const float *restrict cs = col_scales + g * scale_ld;                                             \
         I8W_ACC acc[R][V];                                                                                \
         _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)                                              \
             _Pragma("GCC unroll 16") for (int v = 0; v < V; v++) acc[r][v] = I8W_ACC_ZERO();              \
@@ -110,22 +116,24 @@ static void i8w_tile_##R##x##P(const void *restrict xv, const void *restrict pan
                 _Pragma("GCC unroll 16") for (int v = 0; v < V; v++) I8W_MADD(acc[r][v], w[v], b);        \
             }                                                                                             \
         }                                                                                                 \
-        _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)                                              \
-            _Pragma("GCC unroll 16") for (int v = 0; v < V; v++) {                                        \
-                float *o = out + r * ldo + v * VLEN;                                                 \
-                const VEC f = VEC_FROM_I32(acc[r][v]);                                                     \
-                VEC_STOREU(o, q0 ? VEC_ADD(VEC_LOADU(o), f) : f);                                   \
-            }                                                                                             \
-    }                                                                                                     \
-    /* (sum x row scale) x column scale; the empty asm keeps the compiler's reassociation (-fassociative-math) \
-       from taking another order in some tiles, which made a row's bits depend on where it sat */          \
-    _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {                                                \
-        const VEC s = VEC_SET1(row_scales[r]);                                                        \
         _Pragma("GCC unroll 16") for (int v = 0; v < V; v++) {                                            \
-            float *o = out + r * ldo + v * VLEN;                                                     \
-            VEC t = VEC_MUL(VEC_LOADU(o), s);                                                       \
+            const VEC c = VEC_LOADU(cs + v * VLEN);                                                       \
+            _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {                                        \
+                float *o = out + r * ldo + v * VLEN;                                                      \
+                const VEC f = VEC_FROM_I32(acc[r][v]);                                                    \
+                VEC_STOREU(o, q0 ? VEC_FMA(f, c, VEC_LOADU(o)) : VEC_MUL(f, c));                          \
+            }                                                                                             \
+        }                                                                                                 \
+    }                                                                                                     \
+    /* the empty asm keeps the compiler's reassociation (-fassociative-math) from multiplying the scales   \
+       together first in some tiles, which made a row's bits depend on where it sat */                     \
+    _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {                                                \
+        const VEC s = VEC_SET1(row_scales[r]);                                                            \
+        _Pragma("GCC unroll 16") for (int v = 0; v < V; v++) {                                            \
+            float *o = out + r * ldo + v * VLEN;                                                          \
+            VEC t = VEC_LOADU(o);                                                                         \
             __asm__("" : "+v"(t));                                                                        \
-            VEC_STOREU(o, VEC_MUL(t, VEC_LOADU(col_scales + v * VLEN)));                       \
+            VEC_STOREU(o, VEC_MUL(t, s));                                                                 \
         }                                                                                                 \
     }                                                                                                     \
 }
@@ -195,10 +203,13 @@ static void i8w_pack_tile(const float *x, int64_t ldx, int h, int64_t K, void *d
 static const gemm_kernel GEMM_I8W = {I8W_TILES, I8W_TILE_PANELS, I8W_TILE_ROWS, i8w_pack_tile,
                                      i8w_row_bytes, i8w_panel_bytes};
 
-/* `scales` holds one float per packed column (gemm_packed_bytes_i8w_f32(N, K) / (K rounded up to even)
- * of them; zero past N). */
+/* `scales` holds, for each group of `group` k (even; K or more: one group, a scale per column), one float
+ * per packed column (gemm_packed_bytes_i8w_f32(N, K) / (K rounded up to even) of them; zero past N), the
+ * groups' rows one after another. -1 for an odd group (a pair would straddle two scales). */
 int gemm_i8w_f32(const float *x, int64_t ldx, int64_t M, int64_t K, const int8_t *codes, const float *scales,
-                 int64_t N, float *y, int64_t ldy, const float *bias) {
-    return gemm_run(&GEMM_I8W, x, ldx, M, K, (const char *)codes, scales, N, y, ldy, bias);
+                 int64_t group, int64_t N, float *y, int64_t ldy, const float *bias) {
+    if (group <= 0 || group % 2) return -1;
+    const int64_t ld = gemm_packed_bytes_i8w_f32(N, K) / (2 * i8w_pairs(K));
+    return gemm_run(&GEMM_I8W, x, ldx, M, K, (const char *)codes, scales, group, ld, N, y, ldy, bias);
 }
 #endif

@@ -9,11 +9,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from consort_engine.model.attention import AttentionMetadata, PagedAttention
+from consort_engine.model.int4_checkpoint import GroupCodes
 from consort_engine.model.lora import LoraContext
 from consort_engine.model.loader import ModelConfig
 from consort_engine.model.models import ops
-from consort_engine.model.models.packed import pack_linear
-from consort_engine.model.models.quant import quantize_linear
+from consort_engine.model.models.packed import consort_int8, pack_linear
+from consort_engine.model.models.quant import LOAD_TIME, quantize_linear
 from consort_engine.model.models.rope import RotaryEmbedding
 from consort_engine.model.tensor_parallel import SINGLE, TPGroup, all_reduce
 
@@ -49,29 +50,57 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out), requires_grad=False) if bias else None
         self.packed = None
+        self.codes: dict[int, GroupCodes] = {}     # shard -> an int4 checkpoint's integers (on CPU), until pack
         self.lora_ctx: LoraContext | None = None
         self.lora: dict[str, list[tuple[int, int, torch.Tensor, torch.Tensor]]] = {}  # adapter -> (offset, n, A, B)
 
     def pack(self, quantization: str = "none") -> None:
-        """Switch to a pre-packed CPU GEMM weight (see packed.py), or to a quantized one (quant.py);
-        the plain weight is released."""
+        """Switch to a pre-packed CPU GEMM weight (see packed.py), to a quantized one (quant.py), or to an
+        int4 checkpoint's codes on the int8 kernel; the plain weight is released."""
         bias = None if self.bias is None or self.parallel == "row" else self.bias.data
-        if quantization == "none":
-            self.packed = pack_linear(self.weight.data, bias)
-        else:
+        self.packed = self._pack_codes(bias) if self.codes else None
+        if self.packed is None and quantization in LOAD_TIME:
             self.packed = quantize_linear(self.weight.data, bias, quantization)
+        elif self.packed is None:
+            self.packed = pack_linear(self.weight.data, bias)
         if self.packed is not None:
             self.weight.data = torch.zeros(1, dtype=self.weight.dtype).expand(self.weight.shape)
 
-    def load_shard(self, name: str, shard: int, tensor: torch.Tensor) -> None:
+    def _pack_codes(self, bias: torch.Tensor | None):
+        """Every shard's codes, with one group size, on the int8 kernel (packed.consort_int8); where that
+        does not apply, the shards are dequantized into the weight (None)."""
+        shards = [self.codes.get(i) for i in range(len(self.shard_sizes))]
+        self.codes = {}
+        if all(shards) and len({c.group_size for c in shards}) == 1:
+            packed = consort_int8(torch.cat([c.codes for c in shards]), torch.cat([c.scales for c in shards]),
+                                  bias, shards[0].group_size)
+            if packed is not None:
+                return packed
+        for i, c in enumerate(shards):
+            if c is not None:
+                self._copy_shard(self.weight, i, c.dequantize())
+        return None
+
+    def load_shard(self, name: str, shard: int, tensor: torch.Tensor | GroupCodes) -> None:
         target = self.weight if name == "weight" else self.bias
-        o, n = self.shard_offsets[shard], self.shard_sizes[shard]
+        n = self.shard_sizes[shard]
         if self.parallel == "column":
-            tensor = tensor[self.tp.rows(n)]
+            tensor = tensor.rows(self.tp.rows(n)) if isinstance(tensor, GroupCodes) else tensor[self.tp.rows(n)]
         elif self.parallel == "row" and name == "weight":
-            tensor = tensor[:, self.tp.rows(self.weight.shape[1])]
+            cut = self.tp.rows(self.weight.shape[1])
+            if isinstance(tensor, GroupCodes):      # a cut inside a group: dequantized
+                tensor = tensor.columns(cut) or tensor.dequantize()[:, cut]
+            else:
+                tensor = tensor[:, cut]
         if tensor.shape[0] != n:
             raise ValueError(f"shard {shard}: expected {n} rows, checkpoint has {tuple(tensor.shape)}")
+        if isinstance(tensor, GroupCodes):
+            self.codes[shard] = tensor
+        else:
+            self._copy_shard(target, shard, tensor)
+
+    def _copy_shard(self, target: nn.Parameter, shard: int, tensor: torch.Tensor) -> None:
+        o, n = self.shard_offsets[shard], self.shard_sizes[shard]
         target.data[o:o + n].copy_(tensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

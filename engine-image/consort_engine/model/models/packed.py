@@ -59,10 +59,11 @@ def _aligned(size: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _consort_call(gemm: Callable[..., int], n: int, k: int, bias: torch.Tensor | None,
-                  *weights: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-    """x [..., k] -> x W^T + b through one of the engine's GEMMs, its packed weight tensors given."""
+                  *weights: torch.Tensor | int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x [..., k] -> x W^T + b through one of the engine's GEMMs, given its weight arguments: packed tensors
+    (passed as pointers) and integers (passed as they are)."""
     b = None if bias is None else bias.float().contiguous()
-    ptrs = [w.data_ptr() for w in weights]
+    args = [w.data_ptr() if isinstance(w, torch.Tensor) else w for w in weights]
 
     def run(x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -70,7 +71,7 @@ def _consort_call(gemm: Callable[..., int], n: int, k: int, bias: torch.Tensor |
         if x2.stride(1) != 1:
             x2 = x2.contiguous()
         y = torch.empty(x2.shape[0], n, dtype=torch.float32)
-        if x2.shape[0] and gemm(x2.data_ptr(), x2.stride(0), x2.shape[0], k, *ptrs, n, y.data_ptr(), n,
+        if x2.shape[0] and gemm(x2.data_ptr(), x2.stride(0), x2.shape[0], k, *args, n, y.data_ptr(), n,
                                 None if b is None else b.data_ptr()):
             raise MemoryError(f"{gemm.__name__}: no memory for its buffers ({x2.shape[0]} x {k})")
         return y.view(*lead, n)
@@ -92,23 +93,29 @@ def _consort(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch
     return _consort_call(lib.gemm_f32, n, k, bias, packed)
 
 
-def consort_int8(codes: torch.Tensor, scale: torch.Tensor,
-                 bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor] | None:
+def consort_int8(codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                 group_size: int = -1) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """int8 weights through the engine's kernel (`gemm_i8w_f32`, activations rounded per row to 16-bit
-    integers inside it): codes [n, k] int8, one fp32 scale per output row; fp32 activations and output.
-    None where the kernel is not built."""
+    integers inside it): codes [n, k] int8; fp32 scales [n] (one per output row, `int8`) or [n, groups]
+    (one per output row and group of group_size k: an int4 checkpoint's codes); fp32 activations and
+    output. None where the kernel is not built or cannot take the groups (an odd group size)."""
     from consort_engine.model.cpu_kernels import cpu_kernels
 
     lib = cpu_kernels()
     if lib is None or not hasattr(lib, "gemm_i8w_f32"):
         return None
     n, k = codes.shape
+    group = k + k % 2 if group_size == -1 else group_size
+    groups = scale.view(n, -1).shape[1]
+    if group % 2 or groups != -(-k // group):
+        return None
     size = lib.gemm_packed_bytes_i8w_f32(n, k)
     packed = _aligned(size, torch.int8)
     lib.gemm_pack_i8w_f32(codes.contiguous().data_ptr(), n, k, packed.data_ptr())
-    scales = _aligned(size // (k + k % 2), torch.float32)        # padded columns: scale 0
-    scales.zero_()[:n] = scale.float()
-    return _consort_call(lib.gemm_i8w_f32, n, k, bias, packed, scales)
+    columns = size // (k + k % 2)                                   # padded columns: scale 0
+    scales = _aligned(groups * columns, torch.float32)
+    scales.zero_().view(groups, columns)[:, :n] = scale.float().view(n, groups).t()
+    return _consort_call(lib.gemm_i8w_f32, n, k, bias, packed, scales, group)
 
 
 def fp32_backend() -> str:

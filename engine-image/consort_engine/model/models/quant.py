@@ -36,9 +36,10 @@ from consort_engine.model.int4_checkpoint import CHECKPOINT_FORMATS, checkpoint_
 from consort_engine.model.models.packed import consort_int8
 
 LOAD_TIME = ("int8", "w8a8", "fp8")              # quantized here, from a float checkpoint
-FP32_ROW_QUANTIZATIONS = ("int8", "w8a8")         # CPU GEMMs that read fp32 rows (bf16 models run fp32 activations)
-# none: the checkpoint as it is (a pre-quantized one dequantized, model/int4_checkpoint.py); auto: the same,
-# spelled for "whatever the checkpoint is"; awq | gptq | compressed-tensors: the checkpoint must be that
+# CPU GEMMs that read fp32 rows (bf16 models run fp32 activations): int4 checkpoints' codes run the int8 kernel
+FP32_ROW_QUANTIZATIONS = ("int8", "w8a8", *CHECKPOINT_FORMATS)
+# none: the checkpoint as it is (a pre-quantized one's codes as they are, model/int4_checkpoint.py); auto: the
+# same, spelled for "whatever the checkpoint is"; awq | gptq | compressed-tensors: the checkpoint must be that
 QUANTIZATIONS = ("none", "auto", *LOAD_TIME, *CHECKPOINT_FORMATS)
 INT8_MAX = 127.0
 FP8_DTYPE = torch.float8_e4m3fn

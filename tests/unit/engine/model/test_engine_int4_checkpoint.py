@@ -1,7 +1,9 @@
-"""Pre-quantized int4 checkpoints (model/int4_checkpoint.py): the engine's unpacked weights equal the
-reference (code - zero) * scale exactly for AWQ GEMM, GPTQ (v1/v2, act-order) and compressed-tensors
-pack-quantized written by tests/int4_checkpoints.py; a spec-by-hand unpack of single words; format
-detection from config.json and the --quantization agreement rules."""
+"""Pre-quantized int4 checkpoints (model/int4_checkpoint.py): the engine's unpacked integers and scales
+(GroupCodes) are the reference's codes minus zeros and its scales, and the weights they make equal the
+reference (code - zero) * scale exactly, for AWQ GEMM, GPTQ (v1/v2; act-order dequantized) and
+compressed-tensors pack-quantized written by tests/int4_checkpoints.py; a spec-by-hand unpack of single
+words; tensor-parallel cuts of the codes; format detection from config.json and the --quantization
+agreement rules."""
 from __future__ import annotations
 
 import json
@@ -11,12 +13,16 @@ import torch
 from int4_checkpoints import AWQ_ORDER, pack_awq, pack_compressed_tensors, pack_gptq, quantize_int4, write_int4_checkpoint
 from safetensors.torch import save_file
 
-from consort_engine.model.int4_checkpoint import (Int4Format, checkpoint_format, checkpoint_weights, dequantize_awq,
-                                                  dequantize_gptq, dequantize_pack_quantized, resolve_quantization,
-                                                  unpack_columns)
+from consort_engine.model.int4_checkpoint import (GroupCodes, Int4Format, awq_codes, checkpoint_format,
+                                                  checkpoint_weights, gptq_weight, pack_quantized_codes,
+                                                  resolve_quantization, unpack_columns)
 from consort_engine.model.models.quant import check_checkpoint_quantization
 
 OUT, IN = 48, 256
+
+
+def as_weight(w: GroupCodes | torch.Tensor) -> torch.Tensor:
+    return w.dequantize() if isinstance(w, GroupCodes) else w
 
 
 def weight(seed: int = 0) -> torch.Tensor:
@@ -40,7 +46,10 @@ def test_awq_unpacks_to_the_reference_weight_exactly(group_size):
     q = quantize_int4(weight(), group_size, sym=False)
     t = pack_awq(q)
     assert t["qweight"].shape == (IN, OUT // 8) and t["qzeros"].shape == (q.zeros.shape[1], OUT // 8)
-    got = dequantize_awq(t["qweight"], t["qzeros"], t["scales"], group_size)
+    codes = awq_codes(t["qweight"], t["qzeros"], t["scales"], group_size)
+    assert torch.equal(codes.codes, (q.codes - q.zeros[:, q.g_idx]).to(torch.int8))
+    assert torch.equal(codes.scales, q.scales.float()) and codes.group_size == group_size
+    got = codes.dequantize()
     assert torch.equal(got, q.dequantized())
     # the order matters: the same words read in GPTQ's plain order give a different weight
     assert not torch.equal(unpack_columns(t["qweight"]), q.codes.t())
@@ -53,13 +62,16 @@ def test_gptq_unpacks_to_the_reference_weight_exactly(v1, sym, act_order):
     q = quantize_int4(weight(1), 64, sym, perm)
     t = pack_gptq(q, v1)
     assert t["qweight"].shape == (IN // 8, OUT)
-    got = dequantize_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], 64, zeros_minus_one=v1)
+    got = gptq_weight(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], 64, zeros_minus_one=v1)
+    # act-order's groups are not runs of columns: the weight comes dequantized, else as its integers
+    assert isinstance(got, torch.Tensor) == act_order
+    got = as_weight(got)
     assert torch.equal(got, q.dequantized())
     # reading v1 as v2 (or back) shifts every zero by one step: off by one scale everywhere
-    wrong = dequantize_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], 64, zeros_minus_one=not v1)
+    wrong = as_weight(gptq_weight(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], 64, zeros_minus_one=not v1))
     assert torch.allclose((wrong - got).abs(), q.scales.float()[:, q.g_idx])
     if act_order:        # g_idx, not the column index, picks the group
-        assert not torch.equal(dequantize_gptq(t["qweight"], t["qzeros"], t["scales"], None, 64, v1), got)
+        assert not torch.equal(as_weight(gptq_weight(t["qweight"], t["qzeros"], t["scales"], None, 64, v1)), got)
 
 
 @pytest.mark.parametrize("group_size", [32, -1])
@@ -67,8 +79,22 @@ def test_compressed_tensors_pack_quantized_unpacks_exactly(group_size):
     q = quantize_int4(weight(2), group_size, sym=True)
     t = pack_compressed_tensors(q)
     assert t["weight_packed"].shape == (OUT, IN // 8)
-    got = dequantize_pack_quantized(t["weight_packed"], t["weight_scale"], t["weight_shape"], group_size)
-    assert torch.equal(got, q.dequantized())
+    codes = pack_quantized_codes(t["weight_packed"], t["weight_scale"], t["weight_shape"], group_size)
+    assert torch.equal(codes.codes, (q.codes - 8).to(torch.int8))
+    assert torch.equal(codes.dequantize(), q.dequantized())
+
+
+@pytest.mark.parametrize("group_size", [64, -1])
+def test_tensor_parallel_cuts_of_the_codes_are_the_cuts_of_the_weight(group_size):
+    """Rows (column-parallel) and whole groups of columns (row-parallel) cut the integers and their scales
+    as they cut the dequantized weight; a column cut inside a group is refused (None: dequantized)."""
+    t = pack_awq(quantize_int4(weight(4), group_size, sym=False))
+    codes = awq_codes(t["qweight"], t["qzeros"], t["scales"], group_size)
+    w = codes.dequantize()
+    assert torch.equal(codes.rows(slice(16, 32)).dequantize(), w[16:32])
+    for cut in (slice(0, 128), slice(128, 256), slice(64, 192)):
+        assert torch.equal(codes.columns(cut).dequantize(), w[:, cut])
+    assert (codes.columns(slice(32, 160)) is None) == (group_size == 64)
 
 
 CONFIGS = {
@@ -106,7 +132,7 @@ def test_unreadable_formats_are_clear_errors(qc, words):
 def test_quantization_flag_must_agree_with_the_checkpoint():
     awq = Int4Format("awq", 128)
     for ok in ("none", "auto", "awq"):
-        assert resolve_quantization(ok, awq) == "none"
+        assert resolve_quantization(ok, awq) == "awq"
     for bad in ("gptq", "int8", "w8a8", "fp8", "compressed-tensors"):
         with pytest.raises(ValueError, match="already quantized"):
             resolve_quantization(bad, awq)
@@ -117,9 +143,10 @@ def test_quantization_flag_must_agree_with_the_checkpoint():
 
 @pytest.mark.parametrize("method,kw", [("awq", {}), ("gptq", dict(sym=True, act_order=True)),
                                         ("gptq", dict(v1=False)), ("compressed-tensors", {})])
-def test_checkpoint_weights_give_every_linear_dequantized(tmp_path, method, kw):
-    """A whole checkpoint directory: quantized linears come out as PREFIX.weight equal to the reference,
-    every other tensor unchanged; the flag check reads the same config.json."""
+def test_checkpoint_weights_give_every_linear_as_codes_or_dequantized(tmp_path, method, kw):
+    """A whole checkpoint directory: quantized linears come out as PREFIX.weight, their integers (CPU) or
+    dequantized, equal to the reference; every other tensor unchanged, in the dtype asked for; the flag
+    check reads the same config.json."""
     src = tmp_path / "src"
     src.mkdir()
     g = torch.Generator().manual_seed(5)
@@ -132,10 +159,18 @@ def test_checkpoint_weights_give_every_linear_dequantized(tmp_path, method, kw):
     dst = tmp_path / "q"
     reference = write_int4_checkpoint(src, dst, method, 32, **kw)
     fmt = checkpoint_format(json.loads((dst / "config.json").read_text()))
-    got = dict(checkpoint_weights(str(dst), fmt))
+    got = dict(checkpoint_weights(str(dst), fmt, torch.float32))
     assert set(got) == set(tensors)
     for name, t in got.items():
         assert torch.equal(t, reference.get(name, tensors[name])), name
+    kept = dict(checkpoint_weights(str(dst), fmt, torch.bfloat16, keep_codes=True))
+    for name, t in kept.items():
+        if name in reference:       # act-order: dequantized (then in the dtype) either way
+            want = reference[name] if isinstance(t, GroupCodes) else reference[name].to(torch.bfloat16)
+            assert isinstance(t, GroupCodes) != kw.get("act_order", False), name
+            assert torch.equal(as_weight(t), want), name
+        else:
+            assert torch.equal(t, tensors[name].to(torch.bfloat16)), name
     check_checkpoint_quantization("auto", str(dst))
     with pytest.raises(ValueError, match="already quantized"):
         check_checkpoint_quantization("int8", str(dst))
@@ -145,7 +180,7 @@ def test_a_linear_missing_a_part_is_named(tmp_path):
     q = pack_awq(quantize_int4(weight(), 64, sym=False))
     save_file({"l.qweight": q["qweight"], "l.scales": q["scales"]}, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match=r"l lacks \['qzeros'\]"):
-        list(checkpoint_weights(str(tmp_path), Int4Format("awq", 64)))
+        list(checkpoint_weights(str(tmp_path), Int4Format("awq", 64), torch.float32))
 
 
 def test_engine_cli_refuses_a_flag_the_checkpoint_disagrees_with(tmp_path):

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from consort_common.machine import cpu_model_and_flags
 from consort_engine.model import cpu_kernels as ck
+from consort_engine.model.int4_checkpoint import GroupCodes
 from consort_engine.model.cpu_kernels import cpu_kernels
 from consort_engine.model.lora import LoraContext
 from consort_engine.model.models.packed import consort_int8
@@ -96,6 +97,44 @@ def test_engine_int8_kernel_is_the_dequantized_weight_times_rows_rounded_to_int1
     assert bool(((got.double() - F.linear(x.double(), dq, b.double())).abs() <= step / 2 * dq.abs().sum(1) + bound).all())
 
 
+def int4_codes(out: int, inp: int, group: int, seed: int) -> GroupCodes:
+    """An int4 checkpoint's linear as the engine holds it: codes in [-8, 7], fp16-exact scales per group."""
+    g = torch.Generator().manual_seed(seed)
+    groups = 1 if group == -1 else -(-inp // group)
+    scales = (torch.rand(out, groups, generator=g) * 0.1 + 1e-3).half().float()
+    return GroupCodes(torch.randint(-8, 8, (out, inp), generator=g, dtype=torch.int8), scales, group)
+
+
+@needs_int8_kernel
+@pytest.mark.parametrize("rows", [1, 5, 13, 241])
+@pytest.mark.parametrize("out,inp,group", [(96, 256, 32), (130, 300, 64), (40, 1100, 128), (64, 1100, -1),
+                                           (48, 2048, 1024)])
+def test_engine_int8_kernel_takes_group_scales(rows, out, inp, group):
+    """An int4 checkpoint's codes with one scale per column and group of k: the kernel's int32 blocks end
+    at each group's end and each block is scaled by its group. The product of the dequantized weight and
+    the rows rounded to int16, for groups of 32-1,024 k (a partial last group: 300 = 4 x 64 + 44; a group
+    of 512 pairs cut in two int32 blocks), per-channel scales over a K of several blocks."""
+    c = int4_codes(out, inp, group, seed=rows)
+    b = torch.randn(out, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(rows, inp, generator=torch.Generator().manual_seed(2))
+    got = consort_int8(c.codes, c.scales, b, group)(x)
+    dq, xr = c.dequantize().double(), rows_as_int16(x).double()
+    step = x.abs().amax(1, keepdim=True).double() / 32767
+    bound = 4e-6 * (xr.abs() @ dq.abs().T + b.abs().double()) + step * dq.abs().amax(1)
+    assert bool(((got.double() - F.linear(xr, dq, b.double())).abs() <= bound).all())
+    # a scale applied to the wrong group is off by the order of the sum itself
+    shifted = GroupCodes(c.codes, c.scales.roll(1, dims=1), group)
+    if c.scales.shape[1] > 1:
+        assert not bool(((got.double() - F.linear(xr, shifted.dequantize().double(), b.double())).abs() <= bound).all())
+
+
+@needs_int8_kernel
+def test_engine_int8_kernel_refuses_an_odd_group():
+    """A k pair would straddle two scales: no kernel (the caller dequantizes instead)."""
+    c = int4_codes(16, 90, 45, seed=0)
+    assert consort_int8(c.codes, c.scales, None, 45) is None
+
+
 @needs_int8_kernel
 def test_engine_int8_kernel_sums_the_largest_products_without_overflow():
     """Every product at its largest (codes 127, every x at its row's maximum) over 2,048 k: each int32
@@ -154,16 +193,20 @@ def test_engine_int8_kernel_gives_the_same_bits_in_every_build_this_cpu_runs(tmp
         q, scale = quantize_int8(torch.randn(out, inp, generator=g) * 0.05)
         b = torch.randn(out, generator=g)
         cases += [(q, scale, b, torch.randn(rows, inp, generator=g)) for rows in (1, 2, 3, 5, 8, 13, 23, 40, 241)]
-    want = [consort_int8(q, scale, b)(x) for q, scale, b, x in cases]
+    for out, inp, group in ((96, 256, 32), (130, 300, 64)):       # an int4 checkpoint's groups
+        c = int4_codes(out, inp, group, seed=out)
+        cases += [(c.codes, c.scales, None, torch.randn(rows, inp, generator=g), group) for rows in (1, 7, 13, 40)]
+    cases = [case if len(case) == 5 else (*case, -1) for case in cases]
+    want = [consort_int8(q, scale, b, group)(x) for q, scale, b, x, group in cases]
     for i, march in enumerate(runnable):
         so = tmp_path / f"int8-{i}.so"
         subprocess.run(["cc", *march, *ck.FLAGS, "-o", str(so), *map(str, sources), "-lm"], check=True, timeout=300)
         monkeypatch.setattr(ck, "_lib", ck.load_library(so))
-        for (q, scale, b, x), ref in zip(cases, want):
-            assert torch.equal(consort_int8(q, scale, b)(x), ref), (march, x.shape, q.shape)
-        q, scale, b, x = cases[-1]
-        same = consort_int8(q, scale, b)(x[:1].repeat(25, 1))
-        assert torch.equal(same, same[:1].expand_as(same)), march
+        for (q, scale, b, x, group), ref in zip(cases, want):
+            assert torch.equal(consort_int8(q, scale, b, group)(x), ref), (march, x.shape, q.shape, group)
+        for q, scale, b, x, group in (cases[26], cases[-1]):
+            same = consort_int8(q, scale, b, group)(x[:1].repeat(25, 1))
+            assert torch.equal(same, same[:1].expand_as(same)), (march, group)
 
 
 @needs_int8_kernel
@@ -230,6 +273,66 @@ def test_tensor_parallel_shards_are_quantized_after_the_cut():
     torch.testing.assert_close(torch.cat(parts, 1), full)
 
 
+def int8_weights(lin: Linear) -> list[torch.Tensor]:
+    """The int8 tensors a Linear's packed GEMM holds (the int8 kernel's codes), none for a float one."""
+    return [w for w in getattr(lin.packed, "weights", ()) if isinstance(w, torch.Tensor) and w.dtype == torch.int8]
+
+
+@needs_int8_kernel
+def test_an_int4_checkpoints_fused_shards_run_as_codes_with_lora_on_top():
+    """q/k/v-like shards of GroupCodes load into one Linear and pack onto the int8 kernel (the codes, not a
+    float weight: the weight is released), the product that of the dequantized shards; LoRA adds on top."""
+    shards = [int4_codes(n, 128, 32, seed=n) for n in (64, 32, 32)]
+    lin = Linear(128, [64, 32, 32], bias=False)
+    for i, c in enumerate(shards):
+        lin.load_shard("weight", i, c)
+    lin.pack("awq")
+    assert len(int8_weights(lin)) == 1 and lin.weight.data.stride() == (0, 0) and not lin.codes
+    x = torch.randn(5, 128)
+    w = torch.cat([c.dequantize() for c in shards])
+    base = lin(x)
+    torch.testing.assert_close(base, F.linear(rows_as_int16(x), w), rtol=1e-5, atol=1e-4)
+    a, b = torch.randn(4, 128), torch.randn(32, 4)
+    lin.lora_ctx = LoraContext([(1, 3, "ad")])
+    lin.lora["ad"] = [(64, 32, a, b)]
+    delta = torch.zeros_like(base)
+    delta[1:3, 64:96] = (x[1:3] @ a.t()) @ b.t()
+    torch.testing.assert_close(lin(x), base + delta, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+def test_int4_codes_are_dequantized_where_the_kernel_does_not_take_them(kernel, monkeypatch):
+    """Row-parallel ranks cut whole groups and keep the codes; a cut inside a group, shards with different
+    group sizes, or a CPU without the kernel dequantize into the float weight: the same product (to the
+    int16 rounding of x that only the kernel does)."""
+    if kernel and not hasattr(cpu_kernels(), "gemm_i8w_f32"):
+        pytest.skip("the engine's int8 kernel needs an AVX2 + FMA build")
+    if not kernel:
+        monkeypatch.setattr(ck, "_lib", None)
+    c = int4_codes(48, 256, 64, seed=1)
+    x = torch.randn(3, 256)
+    for rank in range(2):              # 128 columns a rank: two whole groups
+        lin = Linear(128, [48], bias=False, parallel="row", tp=TPGroup(rank, 2))
+        lin.load_shard("weight", 0, c)
+        lin.pack("gptq")
+        assert bool(int8_weights(lin)) == kernel
+        cut = slice(128 * rank, 128 * rank + 128)      # (the rank's partial product: before the all-reduce)
+        torch.testing.assert_close(lin.packed(x[:, cut]), F.linear(x[:, cut], c.dequantize()[:, cut]),
+                                   rtol=2e-4, atol=2e-3)
+    inside = int4_codes(48, 96, 32, seed=2)
+    lin = Linear(48, [48], bias=False, parallel="row", tp=TPGroup(1, 2))    # columns 48-95: group 1 is cut
+    lin.load_shard("weight", 0, inside)
+    lin.pack("gptq")
+    assert not int8_weights(lin)
+    torch.testing.assert_close(lin.packed(x[:, :48]), F.linear(x[:, :48], inside.dequantize()[:, 48:]))
+    lin = Linear(256, [48, 48], bias=False)
+    lin.load_shard("weight", 0, c)
+    lin.load_shard("weight", 1, int4_codes(48, 256, 128, seed=3))
+    lin.pack("awq")
+    assert not int8_weights(lin)
+    torch.testing.assert_close(lin(x)[:, :48], F.linear(x, c.dequantize()), rtol=1e-5, atol=1e-5)
+
+
 def test_quantization_flag_is_checked_against_the_device():
     for q in ("none", "int8", "w8a8", "fp8"):
         check_quantization(q, "cpu")
@@ -276,7 +379,8 @@ def test_the_lm_head_is_quantized_only_where_its_activations_keep_15_bits(quanti
 
 def test_bf16_activations_where_the_gemms_take_them(monkeypatch):
     """A bf16 model computes in bf16 on a CPU only where its GEMMs run in bf16: with a bf16 dot product
-    (AMX, AVX-512 BF16) and without int8/w8a8, whose kernels read fp32 rows; on CUDA always."""
+    (AMX, AVX-512 BF16) and without int8/w8a8 or an int4 checkpoint's codes, whose kernels read fp32 rows;
+    on CUDA always."""
     from consort_engine.model import model_runner
 
     cpu, bf16 = torch.device("cpu"), torch.bfloat16
@@ -284,9 +388,10 @@ def test_bf16_activations_where_the_gemms_take_them(monkeypatch):
     for dot in (True, False):
         monkeypatch.setattr(model_runner, "has_bf16_dot", lambda dot=dot: dot)
         assert model_runner.compute_dtype(bf16, cpu, "none") == (bf16 if dot else torch.float32)
-        for q in ("int8", "w8a8"):
+        for q in ("int8", "w8a8", "awq", "gptq", "compressed-tensors"):
             assert model_runner.compute_dtype(bf16, cpu, q) == torch.float32
         assert model_runner.compute_dtype(torch.float32, cpu, "none") == torch.float32
         assert model_runner.compute_dtype(bf16, torch.device("cuda"), "none") == bf16
+        assert model_runner.compute_dtype(bf16, torch.device("cuda"), "awq") == bf16
     monkeypatch.setenv("CONSORT_BF16_COMPUTE", "1")
     assert model_runner.compute_dtype(bf16, cpu, "int8") == bf16
