@@ -9,7 +9,9 @@ ratio; the summary is the median over rounds, so a noisy neighbour hits both sid
 Workloads (seeded, greedy, EOS ignored, token-id prompts; the checkpoint is `consort bench
 offline`'s tiny Llama): anchor = 64 requests, prompts U[64, 512], outputs U[16, 128] (the issue's
 anchor); prefill = the same prompts with outputs U[4, 32] (about four times the prompt tokens per
-output token of the anchor). Consort runs through bench_offline.run_engine, i.e. exactly what
+output token of the anchor). `--checkpoint DIR` runs another checkpoint of that model instead, such as
+an int4 one (AWQ, GPTQ, compressed-tensors: vLLM-CPU multiplies it with its WNA16 kernel, Consort with
+its int8 kernel's per-group scales). Consort runs through bench_offline.run_engine, i.e. exactly what
 `consort bench offline` measures; vLLM through `LLM.generate`.
 """
 from __future__ import annotations
@@ -111,6 +113,8 @@ def main() -> int:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--cores", default=None, help="cores vLLM binds its OpenMP threads to (default: all, e.g. 0-1)")
     p.add_argument("--timeout", type=float, default=1800)
+    p.add_argument("--checkpoint", metavar="DIR", help="another checkpoint of the bench model, e.g. an AWQ int4 one "
+                   "(both engines read its quantization_config); default: the bench model")
     p.add_argument("--role", choices=["consort", "vllm"], help=argparse.SUPPRESS)
     p.add_argument("--model", default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -122,7 +126,7 @@ def main() -> int:
         return 0
     if not a.vllm_python:
         p.error("--vllm-python is required (run `make bench-vllm-cpu`)")
-    a.model = str(bench_model())
+    a.model = a.checkpoint or str(bench_model())
     cores = a.cores or f"0-{len(os.sched_getaffinity(0)) - 1}"
     env = vllm_env(a.vllm_python, cores)
     rows = []
