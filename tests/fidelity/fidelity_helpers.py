@@ -254,11 +254,14 @@ def quant_fidelity(case: HeldOut, plps: list) -> tuple[float, float, float]:
     return agree / total, max_err, math.exp((ours_nll - ref_nll) / total) - 1
 
 
-def assert_quant_fidelity(case: HeldOut, plps: list, quantization: str, name: str = "") -> None:
+def assert_quant_fidelity(case: HeldOut, plps: list, quantization: str, name: str = "",
+                          bounds: tuple[float, float, float] | None = None) -> tuple[float, float, float]:
+    """quant_fidelity held to QUANT_BOUNDS[quantization] (or `bounds`); returns the three figures."""
     top1, max_err, ppl_delta = quant_fidelity(case, plps)
     print(f"\n{name}{quantization}: top-1 agreement {top1:.4f}, max logprob error {max_err:.4f}, "
           f"perplexity delta {100 * ppl_delta:+.3f}% (reference perplexity {case.perplexity:.2f})")
-    min_top1, max_lp, max_ppl = QUANT_BOUNDS[quantization]
+    min_top1, max_lp, max_ppl = bounds or QUANT_BOUNDS[quantization]
     assert top1 >= min_top1, f"{name}{quantization}: top-1 agreement {top1:.4f} < {min_top1}"
     assert max_err <= max_lp, f"{name}{quantization}: max logprob error {max_err:.4f} > {max_lp}"
     assert abs(ppl_delta) <= max_ppl, f"{name}{quantization}: perplexity delta {ppl_delta:+.4f} beyond {max_ppl}"
+    return top1, max_err, ppl_delta
