@@ -132,3 +132,9 @@ def write_int4_checkpoint(src: Path, dst: Path, method: str, group_size: int, sy
         shutil.copytree(src, fake_dst)
         save_file(fake, str(fake_dst / "model.safetensors"))
     return reference
+
+
+def runs_on_codes(linear) -> bool:
+    """Whether an engine Linear multiplies int8 codes (the int8 kernel: `int8`, an int4 checkpoint's codes)
+    rather than a float weight: its packed GEMM holds an int8 tensor."""
+    return any(isinstance(w, torch.Tensor) and w.dtype == torch.int8 for w in getattr(linear.packed, "weights", ()))

@@ -8,9 +8,8 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 from fidelity_helpers import assert_greedy_matches, check_logprobs_close, hf_greedy, make_checkpoint
-from int4_checkpoints import write_int4_checkpoint
+from int4_checkpoints import runs_on_codes, write_int4_checkpoint
 
 from consort_engine.config import EngineConfig
 from consort_engine.core.engine import LLMEngine
@@ -46,8 +45,7 @@ def test_int4_checkpoint_greedy_matches_the_fake_quantized_model(tmp_path, arch,
                              name=f"{arch}/{fmt} request {i}")
     assert_greedy_matches(refs, [s.output_token_ids for s in seqs], name=f"{arch}/{fmt}")
     model = engine.runner.model
-    on_codes = [any(isinstance(w, torch.Tensor) and w.dtype == torch.int8 for w in getattr(m.packed, "weights", ()))
-                for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head]
+    on_codes = [runs_on_codes(m) for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head]
     assert len(on_codes) == 2 * 4      # 2 layers: qkv, o, gate_up, down
     assert set(on_codes) == {hasattr(cpu_kernels(), "gemm_i8w_f32") and fmt != "gptq-act-order"}
     # the fake-quantized model is not the float one: the test would see a wrong unpack

@@ -10,6 +10,7 @@ import torch
 from consort_engine.config import EngineConfig
 from consort_engine.demo_model import write_demo_model
 from consort_engine.core.engine import LLMEngine
+from consort_engine.model.cpu_kernels import cpu_kernels
 from consort_engine.model.model_runner import ModelRunner
 from consort_engine.kv.sequence import SamplingParams, ScheduledBatch, Sequence
 
@@ -65,3 +66,31 @@ def test_tp2_prefill_logits_match_tp1(checkpoint):
 def test_tp_must_divide_the_heads(checkpoint):
     with pytest.raises(ValueError, match="does not divide num_key_value_heads"):
         ModelRunner(EngineConfig(model=str(checkpoint), num_blocks=16, tensor_parallel_size=4))
+
+
+@pytest.mark.parametrize("group", [8, 16])
+def test_tp2_runs_an_int4_checkpoint_as_tp1_does(checkpoint, tmp_path, group):
+    """An AWQ int4 checkpoint under TP = 2: each rank cuts the codes (column-parallel: rows; row-parallel:
+    whole groups, or with groups of 16 the down projection's 344 columns a rank cut inside a group and
+    are dequantized), and the prefill logits agree with TP = 1's to the int16 rounding of the rows (each
+    rank rounds its own half of a row-parallel input)."""
+    from int4_checkpoints import runs_on_codes, write_int4_checkpoint
+
+    from consort_engine.model.models.layers import Linear
+
+    write_int4_checkpoint(checkpoint, tmp_path / "awq", "awq", group)
+    prompt = list(range(3, 120))
+    logits = {}
+    for tp in (1, 2):
+        runner = ModelRunner(EngineConfig(model=str(tmp_path / "awq"), num_blocks=64, tensor_parallel_size=tp))
+        try:
+            seq = Sequence(prompt_token_ids=prompt)
+            seq.block_table = list(range((len(prompt) + 15) // 16))
+            logits[tp] = runner.execute(ScheduledBatch([seq], [len(prompt)], [True], mode="prefill"))
+            if tp == 2 and hasattr(cpu_kernels(), "gemm_i8w_f32"):     # rank 0's linears
+                codes = {name.rpartition(".")[2]: runs_on_codes(m) for name, m in runner.model.named_modules()
+                         if isinstance(m, Linear) and m is not runner.model.lm_head}
+                assert codes == {"qkv_proj": True, "o_proj": True, "gate_up_proj": True, "down_proj": group == 8}
+        finally:
+            runner.close()
+    torch.testing.assert_close(logits[2], logits[1], rtol=1e-3, atol=1e-3)

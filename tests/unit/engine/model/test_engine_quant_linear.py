@@ -1,11 +1,14 @@
 """Quantized linear weights (model/models/quant.py): the quantize/dequantize math (int8 and fp8 e4m3,
-per output channel), each quantized product against F.linear, LoRA on top of a quantized
-projection, tensor-parallel shards quantized after the cut, and the flag's checks."""
+per output channel), each quantized product against F.linear, the engine's int8 kernel (per-channel
+and an int4 checkpoint's per-group scales, every build's bits), LoRA on top of a quantized
+projection, tensor-parallel shards quantized after the cut, an int4 checkpoint's codes in a Linear
+and where they are dequantized instead, and the flag's checks."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
+from int4_checkpoints import runs_on_codes
 
 from consort_common.machine import cpu_model_and_flags
 from consort_engine.model import cpu_kernels as ck
@@ -273,11 +276,6 @@ def test_tensor_parallel_shards_are_quantized_after_the_cut():
     torch.testing.assert_close(torch.cat(parts, 1), full)
 
 
-def int8_weights(lin: Linear) -> list[torch.Tensor]:
-    """The int8 tensors a Linear's packed GEMM holds (the int8 kernel's codes), none for a float one."""
-    return [w for w in getattr(lin.packed, "weights", ()) if isinstance(w, torch.Tensor) and w.dtype == torch.int8]
-
-
 @needs_int8_kernel
 def test_an_int4_checkpoints_fused_shards_run_as_codes_with_lora_on_top():
     """q/k/v-like shards of GroupCodes load into one Linear and pack onto the int8 kernel (the codes, not a
@@ -287,7 +285,7 @@ def test_an_int4_checkpoints_fused_shards_run_as_codes_with_lora_on_top():
     for i, c in enumerate(shards):
         lin.load_shard("weight", i, c)
     lin.pack("awq")
-    assert len(int8_weights(lin)) == 1 and lin.weight.data.stride() == (0, 0) and not lin.codes
+    assert runs_on_codes(lin) and lin.weight.data.stride() == (0, 0) and not lin.codes
     x = torch.randn(5, 128)
     w = torch.cat([c.dequantize() for c in shards])
     base = lin(x)
@@ -315,7 +313,7 @@ def test_int4_codes_are_dequantized_where_the_kernel_does_not_take_them(kernel, 
         lin = Linear(128, [48], bias=False, parallel="row", tp=TPGroup(rank, 2))
         lin.load_shard("weight", 0, c)
         lin.pack("gptq")
-        assert bool(int8_weights(lin)) == kernel
+        assert runs_on_codes(lin) == kernel
         cut = slice(128 * rank, 128 * rank + 128)      # (the rank's partial product: before the all-reduce)
         torch.testing.assert_close(lin.packed(x[:, cut]), F.linear(x[:, cut], c.dequantize()[:, cut]),
                                    rtol=2e-4, atol=2e-3)
@@ -323,13 +321,13 @@ def test_int4_codes_are_dequantized_where_the_kernel_does_not_take_them(kernel, 
     lin = Linear(48, [48], bias=False, parallel="row", tp=TPGroup(1, 2))    # columns 48-95: group 1 is cut
     lin.load_shard("weight", 0, inside)
     lin.pack("gptq")
-    assert not int8_weights(lin)
+    assert not runs_on_codes(lin)
     torch.testing.assert_close(lin.packed(x[:, :48]), F.linear(x[:, :48], inside.dequantize()[:, 48:]))
     lin = Linear(256, [48, 48], bias=False)
     lin.load_shard("weight", 0, c)
     lin.load_shard("weight", 1, int4_codes(48, 256, 128, seed=3))
     lin.pack("awq")
-    assert not int8_weights(lin)
+    assert not runs_on_codes(lin)
     torch.testing.assert_close(lin(x)[:, :48], F.linear(x, c.dequantize()), rtol=1e-5, atol=1e-5)
 
 
