@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+SAME_INPUT = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)      # AutoAWQ GEMM: nibble i of a word holds column AWQ_ORDER[i] of its 8
 
 
@@ -111,13 +112,15 @@ def write_int4_checkpoint(src: Path, dst: Path, method: str, group_size: int, sy
     for f in sorted(src.glob("*.safetensors")):
         tensors.update(load_file(f))
     g = torch.Generator().manual_seed(7)
-    packed, fake, reference = {}, {}, {}
+    packed, fake, reference, perms = {}, {}, {}, {}
     for name, t in tensors.items():
         prefix, _, leaf = name.rpartition(".")
         if leaf != "weight" or prefix.rpartition(".")[2] not in LINEARS:
             packed[name] = fake[name] = t
             continue
-        perm = torch.randperm(t.shape[1], generator=g) if act_order else None
+        # act-order sorts by the input's statistics: projections of one input (q/k/v, gate/up) share it
+        key = (prefix.rpartition(".")[0], SAME_INPUT.get(prefix.rpartition(".")[2], prefix))
+        perm = perms.setdefault(key, torch.randperm(t.shape[1], generator=g)) if act_order else None
         q = quantize_int4(t, group_size, sym, perm)
         parts = (pack_awq(q) if method == "awq" else pack_gptq(q, v1) if method == "gptq"
                  else pack_compressed_tensors(q))

@@ -5,9 +5,10 @@ code - zero as int8, one fp32 scale per output channel and group of input column
 
 On CPU the engine keeps them so: each Linear multiplies them in the engine's int8 kernel with one scale
 per group (csrc/gemm_i8w.c; layers.Linear.pack), in a quarter of the fp32 weight's memory and at the
-int8 kernel's speed. Elsewhere (CUDA; a CPU the kernel does not build for; GPTQ act-order, whose groups
-are not runs of columns; a tensor-parallel cut inside a group) the weight is dequantized, w = (code -
-zero) * scale in fp32, and runs as a float checkpoint would. torch's own CPU int4 kernel
+int8 kernel's speed; GPTQ act-order's code columns are sorted by group and each GEMM's input gathered
+in that order. Elsewhere (CUDA; a CPU the kernel does not build for; a tensor-parallel cut inside a
+group or of act-order's columns) the weight is dequantized, w = (code - zero) * scale in fp32, and runs
+as a float checkpoint would. torch's own CPU int4 kernel
 (`aten._weight_int4pack_mm_for_cpu`) was measured and not kept (docs/engine-speed.md).
 
 The layouts (w = (q - zero) * scale, groups of `group_size` input columns, one scale per output
@@ -112,11 +113,14 @@ def _group_index(in_features: int, group_size: int) -> torch.Tensor:
 
 @dataclass
 class GroupCodes:
-    """One linear's int4 weight as its integers: W [out, in] = codes * scales[:, k // group_size]."""
+    """One linear's int4 weight as its integers: W[:, order] = codes * scales[:, j // group_size] for the
+    codes' column j. `order` (GPTQ act-order) is the input column each code column holds, so that every
+    group is a run of code columns; None: in order."""
 
     codes: torch.Tensor          # int8 [out, in]: code - zero, in [-16, 15]
     scales: torch.Tensor         # float32 [out, groups]
     group_size: int              # input columns per scale; -1: the whole row
+    order: torch.Tensor | None = None    # int64 [in]: code column j is input column order[j]
 
     @property
     def shape(self) -> torch.Size:
@@ -124,21 +128,35 @@ class GroupCodes:
 
     def dequantize(self) -> torch.Tensor:
         """W [out, in] float32, exactly (a code times an fp16 scale fits fp32's mantissa)."""
-        return self.codes.float() * self.scales[:, _group_index(self.codes.shape[1], self.group_size)]
+        w = self.codes.float() * self.scales[:, _group_index(self.codes.shape[1], self.group_size)]
+        if self.order is None:
+            return w
+        return torch.empty_like(w).index_copy_(1, self.order, w)
 
     def rows(self, index: slice) -> GroupCodes:
         """Output channels `index` (a column-parallel shard)."""
-        return GroupCodes(self.codes[index], self.scales[index], self.group_size)
+        return GroupCodes(self.codes[index], self.scales[index], self.group_size, self.order)
 
     def columns(self, index: slice) -> GroupCodes | None:
-        """Input columns `index` (a row-parallel shard); None where the cut falls inside a group."""
+        """Input columns `index` (a row-parallel shard); None where the cut falls inside a group or the
+        columns are not in order (act-order: a rank's columns are spread over every group)."""
         start, stop = index.start, min(index.stop, self.codes.shape[1])
+        if self.order is not None:
+            return None
         if self.group_size == -1:
             return GroupCodes(self.codes[:, start:stop], self.scales, -1)
         g = self.group_size
         if start % g or (stop % g and stop != self.codes.shape[1]):
             return None
         return GroupCodes(self.codes[:, start:stop], self.scales[:, start // g:-(-stop // g)], g)
+
+
+def same_order(shards: list[GroupCodes]) -> bool:
+    """Whether the shards' code columns are in one order (fused q/k/v or gate/up: GPTQ's act-order sorts
+    by the shared input's statistics, so it is one order unless the tool broke ties differently)."""
+    first = shards[0].order
+    return all((c.order is None and first is None) or (c.order is not None and first is not None
+                                                       and torch.equal(c.order, first)) for c in shards)
 
 
 def _codes(q: torch.Tensor, zeros: torch.Tensor | int, g: torch.Tensor) -> torch.Tensor:
@@ -155,15 +173,20 @@ def awq_codes(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
 
 def gptq_weight(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None,
                 group_size: int, zeros_minus_one: bool) -> GroupCodes | torch.Tensor:
-    """GPTQ tensors -> the linear's integers and scales; with act-order (a g_idx whose groups are not runs
-    of columns) W [out, in] float32 instead. g_idx None: groups in order."""
+    """GPTQ tensors -> the linear's integers and scales. With act-order (`desc_act`: g_idx not in column
+    order) the code columns are sorted by group, `order` saying where each came from; a g_idx whose
+    groups are not all group_size columns gives W [out, in] float32 instead. g_idx None: groups in order."""
     q = unpack_rows(qweight)                                        # [in, out]
     out = q.shape[1]
     z = unpack_columns(qzeros)[:, :out] + int(zeros_minus_one)     # [groups, out]
     in_order = _group_index(q.shape[0], group_size)
+    sc = scales.float().t().contiguous()
     if g_idx is None or torch.equal(g_idx.long(), in_order):
-        return GroupCodes(_codes(q, z, in_order), scales.float().t().contiguous(), group_size)
+        return GroupCodes(_codes(q, z, in_order), sc, group_size)
     g = g_idx.long()
+    order = torch.argsort(g, stable=True)
+    if torch.equal(g[order], in_order):
+        return GroupCodes(_codes(q[order], z, in_order), sc, group_size, order)
     return ((q - z[g]).float() * scales.float()[g]).t().contiguous()
 
 

@@ -68,17 +68,18 @@ def test_tp_must_divide_the_heads(checkpoint):
         ModelRunner(EngineConfig(model=str(checkpoint), num_blocks=16, tensor_parallel_size=4))
 
 
-@pytest.mark.parametrize("group", [8, 16])
-def test_tp2_runs_an_int4_checkpoint_as_tp1_does(checkpoint, tmp_path, group):
-    """An AWQ int4 checkpoint under TP = 2: each rank cuts the codes (column-parallel: rows; row-parallel:
-    whole groups, or with groups of 16 the down projection's 344 columns a rank cut inside a group and
-    are dequantized), and the prefill logits agree with TP = 1's to the int16 rounding of the rows (each
-    rank rounds its own half of a row-parallel input)."""
+@pytest.mark.parametrize("method,group", [("awq", 8), ("awq", 16), ("gptq", 8)])
+def test_tp2_runs_an_int4_checkpoint_as_tp1_does(checkpoint, tmp_path, method, group):
+    """An int4 checkpoint under TP = 2: each rank cuts the codes (column-parallel: rows; row-parallel:
+    whole groups), and the prefill logits agree with TP = 1's to the int16 rounding of the rows (each
+    rank rounds its own half of a row-parallel input). Row-parallel cuts that cannot keep the codes are
+    dequantized: with groups of 16 the down projection's 344 columns a rank cut inside a group, and
+    GPTQ act-order's columns of a rank are spread over every group."""
     from int4_checkpoints import runs_on_codes, write_int4_checkpoint
 
     from consort_engine.model.models.layers import Linear
 
-    write_int4_checkpoint(checkpoint, tmp_path / "awq", "awq", group)
+    write_int4_checkpoint(checkpoint, tmp_path / "awq", method, group, sym=True, act_order=method == "gptq")
     prompt = list(range(3, 120))
     logits = {}
     for tp in (1, 2):
@@ -90,7 +91,9 @@ def test_tp2_runs_an_int4_checkpoint_as_tp1_does(checkpoint, tmp_path, group):
             if tp == 2 and hasattr(cpu_kernels(), "gemm_i8w_f32"):     # rank 0's linears
                 codes = {name.rpartition(".")[2]: runs_on_codes(m) for name, m in runner.model.named_modules()
                          if isinstance(m, Linear) and m is not runner.model.lm_head}
-                assert codes == {"qkv_proj": True, "o_proj": True, "gate_up_proj": True, "down_proj": group == 8}
+                in_order = method == "awq"
+                assert codes == {"qkv_proj": True, "o_proj": in_order, "gate_up_proj": True,
+                                 "down_proj": in_order and group == 8}
         finally:
             runner.close()
     torch.testing.assert_close(logits[2], logits[1], rtol=1e-3, atol=1e-3)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from consort_engine.model.attention import AttentionMetadata, PagedAttention
-from consort_engine.model.int4_checkpoint import GroupCodes
+from consort_engine.model.int4_checkpoint import GroupCodes, same_order
 from consort_engine.model.lora import LoraContext
 from consort_engine.model.loader import ModelConfig
 from consort_engine.model.models import ops
@@ -67,13 +67,13 @@ class Linear(nn.Module):
             self.weight.data = torch.zeros(1, dtype=self.weight.dtype).expand(self.weight.shape)
 
     def _pack_codes(self, bias: torch.Tensor | None):
-        """Every shard's codes, with one group size, on the int8 kernel (packed.consort_int8); where that
-        does not apply, the shards are dequantized into the weight (None)."""
+        """Every shard's codes, with one group size and one column order, on the int8 kernel
+        (packed.consort_int8); where that does not apply, the shards are dequantized into the weight (None)."""
         shards = [self.codes.get(i) for i in range(len(self.shard_sizes))]
         self.codes = {}
-        if all(shards) and len({c.group_size for c in shards}) == 1:
+        if all(shards) and len({c.group_size for c in shards}) == 1 and same_order(shards):
             packed = consort_int8(torch.cat([c.codes for c in shards]), torch.cat([c.scales for c in shards]),
-                                  bias, shards[0].group_size)
+                                  bias, shards[0].group_size, shards[0].order)
             if packed is not None:
                 return packed
         for i, c in enumerate(shards):

@@ -93,12 +93,14 @@ def _consort(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch
     return _consort_call(lib.gemm_f32, n, k, bias, packed)
 
 
-def consort_int8(codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-                 group_size: int = -1) -> Callable[[torch.Tensor], torch.Tensor] | None:
+def consort_int8(codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, group_size: int = -1,
+                 order: torch.Tensor | None = None) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """int8 weights through the engine's kernel (`gemm_i8w_f32`, activations rounded per row to 16-bit
     integers inside it): codes [n, k] int8; fp32 scales [n] (one per output row, `int8`) or [n, groups]
     (one per output row and group of group_size k: an int4 checkpoint's codes); fp32 activations and
-    output. None where the kernel is not built or cannot take the groups (an odd group size)."""
+    output. `order`: the input column each code column multiplies (x's columns are gathered so; GPTQ
+    act-order), None: in order. None where the kernel is not built or cannot take the groups (an odd
+    group size)."""
     from consort_engine.model.cpu_kernels import cpu_kernels
 
     lib = cpu_kernels()
@@ -115,7 +117,14 @@ def consort_int8(codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | 
     columns = size // (k + k % 2)                                   # padded columns: scale 0
     scales = _aligned(groups * columns, torch.float32)
     scales.zero_().view(groups, columns)[:, :n] = scale.float().view(n, groups).t()
-    return _consort_call(lib.gemm_i8w_f32, n, k, bias, packed, scales, group)
+    run = _consort_call(lib.gemm_i8w_f32, n, k, bias, packed, scales, group)
+    if order is None:
+        return run
+
+    def gathered(x: torch.Tensor) -> torch.Tensor:
+        return run(x.index_select(-1, order))
+    gathered.weights = run.weights
+    return gathered
 
 
 def fp32_backend() -> str:

@@ -63,8 +63,10 @@ def test_gptq_unpacks_to_the_reference_weight_exactly(v1, sym, act_order):
     t = pack_gptq(q, v1)
     assert t["qweight"].shape == (IN // 8, OUT)
     got = gptq_weight(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], 64, zeros_minus_one=v1)
-    # act-order's groups are not runs of columns: the weight comes dequantized, else as its integers
-    assert isinstance(got, torch.Tensor) == act_order
+    # act-order's groups are not runs of columns: its code columns come sorted by group
+    assert isinstance(got, GroupCodes) and (got.order is not None) == act_order
+    if act_order:
+        assert torch.equal(q.g_idx[got.order], torch.arange(IN) // 64)
     got = as_weight(got)
     assert torch.equal(got, q.dequantized())
     # reading v1 as v2 (or back) shifts every zero by one step: off by one scale everywhere
@@ -72,6 +74,18 @@ def test_gptq_unpacks_to_the_reference_weight_exactly(v1, sym, act_order):
     assert torch.allclose((wrong - got).abs(), q.scales.float()[:, q.g_idx])
     if act_order:        # g_idx, not the column index, picks the group
         assert not torch.equal(as_weight(gptq_weight(t["qweight"], t["qzeros"], t["scales"], None, 64, v1)), got)
+
+
+def test_a_g_idx_of_unequal_groups_is_dequantized():
+    """Groups that act-order's sort cannot make runs of group_size columns: the weight, dequantized."""
+    q = quantize_int4(weight(1), 64, True)
+    t = pack_gptq(q, True)
+    g_idx = t["g_idx"].clone()
+    g_idx[:3] = 1                                   # group 0 is 61 columns, group 1 67
+    got = gptq_weight(t["qweight"], t["qzeros"], t["scales"], g_idx, 64, zeros_minus_one=True)
+    assert isinstance(got, torch.Tensor)
+    codes, zeros = q.codes, q.zeros[:, g_idx.long()]
+    assert torch.equal(got, (codes - zeros).float() * q.scales.float()[:, g_idx.long()])
 
 
 @pytest.mark.parametrize("group_size", [32, -1])
@@ -95,6 +109,11 @@ def test_tensor_parallel_cuts_of_the_codes_are_the_cuts_of_the_weight(group_size
     for cut in (slice(0, 128), slice(128, 256), slice(64, 192)):
         assert torch.equal(codes.columns(cut).dequantize(), w[:, cut])
     assert (codes.columns(slice(32, 160)) is None) == (group_size == 64)
+    q = quantize_int4(weight(4), 64, True, torch.randperm(IN, generator=torch.Generator().manual_seed(1)))
+    t = pack_gptq(q, True)
+    act_order = gptq_weight(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], 64, zeros_minus_one=True)
+    assert torch.equal(act_order.rows(slice(8, 24)).dequantize(), q.dequantized()[8:24])
+    assert act_order.columns(slice(0, 128)) is None      # act-order: a rank's columns span every group
 
 
 CONFIGS = {
@@ -165,10 +184,9 @@ def test_checkpoint_weights_give_every_linear_as_codes_or_dequantized(tmp_path, 
         assert torch.equal(t, reference.get(name, tensors[name])), name
     kept = dict(checkpoint_weights(str(dst), fmt, torch.bfloat16, keep_codes=True))
     for name, t in kept.items():
-        if name in reference:       # act-order: dequantized (then in the dtype) either way
-            want = reference[name] if isinstance(t, GroupCodes) else reference[name].to(torch.bfloat16)
-            assert isinstance(t, GroupCodes) != kw.get("act_order", False), name
-            assert torch.equal(as_weight(t), want), name
+        if name in reference:
+            assert isinstance(t, GroupCodes) and (t.order is not None) == kw.get("act_order", False), name
+            assert torch.equal(t.dequantize(), reference[name]), name
         else:
             assert torch.equal(t, tensors[name].to(torch.bfloat16)), name
     check_checkpoint_quantization("auto", str(dst))

@@ -298,6 +298,31 @@ def test_an_int4_checkpoints_fused_shards_run_as_codes_with_lora_on_top():
     torch.testing.assert_close(lin(x), base + delta, rtol=1e-5, atol=1e-4)
 
 
+@needs_int8_kernel
+def test_act_order_codes_gather_the_input_columns():
+    """GPTQ act-order: code columns sorted by group, `order` naming each one's input column. Fused shards
+    in one order run on the kernel with x's columns gathered (the product of the weight in input order);
+    shards in different orders are dequantized."""
+    order = torch.randperm(128, generator=torch.Generator().manual_seed(5))
+    shards = [GroupCodes(c.codes, c.scales, 32, order) for c in (int4_codes(n, 128, 32, seed=n) for n in (48, 16))]
+    lin = Linear(128, [48, 16], bias=False)
+    for i, c in enumerate(shards):
+        lin.load_shard("weight", i, c)
+    lin.pack("gptq")
+    assert runs_on_codes(lin)
+    x = torch.randn(5, 128)
+    w = torch.cat([c.dequantize() for c in shards])
+    assert torch.equal(w[:, order], torch.cat([c.codes.float() * c.scales.repeat_interleave(32, 1) for c in shards]))
+    torch.testing.assert_close(lin(x), F.linear(rows_as_int16(x), w), rtol=1e-5, atol=1e-4)
+    other = GroupCodes(shards[1].codes, shards[1].scales, 32, order.flip(0))
+    lin = Linear(128, [48, 16], bias=False)
+    lin.load_shard("weight", 0, shards[0])
+    lin.load_shard("weight", 1, other)
+    lin.pack("gptq")
+    assert not runs_on_codes(lin)
+    torch.testing.assert_close(lin(x), F.linear(x, torch.cat([shards[0].dequantize(), other.dequantize()])))
+
+
 @pytest.mark.parametrize("kernel", [True, False])
 def test_int4_codes_are_dequantized_where_the_kernel_does_not_take_them(kernel, monkeypatch):
     """Row-parallel ranks cut whole groups and keep the codes; a cut inside a group, shards with different
