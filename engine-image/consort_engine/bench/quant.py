@@ -22,7 +22,7 @@ from consort_engine.bench.workload import BENCH_SPEC, bench_model, log, make_wor
 DEFAULT_ARMS = {"cpu": "float32:none,float32:int8,float32:w8a8,bfloat16:none",
                 "cuda": "bfloat16:none,bfloat16:fp8"}
 QUANTIZATIONS = ("none", "int8", "w8a8", "fp8", "awq", "gptq", "compressed-tensors")
-INT4 = ("awq", "gptq", "compressed-tensors")     # arms that load --int4-model, a pre-quantized checkpoint
+PREQUANTIZED = ("awq", "gptq", "compressed-tensors")     # arms that load --quantized-model, a pre-quantized checkpoint
 DTYPES = ("float32", "bfloat16")
 
 
@@ -68,8 +68,9 @@ def run(args: argparse.Namespace) -> int:
     args.threads = apply_threads(args.threads or None)
     n = args.requests if args.requests else (16 if args.quick else 64)
     model_dir = Path(args.model) if args.model else bench_model(False)
-    if any(q in INT4 for _, q in arms) and not args.int4_model:
-        raise BenchError("--arms: an awq, gptq or compressed-tensors arm needs --int4-model (that checkpoint of --model)")
+    if any(q in PREQUANTIZED for _, q in arms) and not args.quantized_model:
+        raise BenchError("--arms: an awq, gptq or compressed-tensors arm needs --quantized-model "
+                         "(that checkpoint of --model)")
     wl = make_workload(n, seed=args.seed, vocab=BENCH_SPEC["vocab_size"])
     log(f"workload: {n} requests, {wl.prompt_tokens} prompt tokens, {wl.useful_tokens} output tokens; "
         f"arms {arms}, {args.rounds} round(s)")
@@ -82,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
             arm_args.quantization = quant
             arm_args.temperature, arm_args.top_p = 0.0, 1.0
             log(f"round {r}: {dtype} {quant}")
-            arm_model = Path(args.int4_model) if quant in INT4 else model_dir
+            arm_model = Path(args.quantized_model) if quant in PREQUANTIZED else model_dir
             res = bench_offline.run_engine(arm_model, dtype, wl, arm_args, extras=False)
             runs[(dtype, quant)].append(res["tok_s"])
             per_cpu_s[(dtype, quant)].append(wl.useful_tokens / res["cpu_s"])
@@ -112,9 +113,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arms", default=None, metavar="DTYPE:QUANT,...",
                    help=f"the arms, the first the baseline; unset: {DEFAULT_ARMS['cpu']} on cpu, "
                         f"{DEFAULT_ARMS['cuda']} on cuda")
-    p.add_argument("--int4-model", default=None, metavar="DIR",
-                   help="an int4 checkpoint (AWQ, GPTQ or compressed-tensors) of the same model: the awq, gptq and "
-                        "compressed-tensors arms load it")
+    p.add_argument("--quantized-model", default=None, metavar="DIR",
+                   help="a pre-quantized checkpoint (AWQ, GPTQ or compressed-tensors) of the same model: the awq, "
+                        "gptq and compressed-tensors arms load it")
     p.add_argument("--rounds", type=int, default=3, help="rounds; the arms' order rotates each round")
     p.add_argument("--requests", type=int, default=None, help="number of requests; unset: 64, or 16 with --quick")
     p.add_argument("--quick", action="store_true", help="16 requests")

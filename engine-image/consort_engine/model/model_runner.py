@@ -30,7 +30,7 @@ from consort_engine.model.models import MODELS
 from consort_engine.model.models.mtp import has_mtp
 from consort_engine.model.lora import AdapterError, LoraAdapter, LoraContext, load_peft_adapter, segments_of
 from consort_engine.model.models.packed import has_bf16_dot
-from consort_engine.model.int4_checkpoint import checkpoint_format, checkpoint_weights, resolve_quantization
+from consort_engine.model.quantized_checkpoint import checkpoint_format, checkpoint_weights, resolve_quantization
 from consort_engine.model.models.quant import FP32_ROW_QUANTIZATIONS, check_quantization
 from consort_engine.kv.sequence import PromptLogprobs, ScheduledBatch, Sequence
 from consort_engine.kv.state_pool import SwappedState, seqs_per_pool
@@ -50,7 +50,7 @@ def compute_dtype(dtype: torch.dtype, device: torch.device, quantization: str = 
     activations and GEMMs) where bf16 GEMMs do not pay: without a bf16 dot product (AMX, AVX-512
     BF16) oneDNN's bf16 GEMM runs at about half the speed of the fp32 one, and the int8 and w8a8
     GEMMs read fp32 rows (bf16 ones would be widened at every call: the anchor workload measured
-    0.9-0.95x of fp32 activations on Zen 5), as do an int4 checkpoint's codes on the int8 kernel.
+    0.9-0.95x of fp32 activations on Zen 5), as do a pre-quantized checkpoint's codes on the int8 kernel.
     CONSORT_BF16_COMPUTE=1 forces bf16 activations."""
     if (device.type == "cpu" and dtype == torch.bfloat16
             and (not has_bf16_dot() or quantization in FP32_ROW_QUANTIZATIONS)
@@ -116,8 +116,8 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype, config.device)           # weights and KV cache
         self.hf_config = cfg = load_model_config(config.model)
-        int4 = checkpoint_format(cfg.raw)                 # a pre-quantized checkpoint (model/int4_checkpoint.py)
-        self.quantization = resolve_quantization(config.quantization, int4)
+        prequantized = checkpoint_format(cfg.raw)         # model/quantized_checkpoint.py
+        self.quantization = resolve_quantization(config.quantization, prequantized)
         self.compute_dtype = compute_dtype(self.dtype, self.device, self.quantization)   # activations, GEMMs
         self.eos_token_ids: set[int] = eos_token_ids(config.model, cfg)
         # MTP drafting: one rank only (the block is not split for tensor parallelism yet)
@@ -151,8 +151,9 @@ class ModelRunner:
                                                     tp, mtp=self.has_mtp)
         finally:
             torch.set_default_dtype(default_dtype)
-        # an int4 checkpoint's linears keep their codes on CPU (the int8 kernel), else are dequantized
-        self.model.load_weights(checkpoint_weights(config.model, int4, self.dtype, keep_codes=self.device.type == "cpu"))
+        # a pre-quantized checkpoint's linears keep their codes on CPU (the int8 kernel), else are dequantized
+        self.model.load_weights(checkpoint_weights(config.model, prequantized, self.dtype,
+                                                   keep_codes=self.device.type == "cpu"))
         self.model.eval()
         self.num_packed = 0
         if self.quantization != "none" or (self.device.type == "cpu"

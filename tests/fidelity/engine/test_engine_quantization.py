@@ -34,15 +34,15 @@ def test_quantized_engine_stays_close_to_the_unquantized_model(case, quantizatio
 
 
 def test_int4_checkpoint_on_the_int8_kernel_is_as_close_as_dequantized(case, tmp_path, monkeypatch):
-    """The same model as an AWQ int4 checkpoint (groups of 32, tests/int4_checkpoints.py): its linears
+    """The same model as an AWQ int4 checkpoint (groups of 32, tests/quantized_checkpoints.py): its linears
     on the int8 kernel (the codes, rows rounded to int16) against the unquantized model, then the same
     checkpoint dequantized to fp32 weights (the kernel refused): the rounding to int4 costs what the
     bounds allow, the kernel's rounding of the rows next to nothing on top."""
-    from int4_checkpoints import write_int4_checkpoint
+    from quantized_checkpoints import write_quantized_checkpoint
 
     from consort_engine.model.models import layers
 
-    write_int4_checkpoint(case.checkpoint, tmp_path / "awq", "awq", 32)
+    write_quantized_checkpoint(case.checkpoint, tmp_path / "awq", "awq", 32)
     on_codes = engine_prompt_logprobs(tmp_path / "awq", case.prompts, dtype="float32", quantization="auto")
     codes = assert_quant_fidelity(case, on_codes, "awq", bounds=INT4_BOUNDS)
     monkeypatch.setattr(layers, "consort_int8", lambda *args: None)

@@ -75,11 +75,11 @@ def test_tp2_runs_an_int4_checkpoint_as_tp1_does(checkpoint, tmp_path, method, g
     rank rounds its own half of a row-parallel input). Row-parallel cuts that cannot keep the codes are
     dequantized: with groups of 16 the down projection's 344 columns a rank cut inside a group, and
     GPTQ act-order's columns of a rank are spread over every group."""
-    from int4_checkpoints import runs_on_codes, write_int4_checkpoint
+    from quantized_checkpoints import runs_on_codes, write_quantized_checkpoint
 
     from consort_engine.model.models.layers import Linear
 
-    write_int4_checkpoint(checkpoint, tmp_path / "awq", method, group, sym=True, act_order=method == "gptq")
+    write_quantized_checkpoint(checkpoint, tmp_path / "awq", method, group, sym=True, act_order=method == "gptq")
     prompt = list(range(3, 120))
     logits = {}
     for tp in (1, 2):

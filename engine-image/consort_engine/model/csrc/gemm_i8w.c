@@ -1,4 +1,4 @@
-/* int8 weight GEMM (`--quantization int8`, and int4 checkpoints' codes): y[M, N] = x[M, K] @ (codes *
+/* int8 weight GEMM (`--quantization int8`, and pre-quantized checkpoints' codes): y[M, N] = x[M, K] @ (codes *
  * scale)^T (+ bias), the codes int8 with one fp32 scale per output column and group of k (one group for
  * `int8`'s per-channel scales; AWQ/GPTQ groups of 32-128 k), x fp32 in and y fp32 out.
  *

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from consort_engine.model.attention import AttentionMetadata, PagedAttention
-from consort_engine.model.int4_checkpoint import GroupCodes, same_order
+from consort_engine.model.quantized_checkpoint import GroupCodes, same_order
 from consort_engine.model.lora import LoraContext
 from consort_engine.model.loader import ModelConfig
 from consort_engine.model.models import ops
@@ -50,13 +50,13 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out), requires_grad=False) if bias else None
         self.packed = None
-        self.codes: dict[int, GroupCodes] = {}     # shard -> an int4 checkpoint's integers (on CPU), until pack
+        self.codes: dict[int, GroupCodes] = {}     # shard -> a pre-quantized checkpoint's integers (on CPU), until pack
         self.lora_ctx: LoraContext | None = None
         self.lora: dict[str, list[tuple[int, int, torch.Tensor, torch.Tensor]]] = {}  # adapter -> (offset, n, A, B)
 
     def pack(self, quantization: str = "none") -> None:
         """Switch to a pre-packed CPU GEMM weight (see packed.py), to a quantized one (quant.py), or to an
-        int4 checkpoint's codes on the int8 kernel; the plain weight is released."""
+        pre-quantized checkpoint's codes on the int8 kernel; the plain weight is released."""
         bias = None if self.bias is None or self.parallel == "row" else self.bias.data
         self.packed = self._pack_codes(bias) if self.codes else None
         if self.packed is None and quantization in LOAD_TIME:

@@ -97,7 +97,7 @@ def consort_int8(codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | 
                  order: torch.Tensor | None = None) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """int8 weights through the engine's kernel (`gemm_i8w_f32`, activations rounded per row to 16-bit
     integers inside it): codes [n, k] int8; fp32 scales [n] (one per output row, `int8`) or [n, groups]
-    (one per output row and group of group_size k: an int4 checkpoint's codes); fp32 activations and
+    (one per output row and group of group_size k: a pre-quantized checkpoint's codes); fp32 activations and
     output. `order`: the input column each code column multiplies (x's columns are gathered so; GPTQ
     act-order), None: in order. None where the kernel is not built or cannot take the groups (an odd
     group size)."""

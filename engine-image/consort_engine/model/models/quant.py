@@ -32,13 +32,13 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from consort_engine.model.int4_checkpoint import CHECKPOINT_FORMATS, checkpoint_format, resolve_quantization
+from consort_engine.model.quantized_checkpoint import CHECKPOINT_FORMATS, checkpoint_format, resolve_quantization
 from consort_engine.model.models.packed import consort_int8
 
 LOAD_TIME = ("int8", "w8a8", "fp8")              # quantized here, from a float checkpoint
-# CPU GEMMs that read fp32 rows (bf16 models run fp32 activations): int4 checkpoints' codes run the int8 kernel
+# CPU GEMMs that read fp32 rows (bf16 models run fp32 activations): pre-quantized checkpoints' codes run the int8 kernel
 FP32_ROW_QUANTIZATIONS = ("int8", "w8a8", *CHECKPOINT_FORMATS)
-# none: the checkpoint as it is (a pre-quantized one's codes as they are, model/int4_checkpoint.py); auto: the
+# none: the checkpoint as it is (a pre-quantized one's codes as they are, model/quantized_checkpoint.py); auto: the
 # same, spelled for "whatever the checkpoint is"; awq | gptq | compressed-tensors: the checkpoint must be that
 QUANTIZATIONS = ("none", "auto", *LOAD_TIME, *CHECKPOINT_FORMATS)
 INT8_MAX = 127.0

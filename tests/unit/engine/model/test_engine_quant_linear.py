@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from int4_checkpoints import runs_on_codes
+from quantized_checkpoints import runs_on_codes
 
 from consort_common.machine import cpu_model_and_flags
 from consort_engine.model import cpu_kernels as ck
-from consort_engine.model.int4_checkpoint import GroupCodes
+from consort_engine.model.quantized_checkpoint import GroupCodes
 from consort_engine.model.cpu_kernels import cpu_kernels
 from consort_engine.model.lora import LoraContext
 from consort_engine.model.models.packed import consort_int8

@@ -1,7 +1,7 @@
-"""Pre-quantized int4 checkpoints (AWQ, GPTQ, compressed-tensors; model/int4_checkpoint.py) through the
-whole engine against transformers running the fake-quantized model (the same dequantized weights in a
+"""Pre-quantized checkpoints (AWQ and GPTQ int4, compressed-tensors int4, W8A16 and W8A8;
+model/quantized_checkpoint.py) through the whole engine against transformers running the fake-quantized model (the same dequantized weights in a
 float checkpoint): greedy tokens match (near-tie rule of fidelity_helpers), with top-5 logprobs close,
-for tiny Llama and Qwen2 checkpoints written by transformers and packed by tests/int4_checkpoints.py.
+for tiny Llama and Qwen2 checkpoints written by transformers and packed by tests/quantized_checkpoints.py.
 Where the engine's int8 kernel is built, the decoder's linears run on their codes (act-order's too)."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import random
 
 import pytest
 from fidelity_helpers import assert_greedy_matches, check_logprobs_close, hf_greedy, make_checkpoint
-from int4_checkpoints import runs_on_codes, write_int4_checkpoint
+from quantized_checkpoints import runs_on_codes, write_quantized_checkpoint
 
 from consort_engine.config import EngineConfig
 from consort_engine.core.engine import LLMEngine
@@ -18,17 +18,20 @@ from consort_engine.model.cpu_kernels import cpu_kernels
 from consort_engine.model.models.layers import Linear
 
 FORMATS = {"awq": ("awq", {}), "gptq-act-order": ("gptq", dict(sym=True, act_order=True)),
-           "gptq-v2-asym": ("gptq", dict(v1=False)), "compressed-tensors": ("compressed-tensors", {})}
+           "gptq-v2-asym": ("gptq", dict(v1=False)), "compressed-tensors": ("compressed-tensors", {}),
+           "compressed-tensors-w8a16": ("compressed-tensors", dict(bits=8)),
+           "compressed-tensors-w8a8": ("compressed-tensors", dict(bits=8, layout="int-quantized", group=-1))}
 GROUP = 32      # the tiny checkpoints' hidden (64) and intermediate (160) sizes are multiples of it
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("fmt", list(FORMATS))
-def test_int4_checkpoint_greedy_matches_the_fake_quantized_model(tmp_path, arch, fmt):
+def test_quantized_checkpoint_greedy_matches_the_fake_quantized_model(tmp_path, arch, fmt):
     method, kw = FORMATS[fmt]
+    kw = dict(kw)
     src = make_checkpoint(arch, tmp_path)
-    quantized, fake = tmp_path / "int4", tmp_path / "fake"
-    write_int4_checkpoint(src, quantized, method, GROUP, fake_dst=fake, **kw)
+    quantized, fake = tmp_path / "quantized", tmp_path / "fake"
+    write_quantized_checkpoint(src, quantized, method, kw.pop("group", GROUP), fake_dst=fake, **kw)
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (5, 23, 60)]
     refs = hf_greedy(fake, prompts, 12)

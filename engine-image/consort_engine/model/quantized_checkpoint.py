@@ -1,14 +1,16 @@
-"""Pre-quantized int4 weight-only checkpoints: AWQ (GEMM), GPTQ (v1 and v2) and compressed-tensors
-pack-quantized. config.json's `quantization_config` names the format; at load every quantized linear
-(its packed int32 codes, zero points and fp16 scales) becomes its integers and scales (`GroupCodes`:
-code - zero as int8, one fp32 scale per output channel and group of input columns), exactly.
+"""Pre-quantized checkpoints: AWQ (GEMM) and GPTQ (v1 and v2) int4, compressed-tensors
+pack-quantized int4/int8 (W4A16, W8A16) and int-quantized int8 (W8A8). config.json's
+`quantization_config` names the format; at load every quantized linear (its packed codes, zero points
+and scales) becomes its integers and scales (`GroupCodes`: code - zero as int8, one fp32 scale per
+output channel and group of input columns), exactly.
 
 On CPU the engine keeps them so: each Linear multiplies them in the engine's int8 kernel with one scale
 per group (csrc/gemm_i8w.c; layers.Linear.pack), in a quarter of the fp32 weight's memory and at the
-int8 kernel's speed; GPTQ act-order's code columns are sorted by group and each GEMM's input gathered
-in that order. Elsewhere (CUDA; a CPU the kernel does not build for; a tensor-parallel cut inside a
-group or of act-order's columns) the weight is dequantized, w = (code - zero) * scale in fp32, and runs
-as a float checkpoint would. torch's own CPU int4 kernel
+int8 kernel's speed, each row of its input rounded to 16-bit integers (a W8A8 checkpoint's activations
+too: finer than the 8 bits it was calibrated for); GPTQ act-order's code columns are sorted by group
+and each GEMM's input gathered in that order. Elsewhere (CUDA; a CPU the kernel does not build for; a
+tensor-parallel cut inside a group or of act-order's columns) the weight is dequantized, w = (code -
+zero) * scale in fp32, and runs as a float checkpoint would. torch's own CPU int4 kernel
 (`aten._weight_int4pack_mm_for_cpu`) was measured and not kept (docs/engine-speed.md).
 
 The layouts (w = (q - zero) * scale, groups of `group_size` input columns, one scale per output
@@ -19,9 +21,11 @@ channel and group):
   `qzeros` int32 [groups, out/8], eight output columns per word in order; `scales` [groups, out];
   `g_idx` [in] the group of each input row (act-order permutes it). The v1 format (AutoGPTQ, the
   default `checkpoint_format`) stores each zero minus one; `gptq_v2` stores it as is.
-- compressed-tensors pack-quantized: `weight_packed` int32 [out, in/8], eight input columns per word
-  in order, each code the signed value + 8; `weight_scale` [out, groups]; `weight_shape` [out, in];
-  symmetric (no zero point).
+- compressed-tensors pack-quantized (weights only): `weight_packed` int32 [out, in * bits / 32],
+  32 / bits input columns per word in order, each code the signed value + 2^(bits - 1); `weight_scale`
+  [out, groups]; `weight_shape` [out, in]; symmetric (no zero point).
+- compressed-tensors int-quantized (int8 weights and dynamic int8 activations): `weight` int8 [out, in],
+  the signed values; `weight_scale` [out, groups]; symmetric.
 """
 from __future__ import annotations
 
@@ -34,18 +38,18 @@ from consort_engine.model.loader import iter_safetensors
 
 CHECKPOINT_FORMATS = ("awq", "gptq", "compressed-tensors")
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)      # nibble i of an AWQ word holds column AWQ_PACK_ORDER[i]
-BITS = 4
-PACK = 32 // BITS
-MAX_CODE = (1 << BITS) - 1
+PACK_QUANTIZED, INT_QUANTIZED = "pack-quantized", "int-quantized"
 
 
 @dataclass(frozen=True)
-class Int4Format:
-    """What config.json's quantization_config says about the packed weights."""
+class CheckpointFormat:
+    """What config.json's quantization_config says about the quantized weights."""
 
     method: str                  # awq | gptq | compressed-tensors
     group_size: int              # input columns per scale; -1: the whole row
     zeros_minus_one: bool = False    # GPTQ v1: every stored zero is the zero minus one
+    bits: int = 4
+    layout: str = PACK_QUANTIZED     # compressed-tensors: pack-quantized | int-quantized
 
     @property
     def parts(self) -> tuple[str, ...]:
@@ -54,7 +58,14 @@ class Int4Format:
             return ("qweight", "qzeros", "scales")
         if self.method == "gptq":
             return ("qweight", "qzeros", "scales", "g_idx")
+        if self.layout == INT_QUANTIZED:
+            return ("weight", "weight_scale")
         return ("weight_packed", "weight_scale", "weight_shape")
+
+    def is_part(self, leaf: str, tensor: torch.Tensor) -> bool:
+        """Whether a tensor is part of a quantized linear: int-quantized's `weight` is, as int8 only (a
+        float `weight` belongs to a module left unquantized: the embedding, the LM head, the norms)."""
+        return leaf in self.parts and (leaf != "weight" or tensor.dtype == torch.int8)
 
 
 def _need(cond: bool, what: str) -> None:
@@ -62,44 +73,61 @@ def _need(cond: bool, what: str) -> None:
         raise ValueError(f"unsupported quantization_config: {what}")
 
 
-def checkpoint_format(raw_config: dict[str, Any]) -> Int4Format | None:
-    """config.json -> the int4 format its weights are packed in, None for a float checkpoint; a clear
+def _compressed_tensors(qc: dict[str, Any]) -> CheckpointFormat:
+    layout = qc.get("format")
+    _need(layout in (PACK_QUANTIZED, INT_QUANTIZED),
+          f"compressed-tensors format {layout!r} ({PACK_QUANTIZED} or {INT_QUANTIZED})")
+    groups = list((qc.get("config_groups") or {}).values())
+    _need(len(groups) == 1, "compressed-tensors with other than one config group")
+    w, act = groups[0].get("weights") or {}, groups[0].get("input_activations")
+    bits = int(w.get("num_bits", 0))
+    _need(w.get("type", "int") == "int" and bits in ((4, 8) if layout == PACK_QUANTIZED else (8,)),
+          f"compressed-tensors {layout} weights of {bits} bits, type {w.get('type')!r}")
+    _need(bool(w.get("symmetric", True)), "asymmetric compressed-tensors weights")
+    _need(w.get("actorder") is None, "compressed-tensors act-order weights")
+    strategy = w.get("strategy", "group")
+    _need(strategy in ("group", "channel"), f"compressed-tensors strategy {strategy!r} (group or channel)")
+    if layout == PACK_QUANTIZED:
+        _need(act is None, "compressed-tensors pack-quantized with quantized activations")
+    else:     # the activations' own quantization is not applied: each GEMM rounds its rows to 16 bits
+        _need(act is not None and act.get("type", "int") == "int" and int(act.get("num_bits", 0)) == 8
+              and bool(act.get("dynamic", False)), "compressed-tensors int-quantized without dynamic int8 activations")
+    return CheckpointFormat("compressed-tensors", int(w.get("group_size") or -1) if strategy == "group" else -1,
+                            bits=bits, layout=layout)
+
+
+def checkpoint_format(raw_config: dict[str, Any]) -> CheckpointFormat | None:
+    """config.json -> the format its weights are quantized in, None for a float checkpoint; a clear
     ValueError for a quantized checkpoint this engine cannot read."""
     qc = raw_config.get("quantization_config")
     if not qc:
         return None
     method = str(qc.get("quant_method", "")).lower()
     if method == "awq":
-        _need(int(qc.get("bits", qc.get("w_bit", 4))) == BITS, f"awq bits {qc.get('bits')} (only 4)")
+        _need(int(qc.get("bits", qc.get("w_bit", 4))) == 4, f"awq bits {qc.get('bits')} (only 4)")
         _need(str(qc.get("version", "gemm")).lower() == "gemm", f"awq version {qc.get('version')!r} (only gemm)")
         _need(bool(qc.get("zero_point", True)), "awq without zero points")
-        return Int4Format("awq", int(qc.get("group_size", qc.get("q_group_size", 128))))
+        return CheckpointFormat("awq", int(qc.get("group_size", qc.get("q_group_size", 128))))
     if method == "gptq":
-        _need(int(qc.get("bits", 4)) == BITS, f"gptq bits {qc.get('bits')} (only 4)")
+        _need(int(qc.get("bits", 4)) == 4, f"gptq bits {qc.get('bits')} (only 4)")
         fmt = str(qc.get("checkpoint_format", "gptq")).lower()
         _need(fmt in ("gptq", "gptq_v2"), f"gptq checkpoint_format {fmt!r} (gptq or gptq_v2)")
-        return Int4Format("gptq", int(qc.get("group_size", 128)), zeros_minus_one=fmt == "gptq")
+        return CheckpointFormat("gptq", int(qc.get("group_size", 128)), zeros_minus_one=fmt == "gptq")
     if method == "compressed-tensors":
-        _need(qc.get("format") == "pack-quantized", f"compressed-tensors format {qc.get('format')!r} (only pack-quantized)")
-        groups = list((qc.get("config_groups") or {}).values())
-        _need(len(groups) == 1, "compressed-tensors with other than one config group")
-        w = groups[0].get("weights") or {}
-        _need(int(w.get("num_bits", 0)) == BITS and w.get("type", "int") == "int", "compressed-tensors weights not int4")
-        _need(bool(w.get("symmetric", True)), "asymmetric compressed-tensors weights")
-        _need(groups[0].get("input_activations") is None, "compressed-tensors with quantized activations")
-        strategy = w.get("strategy", "group")
-        _need(strategy in ("group", "channel"), f"compressed-tensors strategy {strategy!r} (group or channel)")
-        return Int4Format("compressed-tensors", int(w.get("group_size") or -1) if strategy == "group" else -1)
+        return _compressed_tensors(qc)
     raise ValueError(f"unsupported quantization_config: quant_method {method!r}; "
-                     f"readable: {', '.join(CHECKPOINT_FORMATS)} (int4)")
+                     f"readable: awq and gptq (int4), compressed-tensors (int4, int8)")
 
 
-def unpack_columns(packed: torch.Tensor, order: tuple[int, ...] = tuple(range(PACK))) -> torch.Tensor:
-    """int32 [r, c] -> codes [r, 8c], word j's nibble i landing in column 8j + order[i]."""
-    shifts = torch.arange(0, 32, BITS, dtype=torch.int32)
-    codes = (packed.unsqueeze(-1) >> shifts) & MAX_CODE            # [r, c, 8], nibble i at i
-    inverse = [order.index(k) for k in range(PACK)]                 # column k comes from nibble inverse[k]
-    return codes[..., inverse].reshape(packed.shape[0], -1)
+def unpack_columns(packed: torch.Tensor, order: tuple[int, ...] | None = None, bits: int = 4) -> torch.Tensor:
+    """int32 [r, c] -> codes [r, (32 / bits) c], word j's field i (bits wide, from the low end) landing in
+    column (32 / bits) j + order[i] (None: + i)."""
+    per = 32 // bits
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    codes = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)    # [r, c, per], field i at i
+    if order is not None:
+        codes = codes[..., [order.index(k) for k in range(per)]]    # column k comes from field order.index(k)
+    return codes.reshape(packed.shape[0], -1)
 
 
 def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
@@ -113,11 +141,11 @@ def _group_index(in_features: int, group_size: int) -> torch.Tensor:
 
 @dataclass
 class GroupCodes:
-    """One linear's int4 weight as its integers: W[:, order] = codes * scales[:, j // group_size] for the
+    """One linear's quantized weight as its integers: W[:, order] = codes * scales[:, j // group_size] for the
     codes' column j. `order` (GPTQ act-order) is the input column each code column holds, so that every
     group is a run of code columns; None: in order."""
 
-    codes: torch.Tensor          # int8 [out, in]: code - zero, in [-16, 15]
+    codes: torch.Tensor          # int8 [out, in]: code - zero (int4: in [-16, 15]; int8: in [-128, 127])
     scales: torch.Tensor         # float32 [out, groups]
     group_size: int              # input columns per scale; -1: the whole row
     order: torch.Tensor | None = None    # int64 [in]: code column j is input column order[j]
@@ -191,23 +219,26 @@ def gptq_weight(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tenso
 
 
 def pack_quantized_codes(weight_packed: torch.Tensor, weight_scale: torch.Tensor, weight_shape: torch.Tensor,
-                         group_size: int) -> GroupCodes:
-    """compressed-tensors pack-quantized tensors -> the linear's integers and scales."""
+                         group_size: int, bits: int = 4) -> GroupCodes:
+    """compressed-tensors pack-quantized tensors (int4 or int8 codes) -> the linear's integers and scales."""
     out, inp = (int(v) for v in weight_shape.tolist())
-    q = unpack_columns(weight_packed)[:out, :inp] - (1 << (BITS - 1))
+    q = unpack_columns(weight_packed, bits=bits)[:out, :inp] - (1 << (bits - 1))
     return GroupCodes(q.to(torch.int8), weight_scale.float().reshape(out, -1).contiguous(), group_size)
 
 
-def _weight(fmt: Int4Format, t: dict[str, torch.Tensor]) -> GroupCodes | torch.Tensor:
+def _weight(fmt: CheckpointFormat, t: dict[str, torch.Tensor]) -> GroupCodes | torch.Tensor:
     if fmt.method == "awq":
         return awq_codes(t["qweight"], t["qzeros"], t["scales"], fmt.group_size)
     if fmt.method == "gptq":
         return gptq_weight(t["qweight"], t["qzeros"], t["scales"], t.get("g_idx"), fmt.group_size,
                            fmt.zeros_minus_one)
-    return pack_quantized_codes(t["weight_packed"], t["weight_scale"], t["weight_shape"], fmt.group_size)
+    if fmt.layout == INT_QUANTIZED:
+        w = t["weight"]
+        return GroupCodes(w.contiguous(), t["weight_scale"].float().reshape(w.shape[0], -1).contiguous(), fmt.group_size)
+    return pack_quantized_codes(t["weight_packed"], t["weight_scale"], t["weight_shape"], fmt.group_size, fmt.bits)
 
 
-def unpacked_tensors(fmt: Int4Format, tensors: Iterable[tuple[str, torch.Tensor]],
+def unpacked_tensors(fmt: CheckpointFormat, tensors: Iterable[tuple[str, torch.Tensor]],
                      keep_codes: bool) -> Iterator[tuple[str, GroupCodes | torch.Tensor]]:
     """The checkpoint's tensors with every quantized linear's parts replaced by its `PREFIX.weight`,
     yielded as soon as its parts are all read: its GroupCodes (keep_codes), else W float32; every other
@@ -219,7 +250,7 @@ def unpacked_tensors(fmt: Int4Format, tensors: Iterable[tuple[str, torch.Tensor]
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in tensors:
         prefix, _, leaf = name.rpartition(".")
-        if leaf not in fmt.parts:
+        if not fmt.is_part(leaf, tensor):
             yield name, tensor
             continue
         parts = pending.setdefault(prefix, {})
@@ -233,7 +264,7 @@ def unpacked_tensors(fmt: Int4Format, tensors: Iterable[tuple[str, torch.Tensor]
             raise ValueError(f"{fmt.method} checkpoint: {prefix} lacks {sorted(set(fmt.parts) - set(parts))}")
 
 
-def checkpoint_weights(model_dir: str, fmt: Int4Format | None, dtype: torch.dtype,
+def checkpoint_weights(model_dir: str, fmt: CheckpointFormat | None, dtype: torch.dtype,
                        keep_codes: bool = False) -> Iterator[tuple[str, GroupCodes | torch.Tensor]]:
     """Every tensor of the checkpoint in `dtype` (fmt from checkpoint_format); its quantized linears'
     weights as GroupCodes (keep_codes) or dequantized."""
@@ -243,7 +274,7 @@ def checkpoint_weights(model_dir: str, fmt: Int4Format | None, dtype: torch.dtyp
     return ((name, t if isinstance(t, GroupCodes) else t.to(dtype)) for name, t in tensors)
 
 
-def resolve_quantization(requested: str, fmt: Int4Format | None) -> str:
+def resolve_quantization(requested: str, fmt: CheckpointFormat | None) -> str:
     """--quantization against the checkpoint -> the quantization the model runs: none | int8 | w8a8 | fp8
     (applied at load) for a float checkpoint, the checkpoint's format (awq | gptq | compressed-tensors)
     for a pre-quantized one. A pre-quantized checkpoint takes `none`, `auto` or its own format's name;
@@ -254,6 +285,6 @@ def resolve_quantization(requested: str, fmt: Int4Format | None) -> str:
                              "(config.json has no quantization_config)")
         return "none" if requested == "auto" else requested
     if requested not in ("none", "auto", fmt.method):
-        raise ValueError(f"--quantization {requested}: the checkpoint is already quantized ({fmt.method} int4); "
+        raise ValueError(f"--quantization {requested}: the checkpoint is already quantized ({fmt.method} int{fmt.bits}); "
                          f"use auto or {fmt.method}")
     return fmt.method

@@ -1,7 +1,7 @@
-"""Pre-quantized int4 checkpoints (model/int4_checkpoint.py): the engine's unpacked integers and scales
+"""Pre-quantized int4 checkpoints (model/quantized_checkpoint.py): the engine's unpacked integers and scales
 (GroupCodes) are the reference's codes minus zeros and its scales, and the weights they make equal the
 reference (code - zero) * scale exactly, for AWQ GEMM, GPTQ (v1/v2; act-order dequantized) and
-compressed-tensors pack-quantized written by tests/int4_checkpoints.py; a spec-by-hand unpack of single
+compressed-tensors pack-quantized written by tests/quantized_checkpoints.py; a spec-by-hand unpack of single
 words; tensor-parallel cuts of the codes; format detection from config.json and the --quantization
 agreement rules."""
 from __future__ import annotations
@@ -10,12 +10,13 @@ import json
 
 import pytest
 import torch
-from int4_checkpoints import AWQ_ORDER, pack_awq, pack_compressed_tensors, pack_gptq, quantize_int4, write_int4_checkpoint
+from quantized_checkpoints import (AWQ_ORDER, int_quantized, pack_awq, pack_compressed_tensors, pack_gptq, quantize_int,
+                                   write_quantized_checkpoint)
 from safetensors.torch import save_file
 
-from consort_engine.model.int4_checkpoint import (GroupCodes, Int4Format, awq_codes, checkpoint_format,
+from consort_engine.model.quantized_checkpoint import (GroupCodes, CheckpointFormat, awq_codes, checkpoint_format,
                                                   checkpoint_weights, gptq_weight, pack_quantized_codes,
-                                                  resolve_quantization, unpack_columns)
+                                                  resolve_quantization, unpack_columns, unpacked_tensors)
 from consort_engine.model.models.quant import check_checkpoint_quantization
 
 OUT, IN = 48, 256
@@ -43,7 +44,7 @@ def test_one_awq_word_unpacks_in_the_interleaved_order():
 
 @pytest.mark.parametrize("group_size", [64, -1])
 def test_awq_unpacks_to_the_reference_weight_exactly(group_size):
-    q = quantize_int4(weight(), group_size, sym=False)
+    q = quantize_int(weight(), group_size, sym=False)
     t = pack_awq(q)
     assert t["qweight"].shape == (IN, OUT // 8) and t["qzeros"].shape == (q.zeros.shape[1], OUT // 8)
     codes = awq_codes(t["qweight"], t["qzeros"], t["scales"], group_size)
@@ -59,7 +60,7 @@ def test_awq_unpacks_to_the_reference_weight_exactly(group_size):
 @pytest.mark.parametrize("sym,act_order", [(True, False), (False, True), (True, True)])
 def test_gptq_unpacks_to_the_reference_weight_exactly(v1, sym, act_order):
     perm = torch.randperm(IN, generator=torch.Generator().manual_seed(3)) if act_order else None
-    q = quantize_int4(weight(1), 64, sym, perm)
+    q = quantize_int(weight(1), 64, sym, perm)
     t = pack_gptq(q, v1)
     assert t["qweight"].shape == (IN // 8, OUT)
     got = gptq_weight(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], 64, zeros_minus_one=v1)
@@ -78,7 +79,7 @@ def test_gptq_unpacks_to_the_reference_weight_exactly(v1, sym, act_order):
 
 def test_a_g_idx_of_unequal_groups_is_dequantized():
     """Groups that act-order's sort cannot make runs of group_size columns: the weight, dequantized."""
-    q = quantize_int4(weight(1), 64, True)
+    q = quantize_int(weight(1), 64, True)
     t = pack_gptq(q, True)
     g_idx = t["g_idx"].clone()
     g_idx[:3] = 1                                   # group 0 is 61 columns, group 1 67
@@ -89,8 +90,27 @@ def test_a_g_idx_of_unequal_groups_is_dequantized():
 
 
 @pytest.mark.parametrize("group_size", [32, -1])
+def test_compressed_tensors_int8_unpacks_exactly(group_size):
+    """W8A16 (pack-quantized, four codes a word, each the signed value + 128) and W8A8 (int-quantized: the
+    int8 values as they are) give the integers and the weight exactly."""
+    q = quantize_int(weight(3), group_size, sym=True, bits=8)
+    t = pack_compressed_tensors(q, bits=8)
+    assert t["weight_packed"].shape == (OUT, IN // 4)
+    codes = pack_quantized_codes(t["weight_packed"], t["weight_scale"], t["weight_shape"], group_size, bits=8)
+    assert torch.equal(codes.codes, (q.codes - 128).to(torch.int8)) and int(codes.codes.abs().max()) == 127
+    assert torch.equal(codes.dequantize(), q.dequantized())
+    # read as int4 (eight codes a word) the same words are another weight
+    assert not torch.equal(unpack_columns(t["weight_packed"])[:, :IN], q.codes)
+    fmt = CheckpointFormat("compressed-tensors", group_size, bits=8, layout="int-quantized")
+    t = int_quantized(q)
+    got = dict(unpacked_tensors(fmt, [("l.weight", t["weight"]), ("l.weight_scale", t["weight_scale"]),
+                                      ("norm.weight", torch.ones(4))], keep_codes=True))
+    assert torch.equal(got["l.weight"].dequantize(), q.dequantized()) and torch.equal(got["norm.weight"], torch.ones(4))
+
+
+@pytest.mark.parametrize("group_size", [32, -1])
 def test_compressed_tensors_pack_quantized_unpacks_exactly(group_size):
-    q = quantize_int4(weight(2), group_size, sym=True)
+    q = quantize_int(weight(2), group_size, sym=True)
     t = pack_compressed_tensors(q)
     assert t["weight_packed"].shape == (OUT, IN // 8)
     codes = pack_quantized_codes(t["weight_packed"], t["weight_scale"], t["weight_shape"], group_size)
@@ -102,14 +122,14 @@ def test_compressed_tensors_pack_quantized_unpacks_exactly(group_size):
 def test_tensor_parallel_cuts_of_the_codes_are_the_cuts_of_the_weight(group_size):
     """Rows (column-parallel) and whole groups of columns (row-parallel) cut the integers and their scales
     as they cut the dequantized weight; a column cut inside a group is refused (None: dequantized)."""
-    t = pack_awq(quantize_int4(weight(4), group_size, sym=False))
+    t = pack_awq(quantize_int(weight(4), group_size, sym=False))
     codes = awq_codes(t["qweight"], t["qzeros"], t["scales"], group_size)
     w = codes.dequantize()
     assert torch.equal(codes.rows(slice(16, 32)).dequantize(), w[16:32])
     for cut in (slice(0, 128), slice(128, 256), slice(64, 192)):
         assert torch.equal(codes.columns(cut).dequantize(), w[:, cut])
     assert (codes.columns(slice(32, 160)) is None) == (group_size == 64)
-    q = quantize_int4(weight(4), 64, True, torch.randperm(IN, generator=torch.Generator().manual_seed(1)))
+    q = quantize_int(weight(4), 64, True, torch.randperm(IN, generator=torch.Generator().manual_seed(1)))
     t = pack_gptq(q, True)
     act_order = gptq_weight(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], 64, zeros_minus_one=True)
     assert torch.equal(act_order.rows(slice(8, 24)).dequantize(), q.dequantized()[8:24])
@@ -118,15 +138,30 @@ def test_tensor_parallel_cuts_of_the_codes_are_the_cuts_of_the_weight(group_size
 
 CONFIGS = {
     "awq": ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
-            Int4Format("awq", 128)),
+            CheckpointFormat("awq", 128)),
     "gptq": ({"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True, "sym": True},
-             Int4Format("gptq", 32, zeros_minus_one=True)),
+             CheckpointFormat("gptq", 32, zeros_minus_one=True)),
     "gptq_v2": ({"quant_method": "gptq", "bits": 4, "group_size": -1, "checkpoint_format": "gptq_v2"},
-                Int4Format("gptq", -1)),
+                CheckpointFormat("gptq", -1)),
     "ct": ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {
         "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 64}}}},
-           Int4Format("compressed-tensors", 64)),
+           CheckpointFormat("compressed-tensors", 64)),
+    "ct-w8a16": ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {
+        "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "group", "group_size": 128},
+        "input_activations": None}}}, CheckpointFormat("compressed-tensors", 128, bits=8)),
+    "ct-w8a8": ({"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": {"g": {
+        "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"},
+        "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}}}},
+                CheckpointFormat("compressed-tensors", -1, bits=8, layout="int-quantized")),
 }
+
+W8A8_ACTIVATIONS = {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True}
+
+
+def ct(layout: str, bits: int, activations: dict | None, **weights) -> dict:
+    return {"quant_method": "compressed-tensors", "format": layout, "config_groups": {"g": {
+        "weights": {"num_bits": bits, "type": "int", "symmetric": True, "strategy": "channel", **weights},
+        "input_activations": activations}}}
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -140,7 +175,14 @@ def test_format_is_read_from_quantization_config(name):
     ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "gemm"),
     ({"quant_method": "gptq", "bits": 8}, "only 4"),
     ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}, "checkpoint_format"),
-    ({"quant_method": "compressed-tensors", "format": "float-quantized"}, "pack-quantized"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized"}, "pack-quantized or int-quantized"),
+    (ct("pack-quantized", 2, None), "pack-quantized weights of 2 bits"),
+    (ct("int-quantized", 4, W8A8_ACTIVATIONS), "int-quantized weights of 4 bits"),
+    (ct("pack-quantized", 8, W8A8_ACTIVATIONS), "pack-quantized with quantized activations"),
+    (ct("int-quantized", 8, None), "without dynamic int8 activations"),
+    (ct("int-quantized", 8, {**W8A8_ACTIVATIONS, "dynamic": False}), "without dynamic int8 activations"),
+    (ct("pack-quantized", 4, None, symmetric=False), "asymmetric"),
+    (ct("pack-quantized", 4, None, actorder="group"), "act-order"),
     ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes'"),
 ])
 def test_unreadable_formats_are_clear_errors(qc, words):
@@ -149,7 +191,7 @@ def test_unreadable_formats_are_clear_errors(qc, words):
 
 
 def test_quantization_flag_must_agree_with_the_checkpoint():
-    awq = Int4Format("awq", 128)
+    awq = CheckpointFormat("awq", 128)
     for ok in ("none", "auto", "awq"):
         assert resolve_quantization(ok, awq) == "awq"
     for bad in ("gptq", "int8", "w8a8", "fp8", "compressed-tensors"):
@@ -161,7 +203,9 @@ def test_quantization_flag_must_agree_with_the_checkpoint():
 
 
 @pytest.mark.parametrize("method,kw", [("awq", {}), ("gptq", dict(sym=True, act_order=True)),
-                                        ("gptq", dict(v1=False)), ("compressed-tensors", {})])
+                                        ("gptq", dict(v1=False)), ("compressed-tensors", {}),
+                                        ("compressed-tensors", dict(bits=8)),
+                                        ("compressed-tensors", dict(bits=8, layout="int-quantized"))])
 def test_checkpoint_weights_give_every_linear_as_codes_or_dequantized(tmp_path, method, kw):
     """A whole checkpoint directory: quantized linears come out as PREFIX.weight, their integers (CPU) or
     dequantized, equal to the reference; every other tensor unchanged, in the dtype asked for; the flag
@@ -176,7 +220,7 @@ def test_checkpoint_weights_give_every_linear_as_codes_or_dequantized(tmp_path, 
     save_file(tensors, str(src / "model.safetensors"))
     (src / "config.json").write_text(json.dumps({"model_type": "llama"}))
     dst = tmp_path / "q"
-    reference = write_int4_checkpoint(src, dst, method, 32, **kw)
+    reference = write_quantized_checkpoint(src, dst, method, 32, **kw)
     fmt = checkpoint_format(json.loads((dst / "config.json").read_text()))
     got = dict(checkpoint_weights(str(dst), fmt, torch.float32))
     assert set(got) == set(tensors)
@@ -195,10 +239,10 @@ def test_checkpoint_weights_give_every_linear_as_codes_or_dequantized(tmp_path, 
 
 
 def test_a_linear_missing_a_part_is_named(tmp_path):
-    q = pack_awq(quantize_int4(weight(), 64, sym=False))
+    q = pack_awq(quantize_int(weight(), 64, sym=False))
     save_file({"l.qweight": q["qweight"], "l.scales": q["scales"]}, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match=r"l lacks \['qzeros'\]"):
-        list(checkpoint_weights(str(tmp_path), Int4Format("awq", 64), torch.float32))
+        list(checkpoint_weights(str(tmp_path), CheckpointFormat("awq", 64), torch.float32))
 
 
 def test_engine_cli_refuses_a_flag_the_checkpoint_disagrees_with(tmp_path):
@@ -208,7 +252,7 @@ def test_engine_cli_refuses_a_flag_the_checkpoint_disagrees_with(tmp_path):
     src.mkdir()
     save_file({"model.layers.0.mlp.up_proj.weight": weight()}, str(src / "model.safetensors"))
     (src / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    write_int4_checkpoint(src, tmp_path / "gptq", "gptq", 64)
+    write_quantized_checkpoint(src, tmp_path / "gptq", "gptq", 64)
     assert config_from_args(parse_args(["--model", str(tmp_path / "gptq"), "--port", "8000", "--quantization", "gptq"])).quantization == "gptq"
     with pytest.raises(SystemExit, match="--quantization: --quantization awq: the checkpoint is already quantized"):
         config_from_args(parse_args(["--model", str(tmp_path / "gptq"), "--port", "8000", "--quantization", "awq"]))

@@ -1,7 +1,8 @@
-"""Writes int4 weight-only checkpoints (AWQ GEMM, GPTQ v1/v2, compressed-tensors pack-quantized) from a
-float checkpoint, bit by bit as each format's spec lays them out, and the fake-quantized float
+"""Writes pre-quantized checkpoints (AWQ GEMM and GPTQ v1/v2 int4, compressed-tensors pack-quantized int4
+and int8, compressed-tensors int-quantized int8) from a float checkpoint, bit by bit as each format's
+spec lays them out, and the fake-quantized float
 checkpoint with the same weights for transformers. Independent of the engine's unpacker
-(consort_engine/model/int4_checkpoint.py): packing here is a loop over nibbles, and the reference
+(consort_engine/model/quantized_checkpoint.py): packing here is a loop over nibbles, and the reference
 weight is (code - zero) * scale computed from the integers before they are packed.
 """
 from __future__ import annotations
@@ -20,9 +21,9 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)      # AutoAWQ GEMM: nibble i of a word hol
 
 
 @dataclass
-class Int4Linear:
-    codes: torch.Tensor      # [out, in] int64 in 0..15
-    zeros: torch.Tensor      # [out, groups] int64 in 0..15
+class IntLinear:
+    codes: torch.Tensor      # [out, in] int64 in 0..2^bits - 1
+    zeros: torch.Tensor      # [out, groups] int64 in 0..2^bits - 1
     scales: torch.Tensor     # [out, groups] float16
     g_idx: torch.Tensor      # [in] int64: the group of each input column
 
@@ -30,11 +31,14 @@ class Int4Linear:
         return (self.codes - self.zeros[:, self.g_idx]).float() * self.scales.float()[:, self.g_idx]
 
 
-def quantize_int4(w: torch.Tensor, group_size: int, sym: bool, perm: torch.Tensor | None = None) -> Int4Linear:
-    """Round-to-nearest int4 per (output row, group of input columns); `perm` (GPTQ act-order) is the order
-    the columns are grouped in, the codes staying in the original column order."""
+def quantize_int(w: torch.Tensor, group_size: int, sym: bool, perm: torch.Tensor | None = None,
+                 bits: int = 4) -> IntLinear:
+    """Round-to-nearest integers of `bits` per (output row, group of input columns); `perm` (GPTQ
+    act-order) is the order the columns are grouped in, the codes staying in the original column order.
+    Symmetric: zero 2^(bits - 1), the group's absolute maximum at 2^(bits - 1) - 1 steps."""
     out, inp = w.shape
     gs = inp if group_size == -1 else group_size
+    top, half = (1 << bits) - 1, 1 << (bits - 1)
     order = torch.arange(inp) if perm is None else perm
     g_idx = torch.empty(inp, dtype=torch.long)
     g_idx[order] = torch.arange(inp) // gs
@@ -44,15 +48,15 @@ def quantize_int4(w: torch.Tensor, group_size: int, sym: bool, perm: torch.Tenso
     for g in range(groups):
         cols = w[:, g_idx == g].float()
         if sym:
-            scale = (cols.abs().amax(1) / 7.0).clamp(min=1e-6).half()
-            zero = torch.full((out,), 8, dtype=torch.long)
+            scale = (cols.abs().amax(1) / (half - 1)).clamp(min=1e-6).half()
+            zero = torch.full((out,), half, dtype=torch.long)
         else:
             lo, hi = cols.amin(1).clamp(max=0), cols.amax(1).clamp(min=0)
-            scale = ((hi - lo) / 15.0).clamp(min=1e-6).half()
-            zero = torch.round(-lo / scale.float()).long().clamp(0, 15)
+            scale = ((hi - lo) / top).clamp(min=1e-6).half()
+            zero = torch.round(-lo / scale.float()).long().clamp(0, top)
         zeros[:, g], scales[:, g] = zero, scale
     codes = torch.round(w.float() / scales.float()[:, g_idx]).long() + zeros[:, g_idx]
-    return Int4Linear(codes.clamp(0, 15), zeros, scales, g_idx)
+    return IntLinear(codes.clamp(0, top), zeros, scales, g_idx)
 
 
 def _int32(words: torch.Tensor) -> torch.Tensor:
@@ -60,49 +64,63 @@ def _int32(words: torch.Tensor) -> torch.Tensor:
     return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
 
 
-def pack_last_dim(values: torch.Tensor, order: tuple[int, ...] = tuple(range(8))) -> torch.Tensor:
-    """[r, 8c] codes -> int32 [r, c]: word j's bits 4i..4i+3 hold value 8j + order[i]."""
+def pack_last_dim(values: torch.Tensor, order: tuple[int, ...] | None = None, bits: int = 4) -> torch.Tensor:
+    """[r, per c] codes -> int32 [r, c] (per = 32 / bits): word j's bits i*bits.. hold value per j + order[i]."""
     r, n = values.shape
-    words = torch.zeros(r, n // 8, dtype=torch.int64)
-    for j in range(n // 8):
-        for i in range(8):
-            words[:, j] |= values[:, 8 * j + order[i]] << (4 * i)
+    per = 32 // bits
+    order = order or tuple(range(per))
+    words = torch.zeros(r, n // per, dtype=torch.int64)
+    for j in range(n // per):
+        for i in range(per):
+            words[:, j] |= values[:, per * j + order[i]] << (bits * i)
     return _int32(words)
 
 
-def pack_awq(q: Int4Linear) -> dict[str, torch.Tensor]:
+def pack_awq(q: IntLinear) -> dict[str, torch.Tensor]:
     return {"qweight": pack_last_dim(q.codes.t(), AWQ_ORDER), "qzeros": pack_last_dim(q.zeros.t(), AWQ_ORDER),
             "scales": q.scales.t().contiguous()}
 
 
-def pack_gptq(q: Int4Linear, v1: bool) -> dict[str, torch.Tensor]:
+def pack_gptq(q: IntLinear, v1: bool) -> dict[str, torch.Tensor]:
     return {"qweight": pack_last_dim(q.codes).t().contiguous(),            # [in/8, out]: 8 input rows a word
             "qzeros": pack_last_dim(q.zeros.t() - int(v1)),             # v1 stores zero - 1
             "scales": q.scales.t().contiguous(), "g_idx": q.g_idx.to(torch.int32)}
 
 
-def pack_compressed_tensors(q: Int4Linear) -> dict[str, torch.Tensor]:
-    assert bool((q.zeros == 8).all()), "pack-quantized is symmetric: codes are the signed value + 8"
-    return {"weight_packed": pack_last_dim(q.codes), "weight_scale": q.scales.contiguous(),
+def pack_compressed_tensors(q: IntLinear, bits: int = 4) -> dict[str, torch.Tensor]:
+    assert bool((q.zeros == 1 << (bits - 1)).all()), "pack-quantized is symmetric: codes are the signed value + 2^(bits-1)"
+    return {"weight_packed": pack_last_dim(q.codes, bits=bits), "weight_scale": q.scales.contiguous(),
             "weight_shape": torch.tensor(list(q.codes.shape), dtype=torch.int64)}
 
 
-def quantization_config(method: str, group_size: int, sym: bool, act_order: bool, v1: bool) -> dict:
+def int_quantized(q: IntLinear) -> dict[str, torch.Tensor]:
+    """compressed-tensors int-quantized: the signed int8 values as they are, the scales beside them."""
+    assert bool((q.zeros == 128).all()), "int-quantized is symmetric"
+    return {"weight": (q.codes - 128).to(torch.int8), "weight_scale": q.scales.contiguous()}
+
+
+def quantization_config(method: str, group_size: int, sym: bool, act_order: bool, v1: bool, bits: int = 4,
+                        layout: str = "pack-quantized") -> dict:
     if method == "awq":
         return {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm"}
     if method == "gptq":
         return {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": act_order, "sym": sym,
                 "checkpoint_format": "gptq" if v1 else "gptq_v2"}
-    return {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
-            "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "weights": {
-                "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": group_size}}}}
+    strategy = {"strategy": "channel"} if group_size == -1 else {"strategy": "group", "group_size": group_size}
+    activations = ({"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
+                   if layout == "int-quantized" else None)
+    return {"quant_method": "compressed-tensors", "format": layout, "ignore": ["lm_head"],
+            "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": activations, "weights": {
+                "num_bits": bits, "type": "int", "symmetric": True, "dynamic": False, **strategy}}}}
 
 
-def write_int4_checkpoint(src: Path, dst: Path, method: str, group_size: int, sym: bool = False,
-                          act_order: bool = False, v1: bool = True, fake_dst: Path | None = None) -> dict[str, torch.Tensor]:
-    """Quantize src's decoder linears into dst in `method`'s layout (everything else copied); with
-    fake_dst, also write the float checkpoint of the dequantized weights. Returns weight name ->
-    dequantized float32 weight."""
+def write_quantized_checkpoint(src: Path, dst: Path, method: str, group_size: int, sym: bool = False,
+                               act_order: bool = False, v1: bool = True, fake_dst: Path | None = None,
+                               bits: int = 4, layout: str = "pack-quantized") -> dict[str, torch.Tensor]:
+    """Quantize src's decoder linears into dst in `method`'s layout (everything else copied); `bits` and
+    `layout` (pack-quantized | int-quantized: int8 only) for compressed-tensors; with fake_dst, also write
+    the float checkpoint of the dequantized weights. Returns weight name -> dequantized float32 weight."""
+    assert bits == 4 or method == "compressed-tensors", "AWQ and GPTQ are written as int4"
     sym = sym or method == "compressed-tensors"
     dst.mkdir(parents=True)
     for f in src.iterdir():
@@ -121,15 +139,15 @@ def write_int4_checkpoint(src: Path, dst: Path, method: str, group_size: int, sy
         # act-order sorts by the input's statistics: projections of one input (q/k/v, gate/up) share it
         key = (prefix.rpartition(".")[0], SAME_INPUT.get(prefix.rpartition(".")[2], prefix))
         perm = perms.setdefault(key, torch.randperm(t.shape[1], generator=g)) if act_order else None
-        q = quantize_int4(t, group_size, sym, perm)
+        q = quantize_int(t, group_size, sym, perm, bits)
         parts = (pack_awq(q) if method == "awq" else pack_gptq(q, v1) if method == "gptq"
-                 else pack_compressed_tensors(q))
+                 else int_quantized(q) if layout == "int-quantized" else pack_compressed_tensors(q, bits))
         packed.update({f"{prefix}.{k}": v for k, v in parts.items()})
         reference[name] = q.dequantized()
         fake[name] = reference[name].to(t.dtype)
     save_file(packed, str(dst / "model.safetensors"))
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = quantization_config(method, group_size, sym, act_order, v1)
+    config["quantization_config"] = quantization_config(method, group_size, sym, act_order, v1, bits, layout)
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     if fake_dst is not None:
         shutil.copytree(src, fake_dst)
@@ -138,6 +156,6 @@ def write_int4_checkpoint(src: Path, dst: Path, method: str, group_size: int, sy
 
 
 def runs_on_codes(linear) -> bool:
-    """Whether an engine Linear multiplies int8 codes (the int8 kernel: `int8`, an int4 checkpoint's codes)
+    """Whether an engine Linear multiplies int8 codes (the int8 kernel: `int8`, a pre-quantized checkpoint's codes)
     rather than a float weight: its packed GEMM holds an int8 tensor."""
     return any(isinstance(w, torch.Tensor) and w.dtype == torch.int8 for w in getattr(linear.packed, "weights", ()))
