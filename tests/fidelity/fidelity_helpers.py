@@ -223,19 +223,25 @@ def held_out_case(root: Path, n: int = 6, length: int = 160) -> HeldOut:
     return HeldOut(ckpt, prompts, refs)
 
 
-def engine_prompt_logprobs(ckpt: Path, prompts: list[list[int]], **config) -> list:
-    """The engine's prompt logprobs (top-1 alternatives included) of each prompt."""
+def run_engine(ckpt: Path, seqs: list, **config):
+    """A warmed-up engine on the checkpoint (256 KV blocks, `config` on top) that has run `seqs` to the end."""
     from consort_engine.config import EngineConfig
     from consort_engine.core.engine import LLMEngine
-    from consort_engine.kv.sequence import SamplingParams, Sequence
     engine = LLMEngine(EngineConfig(model=str(ckpt), num_blocks=256, **config))
     engine.warmup()
-    seqs = [Sequence(list(p), SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, prompt_logprobs=1))
-            for p in prompts]
     for s in seqs:
         engine.add_request(s)
     while any(not s.is_finished for s in seqs):
         engine.step()
+    return engine
+
+
+def engine_prompt_logprobs(ckpt: Path, prompts: list[list[int]], **config) -> list:
+    """The engine's prompt logprobs (top-1 alternatives included) of each prompt."""
+    from consort_engine.kv.sequence import SamplingParams, Sequence
+    seqs = [Sequence(list(p), SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, prompt_logprobs=1))
+            for p in prompts]
+    run_engine(ckpt, seqs, **config)
     return [s.prompt_logprobs for s in seqs]
 
 

@@ -8,11 +8,9 @@ from __future__ import annotations
 import random
 
 import pytest
-from fidelity_helpers import assert_greedy_matches, check_logprobs_close, hf_greedy, make_checkpoint
+from fidelity_helpers import assert_greedy_matches, check_logprobs_close, hf_greedy, make_checkpoint, run_engine
 from quantized_checkpoints import runs_on_codes, write_quantized_checkpoint
 
-from consort_engine.config import EngineConfig
-from consort_engine.core.engine import LLMEngine
 from consort_engine.kv.sequence import SamplingParams, Sequence
 from consort_engine.model.cpu_kernels import cpu_kernels
 from consort_engine.model.models.layers import Linear
@@ -35,14 +33,9 @@ def test_quantized_checkpoint_greedy_matches_the_fake_quantized_model(tmp_path, 
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (5, 23, 60)]
     refs = hf_greedy(fake, prompts, 12)
-    engine = LLMEngine(EngineConfig(model=str(quantized), dtype="float32", quantization="auto", num_blocks=256))
-    engine.warmup()
     seqs = [Sequence(list(p), SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=5))
             for p in prompts]
-    for s in seqs:
-        engine.add_request(s)
-    while any(not s.is_finished for s in seqs):
-        engine.step()
+    engine = run_engine(quantized, seqs, dtype="float32", quantization="auto")
     for i, (s, ref) in enumerate(zip(seqs, refs)):
         check_logprobs_close(ref, s.output_token_ids, [lp["top"] for lp in s.output_logprobs],
                              name=f"{arch}/{fmt} request {i}")
