@@ -155,7 +155,7 @@ class GroupCodes:
         return self.codes.shape
 
     def dequantize(self) -> torch.Tensor:
-        """W [out, in] float32, exactly (a code times an fp16 scale fits fp32's mantissa)."""
+        """W [out, in] float32: each code times its scale (exact for fp16 and bf16 scales)."""
         w = self.codes.float() * self.scales[:, _group_index(self.codes.shape[1], self.group_size)]
         if self.order is None:
             return w
@@ -234,7 +234,8 @@ def _weight(fmt: CheckpointFormat, t: dict[str, torch.Tensor]) -> GroupCodes | t
                            fmt.zeros_minus_one)
     if fmt.layout == INT_QUANTIZED:
         w = t["weight"]
-        return GroupCodes(w.contiguous(), t["weight_scale"].float().reshape(w.shape[0], -1).contiguous(), fmt.group_size)
+        scales = t["weight_scale"].float().reshape(w.shape[0], -1).contiguous()
+        return GroupCodes(w.contiguous(), scales, fmt.group_size)
     return pack_quantized_codes(t["weight_packed"], t["weight_scale"], t["weight_shape"], fmt.group_size, fmt.bits)
 
 
@@ -285,6 +286,7 @@ def resolve_quantization(requested: str, fmt: CheckpointFormat | None) -> str:
                              "(config.json has no quantization_config)")
         return "none" if requested == "auto" else requested
     if requested not in ("none", "auto", fmt.method):
-        raise ValueError(f"--quantization {requested}: the checkpoint is already quantized ({fmt.method} int{fmt.bits}); "
+        raise ValueError(f"--quantization {requested}: the checkpoint is already quantized "
+                         f"({fmt.method} int{fmt.bits}); "
                          f"use auto or {fmt.method}")
     return fmt.method

@@ -55,7 +55,7 @@ class Linear(nn.Module):
         self.lora: dict[str, list[tuple[int, int, torch.Tensor, torch.Tensor]]] = {}  # adapter -> (offset, n, A, B)
 
     def pack(self, quantization: str = "none") -> None:
-        """Switch to a pre-packed CPU GEMM weight (see packed.py), to a quantized one (quant.py), or to an
+        """Switch to a pre-packed CPU GEMM weight (see packed.py), to a quantized one (quant.py), or to a
         pre-quantized checkpoint's codes on the int8 kernel; the plain weight is released."""
         bias = None if self.bias is None or self.parallel == "row" else self.bias.data
         self.packed = self._pack_codes(bias) if self.codes else None

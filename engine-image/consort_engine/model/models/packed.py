@@ -108,7 +108,7 @@ def consort_int8(codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | 
         return None
     n, k = codes.shape
     group = k + k % 2 if group_size == -1 else group_size
-    groups = scale.view(n, -1).shape[1]
+    groups = scale.reshape(n, -1).shape[1]
     if group % 2 or groups != -(-k // group):
         return None
     size = lib.gemm_packed_bytes_i8w_f32(n, k)
@@ -116,7 +116,7 @@ def consort_int8(codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | 
     lib.gemm_pack_i8w_f32(codes.contiguous().data_ptr(), n, k, packed.data_ptr())
     columns = size // (k + k % 2)                                   # padded columns: scale 0
     scales = _aligned(groups * columns, torch.float32)
-    scales.zero_().view(groups, columns)[:, :n] = scale.float().view(n, groups).t()
+    scales.zero_().view(groups, columns)[:, :n] = scale.float().reshape(n, groups).t()
     run = _consort_call(lib.gemm_i8w_f32, n, k, bias, packed, scales, group)
     if order is None:
         return run
