@@ -51,7 +51,7 @@ SIGNATURES = {   # name (per dtype suffix) -> (argtypes, restype)
     "gemm": ([P, L, L, L, P, L, P, L, P], I),             # AVX2 + FMA builds only (see the .c)
     "gemm_pack": ([P, L, L, P], None),
     "gemm_packed_floats": ([L, L], L),
-    "gemm_i8w": ([P, L, L, L, P, P, L, L, P, L, P], I),   # int8 weights, AVX2 + FMA builds (gemm_i8w.c)
+    "gemm_i8w": ([P, L, L, L, P, P, L, P, L, P, L, P], I),   # int8 weights, AVX2 + FMA builds (gemm_i8w.c)
     "gemm_pack_i8w": ([P, L, L, P], None),
     "gemm_packed_bytes_i8w": ([L, L], L),
 }

@@ -8,7 +8,7 @@ On CPU the engine keeps them so: each Linear multiplies them in the engine's int
 per group (csrc/gemm_i8w.c; layers.Linear.pack), in a quarter of the fp32 weight's memory and at the
 int8 kernel's speed, each row of its input rounded to 16-bit integers (a W8A8 checkpoint's activations
 too: finer than the 8 bits it was calibrated for); GPTQ act-order's code columns are sorted by group
-and each GEMM's input gathered in that order. Elsewhere (CUDA; a CPU the kernel does not build for; a
+and the kernel reads each input row in that order. Elsewhere (CUDA; a CPU the kernel does not build for; a
 tensor-parallel cut inside a group or of act-order's columns) the weight is dequantized, w = (code -
 zero) * scale in fp32, and runs as a float checkpoint would. torch's own CPU int4 kernel
 (`aten._weight_int4pack_mm_for_cpu`) was measured and not kept (docs/engine-speed.md).

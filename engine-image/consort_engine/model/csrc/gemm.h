@@ -26,9 +26,10 @@ typedef struct {
     const gemm_tile_fn *tiles;         /* by a tile's rows */
     const int *tile_panels;            /* panels one tile call covers, by its rows */
     int (*tile_rows)(int64_t left);    /* the next tile's rows out of `left` */
-    /* h rows of x (ldx apart) -> what that tile reads, at dst, and each row's scale (kernels with none
-     * leave row_scales alone) */
-    void (*pack_tile)(const float *x, int64_t ldx, int h, int64_t K, void *dst, float *row_scales);
+    /* h rows of x (ldx apart), their columns read in `order` (gemm_weight), -> what that tile reads, at
+     * dst, and each row's scale (kernels with none leave row_scales alone) */
+    void (*pack_tile)(const float *x, int64_t ldx, int h, int64_t K, const int32_t *order, void *dst,
+                      float *row_scales);
     int64_t (*row_bytes)(int64_t K);   /* one packed row of x */
     int64_t (*panel_bytes)(int64_t K); /* one panel of W */
 } gemm_kernel;
@@ -63,10 +64,17 @@ static inline int64_t gemm_panels(int64_t N) {
     return ((N + GEMM_NR - 1) / GEMM_NR + GEMM_GROUP - 1) / GEMM_GROUP * GEMM_GROUP;
 }
 
-/* y = x W^T (+ bias) over the panels of `kern`'s layout (col_scales: one per padded column for each
- * group of scale_k k, rows scale_ld floats apart; or NULL). 0, or -2 when a buffer cannot be allocated
- * (nothing computed). */
-int gemm_run(const gemm_kernel *kern, const float *x, int64_t ldx, int64_t M, int64_t K, const char *panels,
-             const float *col_scales, int64_t scale_k, int64_t scale_ld, int64_t N, float *y, int64_t ldy,
-             const float *bias);
+/* A packed weight as the driver hands it on: its panels (`kern`'s layout), its column scales (one per
+ * padded column for each group of scale_k k, rows scale_ld floats apart; NULL: none) and the order x's
+ * columns are read in (weight column j multiplies x's column order[j]; NULL: in order). */
+typedef struct {
+    const char *panels;
+    const float *col_scales;
+    int64_t scale_k, scale_ld;
+    const int32_t *order;
+} gemm_weight;
+
+/* y = x W^T (+ bias). 0, or -2 when a buffer cannot be allocated (nothing computed). */
+int gemm_run(const gemm_kernel *kern, const float *x, int64_t ldx, int64_t M, int64_t K, const gemm_weight *w,
+             int64_t N, float *y, int64_t ldy, const float *bias);
 #endif

@@ -153,26 +153,33 @@ static const int I8W_TILE_PANELS[7] = {0, 2, 2, 0, 1, 0, 1};
 #define I8W_TILE_ROWS gemm_tile_rows_6421
 #endif
 
-/* One row: x[k] * inv rounded to int16 (round to nearest even), pairs (x[2q], x[2q+1]) as int32 into
- * pairs[0, Q): vector for whole blocks of 16 k, scalar for the rest, zero past K. */
-static void i8w_round_pairs(const float *src, int64_t K, float inv, int32_t *pairs) {
+/* x[k .. k + 8), or with an order x[order[k]] .. (a gather: GPTQ act-order's columns). */
+static inline __m256 i8w_load8(const float *src, const int32_t *order, int64_t k) {
+    return order ? _mm256_i32gather_ps(src, _mm256_loadu_si256((const __m256i *)(order + k)), 4)
+                 : _mm256_loadu_ps(src + k);
+}
+
+/* One row: x[k] (x[order[k]]) * inv rounded to int16 (round to nearest even), pairs (x[2q], x[2q+1]) as
+ * int32 into pairs[0, Q): vector for whole blocks of 16 k, scalar for the rest, zero past K. */
+static void i8w_round_pairs(const float *src, const int32_t *order, int64_t K, float inv, int32_t *pairs) {
     const __m256 s = _mm256_set1_ps(inv);
     int64_t k = 0;
     for (; k + 16 <= K; k += 16) {
-        const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(src + k), s));
-        const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(src + k + 8), s));
+        const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(i8w_load8(src, order, k), s));
+        const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(i8w_load8(src, order, k + 8), s));
         /* packs works per 128-bit lane: [lo 0-3, hi 0-3, lo 4-7, hi 4-7] -> k order */
         _mm256_storeu_si256((__m256i *)(pairs + k / 2), _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8));
     }
     int16_t *out = (int16_t *)(pairs + k / 2);
-    for (int64_t j = 0; k + j < K; j++) out[j] = (int16_t)lrintf(src[k + j] * inv);
+    for (int64_t j = 0; k + j < K; j++) out[j] = (int16_t)lrintf(src[order ? order[k + j] : k + j] * inv);
     if (K % 2) out[K - k] = 0;
 }
 
-/* h rows -> int16 pairs, row after row ([h][Q] int32: x[2q] low, x[2q+1] high), each row rounded with its
- * own scale (absolute maximum / 32767). A row holding NaN or an infinity gets a NaN scale, so its
+/* h rows -> int16 pairs, row after row ([h][Q] int32: x[2q] low, x[2q+1] high; with an order, x's
+ * columns in that order), each row rounded with its own scale (absolute maximum / 32767). A row holding NaN or an infinity gets a NaN scale, so its
  * outputs are NaN as the fp32 product's would be. */
-static void i8w_pack_tile(const float *x, int64_t ldx, int h, int64_t K, void *dst, float *row_scales) {
+static void i8w_pack_tile(const float *x, int64_t ldx, int h, int64_t K, const int32_t *order, void *dst,
+                          float *row_scales) {
     int32_t *xp = dst;
     const int64_t Q = i8w_pairs(K);
     for (int i = 0; i < h; i++) {
@@ -196,7 +203,7 @@ static void i8w_pack_tile(const float *x, int64_t ldx, int h, int64_t K, void *d
         }
         const float inv = amax > 0.0f && !bad ? I8W_QMAX / amax : 0.0f;
         row_scales[i] = bad ? NAN : amax / I8W_QMAX;
-        i8w_round_pairs(src, K, inv, xp + i * Q);
+        i8w_round_pairs(src, order, K, inv, xp + i * Q);
     }
 }
 
@@ -205,11 +212,13 @@ static const gemm_kernel GEMM_I8W = {I8W_TILES, I8W_TILE_PANELS, I8W_TILE_ROWS, 
 
 /* `scales` holds, for each group of `group` k (even; K or more: one group, a scale per column), one float
  * per packed column (gemm_packed_bytes_i8w_f32(N, K) / (K rounded up to even) of them; zero past N), the
- * groups' rows one after another. -1 for an odd group (a pair would straddle two scales). */
+ * groups' rows one after another. `order` (K int32, or NULL: in order): code column k multiplies x's
+ * column order[k]. -1 for an odd group (a pair would straddle two scales). */
 int gemm_i8w_f32(const float *x, int64_t ldx, int64_t M, int64_t K, const int8_t *codes, const float *scales,
-                 int64_t group, int64_t N, float *y, int64_t ldy, const float *bias) {
+                 int64_t group, const int32_t *order, int64_t N, float *y, int64_t ldy, const float *bias) {
     if (group <= 0 || group % 2) return -1;
-    const int64_t ld = gemm_packed_bytes_i8w_f32(N, K) / (2 * i8w_pairs(K));
-    return gemm_run(&GEMM_I8W, x, ldx, M, K, (const char *)codes, scales, group, ld, N, y, ldy, bias);
+    const gemm_weight w = {(const char *)codes, scales, group, gemm_packed_bytes_i8w_f32(N, K) / (2 * i8w_pairs(K)),
+                           order};
+    return gemm_run(&GEMM_I8W, x, ldx, M, K, &w, N, y, ldy, bias);
 }
 #endif

@@ -59,9 +59,9 @@ def _aligned(size: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _consort_call(gemm: Callable[..., int], n: int, k: int, bias: torch.Tensor | None,
-                  *weights: torch.Tensor | int) -> Callable[[torch.Tensor], torch.Tensor]:
-    """x [..., k] -> x W^T + b through one of the engine's GEMMs, given its weight arguments: packed tensors
-    (passed as pointers) and integers (passed as they are)."""
+                  *weights: torch.Tensor | int | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x [..., k] -> x W^T + b through one of the engine's GEMMs, given its weight arguments: tensors
+    (passed as pointers), integers and None (NULL) as they are."""
     b = None if bias is None else bias.float().contiguous()
     args = [w.data_ptr() if isinstance(w, torch.Tensor) else w for w in weights]
 
@@ -98,8 +98,8 @@ def consort_int8(codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | 
     """int8 weights through the engine's kernel (`gemm_i8w_f32`, activations rounded per row to 16-bit
     integers inside it): codes [n, k] int8; fp32 scales [n] (one per output row, `int8`) or [n, groups]
     (one per output row and group of group_size k: a pre-quantized checkpoint's codes); fp32 activations and
-    output. `order`: the input column each code column multiplies (x's columns are gathered so; GPTQ
-    act-order), None: in order. None where the kernel is not built or cannot take the groups (an odd
+    output. `order`: the input column each code column multiplies (the kernel reads x's columns so as it
+    rounds them; GPTQ act-order), None: in order. None where the kernel is not built or cannot take the groups (an odd
     group size)."""
     from consort_engine.model.cpu_kernels import cpu_kernels
 
@@ -117,14 +117,8 @@ def consort_int8(codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | 
     columns = size // (k + k % 2)                                   # padded columns: scale 0
     scales = _aligned(groups * columns, torch.float32)
     scales.zero_().view(groups, columns)[:, :n] = scale.float().reshape(n, groups).t()
-    run = _consort_call(lib.gemm_i8w_f32, n, k, bias, packed, scales, group)
-    if order is None:
-        return run
-
-    def gathered(x: torch.Tensor) -> torch.Tensor:
-        return run(x.index_select(-1, order))
-    gathered.weights = run.weights
-    return gathered
+    columns_of_x = None if order is None else order.to(torch.int32).contiguous()
+    return _consort_call(lib.gemm_i8w_f32, n, k, bias, packed, scales, group, columns_of_x)
 
 
 def fp32_backend() -> str:

@@ -301,8 +301,8 @@ def test_an_int4_checkpoints_fused_shards_run_as_codes_with_lora_on_top():
 @needs_int8_kernel
 def test_act_order_codes_gather_the_input_columns():
     """GPTQ act-order: code columns sorted by group, `order` naming each one's input column. Fused shards
-    in one order run on the kernel with x's columns gathered (the product of the weight in input order);
-    shards in different orders are dequantized."""
+    in one order run on the kernel, which reads x's columns in that order (the product of the weight in
+    input order); shards in different orders are dequantized."""
     order = torch.randperm(128, generator=torch.Generator().manual_seed(5))
     shards = [GroupCodes(c.codes, c.scales, 32, order) for c in (int4_codes(n, 128, 32, seed=n) for n in (48, 16))]
     lin = Linear(128, [48, 16], bias=False)
@@ -314,6 +314,12 @@ def test_act_order_codes_gather_the_input_columns():
     w = torch.cat([c.dequantize() for c in shards])
     assert torch.equal(w[:, order], torch.cat([c.codes.float() * c.scales.repeat_interleave(32, 1) for c in shards]))
     torch.testing.assert_close(lin(x), F.linear(rows_as_int16(x), w), rtol=1e-5, atol=1e-4)
+    # the kernel reads x's columns in the order as it rounds them (an AVX2 gather, a scalar tail): the
+    # same bits as x gathered first, for a K that leaves a tail (37) and one of whole vectors (128)
+    for k in (37, 128):
+        c, perm, rows = int4_codes(40, k, -1, seed=k), torch.randperm(k), torch.randn(13, k)
+        gathered = consort_int8(c.codes, c.scales, None, -1, perm)(rows)
+        assert torch.equal(gathered, consort_int8(c.codes, c.scales, None, -1)(rows[:, perm]))
     other = GroupCodes(shards[1].codes, shards[1].scales, 32, order.flip(0))
     lin = Linear(128, [48, 16], bias=False)
     lin.load_shard("weight", 0, shards[0])
