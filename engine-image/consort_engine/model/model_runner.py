@@ -27,6 +27,7 @@ from consort_engine.model.cuda_graphs import DecodeGraphs, use_decode_graphs
 from consort_engine.model.host_staging import PinnedStaging
 from consort_engine.model.loader import checkpoint_names, eos_token_ids, load_model_config, resolve_dtype
 from consort_engine.model.models import MODELS
+from consort_engine.model.models.layers import Linear
 from consort_engine.model.models.mtp import has_mtp
 from consort_engine.model.lora import AdapterError, LoraAdapter, LoraContext, load_peft_adapter, segments_of
 from consort_engine.model.models.packed import has_bf16_dot
@@ -159,6 +160,12 @@ class ModelRunner:
         if self.quantization != "none" or (self.device.type == "cpu"
                                            and os.environ.get("CONSORT_PACK_WEIGHTS", "1") != "0"):
             self.num_packed = self.model.pack_weights(self.quantization)
+        if prequantized is not None:      # which linears a user's checkpoint runs on its codes (act-order, TP cuts)
+            linears = [m for m in self.model.modules() if isinstance(m, Linear)]
+            codes = sum(m.runs_codes for m in linears)
+            log.info("%s checkpoint (int%d): %d linears multiply their codes on the int8 kernel, the other %d "
+                     "hold float weights (dequantized, or not quantized in the checkpoint)", prequantized.method,
+                     prequantized.bits, codes, len(linears) - codes)
         self.lora_ctx = LoraContext()
         self.adapters: dict[str, LoraAdapter] = {}
         for name, path in config.adapters.items():

@@ -5,6 +5,7 @@ for tiny Llama and Qwen2 checkpoints written by transformers and packed by tests
 Where the engine's int8 kernel is built, the decoder's linears run on their codes (act-order's too)."""
 from __future__ import annotations
 
+import logging
 import random
 
 import pytest
@@ -24,7 +25,7 @@ GROUP = 32      # the tiny checkpoints' hidden (64) and intermediate (160) sizes
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("fmt", list(FORMATS))
-def test_quantized_checkpoint_greedy_matches_the_fake_quantized_model(tmp_path, arch, fmt):
+def test_quantized_checkpoint_greedy_matches_the_fake_quantized_model(tmp_path, arch, fmt, caplog):
     method, kw = FORMATS[fmt]
     kw = dict(kw)
     src = make_checkpoint(arch, tmp_path)
@@ -35,7 +36,8 @@ def test_quantized_checkpoint_greedy_matches_the_fake_quantized_model(tmp_path, 
     refs = hf_greedy(fake, prompts, 12)
     seqs = [Sequence(list(p), SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=5))
             for p in prompts]
-    engine = run_engine(quantized, seqs, dtype="float32", quantization="auto")
+    with caplog.at_level(logging.INFO, logger="consort.engine"):
+        engine = run_engine(quantized, seqs, dtype="float32", quantization="auto")
     for i, (s, ref) in enumerate(zip(seqs, refs)):
         check_logprobs_close(ref, s.output_token_ids, [lp["top"] for lp in s.output_logprobs],
                              name=f"{arch}/{fmt} request {i}")
@@ -44,5 +46,7 @@ def test_quantized_checkpoint_greedy_matches_the_fake_quantized_model(tmp_path, 
     on_codes = [runs_on_codes(m) for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head]
     assert len(on_codes) == 2 * 4      # 2 layers: qkv, o, gate_up, down
     assert set(on_codes) == {hasattr(cpu_kernels(), "gemm_i8w_f32")}
+    # the load says so
+    assert f"{sum(on_codes)} linears multiply their codes on the int8 kernel" in caplog.text
     # the fake-quantized model is not the float one: the test would see a wrong unpack
     assert hf_greedy(src, prompts[2:], 12)[0].logits[0].ne(refs[2].logits[0]).any()

@@ -51,6 +51,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out), requires_grad=False) if bias else None
         self.packed = None
         self.codes: dict[int, GroupCodes] = {}     # shard -> a pre-quantized checkpoint's integers (on CPU), until pack
+        self.runs_codes = False                    # packed: the checkpoint's codes on the int8 kernel
         self.lora_ctx: LoraContext | None = None
         self.lora: dict[str, list[tuple[int, int, torch.Tensor, torch.Tensor]]] = {}  # adapter -> (offset, n, A, B)
 
@@ -75,6 +76,7 @@ class Linear(nn.Module):
             packed = consort_int8(torch.cat([c.codes for c in shards]), torch.cat([c.scales for c in shards]),
                                   bias, shards[0].group_size, shards[0].order)
             if packed is not None:
+                self.runs_codes = True
                 return packed
         for i, c in enumerate(shards):
             if c is not None:
