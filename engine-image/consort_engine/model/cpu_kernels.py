@@ -54,6 +54,9 @@ SIGNATURES = {   # name (per dtype suffix) -> (argtypes, restype)
     "gemm_i8w": ([P, L, L, L, P, P, L, P, L, P, L, P], I),   # int8 weights, AVX2 + FMA builds (gemm_i8w.c)
     "gemm_pack_i8w": ([P, L, L, P], None),
     "gemm_packed_bytes_i8w": ([L, L], L),
+    "gemm_i8a8": ([P, L, L, L, P, P, L, L, P, L, P], I),    # int8 x int8, VNNI builds (gemm_i8a8.c)
+    "gemm_pack_i8a8": ([P, L, L, P], None),
+    "gemm_packed_bytes_i8a8": ([L, L], L),
 }
 
 _lib: ctypes.CDLL | None | bool = False   # False = not tried yet

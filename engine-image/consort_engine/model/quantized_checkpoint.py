@@ -6,8 +6,9 @@ output channel and group of input columns), exactly.
 
 On CPU the engine keeps them so: each Linear multiplies them in the engine's int8 kernel with one scale
 per group (csrc/gemm_i8w.c; layers.Linear.pack), in a quarter of the fp32 weight's memory and at the
-int8 kernel's speed, each row of its input rounded to 16-bit integers (a W8A8 checkpoint's activations
-too: finer than the 8 bits it was calibrated for); GPTQ act-order's code columns are sorted by group
+int8 kernel's speed, each row of its input rounded to 16-bit integers; a W8A8 checkpoint's rows are
+rounded to int8, as it was calibrated, on the int8 x int8 kernel where the CPU has VNNI (csrc/gemm_i8a8.c,
+the 16-bit kernel elsewhere). GPTQ act-order's code columns are sorted by group
 and the kernel reads each input row in that order. Elsewhere (CUDA; a CPU the kernel does not build for; a
 tensor-parallel cut inside a group or of act-order's columns) the weight is dequantized, w = (code -
 zero) * scale in fp32, and runs as a float checkpoint would. torch's own CPU int4 kernel
@@ -149,6 +150,7 @@ class GroupCodes:
     scales: torch.Tensor         # float32 [out, groups]
     group_size: int              # input columns per scale; -1: the whole row
     order: torch.Tensor | None = None    # int64 [in]: code column j is input column order[j]
+    int8_rows: bool = False      # calibrated for int8 activations (W8A8): multiplied so where the CPU can
 
     @property
     def shape(self) -> torch.Size:
@@ -163,7 +165,7 @@ class GroupCodes:
 
     def rows(self, index: slice) -> GroupCodes:
         """Output channels `index` (a column-parallel shard)."""
-        return GroupCodes(self.codes[index], self.scales[index], self.group_size, self.order)
+        return GroupCodes(self.codes[index], self.scales[index], self.group_size, self.order, self.int8_rows)
 
     def columns(self, index: slice) -> GroupCodes | None:
         """Input columns `index` (a row-parallel shard); None where the cut falls inside a group or the
@@ -172,11 +174,12 @@ class GroupCodes:
         if self.order is not None:
             return None
         if self.group_size == -1:
-            return GroupCodes(self.codes[:, start:stop], self.scales, -1)
+            return GroupCodes(self.codes[:, start:stop], self.scales, -1, int8_rows=self.int8_rows)
         g = self.group_size
         if start % g or (stop % g and stop != self.codes.shape[1]):
             return None
-        return GroupCodes(self.codes[:, start:stop], self.scales[:, start // g:-(-stop // g)], g)
+        return GroupCodes(self.codes[:, start:stop], self.scales[:, start // g:-(-stop // g)], g,
+                          int8_rows=self.int8_rows)
 
 
 def same_order(shards: list[GroupCodes]) -> bool:
@@ -235,7 +238,7 @@ def _weight(fmt: CheckpointFormat, t: dict[str, torch.Tensor]) -> GroupCodes | t
     if fmt.layout == INT_QUANTIZED:
         w = t["weight"]
         scales = t["weight_scale"].float().reshape(w.shape[0], -1).contiguous()
-        return GroupCodes(w.contiguous(), scales, fmt.group_size)
+        return GroupCodes(w.contiguous(), scales, fmt.group_size, int8_rows=True)
     return pack_quantized_codes(t["weight_packed"], t["weight_scale"], t["weight_shape"], fmt.group_size, fmt.bits)
 
 

@@ -64,6 +64,31 @@ static inline int64_t gemm_panels(int64_t N) {
     return ((N + GEMM_NR - 1) / GEMM_NR + GEMM_GROUP - 1) / GEMM_GROUP * GEMM_GROUP;
 }
 
+#if defined(__AVX2__)
+/* A row's absolute maximum, for the kernels that round each row of x to integers (gemm_i8w.c,
+ * gemm_i8a8.c); *bad set where the row holds NaN or an infinity. */
+static inline float gemm_row_absmax(const float *src, int64_t K, int *bad) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), inf = _mm256_set1_ps(INFINITY);
+    __m256 vmax = _mm256_setzero_ps(), vbad = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+        const __m256 a = _mm256_andnot_ps(sign, _mm256_loadu_ps(src + k));
+        vmax = _mm256_max_ps(vmax, a);
+        vbad = _mm256_or_ps(vbad, _mm256_cmp_ps(a, inf, _CMP_NLT_UQ));    /* NaN or infinite */
+    }
+    float m[8], amax = 0.0f;
+    *bad = _mm256_movemask_ps(vbad) != 0;
+    _mm256_storeu_ps(m, vmax);
+    for (int j = 0; j < 8; j++) amax = m[j] > amax ? m[j] : amax;
+    for (; k < K; k++) {
+        const float a = fabsf(src[k]);
+        amax = a > amax ? a : amax;
+        *bad |= !(a < INFINITY);
+    }
+    return amax;
+}
+#endif
+
 /* A packed weight as the driver hands it on: its panels (`kern`'s layout), its column scales (one per
  * padded column for each group of scale_k k, rows scale_ld floats apart; NULL: none) and the order x's
  * columns are read in (weight column j multiplies x's column order[j]; NULL: in order). */

@@ -176,7 +176,8 @@ static void i8w_round_pairs(const float *src, const int32_t *order, int64_t K, f
 }
 
 /* h rows -> int16 pairs, row after row ([h][Q] int32: x[2q] low, x[2q+1] high; with an order, x's
- * columns in that order), each row rounded with its own scale (absolute maximum / 32767). A row holding NaN or an infinity gets a NaN scale, so its
+ * columns in that order), each row rounded with its own scale (absolute maximum / 32767;
+ * gemm_row_absmax). A row holding NaN or an infinity gets a NaN scale, so its
  * outputs are NaN as the fp32 product's would be. */
 static void i8w_pack_tile(const float *x, int64_t ldx, int h, int64_t K, const int32_t *order, void *dst,
                           float *row_scales) {
@@ -184,23 +185,8 @@ static void i8w_pack_tile(const float *x, int64_t ldx, int h, int64_t K, const i
     const int64_t Q = i8w_pairs(K);
     for (int i = 0; i < h; i++) {
         const float *src = x + i * ldx;
-        const __m256 sign = _mm256_set1_ps(-0.0f), inf = _mm256_set1_ps(INFINITY);
-        __m256 vmax = _mm256_setzero_ps(), vbad = _mm256_setzero_ps();
-        int64_t k = 0;
-        for (; k + 8 <= K; k += 8) {
-            const __m256 a = _mm256_andnot_ps(sign, _mm256_loadu_ps(src + k));
-            vmax = _mm256_max_ps(vmax, a);
-            vbad = _mm256_or_ps(vbad, _mm256_cmp_ps(a, inf, _CMP_NLT_UQ));    /* NaN or infinite */
-        }
-        float m[8], amax = 0.0f;
-        int bad = _mm256_movemask_ps(vbad) != 0;
-        _mm256_storeu_ps(m, vmax);
-        for (int j = 0; j < 8; j++) amax = m[j] > amax ? m[j] : amax;
-        for (; k < K; k++) {
-            const float a = fabsf(src[k]);
-            amax = a > amax ? a : amax;
-            bad |= !(a < INFINITY);
-        }
+        int bad;
+        const float amax = gemm_row_absmax(src, K, &bad);
         const float inv = amax > 0.0f && !bad ? I8W_QMAX / amax : 0.0f;
         row_scales[i] = bad ? NAN : amax / I8W_QMAX;
         i8w_round_pairs(src, order, K, inv, xp + i * Q);

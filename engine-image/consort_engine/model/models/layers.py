@@ -13,7 +13,7 @@ from consort_engine.model.quantized_checkpoint import GroupCodes, same_order
 from consort_engine.model.lora import LoraContext
 from consort_engine.model.loader import ModelConfig
 from consort_engine.model.models import ops
-from consort_engine.model.models.packed import consort_int8, pack_linear
+from consort_engine.model.models.packed import consort_int8, consort_w8a8, pack_linear
 from consort_engine.model.models.quant import LOAD_TIME, quantize_linear
 from consort_engine.model.models.rope import RotaryEmbedding
 from consort_engine.model.tensor_parallel import SINGLE, TPGroup, all_reduce
@@ -69,12 +69,15 @@ class Linear(nn.Module):
 
     def _pack_codes(self, bias: torch.Tensor | None):
         """Every shard's codes, with one group size and one column order, on the int8 kernel
-        (packed.consort_int8); where that does not apply, the shards are dequantized into the weight (None)."""
+        (packed.consort_int8; a W8A8 checkpoint's on the int8 x int8 one, consort_w8a8, where it builds);
+        where that does not apply, the shards are dequantized into the weight (None)."""
         shards = [self.codes.get(i) for i in range(len(self.shard_sizes))]
         self.codes = {}
         if all(shards) and len({c.group_size for c in shards}) == 1 and same_order(shards):
-            packed = consort_int8(torch.cat([c.codes for c in shards]), torch.cat([c.scales for c in shards]),
-                                  bias, shards[0].group_size, shards[0].order)
+            codes, scales = torch.cat([c.codes for c in shards]), torch.cat([c.scales for c in shards])
+            first = shards[0]
+            packed = consort_w8a8(codes, scales, bias, first.group_size) if first.int8_rows else None
+            packed = packed or consort_int8(codes, scales, bias, first.group_size, first.order)
             if packed is not None:
                 self.runs_codes = True
                 return packed

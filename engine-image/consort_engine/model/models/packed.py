@@ -93,14 +93,21 @@ def _consort(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch
     return _consort_call(lib.gemm_f32, n, k, bias, packed)
 
 
+def _group_scales(scale: torch.Tensor, n: int, groups: int, columns: int, extra: int = 0) -> torch.Tensor:
+    """The kernels' column scales: [groups][columns] fp32 (zero past n), then `extra` more floats."""
+    buf = _aligned(groups * columns + extra, torch.float32)
+    buf.zero_()[:groups * columns].view(groups, columns)[:, :n] = scale.float().reshape(n, groups).t()
+    return buf
+
+
 def consort_int8(codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, group_size: int = -1,
                  order: torch.Tensor | None = None) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """int8 weights through the engine's kernel (`gemm_i8w_f32`, activations rounded per row to 16-bit
     integers inside it): codes [n, k] int8; fp32 scales [n] (one per output row, `int8`) or [n, groups]
     (one per output row and group of group_size k: a pre-quantized checkpoint's codes); fp32 activations and
     output. `order`: the input column each code column multiplies (the kernel reads x's columns so as it
-    rounds them; GPTQ act-order), None: in order. None where the kernel is not built or cannot take the groups (an odd
-    group size)."""
+    rounds them; GPTQ act-order), None: in order. None where the kernel is not built or cannot take the
+    groups (an odd group size)."""
     from consort_engine.model.cpu_kernels import cpu_kernels
 
     lib = cpu_kernels()
@@ -114,11 +121,39 @@ def consort_int8(codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | 
     size = lib.gemm_packed_bytes_i8w_f32(n, k)
     packed = _aligned(size, torch.int8)
     lib.gemm_pack_i8w_f32(codes.contiguous().data_ptr(), n, k, packed.data_ptr())
-    columns = size // (k + k % 2)                                   # padded columns: scale 0
-    scales = _aligned(groups * columns, torch.float32)
-    scales.zero_().view(groups, columns)[:, :n] = scale.float().reshape(n, groups).t()
+    scales = _group_scales(scale, n, groups, size // (k + k % 2))      # padded columns: scale 0
     columns_of_x = None if order is None else order.to(torch.int32).contiguous()
     return _consort_call(lib.gemm_i8w_f32, n, k, bias, packed, scales, group, columns_of_x)
+
+
+I8A8_MAX_GROUP = 65536       # csrc/gemm_i8a8.c: the most k one int32 block sums
+
+
+def consort_w8a8(codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                 group_size: int = -1) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """int8 weights times int8 activations through the engine's VNNI kernel (`gemm_i8a8_f32`: each row of
+    x rounded to int8 with its own scale inside it, `vpdpbusd`): codes [n, k] int8, fp32 scales [n] or
+    [n, groups] as consort_int8 takes them; fp32 activations and output. None where the kernel is not
+    built (a CPU without VNNI) or cannot take the groups (a group not a multiple of 4 k)."""
+    from consort_engine.model.cpu_kernels import cpu_kernels
+
+    lib = cpu_kernels()
+    if lib is None or not hasattr(lib, "gemm_i8a8_f32"):
+        return None
+    n, k = codes.shape
+    group = k + -k % 4 if group_size == -1 else group_size
+    groups = scale.reshape(n, -1).shape[1]
+    if group % 4 or groups != -(-k // group) or min(group, k) > I8A8_MAX_GROUP:
+        return None
+    size = lib.gemm_packed_bytes_i8a8_f32(n, k)
+    packed = _aligned(size, torch.int8)
+    lib.gemm_pack_i8a8_f32(codes.contiguous().data_ptr(), n, k, packed.data_ptr())
+    columns = size // (k + -k % 4)
+    buf = _group_scales(scale, n, groups, columns, extra=groups * columns)
+    # the kernel's u8 rows are x + 128: it takes 128 x each column's code sum per group back off
+    sums = torch.zeros(n, groups, dtype=torch.int32).index_add_(1, torch.arange(k) // group, codes.to(torch.int32))
+    buf[groups * columns:].view(torch.int32).view(groups, columns)[:, :n] = 128 * sums.t()
+    return _consort_call(lib.gemm_i8a8_f32, n, k, bias, packed, buf, group)
 
 
 def fp32_backend() -> str:

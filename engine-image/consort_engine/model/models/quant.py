@@ -9,10 +9,11 @@ fp32 weight; every scale is per output channel (one per row of W), symmetric, no
   AVX-512 VNNI (Zen 5). It covers the LM head too (llama.QUANTIZE_LM_HEAD). Elsewhere torch's CPU
   weight-only kernel `aten._weight_int8pack_mm` (gpt-fast's) on bf16 activations, which ran the
   AVX2 machine's anchor workload at 0.58x fp32.
-- w8a8 (CPU): int8 weights and dynamically quantized int8 activations (one scale per call, taken
-  from the rows of that call), multiplied in int8 with int32 accumulation by FBGEMM's dynamic
-  quantized linear (`quantized::linear_dynamic`, the x86 kernels with AVX2 / AVX-512 and VNNI where
-  present). The fast one on a CPU: on the AVX2 machine 3.1x the fp32 GEMM at 32 rows.
+- w8a8 (CPU): int8 weights and dynamically quantized int8 activations, multiplied in int8 with int32
+  accumulation. With VNNI (AVX-512 VNNI, AVX-VNNI) the engine's own kernel (csrc/gemm_i8a8.c
+  `gemm_i8a8_f32`: one scale per row, `vpdpbusd`); without, FBGEMM's dynamic quantized linear
+  (`quantized::linear_dynamic`: one scale per call, taken from all its rows, 7 bits), which on the
+  AVX2 machine ran 3.1x the fp32 GEMM at 32 rows.
 - fp8 (CUDA): float8 e4m3 weights and per-row dynamically quantized e4m3 activations, multiplied by
   `torch._scaled_mm` with row-wise scales (Hopper and newer). On a CPU the same arithmetic is
   emulated (both operands rounded through e4m3, the product in fp32): slow, for checking accuracy.
@@ -33,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from consort_engine.model.quantized_checkpoint import CHECKPOINT_FORMATS, checkpoint_format, resolve_quantization
-from consort_engine.model.models.packed import consort_int8
+from consort_engine.model.models.packed import consort_int8, consort_w8a8
 
 LOAD_TIME = ("int8", "w8a8", "fp8")              # quantized here, from a float checkpoint
 # CPU GEMMs that read fp32 rows (bf16 models run fp32 activations): pre-quantized checkpoints' codes run the int8 kernel
@@ -90,14 +91,19 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale[:, None]
 
 
+def fp32_rows(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """An fp32-in, fp32-out GEMM (the engine's integer kernels) for activations of any dtype."""
+    def widened(x: torch.Tensor) -> torch.Tensor:
+        return fn(x.float()).to(x.dtype)
+    return widened
+
+
 def _int8_weight_only(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
     q, scale = quantize_int8(weight)
     b = None if bias is None else bias.float()
     ours = consort_int8(q, scale, b) if weight.device.type == "cpu" else None
     if ours is not None:
-        def widened(x: torch.Tensor) -> torch.Tensor:
-            return ours(x.float()).to(x.dtype)
-        return widened
+        return fp32_rows(ours)
     scale_bf16 = scale.to(torch.bfloat16)
 
     def run(x: torch.Tensor) -> torch.Tensor:
@@ -109,6 +115,9 @@ def _int8_weight_only(weight: torch.Tensor, bias: torch.Tensor | None) -> Callab
 
 def _w8a8_dynamic(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
     q, scale = quantize_int8(weight)
+    ours = consort_w8a8(q, scale, None if bias is None else bias.float()) if weight.device.type == "cpu" else None
+    if ours is not None:
+        return fp32_rows(ours)
     engine = torch.backends.quantized.engine
     try:
         torch.backends.quantized.engine = "fbgemm"

@@ -15,7 +15,7 @@ from consort_engine.model import cpu_kernels as ck
 from consort_engine.model.quantized_checkpoint import GroupCodes
 from consort_engine.model.cpu_kernels import cpu_kernels
 from consort_engine.model.lora import LoraContext
-from consort_engine.model.models.packed import consort_int8
+from consort_engine.model.models.packed import consort_int8, consort_w8a8
 from consort_engine.model.models.layers import Linear
 from consort_engine.model.models.quant import (FP8_MAX, check_quantization, dequantize_fp8, dequantize_int8,
                                                 quantize_fp8, quantize_int8, quantize_linear)
@@ -98,6 +98,60 @@ def test_engine_int8_kernel_is_the_dequantized_weight_times_rows_rounded_to_int1
     assert bool(((got.double() - F.linear(xr, dq, b.double())).abs() <= bound).all())
     # and the rounding of x costs at most half a step per element against the unrounded product
     assert bool(((got.double() - F.linear(x.double(), dq, b.double())).abs() <= step / 2 * dq.abs().sum(1) + bound).all())
+
+
+needs_w8a8_kernel = pytest.mark.skipif(not hasattr(cpu_kernels(), "gemm_i8a8_f32"),
+                                       reason="the engine's int8 x int8 kernel needs VNNI (AVX-512 VNNI or AVX-VNNI)")
+
+
+def rows_as_int8(x: torch.Tensor) -> torch.Tensor:
+    """x as gemm_i8a8_f32 takes it: each row rounded to integers with its absolute maximum at 127."""
+    amax = x.abs().amax(1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return torch.round(x * inv) * (amax / 127.0)
+
+
+@needs_w8a8_kernel
+@pytest.mark.parametrize("rows", [1, 2, 5, 13, 40, 241])
+@pytest.mark.parametrize("out,inp,group", [(96, 64, -1), (130, 37, -1), (40, 1100, -1), (64, 256, 32), (48, 300, 100)])
+def test_engine_w8a8_kernel_is_the_dequantized_weight_times_rows_rounded_to_int8(rows, out, inp, group):
+    """gemm_i8a8_f32 rounds each row of x to int8 (stored + 128 for `vpdpbusd`'s u8 operand, the codes'
+    column sums taking the 128 back off) and multiplies in integers: the product of the dequantized weight
+    and the rounded rows, to fp32 rounding, for every row-tile cut, a K that is no multiple of 4 (37), a
+    K of 32-k vectors and a scalar tail (1,100), per-channel and per-group scales (a partial last group)."""
+    w, b = weight(out, inp, seed=rows), torch.randn(out, generator=torch.Generator().manual_seed(3))
+    q, scale = quantize_int8(w)
+    if group != -1:      # a scale per group: the same codes, each group's scale its own
+        scale = scale[:, None] * torch.linspace(0.5, 2.0, -(-inp // group))[None, :]
+    x = torch.randn(rows, inp, generator=torch.Generator().manual_seed(2))
+    x[0, 1] = 40.0
+    got = consort_w8a8(q, scale, b, group)(x)
+    dq = GroupCodes(q, scale.reshape(out, -1).float(), group).dequantize().double()
+    xr = rows_as_int8(x).double()
+    step = x.abs().amax(1, keepdim=True).double() / 127
+    bound = 4e-6 * (xr.abs() @ dq.abs().T + b.abs().double()) + step * dq.abs().amax(1)
+    assert bool(((got.double() - F.linear(xr, dq, b.double())).abs() <= bound).all())
+
+
+@needs_w8a8_kernel
+def test_engine_w8a8_kernel_is_exact_at_the_extremes_and_keeps_nan_and_zero_rows():
+    """Rows at -127 and 127 (u8 1 and 255) against codes -127 and 127 over 8,192 k sum exactly; a NaN row
+    is NaN, a zero row the bias, neither disturbing its neighbours; a group not a multiple of 4 is refused."""
+    k = 8192
+    q = torch.full((16, k), 127, dtype=torch.int8)
+    q[1] = -127
+    q[2, ::2] = -127
+    x = torch.full((4, k), 1.0)
+    x[1] = -1.0
+    x[2, 5] = float("nan")
+    x[3] = 0.0
+    b = torch.arange(16.0)
+    got = consort_w8a8(q, torch.ones(16), b)(x)
+    want = F.linear(x[:2].double(), q.double(), b.double())      # each row at its maximum: 127 exactly
+    torch.testing.assert_close(got[:2].double(), want, rtol=1e-6, atol=0)
+    assert bool(got[2].isnan().all())
+    torch.testing.assert_close(got[3], b)
+    assert consort_w8a8(q[:, :90], torch.ones(16, 3), None, 30) is None
 
 
 def int4_codes(out: int, inp: int, group: int, seed: int) -> GroupCodes:
@@ -183,13 +237,14 @@ def test_engine_int8_kernel_gives_the_same_bits_in_every_build_this_cpu_runs(tmp
     """The int32 sums are exact and every build converts and scales them in the same order, so the ymm
     and zmm tiles (their row cuts differ: 6/4/2/1 against up to 12), with or without VNNI, give
     bit-identical outputs: each build this CPU can run against the library the engine loads here. And a
-    row's bits do not depend on its place in the batch (which tile, which row of it)."""
+    row's bits do not depend on its place in the batch (which tile, which row of it). The same for the
+    int8 x int8 kernel (w8a8) in the builds that have it (VNNI: ymm with AVX-VNNI, zmm with AVX-512 VNNI)."""
     import subprocess
 
     flags = cpu_model_and_flags()[1]
     runnable = [march for march, need in INT8_BUILDS.items() if need <= flags]
     assert runnable                                          # an AVX2 + FMA build runs the int8 kernel
-    sources = [p for p in ck.SOURCES if p.stem in ("gemm", "gemm_i8w", "team")]
+    sources = [p for p in ck.SOURCES if p.stem in ("gemm", "gemm_i8w", "gemm_i8a8", "team")]
     g = torch.Generator().manual_seed(7)
     cases = []
     for out, inp in ((96, 64), (130, 37), (40, 1100)):
@@ -201,15 +256,21 @@ def test_engine_int8_kernel_gives_the_same_bits_in_every_build_this_cpu_runs(tmp
         cases += [(c.codes, c.scales, None, torch.randn(rows, inp, generator=g), group) for rows in (1, 7, 13, 40)]
     cases = [case if len(case) == 5 else (*case, -1) for case in cases]
     want = [consort_int8(q, scale, b, group)(x) for q, scale, b, x, group in cases]
+    w8a8 = [consort_w8a8(q, scale, b, group) for q, scale, b, x, group in cases]
+    want_w8a8 = [f(x) if f else None for f, (q, scale, b, x, group) in zip(w8a8, cases)]
     for i, march in enumerate(runnable):
         so = tmp_path / f"int8-{i}.so"
         subprocess.run(["cc", *march, *ck.FLAGS, "-o", str(so), *map(str, sources), "-lm"], check=True, timeout=300)
         monkeypatch.setattr(ck, "_lib", ck.load_library(so))
-        for (q, scale, b, x, group), ref in zip(cases, want):
+        for (q, scale, b, x, group), ref, ref8 in zip(cases, want, want_w8a8):
             assert torch.equal(consort_int8(q, scale, b, group)(x), ref), (march, x.shape, q.shape, group)
+            if ref8 is not None and (f := consort_w8a8(q, scale, b, group)) is not None:
+                assert torch.equal(f(x), ref8), ("w8a8", march, x.shape, q.shape, group)
         for q, scale, b, x, group in (cases[26], cases[-1]):
-            same = consort_int8(q, scale, b, group)(x[:1].repeat(25, 1))
-            assert torch.equal(same, same[:1].expand_as(same)), (march, group)
+            for gemm in (consort_int8, consort_w8a8):
+                if (f := gemm(q, scale, b, group)) is not None:
+                    same = f(x[:1].repeat(25, 1))
+                    assert torch.equal(same, same[:1].expand_as(same)), (gemm.__name__, march, group)
 
 
 @needs_int8_kernel
@@ -296,6 +357,23 @@ def test_an_int4_checkpoints_fused_shards_run_as_codes_with_lora_on_top():
     delta = torch.zeros_like(base)
     delta[1:3, 64:96] = (x[1:3] @ a.t()) @ b.t()
     torch.testing.assert_close(lin(x), base + delta, rtol=1e-5, atol=1e-4)
+
+
+@needs_w8a8_kernel
+def test_w8a8_runs_int8_rows_on_the_engine_kernel():
+    """--quantization w8a8 and a W8A8 checkpoint's codes (int8_rows) multiply rows rounded to int8 on the
+    engine's VNNI kernel (one scale per row), not FBGEMM's (one per call) nor the 16-bit rows."""
+    w, x = weight(), torch.randn(6, 64)
+    q, scale = quantize_int8(w)
+    want = F.linear(rows_as_int8(x), dequantize_int8(q, scale))
+    torch.testing.assert_close(quantize_linear(w, None, "w8a8")(x), want, rtol=1e-5, atol=1e-5)
+    lin = Linear(64, [48, 48], bias=False)
+    for i in range(2):
+        lin.load_shard("weight", i, GroupCodes(q[48 * i:48 * i + 48], scale[48 * i:48 * i + 48, None], -1, int8_rows=True))
+    lin.pack("compressed-tensors")
+    assert runs_on_codes(lin)
+    torch.testing.assert_close(lin(x), want, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(lin(x), F.linear(rows_as_int16(x), dequantize_int8(q, scale)), rtol=1e-5, atol=1e-5)
 
 
 @needs_int8_kernel
