@@ -3,10 +3,11 @@ AVX2 + FMA builds), oneDNN and MKL, for the benchmark model's shapes (hidden 512
 at decode and prefill row counts. Each backend is timed best-of-5 in rotation, so a burst of
 neighbour load hits all of them alike. With --quantized: the int8 products instead (models/quant.py),
 against the default fp32 one: the engine's int8 kernel (gemm_i8w_f32: int8 weights, each row of x
-rounded to int16), torch's `_weight_int8pack_mm` on bf16 activations, and w8a8 (FBGEMM's dynamic int8
-linear), and an int4 checkpoint's codes on the engine's int8 kernel with one scale per group of 128 k
-(AWQ's and GPTQ's default). With --bf16: a bf16 weight as the engine can multiply it, widened once to fp32 (the fp32 kernel)
-or through oneDNN's packed bf16 GEMM (what it uses where the CPU has AMX or AVX-512 BF16), against fp32.
+rounded to int16), an int4 checkpoint's codes on it with one scale per group of 128 k (AWQ's and
+GPTQ's default), torch's `_weight_int8pack_mm` on bf16 activations, and w8a8 on the engine's int8 x
+int8 kernel (gemm_i8a8_f32: rows rounded to int8, VNNI builds) and on FBGEMM's dynamic int8 linear.
+With --bf16: a bf16 weight as the engine can multiply it, widened once to fp32 (the fp32 kernel) or
+through oneDNN's packed bf16 GEMM (what it uses where the CPU has AMX or AVX-512 BF16), against fp32.
 
     PYTHONPATH=engine-image .venv/bin/python hack/gemm_backends.py [--threads N] [--rows 1 8 32 2048] [--quantized | --bf16]
 """
@@ -55,7 +56,7 @@ def quantized(w: torch.Tensor) -> dict:
     q, scale = quant.quantize_int8(w)
     return {"fp32": packed.pack_linear(w, None), "int8 (engine)": packed.consort_int8(q, scale, None),
             "int4 g128 (engine)": int4_group128(w), "int8 (torch)": torch_int8(q, scale),
-            "w8a8": quant.quantize_linear(w, None, "w8a8")}
+            "w8a8 (engine)": packed.consort_w8a8(q, scale, None), "w8a8 (FBGEMM)": quant.fbgemm_w8a8(q, scale, None)}
 
 
 def bf16_input(f):

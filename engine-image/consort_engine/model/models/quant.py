@@ -116,8 +116,12 @@ def _int8_weight_only(weight: torch.Tensor, bias: torch.Tensor | None) -> Callab
 def _w8a8_dynamic(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
     q, scale = quantize_int8(weight)
     ours = consort_w8a8(q, scale, None if bias is None else bias.float()) if weight.device.type == "cpu" else None
-    if ours is not None:
-        return fp32_rows(ours)
+    return fp32_rows(ours) if ours is not None else fbgemm_w8a8(q, scale, bias)
+
+
+def fbgemm_w8a8(q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """int8 codes [n, k] with per-row scales through FBGEMM's dynamic quantized linear (activations
+    rounded to 7 bits with one scale per call): w8a8 on a CPU without VNNI."""
     engine = torch.backends.quantized.engine
     try:
         torch.backends.quantized.engine = "fbgemm"
