@@ -66,7 +66,7 @@ class ModelSource(Model):
                      "compressed-tensors W4A16, W8A16 or W8A8, named by its config.json's quantization_config) loads "
                      "with `none`, `auto` or its own format's name (`awq`, `gptq`, `compressed-tensors`; the "
                      "engine refuses to start when the checkpoint is another); on CPU its linears multiply "
-                     "their codes with one scale per group in the engine's int8 kernel (a quarter of the "
+                     "their codes with one scale per group in the engine's integer kernels (a quarter of the "
                      "fp32 weight's memory), elsewhere they are dequantized to the dtype. "
                      "LoRA adapters stay in full precision."))
 
