@@ -89,6 +89,32 @@ static inline float gemm_row_absmax(const float *src, int64_t K, int *bad) {
 }
 #endif
 
+/* The integer kernels' epilogues (gemm_i8w.c, gemm_i8a8.c), as macros over a tile's R x V accumulator
+ * array so it stays in registers. GEMM_INT_BLOCK_OUT: a block's int32 sums, SUMS(r, v) (each kernel's
+ * correction applied), converted and times their group's column scales cs, added into out (stored on the
+ * first block, q0 == 0). GEMM_INT_ROW_SCALE: out times each row's scale, once, at the end; the empty asm
+ * keeps the compiler's reassociation (-fassociative-math) from multiplying the scales together first in
+ * some tiles, which made a row's bits depend on where it sat. */
+#define GEMM_INT_BLOCK_OUT(R, V, SUMS, cs, out, ldo, q0)                                                   \
+    _Pragma("GCC unroll 16") for (int v = 0; v < V; v++) {                                                \
+        const VEC c = VEC_LOADU((cs) + v * VLEN);                                                         \
+        _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {                                            \
+            float *o = (out) + r * (ldo) + v * VLEN;                                                      \
+            const VEC f = VEC_FROM_I32(SUMS(r, v));                                                       \
+            VEC_STOREU(o, (q0) ? VEC_FMA(f, c, VEC_LOADU(o)) : VEC_MUL(f, c));                            \
+        }                                                                                                 \
+    }
+#define GEMM_INT_ROW_SCALE(R, V, out, ldo, row_scales)                                                    \
+    _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {                                                \
+        const VEC s = VEC_SET1((row_scales)[r]);                                                          \
+        _Pragma("GCC unroll 16") for (int v = 0; v < V; v++) {                                            \
+            float *o = (out) + r * (ldo) + v * VLEN;                                                      \
+            VEC t = VEC_LOADU(o);                                                                         \
+            __asm__("" : "+v"(t));                                                                        \
+            VEC_STOREU(o, VEC_MUL(t, s));                                                                 \
+        }                                                                                                 \
+    }
+
 /* A packed weight as the driver hands it on: its panels (`kern`'s layout), its column scales (one per
  * padded column for each group of scale_k k, rows scale_ld floats apart; NULL: none) and the order x's
  * columns are read in (weight column j multiplies x's column order[j]; NULL: in order). */

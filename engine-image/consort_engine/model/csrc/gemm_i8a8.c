@@ -61,6 +61,8 @@ void gemm_pack_i8a8_f32(const int8_t *w, int64_t N, int64_t K, int8_t *packed) {
 #define I8A8_MADD(acc, x, w) __asm__("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(x), "x"(w))
 #endif
 #define I8A8_VPP (GEMM_NR / VLEN)      /* vectors per panel */
+/* a block's sums less their compensation (GEMM_INT_BLOCK_OUT; cp: the group's, in the tile) */
+#define I8A8_SUMS(r, v) I8A8_SUB(acc[r][v], I8A8_LOADI(cp + (v) * VLEN))
 
 /* R rows x P panels; x is the tile's rows as quads of u8 (x + 128), row after row ([R][Qd] int32,
  * `i8a8_pack_tile`). col_scales holds the groups' fp32 scales ([G][scale_ld]) and after them their
@@ -94,27 +96,9 @@ static void i8a8_tile_##R##x##P(const void *restrict xv, const void *restrict pa
                 _Pragma("GCC unroll 16") for (int v = 0; v < V; v++) I8A8_MADD(acc[r][v], b, w[v]);       \
             }                                                                                             \
         }                                                                                                 \
-        _Pragma("GCC unroll 16") for (int v = 0; v < V; v++) {                                            \
-            const VEC c = VEC_LOADU(cs + v * VLEN);                                                       \
-            const I8A8_ACC k = I8A8_LOADI(cp + v * VLEN);                                                 \
-            _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {                                        \
-                float *o = out + r * ldo + v * VLEN;                                                      \
-                const VEC f = VEC_FROM_I32(I8A8_SUB(acc[r][v], k));                                       \
-                VEC_STOREU(o, q0 ? VEC_FMA(f, c, VEC_LOADU(o)) : VEC_MUL(f, c));                          \
-            }                                                                                             \
-        }                                                                                                 \
+        GEMM_INT_BLOCK_OUT(R, V, I8A8_SUMS, cs, out, ldo, q0)                                             \
     }                                                                                                     \
-    /* the empty asm keeps the compiler's reassociation (-fassociative-math) from multiplying the scales   \
-       together first in some tiles, which made a row's bits depend on where it sat */                     \
-    _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {                                                \
-        const VEC s = VEC_SET1(row_scales[r]);                                                            \
-        _Pragma("GCC unroll 16") for (int v = 0; v < V; v++) {                                            \
-            float *o = out + r * ldo + v * VLEN;                                                          \
-            VEC t = VEC_LOADU(o);                                                                         \
-            __asm__("" : "+v"(t));                                                                        \
-            VEC_STOREU(o, VEC_MUL(t, s));                                                                 \
-        }                                                                                                 \
-    }                                                                                                     \
+    GEMM_INT_ROW_SCALE(R, V, out, ldo, row_scales)                                                        \
 }
 
 #if defined(__AVX512F__)

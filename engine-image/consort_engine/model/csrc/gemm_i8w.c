@@ -62,6 +62,7 @@ void gemm_pack_i8w_f32(const int8_t *w, int64_t N, int64_t K, int8_t *packed) {
 #define I8W_SET1 _mm256_set1_epi32
 #endif
 #define I8W_VPP (GEMM_NR / VLEN)       /* vectors per panel */
+#define I8W_SUMS(r, v) acc[r][v]       /* a block's sums as they are (GEMM_INT_BLOCK_OUT) */
 
 /* acc += the pairwise products of w and b, as one asm statement: the register allocator then sees one
  * read-modify-write accumulator, as it does for an FMA. Written as intrinsics (vpmaddwd + vpaddd, or
@@ -116,26 +117,9 @@ static void i8w_tile_##R##x##P(const void *restrict xv, const void *restrict pan
                 _Pragma("GCC unroll 16") for (int v = 0; v < V; v++) I8W_MADD(acc[r][v], w[v], b);        \
             }                                                                                             \
         }                                                                                                 \
-        _Pragma("GCC unroll 16") for (int v = 0; v < V; v++) {                                            \
-            const VEC c = VEC_LOADU(cs + v * VLEN);                                                       \
-            _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {                                        \
-                float *o = out + r * ldo + v * VLEN;                                                      \
-                const VEC f = VEC_FROM_I32(acc[r][v]);                                                    \
-                VEC_STOREU(o, q0 ? VEC_FMA(f, c, VEC_LOADU(o)) : VEC_MUL(f, c));                          \
-            }                                                                                             \
-        }                                                                                                 \
+        GEMM_INT_BLOCK_OUT(R, V, I8W_SUMS, cs, out, ldo, q0)                                              \
     }                                                                                                     \
-    /* the empty asm keeps the compiler's reassociation (-fassociative-math) from multiplying the scales   \
-       together first in some tiles, which made a row's bits depend on where it sat */                     \
-    _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {                                                \
-        const VEC s = VEC_SET1(row_scales[r]);                                                            \
-        _Pragma("GCC unroll 16") for (int v = 0; v < V; v++) {                                            \
-            float *o = out + r * ldo + v * VLEN;                                                          \
-            VEC t = VEC_LOADU(o);                                                                         \
-            __asm__("" : "+v"(t));                                                                        \
-            VEC_STOREU(o, VEC_MUL(t, s));                                                                 \
-        }                                                                                                 \
-    }                                                                                                     \
+    GEMM_INT_ROW_SCALE(R, V, out, ldo, row_scales)                                                        \
 }
 
 #if defined(__AVX512F__)
