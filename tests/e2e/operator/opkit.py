@@ -80,6 +80,21 @@ class Operator:
             return "<no log>"
 
 
+def reconciles(op: Operator) -> float:
+    """The operator's finished passes (consort_operator_reconcile_total over kinds and results)."""
+    return sum(v for k, v in op.metrics().items() if k.startswith("consort_operator_reconcile_total{"))
+
+
+def wait_counted(op: Operator, timeout: float = 15) -> float:
+    """Until `op` has counted a pass. A pass writes its children first and counts itself after its
+    status patch and events, so a child can show the change a moment before the counter moves."""
+    def counted() -> float:
+        if (n := reconciles(op)) == 0:
+            raise NotYet("no pass counted")
+        return n
+    return wait_for(counted, timeout, "the operator to count its pass", interval=0.2)
+
+
 def get_json(cluster, *args: str) -> dict:
     return cluster.kubectl_json("get", *args)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import yaml
 from kube import NotYet, wait_for
-from opkit import REPO, Operator, get_json, wait_phase
+from opkit import REPO, Operator, get_json, reconciles, wait_counted, wait_phase
 
 pytestmark = pytest.mark.e2e
 
@@ -161,10 +161,7 @@ def test_chart_installs_and_its_rbac_runs_two_operators_electing_a_leader(cluste
                            ("role", "front-router"), ("rolebinding", "front-router"), ("configmap", "front-router")):
             get_json(cluster, kind, name, "-n", namespace)
 
-        def acted(op: Operator) -> float:
-            return sum(v for k, v in op.metrics().items() if k.startswith("consort_operator_reconcile_total{"))
-
-        counts = [acted(op) for op in operators]
+        counts = [reconciles(op) for op in operators]
         assert sorted(c > 0 for c in counts) == [False, True], f"exactly one replica acts: {counts}"
         active, standby = (operators[0], operators[1]) if counts[0] else (operators[1], operators[0])
         assert f'consort_operator_leader{{identity="{holder}"}}' in active.metrics(), "the Lease holder is the one acting"
@@ -181,7 +178,7 @@ def test_chart_installs_and_its_rbac_runs_two_operators_electing_a_leader(cluste
             return True
 
         wait_for(scaled, 90, "the standby operator to take over and scale alpha")
-        assert acted(standby) > 0
+        assert wait_counted(standby) > 0
     finally:
         # Release Kopf's finalizers while an operator still runs, then stop them.
         if any(op.proc is not None and op.proc.poll() is None for op in operators):

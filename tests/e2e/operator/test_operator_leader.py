@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 from kube import NotYet, wait_for
-from opkit import Operator, get_json, wait_phase
+from opkit import Operator, get_json, reconciles, wait_counted, wait_phase
 
 pytestmark = pytest.mark.e2e
 
@@ -126,10 +126,6 @@ def leads(op: Operator) -> bool:
     return any(k.startswith("consort_operator_leader{") and v == 1.0 for k, v in op.metrics().items())
 
 
-def reconciles(op: Operator) -> float:
-    return sum(v for k, v in op.metrics().items() if k.startswith("consort_operator_reconcile_total{"))
-
-
 def holder(cluster, namespace: str) -> str:
     lease = get_json(cluster, "lease", LEASE, "-n", namespace)
     return (lease.get("spec") or {}).get("holderIdentity") or ""
@@ -185,7 +181,7 @@ def test_one_leader_reconciles_and_a_killed_one_is_replaced_within_20s(cluster, 
         reconciled = wait_for(scaled, 30, "the new leader to scale alpha", interval=0.2)
         sys.stderr.write(f"\n[leader failover] SIGKILL -> Lease acquired {took:.1f}s, -> change reconciled {reconciled:.1f}s\n")
         assert took < 20, f"failover took {took:.1f}s"
-        assert leads(standby) and reconciles(standby) > 0
+        assert leads(standby) and wait_counted(standby) > 0
         events = get_json(cluster, "events", "-n", namespace, "--field-selector", f"involvedObject.name={LEASE}")["items"]
         said = {e["message"] for e in events if e.get("reason") == "LeaderElection"}
         assert f"{identity_of(standby)} became leader" in said and len(said) == 2, said
