@@ -2,11 +2,15 @@
 (csrc prefill_attention_f32, AVX-512 and AVX2 + FMA builds) against torch's SDPA, the path it replaces
 (causal over a fresh chunk's own K/V, or over the gathered context after a prefix-cache hit), on the
 benchmark model's heads (8 query heads, 4 kv heads, head size 64; --head-dim 128 takes 16 and 2),
-float32 queries over a float32 pool (--kv-dtype bfloat16: a bf16 model on a CPU without AMX) and
-scattered pool blocks. Both sides run the same spans through PagedAttention, best of 5 in rotation, so
-a burst of neighbour load hits both alike. FLOPs: 4 x heads x head size per visible (query, key) pair.
+float32 queries over a float32 pool (--kv-dtype bfloat16: a bf16 model computing in fp32) and
+scattered pool blocks. `--q-dtype bfloat16` (a bf16 model computing in bf16, over a bf16 pool) adds
+the kernel with the queries widened to fp32 (what the engine runs where the library has no AVX-512
+BF16 pair dot product) beside the bf16 kernel. All sides run the same spans through PagedAttention, best
+of 5 in rotation, so a burst of neighbour load hits them alike. FLOPs: 4 x heads x head size per visible
+(query, key) pair.
 
     PYTHONPATH=engine-image .venv/bin/python hack/prefill_attention.py [--head-dim 128] [--kv-dtype bfloat16]
+        [--q-dtype bfloat16]
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import time
 import torch
 
 from consort_common.machine import cpu_model_and_flags
+from consort_engine.model import attention
 from consort_engine.model.attention import AttentionMetadata, PagedAttention, PrefillSpan
 
 # (name, [(cached, new) per sequence]): the chunk lengths a 2,048-token step budget cuts prompts into
@@ -25,7 +30,8 @@ CASES = (("1 x 128", [(0, 128)]), ("1 x 512", [(0, 512)]), ("4 x 512", [(0, 512)
 BLOCK = 16
 
 
-def setup(spans: list[tuple[int, int]], h: int, kvh: int, d: int, kv_dtype: torch.dtype, g: torch.Generator):
+def setup(spans: list[tuple[int, int]], h: int, kvh: int, d: int, kv_dtype: torch.dtype, q_dtype: torch.dtype,
+          g: torch.Generator):
     """A layer over a pool of scattered blocks holding every span's context, and the step's metadata."""
     ctx_lens, qlens = [c + n for c, n in spans], [n for _, n in spans]
     max_blocks = max((c + BLOCK - 1) // BLOCK for c in ctx_lens)
@@ -44,7 +50,7 @@ def setup(spans: list[tuple[int, int]], h: int, kvh: int, d: int, kv_dtype: torc
                              prefill_block_tables=tables,
                              prefill_context_lens=torch.tensor(ctx_lens, dtype=torch.int32),
                              prefill_cu_query_lens=torch.tensor(starts, dtype=torch.int32))
-    qkv = [torch.randn(t, n, d, generator=g) for n in (h, kvh, kvh)]
+    qkv = [torch.randn(t, n, d, generator=g).to(q_dtype) for n in (h, kvh, kvh)]
     flops = sum(4 * h * d * n * (c + (n + 1) / 2) for c, n in spans)
     return attn, qkv, meta, flops
 
@@ -57,27 +63,59 @@ def sdpa_only(attn: PagedAttention) -> PagedAttention:
     return sdpa
 
 
+class Widened(PagedAttention):
+    """The same layer over the same pool, bf16 queries widened for the fp32 kernel (as without the
+    library's bf16 kernel)."""
+
+    def __init__(self, attn: PagedAttention):
+        super().__init__(attn.h, attn.kvh, attn.d, attn.scale, attn.backend)
+        self.k_cache, self.v_cache = attn.k_cache, attn.v_cache
+
+    def _prefill_kernel(self, q, out, meta) -> bool:
+        lookup = attention.kernel
+
+        def no_bf16(name, dtype, kv_dtype=None):
+            if dtype == torch.bfloat16:
+                raise AttributeError(name)
+            return lookup(name, dtype, kv_dtype)
+        attention.kernel = no_bf16
+        try:
+            return super()._prefill_kernel(q, out, meta)
+        finally:
+            attention.kernel = lookup
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=0, help="torch and kernel threads (0: torch's default)")
     ap.add_argument("--head-dim", type=int, default=64, choices=(64, 128))
     ap.add_argument("--kv-dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--q-dtype", default="float32", choices=("float32", "bfloat16"))
     a = ap.parse_args()
+    if a.q_dtype == "bfloat16" and a.kv_dtype != "bfloat16":
+        ap.error("--q-dtype bfloat16 runs over a bfloat16 pool (--kv-dtype bfloat16)")
     from consort_engine.model.cpu_kernels import cpu_kernels, set_threads
     if a.threads:
         set_threads(a.threads)
     if cpu_kernels() is None or not hasattr(cpu_kernels(), "prefill_attention_f32"):
         raise SystemExit("the prefill kernel is not built on this CPU (it needs AVX-512 or AVX2 + FMA)")
     h, kvh = (8, 4) if a.head_dim == 64 else (16, 2)
-    kv_dtype = getattr(torch, a.kv_dtype)
+    kv_dtype, q_dtype = getattr(torch, a.kv_dtype), getattr(torch, a.q_dtype)
+    widened = q_dtype == torch.bfloat16
     model, flags = cpu_model_and_flags()
-    print(f"{model}; {' '.join(f for f in ('avx2', 'fma', 'avx512f', 'amx_tile') if f in flags)}; "
-          f"{torch.get_num_threads()} threads; heads {h}/{kvh} x {a.head_dim}, {a.kv_dtype} pool; GFLOP/s, best of 5")
-    print("| spans | kernel | SDPA | kernel / SDPA |\n|---|---|---|---|")
+    print(f"{model}; {' '.join(f for f in ('avx2', 'fma', 'avx512f', 'avx512_bf16', 'amx_tile') if f in flags)}; "
+          f"{torch.get_num_threads()} threads; heads {h}/{kvh} x {a.head_dim}, {a.q_dtype} queries, {a.kv_dtype} pool; "
+          f"GFLOP/s, best of 5")
+    if widened:
+        bf16 = "bf16 pair dot" if hasattr(cpu_kernels(), "prefill_attention_bf16") else "widened too: no AVX-512 BF16 build"
+        print(f"| spans | kernel ({bf16}) | kernel, widened | SDPA | kernel / widened | kernel / SDPA |\n"
+              "|---|---|---|---|---|---|")
+    else:
+        print("| spans | kernel | SDPA | kernel / SDPA |\n|---|---|---|---|")
     g = torch.Generator().manual_seed(0)
     for name, spans in CASES:
-        attn, (q, k, v), meta, flops = setup(spans, h, kvh, a.head_dim, kv_dtype, g)
-        sides = {"kernel": attn, "sdpa": sdpa_only(attn)}
+        attn, (q, k, v), meta, flops = setup(spans, h, kvh, a.head_dim, kv_dtype, q_dtype, g)
+        sides = {"kernel": attn, "sdpa": sdpa_only(attn)} | ({"widened": Widened(attn)} if widened else {})
         best = dict.fromkeys(sides, 0.0)
         for _ in range(5):
             for side, layer in sides.items():
@@ -85,7 +123,11 @@ def main() -> None:
                 layer(q, k, v, meta)
                 best[side] = max(best[side], flops / (time.perf_counter() - t0) / 1e9)
         kern, sdpa = best["kernel"], best["sdpa"]
-        print(f"| {name} | {kern:.1f} | {sdpa:.1f} | {kern / sdpa:.2f}x |", flush=True)
+        if widened:
+            wide = best["widened"]
+            print(f"| {name} | {kern:.1f} | {wide:.1f} | {sdpa:.1f} | {kern / wide:.2f}x | {kern / sdpa:.2f}x |", flush=True)
+        else:
+            print(f"| {name} | {kern:.1f} | {sdpa:.1f} | {kern / sdpa:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":

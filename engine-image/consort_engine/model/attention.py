@@ -166,19 +166,25 @@ class PagedAttention(torch.nn.Module):
             raise RuntimeError(f"paged_attention kernel failed ({rc})")
 
     def _prefill_kernel(self, q: torch.Tensor, out: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """Every prefill span through the C kernel (float32 queries over a float32 or bfloat16 pool, head size
-        64/128, AVX-512 or AVX2 build), reading the pool in place; bfloat16 queries over a bfloat16 pool are
-        widened to float32 for it and the output rounded back, except with AMX, where SDPA's bf16 GEMMs run on
-        AMX tiles (the two were not compared there). False where it does not apply (then SDPA runs)."""
+        """Every prefill span through a C kernel reading the pool in place (head size 64/128, AVX-512 or AVX2
+        build): float32 queries over a float32 or bfloat16 pool; bfloat16 queries over a bfloat16 pool on the
+        bf16 pair dot product where the library has it (AVX-512 BF16), else widened to float32 and the output
+        rounded back; except with AMX, where SDPA's bf16 GEMMs run on AMX tiles (not compared there). False
+        where none applies (then SDPA runs)."""
         kv = self.k_cache.dtype
-        widen = q.dtype == torch.bfloat16 and kv == torch.bfloat16 and not AMX
-        if self.backend != "cpu_kernel" or not (q.dtype == torch.float32 or widen) \
+        bf16 = q.dtype == torch.bfloat16 and kv == torch.bfloat16 and not AMX
+        if self.backend != "cpu_kernel" or not (q.dtype == torch.float32 or bf16) \
                 or kv not in (torch.float32, torch.bfloat16) or meta.prefill_block_tables is None:
             return False
-        try:
-            fn = kernel("prefill_attention", torch.float32, kv)
-        except AttributeError:          # not built for this CPU (neither AVX-512 nor AVX2 + FMA)
+        for dtype in (q.dtype, torch.float32) if bf16 else (q.dtype,):
+            try:
+                fn = kernel("prefill_attention", dtype, kv)
+                break
+            except AttributeError:      # bf16: no pair dot product in this build; fp32: no AVX-512 / AVX2 + FMA
+                continue
+        else:
             return False
+        widen = dtype != q.dtype
         tb, bt, kc = meta.num_batched_tokens, meta.prefill_block_tables, self.k_cache
         qp, op = (q[tb:].float(), torch.empty(out.shape[0] - tb, out.shape[1])) if widen else (q[tb:], out[tb:])
         rc = fn(qp.data_ptr(), qp.stride(0), kc.data_ptr(), self.v_cache.data_ptr(), op.data_ptr(), op.stride(0),

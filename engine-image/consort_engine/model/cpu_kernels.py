@@ -42,7 +42,7 @@ LEVELS = {"x86-64-v4": _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "av
 P, I, L, F32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {   # name (per dtype suffix) -> (argtypes, restype)
     "paged_attention": ([P, L, P, P, P, L, P, I, P, P, I, I, I, I, I, L, L, L, F32], I),
-    "prefill_attention": ([P, L, P, P, P, L, P, I, P, P, I, I, I, I, I, L, L, L, F32], I),   # AVX2+FMA, AVX-512 builds
+    "prefill_attention": ([P, L, P, P, P, L, P, I, P, P, I, I, I, I, I, L, L, L, F32], I),   # AVX2+FMA, AVX-512 builds; bf16: AVX-512 BF16
     "store_kv": ([P, L, P, L, P, P, P, I, I, I, I, L, L, L], None),
     "rms_norm": ([P, L, P, L, P, I, I, I, F32], None),
     "add_rms_norm": ([P, P, P, P, I, I, F32], None),

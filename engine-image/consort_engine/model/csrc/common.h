@@ -1,7 +1,7 @@
 /* What every CPU kernel of the engine shares: the SIMD vector of the kernels written with intrinsics,
  * bf16 conversions, the exponential, and the team size.
  *
- * The kernels (paged_attention.c, prefill_attention.c, elementwise.c, gemm.c, gemm_i8w.c, gemm_i8a8.c, team.c) are built into
+ * The kernels (paged_attention.c, prefill_attention.c, prefill_attention_bf16.c, elementwise.c, gemm.c, gemm_i8w.c, gemm_i8a8.c, team.c) are built into
  * one library at run time with the system C compiler (-O3 -march=native -fopenmp; the engine image
  * prebuilds one per x86-64 level) and called through ctypes (model/cpu_kernels.py); OpenMP resolves to
  * the libgomp torch already loaded, so the thread pool is shared.
@@ -105,5 +105,24 @@ static inline float exp_nonpos_core(float x) { /* x in [-87, 88] */
 }
 
 static inline float exp_nonpos(float x) { return exp_nonpos_core(x < -87.0f ? -87.0f : x); }
+
+#if defined(VEC)
+/* e^x for x <= 0 lanes (clamped at -87): the polynomial of exp_nonpos_core, a vector at a time. */
+static inline VEC exp_vec_nonpos(VEC x) {
+    x = VEC_MAX(x, VEC_SET1(-87.f));
+    const VEC t = VEC_MUL(x, VEC_SET1(1.44269504088896341f));
+    const VEC k = VEC_ROUND(t);
+    const VEC f = VEC_MUL(VEC_SUB(t, k), VEC_SET1(0.693147180559945309f));
+    VEC p = VEC_SET1(1.f / 5040.f);
+    p = VEC_FMA(p, f, VEC_SET1(1.f / 720.f));
+    p = VEC_FMA(p, f, VEC_SET1(1.f / 120.f));
+    p = VEC_FMA(p, f, VEC_SET1(1.f / 24.f));
+    p = VEC_FMA(p, f, VEC_SET1(1.f / 6.f));
+    p = VEC_FMA(p, f, VEC_SET1(0.5f));
+    p = VEC_FMA(p, f, VEC_SET1(1.f));
+    p = VEC_FMA(p, f, VEC_SET1(1.f));
+    return VEC_TIMES_POW2(p, k);
+}
+#endif
 
 #endif

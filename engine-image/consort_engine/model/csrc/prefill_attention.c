@@ -22,23 +22,6 @@
 #define PF_MAX_ROWS (PF_TOKENS * 16)      /* G <= 16 */
 #define PF_SUB (16 / VLEN)                /* vectors of 16 keys' scores */
 
-/* e^x for x <= 0 lanes (clamped at -87): the polynomial of exp_nonpos_core, a vector at a time. */
-static inline VEC exp_vec_nonpos(VEC x) {
-    x = VEC_MAX(x, VEC_SET1(-87.f));
-    const VEC t = VEC_MUL(x, VEC_SET1(1.44269504088896341f));
-    const VEC k = VEC_ROUND(t);
-    const VEC f = VEC_MUL(VEC_SUB(t, k), VEC_SET1(0.693147180559945309f));
-    VEC p = VEC_SET1(1.f / 5040.f);
-    p = VEC_FMA(p, f, VEC_SET1(1.f / 720.f));
-    p = VEC_FMA(p, f, VEC_SET1(1.f / 120.f));
-    p = VEC_FMA(p, f, VEC_SET1(1.f / 24.f));
-    p = VEC_FMA(p, f, VEC_SET1(1.f / 6.f));
-    p = VEC_FMA(p, f, VEC_SET1(0.5f));
-    p = VEC_FMA(p, f, VEC_SET1(1.f));
-    p = VEC_FMA(p, f, VEC_SET1(1.f));
-    return VEC_TIMES_POW2(p, k);
-}
-
 /* A row of V (or its part from element d0 on) as fp32 vectors: the pool's element type is a constant. */
 #define PF_LOAD_V(row, d0, bf16kv) ((bf16kv) ? VEC_LOAD_BF16((const bf16_t *)(row) + (d0)) : VEC_LOADU((const float *)(row) + (d0)))
 

@@ -76,6 +76,7 @@ def test_rows_beyond_an_item_are_a_typed_failure_not_a_crash():
 
 
 HAS_PREFILL = cpu_kernels() is not None and hasattr(cpu_kernels(), "prefill_attention_f32")
+HAS_BF16_DOT = cpu_kernels() is not None and hasattr(cpu_kernels(), "prefill_attention_bf16")   # AVX-512 BF16
 
 
 @pytest.mark.skipif(not HAS_PREFILL, reason="the prefill kernel is built for AVX-512 or AVX2 + FMA CPUs")
@@ -89,7 +90,7 @@ HAS_PREFILL = cpu_kernels() is not None and hasattr(cpu_kernels(), "prefill_atte
 @pytest.mark.parametrize("kv_dtype,q_dtype", [
     (torch.float32, torch.float32),
     (torch.bfloat16, torch.float32),     # a bf16 model computing in fp32 (no bf16 dot product on the CPU)
-    (torch.bfloat16, torch.bfloat16),    # one computing in bf16: queries widened, the output rounded back
+    (torch.bfloat16, torch.bfloat16),    # one computing in bf16: the pair dot product, or queries widened
 ])
 def test_prefill_kernel_equals_causal_sdpa(h, kvh, d, bs, spans, kv_dtype, q_dtype):
     g = torch.Generator().manual_seed(h + d + bs + len(spans))
@@ -115,7 +116,13 @@ def test_prefill_kernel_equals_causal_sdpa(h, kvh, d, bs, spans, kv_dtype, q_dty
         return
     assert attn._prefill_kernel(q, out, meta)
     ref = reference(q.float(), attn.k_cache, attn.v_cache, block_tables, ctx_lens, qlens, h, kvh, d)
-    if q_dtype == torch.bfloat16:      # the fp32 result, rounded once
+    if q_dtype == torch.bfloat16 and HAS_BF16_DOT:
+        # P rounded to bf16 (unit roundoff u = 2^-8) moves the output by at most u x max|V|, and the
+        # output's rounding by u x |out|; on average it stays near the error of rounding once.
+        err = (out.float() - ref).abs()
+        assert bool((err <= 2 ** -8 * (attn.v_cache.float().abs().max() + ref.abs()) + 1e-5).all()), float(err.max())
+        assert float(err.mean()) <= 2 * float((ref.to(torch.bfloat16).float() - ref).abs().mean())
+    elif q_dtype == torch.bfloat16:    # widened: the fp32 result, rounded once
         torch.testing.assert_close(out, ref.to(torch.bfloat16), rtol=0, atol=0.01)
         assert float((out.float() - ref).abs().max()) <= float(ref.abs().max()) * 2 ** -8
     else:
@@ -137,3 +144,30 @@ def test_prefill_kernel_declines_what_it_does_not_cover():
     attn.k_cache = attn.v_cache = torch.zeros(2, 2, 16, 64)
     assert not attn._prefill_kernel(torch.zeros(4, 2, 64, dtype=torch.bfloat16),
                                     torch.empty(4, 128, dtype=torch.bfloat16), meta)
+
+
+@pytest.mark.skipif(not HAS_PREFILL, reason="the prefill kernel is built for AVX-512 or AVX2 + FMA CPUs")
+def test_bf16_prefill_takes_the_pair_dot_kernel_where_the_library_has_it(monkeypatch):
+    """bf16 queries over a bf16 pool run the bf16 kernel in place where it is built (AVX-512 BF16), else
+    the fp32 one on widened queries; with AMX neither (SDPA)."""
+    asked: list[str] = []
+    lookup = attention.kernel
+
+    def recording(name, dtype, kv_dtype=None):
+        fn = lookup(name, dtype, kv_dtype)
+        asked.append(fn.__name__)
+        return fn
+    monkeypatch.setattr(attention, "kernel", recording)
+    meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.int64), num_batched_tokens=0,
+                             prefill_block_tables=torch.zeros(1, 1, dtype=torch.int32),
+                             prefill_context_lens=torch.tensor([4], dtype=torch.int32),
+                             prefill_cu_query_lens=torch.tensor([0, 4], dtype=torch.int32))
+    attn = PagedAttention(2, 2, 64, 0.125, "cpu_kernel")
+    attn.k_cache = attn.v_cache = torch.ones(1, 2, 16, 64, dtype=torch.bfloat16)
+    out = torch.zeros(4, 128, dtype=torch.bfloat16)
+    ran = attn._prefill_kernel(torch.ones(4, 2, 64, dtype=torch.bfloat16), out, meta)
+    if attention.AMX:
+        assert not ran and asked == []
+        return
+    assert ran and bool((out == 1).all())
+    assert asked == (["prefill_attention_bf16"] if HAS_BF16_DOT else ["prefill_attention_f32_bf16kv"])

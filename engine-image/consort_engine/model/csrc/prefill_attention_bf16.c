@@ -1,0 +1,241 @@
+/* Causal attention of prefill chunks with bfloat16 queries, pool and output, on AVX-512 BF16's pair
+ * dot product (vdpbf16ps: each of 16 fp32 lanes += the products of two bf16 pairs). The fp32 kernel
+ * (prefill_attention.c) widens every K/V element and multiplies one pair per FMA lane; this one
+ * multiplies two per lane, straight from the pool. Same arguments and work items as
+ * prefill_attention_f32: (sequence, kv head, tile of PB_TOKENS query tokens), keys PB_KEYS at a time,
+ * flash-attention style. The layout spares every per-block transpose:
+ * - scores are key-major, S[key][query row]: the tile's queries are transposed once into pairs of d
+ *   per row (qT[d / 2][row], 32 bits each), and each key's pair of d is broadcast from the pool;
+ * - so the online softmax runs down the keys with one query row per lane (running max, sum and
+ *   rescale as vectors, no horizontal reduction);
+ * - P is rounded to bf16 (as flash-attention does on GPUs) and paired per two keys; V rows are paired
+ *   per two keys by interleaving them (vpunpck: within each 32 of D the order becomes 0-3, 8-11,
+ *   16-19, 24-27 | 4-7, 12-15, 20-23, 28-31, which the accumulators keep and the output undoes);
+ * - P V accumulates in registers, tiles of query rows x vectors of D (the fp32 kernel's PF_PV shapes).
+ * Scores, softmax and accumulators are fp32; the output is rounded to bf16 once. Built where the
+ * compiler targets AVX-512 BF16; elsewhere (and with AMX, where SDPA's bf16 GEMMs run on tiles) the
+ * engine widens the queries for the fp32 kernel (model/attention.py).
+ */
+#include "common.h"
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define PB_TOKENS 32                      /* query tokens per work item */
+#define PB_MAX_ROWS (PB_TOKENS * 16)      /* G <= 16 */
+#define PB_KEYS 32                        /* keys per block */
+#define PB_KCHUNK 8                       /* keys per scores tile */
+
+typedef uint32_t pair_t;                  /* two bf16, the first in the low half */
+
+static inline __m512 pb_dot(__m512 acc, __m512i a, __m512i b) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+}
+
+/* 16 fp32 lanes rounded to bf16 (nearest even), each in the low half of a 32-bit lane. */
+static inline __m512i pb_round(__m512 x) {
+    return _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x));
+}
+
+/* S[j][rv * 16 + lane] = scale x (query row . key j) for keys j0 .. j0 + 7 and row vectors rv0 ..
+ * rv0 + NRV - 1 (NRV a constant, 1 or 2); kw: each key's row in the pool as D / 2 pairs. */
+static inline __attribute__((always_inline)) void pb_scores(const pair_t *qT, int RW, const pair_t *const *kw,
+                                                            int j0, int rv0, const int NRV, int DP,
+                                                            __m512 scale, float *S) {
+    __m512 s[PB_KCHUNK][2];
+    const pair_t *kr[PB_KCHUNK];
+    for (int k = 0; k < PB_KCHUNK; k++) {
+        kr[k] = kw[j0 + k];
+        for (int v = 0; v < NRV; v++) s[k][v] = _mm512_setzero_ps();
+    }
+    for (int p = 0; p < DP; p++) {
+        __m512i q[2];
+        for (int v = 0; v < NRV; v++) q[v] = _mm512_load_si512(qT + (int64_t)p * RW + (rv0 + v) * 16);
+        _Pragma("GCC unroll 8") for (int k = 0; k < PB_KCHUNK; k++) {
+            const __m512i b = _mm512_set1_epi32((int)kr[k][p]);
+            for (int v = 0; v < NRV; v++) s[k][v] = pb_dot(s[k][v], b, q[v]);
+        }
+    }
+    for (int k = 0; k < PB_KCHUNK; k++)
+        for (int v = 0; v < NRV; v++)
+            _mm512_store_ps(S + (int64_t)(j0 + k) * RW + (rv0 + v) * 16, _mm512_mul_ps(s[k][v], scale));
+}
+
+/* The online-softmax step of row vector rv over keys c0 .. c0 + nk - 1 (S holds their scores, where
+ * any row of the vector sees them): S becomes the probabilities (zero where a row does not see the key),
+ * m and l the running max and sum, alpha the factor the rows' earlier P V sums take. Block 0 holds key
+ * 0, which every row sees, so m is finite from the first block on. */
+static inline void pb_softmax(float *S, int RW, int rv, int c0, int nk, const int *pos, float *m, float *l,
+                              float *alpha) {
+    const __m512i posv = _mm512_loadu_si512(pos + rv * 16);
+    const __m512 mold = _mm512_load_ps(m + rv * 16);
+    __m512 mx = mold;
+    for (int j = 0; j < nk; j++) {
+        const __mmask16 vis = _mm512_cmple_epi32_mask(_mm512_set1_epi32(c0 + j), posv);
+        mx = _mm512_mask_max_ps(mx, vis, mx, _mm512_load_ps(S + (int64_t)j * RW + rv * 16));
+    }
+    __m512 sum = _mm512_setzero_ps();
+    for (int j = 0; j < nk; j++) {
+        float *sj = S + (int64_t)j * RW + rv * 16;
+        const __mmask16 vis = _mm512_cmple_epi32_mask(_mm512_set1_epi32(c0 + j), posv);
+        const __m512 p = _mm512_maskz_mov_ps(vis, exp_vec_nonpos(_mm512_sub_ps(_mm512_load_ps(sj), mx)));
+        sum = _mm512_add_ps(sum, p);
+        _mm512_store_ps(sj, p);
+    }
+    const __m512 al = exp_vec_nonpos(_mm512_sub_ps(mold, mx));   /* m = -inf: e^-87, times l and acc = 0 */
+    _mm512_store_ps(l + rv * 16, _mm512_fmadd_ps(_mm512_load_ps(l + rv * 16), al, sum));
+    _mm512_store_ps(m + rv * 16, mx);
+    _mm512_store_ps(alpha + rv * 16, al);
+}
+
+/* acc[r][0..D) = acc[r] * alpha[r] + sum over key pairs jp of P pairs x V pairs: rows RR at a time, D in
+ * slices of SV vectors (the slice's accumulators stay in registers while the key pairs stream past). */
+#define DEFINE_PB_PV(SV, RR)                                                                              \
+static inline __attribute__((always_inline)) void pb_pv_##SV##x##RR(                                    \
+        float *acc, int D, const pair_t *Pp, int RW, const float *alpha, const pair_t *Vp, int npairs,    \
+        int rows) {                                                                                       \
+    for (int d0 = 0; d0 < D; d0 += SV * 16)                                                               \
+    for (int r0 = 0; r0 < rows; r0 += RR) {                                                               \
+        const int rr = rows - r0 < RR ? rows - r0 : RR;                                                   \
+        __m512 a[RR][SV];                                                                                 \
+        for (int r = 0; r < rr; r++) {                                                                    \
+            const __m512 al = _mm512_set1_ps(alpha[r0 + r]);                                              \
+            for (int v = 0; v < SV; v++)                                                                  \
+                a[r][v] = _mm512_mul_ps(_mm512_load_ps(acc + (int64_t)(r0 + r) * D + d0 + v * 16), al);   \
+        }                                                                                                 \
+        if (rr == RR) {                                                                                   \
+            for (int jp = 0; jp < npairs; jp++) {                                                         \
+                __m512i vv[SV];                                                                           \
+                for (int v = 0; v < SV; v++) vv[v] = _mm512_load_si512(Vp + (int64_t)jp * D + d0 + v * 16); \
+                _Pragma("GCC unroll 8") for (int r = 0; r < RR; r++) {                                    \
+                    const __m512i p = _mm512_set1_epi32((int)Pp[(int64_t)jp * RW + r0 + r]);              \
+                    _Pragma("GCC unroll 8") for (int v = 0; v < SV; v++) a[r][v] = pb_dot(a[r][v], p, vv[v]); \
+                }                                                                                         \
+            }                                                                                             \
+        } else {                                                                                          \
+            for (int jp = 0; jp < npairs; jp++) {                                                         \
+                __m512i vv[SV];                                                                           \
+                for (int v = 0; v < SV; v++) vv[v] = _mm512_load_si512(Vp + (int64_t)jp * D + d0 + v * 16); \
+                for (int r = 0; r < rr; r++) {                                                            \
+                    const __m512i p = _mm512_set1_epi32((int)Pp[(int64_t)jp * RW + r0 + r]);              \
+                    for (int v = 0; v < SV; v++) a[r][v] = pb_dot(a[r][v], p, vv[v]);                     \
+                }                                                                                         \
+            }                                                                                             \
+        }                                                                                                 \
+        for (int r = 0; r < rr; r++)                                                                      \
+            for (int v = 0; v < SV; v++) _mm512_store_ps(acc + (int64_t)(r0 + r) * D + d0 + v * 16, a[r][v]); \
+    }                                                                                                     \
+}
+DEFINE_PB_PV(4, 6)     /* D = 64: 24 accumulators + 4 V pairs' vectors of 32 zmm */
+DEFINE_PB_PV(8, 3)     /* D = 128 */
+
+/* Where element e of each 32 of D sits in the accumulators (the interleave's order, see the top). */
+static inline int pb_slot(int e) { return (e & 4 ? 16 : 0) + (e >> 3) * 4 + (e & 3); }
+
+/* One work item (the arguments of pf_item in prefill_attention.c; offsets are in elements). */
+static void pb_item(const bf16_t *q, int64_t q_stride, const bf16_t *kc, const bf16_t *vc, bf16_t *out,
+                    int64_t out_stride, const int32_t *bt, int ctx, int q0, int qlen, int t0, int t1, int kh,
+                    int H, int KVH, int D, int BS, int64_t blk_stride, int64_t tok, int64_t head_stride,
+                    float scale, float *scratch) {
+    const int G = H / KVH, rows = (t1 - t0) * G, nrv = (rows + 15) / 16, RW = nrv * 16, DP = D / 2;
+    pair_t *qT = (pair_t *)scratch;                              /* [DP][RW] */
+    float *S = (float *)(qT + (int64_t)DP * PB_MAX_ROWS);        /* [PB_KEYS][RW] */
+    pair_t *Pp = (pair_t *)(S + PB_KEYS * PB_MAX_ROWS);          /* [PB_KEYS / 2][RW] */
+    pair_t *Vp = Pp + PB_KEYS / 2 * PB_MAX_ROWS;                 /* [PB_KEYS / 2][D] */
+    float *acc = (float *)(Vp + PB_KEYS / 2 * D);                /* [rows][D] */
+    float *m = acc + (int64_t)PB_MAX_ROWS * D, *l = m + PB_MAX_ROWS, *alpha = l + PB_MAX_ROWS;
+    int pos[PB_MAX_ROWS];
+    const pair_t *kw[PB_KEYS];
+    const bf16_t *vrows[PB_KEYS];
+    for (int r = 0; r < RW; r++) {          /* rows past `rows` (to a whole vector) repeat the last one */
+        const int rr = r < rows ? r : rows - 1, i = t0 + rr / G, g = rr % G;
+        const pair_t *src = (const pair_t *)(q + (int64_t)(q0 + i) * q_stride + (int64_t)(kh * G + g) * D);
+        for (int p = 0; p < DP; p++) qT[(int64_t)p * RW + r] = src[p];
+        pos[r] = ctx - qlen + i;            /* sees keys 0 .. pos (rising with r) */
+        m[r] = -INFINITY;
+        l[r] = 0.f;
+    }
+    memset(acc, 0, sizeof(float) * (size_t)rows * (size_t)D);
+    const __m512 sc = _mm512_set1_ps(scale);
+    const int64_t head = (int64_t)kh * head_stride;
+    const int jend = ctx - qlen + t1;       /* keys the tile's last row sees */
+    for (int c0 = 0; c0 < jend; c0 += PB_KEYS) {
+        const int nk = jend - c0 < PB_KEYS ? jend - c0 : PB_KEYS, npairs = (nk + 1) / 2;
+        for (int jj = 0; jj < PB_KEYS; jj++) {   /* keys past the end repeat the last (never visible) */
+            const int j = c0 + (jj < nk ? jj : nk - 1);
+            const int64_t at = (int64_t)bt[j / BS] * blk_stride + head + (int64_t)(j % BS) * tok;
+            kw[jj] = (const pair_t *)(kc + at);
+            vrows[jj] = vc + at;
+        }
+        for (int kb = 0; kb < nk; kb += PB_KCHUNK)
+            for (int rv = 0; rv < nrv; rv += 2) {
+                const int two = rv + 1 < nrv;
+                if (c0 + kb > pos[(rv + 1 + two) * 16 - 1]) continue;   /* none of these rows sees these keys */
+                if (two)
+                    pb_scores(qT, RW, kw, kb, rv, 2, DP, sc, S);
+                else
+                    pb_scores(qT, RW, kw, kb, rv, 1, DP, sc, S);
+            }
+        for (int rv = 0; rv < nrv; rv++) pb_softmax(S, RW, rv, c0, nk, pos, m, l, alpha);
+        for (int jp = 0; jp < npairs; jp++) {
+            const int j1 = 2 * jp + 1 < nk;
+            for (int rv = 0; rv < nrv; rv++) {
+                const __m512i p0 = pb_round(_mm512_load_ps(S + (int64_t)(2 * jp) * RW + rv * 16));
+                const __m512i p1 = j1 ? pb_round(_mm512_load_ps(S + (int64_t)(2 * jp + 1) * RW + rv * 16))
+                                      : _mm512_setzero_si512();
+                _mm512_store_si512(Pp + (int64_t)jp * RW + rv * 16, _mm512_or_si512(p0, _mm512_slli_epi32(p1, 16)));
+            }
+            const bf16_t *v0 = vrows[2 * jp], *v1 = j1 ? vrows[2 * jp + 1] : v0;   /* P is 0 for the spare */
+            for (int d = 0; d < D; d += 32) {
+                const __m512i x = _mm512_loadu_si512(v0 + d), y = _mm512_loadu_si512(v1 + d);
+                _mm512_store_si512(Vp + (int64_t)jp * D + d, _mm512_unpacklo_epi16(x, y));
+                _mm512_store_si512(Vp + (int64_t)jp * D + d + 16, _mm512_unpackhi_epi16(x, y));
+            }
+        }
+        if (D == 64)
+            pb_pv_4x6(acc, D, Pp, RW, alpha, Vp, npairs, rows);
+        else
+            pb_pv_8x3(acc, D, Pp, RW, alpha, Vp, npairs, rows);
+    }
+    for (int r = 0; r < rows; r++) {
+        const int i = t0 + r / G, g = r % G;
+        bf16_t *dst = out + (int64_t)(q0 + i) * out_stride + (int64_t)(kh * G + g) * D;
+        const float inv = 1.f / l[r], *ar = acc + (int64_t)r * D;
+        for (int d = 0; d < D; d++) dst[d] = f32_to_bf16(ar[(d & ~31) + pb_slot(d & 31)] * inv);
+    }
+}
+
+/* The entry point, the arguments of prefill_attention_f32 with bf16 queries and output: 0, -2 (no
+ * scratch), or -3 for what it does not cover (the engine then widens for the fp32 kernel). */
+int prefill_attention_bf16(const bf16_t *q, int64_t q_stride, const bf16_t *kc, const bf16_t *vc, bf16_t *out,
+                           int64_t out_stride, const int32_t *block_tables, int max_blocks, const int32_t *ctx_lens,
+                           const int32_t *cu_q, int B, int H, int KVH, int D, int BS, int64_t blk_stride,
+                           int64_t tok_stride, int64_t head_stride, float scale) {
+    if ((D != 64 && D != 128) || H % KVH || H / KVH > 16) return -3;
+    int tiles = 0;
+    for (int b = 0; b < B; b++) tiles += (cu_q[b + 1] - cu_q[b] + PB_TOKENS - 1) / PB_TOKENS;
+    const int64_t scratch_len = (int64_t)D / 2 * PB_MAX_ROWS + (int64_t)PB_KEYS * PB_MAX_ROWS
+                                + PB_KEYS / 2 * (PB_MAX_ROWS + D) + (int64_t)PB_MAX_ROWS * D + 3 * PB_MAX_ROWS;
+    int err = 0;
+    #pragma omp parallel num_threads(NT)
+    {
+        float *scratch = (float *)aligned_alloc(64, sizeof(float) * (size_t)((scratch_len + 15) / 16 * 16));
+        if (!scratch) err = -2;
+        #pragma omp for schedule(dynamic, 1)
+        for (int it = 0; it < tiles * KVH; it++) {
+            if (!scratch) continue;
+            int t = it / KVH, b = 0;
+            const int kh = it % KVH;
+            for (;; b++) {                    /* tile t -> (sequence b, its tile t) */
+                const int n = (cu_q[b + 1] - cu_q[b] + PB_TOKENS - 1) / PB_TOKENS;
+                if (t < n) break;
+                t -= n;
+            }
+            const int qlen = cu_q[b + 1] - cu_q[b], t0 = t * PB_TOKENS;
+            const int t1 = t0 + PB_TOKENS < qlen ? t0 + PB_TOKENS : qlen;
+            pb_item(q, q_stride, kc, vc, out, out_stride, block_tables + (int64_t)b * max_blocks, ctx_lens[b],
+                    cu_q[b], qlen, t0, t1, kh, H, KVH, D, BS, blk_stride, tok_stride, head_stride, scale, scratch);
+        }
+        free(scratch);
+    }
+    return err;
+}
+#endif
