@@ -80,7 +80,7 @@ def engine_config(model_dir: Path, dtype: str, args: argparse.Namespace):
 
 
 def run_engine(model_dir: Path, dtype: str, wl: Workload, args: argparse.Namespace, extras: bool = True) -> dict:
-    from consort_engine.core.engine import LLMEngine
+    from consort_engine.core.engine import LLMEngine, freeze_heap
     from consort_engine.kv.sequence import SamplingParams
 
     t0 = time.perf_counter()
@@ -89,6 +89,7 @@ def run_engine(model_dir: Path, dtype: str, wl: Workload, args: argparse.Namespa
     t0 = time.perf_counter()
     engine.warmup()
     warm_s = time.perf_counter() - t0
+    freeze_heap()        # as the server does once warm; undone below, before the next engine
     graphs = getattr(engine.runner, "decode_graphs", None)
     log(f"engine[{dtype}]: loaded in {load_s:.2f} s, warmed up in {warm_s:.2f} s; "
         f"{engine.block_manager.num_blocks} KV blocks"
@@ -110,6 +111,7 @@ def run_engine(model_dir: Path, dtype: str, wl: Workload, args: argparse.Namespa
         res["overhead"] = decode_overhead(engine, args)
         res["prefix_ttft"] = prefix_ttft(engine, args)
     del engine
+    gc.unfreeze()
     free_memory()
     return res
 

@@ -97,6 +97,7 @@ class AsyncEngine:
     config: EngineConfig
     engine_factory: Callable[[EngineConfig], Any] | None = None   # default: LLMEngine
     warmup: bool = True
+    freeze_heap: bool = False               # the server's one engine: engine.freeze_heap once warm
     state: str = "starting"                 # starting | loading | warming | ready | failed | stopped
     error: str | None = None
     load_s: float | None = None
@@ -239,6 +240,9 @@ class AsyncEngine:
             warm()   # LLMEngine.warmup runs the runner's prefill + decode shapes and opens admission
             self.warmup_s = time.monotonic() - t1
             log.info("warmup done in %.2f s", self.warmup_s)
+        if self.freeze_heap:
+            from consort_engine.core.engine import freeze_heap
+            freeze_heap()
         self._refresh()
 
     def _refresh(self) -> None:

@@ -187,7 +187,7 @@ def build_context(config: EngineConfig, served_name: str | None = None, warmup: 
     max_len, vocab = checkpoint_limits(config)
     served = served_name or config.name
     aliases = frozenset({served, config.name, Path(config.model).resolve().name, str(config.model)})
-    engine = AsyncEngine(config, warmup=warmup)
+    engine = AsyncEngine(config, warmup=warmup, freeze_heap=True)   # one engine for the process's life
     return ServerContext(config=config, tokenizer=tokenizer, engine=engine, served_name=served, aliases=aliases,
                          max_model_len=max_len, vocab_size=vocab or tokenizer.vocab_size)
 

@@ -39,3 +39,34 @@ def test_a_calls_answer_comes_after_the_stats_that_show_it():
             eng.shutdown()
 
     assert asyncio.run(run()) == [list(range(i + 1)) for i in range(5)]
+
+
+def test_the_servers_engine_freezes_the_heap_once_warm():
+    """The server's one engine (freeze_heap, which `consort engine` sets) moves what is alive once warm out
+    of the cyclic collector's sight, so a full collection no longer walks the model and torch mid-step;
+    an engine without the flag (tests, a process that makes several) leaves the collector alone."""
+    import gc
+
+    class WarmEngine(SlowStatsEngine):
+        def warmup(self) -> None:
+            self.frozen_while_warming = gc.get_freeze_count()
+
+    async def start(freeze: bool) -> tuple[int, int]:
+        eng = AsyncEngine(EngineConfig(model="unused"), engine_factory=WarmEngine, freeze_heap=freeze)
+        eng.start()
+        try:
+            deadline = time.monotonic() + 10
+            while not eng.ready and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            assert eng.ready
+            return eng.engine.frozen_while_warming, gc.get_freeze_count()
+        finally:
+            eng.shutdown()
+
+    gc.unfreeze()
+    try:
+        assert asyncio.run(start(False)) == (0, 0)
+        warming, ready = asyncio.run(start(True))
+        assert warming == 0 and ready > 10_000      # the interpreter's, pytest's and torch's objects at least
+    finally:
+        gc.unfreeze()
