@@ -6,6 +6,7 @@ time-to-first-token from live state.
 """
 from __future__ import annotations
 
+import atexit
 import gc
 import logging
 import time
@@ -77,9 +78,12 @@ def freeze_heap() -> None:
     once it is loaded and warm (torch, the model, the imports: ~230k objects for the bench model) is
     moved out of the cyclic collector's sight, so a full collection walks only what the steps allocate.
     One over the whole heap took ~100 ms on the bench model, a stall of the step loop. Not for a
-    process that drops engines and makes more: their cyclic garbage would stay (gc.unfreeze undoes it)."""
+    process that drops engines and makes more: their cyclic garbage would stay (gc.unfreeze undoes it).
+    Unfrozen at exit: the interpreter's last collection must see the objects (nanobind, under triton,
+    reports every instance it still holds as a leak)."""
     gc.collect()
     gc.freeze()
+    atexit.register(gc.unfreeze)
 
 
 class LLMEngine:
