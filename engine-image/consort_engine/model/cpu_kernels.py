@@ -1,8 +1,9 @@
 """The CPU kernels (csrc/: one library from its C files), called through ctypes, which releases the GIL.
 
 Where the library comes from, first found:
-1. a prebuilt one for the CPU's x86-64 level (v4: AVX-512; v3: AVX2 + FMA; v2) in CONSORT_KERNELS_DIR:
-   the engine image builds the three (`python -m consort_engine.model.cpu_kernels --prebuild DIR`),
+1. a prebuilt one for the CPU's level in CONSORT_KERNELS_DIR (LEVELS: x86-64 v4 = AVX-512, with VNNI and
+   BF16 or VNNI alone; v3 = AVX2 + FMA, with AVX-VNNI or without; v2): the engine image builds them all
+   (`python -m consort_engine.model.cpu_kernels --prebuild DIR`),
    so a pod's first start loads one instead of compiling (seconds of a scale-from-zero);
 2. one compiled for this machine (-march=native) with the system C compiler, cached under
    $CONSORT_CACHE/kernels keyed by source, flags and CPU (a second or two, once per machine).
@@ -21,6 +22,7 @@ import sys
 import sysconfig
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 import torch  # noqa: F401  (loads torch's libgomp first: the kernels' libgomp.so.1 resolves to it)
 
@@ -33,12 +35,31 @@ SOURCES = [p for p in KERNEL_FILES if p.suffix == ".c"]   # one job each; common
 FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
          "-fno-signed-zeros", "-freciprocal-math", "-fopenmp", "-shared", "-fPIC"]
 
-# gcc's x86-64 microarchitecture levels, each with the /proc/cpuinfo flags it assumes (lzcnt shows
-# as abm); the kernels' own paths need AVX-512F (v4) or AVX2 + FMA (v3).
-_V2 = {"cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3"}
+# The libraries a machine or the engine image builds: gcc's x86-64 microarchitecture levels, and the v3 /
+# v4 levels with the dot-product extensions some kernels are written for (VNNI: the int8 kernels'
+# vpdpwssd and gemm_i8a8.c's vpdpbusd; AVX-512 BF16: prefill_attention_bf16.c). Each: its compiler flags
+# and the /proc/cpuinfo flags it assumes (lzcnt shows as abm), highest first. The kernels' own paths need
+# AVX-512F (v4) or AVX2 + FMA (v3).
+_V2 = frozenset({"cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3"})
 _V3 = _V2 | {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"}
-LEVELS = {"x86-64-v4": _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"},
-          "x86-64-v3": _V3, "x86-64-v2": _V2}
+_V4 = _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+
+
+class Level(NamedTuple):
+    march: tuple[str, ...]        # compiler flags
+    needs: frozenset[str]         # /proc/cpuinfo flags
+
+
+LEVELS = {
+    "x86-64-v4-vnni-bf16": Level(("-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16"),
+                                 _V4 | {"avx512_vnni", "avx512_bf16"}),   # Zen 4/5, Cooper Lake, Sapphire Rapids on
+    "x86-64-v4-vnni": Level(("-march=x86-64-v4", "-mavx512vnni"), _V4 | {"avx512_vnni"}),   # Cascade / Ice Lake
+    "x86-64-v4": Level(("-march=x86-64-v4",), _V4),
+    "x86-64-v3-vnni": Level(("-march=x86-64-v3", "-mavxvnni"), _V3 | {"avx_vnni"}),   # Alder Lake, Sierra Forest
+    "x86-64-v3": Level(("-march=x86-64-v3",), _V3),
+    "x86-64-v2": Level(("-march=x86-64-v2",), _V2),
+}
+NATIVE = ("-march=native",)
 P, I, L, F32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {   # name (per dtype suffix) -> (argtypes, restype)
     "paged_attention": ([P, L, P, P, P, L, P, I, P, P, I, I, I, I, I, L, L, L, F32], I),
@@ -63,25 +84,27 @@ _lib: ctypes.CDLL | None | bool = False   # False = not tried yet
 
 
 def cpu_level(flags: set[str]) -> str | None:
-    """The highest x86-64 level a CPU with these flags runs (None: not x86-64, or below v2)."""
-    return next((level for level, need in LEVELS.items() if need <= flags), None)
+    """The highest level (LEVELS) a CPU with these flags runs (None: not x86-64, or below v2)."""
+    return next((name for name, level in LEVELS.items() if level.needs <= flags), None)
 
 
-def library_name(march: str, cc: str = "", flags: set[str] = frozenset()) -> str:
-    """File name of the library built with -march=`march`, keyed by source and flags; for
-    -march=native by the compiler and the CPU too (a cache directory may be shared by machines)."""
-    native = f"{cc} {' '.join(sorted(flags))}" if march == "native" else ""
+def library_name(level: str, cc: str = "", flags: set[str] = frozenset()) -> str:
+    """File name of the library built for `level` (a LEVELS name, or "native"), keyed by source and
+    compiler flags; for native by the compiler and the CPU too (a cache directory may be shared by machines)."""
+    march = NATIVE if level == "native" else LEVELS[level].march
+    native = f"{cc} {' '.join(sorted(flags))}" if level == "native" else ""
     text = b"".join(p.name.encode() + p.read_bytes() for p in KERNEL_FILES)
-    key = hashlib.sha256(text + " ".join([f"-march={march}", *FLAGS, native]).encode()).hexdigest()[:16]
-    return f"cpu_kernels-{march}-{key}{sysconfig.get_config_var('SHLIB_SUFFIX') or '.so'}"
+    key = hashlib.sha256(text + " ".join([*march, *FLAGS, native]).encode()).hexdigest()[:16]
+    return f"cpu_kernels-{level}-{key}{sysconfig.get_config_var('SHLIB_SUFFIX') or '.so'}"
 
 
-def compile_library(so: Path, march: str, cc: str) -> bool:
-    """Compile the kernels into `so` (atomically: concurrent engines never load a half-written file)."""
+def compile_library(so: Path, level: str, cc: str) -> bool:
+    """Compile the kernels for `level` into `so` (atomically: concurrent engines never load a half-written file)."""
+    march = NATIVE if level == "native" else LEVELS[level].march
     with tempfile.TemporaryDirectory(dir=so.parent) as tmp:
         out = Path(tmp) / so.name
         try:
-            subprocess.run([cc, f"-march={march}", *FLAGS, "-o", str(out), *map(str, SOURCES), "-lm"], check=True,
+            subprocess.run([cc, *march, *FLAGS, "-o", str(out), *map(str, SOURCES), "-lm"], check=True,
                            capture_output=True, timeout=120)
         except (OSError, subprocess.SubprocessError):
             return False
@@ -90,7 +113,7 @@ def compile_library(so: Path, march: str, cc: str) -> bool:
 
 
 def prebuild(out_dir: Path, cc: str = "cc") -> list[Path]:
-    """One library per x86-64 level into `out_dir` (the engine image's build step); none on other
+    """One library per level (LEVELS) into `out_dir` (the engine image's build step); none on other
     architectures, whose engines compile for their machine at first start."""
     out_dir.mkdir(parents=True, exist_ok=True)
     built: list[Path] = []

@@ -21,6 +21,11 @@ def test_the_highest_level_the_flags_allow():
     assert ck.cpu_level(ZEN3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}) == "x86-64-v4"
     assert ck.cpu_level(ZEN3 | {"avx512f"}) == "x86-64-v3"        # AVX-512F alone is not v4
     assert ck.cpu_level(ZEN3 - {"fma"}) == "x86-64-v2"
+    v4 = ZEN3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+    assert ck.cpu_level(v4 | {"avx512_vnni", "avx512_bf16"}) == "x86-64-v4-vnni-bf16"   # Zen 4/5, Sapphire Rapids
+    assert ck.cpu_level(v4 | {"avx512_vnni"}) == "x86-64-v4-vnni"                     # Cascade Lake
+    assert ck.cpu_level(v4 | {"avx512_bf16"}) == "x86-64-v4"          # no such CPU: BF16 is built with VNNI
+    assert ck.cpu_level(ZEN3 | {"avx_vnni"}) == "x86-64-v3-vnni"                      # Alder Lake
     assert ck.cpu_level({"fp", "asimd", "sve"}) is None            # an Arm CPU
 
 
@@ -42,6 +47,9 @@ def test_an_engine_loads_the_prebuilt_library_for_its_level_and_compiles_nothing
     assert not (tmp_path / "cache").exists()                        # nothing compiled for this machine
     lib = ctypes.CDLL(str(so))
     assert lib.rms_norm_f32 and lib.set_num_threads
+    # The level's extensions are in it: the bf16 prefill kernel with AVX-512 BF16, w8a8's with VNNI.
+    assert hasattr(lib, "prefill_attention_bf16") == level.endswith("bf16")
+    assert hasattr(lib, "gemm_i8a8_f32") == ("vnni" in level)
     # Without the directory (or with another source's libraries in it) it compiles for this machine.
     monkeypatch.setenv("CONSORT_KERNELS_DIR", str(tmp_path / "empty"))
     assert ck.library_path() == tmp_path / "cache" / "kernels" / ck.library_name(

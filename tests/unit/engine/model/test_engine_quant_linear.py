@@ -225,14 +225,9 @@ def test_engine_int8_kernel_keeps_nan_and_zero_rows():
     torch.testing.assert_close(got[0], F.linear(rows_as_int16(x[:1]), dequantize_int8(q, scale), b)[0])
 
 
-# The int8 kernel's builds, each with its multiply-add (gemm_i8w.c `I8W_MADD`): -march flags -> the
-# /proc/cpuinfo flags a CPU needs to run it.
-INT8_BUILDS = {
-    ("-march=x86-64-v3",): ck.LEVELS["x86-64-v3"],                                  # ymm, vpmaddwd + vpaddd
-    ("-march=x86-64-v3", "-mavxvnni"): ck.LEVELS["x86-64-v3"] | {"avx_vnni"},         # ymm, AVX-VNNI
-    ("-march=x86-64-v4",): ck.LEVELS["x86-64-v4"],                                  # zmm, vpmaddwd + vpaddd
-    ("-march=x86-64-v4", "-mavx512vnni"): ck.LEVELS["x86-64-v4"] | {"avx512_vnni"},   # zmm, vpdpwssd
-}
+# The int8 kernel's builds: every level the engine image ships from v3 up (ymm or zmm, vpmaddwd + vpaddd
+# or VNNI's vpdpwssd: gemm_i8w.c `I8W_MADD`), compiler flags -> the /proc/cpuinfo flags a CPU needs to run it.
+INT8_BUILDS = {level.march: level.needs for level in ck.LEVELS.values() if "avx2" in level.needs}
 
 
 @needs_int8_kernel
