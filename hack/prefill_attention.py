@@ -102,6 +102,11 @@ def main() -> None:
     h, kvh = (8, 4) if a.head_dim == 64 else (16, 2)
     kv_dtype, q_dtype = getattr(torch, a.kv_dtype), getattr(torch, a.q_dtype)
     widened = q_dtype == torch.bfloat16
+    if widened and attention.AMX:
+        # The engine leaves bf16 prefill spans to SDPA (AMX tiles) on this CPU; these figures decide
+        # whether it should: the kernels run here regardless.
+        print("AMX: the engine runs bf16 prefill spans on SDPA here; the kernel columns are what it would run instead")
+        attention.AMX = False
     model, flags = cpu_model_and_flags()
     print(f"{model}; {' '.join(f for f in ('avx2', 'fma', 'avx512f', 'avx512_bf16', 'amx_tile') if f in flags)}; "
           f"{torch.get_num_threads()} threads; heads {h}/{kvh} x {a.head_dim}, {a.q_dtype} queries, {a.kv_dtype} pool; "
