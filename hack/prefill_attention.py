@@ -112,7 +112,8 @@ def main() -> None:
           f"{torch.get_num_threads()} threads; heads {h}/{kvh} x {a.head_dim}, {a.q_dtype} queries, {a.kv_dtype} pool; "
           f"GFLOP/s, best of 5")
     if widened:
-        bf16 = "bf16 pair dot" if hasattr(cpu_kernels(), "prefill_attention_bf16") else "widened too: no AVX-512 BF16 build"
+        built = hasattr(cpu_kernels(), "prefill_attention_bf16")
+        bf16 = "bf16 pair dot" if built else "widened too: no AVX-512 BF16 build"
         print(f"| spans | kernel ({bf16}) | kernel, widened | SDPA | kernel / widened | kernel / SDPA |\n"
               "|---|---|---|---|---|---|")
     else:
@@ -130,7 +131,8 @@ def main() -> None:
         kern, sdpa = best["kernel"], best["sdpa"]
         if widened:
             wide = best["widened"]
-            print(f"| {name} | {kern:.1f} | {wide:.1f} | {sdpa:.1f} | {kern / wide:.2f}x | {kern / sdpa:.2f}x |", flush=True)
+            print(f"| {name} | {kern:.1f} | {wide:.1f} | {sdpa:.1f} | {kern / wide:.2f}x | {kern / sdpa:.2f}x |",
+                  flush=True)
         else:
             print(f"| {name} | {kern:.1f} | {sdpa:.1f} | {kern / sdpa:.2f}x |", flush=True)
 

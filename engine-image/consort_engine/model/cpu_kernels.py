@@ -51,19 +51,26 @@ class Level(NamedTuple):
 
 
 LEVELS = {
+    # Zen 4/5, Cooper Lake, Sapphire Rapids and later
     "x86-64-v4-vnni-bf16": Level(("-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16"),
-                                 _V4 | {"avx512_vnni", "avx512_bf16"}),   # Zen 4/5, Cooper Lake, Sapphire Rapids on
-    "x86-64-v4-vnni": Level(("-march=x86-64-v4", "-mavx512vnni"), _V4 | {"avx512_vnni"}),   # Cascade / Ice Lake
+                                 _V4 | {"avx512_vnni", "avx512_bf16"}),
+    "x86-64-v4-vnni": Level(("-march=x86-64-v4", "-mavx512vnni"), _V4 | {"avx512_vnni"}),   # Cascade, Ice Lake
     "x86-64-v4": Level(("-march=x86-64-v4",), _V4),
     "x86-64-v3-vnni": Level(("-march=x86-64-v3", "-mavxvnni"), _V3 | {"avx_vnni"}),   # Alder Lake, Sierra Forest
     "x86-64-v3": Level(("-march=x86-64-v3",), _V3),
     "x86-64-v2": Level(("-march=x86-64-v2",), _V2),
 }
-NATIVE = ("-march=native",)
+
+def march(level: str) -> tuple[str, ...]:
+    """The compiler flags of a LEVELS name, or of "native" (this machine's CPU)."""
+    return ("-march=native",) if level == "native" else LEVELS[level].march
+
+
 P, I, L, F32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {   # name (per dtype suffix) -> (argtypes, restype)
     "paged_attention": ([P, L, P, P, P, L, P, I, P, P, I, I, I, I, I, L, L, L, F32], I),
-    "prefill_attention": ([P, L, P, P, P, L, P, I, P, P, I, I, I, I, I, L, L, L, F32], I),   # AVX2+FMA, AVX-512 builds; bf16: AVX-512 BF16
+    # AVX2 + FMA and AVX-512 builds; bf16 (queries and pool) where AVX-512 BF16 is built in
+    "prefill_attention": ([P, L, P, P, P, L, P, I, P, P, I, I, I, I, I, L, L, L, F32], I),
     "store_kv": ([P, L, P, L, P, P, P, I, I, I, I, L, L, L], None),
     "rms_norm": ([P, L, P, L, P, I, I, I, F32], None),
     "add_rms_norm": ([P, P, P, P, I, I, F32], None),
@@ -91,20 +98,18 @@ def cpu_level(flags: set[str]) -> str | None:
 def library_name(level: str, cc: str = "", flags: set[str] = frozenset()) -> str:
     """File name of the library built for `level` (a LEVELS name, or "native"), keyed by source and
     compiler flags; for native by the compiler and the CPU too (a cache directory may be shared by machines)."""
-    march = NATIVE if level == "native" else LEVELS[level].march
     native = f"{cc} {' '.join(sorted(flags))}" if level == "native" else ""
     text = b"".join(p.name.encode() + p.read_bytes() for p in KERNEL_FILES)
-    key = hashlib.sha256(text + " ".join([*march, *FLAGS, native]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(text + " ".join([*march(level), *FLAGS, native]).encode()).hexdigest()[:16]
     return f"cpu_kernels-{level}-{key}{sysconfig.get_config_var('SHLIB_SUFFIX') or '.so'}"
 
 
 def compile_library(so: Path, level: str, cc: str) -> bool:
     """Compile the kernels for `level` into `so` (atomically: concurrent engines never load a half-written file)."""
-    march = NATIVE if level == "native" else LEVELS[level].march
     with tempfile.TemporaryDirectory(dir=so.parent) as tmp:
         out = Path(tmp) / so.name
         try:
-            subprocess.run([cc, *march, *FLAGS, "-o", str(out), *map(str, SOURCES), "-lm"], check=True,
+            subprocess.run([cc, *march(level), *FLAGS, "-o", str(out), *map(str, SOURCES), "-lm"], check=True,
                            capture_output=True, timeout=120)
         except (OSError, subprocess.SubprocessError):
             return False
