@@ -93,9 +93,10 @@ def main() -> int:
     if a.child:
         child(a)
         return 0
+    sys.path[:0] = [str(REPO / "engine-image"), str(REPO / "common")]
+    from consort_common.machine import cpu_model_and_flags
+    from consort_engine.bench.workload import bench_model
     if a.model is None:
-        sys.path[:0] = [str(REPO / "engine-image"), str(REPO / "common")]
-        from consort_engine.bench.workload import bench_model
         a.model = str(bench_model())
     with tempfile.TemporaryDirectory() as tmp:
         ctl, ack, data = f"{tmp}/ctl", f"{tmp}/ack", f"{tmp}/perf.data"
@@ -115,8 +116,6 @@ def main() -> int:
     parts = bucket(report)
     n = sum(parts.values())
     cpu_s = n / FREQ
-    sys.path[:0] = [str(REPO / "common")]
-    from consort_common.machine import cpu_model_and_flags
     model, flags = cpu_model_and_flags()
     shown = " ".join(f for f in ("avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16") if f in flags)
     print(f"{model} ({shown}); {Path(a.tree).name}: {a.mix} mix, {a.dtype}, {a.requests} requests; {result}; "

@@ -106,6 +106,26 @@ static inline float exp_nonpos_core(float x) { /* x in [-87, 88] */
 
 static inline float exp_nonpos(float x) { return exp_nonpos_core(x < -87.0f ? -87.0f : x); }
 
+/* The prefill kernels' work items (prefill_attention.c, prefill_attention_bf16.c): each sequence's query
+ * rows cu_q[b] .. cu_q[b+1]-1 cut into tiles of `tokens`. prefill_tiles: how many in all; prefill_tile:
+ * tile t (counted across sequences) -> its sequence *b and its rows [*t0, *t1) within that sequence. */
+static inline int prefill_tiles(const int32_t *cu_q, int B, int tokens) {
+    int tiles = 0;
+    for (int b = 0; b < B; b++) tiles += (cu_q[b + 1] - cu_q[b] + tokens - 1) / tokens;
+    return tiles;
+}
+
+static inline void prefill_tile(const int32_t *cu_q, int tokens, int t, int *b, int *t0, int *t1) {
+    for (*b = 0;; (*b)++) {
+        const int n = (cu_q[*b + 1] - cu_q[*b] + tokens - 1) / tokens;
+        if (t < n) break;
+        t -= n;
+    }
+    const int qlen = cu_q[*b + 1] - cu_q[*b];
+    *t0 = t * tokens;
+    *t1 = *t0 + tokens < qlen ? *t0 + tokens : qlen;
+}
+
 #if defined(VEC)
 /* e^x for x <= 0 lanes (clamped at -87): the polynomial of exp_nonpos_core, a vector at a time. */
 static inline VEC exp_vec_nonpos(VEC x) {

@@ -241,8 +241,7 @@ int prefill_attention_##SUFFIX(const float *q, int64_t q_stride, const TKV *kc, 
                                int BS, int64_t blk_stride, int64_t tok_stride, int64_t head_stride,        \
                                float scale) {                                                              \
     if ((D != 64 && D != 128) || H % KVH || H / KVH > 16) return -3;                                        \
-    int tiles = 0;                                                                                          \
-    for (int b = 0; b < B; b++) tiles += (cu_q[b + 1] - cu_q[b] + PF_TOKENS - 1) / PF_TOKENS;               \
+    const int tiles = prefill_tiles(cu_q, B, PF_TOKENS);                                                    \
     const int64_t scratch_len = 2 * (int64_t)PF_MAX_ROWS * D + (int64_t)(D + PF_MAX_ROWS) * PF_KEYS         \
                                 + 3 * PF_MAX_ROWS + 16;                                                     \
     int err = 0;                                                                                            \
@@ -253,15 +252,10 @@ int prefill_attention_##SUFFIX(const float *q, int64_t q_stride, const TKV *kc, 
         _Pragma("omp for schedule(dynamic, 1)")                                                             \
         for (int it = 0; it < tiles * KVH; it++) {                                                          \
             if (!scratch) continue;                                                                         \
-            int t = it / KVH, b = 0;                                                                        \
+            int b, t0, t1;                                                                                  \
             const int kh = it % KVH;                                                                        \
-            for (;; b++) {                                 /* tile t -> (sequence b, its tile t) */         \
-                const int n = (cu_q[b + 1] - cu_q[b] + PF_TOKENS - 1) / PF_TOKENS;                          \
-                if (t < n) break;                                                                           \
-                t -= n;                                                                                     \
-            }                                                                                               \
-            const int qlen = cu_q[b + 1] - cu_q[b], t0 = t * PF_TOKENS;                                     \
-            const int t1 = t0 + PF_TOKENS < qlen ? t0 + PF_TOKENS : qlen;                                   \
+            prefill_tile(cu_q, PF_TOKENS, it / KVH, &b, &t0, &t1);                                          \
+            const int qlen = cu_q[b + 1] - cu_q[b];                                                         \
             pf_item(q, q_stride, kc, vc, out, out_stride, block_tables + (int64_t)b * max_blocks,           \
                     ctx_lens[b], cu_q[b], qlen, t0, t1, kh, H, KVH, D, BS, blk_stride, tok_stride,          \
                     head_stride, scale, scratch, BF16KV);                                                   \

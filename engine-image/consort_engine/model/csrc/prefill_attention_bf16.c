@@ -210,8 +210,7 @@ int prefill_attention_bf16(const bf16_t *q, int64_t q_stride, const bf16_t *kc, 
                            const int32_t *cu_q, int B, int H, int KVH, int D, int BS, int64_t blk_stride,
                            int64_t tok_stride, int64_t head_stride, float scale) {
     if ((D != 64 && D != 128) || H % KVH || H / KVH > 16) return -3;
-    int tiles = 0;
-    for (int b = 0; b < B; b++) tiles += (cu_q[b + 1] - cu_q[b] + PB_TOKENS - 1) / PB_TOKENS;
+    const int tiles = prefill_tiles(cu_q, B, PB_TOKENS);
     const int64_t scratch_len = (int64_t)D / 2 * PB_MAX_ROWS + (int64_t)PB_KEYS * PB_MAX_ROWS
                                 + PB_KEYS / 2 * (PB_MAX_ROWS + D) + (int64_t)PB_MAX_ROWS * D + 3 * PB_MAX_ROWS;
     int err = 0;
@@ -222,15 +221,10 @@ int prefill_attention_bf16(const bf16_t *q, int64_t q_stride, const bf16_t *kc, 
         #pragma omp for schedule(dynamic, 1)
         for (int it = 0; it < tiles * KVH; it++) {
             if (!scratch) continue;
-            int t = it / KVH, b = 0;
+            int b, t0, t1;
             const int kh = it % KVH;
-            for (;; b++) {                    /* tile t -> (sequence b, its tile t) */
-                const int n = (cu_q[b + 1] - cu_q[b] + PB_TOKENS - 1) / PB_TOKENS;
-                if (t < n) break;
-                t -= n;
-            }
-            const int qlen = cu_q[b + 1] - cu_q[b], t0 = t * PB_TOKENS;
-            const int t1 = t0 + PB_TOKENS < qlen ? t0 + PB_TOKENS : qlen;
+            prefill_tile(cu_q, PB_TOKENS, it / KVH, &b, &t0, &t1);
+            const int qlen = cu_q[b + 1] - cu_q[b];
             pb_item(q, q_stride, kc, vc, out, out_stride, block_tables + (int64_t)b * max_blocks, ctx_lens[b],
                     cu_q[b], qlen, t0, t1, kh, H, KVH, D, BS, blk_stride, tok_stride, head_stride, scale, scratch);
         }

@@ -1,5 +1,6 @@
 """The engine thread's commands: a caller that got a command's answer sees stats at least that fresh."""
 import asyncio
+import contextlib
 import time
 
 from consort_engine.core.async_engine import AsyncEngine
@@ -20,23 +21,30 @@ class SlowStatsEngine:
         return False
 
 
+@contextlib.asynccontextmanager
+async def started(**kw):
+    """An AsyncEngine on the running loop, once ready (or 10 s on), shut down afterwards."""
+    eng = AsyncEngine(EngineConfig(model="unused"), **kw)
+    eng.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not eng.ready and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        yield eng
+    finally:
+        eng.shutdown()
+
+
 def test_a_calls_answer_comes_after_the_stats_that_show_it():
     """A hot-loaded adapter answered "loaded" while /v1/status still showed it missing (the snapshot was
     refreshed after the answer); seen as a flake of the adapter hot-load test in CI."""
     async def run() -> list:
-        eng = AsyncEngine(EngineConfig(model="unused"), engine_factory=SlowStatsEngine, warmup=False)
-        eng.start()
-        try:
-            deadline = time.monotonic() + 10
-            while not eng.ready and time.monotonic() < deadline:
-                await asyncio.sleep(0.01)
+        async with started(engine_factory=SlowStatsEngine, warmup=False) as eng:
             seen = []
             for i in range(5):
                 await eng.call(lambda e, i=i: e.loaded.append(i))
                 seen.append(eng.stats()["adapters"])
             return seen
-        finally:
-            eng.shutdown()
 
     assert asyncio.run(run()) == [list(range(i + 1)) for i in range(5)]
 
@@ -52,16 +60,9 @@ def test_the_servers_engine_freezes_the_heap_once_warm():
             self.frozen_while_warming = gc.get_freeze_count()
 
     async def start(freeze: bool) -> tuple[int, int]:
-        eng = AsyncEngine(EngineConfig(model="unused"), engine_factory=WarmEngine, freeze_heap=freeze)
-        eng.start()
-        try:
-            deadline = time.monotonic() + 10
-            while not eng.ready and time.monotonic() < deadline:
-                await asyncio.sleep(0.01)
+        async with started(engine_factory=WarmEngine, freeze_heap=freeze) as eng:
             assert eng.ready
             return eng.engine.frozen_while_warming, gc.get_freeze_count()
-        finally:
-            eng.shutdown()
 
     gc.unfreeze()
     try:
