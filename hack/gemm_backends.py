@@ -72,8 +72,9 @@ def bf16_input(f):
 
 def bf16(w: torch.Tensor) -> dict:
     wb = w.bfloat16()
+    ours = packed.consort_bf16(wb, None)
     return {"fp32": packed.pack_linear(w, None), "bf16 widened": bf16_input(packed._fp32_compute(wb, None)),
-            "bf16 (oneDNN)": bf16_input(packed._onednn(wb, None))}
+            "bf16 (oneDNN)": bf16_input(packed._onednn(wb, None)), "bf16 (engine)": ours and bf16_input(ours)}
 
 
 def backends(w: torch.Tensor) -> dict:

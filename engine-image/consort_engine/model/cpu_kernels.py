@@ -37,7 +37,7 @@ FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
 
 # The libraries a machine or the engine image builds: gcc's x86-64 microarchitecture levels, and the v3 /
 # v4 levels with the dot-product extensions some kernels are written for (VNNI: the int8 kernels'
-# vpdpwssd and gemm_i8a8.c's vpdpbusd; AVX-512 BF16: prefill_attention_bf16.c). Each: its compiler flags
+# vpdpwssd and gemm_i8a8.c's vpdpbusd; AVX-512 BF16: prefill_attention_bf16.c and gemm_bf16.c). Each: its compiler flags
 # and the /proc/cpuinfo flags it assumes (lzcnt shows as abm), highest first. The kernels' own paths need
 # AVX-512F (v4) or AVX2 + FMA (v3).
 _V2 = frozenset({"cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3"})
@@ -76,9 +76,10 @@ SIGNATURES = {   # name (per dtype suffix) -> (argtypes, restype)
     "add_rms_norm": ([P, P, P, P, I, I, F32], None),
     "rope": ([P, L, I, I, I, P, P, P], None),
     "silu_mul": ([P, P, I, I], None),
-    "gemm": ([P, L, L, L, P, L, P, L, P], I),             # AVX2 + FMA builds only (see the .c)
+    "gemm": ([P, L, L, L, P, L, P, L, P], I),             # f32: AVX2 + FMA builds; bf16: AVX-512 BF16 ones
     "gemm_pack": ([P, L, L, P], None),
     "gemm_packed_floats": ([L, L], L),
+    "gemm_packed_bytes": ([L, L], L),                     # bf16 (gemm_bf16.c)
     "gemm_i8w": ([P, L, L, L, P, P, L, P, L, P, L, P], I),   # int8 weights, AVX2 + FMA builds (gemm_i8w.c)
     "gemm_pack_i8w": ([P, L, L, P], None),
     "gemm_packed_bytes_i8w": ([L, L], L),

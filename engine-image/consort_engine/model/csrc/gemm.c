@@ -92,8 +92,9 @@ int gemm_tile_max_rows(void) { return GEMM_MAX_ROWS; }
 
 /* A tile's h rows packed k-major ([K][h]), so its broadcasts read one sequential stream instead of h
  * strided rows (measured +5% at 2,048 rows, +7-15% at 256). */
-static void gemm_pack_tile(const float *x, int64_t ldx, int h, int64_t K, const int32_t *order, void *dst,
+static void gemm_pack_tile(const void *xv, int64_t ldx, int h, int64_t K, const int32_t *order, void *dst,
                            float *row_scales) {
+    const float *x = xv;
     float *xp = dst;
     (void)order, (void)row_scales;               /* gemm_f32 reads x in order */
     for (int i = 0; i < h; i++)
@@ -104,50 +105,52 @@ static int64_t gemm_row_bytes_f32(int64_t K) { return K * (int64_t)sizeof(float)
 static int64_t gemm_panel_bytes_f32(int64_t K) { return K * GEMM_NR * (int64_t)sizeof(float); }
 
 static const gemm_kernel GEMM_F32 = {GEMM_TILES, GEMM_TILE_PANELS, GEMM_TILE_ROWS, gemm_pack_tile,
-                                     gemm_row_bytes_f32, gemm_panel_bytes_f32};
+                                     gemm_row_bytes_f32, gemm_panel_bytes_f32, sizeof(float), NULL};
 
 /* Rows [m0, m1) of x, cut into tiles as the kernel cuts them, each tile packed at its first row's
  * place in xp ((r - m0) rows of rb bytes in) with its rows' scales. Tile t is packed by thread t % nt. */
-static void gemm_pack_rows(const gemm_kernel *kern, const float *x, int64_t ldx, int64_t m0, int64_t m1, int64_t K,
+static void gemm_pack_rows(const gemm_kernel *kern, const void *x, int64_t ldx, int64_t m0, int64_t m1, int64_t K,
                            const int32_t *order, int64_t rb, char *xp, float *row_scales, int tid, int nt) {
     for (int64_t r = m0, t = 0; r < m1; t++) {
         const int h = kern->tile_rows(m1 - r);
         if (t % nt == tid)
-            kern->pack_tile(x + r * ldx, ldx, h, K, order, xp + (r - m0) * rb, row_scales + (r - m0));
+            kern->pack_tile((const char *)x + r * ldx * kern->x_size, ldx, h, K, order, xp + (r - m0) * rb,
+                            row_scales + (r - m0));
         r += h;
     }
 }
 
 /* Group g of 4 panels (ps bytes each) for rows [m0, m1) (packed in xp, rb bytes a row), results into y
- * (columns col0..col0+63, ldy) or, where the group runs past N, into a scratch row block first (then only
- * the real columns are copied). */
+ * (columns col0..col0+63, ldy) or, where the group runs past N or the kernel stores y itself, into a
+ * scratch row block first (then the real columns are copied, or stored by the kernel). */
 static void gemm_group(const gemm_kernel *kern, const char *xp, int64_t rb, const float *row_scales, int64_t m0,
-                       int64_t m1, int64_t K, const gemm_weight *w, int64_t g, int64_t ps, float *y, int64_t ldy,
+                       int64_t m1, int64_t K, const gemm_weight *w, int64_t g, int64_t ps, void *y, int64_t ldy,
                        int64_t N, const float *bias, float *scratch) {
-    const int64_t width = GEMM_NR * GEMM_GROUP, col0 = g * width;
+    const int64_t width = GEMM_NR * GEMM_GROUP, col0 = g * width, n = col0 + width < N ? width : N - col0;
     const char *pw = w->panels + g * GEMM_GROUP * ps;
     const float *col_scales = w->col_scales ? w->col_scales + col0 : NULL;
-    const int tail = col0 + width > N;
+    float *yf = y;
+    const int staged = n < width || kern->store;
     for (int64_t r = m0; r < m1;) {
         const int h = kern->tile_rows(m1 - r), panels = kern->tile_panels[h];
-        float *out = tail ? scratch : y + r * ldy + col0;
-        const int64_t ldo = tail ? width : ldy;
+        float *out = staged ? scratch : yf + r * ldy + col0;
+        const int64_t ldo = staged ? width : ldy;
         for (int v = 0; v < GEMM_GROUP; v += panels)
             kern->tiles[h](xp + (r - m0) * rb, pw + v * ps, K, out + v * GEMM_NR, ldo, row_scales + (r - m0),
                            col_scales ? col_scales + v * GEMM_NR : NULL, w->scale_k, w->scale_ld);
-        if (tail)
-            for (int i = 0; i < h; i++) memcpy(y + (r + i) * ldy + col0, scratch + i * width, (N - col0) * sizeof(float));
+        if (kern->store)
+            kern->store(scratch, width, h, n, bias ? bias + col0 : NULL, y, ldy, r, col0);
+        else if (staged)
+            for (int i = 0; i < h; i++) memcpy(yf + (r + i) * ldy + col0, scratch + i * width, n * sizeof(float));
         r += h;
     }
-    if (bias) {
-        int64_t n = col0 + width < N ? width : N - col0;
+    if (bias && !kern->store)
         for (int64_t i = m0; i < m1; i++)
-            for (int64_t j = 0; j < n; j++) y[i * ldy + col0 + j] += bias[col0 + j];
-    }
+            for (int64_t j = 0; j < n; j++) yf[i * ldy + col0 + j] += bias[col0 + j];
 }
 
-int gemm_run(const gemm_kernel *kern, const float *x, int64_t ldx, int64_t M, int64_t K, const gemm_weight *w,
-             int64_t N, float *y, int64_t ldy, const float *bias) {
+int gemm_run(const gemm_kernel *kern, const void *x, int64_t ldx, int64_t M, int64_t K, const gemm_weight *w,
+             int64_t N, void *y, int64_t ldy, const float *bias) {
     const int64_t groups = gemm_panels(N) / GEMM_GROUP, ps = kern->panel_bytes(K), rb = kern->row_bytes(K);
     const int64_t rows = M < GEMM_MBLK ? M : GEMM_MBLK;
     char *xp = aligned_alloc(64, (size_t)((rows * rb + 63) / 64 * 64));

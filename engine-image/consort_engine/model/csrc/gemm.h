@@ -1,5 +1,6 @@
-/* What the two packed GEMMs share (gemm.c: fp32 weights; gemm_i8w.c: int8 codes): the panel layout's
- * sizes and the driver that cuts rows into register tiles and threads over panel groups.
+/* What the packed GEMMs share (gemm.c: fp32 weights; gemm_bf16.c: bf16; gemm_i8w.c and gemm_i8a8.c: int8
+ * codes): the panel layout's sizes and the driver that cuts rows into register tiles and threads over
+ * panel groups.
  *
  * N is cut into panels of GEMM_NR = 16 columns, padded to a multiple of GEMM_GROUP = 4 panels (zeros).
  * Threads split the panel groups; rows are taken in blocks of GEMM_MBLK so a block of x stays in L2, and
@@ -26,12 +27,18 @@ typedef struct {
     const gemm_tile_fn *tiles;         /* by a tile's rows */
     const int *tile_panels;            /* panels one tile call covers, by its rows */
     int (*tile_rows)(int64_t left);    /* the next tile's rows out of `left` */
-    /* h rows of x (ldx apart), their columns read in `order` (gemm_weight), -> what that tile reads, at
-     * dst, and each row's scale (kernels with none leave row_scales alone) */
-    void (*pack_tile)(const float *x, int64_t ldx, int h, int64_t K, const int32_t *order, void *dst,
+    /* h rows of x (ldx elements apart), their columns read in `order` (gemm_weight), -> what that tile
+     * reads, at dst, and each row's scale (kernels with none leave row_scales alone) */
+    void (*pack_tile)(const void *x, int64_t ldx, int h, int64_t K, const int32_t *order, void *dst,
                       float *row_scales);
     int64_t (*row_bytes)(int64_t K);   /* one packed row of x */
     int64_t (*panel_bytes)(int64_t K); /* one panel of W */
+    int x_size;                        /* bytes of one element of x: 4 (fp32) or 2 (bf16) */
+    /* NULL: y is fp32, written by the tiles (the bias added after). Else y has the kernel's own element
+     * type: the tiles write h rows of fp32 sums into a stack tile (ldt floats a row), and this adds the
+     * bias (the n columns' own, or NULL) and stores their n columns at row r, column col0 of y. */
+    void (*store)(const float *tile, int64_t ldt, int h, int64_t n, const float *bias, void *y, int64_t ldy,
+                  int64_t r, int64_t col0);
 } gemm_kernel;
 
 /* The next tile's rows out of `left` for tiles of 6, 4, 2 and 1 rows: 6-row tiles, 8 as 4 + 4, then 4,
@@ -125,7 +132,8 @@ typedef struct {
     const int32_t *order;
 } gemm_weight;
 
-/* y = x W^T (+ bias). 0, or -2 when a buffer cannot be allocated (nothing computed). */
-int gemm_run(const gemm_kernel *kern, const float *x, int64_t ldx, int64_t M, int64_t K, const gemm_weight *w,
-             int64_t N, float *y, int64_t ldy, const float *bias);
+/* y = x W^T (+ bias), x of kern->x_size bytes an element, y fp32 (or the store's type), ldx and ldy in
+ * elements. 0, or -2 when a buffer cannot be allocated (nothing computed). */
+int gemm_run(const gemm_kernel *kern, const void *x, int64_t ldx, int64_t M, int64_t K, const gemm_weight *w,
+             int64_t N, void *y, int64_t ldy, const float *bias);
 #endif

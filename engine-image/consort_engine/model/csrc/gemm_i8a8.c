@@ -137,8 +137,9 @@ static void i8a8_round_quads(const float *src, int64_t K, float inv, int32_t *qu
 /* h rows -> u8 quads, row after row ([h][Qd] int32), each row rounded with its own scale (absolute
  * maximum / 127; gemm_row_absmax). A row holding NaN or an infinity gets a NaN scale, so its outputs are
  * NaN as the fp32 product's would be. `order` is not taken (act-order is an int4 format's). */
-static void i8a8_pack_tile(const float *x, int64_t ldx, int h, int64_t K, const int32_t *order, void *dst,
+static void i8a8_pack_tile(const void *xv, int64_t ldx, int h, int64_t K, const int32_t *order, void *dst,
                            float *row_scales) {
+    const float *x = xv;
     int32_t *xp = dst;
     (void)order;
     for (int i = 0; i < h; i++) {
@@ -151,7 +152,7 @@ static void i8a8_pack_tile(const float *x, int64_t ldx, int h, int64_t K, const 
 }
 
 static const gemm_kernel GEMM_I8A8 = {I8A8_TILES, I8A8_TILE_PANELS, I8A8_TILE_ROWS, i8a8_pack_tile,
-                                      i8a8_row_bytes, i8a8_panel_bytes};
+                                      i8a8_row_bytes, i8a8_panel_bytes, sizeof(float), NULL};
 
 /* `scales` holds, for each group of `group` k (a multiple of 4, at most I8A8_MAX_GROUP; K or more: one
  * group), one float per packed column (gemm_packed_bytes_i8a8_f32(N, K) / (K rounded up to 4) of them;

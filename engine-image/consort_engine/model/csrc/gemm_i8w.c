@@ -163,8 +163,9 @@ static void i8w_round_pairs(const float *src, const int32_t *order, int64_t K, f
  * columns in that order), each row rounded with its own scale (absolute maximum / 32767;
  * gemm_row_absmax). A row holding NaN or an infinity gets a NaN scale, so its
  * outputs are NaN as the fp32 product's would be. */
-static void i8w_pack_tile(const float *x, int64_t ldx, int h, int64_t K, const int32_t *order, void *dst,
+static void i8w_pack_tile(const void *xv, int64_t ldx, int h, int64_t K, const int32_t *order, void *dst,
                           float *row_scales) {
+    const float *x = xv;
     int32_t *xp = dst;
     const int64_t Q = i8w_pairs(K);
     for (int i = 0; i < h; i++) {
@@ -178,7 +179,7 @@ static void i8w_pack_tile(const float *x, int64_t ldx, int h, int64_t K, const i
 }
 
 static const gemm_kernel GEMM_I8W = {I8W_TILES, I8W_TILE_PANELS, I8W_TILE_ROWS, i8w_pack_tile,
-                                     i8w_row_bytes, i8w_panel_bytes};
+                                     i8w_row_bytes, i8w_panel_bytes, sizeof(float), NULL};
 
 /* `scales` holds, for each group of `group` k (even; K or more: one group, a scale per column), one float
  * per packed column (gemm_packed_bytes_i8w_f32(N, K) / (K rounded up to even) of them; zero past N), the

@@ -17,10 +17,12 @@ Results equal F.linear to float32 rounding (summation order).
 
 bfloat16 where the CPU has a bf16 dot product (AMX tiles, or AVX-512 BF16's `vdpbf16ps`): oneDNN's
 packed bf16 kernel (on the 2-core AMD EPYC Zen 5, 1.5-2x the engine's fp32 kernel from 32 rows:
-docs/engine-speed.md). Without one, oneDNN's bf16 GEMM is slower than the fp32 ones, so the bf16
-weight is widened once (exactly) and multiplied in fp32, the output rounded to bf16. That is the
-arithmetic of a bf16 GEMM (bf16 x bf16 products are exact in fp32, fp32 accumulation, one rounding of
-the output); only the summation order differs.
+docs/engine-speed.md), and without AMX up to BF16_KERNEL_ROWS rows the engine's own (csrc/gemm_bf16.c
+`gemm_bf16`: the int8 kernels' register tiles on `vdpbf16ps`), which is faster there and builds no
+kernel per new row count. Without a dot product, oneDNN's bf16 GEMM is slower than the fp32 ones, so
+the bf16 weight is widened once (exactly) and multiplied in fp32, the output rounded to bf16. That is
+the arithmetic of a bf16 GEMM (bf16 x bf16 products are exact in fp32, fp32 accumulation, one rounding
+of the output); only the summation order differs.
 
 Packing is verified at load time against F.linear; if the ops are missing or disagree, the
 plain weight is kept (returns None).
@@ -59,9 +61,10 @@ def _aligned(size: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _consort_call(gemm: Callable[..., int], n: int, k: int, bias: torch.Tensor | None,
-                  *weights: torch.Tensor | int | None) -> Callable[[torch.Tensor], torch.Tensor]:
-    """x [..., k] -> x W^T + b through one of the engine's GEMMs, given its weight arguments: tensors
-    (passed as pointers), integers and None (NULL) as they are."""
+                  *weights: torch.Tensor | int | None,
+                  out_dtype: torch.dtype = torch.float32) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x [..., k] -> x W^T + b (out_dtype) through one of the engine's GEMMs, given its weight arguments:
+    tensors (passed as pointers), integers and None (NULL) as they are."""
     b = None if bias is None else bias.float().contiguous()
     args = [w.data_ptr() if isinstance(w, torch.Tensor) else w for w in weights]
 
@@ -70,7 +73,7 @@ def _consort_call(gemm: Callable[..., int], n: int, k: int, bias: torch.Tensor |
         x2 = x.reshape(-1, k)
         if x2.stride(1) != 1:
             x2 = x2.contiguous()
-        y = torch.empty(x2.shape[0], n, dtype=torch.float32)
+        y = torch.empty(x2.shape[0], n, dtype=out_dtype)
         if x2.shape[0] and gemm(x2.data_ptr(), x2.stride(0), x2.shape[0], k, *args, n, y.data_ptr(), n,
                                 None if b is None else b.data_ptr()):
             raise MemoryError(f"{gemm.__name__}: no memory for its buffers ({x2.shape[0]} x {k})")
@@ -91,6 +94,20 @@ def _consort(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch
     packed = _aligned(lib.gemm_packed_floats_f32(n, k), torch.float32)
     lib.gemm_pack_f32(weight.contiguous().data_ptr(), n, k, packed.data_ptr())
     return _consort_call(lib.gemm_f32, n, k, bias, packed)
+
+
+def consort_bf16(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """A bf16 weight through the engine's kernel (csrc/gemm_bf16.c `gemm_bf16`: bf16 x and y, AVX-512 BF16
+    builds); None where it is not built."""
+    from consort_engine.model.cpu_kernels import cpu_kernels
+
+    lib = cpu_kernels()
+    if lib is None or not hasattr(lib, "gemm_bf16"):
+        return None
+    n, k = weight.shape
+    packed = _aligned(lib.gemm_packed_bytes_bf16(n, k) // 2, torch.bfloat16)
+    lib.gemm_pack_bf16(weight.contiguous().data_ptr(), n, k, packed.data_ptr())
+    return _consort_call(lib.gemm_bf16, n, k, bias, packed, out_dtype=torch.bfloat16)
 
 
 def _group_scales(scale: torch.Tensor, n: int, groups: int, columns: int, extra: int = 0) -> torch.Tensor:
@@ -201,6 +218,26 @@ def _onednn(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.
     return run
 
 
+# bf16 GEMMs of up to this many rows run on the engine's kernel, more on oneDNN's. hack/gemm_backends.py
+# --bf16 on the 2-core AMD EPYC Zen 5: the engine's 1.3-1.8x oneDNN's at 1-32 rows, 1.0-1.1x at 64-256,
+# 0.9-1.0x from 512.
+BF16_KERNEL_ROWS = 256
+
+
+def _bf16(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A bf16 weight on a CPU with a bf16 dot product: the engine's kernel up to BF16_KERNEL_ROWS rows,
+    oneDNN's above; oneDNN's at every row count with AMX (its tiles; the engine's kernel is not measured
+    against them) or where the engine's is not built."""
+    onednn = _onednn(weight, bias)
+    ours = None if "amx_bf16" in cpu_model_and_flags()[1] else consort_bf16(weight, bias)
+    if ours is None:
+        return onednn
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        return ours(x) if x.numel() <= BF16_KERNEL_ROWS * x.shape[-1] else onednn(x)
+    return run
+
+
 # name -> packer (weight, bias) -> x -> x W^T + b, or None where it does not build
 FP32_BACKENDS = {"consort": _consort, "onednn": _onednn, "mkl": _mkl}
 
@@ -214,7 +251,7 @@ def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[to
         if weight.dtype == torch.float32 and fp32:
             fn = _fp32(weight, bias)
         elif weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available() and has_bf16_dot():
-            fn = _onednn(weight, bias)
+            fn = _bf16(weight, bias)
         elif weight.dtype == torch.bfloat16 and fp32:
             fn = _fp32_compute(weight, bias)
         else:

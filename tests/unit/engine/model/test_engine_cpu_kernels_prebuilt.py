@@ -49,6 +49,7 @@ def test_an_engine_loads_the_prebuilt_library_for_its_level_and_compiles_nothing
     assert lib.rms_norm_f32 and lib.set_num_threads
     # The level's extensions are in it: the bf16 prefill kernel with AVX-512 BF16, w8a8's with VNNI.
     assert hasattr(lib, "prefill_attention_bf16") == level.endswith("bf16")
+    assert hasattr(lib, "gemm_bf16") == level.endswith("bf16")
     assert hasattr(lib, "gemm_i8a8_f32") == ("vnni" in level)
     # Without the directory (or with another source's libraries in it) it compiles for this machine.
     monkeypatch.setenv("CONSORT_KERNELS_DIR", str(tmp_path / "empty"))

@@ -90,3 +90,54 @@ def test_engine_kernel_uses_avx512_tiles_where_the_cpu_has_them():
 def test_packing_skips_what_it_cannot_pack():
     assert pack_linear(torch.randn(3, 4, 5), None) is None          # not a matrix
     assert pack_linear(torch.randn(4, 4, dtype=torch.float64), None) is None
+
+
+HAS_BF16_GEMM = cpu_kernels() is not None and hasattr(cpu_kernels(), "gemm_bf16")
+
+
+@pytest.mark.skipif(not HAS_BF16_GEMM, reason="the bf16 kernel needs AVX-512 BF16")
+@pytest.mark.parametrize("n,k", [(96, 64), (7, 48), (100, 33), (1000, 130), (64, 1)])
+def test_bf16_kernel_rounds_the_fp32_product_once_at_every_row_shape(n, k):
+    """csrc gemm_bf16 against the fp32 product of the same bf16 inputs: within one bf16 rounding of it
+    (2^-8 relative) plus what a different fp32 summation order can move it ((k - 1) 2^-23 of the sum of
+    |x w|), at every tile and every cut of rows into tiles (odd k: a padded pair; n: partial panels and
+    groups). A row holding NaN or an infinity gives non-finite outputs in that row only."""
+    g = torch.Generator().manual_seed(n * 1000 + k)
+    w, b = torch.randn(n, k, generator=g).bfloat16(), torch.randn(n, generator=g).bfloat16()
+    for bias in (None, b):
+        fn = packed.consort_bf16(w, bias)
+        for m in (*range(26), 32, 239, 240, 241, 500):
+            x = torch.randn(m, k, generator=g).bfloat16()
+            got = fn(x)
+            ref = F.linear(x.float(), w.float(), None if bias is None else bias.float())
+            assert got.dtype == torch.bfloat16 and got.shape == ref.shape
+            spread = (k - 1) * 2.0 ** -23 * (x.float().abs() @ w.float().abs().t())
+            bound = 2.0 ** -8 * (ref.abs() + spread) + spread + 2.0 ** -23 * ref.abs()
+            assert ((got.float() - ref).abs() <= bound).all(), f"{m} rows"
+        x = torch.randn(5, k, generator=g).bfloat16()
+        x[1, 0], x[3, k - 1] = float("nan"), float("inf")
+        got = fn(x)
+        assert got[1].isnan().all() and not got[3].isfinite().any()
+        assert got[[0, 2, 4]].isfinite().all()
+
+
+@pytest.mark.skipif(not HAS_BF16_GEMM or "amx_bf16" in cpu_model_and_flags()[1],
+                    reason="the engine's bf16 kernel runs where AVX-512 BF16 is built and there is no AMX")
+def test_bf16_weights_run_the_engine_kernel_up_to_its_rows_then_onednn(monkeypatch):
+    ran: list[str] = []
+
+    def spy(name, pack):
+        def packer(weight, bias):
+            fn = pack(weight, bias)
+            return lambda x: ran.append(name) or fn(x)
+        return packer
+    monkeypatch.setattr(packed, "consort_bf16", spy("engine", packed.consort_bf16))
+    monkeypatch.setattr(packed, "_onednn", spy("onednn", packed._onednn))
+    g = torch.Generator().manual_seed(7)
+    w, bias = torch.randn(200, 96, generator=g).bfloat16(), torch.randn(200, generator=g).bfloat16()
+    fn = pack_linear(w, bias)
+    for m in (1, 40, packed.BF16_KERNEL_ROWS, packed.BF16_KERNEL_ROWS + 1, 700):
+        ran.clear()
+        x = torch.randn(m, 96, generator=g).bfloat16()
+        torch.testing.assert_close(fn(x), F.linear(x, w, bias), rtol=2e-2, atol=0.2)
+        assert ran == ["engine" if m <= packed.BF16_KERNEL_ROWS else "onednn"], f"{m} rows"
