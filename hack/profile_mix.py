@@ -26,7 +26,7 @@ FREQ = 999
 # (part, pattern over "dso symbol"): the first that matches takes the sample
 PARTS = (
     ("GEMM, oneDNN (bf16)", r"^\[JIT\]|libdnnl|dnnl_|brgemm"),
-    ("GEMM, engine kernels", r"\bgemm_|i8w_|i8a8_"),
+    ("GEMM, engine kernels", r"\bgemm_|i8w_|i8a8_|b16_"),
     ("GEMM, MKL / OpenBLAS", r"mkl_|sgemm|openblas"),
     ("prefill attention", r"prefill_attention|\bpb_|\bpf_"),
     ("decode attention", r"paged_attention"),
