@@ -32,7 +32,7 @@ from consort_engine.model.models.mtp import has_mtp
 from consort_engine.model.lora import AdapterError, LoraAdapter, LoraContext, load_peft_adapter, segments_of
 from consort_engine.model.models.packed import has_bf16_dot
 from consort_engine.model.quantized_checkpoint import checkpoint_format, checkpoint_weights, resolve_quantization
-from consort_engine.model.models.quant import FP32_ROW_QUANTIZATIONS, check_quantization
+from consort_engine.model.models.quant import check_quantization
 from consort_engine.kv.sequence import PromptLogprobs, ScheduledBatch, Sequence
 from consort_engine.kv.state_pool import SwappedState, seqs_per_pool
 from consort_engine.model.hybrid_state import HybridState
@@ -46,15 +46,13 @@ MiB = 1 << 20
 log = logging.getLogger("consort.engine")
 
 
-def compute_dtype(dtype: torch.dtype, device: torch.device, quantization: str = "none") -> torch.dtype:
+def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """bfloat16 on a CPU computes in float32 (weights rounded to bf16 and a bf16 KV cache, but fp32
     activations and GEMMs) where bf16 GEMMs do not pay: without a bf16 dot product (AMX, AVX-512
-    BF16) oneDNN's bf16 GEMM runs at about half the speed of the fp32 one, and the int8 and w8a8
-    GEMMs read fp32 rows (bf16 ones would be widened at every call: the anchor workload measured
-    0.9-0.95x of fp32 activations on Zen 5), as do a pre-quantized checkpoint's codes on the int8 kernel.
+    BF16) oneDNN's bf16 GEMM runs at about half the speed of the fp32 one. The int8 and w8a8 kernels
+    take bf16 rows as they are (a bf16 model with w8a8 measured 1.3x its fp32 activations on Zen 5).
     CONSORT_BF16_COMPUTE=1 forces bf16 activations."""
-    if (device.type == "cpu" and dtype == torch.bfloat16
-            and (not has_bf16_dot() or quantization in FP32_ROW_QUANTIZATIONS)
+    if (device.type == "cpu" and dtype == torch.bfloat16 and not has_bf16_dot()
             and os.environ.get("CONSORT_BF16_COMPUTE") != "1"):
         return torch.float32
     return dtype
@@ -119,7 +117,7 @@ class ModelRunner:
         self.hf_config = cfg = load_model_config(config.model)
         prequantized = checkpoint_format(cfg.raw)         # model/quantized_checkpoint.py
         self.quantization = resolve_quantization(config.quantization, prequantized)
-        self.compute_dtype = compute_dtype(self.dtype, self.device, self.quantization)   # activations, GEMMs
+        self.compute_dtype = compute_dtype(self.dtype, self.device)   # activations, GEMMs
         self.eos_token_ids: set[int] = eos_token_ids(config.model, cfg)
         # MTP drafting: one rank only (the block is not split for tensor parallelism yet)
         # Hybrid (attention + Mamba2): KV only for the attention layers, a state slot per sequence for the rest.

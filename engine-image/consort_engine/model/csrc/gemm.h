@@ -28,9 +28,10 @@ typedef struct {
     const int *tile_panels;            /* panels one tile call covers, by its rows */
     int (*tile_rows)(int64_t left);    /* the next tile's rows out of `left` */
     /* h rows of x (ldx elements apart), their columns read in `order` (gemm_weight), -> what that tile
-     * reads, at dst, and each row's scale (kernels with none leave row_scales alone) */
+     * reads, at dst, and each row's scale (kernels with none leave row_scales alone). wide: K floats of
+     * the calling thread's where x is bf16 (for kernels that round fp32 rows), else NULL. */
     void (*pack_tile)(const void *x, int64_t ldx, int h, int64_t K, const int32_t *order, void *dst,
-                      float *row_scales);
+                      float *row_scales, float *wide);
     int64_t (*row_bytes)(int64_t K);   /* one packed row of x */
     int64_t (*panel_bytes)(int64_t K); /* one panel of W */
     int x_size;                        /* bytes of one element of x: 4 (fp32) or 2 (bf16) */
@@ -131,6 +132,20 @@ typedef struct {
     int64_t scale_k, scale_ld;
     const int32_t *order;
 } gemm_weight;
+
+#if defined(__AVX2__)
+/* K bf16 -> fp32 (exact), for the kernels that round fp32 rows (gemm_i8w.c, gemm_i8a8.c). */
+static inline void gemm_widen_bf16(const bf16_t *src, int64_t K, float *dst) {
+    int64_t k = 0;
+    for (; k + VLEN <= K; k += VLEN) VEC_STOREU(dst + k, VEC_LOAD_BF16(src + k));
+    for (; k < K; k++) dst[k] = bf16_to_f32(src[k]);
+}
+#endif
+
+/* A gemm_kernel's store for bf16 y (gemm.c): h rows of fp32 sums + the bias, each rounded to bf16 once
+ * (round to nearest even, NaN kept NaN). */
+void gemm_store_bf16(const float *tile, int64_t ldt, int h, int64_t n, const float *bias, void *y, int64_t ldy,
+                     int64_t r, int64_t col0);
 
 /* y = x W^T (+ bias), x of kern->x_size bytes an element, y fp32 (or the store's type), ldx and ldy in
  * elements. 0, or -2 when a buffer cannot be allocated (nothing computed). */

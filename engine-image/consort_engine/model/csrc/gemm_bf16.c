@@ -9,9 +9,9 @@
  * Packed layout: panels of GEMM_NR = 16 columns grouped as gemm.h says, K taken in pairs (an odd K ends
  * with a zero); for k pair q a panel holds 64 bytes, column j's two bf16 side by side at 4j, so one zmm
  * load of a panel pairs with a broadcast pair of x: a row of bf16 is its pairs already, and each tile's
- * rows are copied pair-major. A tile is R rows x P panels of fp32
- * accumulators over the whole of K; the driver's store adds the bias and rounds each output to bf16
- * once (round to nearest even), as F.linear does. The products are exact in fp32 and summed in k order,
+ * rows are copied pair-major. A tile is R rows x P panels of fp32 accumulators over the whole of K; the
+ * driver's store (gemm_store_bf16) adds the bias and rounds each output to bf16 once (round to nearest
+ * even), as F.linear does. The products are exact in fp32 and summed in k order,
  * each pair's odd k first (the instruction's order); `vdpbf16ps` treats bf16 subnormals as zero, as
  * oneDNN's kernels on it do.
  */
@@ -80,11 +80,11 @@ static const int B16_TILE_PANELS[13] = GEMM_TILE_PANELS_12;
 /* h rows of bf16 -> their pairs, pair-major ([Q][h] int32, an odd K's last pair ending with a zero), so a
  * tile's broadcasts read one stream (as gemm.c packs its tiles). */
 static void b16_pack_tile(const void *xv, int64_t ldx, int h, int64_t K, const int32_t *order, void *dst,
-                          float *row_scales) {
+                          float *row_scales, float *wide) {
     const bf16_t *x = xv;
     int32_t *xp = dst;
     const int64_t Q = b16_pairs(K);
-    (void)order, (void)row_scales;
+    (void)order, (void)row_scales, (void)wide;
     for (int i = 0; i < h; i++) {
         const bf16_t *row = x + i * ldx;
         for (int64_t q = 0; q < K / 2; q++) memcpy(xp + q * h + i, row + 2 * q, sizeof(int32_t));
@@ -92,22 +92,8 @@ static void b16_pack_tile(const void *xv, int64_t ldx, int h, int64_t K, const i
     }
 }
 
-/* h rows of fp32 sums (ldt floats apart) + the bias -> bf16 (round to nearest even), n columns at row r,
- * column col0 of y. */
-static void b16_store(const float *tile, int64_t ldt, int h, int64_t n, const float *bias, void *y, int64_t ldy,
-                      int64_t r, int64_t col0) {
-    bf16_t *yb = (bf16_t *)y + r * ldy + col0;
-    for (int i = 0; i < h; i++)
-        for (int64_t j = 0; j < n; j += 16) {
-            const __mmask16 m = n - j >= 16 ? 0xFFFF : (__mmask16)((1u << (n - j)) - 1);
-            __m512 v = _mm512_maskz_loadu_ps(m, tile + i * ldt + j);
-            if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, bias + j));
-            _mm256_mask_storeu_epi16(yb + i * ldy + j, m, (__m256i)_mm512_cvtneps_pbh(v));
-        }
-}
-
 static const gemm_kernel GEMM_BF16 = {B16_TILES, B16_TILE_PANELS, gemm_tile_rows_12, b16_pack_tile, b16_row_bytes,
-                                      b16_panel_bytes, sizeof(bf16_t), b16_store};
+                                      b16_panel_bytes, sizeof(bf16_t), gemm_store_bf16};
 
 int gemm_bf16(const bf16_t *x, int64_t ldx, int64_t M, int64_t K, const bf16_t *packed, int64_t N, bf16_t *y,
               int64_t ldy, const float *bias) {

@@ -1,6 +1,7 @@
 /* int8 x int8 GEMM (`--quantization w8a8`, and W8A8 checkpoints' codes): y[M, N] = x[M, K] @ (codes *
  * scale)^T (+ bias), each row of x rounded to int8 with its own scale (absolute maximum at 127), the
- * codes int8 with one fp32 scale per output column and group of k; x fp32 in, y fp32 out.
+ * codes int8 with one fp32 scale per output column and group of k; x and y fp32 (`gemm_i8a8_f32`) or
+ * bf16 (`gemm_i8a8_bf16`: each row widened exactly and rounded as an fp32 row is, the output rounded once).
  *
  * Why: VNNI's `vpdpbusd` multiplies four u8 x s8 pairs per int32 lane and adds them to it, twice the
  * products per instruction of the int16 rows of gemm_i8w.c (`vpdpwssd`), for 8 bits of each row instead
@@ -138,10 +139,10 @@ static void i8a8_round_quads(const float *src, int64_t K, float inv, int32_t *qu
  * maximum / 127; gemm_row_absmax). A row holding NaN or an infinity gets a NaN scale, so its outputs are
  * NaN as the fp32 product's would be. `order` is not taken (act-order is an int4 format's). */
 static void i8a8_pack_tile(const void *xv, int64_t ldx, int h, int64_t K, const int32_t *order, void *dst,
-                           float *row_scales) {
+                           float *row_scales, float *wide) {
     const float *x = xv;
     int32_t *xp = dst;
-    (void)order;
+    (void)order, (void)wide;
     for (int i = 0; i < h; i++) {
         int bad;
         const float amax = gemm_row_absmax(x + i * ldx, K, &bad);
@@ -151,8 +152,28 @@ static void i8a8_pack_tile(const void *xv, int64_t ldx, int h, int64_t K, const 
     }
 }
 
+/* bf16 rows: each widened into the thread's fp32 row (exactly), then rounded as an fp32 row is. */
+static void i8a8_pack_tile_bf16(const void *xv, int64_t ldx, int h, int64_t K, const int32_t *order, void *dst,
+                                float *row_scales, float *wide) {
+    for (int i = 0; i < h; i++) {
+        gemm_widen_bf16((const bf16_t *)xv + i * ldx, K, wide);
+        i8a8_pack_tile(wide, K, 1, K, order, (int32_t *)dst + i * i8a8_quads(K), row_scales + i, NULL);
+    }
+}
+
 static const gemm_kernel GEMM_I8A8 = {I8A8_TILES, I8A8_TILE_PANELS, I8A8_TILE_ROWS, i8a8_pack_tile,
                                       i8a8_row_bytes, i8a8_panel_bytes, sizeof(float), NULL};
+/* bf16 x and y: the same sums, the output (+ bias) rounded to bf16 once */
+static const gemm_kernel GEMM_I8A8_BF16 = {I8A8_TILES, I8A8_TILE_PANELS, I8A8_TILE_ROWS, i8a8_pack_tile_bf16,
+                                           i8a8_row_bytes, i8a8_panel_bytes, sizeof(bf16_t), gemm_store_bf16};
+
+static int i8a8_run(const gemm_kernel *kern, const void *x, int64_t ldx, int64_t M, int64_t K, const int8_t *codes,
+                    const float *scales, int64_t group, int64_t N, void *y, int64_t ldy, const float *bias) {
+    if (group <= 0 || group % 4 || (group < K ? group : K) > I8A8_MAX_GROUP) return -1;
+    const gemm_weight w = {(const char *)codes, scales, group, gemm_packed_bytes_i8a8_f32(N, K) / (4 * i8a8_quads(K)),
+                           NULL};
+    return gemm_run(kern, x, ldx, M, K, &w, N, y, ldy, bias);
+}
 
 /* `scales` holds, for each group of `group` k (a multiple of 4, at most I8A8_MAX_GROUP; K or more: one
  * group), one float per packed column (gemm_packed_bytes_i8a8_f32(N, K) / (K rounded up to 4) of them;
@@ -160,9 +181,12 @@ static const gemm_kernel GEMM_I8A8 = {I8A8_TILES, I8A8_TILE_PANELS, I8A8_TILE_RO
  * int32 compensation: 128 x the column's code sum over the group. -1 for a group it cannot take. */
 int gemm_i8a8_f32(const float *x, int64_t ldx, int64_t M, int64_t K, const int8_t *codes, const float *scales,
                   int64_t group, int64_t N, float *y, int64_t ldy, const float *bias) {
-    if (group <= 0 || group % 4 || (group < K ? group : K) > I8A8_MAX_GROUP) return -1;
-    const gemm_weight w = {(const char *)codes, scales, group, gemm_packed_bytes_i8a8_f32(N, K) / (4 * i8a8_quads(K)),
-                           NULL};
-    return gemm_run(&GEMM_I8A8, x, ldx, M, K, &w, N, y, ldy, bias);
+    return i8a8_run(&GEMM_I8A8, x, ldx, M, K, codes, scales, group, N, y, ldy, bias);
+}
+
+/* The same with bf16 x and y (the weight packed as for gemm_i8a8_f32). */
+int gemm_i8a8_bf16(const bf16_t *x, int64_t ldx, int64_t M, int64_t K, const int8_t *codes, const float *scales,
+                   int64_t group, int64_t N, bf16_t *y, int64_t ldy, const float *bias) {
+    return i8a8_run(&GEMM_I8A8_BF16, x, ldx, M, K, codes, scales, group, N, y, ldy, bias);
 }
 #endif

@@ -1,6 +1,7 @@
 /* int8 weight GEMM (`--quantization int8`, and pre-quantized checkpoints' codes): y[M, N] = x[M, K] @ (codes *
  * scale)^T (+ bias), the codes int8 with one fp32 scale per output column and group of k (one group for
- * `int8`'s per-channel scales; AWQ/GPTQ groups of 32-128 k), x fp32 in and y fp32 out.
+ * `int8`'s per-channel scales; AWQ/GPTQ groups of 32-128 k); x and y fp32 (`gemm_i8w_f32`) or bf16
+ * (`gemm_i8w_bf16`: each row widened exactly and rounded as an fp32 row is, the output rounded once).
  *
  * Why integers: with fp32 activations an int8 weight is widened to fp32 and multiplied at the FMA rate,
  * no faster than fp32 weights once a GEMM has enough rows to reuse them. Rounding each row of x to
@@ -164,8 +165,9 @@ static void i8w_round_pairs(const float *src, const int32_t *order, int64_t K, f
  * gemm_row_absmax). A row holding NaN or an infinity gets a NaN scale, so its
  * outputs are NaN as the fp32 product's would be. */
 static void i8w_pack_tile(const void *xv, int64_t ldx, int h, int64_t K, const int32_t *order, void *dst,
-                          float *row_scales) {
+                          float *row_scales, float *wide) {
     const float *x = xv;
+    (void)wide;
     int32_t *xp = dst;
     const int64_t Q = i8w_pairs(K);
     for (int i = 0; i < h; i++) {
@@ -178,8 +180,29 @@ static void i8w_pack_tile(const void *xv, int64_t ldx, int h, int64_t K, const i
     }
 }
 
+/* bf16 rows: each widened into the thread's fp32 row (exactly), then rounded as an fp32 row is. */
+static void i8w_pack_tile_bf16(const void *xv, int64_t ldx, int h, int64_t K, const int32_t *order, void *dst,
+                               float *row_scales, float *wide) {
+    for (int i = 0; i < h; i++) {
+        gemm_widen_bf16((const bf16_t *)xv + i * ldx, K, wide);
+        i8w_pack_tile(wide, K, 1, K, order, (int32_t *)dst + i * i8w_pairs(K), row_scales + i, NULL);
+    }
+}
+
 static const gemm_kernel GEMM_I8W = {I8W_TILES, I8W_TILE_PANELS, I8W_TILE_ROWS, i8w_pack_tile,
                                      i8w_row_bytes, i8w_panel_bytes, sizeof(float), NULL};
+/* bf16 x and y: the same sums, the output (+ bias) rounded to bf16 once */
+static const gemm_kernel GEMM_I8W_BF16 = {I8W_TILES, I8W_TILE_PANELS, I8W_TILE_ROWS, i8w_pack_tile_bf16,
+                                          i8w_row_bytes, i8w_panel_bytes, sizeof(bf16_t), gemm_store_bf16};
+
+static int i8w_run(const gemm_kernel *kern, const void *x, int64_t ldx, int64_t M, int64_t K, const int8_t *codes,
+                   const float *scales, int64_t group, const int32_t *order, int64_t N, void *y, int64_t ldy,
+                   const float *bias) {
+    if (group <= 0 || group % 2) return -1;
+    const gemm_weight w = {(const char *)codes, scales, group, gemm_packed_bytes_i8w_f32(N, K) / (2 * i8w_pairs(K)),
+                           order};
+    return gemm_run(kern, x, ldx, M, K, &w, N, y, ldy, bias);
+}
 
 /* `scales` holds, for each group of `group` k (even; K or more: one group, a scale per column), one float
  * per packed column (gemm_packed_bytes_i8w_f32(N, K) / (K rounded up to even) of them; zero past N), the
@@ -187,9 +210,12 @@ static const gemm_kernel GEMM_I8W = {I8W_TILES, I8W_TILE_PANELS, I8W_TILE_ROWS, 
  * column order[k]. -1 for an odd group (a pair would straddle two scales). */
 int gemm_i8w_f32(const float *x, int64_t ldx, int64_t M, int64_t K, const int8_t *codes, const float *scales,
                  int64_t group, const int32_t *order, int64_t N, float *y, int64_t ldy, const float *bias) {
-    if (group <= 0 || group % 2) return -1;
-    const gemm_weight w = {(const char *)codes, scales, group, gemm_packed_bytes_i8w_f32(N, K) / (2 * i8w_pairs(K)),
-                           order};
-    return gemm_run(&GEMM_I8W, x, ldx, M, K, &w, N, y, ldy, bias);
+    return i8w_run(&GEMM_I8W, x, ldx, M, K, codes, scales, group, order, N, y, ldy, bias);
+}
+
+/* The same with bf16 x and y (the weight packed as for gemm_i8w_f32). */
+int gemm_i8w_bf16(const bf16_t *x, int64_t ldx, int64_t M, int64_t K, const int8_t *codes, const float *scales,
+                  int64_t group, const int32_t *order, int64_t N, bf16_t *y, int64_t ldy, const float *bias) {
+    return i8w_run(&GEMM_I8W_BF16, x, ldx, M, K, codes, scales, group, order, N, y, ldy, bias);
 }
 #endif

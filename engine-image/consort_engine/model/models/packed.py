@@ -96,6 +96,19 @@ def _consort(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch
     return _consort_call(lib.gemm_f32, n, k, bias, packed)
 
 
+def _consort_rows(lib, name: str, n: int, k: int, bias: torch.Tensor | None,
+                  *weights: torch.Tensor | int | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x W^T + b through the engine's `name`_f32 (fp32 rows and output) or `name`_bf16 (bf16 rows and
+    output), as x comes."""
+    f32 = _consort_call(getattr(lib, f"{name}_f32"), n, k, bias, *weights)
+    bf16 = _consort_call(getattr(lib, f"{name}_bf16"), n, k, bias, *weights, out_dtype=torch.bfloat16)
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        return bf16(x) if x.dtype == torch.bfloat16 else f32(x.float()).to(x.dtype)
+    run.weights = weights
+    return run
+
+
 def consort_bf16(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """A bf16 weight through the engine's kernel (csrc/gemm_bf16.c `gemm_bf16`: bf16 x and y, AVX-512 BF16
     builds); None where it is not built."""
@@ -119,10 +132,10 @@ def _group_scales(scale: torch.Tensor, n: int, groups: int, columns: int, extra:
 
 def consort_int8(codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, group_size: int = -1,
                  order: torch.Tensor | None = None) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """int8 weights through the engine's kernel (`gemm_i8w_f32`, activations rounded per row to 16-bit
-    integers inside it): codes [n, k] int8; fp32 scales [n] (one per output row, `int8`) or [n, groups]
-    (one per output row and group of group_size k: a pre-quantized checkpoint's codes); fp32 activations and
-    output. `order`: the input column each code column multiplies (the kernel reads x's columns so as it
+    """int8 weights through the engine's kernel (`gemm_i8w_f32` / `_bf16`, activations rounded per row to
+    16-bit integers inside it): codes [n, k] int8; fp32 scales [n] (one per output row, `int8`) or [n, groups]
+    (one per output row and group of group_size k: a pre-quantized checkpoint's codes); bf16 activations
+    and output as they are, others through fp32. `order`: the input column each code column multiplies (the kernel reads x's columns so as it
     rounds them; GPTQ act-order), None: in order. None where the kernel is not built or cannot take the
     groups (an odd group size)."""
     from consort_engine.model.cpu_kernels import cpu_kernels
@@ -140,7 +153,7 @@ def consort_int8(codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | 
     lib.gemm_pack_i8w_f32(codes.contiguous().data_ptr(), n, k, packed.data_ptr())
     scales = _group_scales(scale, n, groups, size // (k + k % 2))      # padded columns: scale 0
     columns_of_x = None if order is None else order.to(torch.int32).contiguous()
-    return _consort_call(lib.gemm_i8w_f32, n, k, bias, packed, scales, group, columns_of_x)
+    return _consort_rows(lib, "gemm_i8w", n, k, bias, packed, scales, group, columns_of_x)
 
 
 I8A8_MAX_GROUP = 65536       # csrc/gemm_i8a8.c: the most k one int32 block sums
@@ -150,7 +163,7 @@ def consort_w8a8(codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | 
                  group_size: int = -1) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """int8 weights times int8 activations through the engine's VNNI kernel (`gemm_i8a8_f32`: each row of
     x rounded to int8 with its own scale inside it, `vpdpbusd`): codes [n, k] int8, fp32 scales [n] or
-    [n, groups] as consort_int8 takes them; fp32 activations and output. None where the kernel is not
+    [n, groups] as consort_int8 takes them; activations and output as consort_int8 takes them. None where the kernel is not
     built (a CPU without VNNI) or cannot take the groups (a group not a multiple of 4 k)."""
     from consort_engine.model.cpu_kernels import cpu_kernels
 
@@ -170,7 +183,7 @@ def consort_w8a8(codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | 
     # the kernel's u8 rows are x + 128: it takes 128 x each column's code sum per group back off
     sums = torch.zeros(n, groups, dtype=torch.int32).index_add_(1, torch.arange(k) // group, codes.to(torch.int32))
     buf[groups * columns:].view(torch.int32).view(groups, columns)[:, :n] = 128 * sums.t()
-    return _consort_call(lib.gemm_i8a8_f32, n, k, bias, packed, buf, group)
+    return _consort_rows(lib, "gemm_i8a8", n, k, bias, packed, buf, group)
 
 
 def fp32_backend() -> str:

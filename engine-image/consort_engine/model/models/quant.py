@@ -1,10 +1,10 @@
 """Quantized linear weights (`--quantization`), made once at load time from the checkpoint's bf16 or
 fp32 weight; every scale is per output channel (one per row of W), symmetric, no zero point.
 
-- int8 (CPU): int8 weights; activations in floating point between layers (fp32, for a bf16 model too:
-  model_runner.compute_dtype). The engine's own kernel (csrc/gemm_i8w.c `gemm_i8w_f32`, AVX2 + FMA
-  builds) rounds each row of a GEMM's input to 16-bit integers (one scale per row: 15 bits, finer than
-  bf16's 8) and multiplies in integers (`vpmaddwd`, or VNNI's `vpdpwssd`; int32 sums), from a quarter
+- int8 (CPU): int8 weights; activations in floating point between layers (the model's compute dtype:
+  model_runner.compute_dtype). The engine's own kernel (csrc/gemm_i8w.c `gemm_i8w_f32`, and
+  `gemm_i8w_bf16` for bf16 rows and output; AVX2 + FMA builds) rounds each row of a GEMM's input to
+  16-bit integers (one scale per row: 15 bits, finer than bf16's 8) and multiplies in integers (`vpmaddwd`, or VNNI's `vpdpwssd`; int32 sums), from a quarter
   of fp32's weight bytes: from 32 rows on 1.35-1.8x the fp32 GEMM with AVX2 (Zen 3), ~2x with
   AVX-512 VNNI (Zen 5). It covers the LM head too (llama.QUANTIZE_LM_HEAD). Elsewhere torch's CPU
   weight-only kernel `aten._weight_int8pack_mm` (gpt-fast's) on bf16 activations, which ran the
@@ -37,8 +37,6 @@ from consort_engine.model.quantized_checkpoint import CHECKPOINT_FORMATS, checkp
 from consort_engine.model.models.packed import consort_int8, consort_w8a8
 
 LOAD_TIME = ("int8", "w8a8", "fp8")              # quantized here, from a float checkpoint
-# CPU GEMMs that read fp32 rows (bf16 models run fp32 activations): pre-quantized checkpoints' codes run the int8 kernel
-FP32_ROW_QUANTIZATIONS = ("int8", "w8a8", *CHECKPOINT_FORMATS)
 # none: the checkpoint as it is (a pre-quantized one's codes as they are, model/quantized_checkpoint.py); auto: the
 # same, spelled for "whatever the checkpoint is"; awq | gptq | compressed-tensors: the checkpoint must be that
 QUANTIZATIONS = ("none", "auto", *LOAD_TIME, *CHECKPOINT_FORMATS)
@@ -91,19 +89,12 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale[:, None]
 
 
-def fp32_rows(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
-    """An fp32-in, fp32-out GEMM (the engine's integer kernels) for activations of any dtype."""
-    def widened(x: torch.Tensor) -> torch.Tensor:
-        return fn(x.float()).to(x.dtype)
-    return widened
-
-
 def _int8_weight_only(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
     q, scale = quantize_int8(weight)
     b = None if bias is None else bias.float()
     ours = consort_int8(q, scale, b) if weight.device.type == "cpu" else None
     if ours is not None:
-        return fp32_rows(ours)
+        return ours
     scale_bf16 = scale.to(torch.bfloat16)
 
     def run(x: torch.Tensor) -> torch.Tensor:
@@ -116,7 +107,7 @@ def _int8_weight_only(weight: torch.Tensor, bias: torch.Tensor | None) -> Callab
 def _w8a8_dynamic(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
     q, scale = quantize_int8(weight)
     ours = consort_w8a8(q, scale, None if bias is None else bias.float()) if weight.device.type == "cpu" else None
-    return fp32_rows(ours) if ours is not None else fbgemm_w8a8(q, scale, bias)
+    return ours if ours is not None else fbgemm_w8a8(q, scale, bias)
 
 
 def fbgemm_w8a8(q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -254,14 +254,16 @@ def test_engine_int8_kernel_gives_the_same_bits_in_every_build_this_cpu_runs(tmp
         cases += [(c.codes, c.scales, None, torch.randn(rows, inp, generator=g), group) for rows in (1, 7, 13, 40)]
     cases = [case if len(case) == 5 else (*case, -1) for case in cases]
     want = [consort_int8(q, scale, b, group)(x) for q, scale, b, x, group in cases]
+    want_bf16 = [consort_int8(q, scale, b, group)(x.bfloat16()) for q, scale, b, x, group in cases]
     w8a8 = [consort_w8a8(q, scale, b, group) for q, scale, b, x, group in cases]
     want_w8a8 = [f(x) if f else None for f, (q, scale, b, x, group) in zip(w8a8, cases)]
     for i, march in enumerate(runnable):
         so = tmp_path / f"int8-{i}.so"
         subprocess.run(["cc", *march, *ck.FLAGS, "-o", str(so), *map(str, sources), "-lm"], check=True, timeout=300)
         monkeypatch.setattr(ck, "_lib", ck.load_library(so))
-        for (q, scale, b, x, group), ref, ref8 in zip(cases, want, want_w8a8):
+        for (q, scale, b, x, group), ref, ref16, ref8 in zip(cases, want, want_bf16, want_w8a8):
             assert torch.equal(consort_int8(q, scale, b, group)(x), ref), (march, x.shape, q.shape, group)
+            assert torch.equal(consort_int8(q, scale, b, group)(x.bfloat16()), ref16), ("bf16", march, x.shape)
             if ref8 is not None and (f := consort_w8a8(q, scale, b, group)) is not None:
                 assert torch.equal(f(x), ref8), ("w8a8", march, x.shape, q.shape, group)
         for q, scale, b, x, group in (cases[26], cases[-1]):
@@ -272,10 +274,36 @@ def test_engine_int8_kernel_gives_the_same_bits_in_every_build_this_cpu_runs(tmp
 
 
 @needs_int8_kernel
+def test_the_integer_kernels_take_bf16_rows_as_the_fp32_ones_rounded_once():
+    """gemm_i8w_bf16 / gemm_i8a8_bf16 read bf16 rows and write bf16: each output is the fp32 entry's on
+    the same (exactly widened) rows, bias included, rounded to bf16 once: the same bits. Per-channel and
+    an int4 checkpoint's group scales, act-order columns, every tile and cut of rows, rows of NaN."""
+    g = torch.Generator().manual_seed(3)
+    for out, inp, group in ((96, 64, -1), (130, 37, -1), (40, 1100, -1), (64, 256, 32), (48, 300, 100)):
+        if group == -1:
+            codes, scale = quantize_int8(torch.randn(out, inp, generator=g) * 0.05)
+        else:
+            c = int4_codes(out, inp, group, seed=out)
+            codes, scale = c.codes, c.scales
+        b = torch.randn(out, generator=g)
+        order = torch.randperm(inp, generator=g) if group == 32 else None
+        fns = [consort_int8(codes, scale, b, group, order), consort_w8a8(codes, scale, None, group)]
+        for f in (f for f in fns if f is not None):
+            for rows in (1, 2, 3, 5, 8, 13, 23, 40, 241):
+                x = torch.randn(rows, inp, generator=g).bfloat16()
+                x[rows // 2, inp // 3] = float("nan")
+                got = f(x)
+                assert got.dtype == torch.bfloat16
+                torch.testing.assert_close(got, f(x.float()).bfloat16(), rtol=0, atol=0, equal_nan=True,
+                                           msg=f"{out} x {inp}, group {group}, {rows} rows")
+                assert got[rows // 2].isnan().all() and not got[:rows // 2].isnan().any()
+
+
+@needs_int8_kernel
 def test_int8_runs_on_the_engine_kernel_in_either_activation_dtype():
     """--quantization int8 takes the engine's kernel where it is built (torch's _weight_int8pack_mm
-    ran the anchor workload at 0.58x fp32 on AVX2); bf16 activations are widened and the output
-    rounded back to bf16. (Rows of ones round to 16-bit integers exactly.)"""
+    ran the anchor workload at 0.58x fp32 on AVX2), for fp32 and bf16 rows (gemm_i8w_bf16). (Rows of
+    ones round to 16-bit integers exactly.)"""
     w = weight()
     q, scale = quantize_int8(w)
     want = F.linear(torch.ones(3, 64), dequantize_int8(q, scale))
@@ -486,19 +514,15 @@ def test_the_lm_head_is_quantized_only_where_its_activations_keep_15_bits(quanti
 
 def test_bf16_activations_where_the_gemms_take_them(monkeypatch):
     """A bf16 model computes in bf16 on a CPU only where its GEMMs run in bf16: with a bf16 dot product
-    (AMX, AVX-512 BF16) and without int8/w8a8 or an int4 checkpoint's codes, whose kernels read fp32 rows;
-    on CUDA always."""
+    (AMX, AVX-512 BF16), quantized or not (the int8 and w8a8 kernels take bf16 rows); on CUDA always."""
     from consort_engine.model import model_runner
 
     cpu, bf16 = torch.device("cpu"), torch.bfloat16
     monkeypatch.delenv("CONSORT_BF16_COMPUTE", raising=False)
     for dot in (True, False):
         monkeypatch.setattr(model_runner, "has_bf16_dot", lambda dot=dot: dot)
-        assert model_runner.compute_dtype(bf16, cpu, "none") == (bf16 if dot else torch.float32)
-        for q in ("int8", "w8a8", "awq", "gptq", "compressed-tensors"):
-            assert model_runner.compute_dtype(bf16, cpu, q) == torch.float32
-        assert model_runner.compute_dtype(torch.float32, cpu, "none") == torch.float32
-        assert model_runner.compute_dtype(bf16, torch.device("cuda"), "none") == bf16
-        assert model_runner.compute_dtype(bf16, torch.device("cuda"), "awq") == bf16
+        assert model_runner.compute_dtype(bf16, cpu) == (bf16 if dot else torch.float32)
+        assert model_runner.compute_dtype(torch.float32, cpu) == torch.float32
+        assert model_runner.compute_dtype(bf16, torch.device("cuda")) == bf16
     monkeypatch.setenv("CONSORT_BF16_COMPUTE", "1")
-    assert model_runner.compute_dtype(bf16, cpu, "int8") == bf16
+    assert model_runner.compute_dtype(bf16, cpu) == bf16
