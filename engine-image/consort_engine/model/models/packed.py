@@ -133,11 +133,11 @@ def _group_scales(scale: torch.Tensor, n: int, groups: int, columns: int, extra:
 def consort_int8(codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, group_size: int = -1,
                  order: torch.Tensor | None = None) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """int8 weights through the engine's kernel (`gemm_i8w_f32` / `_bf16`, activations rounded per row to
-    16-bit integers inside it): codes [n, k] int8; fp32 scales [n] (one per output row, `int8`) or [n, groups]
-    (one per output row and group of group_size k: a pre-quantized checkpoint's codes); bf16 activations
-    and output as they are, others through fp32. `order`: the input column each code column multiplies (the kernel reads x's columns so as it
-    rounds them; GPTQ act-order), None: in order. None where the kernel is not built or cannot take the
-    groups (an odd group size)."""
+    16-bit integers inside it): codes [n, k] int8; fp32 scales [n] (one per output row, `int8`) or [n,
+    groups] (one per output row and group of group_size k: a pre-quantized checkpoint's codes); bf16
+    activations and output as they are, others through fp32. `order`: the input column each code column
+    multiplies (the kernel reads x's columns so as it rounds them; GPTQ act-order), None: in order. None
+    where the kernel is not built or cannot take the groups (an odd group size)."""
     from consort_engine.model.cpu_kernels import cpu_kernels
 
     lib = cpu_kernels()
