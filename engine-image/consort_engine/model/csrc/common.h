@@ -82,7 +82,6 @@ static inline float bf16_to_f32(bf16_t x) {
 static inline bf16_t f32_to_bf16(float f) {
     uint32_t u;
     memcpy(&u, &f, 4);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0; /* NaN: the quiet one (rounding could carry it into inf) */
     u += 0x7FFFu + ((u >> 16) & 1u); /* round to nearest even */
     return (bf16_t)(u >> 16);
 }

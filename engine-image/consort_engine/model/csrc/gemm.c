@@ -105,7 +105,7 @@ static int64_t gemm_row_bytes_f32(int64_t K) { return K * (int64_t)sizeof(float)
 static int64_t gemm_panel_bytes_f32(int64_t K) { return K * GEMM_NR * (int64_t)sizeof(float); }
 
 static const gemm_kernel GEMM_F32 = {GEMM_TILES, GEMM_TILE_PANELS, GEMM_TILE_ROWS, gemm_pack_tile,
-                                     gemm_row_bytes_f32, gemm_panel_bytes_f32, sizeof(float), NULL};
+                                     gemm_row_bytes_f32, gemm_panel_bytes_f32, sizeof(float), 0, NULL};
 
 /* Rows [m0, m1) of x, cut into tiles as the kernel cuts them, each tile packed at its first row's
  * place in xp ((r - m0) rows of rb bytes in) with its rows' scales. Tile t is packed by thread t % nt. */
@@ -157,8 +157,8 @@ int gemm_run(const gemm_kernel *kern, const void *x, int64_t ldx, int64_t M, int
     const int nt = NT;
     char *xp = aligned_alloc(64, (size_t)((rows * rb + 63) / 64 * 64));
     float *row_scales = malloc((size_t)rows * sizeof(float));
-    float *wide = kern->x_size == 2 ? malloc((size_t)(nt * K) * sizeof(float)) : NULL;   /* a bf16 row a thread */
-    if (!xp || !row_scales || (kern->x_size == 2 && !wide)) {
+    float *wide = kern->widens ? malloc((size_t)(nt * K) * sizeof(float)) : NULL;   /* a widened row a thread */
+    if (!xp || !row_scales || (kern->widens && !wide)) {
         free(xp);
         free(row_scales);
         free(wide);

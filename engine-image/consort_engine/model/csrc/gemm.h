@@ -29,12 +29,13 @@ typedef struct {
     int (*tile_rows)(int64_t left);    /* the next tile's rows out of `left` */
     /* h rows of x (ldx elements apart), their columns read in `order` (gemm_weight), -> what that tile
      * reads, at dst, and each row's scale (kernels with none leave row_scales alone). wide: K floats of
-     * the calling thread's where x is bf16 (for kernels that round fp32 rows), else NULL. */
+     * the calling thread's where the kernel `widens`, else NULL. */
     void (*pack_tile)(const void *x, int64_t ldx, int h, int64_t K, const int32_t *order, void *dst,
                       float *row_scales, float *wide);
     int64_t (*row_bytes)(int64_t K);   /* one packed row of x */
     int64_t (*panel_bytes)(int64_t K); /* one panel of W */
     int x_size;                        /* bytes of one element of x: 4 (fp32) or 2 (bf16) */
+    int widens;                        /* bf16 rows for a kernel that rounds fp32 ones: pack_tile widens each first */
     /* NULL: y is fp32, written by the tiles (the bias added after). Else y has the kernel's own element
      * type: the tiles write h rows of fp32 sums into a stack tile (ldt floats a row), and this adds the
      * bias (the n columns' own, or NULL) and stores their n columns at row r, column col0 of y. */
@@ -143,7 +144,7 @@ static inline void gemm_widen_bf16(const bf16_t *src, int64_t K, float *dst) {
 #endif
 
 /* A gemm_kernel's store for bf16 y (gemm.c): h rows of fp32 sums + the bias, each rounded to bf16 once
- * (round to nearest even, NaN kept NaN). */
+ * (round to nearest even). */
 void gemm_store_bf16(const float *tile, int64_t ldt, int h, int64_t n, const float *bias, void *y, int64_t ldy,
                      int64_t r, int64_t col0);
 

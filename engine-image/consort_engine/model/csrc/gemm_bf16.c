@@ -93,7 +93,7 @@ static void b16_pack_tile(const void *xv, int64_t ldx, int h, int64_t K, const i
 }
 
 static const gemm_kernel GEMM_BF16 = {B16_TILES, B16_TILE_PANELS, gemm_tile_rows_12, b16_pack_tile, b16_row_bytes,
-                                      b16_panel_bytes, sizeof(bf16_t), gemm_store_bf16};
+                                      b16_panel_bytes, sizeof(bf16_t), 0, gemm_store_bf16};
 
 int gemm_bf16(const bf16_t *x, int64_t ldx, int64_t M, int64_t K, const bf16_t *packed, int64_t N, bf16_t *y,
               int64_t ldy, const float *bias) {

@@ -162,10 +162,10 @@ static void i8a8_pack_tile_bf16(const void *xv, int64_t ldx, int h, int64_t K, c
 }
 
 static const gemm_kernel GEMM_I8A8 = {I8A8_TILES, I8A8_TILE_PANELS, I8A8_TILE_ROWS, i8a8_pack_tile,
-                                      i8a8_row_bytes, i8a8_panel_bytes, sizeof(float), NULL};
+                                      i8a8_row_bytes, i8a8_panel_bytes, sizeof(float), 0, NULL};
 /* bf16 x and y: the same sums, the output (+ bias) rounded to bf16 once */
 static const gemm_kernel GEMM_I8A8_BF16 = {I8A8_TILES, I8A8_TILE_PANELS, I8A8_TILE_ROWS, i8a8_pack_tile_bf16,
-                                           i8a8_row_bytes, i8a8_panel_bytes, sizeof(bf16_t), gemm_store_bf16};
+                                           i8a8_row_bytes, i8a8_panel_bytes, sizeof(bf16_t), 1, gemm_store_bf16};
 
 static int i8a8_run(const gemm_kernel *kern, const void *x, int64_t ldx, int64_t M, int64_t K, const int8_t *codes,
                     const float *scales, int64_t group, int64_t N, void *y, int64_t ldy, const float *bias) {

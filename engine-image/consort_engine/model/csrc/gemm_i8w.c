@@ -190,10 +190,10 @@ static void i8w_pack_tile_bf16(const void *xv, int64_t ldx, int h, int64_t K, co
 }
 
 static const gemm_kernel GEMM_I8W = {I8W_TILES, I8W_TILE_PANELS, I8W_TILE_ROWS, i8w_pack_tile,
-                                     i8w_row_bytes, i8w_panel_bytes, sizeof(float), NULL};
+                                     i8w_row_bytes, i8w_panel_bytes, sizeof(float), 0, NULL};
 /* bf16 x and y: the same sums, the output (+ bias) rounded to bf16 once */
 static const gemm_kernel GEMM_I8W_BF16 = {I8W_TILES, I8W_TILE_PANELS, I8W_TILE_ROWS, i8w_pack_tile_bf16,
-                                          i8w_row_bytes, i8w_panel_bytes, sizeof(bf16_t), gemm_store_bf16};
+                                          i8w_row_bytes, i8w_panel_bytes, sizeof(bf16_t), 1, gemm_store_bf16};
 
 static int i8w_run(const gemm_kernel *kern, const void *x, int64_t ldx, int64_t M, int64_t K, const int8_t *codes,
                    const float *scales, int64_t group, const int32_t *order, int64_t N, void *y, int64_t ldy,
