@@ -4,11 +4,11 @@ fp32 weight; every scale is per output channel (one per row of W), symmetric, no
 - int8 (CPU): int8 weights; activations in floating point between layers (the model's compute dtype:
   model_runner.compute_dtype). The engine's own kernel (csrc/gemm_i8w.c `gemm_i8w_f32`, and
   `gemm_i8w_bf16` for bf16 rows and output; AVX2 + FMA builds) rounds each row of a GEMM's input to
-  16-bit integers (one scale per row: 15 bits, finer than bf16's 8) and multiplies in integers (`vpmaddwd`, or VNNI's `vpdpwssd`; int32 sums), from a quarter
-  of fp32's weight bytes: from 32 rows on 1.35-1.8x the fp32 GEMM with AVX2 (Zen 3), ~2x with
-  AVX-512 VNNI (Zen 5). It covers the LM head too (llama.QUANTIZE_LM_HEAD). Elsewhere torch's CPU
-  weight-only kernel `aten._weight_int8pack_mm` (gpt-fast's) on bf16 activations, which ran the
-  AVX2 machine's anchor workload at 0.58x fp32.
+  16-bit integers (one scale per row: 15 bits, finer than bf16's 8) and multiplies in integers
+  (`vpmaddwd`, or VNNI's `vpdpwssd`; int32 sums), from a quarter of fp32's weight bytes: from 32 rows
+  on 1.35-1.8x the fp32 GEMM with AVX2 (Zen 3), ~2x with AVX-512 VNNI (Zen 5). It covers the LM head
+  too (llama.QUANTIZE_LM_HEAD). Elsewhere torch's CPU weight-only kernel `aten._weight_int8pack_mm`
+  (gpt-fast's) on bf16 activations, which ran the AVX2 machine's anchor workload at 0.58x fp32.
 - w8a8 (CPU): int8 weights and dynamically quantized int8 activations, multiplied in int8 with int32
   accumulation. With VNNI (AVX-512 VNNI, AVX-VNNI) the engine's own kernel (csrc/gemm_i8a8.c
   `gemm_i8a8_f32`: one scale per row, `vpdpbusd`); without, FBGEMM's dynamic quantized linear
