@@ -232,8 +232,8 @@ def _onednn(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.
 
 
 # bf16 GEMMs of up to this many rows run on the engine's kernel, more on oneDNN's. hack/gemm_backends.py
-# --bf16 on the 2-core AMD EPYC Zen 5: the engine's 1.3-1.8x oneDNN's at 1-32 rows, 1.0-1.1x at 64-256,
-# 0.9-1.0x from 512.
+# --bf16 on the 2-core AMD EPYC Zen 5: the engine's 1.3-1.8x oneDNN's at 1-8 rows (the LM head level at
+# 1), 1.1-1.3x at 32, 1.0-1.1x at 64, level at 128-256, 0.9-1.0x from 512.
 BF16_KERNEL_ROWS = 256
 
 
