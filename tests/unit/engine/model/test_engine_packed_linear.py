@@ -121,6 +121,18 @@ def test_bf16_kernel_rounds_the_fp32_product_once_at_every_row_shape(n, k):
         assert got[[0, 2, 4]].isfinite().all()
 
 
+@pytest.mark.skipif(not HAS_BF16_GEMM, reason="the bf16 kernel needs AVX-512 BF16")
+def test_bf16_kernel_takes_strided_and_batched_inputs():
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(50, 40, generator=g).bfloat16()
+    fn = packed.consort_bf16(w, None)
+    rows = torch.randn(9, 80, generator=g).bfloat16()[:, ::2]      # a column stride: copied to contiguous rows
+    sliced = torch.randn(9, 60, generator=g).bfloat16()[:, 10:50]  # a row stride of 60: read in place
+    batched = torch.randn(2, 3, 40, generator=g).bfloat16()
+    for x in (rows, sliced, batched):
+        assert torch.equal(fn(x), fn(x.contiguous().reshape(-1, 40)).view(*x.shape[:-1], 50))
+
+
 @pytest.mark.skipif(not HAS_BF16_GEMM or "amx_bf16" in cpu_model_and_flags()[1],
                     reason="the engine's bf16 kernel runs where AVX-512 BF16 is built and there is no AMX")
 def test_bf16_weights_run_the_engine_kernel_up_to_its_rows_then_onednn(monkeypatch):
