@@ -1,10 +1,10 @@
 /* bf16 GEMM over a pre-packed weight: y[M, N] = x[M, K] @ W^T (+ bias), x, W and y bf16, the bias fp32.
  *
  * Why our own: oneDNN's packed bf16 GEMM, what a bf16 model runs on elsewhere, reaches the bf16 dot
- * product's peak only from a few hundred rows; at a decode step's 1-32 rows it runs at 15-80% of it
- * (hack/gemm_backends.py --bf16), and it builds (JIT-compiles) a new kernel the first time it sees a
- * row count. This is the int8 kernels' register tiles (gemm_i8w.c) on AVX-512 BF16's `vdpbf16ps`:
- * each fp32 lane adds two bf16 products, a panel's 16 columns in one zmm.
+ * product's peak only from a few hundred rows; at a decode step's 1-32 rows it runs at 6-76% of its
+ * 2,048-row rate (hack/gemm_backends.py --bf16), and it builds (JIT-compiles) a new kernel the first
+ * time it sees a row count. This is the int8 kernels' register tiles (gemm_i8w.c) on AVX-512 BF16's
+ * `vdpbf16ps`: each fp32 lane adds two bf16 products, a panel's 16 columns in one zmm.
  *
  * Packed layout: panels of GEMM_NR = 16 columns grouped as gemm.h says, K taken in pairs (an odd K ends
  * with a zero); for k pair q a panel holds 64 bytes, column j's two bf16 side by side at 4j, so one zmm
