@@ -9,24 +9,38 @@
  * guess the jumps: the kernel prefetches into L2 (not L1, which the 16 KiB runs in flight would
  * thrash: prefetcht0 measured 19 GB/s, prefetcht1 29 GB/s over the bench model's 8 layers), one
  * row per row computed, so DRAM stays busy in both passes: the K pass fetches the next K block and
- * this block's V, the V pass the next item's K blocks.
+ * this block's V, the V pass the next item's K blocks and this item's V two blocks on once more (the
+ * K pass's V prefetches come faster than DRAM serves them, and a V pass without the second ones waited
+ * on V loads a third of its time).
  * Sequence b owns query rows cu_q[b] .. cu_q[b+1]-1 (the last qlen tokens of its context of
  * ctx_lens[b] tokens, causal): query i sits at position ctx - qlen + i and sees keys 0..pos.
  * Work item = (sequence, its kv heads, or a group of them where the rows would not fit): each K/V row
  * is read once and shared by the G = H / KVH query heads of its group and by all query tokens of the
  * sequence. Each thread takes a contiguous, cost-balanced range of items. Scores are fp32, the softmax is
  * exact (scores of one item fit a scratch row), the output is written in the cache dtype.
+ *
+ * Head sizes 64 and 128 run on SIMD vectors (AVX-512 or AVX2 + FMA builds): a query row against VLEN
+ * keys at a time, each key's products summed across the lanes of its vector and the VLEN sums gathered
+ * into one vector by a transpose-add (sum_lanes), so no key pays a horizontal sum of its own; bf16
+ * queries over a bf16 pool multiply pairs of elements in place where AVX-512 BF16 is built (vdpbf16ps:
+ * bf16 products are exact in fp32), else both are widened. The V pass keeps tiles of output rows in
+ * registers across a block's keys. Other head sizes (and builds without those vectors) run plain loops.
  */
 #include "common.h"
 
 #define MAX_ROWS 256 /* G * qlen per work item */
+#define AI inline __attribute__((always_inline))
 
-/* Row of D elements of the pool -> fp32 (bf16: widen; fp32: copy). */
+/* Row of D elements -> fp32 scratch (bf16: widen; fp32: copy); copy_row_bf16 keeps a bf16 row as it is
+ * (the pair dot product's queries; the scratch row is D floats, of which it uses half). */
 static inline void load_row_f32(float *restrict dst, const float *restrict src, int D) {
     memcpy(dst, src, sizeof(float) * (size_t)D);
 }
 static inline void load_row_bf16(float *restrict dst, const bf16_t *restrict src, int D) {
     for (int d = 0; d < D; d++) dst[d] = bf16_to_f32(src[d]);
+}
+static inline void copy_row_bf16(float *restrict dst, const bf16_t *restrict src, int D) {
+    memcpy(dst, src, sizeof(bf16_t) * (size_t)D);
 }
 /* K/V row as fp32: the pool row itself for fp32, widened into `dst` for bf16. */
 static inline const float *kv_row_f32(float *restrict dst, const float *restrict src, int D) {
@@ -53,96 +67,280 @@ static inline void axpy(float *restrict y, float a, const float *restrict x, int
     for (int d = 0; d < D; d++) y[d] += a * x[d];
 }
 
-/* One work item: sequence b's query rows against kv heads kh0 .. kh0 + hg - 1. T is the element type,
+/* Prefetch into L2 the `bytes` at offset `at` of runs a and b (either may be null): the runs compute one
+ * key's row and prefetch the rows at its offset, so the misses in flight follow the arithmetic instead
+ * of arriving as one burst per run. */
+typedef struct { const char *a, *b; int64_t tokb; int bytes; } prefetch_t;
+static AI void prefetch_key(prefetch_t pf, int o) {
+    for (int off = 0; off < pf.bytes; off += 64) {
+        if (pf.a) __builtin_prefetch(pf.a + o * pf.tokb + off, 0, 2);
+        if (pf.b) __builtin_prefetch(pf.b + o * pf.tokb + off, 0, 2);
+    }
+}
+
+/* One run of a block: the n keys (or values) of one kv head at k + o * tok, o < n, against that head's
+ * rq query rows (q: rq rows of D, as the item prepared them; s: rq rows of ctx scores, at the run's
+ * first key). scores_*: s[r][o] = scale x q_r . k_o. pv_*: acc[r] += s[r][o] x v_o over the run.
+ * `row` is a scratch row of D floats; pf the rows each key prefetches (prefetch_key). */
+#define DEFINE_PLAIN_RUNS(KS, TKV)                                                                             \
+    static AI void scores_plain_##KS(const float *q, int rq, const TKV *k, int64_t tok, int n, const int D,    \
+                                     float scale, float *s, int ctx, float *row, prefetch_t pf) {              \
+        for (int o = 0; o < n; o++) {                                                                          \
+            prefetch_key(pf, o);                                                                               \
+            const float *kr = kv_row_##KS(row, k + o * tok, D);                                                \
+            for (int r = 0; r < rq; r++) s[(int64_t)r * ctx + o] = scale * dot(q + (int64_t)r * D, kr, D);     \
+        }                                                                                                      \
+    }                                                                                                          \
+    static AI void pv_plain_##KS(float *acc, int rq, const TKV *v, int64_t tok, int n, const int D,            \
+                                 const float *s, int ctx, float *row, prefetch_t pf) {                         \
+        for (int o = 0; o < n; o++) {                                                                          \
+            prefetch_key(pf, o);                                                                               \
+            const float *vr = kv_row_##KS(row, v + o * tok, D);                                                \
+            for (int r = 0; r < rq; r++) axpy(acc + (int64_t)r * D, s[(int64_t)r * ctx + o], vr, D);           \
+        }                                                                                                      \
+    }
+DEFINE_PLAIN_RUNS(f32, float)
+DEFINE_PLAIN_RUNS(bf16, bf16_t)
+
+#if defined(VEC)
+#if defined(__AVX512F__)
+#define ACC_VECS 16         /* accumulator vectors a V tile holds in registers (of 32) */
+/* Lane i of the result = the sum of v[i]'s lanes: adds of interleaved pairs, then of 64-bit pairs, then
+ * of 128-bit blocks (15 adds and 30 shuffles for 16 sums). */
+static AI __m512 sum_lanes(const __m512 *v) {
+    __m512 t[8], u[4];
+    for (int i = 0; i < 8; i++)        /* per 128 bits: a0+a2, b0+b2, a1+a3, b1+b3 (a, b = v[2i], v[2i+1]) */
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {      /* per 128 bits: the block's sums of v[4i .. 4i+3] */
+        const __m512d x = _mm512_castps_pd(t[2 * i]), y = _mm512_castps_pd(t[2 * i + 1]);
+        u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(w0, w1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+#else
+#define ACC_VECS 8          /* of 16 ymm */
+static AI __m256 sum_lanes(const __m256 *v) {
+    __m256 t[4], u[2];
+    for (int i = 0; i < 4; i++)
+        t[i] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 2; i++) {
+        const __m256d x = _mm256_castps_pd(t[2 * i]), y = _mm256_castps_pd(t[2 * i + 1]);
+        u[i] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(x, y)), _mm256_castpd_ps(_mm256_unpackhi_pd(x, y)));
+    }
+    return _mm256_add_ps(_mm256_permute2f128_ps(u[0], u[1], 0x20), _mm256_permute2f128_ps(u[0], u[1], 0x31));
+}
+#endif
+#define PV_ROWS 4           /* a V tile's most rows */
+
+/* The first m (<= VLEN) lanes of x to s. */
+static AI void store_scores(float *s, VEC x, int m) {
+    if (m == VLEN) {
+        VEC_STOREU(s, x);
+        return;
+    }
+    float t[VLEN] __attribute__((aligned(64)));
+    VEC_STORE(t, x);
+    memcpy(s, t, sizeof(float) * (size_t)m);
+}
+
+#define LOAD_f32(p) VEC_LOADU(p)
+#define LOAD_bf16(p) VEC_LOAD_BF16(p)
+
+/* The runs on vectors (D a multiple of VLEN, a constant where the item is specialised). Scores take
+ * VLEN keys at a time (past the run's end the last key repeats, its lanes not stored); the V pass
+ * takes slices of SV vectors of D and tiles of up to RB rows, their accumulators in registers while the
+ * run's values stream past, each value vector loaded (widened) once per tile. */
+#define DEFINE_VEC_RUNS(KS, TKV)                                                                               \
+    static AI void scores_vec_##KS(const float *q, int rq, const TKV *k, int64_t tok, int n, const int D,      \
+                                   float scale, float *s, int ctx, float *row, prefetch_t pf) {                \
+        (void)row;                                                                                             \
+        for (int o0 = 0; o0 < n; o0 += VLEN) {                                                                 \
+            const int m = n - o0 < VLEN ? n - o0 : VLEN;                                                       \
+            const TKV *kr[VLEN];                                                                               \
+            for (int o = 0; o < VLEN; o++) kr[o] = k + (int64_t)(o0 + (o < m ? o : m - 1)) * tok;              \
+            for (int r = 0; r < rq; r++) {                                                                     \
+                const float *qr = q + (int64_t)r * D;                                                          \
+                VEC p[VLEN];                                                                                   \
+                _Pragma("GCC unroll 16") for (int o = 0; o < VLEN; o++) {                                      \
+                    if (r == 0 && o < m) prefetch_key(pf, o0 + o);                                             \
+                    VEC a = VEC_MUL(VEC_LOADU(qr), LOAD_##KS(kr[o]));                                          \
+                    for (int d = VLEN; d < D; d += VLEN) a = VEC_FMA(VEC_LOADU(qr + d), LOAD_##KS(kr[o] + d), a); \
+                    p[o] = a;                                                                                  \
+                }                                                                                              \
+                store_scores(s + (int64_t)r * ctx + o0, VEC_MUL(sum_lanes(p), VEC_SET1(scale)), m);            \
+            }                                                                                                  \
+        }                                                                                                      \
+    }                                                                                                          \
+    static AI void pv_tile_##KS(float *acc, const TKV *v, int64_t tok, int n, const int D, int d0,             \
+                                const int SV, const int R, const float *s, int ctx, prefetch_t pf) {           \
+        VEC a[ACC_VECS];                                                                                       \
+        _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)                                                   \
+            _Pragma("GCC unroll 16") for (int x = 0; x < SV; x++)                                              \
+                a[r * SV + x] = VEC_LOADU(acc + (int64_t)r * D + d0 + x * VLEN);                               \
+        for (int o = 0; o < n; o++) {                                                                          \
+            prefetch_key(pf, o);                                                                               \
+            VEC p[PV_ROWS];                                                                                    \
+            _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) p[r] = VEC_SET1(s[(int64_t)r * ctx + o]);     \
+            const TKV *vr = v + o * tok + d0;                                                                  \
+            _Pragma("GCC unroll 16") for (int x = 0; x < SV; x++) {                                            \
+                const VEC y = LOAD_##KS(vr + x * VLEN);                                                        \
+                _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)                                           \
+                    a[r * SV + x] = VEC_FMA(p[r], y, a[r * SV + x]);                                           \
+            }                                                                                                  \
+        }                                                                                                      \
+        _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)                                                   \
+            _Pragma("GCC unroll 16") for (int x = 0; x < SV; x++)                                              \
+                VEC_STOREU(acc + (int64_t)r * D + d0 + x * VLEN, a[r * SV + x]);                               \
+    }                                                                                                          \
+    static AI void pv_vec_##KS(float *acc, int rq, const TKV *v, int64_t tok, int n, const int D,              \
+                               const float *s, int ctx, float *row, prefetch_t pf) {                           \
+        (void)row;                                                                                             \
+        const int SV = D / VLEN < ACC_VECS ? D / VLEN : ACC_VECS;                                              \
+        const int RB = ACC_VECS / SV < PV_ROWS ? ACC_VECS / SV : PV_ROWS;                                      \
+        for (int d0 = 0; d0 < D; d0 += SV * VLEN)                                                              \
+            for (int r0 = 0; r0 < rq; r0 += RB) {                                                              \
+                float *ar = acc + (int64_t)r0 * D;                                                             \
+                const float *sr = s + (int64_t)r0 * ctx;                                                       \
+                const prefetch_t p = d0 || r0 ? (prefetch_t){0, 0, 0, 0} : pf;   /* the first tile's */        \
+                switch (rq - r0 < RB ? rq - r0 : RB) {   /* R a constant in each tile, <= RB */                \
+                case 1: pv_tile_##KS(ar, v, tok, n, D, d0, SV, 1, sr, ctx, p); break;                        \
+                case 2: pv_tile_##KS(ar, v, tok, n, D, d0, SV, 2 < RB ? 2 : RB, sr, ctx, p); break;            \
+                case 3: pv_tile_##KS(ar, v, tok, n, D, d0, SV, 3 < RB ? 3 : RB, sr, ctx, p); break;            \
+                default: pv_tile_##KS(ar, v, tok, n, D, d0, SV, RB, sr, ctx, p); break;                        \
+                }                                                                                              \
+            }                                                                                                  \
+    }
+DEFINE_VEC_RUNS(f32, float)
+DEFINE_VEC_RUNS(bf16, bf16_t)
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+/* Scores of bf16 query rows (kept as bf16 by copy_row_bf16) against bf16 keys, pairs of elements per
+ * lane (vdpbf16ps); D a multiple of 32. */
+static AI void scores_dot_bf16(const float *q, int rq, const bf16_t *k, int64_t tok, int n, const int D,
+                               float scale, float *s, int ctx, float *row, prefetch_t pf) {
+    (void)row;
+    for (int o0 = 0; o0 < n; o0 += 16) {
+        const int m = n - o0 < 16 ? n - o0 : 16;
+        const bf16_t *kr[16];
+        for (int o = 0; o < 16; o++) kr[o] = k + (int64_t)(o0 + (o < m ? o : m - 1)) * tok;
+        for (int r = 0; r < rq; r++) {
+            const bf16_t *qr = (const bf16_t *)(q + (int64_t)r * D);
+            __m512 p[16];
+            _Pragma("GCC unroll 16") for (int o = 0; o < 16; o++) {
+                if (r == 0 && o < m) prefetch_key(pf, o0 + o);
+                __m512 a = _mm512_setzero_ps();
+                for (int d = 0; d < D; d += 32)
+                    a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(qr + d),
+                                         (__m512bh)_mm512_loadu_si512(kr[o] + d));
+                p[o] = a;
+            }
+            store_scores(s + (int64_t)r * ctx + o0, _mm512_mul_ps(sum_lanes(p), _mm512_set1_ps(scale)), m);
+        }
+    }
+}
+#endif
+
+/* One work item: sequence b's query rows against kv heads kh0 .. kh0 + hg - 1. TQ / TKV are the element
+ * types, QLOAD prepares a query row in scratch, SCORES / PV are the runs, QSTORE writes an output row;
  * D is a compile-time constant when the caller passes a literal (always_inline specialises the loops).
  * Rows r = c * G * qlen + i * G + g: query token i, head (kh0 + c) * G + g. Within a block the heads
  * are read in order, so with the heads-first pool one block of the item is one contiguous run of
  * hg * BS * D elements (random 4 KiB runs read at ~22 GB/s here, 16 KiB runs at ~30). */
-#define DEFINE_ITEM(NAME, QS, TQ, KS, TKV)                                                                    \
-    static inline __attribute__((always_inline)) void item_##NAME(                              \
-        const TQ *q, int64_t q_stride, const TKV *kc, const TKV *vc, TQ *out, int64_t out_stride,  \
-        const int32_t *bt, int ctx, int q0, int qlen, int kh0, int hg, int H, int KVH, const int D, \
-        int BS, int64_t blk_stride, int64_t tok, int64_t head_stride, float scale, float *scratch, \
-        const int32_t *next_bt, int next_nb, int64_t next_head) {                                 \
-        const int G = H / KVH, rq = G * qlen, rows = hg * rq;                                     \
-        const int64_t tokb = tok * (int64_t)sizeof(TKV), headb = head_stride * (int64_t)sizeof(TKV); \
-        float *qf = scratch;                          /* [rows, D] */                             \
-        float *acc = qf + (int64_t)rows * D;          /* [rows, D] */                             \
-        float *row = acc + (int64_t)rows * D;         /* [D] */                                   \
-        float *s = row + D;                           /* [rows, ctx] */                           \
-        int lim[MAX_ROWS];                                                                        \
-        for (int c = 0; c < hg; c++)                                                              \
-            for (int i = 0; i < qlen; i++)                                                        \
-                for (int g = 0; g < G; g++) {                                                     \
-                    const int r = c * rq + i * G + g;                                             \
-                    load_row_##QS(qf + (int64_t)r * D,                                            \
-                                  q + (int64_t)(q0 + i) * q_stride + (int64_t)((kh0 + c) * G + g) * D, D); \
-                    for (int d = 0; d < D; d++) qf[(int64_t)r * D + d] *= scale;                  \
-                    lim[r] = ctx - qlen + i + 1; /* keys [0, lim) are visible */                  \
-                }                                                                                 \
-        const int64_t head = (int64_t)kh0 * head_stride;                                          \
-        const int nblocks = (ctx + BS - 1) / BS;                                                  \
-        /* K pass: scores; prefetches the next block's K and this block's V. */                   \
-        for (int b = 0, j = 0; b < nblocks; b++) {                                                \
-            const TKV *kb = kc + (int64_t)bt[b] * blk_stride + head;                              \
+#define DEFINE_ITEM(NAME, TQ, TKV, QLOAD, SCORES, PV, QSTORE)                                                  \
+    static inline __attribute__((always_inline)) void item_##NAME(                                             \
+        const TQ *q, int64_t q_stride, const TKV *kc, const TKV *vc, TQ *out, int64_t out_stride,              \
+        const int32_t *bt, int ctx, int q0, int qlen, int kh0, int hg, int H, int KVH, const int D,            \
+        int BS, int64_t blk_stride, int64_t tok, int64_t head_stride, float scale, float *scratch,             \
+        const int32_t *next_bt, int next_nb, int64_t next_head) {                                              \
+        const int G = H / KVH, rq = G * qlen, rows = hg * rq;                                                  \
+        const int64_t tokb = tok * (int64_t)sizeof(TKV), headb = head_stride * (int64_t)sizeof(TKV);           \
+        float *qf = scratch;                          /* [rows, D] */                                          \
+        float *acc = qf + (int64_t)rows * D;          /* [rows, D] */                                          \
+        float *row = acc + (int64_t)rows * D;         /* [D] */                                                \
+        float *s = row + D;                           /* [rows, ctx] */                                        \
+        int lim[MAX_ROWS];                                                                                     \
+        for (int c = 0; c < hg; c++)                                                                           \
+            for (int i = 0; i < qlen; i++)                                                                     \
+                for (int g = 0; g < G; g++) {                                                                  \
+                    const int r = c * rq + i * G + g;                                                          \
+                    QLOAD(qf + (int64_t)r * D,                                                                 \
+                          q + (int64_t)(q0 + i) * q_stride + (int64_t)((kh0 + c) * G + g) * D, D);             \
+                    lim[r] = ctx - qlen + i + 1; /* keys [0, lim) are visible */                               \
+                }                                                                                              \
+        const int64_t head = (int64_t)kh0 * head_stride;                                                       \
+        const int nblocks = (ctx + BS - 1) / BS;                                                               \
+        /* K pass: scores; prefetches the next block's K and this block's V. */                                \
+        for (int b = 0, j = 0; b < nblocks; b++) {                                                             \
+            const TKV *kb = kc + (int64_t)bt[b] * blk_stride + head;                                           \
             const char *nx = b + 1 < nblocks ? (const char *)(kc + (int64_t)bt[b + 1] * blk_stride + head) : 0; \
-            const char *vx = (const char *)(vc + (int64_t)bt[b] * blk_stride + head);              \
-            const int n = ctx - j < BS ? ctx - j : BS;                                            \
-            for (int c = 0; c < hg; c++)                                                          \
-                for (int o = 0; o < n; o++) {                                                     \
-                    for (int off = 0; off < D * (int)sizeof(TKV); off += 64) {                    \
-                        if (nx) __builtin_prefetch(nx + c * headb + o * tokb + off, 0, 2);        \
-                        __builtin_prefetch(vx + c * headb + o * tokb + off, 0, 2);                \
-                    }                                                                             \
-                    const float *kr = kv_row_##KS(row, kb + c * head_stride + o * tok, D);        \
-                    float *sc = s + (int64_t)c * rq * ctx + j + o;                                \
-                    const float *qc = qf + (int64_t)c * rq * D;                                   \
-                    for (int r = 0; r < rq; r++) sc[(int64_t)r * ctx] = dot(qc + (int64_t)r * D, kr, D); \
-                }                                                                                 \
-            j += n;                                                                               \
-        }                                                                                         \
-        for (int r = 0; r < rows; r++) {                                                          \
-            float *sr = s + (int64_t)r * ctx;                                                     \
-            const int L = lim[r];                                                                 \
-            float m = -INFINITY, sum = 0.f;                                                       \
-            for (int j = 0; j < L; j++) m = sr[j] > m ? sr[j] : m;                                \
-            for (int j = 0; j < L; j++) {                                                         \
-                sr[j] = exp_nonpos(sr[j] - m);                                                    \
-                sum += sr[j];                                                                     \
-            }                                                                                     \
-            const float inv = 1.f / sum;                                                          \
-            for (int j = 0; j < L; j++) sr[j] *= inv;                                             \
-            for (int j = L; j < ctx; j++) sr[j] = 0.f;                                            \
-            memset(acc + (int64_t)r * D, 0, sizeof(float) * (size_t)D);                           \
-        }                                                                                         \
-        /* V pass (in L2 from the K pass's prefetches); prefetches the next item's K blocks. */     \
-        for (int b = 0, j = 0; b < nblocks; b++) {                                                \
-            const TKV *vb = vc + (int64_t)bt[b] * blk_stride + head;                              \
-            const int n = ctx - j < BS ? ctx - j : BS;                                            \
-            for (int c = 0; c < hg; c++)                                                          \
-                for (int o = 0; o < n; o++) {                                                     \
-                    if (b < next_nb) for (int off = 0; off < D * (int)sizeof(TKV); off += 64)     \
-                        __builtin_prefetch((const char *)(kc + (int64_t)next_bt[b] * blk_stride + next_head) \
-                                           + c * headb + o * tokb + off, 0, 2);                   \
-                    const float *vr = kv_row_##KS(row, vb + c * head_stride + o * tok, D);        \
-                    const float *sc = s + (int64_t)c * rq * ctx + j + o;                          \
-                    float *ac = acc + (int64_t)c * rq * D;                                        \
-                    for (int r = 0; r < rq; r++) axpy(ac + (int64_t)r * D, sc[(int64_t)r * ctx], vr, D); \
-                }                                                                                 \
-            j += n;                                                                               \
-        }                                                                                         \
-        for (int c = 0; c < hg; c++)                                                              \
-            for (int i = 0; i < qlen; i++)                                                        \
-                for (int g = 0; g < G; g++) {                                                     \
-                    const int r = c * rq + i * G + g;                                             \
-                    store_row_##QS(out + (int64_t)(q0 + i) * out_stride + (int64_t)((kh0 + c) * G + g) * D, \
-                                   acc + (int64_t)r * D, D);                                      \
-                }                                                                                 \
+            const char *vx = (const char *)(vc + (int64_t)bt[b] * blk_stride + head);                          \
+            const int n = ctx - j < BS ? ctx - j : BS;                                                         \
+            for (int c = 0; c < hg; c++) {                                                                     \
+                const prefetch_t pf = {nx ? nx + c * headb : 0, vx + c * headb, tokb, D * (int)sizeof(TKV)};   \
+                SCORES(qf + (int64_t)c * rq * D, rq, kb + c * head_stride, tok, n, D, scale,                   \
+                       s + (int64_t)c * rq * ctx + j, ctx, row, pf);                                           \
+            }                                                                                                  \
+            j += n;                                                                                            \
+        }                                                                                                      \
+        for (int r = 0; r < rows; r++) {                                                                       \
+            float *sr = s + (int64_t)r * ctx;                                                                  \
+            const int L = lim[r];                                                                              \
+            float m = -INFINITY, sum = 0.f;                                                                    \
+            for (int j = 0; j < L; j++) m = sr[j] > m ? sr[j] : m;                                             \
+            for (int j = 0; j < L; j++) {                                                                      \
+                sr[j] = exp_nonpos(sr[j] - m);                                                                 \
+                sum += sr[j];                                                                                  \
+            }                                                                                                  \
+            const float inv = 1.f / sum;                                                                       \
+            for (int j = 0; j < L; j++) sr[j] *= inv;                                                          \
+            for (int j = L; j < ctx; j++) sr[j] = 0.f;                                                         \
+            memset(acc + (int64_t)r * D, 0, sizeof(float) * (size_t)D);                                        \
+        }                                                                                                      \
+        /* V pass (in L2 from the K pass's prefetches); prefetches the next item's K blocks and V two on. */   \
+        for (int b = 0, j = 0; b < nblocks; b++) {                                                             \
+            const TKV *vb = vc + (int64_t)bt[b] * blk_stride + head;                                           \
+            const int n = ctx - j < BS ? ctx - j : BS;                                                         \
+            const char *nk = b < next_nb ? (const char *)(kc + (int64_t)next_bt[b] * blk_stride + next_head) : 0; \
+            const char *v2 = b + 2 < nblocks ? (const char *)(vc + (int64_t)bt[b + 2] * blk_stride + head) : 0; \
+            for (int c = 0; c < hg; c++) {                                                                     \
+                const prefetch_t pf = {nk ? nk + c * headb : 0, v2 ? v2 + c * headb : 0, tokb, D * (int)sizeof(TKV)}; \
+                PV(acc + (int64_t)c * rq * D, rq, vb + c * head_stride, tok, n, D,                             \
+                   s + (int64_t)c * rq * ctx + j, ctx, row, pf);                                               \
+            }                                                                                                  \
+            j += n;                                                                                            \
+        }                                                                                                      \
+        for (int c = 0; c < hg; c++)                                                                           \
+            for (int i = 0; i < qlen; i++)                                                                     \
+                for (int g = 0; g < G; g++) {                                                                  \
+                    const int r = c * rq + i * G + g;                                                          \
+                    QSTORE(out + (int64_t)(q0 + i) * out_stride + (int64_t)((kh0 + c) * G + g) * D,            \
+                           acc + (int64_t)r * D, D);                                                           \
+                }                                                                                              \
     }
 
-DEFINE_ITEM(f32, f32, float, f32, float)
-DEFINE_ITEM(bf16, bf16, bf16_t, bf16, bf16_t)
-DEFINE_ITEM(f32_bf16kv, f32, float, bf16, bf16_t)
+/* Every head size on plain loops; 64 and 128 on vectors where the build has them (item_fast_*). */
+DEFINE_ITEM(plain_f32, float, float, load_row_f32, scores_plain_f32, pv_plain_f32, store_row_f32)
+DEFINE_ITEM(plain_bf16, bf16_t, bf16_t, load_row_bf16, scores_plain_bf16, pv_plain_bf16, store_row_bf16)
+DEFINE_ITEM(plain_f32_bf16kv, float, bf16_t, load_row_f32, scores_plain_bf16, pv_plain_bf16, store_row_f32)
+#if defined(VEC)
+DEFINE_ITEM(fast_f32, float, float, load_row_f32, scores_vec_f32, pv_vec_f32, store_row_f32)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+DEFINE_ITEM(fast_bf16, bf16_t, bf16_t, copy_row_bf16, scores_dot_bf16, pv_vec_bf16, store_row_bf16)
+#else
+DEFINE_ITEM(fast_bf16, bf16_t, bf16_t, load_row_bf16, scores_vec_bf16, pv_vec_bf16, store_row_bf16)
+#endif
+DEFINE_ITEM(fast_f32_bf16kv, float, bf16_t, load_row_f32, scores_vec_bf16, pv_vec_bf16, store_row_f32)
+#else
+#define item_fast_f32 item_plain_f32
+#define item_fast_bf16 item_plain_bf16
+#define item_fast_f32_bf16kv item_plain_f32_bf16kv
+#endif
 
 /* KV heads per work item: all of them where the item's query rows fit MAX_ROWS (the longest runs of
  * the pool per block), else the largest divisor of KVH that fits. */
@@ -205,14 +403,17 @@ static void attention_share(const int32_t *ctx_lens, const int32_t *cu_q, int B,
                 const int next_nb = nxt < 0 ? 0 : (ctx_lens[nxt / groups] + BS - 1) / BS;        \
                 const int64_t next_head = nxt < 0 ? 0 : (int64_t)(nxt % groups * hg) * head_stride; \
                 if (D == 64)                                                                      \
-                    item_##SUFFIX(q, q_stride, kc, vc, out, out_stride, bt, ctx_lens[b], cu_q[b], \
-                                  qlen, kh0, hg, H, KVH, 64, BS, blk_stride, tok_stride, head_stride, scale, scratch, next_bt, next_nb, next_head); \
+                    item_fast_##SUFFIX(q, q_stride, kc, vc, out, out_stride, bt, ctx_lens[b], cu_q[b], qlen, kh0, hg, \
+                                       H, KVH, 64, BS, blk_stride, tok_stride, head_stride, scale, scratch, \
+                                       next_bt, next_nb, next_head);                              \
                 else if (D == 128)                                                                \
-                    item_##SUFFIX(q, q_stride, kc, vc, out, out_stride, bt, ctx_lens[b], cu_q[b], \
-                                  qlen, kh0, hg, H, KVH, 128, BS, blk_stride, tok_stride, head_stride, scale, scratch, next_bt, next_nb, next_head); \
+                    item_fast_##SUFFIX(q, q_stride, kc, vc, out, out_stride, bt, ctx_lens[b], cu_q[b], qlen, kh0, hg, \
+                                       H, KVH, 128, BS, blk_stride, tok_stride, head_stride, scale, scratch, \
+                                       next_bt, next_nb, next_head);                              \
                 else                                                                              \
-                    item_##SUFFIX(q, q_stride, kc, vc, out, out_stride, bt, ctx_lens[b], cu_q[b], \
-                                  qlen, kh0, hg, H, KVH, D, BS, blk_stride, tok_stride, head_stride, scale, scratch, next_bt, next_nb, next_head); \
+                    item_plain_##SUFFIX(q, q_stride, kc, vc, out, out_stride, bt, ctx_lens[b], cu_q[b], qlen, kh0, hg, \
+                                        H, KVH, D, BS, blk_stride, tok_stride, head_stride, scale, scratch, \
+                                        next_bt, next_nb, next_head);                             \
             }                                                                                     \
             free(scratch);                                                                        \
         }                                                                                         \

@@ -1,7 +1,8 @@
 """The CPU paged-attention kernel (csrc/paged_attention.c) reads K/V in place through block tables and equals
 softmax(q K^T) V over each sequence's visible context: decode rows and verify windows of several query
 rows in one call, grouped-query heads, items split across kv heads where a sequence's rows do not fit
-one item, head sizes with and without a specialised loop, and a bfloat16 pool under float32 queries."""
+one item, head sizes with and without a specialised loop, any block size, a bfloat16 pool under float32 or
+bfloat16 queries, and every build of the kernel this CPU runs."""
 from __future__ import annotations
 
 import pytest
@@ -31,7 +32,7 @@ def reference(q, kc, vc, block_tables, ctx_lens, qlens, h, kvh, d):
     return torch.cat(out)
 
 
-@pytest.mark.parametrize("h,kvh,d,qlens", [
+DECODE_CASES = [
     (8, 4, 64, [1] * 32),                  # the bench model's decode step
     (8, 4, 64, [1, 3, 1, 5, 2]),           # decode rows and verify windows together
     (4, 4, 64, [1, 2, 1]),                 # MHA (G = 1)
@@ -39,11 +40,16 @@ def reference(q, kc, vc, block_tables, ctx_lens, qlens, h, kvh, d):
     (6, 3, 40, [2, 1, 1]),                 # a head size without a specialised loop
     (64, 8, 64, [5, 1, 5]),                # 64 heads x 5 rows: items of 4 of the 8 kv heads
     (32, 32, 64, [9, 1]),                  # MHA x 9 rows: items of 16 kv heads
-])
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
-def test_kernel_equals_sdpa_over_the_gathered_context(h, kvh, d, qlens, kv_dtype):
-    g = torch.Generator().manual_seed(h * 100 + kvh + d + len(qlens))
-    bs = 16
+]
+DTYPES = [(torch.float32, torch.float32),
+          (torch.bfloat16, torch.float32),      # a bf16 model computing in fp32 (no bf16 dot product on the CPU)
+          (torch.bfloat16, torch.bfloat16)]     # one computing in bf16: pairs multiplied in place, or widened
+
+
+def check_decode(h, kvh, d, qlens, kv_dtype, q_dtype, bs=16):
+    """The batched group of one step through the kernel against SDPA over each sequence's gathered context:
+    scattered blocks, contexts of any length, the last block partly filled."""
+    g = torch.Generator().manual_seed(h * 100 + kvh + d + len(qlens) + bs)
     ctx_lens = [int(torch.randint(n, 90, (1,), generator=g)) + n for n in qlens]   # >= the query rows
     max_blocks = max((c + bs - 1) // bs for c in ctx_lens)
     num_blocks = len(qlens) * max_blocks + 16
@@ -53,14 +59,54 @@ def test_kernel_equals_sdpa_over_the_gathered_context(h, kvh, d, qlens, kv_dtype
     perm = torch.randperm(num_blocks, generator=g)[:len(qlens) * max_blocks]       # scattered blocks
     block_tables = perm.view(len(qlens), max_blocks).to(torch.int32)
     t = sum(qlens)
-    q = torch.randn(t, h, d, generator=g)
+    q = (torch.randn(t, h, d, generator=g) * 2).to(q_dtype)
     meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.int64), num_batched_tokens=t,
                              block_tables=block_tables, context_lens=torch.tensor(ctx_lens, dtype=torch.int32),
                              cu_query_lens=torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32))
-    out = torch.full((t, h * d), float("nan"))
+    out = torch.full((t, h * d), float("nan"), dtype=q_dtype)
     attn._kernel(q, out, meta)
-    ref = reference(q, attn.k_cache, attn.v_cache, block_tables, ctx_lens, qlens, h, kvh, d)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    ref = reference(q.float(), attn.k_cache, attn.v_cache, block_tables, ctx_lens, qlens, h, kvh, d)
+    if q_dtype == torch.bfloat16:
+        # bf16 products are exact in fp32 and the sums run in fp32: the fp32 result, rounded once
+        torch.testing.assert_close(out.float(), ref, rtol=2 ** -8, atol=1e-5)
+    else:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("h,kvh,d,qlens", DECODE_CASES)
+@pytest.mark.parametrize("kv_dtype,q_dtype", DTYPES)
+def test_kernel_equals_sdpa_over_the_gathered_context(h, kvh, d, qlens, kv_dtype, q_dtype):
+    check_decode(h, kvh, d, qlens, kv_dtype, q_dtype)
+
+
+@pytest.mark.parametrize("bs", [8, 24, 64])
+def test_kernel_reads_any_block_size(bs):
+    """Blocks of fewer keys than a vector, of a count that is not a multiple of one, and of several."""
+    for kv_dtype, q_dtype in DTYPES:
+        check_decode(8, 4, 64, [1, 3, 1, 2], kv_dtype, q_dtype, bs=bs)
+        check_decode(16, 2, 128, [1, 4], kv_dtype, q_dtype, bs=bs)
+
+
+def test_kernel_equals_sdpa_in_every_build_this_cpu_runs(tmp_path, monkeypatch):
+    """Each x86-64 level's build of the kernel this CPU can run (plain loops at v2, ymm at v3, zmm at v4,
+    the bf16 pair dot product with AVX-512 BF16) against SDPA, not only the library loaded here."""
+    import subprocess
+
+    from consort_common.machine import cpu_model_and_flags
+    from consort_engine.model import cpu_kernels as ck
+
+    flags = cpu_model_and_flags()[1]
+    runnable = [level.march for level in ck.LEVELS.values() if level.needs <= flags]
+    if not runnable:
+        pytest.skip("not an x86-64 CPU")
+    sources = [p for p in ck.SOURCES if p.stem in ("paged_attention", "team")]
+    for i, march in enumerate(runnable):
+        so = tmp_path / f"attention-{i}.so"
+        subprocess.run(["cc", *march, *ck.FLAGS, "-o", str(so), *map(str, sources), "-lm"], check=True, timeout=300)
+        monkeypatch.setattr(ck, "_lib", ck.load_library(so))
+        for h, kvh, d, qlens in DECODE_CASES[1:5]:
+            for kv_dtype, q_dtype in DTYPES:
+                check_decode(h, kvh, d, qlens, kv_dtype, q_dtype)
 
 
 def test_rows_beyond_an_item_are_a_typed_failure_not_a_crash():

@@ -1,0 +1,115 @@
+"""GB/s of the decode attention kernel (csrc/paged_attention.c, the batched group: decode rows and verify
+windows) on the benchmark model's heads (8 query heads, 4 kv heads, head size 64; --head-dim 128), per
+activation / pool dtype: float32 over float32, float32 over a bfloat16 pool (a bf16 model computing in
+fp32), bfloat16 over bfloat16. Cases: 64 sequences with contexts U[100, 600] over 8 layers of pools
+(more than the L3: from DRAM) with the blocks scattered or in order, the same with 4-token verify
+windows, and 16 sequences over one layer (in cache). The pools ask for huge pages as the engine's does.
+GB/s counts the K/V bytes each call reads once.
+
+`--tree DIR` builds another checkout's kernel beside this one's (a `git worktree` of the commit before a
+change), both with this machine's -march=native and the engine's flags, and runs them in rotation on
+the same pools, best of --repeats each, so a burst of neighbour load hits both alike.
+
+    PYTHONPATH=engine-image:common .venv/bin/python hack/decode_attention.py [--tree DIR] [--head-dim 128]
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from consort_common.machine import cpu_model_and_flags
+from consort_engine.model.cpu_kernels import FLAGS, SIGNATURES
+from consort_engine.model.model_runner import tune_cpu_memory
+
+REPO = Path(__file__).resolve().parents[1]
+CSRC = Path("engine-image/consort_engine/model/csrc")
+H, KVH, BLOCK = 8, 4, 16
+# (name, sequences, query rows each, layers, blocks in order)
+CASES = (("64 x decode, scattered, 8 layers", 64, 1, 8, False),
+         ("64 x decode, in order, 8 layers", 64, 1, 8, True),
+         ("64 x verify 4, scattered, 8 layers", 64, 4, 8, False),
+         ("16 x decode, 1 layer (in cache)", 16, 1, 1, False))
+DTYPES = {"f32": (torch.float32, torch.float32), "f32_bf16kv": (torch.float32, torch.bfloat16),
+          "bf16": (torch.bfloat16, torch.bfloat16)}
+
+
+def build(tree: Path, out: Path) -> ctypes.CDLL:
+    """paged_attention.c of `tree` as its own library (-march=native, the engine's flags)."""
+    src = tree / CSRC
+    print(f"[decode-attention] compiling {src / 'paged_attention.c'}", flush=True)
+    subprocess.run(["cc", "-march=native", *FLAGS, "-o", str(out), str(src / "paged_attention.c"),
+                    str(src / "team.c"), "-lm"], check=True, timeout=300)
+    lib = ctypes.CDLL(str(out))
+    for suffix in DTYPES:
+        fn = getattr(lib, f"paged_attention_{suffix}")
+        fn.argtypes, fn.restype = SIGNATURES["paged_attention"]
+    lib.set_num_threads(torch.get_num_threads())
+    return lib
+
+
+def pool(blocks: int, d: int, dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
+    t = torch.empty(blocks, KVH, BLOCK, d, dtype=dtype)
+    tune_cpu_memory(t)                       # huge pages, as the engine's pool
+    return t.copy_(torch.randn(blocks, KVH, BLOCK, d, generator=g))
+
+
+def measure(libs: dict[str, ctypes.CDLL], case: tuple, suffix: str, d: int, repeats: int) -> dict[str, float]:
+    """Seconds per layer call of each library, best of `repeats` in rotation."""
+    _, b, qlen, layers, in_order = case
+    q_dtype, kv_dtype = DTYPES[suffix]
+    g = torch.Generator().manual_seed(b + qlen)
+    ctx = torch.randint(100, 600, (b,), generator=g, dtype=torch.int32) + qlen
+    max_blocks = int((ctx.max() + BLOCK - 1) // BLOCK)
+    n = b * max_blocks
+    pools = [(pool(n, d, kv_dtype, g), pool(n, d, kv_dtype, g)) for _ in range(layers)]
+    order = torch.arange(n) if in_order else torch.randperm(n, generator=g)
+    tables = order.view(b, max_blocks).to(torch.int32)
+    cu = torch.arange(0, (b + 1) * qlen, qlen, dtype=torch.int32)
+    q = torch.randn(b * qlen, H, d, generator=g).to(q_dtype)
+    out = torch.empty(b * qlen, H * d, dtype=q_dtype)
+    best = {name: float("inf") for name in libs}
+    for _ in range(repeats):
+        for name, lib in libs.items():
+            fn = getattr(lib, f"paged_attention_{suffix}")
+            t = time.perf_counter()
+            for kc, vc in pools:
+                rc = fn(q.data_ptr(), q.stride(0), kc.data_ptr(), vc.data_ptr(), out.data_ptr(), out.stride(0),
+                        tables.data_ptr(), max_blocks, ctx.data_ptr(), cu.data_ptr(), b, H, KVH, d, BLOCK,
+                        kc.stride(0), kc.stride(2), kc.stride(1), d ** -0.5)
+                if rc:
+                    raise RuntimeError(f"paged_attention_{suffix} failed ({rc})")
+            best[name] = min(best[name], (time.perf_counter() - t) / layers)
+    return {name: int(ctx.sum()) * KVH * d * 2 * kv_dtype.itemsize / s / 1e9 for name, s in best.items()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tree", type=Path, default=None, help="another checkout's kernel, timed beside this one's")
+    p.add_argument("--head-dim", type=int, default=64, choices=[64, 128])
+    p.add_argument("--repeats", type=int, default=15)
+    a = p.parse_args()
+    model, flags = cpu_model_and_flags()
+    shown = " ".join(f for f in ("avx512f", "avx512_bf16", "amx_tile", "avx2") if f in flags)
+    with tempfile.TemporaryDirectory() as tmp:
+        libs = {"this tree": build(REPO, Path(tmp) / "this.so")}
+        if a.tree:
+            libs = {a.tree.name: build(a.tree.resolve(), Path(tmp) / "other.so"), **libs}
+        print(f"{model} ({shown}), {torch.get_num_threads()} threads, head size {a.head_dim}, GB/s of K/V")
+        print("| case | q / pool | " + " | ".join(libs) + (" | this / other |" if a.tree else " |"))
+        print("|---|---|" + "---|" * (len(libs) + bool(a.tree)))
+        for case in CASES:
+            for suffix in DTYPES:
+                rate = measure(libs, case, suffix, a.head_dim, a.repeats)
+                ratio = f" {rate['this tree'] / rate[a.tree.name]:.2f}x |" if a.tree else ""
+                print(f"| {case[0]} | {suffix} | " + " | ".join(f"{r:.1f}" for r in rate.values()) + " |" + ratio,
+                      flush=True)
+
+
+if __name__ == "__main__":
+    main()
