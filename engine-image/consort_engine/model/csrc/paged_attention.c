@@ -67,9 +67,9 @@ static inline void axpy(float *restrict y, float a, const float *restrict x, int
     for (int d = 0; d < D; d++) y[d] += a * x[d];
 }
 
-/* Prefetch into L2 the `bytes` at offset `at` of runs a and b (either may be null): the runs compute one
- * key's row and prefetch the rows at its offset, so the misses in flight follow the arithmetic instead
- * of arriving as one burst per run. */
+/* Prefetch into L2 the row of key o (`bytes` long, o x tokb bytes in) of runs a and b (either may be null):
+ * the runs prefetch as they compute key by key, so the misses in flight follow the arithmetic instead of
+ * arriving as one burst per run. */
 typedef struct { const char *a, *b; int64_t tokb; int bytes; } prefetch_t;
 static AI void prefetch_key(prefetch_t pf, int o) {
     for (int off = 0; off < pf.bytes; off += 64) {
