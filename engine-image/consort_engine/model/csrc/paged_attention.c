@@ -136,6 +136,8 @@ static AI __m256 sum_lanes(const __m256 *v) {
 }
 #endif
 #define PV_ROWS 4           /* a V tile's most rows */
+#define PV_SV(D) ((D) / VLEN < ACC_VECS ? (D) / VLEN : ACC_VECS)                   /* a V tile's vectors of D */
+#define PV_RB(D) (ACC_VECS / PV_SV(D) < PV_ROWS ? ACC_VECS / PV_SV(D) : PV_ROWS)   /* and its rows */
 
 /* The first m (<= VLEN) lanes of x to s. */
 static AI void store_scores(float *s, VEC x, int m) {
@@ -200,8 +202,7 @@ static AI void store_scores(float *s, VEC x, int m) {
     static AI void pv_vec_##KS(float *acc, int rq, const TKV *v, int64_t tok, int n, const int D,              \
                                const float *s, int ctx, float *row, prefetch_t pf) {                           \
         (void)row;                                                                                             \
-        const int SV = D / VLEN < ACC_VECS ? D / VLEN : ACC_VECS;                                              \
-        const int RB = ACC_VECS / SV < PV_ROWS ? ACC_VECS / SV : PV_ROWS;                                      \
+        const int SV = PV_SV(D), RB = PV_RB(D);                                                                \
         for (int d0 = 0; d0 < D; d0 += SV * VLEN)                                                              \
             for (int r0 = 0; r0 < rq; r0 += RB) {                                                              \
                 float *ar = acc + (int64_t)r0 * D;                                                             \
@@ -217,6 +218,28 @@ static AI void store_scores(float *s, VEC x, int m) {
     }
 DEFINE_VEC_RUNS(f32, float)
 DEFINE_VEC_RUNS(bf16, bf16_t)
+
+/* fp32 arithmetic over bf16 runs with several query rows: the run's rows widened once into `row` (BS x D
+ * floats), then the fp32 runs over them, instead of each row (or each V tile) widening them again. */
+static AI const float *widen_run(float *row, const bf16_t *k, int64_t tok, int n, const int D) {
+    for (int o = 0; o < n; o++)
+        for (int d = 0; d < D; d += VLEN) VEC_STOREU(row + (int64_t)o * D + d, LOAD_bf16(k + o * tok + d));
+    return row;
+}
+static AI void scores_wide_bf16(const float *q, int rq, const bf16_t *k, int64_t tok, int n, const int D,
+                                float scale, float *s, int ctx, float *row, prefetch_t pf) {
+    if (rq == 1)
+        scores_vec_bf16(q, rq, k, tok, n, D, scale, s, ctx, row, pf);
+    else
+        scores_vec_f32(q, rq, widen_run(row, k, tok, n, D), D, n, D, scale, s, ctx, row, pf);
+}
+static AI void pv_wide_bf16(float *acc, int rq, const bf16_t *v, int64_t tok, int n, const int D,
+                            const float *s, int ctx, float *row, prefetch_t pf) {
+    if (rq <= PV_RB(D))         /* one tile of rows: each vector is widened once anyway */
+        pv_vec_bf16(acc, rq, v, tok, n, D, s, ctx, row, pf);
+    else
+        pv_vec_f32(acc, rq, widen_run(row, v, tok, n, D), D, n, D, s, ctx, row, pf);
+}
 #endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -262,8 +285,8 @@ static AI void scores_dot_bf16(const float *q, int rq, const bf16_t *k, int64_t 
         const int64_t tokb = tok * (int64_t)sizeof(TKV), headb = head_stride * (int64_t)sizeof(TKV);           \
         float *qf = scratch;                          /* [rows, D] */                                          \
         float *acc = qf + (int64_t)rows * D;          /* [rows, D] */                                          \
-        float *row = acc + (int64_t)rows * D;         /* [D] */                                                \
-        float *s = row + D;                           /* [rows, ctx] */                                        \
+        float *row = acc + (int64_t)rows * D;         /* [BS, D]: a run widened */                             \
+        float *s = row + (int64_t)BS * D;             /* [rows, ctx] */                                        \
         int lim[MAX_ROWS];                                                                                     \
         for (int c = 0; c < hg; c++)                                                                           \
             for (int i = 0; i < qlen; i++)                                                                     \
@@ -333,9 +356,9 @@ DEFINE_ITEM(fast_f32, float, float, load_row_f32, scores_vec_f32, pv_vec_f32, st
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 DEFINE_ITEM(fast_bf16, bf16_t, bf16_t, copy_row_bf16, scores_dot_bf16, pv_vec_bf16, store_row_bf16)
 #else
-DEFINE_ITEM(fast_bf16, bf16_t, bf16_t, load_row_bf16, scores_vec_bf16, pv_vec_bf16, store_row_bf16)
+DEFINE_ITEM(fast_bf16, bf16_t, bf16_t, load_row_bf16, scores_wide_bf16, pv_wide_bf16, store_row_bf16)
 #endif
-DEFINE_ITEM(fast_f32_bf16kv, float, bf16_t, load_row_f32, scores_vec_bf16, pv_vec_bf16, store_row_f32)
+DEFINE_ITEM(fast_f32_bf16kv, float, bf16_t, load_row_f32, scores_wide_bf16, pv_wide_bf16, store_row_f32)
 #else
 #define item_fast_f32 item_plain_f32
 #define item_fast_bf16 item_plain_bf16
@@ -385,7 +408,7 @@ static void attention_share(const int32_t *ctx_lens, const int32_t *cu_q, int B,
         }                                                                                         \
         const int G = H / KVH, hg = heads_per_item(H, KVH, max_q), groups = KVH / hg;             \
         if (G * max_q > MAX_ROWS) return -1;                                                      \
-        const int64_t scratch_len = (int64_t)hg * G * max_q * (2 * D + max_ctx) + D + 16;         \
+        const int64_t scratch_len = (int64_t)hg * G * max_q * (2 * D + max_ctx) + (int64_t)BS * D + 16;         \
         int err = 0;                                                                              \
         _Pragma("omp parallel num_threads(NT)")                                                   \
         {                                                                                         \
