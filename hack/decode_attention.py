@@ -8,9 +8,12 @@ GB/s counts the K/V bytes each call reads once.
 
 `--tree DIR` builds another checkout's kernel beside this one's (a `git worktree` of the commit before a
 change), both with this machine's -march=native and the engine's flags, and runs them in rotation on
-the same pools, best of --repeats each, so a burst of neighbour load hits both alike.
+the same pools, best of --repeats each, so a burst of neighbour load hits both alike. `--level` builds
+for one of the engine image's x86-64 levels instead (x86-64-v3: the AVX2 + FMA library, on any CPU that
+runs it).
 
     PYTHONPATH=engine-image:common .venv/bin/python hack/decode_attention.py [--tree DIR] [--head-dim 128]
+        [--level x86-64-v3]
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from pathlib import Path
 import torch
 
 from consort_common.machine import cpu_model_and_flags
-from consort_engine.model.cpu_kernels import FLAGS, SIGNATURES
+from consort_engine.model.cpu_kernels import FLAGS, LEVELS, SIGNATURES, march
 from consort_engine.model.model_runner import tune_cpu_memory
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,11 +42,11 @@ DTYPES = {"f32": (torch.float32, torch.float32), "f32_bf16kv": (torch.float32, t
           "bf16": (torch.bfloat16, torch.bfloat16)}
 
 
-def build(tree: Path, out: Path) -> ctypes.CDLL:
-    """paged_attention.c of `tree` as its own library (-march=native, the engine's flags)."""
+def build(tree: Path, out: Path, level: str) -> ctypes.CDLL:
+    """paged_attention.c of `tree` as its own library (`level`'s -march, the engine's flags)."""
     src = tree / CSRC
-    print(f"[decode-attention] compiling {src / 'paged_attention.c'}", flush=True)
-    subprocess.run(["cc", "-march=native", *FLAGS, "-o", str(out), str(src / "paged_attention.c"),
+    print(f"[decode-attention] compiling {src / 'paged_attention.c'} for {level}", flush=True)
+    subprocess.run(["cc", *march(level), *FLAGS, "-o", str(out), str(src / "paged_attention.c"),
                     str(src / "team.c"), "-lm"], check=True, timeout=300)
     lib = ctypes.CDLL(str(out))
     for suffix in DTYPES:
@@ -93,14 +96,16 @@ def main() -> None:
     p.add_argument("--tree", type=Path, default=None, help="another checkout's kernel, timed beside this one's")
     p.add_argument("--head-dim", type=int, default=64, choices=[64, 128])
     p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--level", default="native", choices=["native", *LEVELS], help="the build's x86-64 level")
     a = p.parse_args()
     model, flags = cpu_model_and_flags()
     shown = " ".join(f for f in ("avx512f", "avx512_bf16", "amx_tile", "avx2") if f in flags)
     with tempfile.TemporaryDirectory() as tmp:
-        libs = {"this tree": build(REPO, Path(tmp) / "this.so")}
+        libs = {"this tree": build(REPO, Path(tmp) / "this.so", a.level)}
         if a.tree:
-            libs = {a.tree.name: build(a.tree.resolve(), Path(tmp) / "other.so"), **libs}
-        print(f"{model} ({shown}), {torch.get_num_threads()} threads, head size {a.head_dim}, GB/s of K/V")
+            libs = {a.tree.name: build(a.tree.resolve(), Path(tmp) / "other.so", a.level), **libs}
+        print(f"{model} ({shown}), {a.level} build, {torch.get_num_threads()} threads, head size {a.head_dim}, "
+              "GB/s of K/V")
         print("| case | q / pool | " + " | ".join(libs) + (" | this / other |" if a.tree else " |"))
         print("|---|---|" + "---|" * (len(libs) + bool(a.tree)))
         for case in CASES:
