@@ -9,7 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from consort_common.machine import cpu_model_and_flags
 from consort_engine.model import attention
+from consort_engine.model import cpu_kernels as ck
 from consort_engine.model.attention import AttentionMetadata, PagedAttention
 from consort_engine.model.cpu_kernels import cpu_kernels
 
@@ -87,20 +89,18 @@ def test_kernel_reads_any_block_size(bs):
         check_decode(16, 2, 128, [1, 4], kv_dtype, q_dtype, bs=bs)
 
 
+# The x86-64 levels' builds this CPU runs (LEVELS: the engine image prebuilds one per level).
+RUNNABLE_BUILDS = [level.march for level in ck.LEVELS.values() if level.needs <= cpu_model_and_flags()[1]]
+
+
+@pytest.mark.skipif(not RUNNABLE_BUILDS, reason="the engine image's builds are for x86-64 CPUs")
 def test_kernel_equals_sdpa_in_every_build_this_cpu_runs(tmp_path, monkeypatch):
     """Each x86-64 level's build of the kernel this CPU can run (plain loops at v2, ymm at v3, zmm at v4,
     the bf16 pair dot product with AVX-512 BF16) against SDPA, not only the library loaded here."""
     import subprocess
 
-    from consort_common.machine import cpu_model_and_flags
-    from consort_engine.model import cpu_kernels as ck
-
-    flags = cpu_model_and_flags()[1]
-    runnable = [level.march for level in ck.LEVELS.values() if level.needs <= flags]
-    if not runnable:
-        pytest.skip("not an x86-64 CPU")
     sources = [p for p in ck.SOURCES if p.stem in ("paged_attention", "team")]
-    for i, march in enumerate(runnable):
+    for i, march in enumerate(RUNNABLE_BUILDS):
         so = tmp_path / f"attention-{i}.so"
         subprocess.run(["cc", *march, *ck.FLAGS, "-o", str(so), *map(str, sources), "-lm"], check=True, timeout=300)
         monkeypatch.setattr(ck, "_lib", ck.load_library(so))
