@@ -81,7 +81,7 @@ static AI void prefetch_key(prefetch_t pf, int o) {
 /* One run of a block: the n keys (or values) of one kv head at k + o * tok, o < n, against that head's
  * rq query rows (q: rq rows of D, as the item prepared them; s: rq rows of ctx scores, at the run's
  * first key). scores_*: s[r][o] = scale x q_r . k_o. pv_*: acc[r] += s[r][o] x v_o over the run.
- * `row` is a scratch row of D floats; pf the rows each key prefetches (prefetch_key). */
+ * `row` is BS x D floats of scratch (a row, or a run widened); pf the rows each key prefetches. */
 #define DEFINE_PLAIN_RUNS(KS, TKV)                                                                             \
     static AI void scores_plain_##KS(const float *q, int rq, const TKV *k, int64_t tok, int n, const int D,    \
                                      float scale, float *s, int ctx, float *row, prefetch_t pf) {              \
