@@ -23,8 +23,10 @@
  * keys at a time, each key's products summed across the lanes of its vector and the VLEN sums gathered
  * into one vector by a transpose-add (sum_lanes), so no key pays a horizontal sum of its own; bf16
  * queries over a bf16 pool multiply pairs of elements in place where AVX-512 BF16 is built (vdpbf16ps:
- * bf16 products are exact in fp32), else both are widened. The V pass keeps tiles of output rows in
- * registers across a block's keys. Other head sizes (and builds without those vectors) run plain loops.
+ * bf16 products are exact in fp32), else both are widened (once per run where several query rows share
+ * it: widen_run). The V pass keeps tiles of output rows in registers across a block's keys. On AVX2 over
+ * an fp32 pool the scores keep the plain loops (scores_f32: measured faster there). Other head sizes
+ * (and builds without those vectors) run plain loops.
  */
 #include "common.h"
 
