@@ -22,6 +22,7 @@ from consort_engine.kv.tier import KVTier
 from consort_engine.config import EngineConfig
 from consort_engine.model.kv_blocks import layout_identity, read_blocks, read_states, write_blocks, write_states
 from consort_engine.model.lora import AdapterError
+from consort_engine.model.sampler import greedy_tokens
 from consort_engine.core.scheduler import Scheduler, StepOutput
 from consort_engine.kv.sequence import SamplingParams, ScheduledBatch, Sequence
 from consort_engine.text.guided import advance, apply_mask
@@ -344,7 +345,7 @@ class LLMEngine:
                    if c > 1 and s.matcher is not None]
         if windows:      # guided verify rows: one grammar mask row per position, so argmax is legal
             logits = apply_mask(logits, [], windows)
-        greedy = logits.max(dim=-1).indices.tolist()   # the sampler's greedy rule, ties included
+        greedy = greedy_tokens(logits).tolist()
         single = [r for r, c in zip(starts, counts) if c == 1]
         token_ids = list(greedy)
         for seq, r, c in zip(sampled_seqs, starts, counts):

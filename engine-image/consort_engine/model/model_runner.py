@@ -31,6 +31,7 @@ from consort_engine.model.models.layers import Linear
 from consort_engine.model.models.mtp import has_mtp
 from consort_engine.model.lora import AdapterError, LoraAdapter, LoraContext, load_peft_adapter, segments_of
 from consort_engine.model.models.packed import has_bf16_dot
+from consort_engine.model.sampler import greedy_tokens
 from consort_engine.model.quantized_checkpoint import checkpoint_format, checkpoint_weights, resolve_quantization
 from consort_engine.model.models.quant import check_quantization
 from consort_engine.kv.sequence import PromptLogprobs, ScheduledBatch, Sequence
@@ -514,7 +515,7 @@ class ModelRunner:
         if not active:
             return drafts
         h = out[inp.sample_idx]
-        tokens = model.head(h).argmax(dim=-1)
+        tokens = greedy_tokens(model.head(h))
         step = 0
         while True:
             chosen = tokens.tolist()
@@ -532,7 +533,7 @@ class ModelRunner:
             inp = self.build_inputs([RowGroup([0], items[i].start + len(items[i].tokens) + step - 1,
                                               items[i].block_table, 1) for i in active])
             h = mtp(model.embed_tokens(tokens), h, inp.positions, model.rotary, inp.meta)
-            tokens = model.head(h).argmax(dim=-1)
+            tokens = greedy_tokens(model.head(h))
 
     def close(self) -> None:
         """Stop the tensor-parallel worker ranks (no-op without them)."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from consort_engine.model.models.ops import argmax_rows
 from consort_engine.text.guided import apply_mask
 from consort_engine.kv.sequence import SamplingParams, Sequence
 
@@ -82,6 +83,11 @@ class TokenCounts:
         return self.output.ids, self.output.counts[self.output.ids]
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """The greedy rule: each row's argmax, the first of equal maxima (torch.max's tie and NaN rule)."""
+    return argmax_rows(logits)
+
+
 class Sampler:
     def sample(self, logits: torch.Tensor, seqs: list[Sequence],
                masked: bool = False) -> tuple[list[int], list | None]:
@@ -93,7 +99,7 @@ class Sampler:
         if not masked and any(s.matcher is not None for s in seqs):
             x = apply_mask(x, [s.matcher for s in seqs])
         if all(p.temperature == 0.0 for p in params):
-            tokens = x.max(dim=-1).indices
+            tokens = greedy_tokens(x)
         else:
             tokens = self._random(x, seqs, params)
         token_list = tokens.tolist()
@@ -146,7 +152,7 @@ class Sampler:
         drawn = probs.gather(1, tokens.view(-1, 1)).view(-1) > 0
         tokens = torch.where(drawn, tokens, probs.argmax(dim=-1))
         if any(greedy):
-            tokens = torch.where(torch.tensor(greedy, device=dev), logits.max(dim=-1).indices, tokens)
+            tokens = torch.where(torch.tensor(greedy, device=dev), greedy_tokens(logits), tokens)
         return tokens
 
     @staticmethod

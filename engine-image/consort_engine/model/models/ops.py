@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from consort_engine.model.cpu_kernels import kernel
+from consort_engine.model.cpu_kernels import cpu_kernels, kernel
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, fast: bool) -> torch.Tensor:
@@ -65,4 +65,15 @@ def silu_mul(gu: torch.Tensor, fast: bool) -> torch.Tensor:
         return F.silu(gu[:, :f]) * gu[:, f:]
     out = torch.empty(gu.shape[0], f, dtype=gu.dtype)
     kernel("silu_mul", gu.dtype)(gu.data_ptr(), out.data_ptr(), gu.shape[0], f)
+    return out
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x.max(dim=-1).indices of logits rows [N, V] (int64), ties and NaNs as torch breaks them: on CPU by
+    csrc/argmax.c, whose vector pass is ~10x torch's element-at-a-time loop at a 32k vocabulary."""
+    if (x.device.type != "cpu" or x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16)
+            or x.stride(-1) != 1 or x.shape[1] == 0 or cpu_kernels() is None):
+        return x.max(dim=-1).indices
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    kernel("argmax_rows", x.dtype)(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out.data_ptr())
     return out
