@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ from pathlib import Path
 import torch
 
 from consort_common.machine import cpu_model_and_flags
-from consort_engine.model.cpu_kernels import FLAGS, LEVELS, SIGNATURES, march
+from consort_engine.model.cpu_kernels import LEVELS, SIGNATURES, compile_sources
 from consort_engine.model.model_runner import tune_cpu_memory
 
 REPO = Path(__file__).resolve().parents[1]
@@ -46,8 +45,7 @@ def build(tree: Path, out: Path, level: str) -> ctypes.CDLL:
     """paged_attention.c of `tree` as its own library (`level`'s -march, the engine's flags)."""
     src = tree / CSRC
     print(f"[decode-attention] compiling {src / 'paged_attention.c'} for {level}", flush=True)
-    subprocess.run(["cc", *march(level), *FLAGS, "-o", str(out), str(src / "paged_attention.c"),
-                    str(src / "team.c"), "-lm"], check=True, timeout=300)
+    compile_sources(out, level, sources=[src / "paged_attention.c", src / "team.c"])
     lib = ctypes.CDLL(str(out))
     for suffix in DTYPES:
         fn = getattr(lib, f"paged_attention_{suffix}")

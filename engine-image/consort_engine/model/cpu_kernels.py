@@ -94,7 +94,12 @@ _lib: ctypes.CDLL | None | bool = False   # False = not tried yet
 
 def cpu_level(flags: set[str]) -> str | None:
     """The highest level (LEVELS) a CPU with these flags runs (None: not x86-64, or below v2)."""
-    return next((name for name, level in LEVELS.items() if level.needs <= flags), None)
+    return next(iter(runnable_levels(flags)), None)
+
+
+def runnable_levels(flags: set[str]) -> list[str]:
+    """Every level (LEVELS) a CPU with these flags runs, highest first (tests check each build)."""
+    return [name for name, level in LEVELS.items() if level.needs <= flags]
 
 
 def library_name(level: str, cc: str = "", flags: set[str] = frozenset()) -> str:
@@ -106,13 +111,20 @@ def library_name(level: str, cc: str = "", flags: set[str] = frozenset()) -> str
     return f"cpu_kernels-{level}-{key}{sysconfig.get_config_var('SHLIB_SUFFIX') or '.so'}"
 
 
+def compile_sources(out: Path, level: str, cc: str = "cc", sources: list[Path] = SOURCES) -> None:
+    """Compile `sources` (default: every kernel) for `level` into the library `out`; raises
+    subprocess.CalledProcessError (the compiler's messages in its stderr) when the compiler fails. Tests
+    and hack/ scripts build single kernels with it for each level."""
+    subprocess.run([cc, *march(level), *FLAGS, "-o", str(out), *map(str, sources), "-lm"], check=True,
+                   capture_output=True, text=True, timeout=300)
+
+
 def compile_library(so: Path, level: str, cc: str) -> bool:
     """Compile the kernels for `level` into `so` (atomically: concurrent engines never load a half-written file)."""
     with tempfile.TemporaryDirectory(dir=so.parent) as tmp:
         out = Path(tmp) / so.name
         try:
-            subprocess.run([cc, *march(level), *FLAGS, "-o", str(out), *map(str, SOURCES), "-lm"], check=True,
-                           capture_output=True, timeout=120)
+            compile_sources(out, level, cc)
         except (OSError, subprocess.SubprocessError):
             return False
         os.replace(out, so)

@@ -3,8 +3,6 @@ picks: the first of equal maxima, the first NaN, wherever they fall (in a chunk,
 tail after the last whole chunk), in fp32 and bf16, in every build this CPU runs."""
 from __future__ import annotations
 
-import subprocess
-
 import pytest
 import torch
 
@@ -93,7 +91,7 @@ def test_greedy_sampling_takes_the_kernels_argmax(monkeypatch):
     assert called == ["argmax_rows"]
 
 
-RUNNABLE_LEVELS = [name for name, level in ck.LEVELS.items() if level.needs <= cpu_model_and_flags()[1]]
+RUNNABLE_LEVELS = ck.runnable_levels(cpu_model_and_flags()[1])
 
 
 @pytest.mark.skipif(not RUNNABLE_LEVELS, reason="the engine image's builds are for x86-64 CPUs")
@@ -102,7 +100,6 @@ def test_argmax_rows_in_every_build_this_cpu_runs(tmp_path, monkeypatch):
     sources = [p for p in ck.SOURCES if p.stem in ("argmax", "team")]
     for level in RUNNABLE_LEVELS:
         so = tmp_path / f"argmax-{level}.so"
-        subprocess.run(["cc", *ck.march(level), *ck.FLAGS, "-o", str(so), *map(str, sources), "-lm"],
-                       check=True, timeout=300)
+        ck.compile_sources(so, level, sources=sources)
         monkeypatch.setattr(ck, "_lib", ck.load_library(so))
         check_rows()

@@ -90,19 +90,17 @@ def test_kernel_reads_any_block_size(bs):
 
 
 # The x86-64 levels' builds this CPU runs (LEVELS: the engine image prebuilds one per level).
-RUNNABLE_BUILDS = [level.march for level in ck.LEVELS.values() if level.needs <= cpu_model_and_flags()[1]]
+RUNNABLE_LEVELS = ck.runnable_levels(cpu_model_and_flags()[1])
 
 
-@pytest.mark.skipif(not RUNNABLE_BUILDS, reason="the engine image's builds are for x86-64 CPUs")
+@pytest.mark.skipif(not RUNNABLE_LEVELS, reason="the engine image's builds are for x86-64 CPUs")
 def test_kernel_equals_sdpa_in_every_build_this_cpu_runs(tmp_path, monkeypatch):
     """Each x86-64 level's build of the kernel this CPU can run (plain loops at v2, ymm at v3, zmm at v4,
     the bf16 pair dot product with AVX-512 BF16) against SDPA, not only the library loaded here."""
-    import subprocess
-
     sources = [p for p in ck.SOURCES if p.stem in ("paged_attention", "team")]
-    for i, march in enumerate(RUNNABLE_BUILDS):
-        so = tmp_path / f"attention-{i}.so"
-        subprocess.run(["cc", *march, *ck.FLAGS, "-o", str(so), *map(str, sources), "-lm"], check=True, timeout=300)
+    for level in RUNNABLE_LEVELS:
+        so = tmp_path / f"attention-{level}.so"
+        ck.compile_sources(so, level, sources=sources)
         monkeypatch.setattr(ck, "_lib", ck.load_library(so))
         for h, kvh, d, qlens in DECODE_CASES[1:5]:
             for kv_dtype, q_dtype in DTYPES:

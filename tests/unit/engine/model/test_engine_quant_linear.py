@@ -226,8 +226,8 @@ def test_engine_int8_kernel_keeps_nan_and_zero_rows():
 
 
 # The int8 kernel's builds: every level the engine image ships from v3 up (ymm or zmm, vpmaddwd + vpaddd
-# or VNNI's vpdpwssd: gemm_i8w.c `I8W_MADD`), compiler flags -> the /proc/cpuinfo flags a CPU needs to run it.
-INT8_BUILDS = {level.march: level.needs for level in ck.LEVELS.values() if "avx2" in level.needs}
+# or VNNI's vpdpwssd: gemm_i8w.c `I8W_MADD`).
+INT8_LEVELS = [name for name, level in ck.LEVELS.items() if "avx2" in level.needs]
 
 
 @needs_int8_kernel
@@ -237,10 +237,7 @@ def test_engine_int8_kernel_gives_the_same_bits_in_every_build_this_cpu_runs(tmp
     bit-identical outputs: each build this CPU can run against the library the engine loads here. And a
     row's bits do not depend on its place in the batch (which tile, which row of it). The same for the
     int8 x int8 kernel (w8a8) in the builds that have it (VNNI: ymm with AVX-VNNI, zmm with AVX-512 VNNI)."""
-    import subprocess
-
-    flags = cpu_model_and_flags()[1]
-    runnable = [march for march, need in INT8_BUILDS.items() if need <= flags]
+    runnable = [level for level in ck.runnable_levels(cpu_model_and_flags()[1]) if level in INT8_LEVELS]
     assert runnable                                          # an AVX2 + FMA build runs the int8 kernel
     sources = [p for p in ck.SOURCES if p.stem in ("gemm", "gemm_i8w", "gemm_i8a8", "team")]
     g = torch.Generator().manual_seed(7)
@@ -257,20 +254,20 @@ def test_engine_int8_kernel_gives_the_same_bits_in_every_build_this_cpu_runs(tmp
     want_bf16 = [consort_int8(q, scale, b, group)(x.bfloat16()) for q, scale, b, x, group in cases]
     w8a8 = [consort_w8a8(q, scale, b, group) for q, scale, b, x, group in cases]
     want_w8a8 = [f(x) if f else None for f, (q, scale, b, x, group) in zip(w8a8, cases)]
-    for i, march in enumerate(runnable):
-        so = tmp_path / f"int8-{i}.so"
-        subprocess.run(["cc", *march, *ck.FLAGS, "-o", str(so), *map(str, sources), "-lm"], check=True, timeout=300)
+    for level in runnable:
+        so = tmp_path / f"int8-{level}.so"
+        ck.compile_sources(so, level, sources=sources)
         monkeypatch.setattr(ck, "_lib", ck.load_library(so))
         for (q, scale, b, x, group), ref, ref16, ref8 in zip(cases, want, want_bf16, want_w8a8):
-            assert torch.equal(consort_int8(q, scale, b, group)(x), ref), (march, x.shape, q.shape, group)
-            assert torch.equal(consort_int8(q, scale, b, group)(x.bfloat16()), ref16), ("bf16", march, x.shape)
+            assert torch.equal(consort_int8(q, scale, b, group)(x), ref), (level, x.shape, q.shape, group)
+            assert torch.equal(consort_int8(q, scale, b, group)(x.bfloat16()), ref16), ("bf16", level, x.shape)
             if ref8 is not None and (f := consort_w8a8(q, scale, b, group)) is not None:
-                assert torch.equal(f(x), ref8), ("w8a8", march, x.shape, q.shape, group)
+                assert torch.equal(f(x), ref8), ("w8a8", level, x.shape, q.shape, group)
         for q, scale, b, x, group in (cases[26], cases[-1]):
             for gemm in (consort_int8, consort_w8a8):
                 if (f := gemm(q, scale, b, group)) is not None:
                     same = f(x[:1].repeat(25, 1))
-                    assert torch.equal(same, same[:1].expand_as(same)), (gemm.__name__, march, group)
+                    assert torch.equal(same, same[:1].expand_as(same)), (gemm.__name__, level, group)
 
 
 @needs_int8_kernel
