@@ -3,7 +3,8 @@ windows) on the benchmark model's heads (8 query heads, 4 kv heads, head size 64
 activation / pool dtype: float32 over float32, float32 over a bfloat16 pool (a bf16 model computing in
 fp32), bfloat16 over bfloat16. Cases: 64 sequences with contexts U[100, 600] over 8 layers of pools
 (more than the L3: from DRAM) with the blocks scattered or in order, the same with 4-token verify
-windows, and 16 sequences over one layer (in cache). The pools ask for huge pages as the engine's does.
+windows, 16 sequences over one layer (in cache), and 1 or 4 sequences of ~2,000 tokens over 8 layers
+(one user's long chat: fewer sequences than the work needs items). The pools ask for huge pages as the engine's does.
 GB/s counts the K/V bytes each call reads once.
 
 `--tree DIR` builds another checkout's kernel beside this one's (a `git worktree` of the commit before a
@@ -32,11 +33,13 @@ from consort_engine.model.model_runner import tune_cpu_memory
 REPO = Path(__file__).resolve().parents[1]
 CSRC = Path("engine-image/consort_engine/model/csrc")
 H, KVH, BLOCK = 8, 4, 16
-# (name, sequences, query rows each, layers, blocks in order)
-CASES = (("64 x decode, scattered, 8 layers", 64, 1, 8, False),
-         ("64 x decode, in order, 8 layers", 64, 1, 8, True),
-         ("64 x verify 4, scattered, 8 layers", 64, 4, 8, False),
-         ("16 x decode, 1 layer (in cache)", 16, 1, 1, False))
+# (name, sequences, query rows each, layers, blocks in order, contexts drawn from [lo, hi))
+CASES = (("64 x decode, scattered, 8 layers", 64, 1, 8, False, (100, 600)),
+         ("64 x decode, in order, 8 layers", 64, 1, 8, True, (100, 600)),
+         ("64 x verify 4, scattered, 8 layers", 64, 4, 8, False, (100, 600)),
+         ("16 x decode, 1 layer (in cache)", 16, 1, 1, False, (100, 600)),
+         ("1 x decode, ~2k context, 8 layers", 1, 1, 8, False, (1900, 2100)),
+         ("4 x decode, ~2k context, 8 layers", 4, 1, 8, False, (1900, 2100)))
 DTYPES = {"f32": (torch.float32, torch.float32), "f32_bf16kv": (torch.float32, torch.bfloat16),
           "bf16": (torch.bfloat16, torch.bfloat16)}
 
@@ -62,10 +65,10 @@ def pool(blocks: int, d: int, dtype: torch.dtype, g: torch.Generator) -> torch.T
 
 def measure(libs: dict[str, ctypes.CDLL], case: tuple, suffix: str, d: int, repeats: int) -> dict[str, float]:
     """Seconds per layer call of each library, best of `repeats` in rotation."""
-    _, b, qlen, layers, in_order = case
+    _, b, qlen, layers, in_order, (lo, hi) = case
     q_dtype, kv_dtype = DTYPES[suffix]
     g = torch.Generator().manual_seed(b + qlen)
-    ctx = torch.randint(100, 600, (b,), generator=g, dtype=torch.int32) + qlen
+    ctx = torch.randint(lo, hi, (b,), generator=g, dtype=torch.int32) + qlen
     max_blocks = int((ctx.max() + BLOCK - 1) // BLOCK)
     n = b * max_blocks
     pools = [(pool(n, d, kv_dtype, g), pool(n, d, kv_dtype, g)) for _ in range(layers)]

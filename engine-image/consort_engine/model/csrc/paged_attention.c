@@ -14,10 +14,11 @@
  * on V loads a third of its time).
  * Sequence b owns query rows cu_q[b] .. cu_q[b+1]-1 (the last qlen tokens of its context of
  * ctx_lens[b] tokens, causal): query i sits at position ctx - qlen + i and sees keys 0..pos.
- * Work item = (sequence, its kv heads, or a group of them where the rows would not fit): each K/V row
- * is read once and shared by the G = H / KVH query heads of its group and by all query tokens of the
- * sequence. Each thread takes a contiguous, cost-balanced range of items. Scores are fp32, the softmax is
- * exact (scores of one item fit a scratch row), the output is written in the cache dtype.
+ * Work item = (sequence, a group of its kv heads: all of them where the batch gives every thread enough
+ * items, else one): each K/V row is read once and shared by the G = H / KVH query heads of its group and
+ * by all query tokens of the sequence. Each thread takes a contiguous, cost-balanced range of items.
+ * Scores are fp32, the softmax is exact (scores of one item fit a scratch row), the output is written in
+ * the cache dtype.
  *
  * Head sizes 64 and 128 run on SIMD vectors (AVX-512 or AVX2 + FMA builds): a query row against VLEN
  * keys at a time, each key's products summed across the lanes of its vector and the VLEN sums gathered
@@ -375,12 +376,18 @@ DEFINE_ITEM(fast_f32_bf16kv, float, bf16_t, load_row_f32, scores_wide_bf16, pv_w
 #define item_fast_f32_bf16kv item_plain_f32_bf16kv
 #endif
 
-/* KV heads per work item: all of them where the item's query rows fit MAX_ROWS (the longest runs of
- * the pool per block), else the largest divisor of KVH that fits. */
-static int heads_per_item(int H, int KVH, int max_q) {
+/* KV heads per work item: the most (longer runs of the pool per block) whose query rows fit MAX_ROWS while
+ * the batch still gives each of the nt threads ITEMS_PER_THREAD items, else one. Few, wide items leave a
+ * thread idle (one sequence: one item, one thread) and balance coarsely: one head per item read
+ * 1.6-2.2x faster at 1 sequence, 1.2-1.6x at 4, 1.0-1.2x at 16 (hack/decode_attention.py), while at 64
+ * sequences of 8 kv heads the widest items stayed 2-4% ahead. */
+#define ITEMS_PER_THREAD 32
+static int heads_per_item(int H, int KVH, int max_q, int B, int nt) {
     const int G = H / KVH;
     for (int hg = KVH; hg > 1; hg--)
-        if (KVH % hg == 0 && hg * G * max_q <= MAX_ROWS) return hg;
+        if (KVH % hg == 0 && hg * G * max_q <= MAX_ROWS
+            && (int64_t)B * (KVH / hg) >= (int64_t)ITEMS_PER_THREAD * nt)
+            return hg;
     return 1;
 }
 
@@ -416,7 +423,7 @@ static void attention_share(const int32_t *ctx_lens, const int32_t *cu_q, int B,
             if (ctx_lens[b] > max_ctx) max_ctx = ctx_lens[b];                                     \
             if (cu_q[b + 1] - cu_q[b] > max_q) max_q = cu_q[b + 1] - cu_q[b];                     \
         }                                                                                         \
-        const int G = H / KVH, hg = heads_per_item(H, KVH, max_q), groups = KVH / hg;             \
+        const int G = H / KVH, hg = heads_per_item(H, KVH, max_q, B, NT), groups = KVH / hg; \
         if (G * max_q > MAX_ROWS) return -1;                                                      \
         const int64_t scratch_len = (int64_t)hg * G * max_q * (2 * D + max_ctx) + (int64_t)BS * D + 16;         \
         int err = 0;                                                                              \

@@ -40,8 +40,14 @@ DECODE_CASES = [
     (4, 4, 64, [1, 2, 1]),                 # MHA (G = 1)
     (16, 2, 128, [1, 4]),                  # G = 8, the 128 specialisation
     (6, 3, 40, [2, 1, 1]),                 # a head size without a specialised loop
-    (64, 8, 64, [5, 1, 5]),                # 64 heads x 5 rows: items of 4 of the 8 kv heads
-    (32, 32, 64, [9, 1]),                  # MHA x 9 rows: items of 16 kv heads
+    (64, 8, 64, [5, 1, 5]),                # 64 heads x 5 rows, one kv head per item (few sequences)
+    (32, 32, 64, [9, 1]),                  # MHA x 9 rows
+]
+# Batches wide enough (2 threads) for items of several kv heads (paged_attention.c heads_per_item)
+WIDE_CASES = [
+    (8, 4, 64, [1] * 64),                  # items of all 4 kv heads: a block's heads in one run
+    (64, 8, 64, [5, 1, 5] * 22),           # 64 heads x 5 rows: items of 4 of the 8 kv heads (MAX_ROWS)
+    (32, 32, 64, [9, 1] * 16),             # MHA x 9 rows: items of 16 kv heads
 ]
 DTYPES = [(torch.float32, torch.float32),
           (torch.bfloat16, torch.float32),      # a bf16 model computing in fp32 (no bf16 dot product on the CPU)
@@ -79,6 +85,17 @@ def check_decode(h, kvh, d, qlens, kv_dtype, q_dtype, bs=16):
 @pytest.mark.parametrize("kv_dtype,q_dtype", DTYPES)
 def test_kernel_equals_sdpa_over_the_gathered_context(h, kvh, d, qlens, kv_dtype, q_dtype):
     check_decode(h, kvh, d, qlens, kv_dtype, q_dtype)
+
+
+@pytest.mark.parametrize("h,kvh,d,qlens", WIDE_CASES)
+def test_kernel_items_of_several_kv_heads(h, kvh, d, qlens):
+    lib = cpu_kernels()
+    lib.set_num_threads(2)
+    try:
+        for kv_dtype, q_dtype in DTYPES:
+            check_decode(h, kvh, d, qlens, kv_dtype, q_dtype)
+    finally:
+        lib.set_num_threads(torch.get_num_threads())
 
 
 @pytest.mark.parametrize("bs", [8, 24, 64])
