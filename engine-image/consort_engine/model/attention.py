@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from consort_common.machine import cpu_model_and_flags
 from consort_engine.model.cpu_kernels import cpu_kernels, kernel
 from consort_engine.model.triton_attention import paged_attention as triton_paged_attention, triton_available
+from consort_engine.model.hookless import HooklessModule
 
 AMX = "amx_bf16" in cpu_model_and_flags()[1]      # bf16 prefill spans stay with SDPA there (_prefill_kernel)
 
@@ -81,7 +82,7 @@ def pool_shape(backend: str, num_blocks: int, block_size: int, num_kv_heads: int
     return (num_blocks, block_size, num_kv_heads, head_dim)
 
 
-class PagedAttention(torch.nn.Module):
+class PagedAttention(HooklessModule):
     """One layer's attention over the pool. q [T, H, D]; k, v [T, KVH, D] -> out [T, H * D]."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, backend: str):

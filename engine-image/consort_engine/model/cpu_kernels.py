@@ -199,13 +199,22 @@ def set_threads(n: int) -> None:
         _lib.set_num_threads(n)
 
 
+_resolved: dict[tuple, object] = {}   # (library, name, dtype, kv dtype) -> its function
+
+
 def kernel(name: str, dtype: torch.dtype, kv_dtype: torch.dtype | None = None):
     """The compiled function for this activation dtype (float32 or bfloat16) and, for the
-    attention kernels, the KV cache dtype (float32 activations over a bfloat16 cache included)."""
-    suffix = "f32" if dtype == torch.float32 else "bf16"
-    if kv_dtype is not None and kv_dtype != dtype:
-        suffix = "f32_bf16kv"
-    return getattr(cpu_kernels(), f"{name}_{suffix}")
+    attention kernels, the KV cache dtype (float32 activations over a bfloat16 cache included).
+    AttributeError where the library does not build it. Resolved once: layers ask ~50 times a step."""
+    lib = cpu_kernels()
+    key = (lib, name, dtype, kv_dtype)
+    fn = _resolved.get(key)
+    if fn is None:
+        suffix = "f32" if dtype == torch.float32 else "bf16"
+        if kv_dtype is not None and kv_dtype != dtype:
+            suffix = "f32_bf16kv"
+        fn = _resolved[key] = getattr(lib, f"{name}_{suffix}")
+    return fn
 
 
 def main(argv: list[str] | None = None) -> int:

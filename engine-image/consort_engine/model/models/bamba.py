@@ -26,6 +26,7 @@ from consort_engine.model.models import ssd
 from consort_engine.model.models.layers import MLP, Attention, Linear, RMSNorm
 from consort_engine.model.models.llama import CausalLM
 from consort_engine.model.models.rope import RotaryEmbedding
+from consort_engine.model.hookless import HooklessModule
 
 
 class BambaAttention(Attention):
@@ -51,7 +52,7 @@ def _rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torc
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
 
 
-class Conv1d(nn.Module):
+class Conv1d(HooklessModule):
     """The depthwise conv's parameters under the checkpoint's names (weight [C, 1, K], bias [C])."""
 
     def __init__(self, channels: int, kernel: int, bias: bool):
@@ -60,7 +61,7 @@ class Conv1d(nn.Module):
         self.bias = nn.Parameter(torch.zeros(channels), requires_grad=False) if bias else None
 
 
-class GatedRMSNorm(nn.Module):
+class GatedRMSNorm(HooklessModule):
     """RMSNorm of y * silu(gate) over groups of the channels (transformers' BambaRMSNormGated)."""
 
     def __init__(self, dim: int, groups: int, eps: float):
@@ -76,7 +77,7 @@ class GatedRMSNorm(nn.Module):
         return self.weight * g.view_as(y).to(dtype)
 
 
-class Mamba2Mixer(nn.Module):
+class Mamba2Mixer(HooklessModule):
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
         raw = cfg.raw
@@ -164,7 +165,7 @@ def time_step_limit(v) -> tuple[float, float]:
     return tuple(float(x["__float__"]) if isinstance(x, dict) else float(x) for x in v)
 
 
-class BambaLayer(nn.Module):
+class BambaLayer(HooklessModule):
     def __init__(self, cfg: ModelConfig, attention: bool, mixer_index: int, backend: str, fast: bool):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fast)

@@ -17,9 +17,10 @@ from consort_engine.model.models.packed import consort_int8, consort_w8a8, pack_
 from consort_engine.model.models.quant import LOAD_TIME, quantize_linear
 from consort_engine.model.models.rope import RotaryEmbedding
 from consort_engine.model.tensor_parallel import SINGLE, TPGroup, all_reduce
+from consort_engine.model.hookless import HooklessModule
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(HooklessModule):
     def __init__(self, dim: int, eps: float, fast: bool):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
@@ -32,7 +33,7 @@ class RMSNorm(nn.Module):
         return ops.add_rms_norm(residual, x, self.weight, self.eps, self.fast)
 
 
-class Linear(nn.Module):
+class Linear(HooklessModule):
     """y = x W^T + b, with W assembled from one or more checkpoint shards (fused projections).
 
     Tensor parallel (`tp.size` > 1): `parallel="column"` holds this rank's rows of every shard
@@ -128,7 +129,7 @@ class Linear(nn.Module):
                 y[start:end, offset:offset + n] += ((xs @ a.t()) @ b.t()).to(y.dtype)
 
 
-class Attention(nn.Module):
+class Attention(HooklessModule):
     def __init__(self, cfg: ModelConfig, backend: str, fast: bool, tp: TPGroup = SINGLE):
         super().__init__()
         # This rank's heads: attention is independent per head, so heads split without communication.
@@ -158,7 +159,7 @@ class Attention(nn.Module):
         return self.o_proj(self.attn(qk[:, :h], qk[:, h:], v, meta))
 
 
-class MLP(nn.Module):
+class MLP(HooklessModule):
     def __init__(self, cfg: ModelConfig, fast: bool, tp: TPGroup = SINGLE):
         super().__init__()
         if cfg.hidden_act not in ("silu", "swish"):
@@ -172,7 +173,7 @@ class MLP(nn.Module):
         return self.down_proj(ops.silu_mul(self.gate_up_proj(x), self.fast))
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(HooklessModule):
     def __init__(self, cfg: ModelConfig, backend: str, fast: bool, tp: TPGroup = SINGLE):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fast)

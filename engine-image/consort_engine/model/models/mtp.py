@@ -25,6 +25,7 @@ from consort_engine.model.attention import AttentionMetadata
 from consort_engine.model.loader import ModelConfig
 from consort_engine.model.models.layers import DecoderLayer, Linear, RMSNorm
 from consort_engine.model.models.rope import RotaryEmbedding
+from consort_engine.model.hookless import HooklessModule
 
 # checkpoint name (relative to the layout's prefix) -> MTPBlock parameter name
 _QWEN3_NEXT = {"fc.": "fc.", "pre_fc_norm_embedding.": "enorm.", "pre_fc_norm_hidden.": "hnorm.",
@@ -60,7 +61,7 @@ def has_mtp(names: list[str], num_hidden_layers: int) -> bool:
     return any(mtp_param_name(n, num_hidden_layers) for n in names)
 
 
-class MTPBlock(nn.Module):
+class MTPBlock(HooklessModule):
     def __init__(self, cfg: ModelConfig, backend: str, fast: bool):
         super().__init__()
         h = cfg.hidden_size

@@ -67,18 +67,18 @@ def _consort_call(gemm: Callable[..., int], n: int, k: int, bias: torch.Tensor |
     tensors (passed as pointers), integers and None (NULL) as they are."""
     b = None if bias is None else bias.float().contiguous()
     args = [w.data_ptr() if isinstance(w, torch.Tensor) else w for w in weights]
+    b_ptr = None if b is None else b.data_ptr()
 
     def run(x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, k)
+        x2 = x if x.dim() == 2 else x.reshape(-1, k)      # the layers' rows are 2-D already
         if x2.stride(1) != 1:
             x2 = x2.contiguous()
-        y = torch.empty(x2.shape[0], n, dtype=out_dtype)
-        if x2.shape[0] and gemm(x2.data_ptr(), x2.stride(0), x2.shape[0], k, *args, n, y.data_ptr(), n,
-                                None if b is None else b.data_ptr()):
-            raise MemoryError(f"{gemm.__name__}: no memory for its buffers ({x2.shape[0]} x {k})")
-        return y.view(*lead, n)
-    run.weights = weights                       # keeps the packed tensors alive with the function
+        m = x2.shape[0]
+        y = torch.empty(m, n, dtype=out_dtype)
+        if m and gemm(x2.data_ptr(), x2.stride(0), m, k, *args, n, y.data_ptr(), n, b_ptr):
+            raise MemoryError(f"{gemm.__name__}: no memory for its buffers ({m} x {k})")
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
+    run.weights, run.bias = weights, b          # keep the packed tensors and the bias alive with the function
     return run
 
 
