@@ -4,8 +4,8 @@ activation / pool dtype: float32 over float32, float32 over a bfloat16 pool (a b
 fp32), bfloat16 over bfloat16. Cases: 64 sequences with contexts U[100, 600] over 8 layers of pools
 (more than the L3: from DRAM) with the blocks scattered or in order, the same with 4-token verify
 windows, 16 sequences over one layer (in cache), and 1 or 4 sequences of ~2,000 tokens over 8 layers
-(one user's long chat: fewer sequences than the work needs items). The pools ask for huge pages as the engine's does.
-GB/s counts the K/V bytes each call reads once.
+(one user's long chat: fewer sequences than threads x items). The pools ask for huge pages as the
+engine's does. GB/s counts the K/V bytes each call reads once.
 
 `--tree DIR` builds another checkout's kernel beside this one's (a `git worktree` of the commit before a
 change), both with this machine's -march=native and the engine's flags, and runs them in rotation on

@@ -70,7 +70,7 @@ def silu_mul(gu: torch.Tensor, fast: bool) -> torch.Tensor:
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """x.max(dim=-1).indices of logits rows [N, V] (int64), ties and NaNs as torch breaks them: on CPU by
-    csrc/argmax.c, whose vector pass is ~10x torch's element-at-a-time loop at a 32k vocabulary."""
+    csrc/argmax.c, whose vector pass is 6-7x torch's element-at-a-time loop (64 rows of a 32k vocabulary)."""
     if (x.device.type != "cpu" or x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16)
             or x.stride(-1) != 1 or x.shape[1] == 0 or cpu_kernels() is None):
         return x.max(dim=-1).indices
