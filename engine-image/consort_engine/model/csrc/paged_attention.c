@@ -16,7 +16,9 @@
  * ctx_lens[b] tokens, causal): query i sits at position ctx - qlen + i and sees keys 0..pos.
  * Work item = (sequence, a group of its kv heads: all of them where the batch gives every thread enough
  * items, else one): each K/V row is read once and shared by the G = H / KVH query heads of its group and
- * by all query tokens of the sequence. Each thread takes a contiguous, cost-balanced range of items.
+ * by all query tokens of the sequence. Each thread takes a contiguous, cost-balanced range of items;
+ * where the items are fewer than the threads (one sequence, fewer kv heads than threads) each item's
+ * context is split into parts instead (flash-decoding), merged by their softmax max and sum.
  * Scores are fp32, the softmax is exact (scores of one item fit a scratch row), the output is written in
  * the cache dtype.
  *
@@ -280,7 +282,15 @@ static AI void scores_dot_bf16(const float *q, int rq, const bf16_t *k, int64_t 
 }
 #endif
 
-/* One work item: sequence b's query rows against kv heads kh0 .. kh0 + hg - 1. TQ / TKV are the element
+/* Where item row r (query token i, head (kh0 + c) * G + g, r = c * rq + i * G + g) writes its output. */
+static inline int64_t out_offset(int r, int rq, int G, int q0, int kh0, int64_t out_stride, int D) {
+    const int c = r / rq, i = r % rq / G, g = r % G;
+    return (int64_t)(q0 + i) * out_stride + (int64_t)((kh0 + c) * G + g) * D;
+}
+
+/* One work item: sequence b's query rows against kv heads kh0 .. kh0 + hg - 1, over its key blocks
+ * [b0, b1) (all of them, or one part of a split context; then `part` takes the rows' unnormalised
+ * P V sums [rows, D], their max [rows] and sum [rows] instead of the output). TQ / TKV are the element
  * types, QLOAD prepares a query row in scratch, SCORES / PV are the runs, QSTORE writes an output row;
  * D is a compile-time constant when the caller passes a literal (always_inline specialises the loops).
  * Rows r = c * G * qlen + i * G + g: query token i, head (kh0 + c) * G + g. Within a block the heads
@@ -291,7 +301,7 @@ static AI void scores_dot_bf16(const float *q, int rq, const bf16_t *k, int64_t 
         const TQ *q, int64_t q_stride, const TKV *kc, const TKV *vc, TQ *out, int64_t out_stride,              \
         const int32_t *bt, int ctx, int q0, int qlen, int kh0, int hg, int H, int KVH, const int D,            \
         int BS, int64_t blk_stride, int64_t tok, int64_t head_stride, float scale, float *scratch,             \
-        const int32_t *next_bt, int next_nb, int64_t next_head) {                                              \
+        int b0, int b1, float *part, const int32_t *next_bt, int next_nb, int64_t next_head) {                 \
         const int G = H / KVH, rq = G * qlen, rows = hg * rq;                                                  \
         const int64_t tokb = tok * (int64_t)sizeof(TKV), headb = head_stride * (int64_t)sizeof(TKV);           \
         float *qf = scratch;                          /* [rows, D] */                                          \
@@ -308,11 +318,11 @@ static AI void scores_dot_bf16(const float *q, int rq, const bf16_t *k, int64_t 
                     lim[r] = ctx - qlen + i + 1; /* keys [0, lim) are visible */                               \
                 }                                                                                              \
         const int64_t head = (int64_t)kh0 * head_stride;                                                       \
-        const int nblocks = (ctx + BS - 1) / BS;                                                               \
+        const int j0 = b0 * BS, jend = ctx < b1 * BS ? ctx : b1 * BS;   /* keys [j0, jend): blocks [b0, b1) */ \
         /* K pass: scores; prefetches the next block's K and this block's V. */                                \
-        for (int b = 0, j = 0; b < nblocks; b++) {                                                             \
+        for (int b = b0, j = j0; b < b1; b++) {                                                                \
             const TKV *kb = kc + (int64_t)bt[b] * blk_stride + head;                                           \
-            const char *nx = b + 1 < nblocks ? (const char *)(kc + (int64_t)bt[b + 1] * blk_stride + head) : 0; \
+            const char *nx = b + 1 < b1 ? (const char *)(kc + (int64_t)bt[b + 1] * blk_stride + head) : 0;     \
             const char *vx = (const char *)(vc + (int64_t)bt[b] * blk_stride + head);                          \
             const int n = ctx - j < BS ? ctx - j : BS;                                                         \
             for (int c = 0; c < hg; c++) {                                                                     \
@@ -322,26 +332,31 @@ static AI void scores_dot_bf16(const float *q, int rq, const bf16_t *k, int64_t 
             }                                                                                                  \
             j += n;                                                                                            \
         }                                                                                                      \
-        for (int r = 0; r < rows; r++) {                                                                       \
+        for (int r = 0; r < rows; r++) {     /* a part: P unnormalised, the row's max and sum to `part` */     \
             float *sr = s + (int64_t)r * ctx;                                                                  \
-            const int L = lim[r];                                                                              \
+            const int L = lim[r] < j0 ? j0 : lim[r] < jend ? lim[r] : jend;                                    \
             float m = -INFINITY, sum = 0.f;                                                                    \
-            for (int j = 0; j < L; j++) m = sr[j] > m ? sr[j] : m;                                             \
-            for (int j = 0; j < L; j++) {                                                                      \
+            for (int j = j0; j < L; j++) m = sr[j] > m ? sr[j] : m;                                            \
+            for (int j = j0; j < L; j++) {                                                                     \
                 sr[j] = exp_nonpos(sr[j] - m);                                                                 \
                 sum += sr[j];                                                                                  \
             }                                                                                                  \
-            const float inv = 1.f / sum;                                                                       \
-            for (int j = 0; j < L; j++) sr[j] *= inv;                                                          \
-            for (int j = L; j < ctx; j++) sr[j] = 0.f;                                                         \
+            if (part) {                                                                                        \
+                part[(int64_t)rows * D + r] = m;                                                               \
+                part[(int64_t)rows * (D + 1) + r] = sum;                                                       \
+            } else {                                                                                           \
+                const float inv = 1.f / sum;                                                                   \
+                for (int j = j0; j < L; j++) sr[j] *= inv;                                                     \
+            }                                                                                                  \
+            for (int j = L; j < jend; j++) sr[j] = 0.f;                                                        \
             memset(acc + (int64_t)r * D, 0, sizeof(float) * (size_t)D);                                        \
         }                                                                                                      \
         /* V pass (in L2 from the K pass's prefetches); prefetches the next item's K blocks and V two on. */   \
-        for (int b = 0, j = 0; b < nblocks; b++) {                                                             \
+        for (int b = b0, j = j0; b < b1; b++) {                                                                \
             const TKV *vb = vc + (int64_t)bt[b] * blk_stride + head;                                           \
             const int n = ctx - j < BS ? ctx - j : BS;                                                         \
             const char *nk = b < next_nb ? (const char *)(kc + (int64_t)next_bt[b] * blk_stride + next_head) : 0; \
-            const char *v2 = b + 2 < nblocks ? (const char *)(vc + (int64_t)bt[b + 2] * blk_stride + head) : 0; \
+            const char *v2 = b + 2 < b1 ? (const char *)(vc + (int64_t)bt[b + 2] * blk_stride + head) : 0;    \
             for (int c = 0; c < hg; c++) {                                                                     \
                 const prefetch_t pf = {nk ? nk + c * headb : 0, v2 ? v2 + c * headb : 0, tokb, D * (int)sizeof(TKV)}; \
                 PV(acc + (int64_t)c * rq * D, rq, vb + c * head_stride, tok, n, D,                             \
@@ -349,13 +364,12 @@ static AI void scores_dot_bf16(const float *q, int rq, const bf16_t *k, int64_t 
             }                                                                                                  \
             j += n;                                                                                            \
         }                                                                                                      \
-        for (int c = 0; c < hg; c++)                                                                           \
-            for (int i = 0; i < qlen; i++)                                                                     \
-                for (int g = 0; g < G; g++) {                                                                  \
-                    const int r = c * rq + i * G + g;                                                          \
-                    QSTORE(out + (int64_t)(q0 + i) * out_stride + (int64_t)((kh0 + c) * G + g) * D,            \
-                           acc + (int64_t)r * D, D);                                                           \
-                }                                                                                              \
+        if (part) {                                                                                            \
+            memcpy(part, acc, sizeof(float) * (size_t)rows * (size_t)D);                                       \
+            return;                                                                                            \
+        }                                                                                                      \
+        for (int r = 0; r < rows; r++)                                                                         \
+            QSTORE(out + out_offset(r, rq, G, q0, kh0, out_stride, D), acc + (int64_t)r * D, D);               \
     }
 
 /* Every head size on plain loops; 64 and 128 on vectors where the build has them (item_fast_*). */
@@ -411,7 +425,54 @@ static void attention_share(const int32_t *ctx_lens, const int32_t *cu_q, int B,
     }
 }
 
-#define DEFINE_KERNEL(SUFFIX, TQ, TKV)                                                                  \
+/* Parts each item's context is split into (flash-decoding) where the items are fewer than the threads
+ * (one sequence of a model with fewer kv heads than threads): enough for every thread, each at least
+ * MIN_PART_BLOCKS blocks of the longest context (a part's merge and its prefetch ramp cost a few blocks). */
+#define MIN_PART_BLOCKS 16
+static int context_parts(int items, int nt, int max_ctx, int BS) {
+    if (items >= nt) return 1;
+    const int want = (nt + items - 1) / items, most = (max_ctx + BS - 1) / BS / MIN_PART_BLOCKS;
+    return want < most ? want : most > 1 ? most : 1;
+}
+
+/* Row r of an item from its parts' (P V sums, max, sum): sum_p e^(m_p - m) acc_p / sum_p e^(m_p - m) l_p,
+ * m the parts' max (a part the row sees no key of has m_p = -inf, l_p = 0: weight 0). */
+static void merge_row(const float *parts, int nparts, int64_t part_len, int rows, int D, int r, float *o) {
+    float m = -INFINITY;
+    for (int p = 0; p < nparts; p++) {
+        const float mp = parts[p * part_len + (int64_t)rows * D + r];
+        m = mp > m ? mp : m;
+    }
+    float l = 0.f;
+    for (int d = 0; d < D; d++) o[d] = 0.f;
+    for (int p = 0; p < nparts; p++) {
+        const float *pp = parts + p * part_len;
+        const float mp = pp[(int64_t)rows * D + r];
+        if (mp == -INFINITY) continue;
+        const float w = exp_nonpos(mp - m);
+        l += w * pp[(int64_t)rows * (D + 1) + r];
+        for (int d = 0; d < D; d++) o[d] += w * pp[(int64_t)r * D + d];
+    }
+    const float inv = 1.f / l;
+    for (int d = 0; d < D; d++) o[d] *= inv;
+}
+
+/* Item `it` over blocks [b0, b1) of its sequence (D specialised where the build has vectors for it). */
+#define CALL_ITEM(SUFFIX, b0, b1, part, next_bt, next_nb, next_head)                                   \
+    if (D == 64)                                                                                       \
+        item_fast_##SUFFIX(q, q_stride, kc, vc, out, out_stride, bt, ctx_lens[b], cu_q[b], qlen, kh0, hg, \
+                           H, KVH, 64, BS, blk_stride, tok_stride, head_stride, scale, scratch,         \
+                           b0, b1, part, next_bt, next_nb, next_head);                                  \
+    else if (D == 128)                                                                                 \
+        item_fast_##SUFFIX(q, q_stride, kc, vc, out, out_stride, bt, ctx_lens[b], cu_q[b], qlen, kh0, hg, \
+                           H, KVH, 128, BS, blk_stride, tok_stride, head_stride, scale, scratch,        \
+                           b0, b1, part, next_bt, next_nb, next_head);                                  \
+    else                                                                                               \
+        item_plain_##SUFFIX(q, q_stride, kc, vc, out, out_stride, bt, ctx_lens[b], cu_q[b], qlen, kh0, hg, \
+                            H, KVH, D, BS, blk_stride, tok_stride, head_stride, scale, scratch,         \
+                            b0, b1, part, next_bt, next_nb, next_head)
+
+#define DEFINE_KERNEL(SUFFIX, TQ, TKV, QSTORE)                                                          \
     int paged_attention_##SUFFIX(const TQ *q, int64_t q_stride, const TKV *kc, const TKV *vc,   \
                                  TQ *out,                                                         \
                                  int64_t out_stride, const int32_t *block_tables, int max_blocks, \
@@ -423,46 +484,63 @@ static void attention_share(const int32_t *ctx_lens, const int32_t *cu_q, int B,
             if (ctx_lens[b] > max_ctx) max_ctx = ctx_lens[b];                                     \
             if (cu_q[b + 1] - cu_q[b] > max_q) max_q = cu_q[b + 1] - cu_q[b];                     \
         }                                                                                         \
-        const int G = H / KVH, hg = heads_per_item(H, KVH, max_q, B, NT), groups = KVH / hg; \
+        const int nt = NT, G = H / KVH, hg = heads_per_item(H, KVH, max_q, B, nt), groups = KVH / hg; \
         if (G * max_q > MAX_ROWS) return -1;                                                      \
         const int64_t scratch_len = (int64_t)hg * G * max_q * (2 * D + max_ctx) + (int64_t)BS * D + 16;         \
+        const int items = B * groups, parts = context_parts(items, nt, max_ctx, BS);              \
+        const int64_t part_len = (int64_t)hg * G * max_q * (D + 2);                               \
+        float *partials = parts > 1 ? (float *)malloc(sizeof(float) * (size_t)(items * parts * part_len)) : 0; \
+        if (parts > 1 && !partials) return -2;                                                    \
         int err = 0;                                                                              \
-        _Pragma("omp parallel num_threads(NT)")                                                   \
+        _Pragma("omp parallel num_threads(nt)")                                                   \
         {                                                                                         \
             float *scratch = (float *)aligned_alloc(64, sizeof(float) * ((scratch_len + 15) / 16 * 16)); \
             if (!scratch) err = -2;                                                               \
-            int lo, hi;                                                                           \
-            attention_share(ctx_lens, cu_q, B, groups, omp_get_thread_num(), omp_get_num_threads(), &lo, &hi); \
-            for (int it = lo; it < hi; it++) {                                                    \
-                const int b = it / groups, kh0 = it % groups * hg, qlen = cu_q[b + 1] - cu_q[b];  \
-                if (!scratch || qlen <= 0) continue;                                              \
-                const int32_t *bt = block_tables + (int64_t)b * max_blocks;                       \
-                /* the next item's K blocks, prefetched during this item's V pass */                \
-                const int nxt = it + 1 < hi ? it + 1 : -1;                                        \
-                const int32_t *next_bt = nxt < 0 ? 0 : block_tables + (int64_t)(nxt / groups) * max_blocks; \
-                const int next_nb = nxt < 0 ? 0 : (ctx_lens[nxt / groups] + BS - 1) / BS;        \
-                const int64_t next_head = nxt < 0 ? 0 : (int64_t)(nxt % groups * hg) * head_stride; \
-                if (D == 64)                                                                      \
-                    item_fast_##SUFFIX(q, q_stride, kc, vc, out, out_stride, bt, ctx_lens[b], cu_q[b], qlen, kh0, hg, \
-                                       H, KVH, 64, BS, blk_stride, tok_stride, head_stride, scale, scratch, \
-                                       next_bt, next_nb, next_head);                              \
-                else if (D == 128)                                                                \
-                    item_fast_##SUFFIX(q, q_stride, kc, vc, out, out_stride, bt, ctx_lens[b], cu_q[b], qlen, kh0, hg, \
-                                       H, KVH, 128, BS, blk_stride, tok_stride, head_stride, scale, scratch, \
-                                       next_bt, next_nb, next_head);                              \
-                else                                                                              \
-                    item_plain_##SUFFIX(q, q_stride, kc, vc, out, out_stride, bt, ctx_lens[b], cu_q[b], qlen, kh0, hg, \
-                                        H, KVH, D, BS, blk_stride, tok_stride, head_stride, scale, scratch, \
-                                        next_bt, next_nb, next_head);                             \
+            if (parts == 1) {                                                                     \
+                int lo, hi;                                                                       \
+                attention_share(ctx_lens, cu_q, B, groups, omp_get_thread_num(), omp_get_num_threads(), &lo, &hi); \
+                for (int it = lo; it < hi; it++) {                                                \
+                    const int b = it / groups, kh0 = it % groups * hg, qlen = cu_q[b + 1] - cu_q[b]; \
+                    if (!scratch || qlen <= 0) continue;                                          \
+                    const int32_t *bt = block_tables + (int64_t)b * max_blocks;                   \
+                    /* the next item's K blocks, prefetched during this item's V pass */            \
+                    const int nxt = it + 1 < hi ? it + 1 : -1;                                    \
+                    const int32_t *next_bt = nxt < 0 ? 0 : block_tables + (int64_t)(nxt / groups) * max_blocks; \
+                    const int next_nb = nxt < 0 ? 0 : (ctx_lens[nxt / groups] + BS - 1) / BS;    \
+                    const int64_t next_head = nxt < 0 ? 0 : (int64_t)(nxt % groups * hg) * head_stride; \
+                    CALL_ITEM(SUFFIX, 0, (ctx_lens[b] + BS - 1) / BS, 0, next_bt, next_nb, next_head); \
+                }                                                                                 \
+            } else {                                                                              \
+                _Pragma("omp for schedule(dynamic, 1)")                                           \
+                for (int u = 0; u < items * parts; u++) {                                         \
+                    const int it = u / parts, p = u % parts;                                      \
+                    const int b = it / groups, kh0 = it % groups * hg, qlen = cu_q[b + 1] - cu_q[b]; \
+                    if (!scratch || qlen <= 0) continue;                                          \
+                    const int32_t *bt = block_tables + (int64_t)b * max_blocks;                   \
+                    const int nb = (ctx_lens[b] + BS - 1) / BS;                                   \
+                    CALL_ITEM(SUFFIX, (int)((int64_t)nb * p / parts), (int)((int64_t)nb * (p + 1) / parts), \
+                              partials + (int64_t)u * part_len, 0, 0, 0);                         \
+                }                                                                                 \
+                _Pragma("omp for schedule(static)")                                               \
+                for (int it = 0; it < items; it++) {                                             \
+                    const int b = it / groups, kh0 = it % groups * hg, qlen = cu_q[b + 1] - cu_q[b]; \
+                    const int rq = G * qlen, rows = hg * rq;                                      \
+                    if (!scratch || qlen <= 0) continue;                                          \
+                    for (int r = 0; r < rows; r++) {                                              \
+                        merge_row(partials + (int64_t)it * parts * part_len, parts, part_len, rows, D, r, scratch); \
+                        QSTORE(out + out_offset(r, rq, G, cu_q[b], kh0, out_stride, D), scratch, D); \
+                    }                                                                             \
+                }                                                                                 \
             }                                                                                     \
             free(scratch);                                                                        \
         }                                                                                         \
+        free(partials);                                                                           \
         return err;                                                                               \
     }
 
-DEFINE_KERNEL(f32, float, float)
-DEFINE_KERNEL(bf16, bf16_t, bf16_t)
-DEFINE_KERNEL(f32_bf16kv, float, bf16_t)
+DEFINE_KERNEL(f32, float, float, store_row_f32)
+DEFINE_KERNEL(bf16, bf16_t, bf16_t, store_row_bf16)
+DEFINE_KERNEL(f32_bf16kv, float, bf16_t, store_row_f32)
 
 /* Write the new tokens' K/V rows into their pool slots (slot = block * BS + offset; < 0 skips).
  * k, v: [n, KVH, D] with any token stride (views into the fused qkv projection). */

@@ -54,11 +54,13 @@ DTYPES = [(torch.float32, torch.float32),
           (torch.bfloat16, torch.bfloat16)]     # one computing in bf16: pairs multiplied in place, or widened
 
 
-def check_decode(h, kvh, d, qlens, kv_dtype, q_dtype, bs=16):
+def check_decode(h, kvh, d, qlens, kv_dtype, q_dtype, bs=16, ctx_lens=None):
     """The batched group of one step through the kernel against SDPA over each sequence's gathered context:
-    scattered blocks, contexts of any length, the last block partly filled."""
+    scattered blocks, contexts of any length (drawn under 90 + rows unless given), the last block partly
+    filled."""
     g = torch.Generator().manual_seed(h * 100 + kvh + d + len(qlens) + bs)
-    ctx_lens = [int(torch.randint(n, 90, (1,), generator=g)) + n for n in qlens]   # >= the query rows
+    if ctx_lens is None:
+        ctx_lens = [int(torch.randint(n, 90, (1,), generator=g)) + n for n in qlens]   # >= the query rows
     max_blocks = max((c + bs - 1) // bs for c in ctx_lens)
     num_blocks = len(qlens) * max_blocks + 16
     attn = PagedAttention(h, kvh, d, d ** -0.5, "cpu_kernel")
@@ -94,6 +96,27 @@ def test_kernel_items_of_several_kv_heads(h, kvh, d, qlens):
     try:
         for kv_dtype, q_dtype in DTYPES:
             check_decode(h, kvh, d, qlens, kv_dtype, q_dtype)
+    finally:
+        lib.set_num_threads(torch.get_num_threads())
+
+
+# (heads, kv heads, head size, query rows, contexts, threads): fewer items (sequence, kv head) than threads,
+# so each context is split into parts of >= 16 blocks whose softmax max and sum are merged
+SPLIT_CASES = [
+    (8, 1, 64, [1], [2000], 2),                # one sequence, one kv head (MQA): 2 parts
+    (8, 1, 64, [1], [1013], 4),                # 4 parts, the last block partly filled
+    (16, 2, 128, [1, 4], [1500, 700], 8),      # a verify window, contexts of unequal length
+    (8, 1, 64, [1, 4], [2000, 17], 4),         # the short context's last part: keys its first rows do not see
+]
+
+
+@pytest.mark.parametrize("h,kvh,d,qlens,ctx_lens,threads", SPLIT_CASES)
+def test_kernel_splits_a_long_context_across_threads(h, kvh, d, qlens, ctx_lens, threads):
+    lib = cpu_kernels()
+    lib.set_num_threads(threads)
+    try:
+        for kv_dtype, q_dtype in DTYPES:
+            check_decode(h, kvh, d, qlens, kv_dtype, q_dtype, ctx_lens=ctx_lens)
     finally:
         lib.set_num_threads(torch.get_num_threads())
 
