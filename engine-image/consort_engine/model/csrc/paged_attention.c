@@ -496,33 +496,28 @@ static void merge_row(const float *parts, int nparts, int64_t part_len, int rows
         {                                                                                         \
             float *scratch = (float *)aligned_alloc(64, sizeof(float) * ((scratch_len + 15) / 16 * 16)); \
             if (!scratch) err = -2;                                                               \
-            if (parts == 1) {                                                                     \
-                int lo, hi;                                                                       \
-                attention_share(ctx_lens, cu_q, B, groups, omp_get_thread_num(), omp_get_num_threads(), &lo, &hi); \
-                for (int it = lo; it < hi; it++) {                                                \
-                    const int b = it / groups, kh0 = it % groups * hg, qlen = cu_q[b + 1] - cu_q[b]; \
-                    if (!scratch || qlen <= 0) continue;                                          \
-                    const int32_t *bt = block_tables + (int64_t)b * max_blocks;                   \
-                    /* the next item's K blocks, prefetched during this item's V pass */            \
-                    const int nxt = it + 1 < hi ? it + 1 : -1;                                    \
-                    const int32_t *next_bt = nxt < 0 ? 0 : block_tables + (int64_t)(nxt / groups) * max_blocks; \
-                    const int next_nb = nxt < 0 ? 0 : (ctx_lens[nxt / groups] + BS - 1) / BS;    \
-                    const int64_t next_head = nxt < 0 ? 0 : (int64_t)(nxt % groups * hg) * head_stride; \
-                    CALL_ITEM(SUFFIX, 0, (ctx_lens[b] + BS - 1) / BS, 0, next_bt, next_nb, next_head); \
-                }                                                                                 \
-            } else {                                                                              \
-                _Pragma("omp for schedule(dynamic, 1)")                                           \
-                for (int u = 0; u < items * parts; u++) {                                         \
-                    const int it = u / parts, p = u % parts;                                      \
-                    const int b = it / groups, kh0 = it % groups * hg, qlen = cu_q[b + 1] - cu_q[b]; \
-                    if (!scratch || qlen <= 0) continue;                                          \
-                    const int32_t *bt = block_tables + (int64_t)b * max_blocks;                   \
-                    const int nb = (ctx_lens[b] + BS - 1) / BS;                                   \
-                    CALL_ITEM(SUFFIX, (int)((int64_t)nb * p / parts), (int)((int64_t)nb * (p + 1) / parts), \
-                              partials + (int64_t)u * part_len, 0, 0, 0);                         \
-                }                                                                                 \
+            /* units: the items, or with a split context (item, part) pairs, an even range each */ \
+            const int t = omp_get_thread_num(), units = items * parts;                            \
+            int lo = (int)((int64_t)units * t / nt), hi = (int)((int64_t)units * (t + 1) / nt);   \
+            if (parts == 1) attention_share(ctx_lens, cu_q, B, groups, t, nt, &lo, &hi);         \
+            for (int u = lo; u < hi; u++) {                                                       \
+                const int it = u / parts, p = u % parts;                                          \
+                const int b = it / groups, kh0 = it % groups * hg, qlen = cu_q[b + 1] - cu_q[b];  \
+                if (!scratch || qlen <= 0) continue;                                              \
+                const int32_t *bt = block_tables + (int64_t)b * max_blocks;                       \
+                const int nb = (ctx_lens[b] + BS - 1) / BS;                                       \
+                /* the next item's K blocks, prefetched during this item's V pass (whole items) */  \
+                const int nxt = parts == 1 && it + 1 < hi ? it + 1 : -1;                          \
+                const int32_t *next_bt = nxt < 0 ? 0 : block_tables + (int64_t)(nxt / groups) * max_blocks; \
+                const int next_nb = nxt < 0 ? 0 : (ctx_lens[nxt / groups] + BS - 1) / BS;        \
+                const int64_t next_head = nxt < 0 ? 0 : (int64_t)(nxt % groups * hg) * head_stride; \
+                CALL_ITEM(SUFFIX, (int)((int64_t)nb * p / parts), (int)((int64_t)nb * (p + 1) / parts), \
+                          parts == 1 ? 0 : partials + (int64_t)u * part_len, next_bt, next_nb, next_head); \
+            }                                                                                     \
+            if (parts > 1) {                    /* every thread takes this branch: parts is shared */ \
+                _Pragma("omp barrier")                                                            \
                 _Pragma("omp for schedule(static)")                                               \
-                for (int it = 0; it < items; it++) {                                             \
+                for (int it = 0; it < items; it++) {                                              \
                     const int b = it / groups, kh0 = it % groups * hg, qlen = cu_q[b + 1] - cu_q[b]; \
                     const int rq = G * qlen, rows = hg * rq;                                      \
                     if (!scratch || qlen <= 0) continue;                                          \

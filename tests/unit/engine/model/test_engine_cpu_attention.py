@@ -145,6 +145,9 @@ def test_kernel_equals_sdpa_in_every_build_this_cpu_runs(tmp_path, monkeypatch):
         for h, kvh, d, qlens in DECODE_CASES[1:5]:
             for kv_dtype, q_dtype in DTYPES:
                 check_decode(h, kvh, d, qlens, kv_dtype, q_dtype)
+        ck._lib.set_num_threads(2)                      # one sequence of one kv head: a split context
+        for kv_dtype, q_dtype in DTYPES:
+            check_decode(8, 1, 64, [1], kv_dtype, q_dtype, ctx_lens=[1013])
 
 
 def test_rows_beyond_an_item_are_a_typed_failure_not_a_crash():
