@@ -497,9 +497,9 @@ static void merge_row(const float *parts, int nparts, int64_t part_len, int rows
             float *scratch = (float *)aligned_alloc(64, sizeof(float) * ((scratch_len + 15) / 16 * 16)); \
             if (!scratch) err = -2;                                                               \
             /* units: the items, or with a split context (item, part) pairs, an even range each */ \
-            const int t = omp_get_thread_num(), units = items * parts;                            \
-            int lo = (int)((int64_t)units * t / nt), hi = (int)((int64_t)units * (t + 1) / nt);   \
-            if (parts == 1) attention_share(ctx_lens, cu_q, B, groups, t, nt, &lo, &hi);         \
+            const int t = omp_get_thread_num(), team = omp_get_num_threads(), units = items * parts; \
+            int lo = (int)((int64_t)units * t / team), hi = (int)((int64_t)units * (t + 1) / team); \
+            if (parts == 1) attention_share(ctx_lens, cu_q, B, groups, t, team, &lo, &hi);       \
             for (int u = lo; u < hi; u++) {                                                       \
                 const int it = u / parts, p = u % parts;                                          \
                 const int b = it / groups, kh0 = it % groups * hg, qlen = cu_q[b + 1] - cu_q[b];  \
