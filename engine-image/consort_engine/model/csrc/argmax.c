@@ -6,8 +6,6 @@
 
 #define CHUNK 512   /* elements per chunk: a multiple of 4 vectors on every build */
 
-static inline float get_f32(const float *p, int64_t i) { return p[i]; }
-static inline float get_bf16(const bf16_t *p, int64_t i) { return bf16_to_f32(p[i]); }
 #if defined(VEC)
 #define VLOAD_f32(p) VEC_LOADU(p)
 #define VLOAD_bf16(p) VEC_LOAD_BF16(p)

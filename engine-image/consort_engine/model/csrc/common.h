@@ -79,6 +79,10 @@ static inline float bf16_to_f32(bf16_t x) {
     return f;
 }
 
+/* Element i of a row as fp32, by the row's type (the kernels' macros pick one by dtype suffix). */
+static inline float get_f32(const float *p, int64_t i) { return p[i]; }
+static inline float get_bf16(const bf16_t *p, int64_t i) { return bf16_to_f32(p[i]); }
+
 static inline bf16_t f32_to_bf16(float f) {
     uint32_t u;
     memcpy(&u, &f, 4);

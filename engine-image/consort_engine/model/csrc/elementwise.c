@@ -9,8 +9,6 @@ static inline float exp_clamped(float x) { /* exp(x), x clamped to [-87, 88] */
 static inline float round_f32(float x) { return x; }
 static inline float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
 
-static inline float get_f32(const float *p, int64_t i) { return p[i]; }
-static inline float get_bf16(const bf16_t *p, int64_t i) { return bf16_to_f32(p[i]); }
 static inline void put_f32(float *p, int64_t i, float v) { p[i] = v; }
 static inline void put_bf16(bf16_t *p, int64_t i, float v) { p[i] = f32_to_bf16(v); }
 

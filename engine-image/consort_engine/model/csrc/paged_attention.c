@@ -457,21 +457,6 @@ static void merge_row(const float *parts, int nparts, int64_t part_len, int rows
     for (int d = 0; d < D; d++) o[d] *= inv;
 }
 
-/* Item `it` over blocks [b0, b1) of its sequence (D specialised where the build has vectors for it). */
-#define CALL_ITEM(SUFFIX, b0, b1, part, next_bt, next_nb, next_head)                                   \
-    if (D == 64)                                                                                       \
-        item_fast_##SUFFIX(q, q_stride, kc, vc, out, out_stride, bt, ctx_lens[b], cu_q[b], qlen, kh0, hg, \
-                           H, KVH, 64, BS, blk_stride, tok_stride, head_stride, scale, scratch,         \
-                           b0, b1, part, next_bt, next_nb, next_head);                                  \
-    else if (D == 128)                                                                                 \
-        item_fast_##SUFFIX(q, q_stride, kc, vc, out, out_stride, bt, ctx_lens[b], cu_q[b], qlen, kh0, hg, \
-                           H, KVH, 128, BS, blk_stride, tok_stride, head_stride, scale, scratch,        \
-                           b0, b1, part, next_bt, next_nb, next_head);                                  \
-    else                                                                                               \
-        item_plain_##SUFFIX(q, q_stride, kc, vc, out, out_stride, bt, ctx_lens[b], cu_q[b], qlen, kh0, hg, \
-                            H, KVH, D, BS, blk_stride, tok_stride, head_stride, scale, scratch,         \
-                            b0, b1, part, next_bt, next_nb, next_head)
-
 #define DEFINE_KERNEL(SUFFIX, TQ, TKV, QSTORE)                                                          \
     int paged_attention_##SUFFIX(const TQ *q, int64_t q_stride, const TKV *kc, const TKV *vc,   \
                                  TQ *out,                                                         \
@@ -511,8 +496,21 @@ static void merge_row(const float *parts, int nparts, int64_t part_len, int rows
                 const int32_t *next_bt = nxt < 0 ? 0 : block_tables + (int64_t)(nxt / groups) * max_blocks; \
                 const int next_nb = nxt < 0 ? 0 : (ctx_lens[nxt / groups] + BS - 1) / BS;        \
                 const int64_t next_head = nxt < 0 ? 0 : (int64_t)(nxt % groups * hg) * head_stride; \
-                CALL_ITEM(SUFFIX, (int)((int64_t)nb * p / parts), (int)((int64_t)nb * (p + 1) / parts), \
-                          parts == 1 ? 0 : partials + (int64_t)u * part_len, next_bt, next_nb, next_head); \
+                const int b0 = (int)((int64_t)nb * p / parts), b1 = (int)((int64_t)nb * (p + 1) / parts); \
+                float *part = parts == 1 ? 0 : partials + (int64_t)u * part_len;                  \
+                /* one call site for whole items and parts: each inlines the items (D specialised) */ \
+                if (D == 64)                                                                      \
+                    item_fast_##SUFFIX(q, q_stride, kc, vc, out, out_stride, bt, ctx_lens[b], cu_q[b], qlen, kh0, hg, \
+                                       H, KVH, 64, BS, blk_stride, tok_stride, head_stride, scale, scratch, \
+                                       b0, b1, part, next_bt, next_nb, next_head);                \
+                else if (D == 128)                                                                \
+                    item_fast_##SUFFIX(q, q_stride, kc, vc, out, out_stride, bt, ctx_lens[b], cu_q[b], qlen, kh0, hg, \
+                                       H, KVH, 128, BS, blk_stride, tok_stride, head_stride, scale, scratch, \
+                                       b0, b1, part, next_bt, next_nb, next_head);                \
+                else                                                                              \
+                    item_plain_##SUFFIX(q, q_stride, kc, vc, out, out_stride, bt, ctx_lens[b], cu_q[b], qlen, kh0, hg, \
+                                        H, KVH, D, BS, blk_stride, tok_stride, head_stride, scale, scratch, \
+                                        b0, b1, part, next_bt, next_nb, next_head);               \
             }                                                                                     \
             if (parts > 1) {                    /* every thread takes this branch: parts is shared */ \
                 _Pragma("omp barrier")                                                            \

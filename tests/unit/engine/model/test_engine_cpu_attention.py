@@ -5,6 +5,8 @@ one item, head sizes with and without a specialised loop, any block size, a bflo
 bfloat16 queries, and every build of the kernel this CPU runs."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -89,15 +91,21 @@ def test_kernel_equals_sdpa_over_the_gathered_context(h, kvh, d, qlens, kv_dtype
     check_decode(h, kvh, d, qlens, kv_dtype, q_dtype)
 
 
+@contextlib.contextmanager
+def kernel_team(threads):
+    """The kernels' team at `threads` (the work split depends on it), torch's count again after."""
+    cpu_kernels().set_num_threads(threads)
+    try:
+        yield
+    finally:
+        cpu_kernels().set_num_threads(torch.get_num_threads())
+
+
 @pytest.mark.parametrize("h,kvh,d,qlens", WIDE_CASES)
 def test_kernel_items_of_several_kv_heads(h, kvh, d, qlens):
-    lib = cpu_kernels()
-    lib.set_num_threads(2)
-    try:
+    with kernel_team(2):
         for kv_dtype, q_dtype in DTYPES:
             check_decode(h, kvh, d, qlens, kv_dtype, q_dtype)
-    finally:
-        lib.set_num_threads(torch.get_num_threads())
 
 
 # (heads, kv heads, head size, query rows, contexts, threads): fewer items (sequence, kv head) than threads,
@@ -112,13 +120,9 @@ SPLIT_CASES = [
 
 @pytest.mark.parametrize("h,kvh,d,qlens,ctx_lens,threads", SPLIT_CASES)
 def test_kernel_splits_a_long_context_across_threads(h, kvh, d, qlens, ctx_lens, threads):
-    lib = cpu_kernels()
-    lib.set_num_threads(threads)
-    try:
+    with kernel_team(threads):
         for kv_dtype, q_dtype in DTYPES:
             check_decode(h, kvh, d, qlens, kv_dtype, q_dtype, ctx_lens=ctx_lens)
-    finally:
-        lib.set_num_threads(torch.get_num_threads())
 
 
 @pytest.mark.parametrize("bs", [8, 24, 64])
