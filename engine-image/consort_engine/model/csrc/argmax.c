@@ -6,11 +6,6 @@
 
 #define CHUNK 512   /* elements per chunk: a multiple of 4 vectors on every build */
 
-#if defined(VEC)
-#define VLOAD_f32(p) VEC_LOADU(p)
-#define VLOAD_bf16(p) VEC_LOAD_BF16(p)
-#endif
-
 /* torch's loop, for rows with a NaN (or an infinity: the vector pass cannot tell them apart) */
 #define DEFINE_ARGMAX_SCALAR(SUFFIX, T)                                                           \
     static int64_t argmax_scalar_##SUFFIX(const T *x, int64_t lo, int64_t hi) {                  \
@@ -41,12 +36,12 @@
         int64_t best_chunk = 0;                                                                   \
         float lanes[VLEN];                                                                        \
         for (int64_t c = 0; c < whole; c += CHUNK) {                                              \
-            VEC m0 = VLOAD_##SUFFIX(x + c), m1 = VLOAD_##SUFFIX(x + c + VLEN);                    \
-            VEC m2 = VLOAD_##SUFFIX(x + c + 2 * VLEN), m3 = VLOAD_##SUFFIX(x + c + 3 * VLEN);     \
+            VEC m0 = VEC_GET_##SUFFIX(x + c), m1 = VEC_GET_##SUFFIX(x + c + VLEN);                    \
+            VEC m2 = VEC_GET_##SUFFIX(x + c + 2 * VLEN), m3 = VEC_GET_##SUFFIX(x + c + 3 * VLEN);     \
             nan = VEC_FMA(m0, zero, VEC_FMA(m1, zero, VEC_FMA(m2, zero, VEC_FMA(m3, zero, nan)))); \
             for (int64_t i = c + 4 * VLEN; i < c + CHUNK; i += 4 * VLEN) {                        \
-                const VEC v0 = VLOAD_##SUFFIX(x + i), v1 = VLOAD_##SUFFIX(x + i + VLEN);          \
-                const VEC v2 = VLOAD_##SUFFIX(x + i + 2 * VLEN), v3 = VLOAD_##SUFFIX(x + i + 3 * VLEN); \
+                const VEC v0 = VEC_GET_##SUFFIX(x + i), v1 = VEC_GET_##SUFFIX(x + i + VLEN);          \
+                const VEC v2 = VEC_GET_##SUFFIX(x + i + 2 * VLEN), v3 = VEC_GET_##SUFFIX(x + i + 3 * VLEN); \
                 m0 = VEC_MAX(m0, v0);                                                             \
                 m1 = VEC_MAX(m1, v1);                                                             \
                 m2 = VEC_MAX(m2, v2);                                                             \

@@ -148,6 +148,10 @@ static inline VEC exp_vec_nonpos(VEC x) {
     p = VEC_FMA(p, f, VEC_SET1(1.f));
     return VEC_TIMES_POW2(p, k);
 }
+
+/* A vector of a row as fp32 lanes by the row's type (as get_f32 / get_bf16 for one element). */
+#define VEC_GET_f32(p) VEC_LOADU(p)
+#define VEC_GET_bf16(p) VEC_LOAD_BF16(p)
 #endif
 
 #endif

@@ -155,9 +155,6 @@ static AI void store_scores(float *s, VEC x, int m) {
     memcpy(s, t, sizeof(float) * (size_t)m);
 }
 
-#define LOAD_f32(p) VEC_LOADU(p)
-#define LOAD_bf16(p) VEC_LOAD_BF16(p)
-
 /* The runs on vectors (D a multiple of VLEN, a constant where the item is specialised). Scores take
  * VLEN keys at a time (past the run's end the last key repeats, its lanes not stored); the V pass
  * takes slices of SV vectors of D and tiles of up to RB rows, their accumulators in registers while the
@@ -175,8 +172,8 @@ static AI void store_scores(float *s, VEC x, int m) {
                 VEC p[VLEN];                                                                                   \
                 _Pragma("GCC unroll 16") for (int o = 0; o < VLEN; o++) {                                      \
                     if (r == 0 && o < m) prefetch_key(pf, o0 + o);                                             \
-                    VEC a = VEC_MUL(VEC_LOADU(qr), LOAD_##KS(kr[o]));                                          \
-                    for (int d = VLEN; d < D; d += VLEN) a = VEC_FMA(VEC_LOADU(qr + d), LOAD_##KS(kr[o] + d), a); \
+                    VEC a = VEC_MUL(VEC_LOADU(qr), VEC_GET_##KS(kr[o]));                                          \
+                    for (int d = VLEN; d < D; d += VLEN) a = VEC_FMA(VEC_LOADU(qr + d), VEC_GET_##KS(kr[o] + d), a); \
                     p[o] = a;                                                                                  \
                 }                                                                                              \
                 store_scores(s + (int64_t)r * ctx + o0, VEC_MUL(sum_lanes(p), VEC_SET1(scale)), m);            \
@@ -195,7 +192,7 @@ static AI void store_scores(float *s, VEC x, int m) {
             _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) p[r] = VEC_SET1(s[(int64_t)r * ctx + o]);     \
             const TKV *vr = v + o * tok + d0;                                                                  \
             _Pragma("GCC unroll 16") for (int x = 0; x < SV; x++) {                                            \
-                const VEC y = LOAD_##KS(vr + x * VLEN);                                                        \
+                const VEC y = VEC_GET_##KS(vr + x * VLEN);                                                        \
                 _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)                                           \
                     a[r * SV + x] = VEC_FMA(p[r], y, a[r * SV + x]);                                           \
             }                                                                                                  \
@@ -236,7 +233,7 @@ DEFINE_VEC_RUNS(bf16, bf16_t)
  * floats), then the fp32 runs over them, instead of each row (or each V tile) widening them again. */
 static AI const float *widen_run(float *row, const bf16_t *k, int64_t tok, int n, const int D) {
     for (int o = 0; o < n; o++)
-        for (int d = 0; d < D; d += VLEN) VEC_STOREU(row + (int64_t)o * D + d, LOAD_bf16(k + o * tok + d));
+        for (int d = 0; d < D; d += VLEN) VEC_STOREU(row + (int64_t)o * D + d, VEC_GET_bf16(k + o * tok + d));
     return row;
 }
 static AI void scores_wide_bf16(const float *q, int rq, const bf16_t *k, int64_t tok, int n, const int D,
