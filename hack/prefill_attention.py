@@ -9,24 +9,31 @@ BF16 pair dot product) beside the bf16 kernel. All sides run the same spans thro
 of 5 in rotation, so a burst of neighbour load hits them alike. FLOPs: 4 x heads x head size per visible
 (query, key) pair.
 
+`--tree DIR` adds another checkout's kernels (a `git worktree` of the commit before a change), built with
+this machine's -march=native and the engine's flags, run in rotation with this one's on the same pools.
+
     PYTHONPATH=engine-image .venv/bin/python hack/prefill_attention.py [--head-dim 128] [--kv-dtype bfloat16]
-        [--q-dtype bfloat16]
+        [--q-dtype bfloat16] [--tree DIR]
 """
 from __future__ import annotations
 
 import argparse
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 from consort_common.machine import cpu_model_and_flags
 from consort_engine.model import attention
+from consort_engine.model import cpu_kernels as cpu_kernels_mod
 from consort_engine.model.attention import AttentionMetadata, PagedAttention, PrefillSpan
 
 # (name, [(cached, new) per sequence]): the chunk lengths a 2,048-token step budget cuts prompts into
-CASES = (("1 x 128", [(0, 128)]), ("1 x 512", [(0, 512)]), ("4 x 512", [(0, 512)] * 4),
-         ("8 x 256", [(0, 256)] * 8), ("1 x 2048", [(0, 2048)]), ("256 cached + 256", [(256, 256)]),
-         ("1024 cached + 1024", [(1024, 1024)]))
+CASES = (("16 x 64", [(0, 64)] * 16), ("1 x 128", [(0, 128)]), ("4 x 300", [(0, 300)] * 4),
+         ("1 x 512", [(0, 512)]), ("4 x 512", [(0, 512)] * 4), ("8 x 256", [(0, 256)] * 8),
+         ("1 x 2048", [(0, 2048)]), ("256 cached + 256", [(256, 256)]), ("1024 cached + 1024", [(1024, 1024)]))
+CSRC = "engine-image/consort_engine/model/csrc"
 BLOCK = 16
 
 
@@ -85,12 +92,37 @@ class Widened(PagedAttention):
             attention.kernel = lookup
 
 
+class OtherTree(PagedAttention):
+    """The same layer over the same pool, run by another checkout's kernel library."""
+
+    def __init__(self, attn: PagedAttention, lib):
+        super().__init__(attn.h, attn.kvh, attn.d, attn.scale, attn.backend)
+        self.k_cache, self.v_cache, self.lib = attn.k_cache, attn.v_cache, lib
+
+    def forward(self, *args):
+        ours, cpu_kernels_mod._lib = cpu_kernels_mod._lib, self.lib
+        try:
+            return super().forward(*args)
+        finally:
+            cpu_kernels_mod._lib = ours
+
+
+def build_tree(tree: Path, out: Path):
+    """The prefill kernels of `tree` (and the K/V store its layer calls) as a library of their own."""
+    src = tree / CSRC
+    print(f"[prefill-attention] compiling {src}'s prefill kernels (native)", flush=True)
+    names = ("prefill_attention.c", "prefill_attention_bf16.c", "paged_attention.c", "team.c")
+    cpu_kernels_mod.compile_sources(out, "native", sources=[src / n for n in names])
+    return cpu_kernels_mod.load_library(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=0, help="torch and kernel threads (0: torch's default)")
     ap.add_argument("--head-dim", type=int, default=64, choices=(64, 128))
     ap.add_argument("--kv-dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--q-dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--tree", type=Path, default=None, help="another checkout's kernels, timed beside this one's")
     a = ap.parse_args()
     if a.q_dtype == "bfloat16" and a.kv_dtype != "bfloat16":
         ap.error("--q-dtype bfloat16 runs over a bfloat16 pool (--kv-dtype bfloat16)")
@@ -111,30 +143,33 @@ def main() -> None:
     print(f"{model}; {' '.join(f for f in ('avx2', 'fma', 'avx512f', 'avx512_bf16', 'amx_tile') if f in flags)}; "
           f"{torch.get_num_threads()} threads; heads {h}/{kvh} x {a.head_dim}, {a.q_dtype} queries, {a.kv_dtype} pool; "
           f"GFLOP/s, best of 5")
+    kernel_name = "kernel"
     if widened:
         built = hasattr(cpu_kernels(), "prefill_attention_bf16")
-        bf16 = "bf16 pair dot" if built else "widened too: no AVX-512 BF16 build"
-        print(f"| spans | kernel ({bf16}) | kernel, widened | SDPA | kernel / widened | kernel / SDPA |\n"
-              "|---|---|---|---|---|---|")
-    else:
-        print("| spans | kernel | SDPA | kernel / SDPA |\n|---|---|---|---|")
-    g = torch.Generator().manual_seed(0)
-    for name, spans in CASES:
-        attn, (q, k, v), meta, flops = setup(spans, h, kvh, a.head_dim, kv_dtype, q_dtype, g)
-        sides = {"kernel": attn, "sdpa": sdpa_only(attn)} | ({"widened": Widened(attn)} if widened else {})
-        best = dict.fromkeys(sides, 0.0)
-        for _ in range(5):
-            for side, layer in sides.items():
-                t0 = time.perf_counter()
+        kernel_name = f"kernel ({'bf16 pair dot' if built else 'widened too: no AVX-512 BF16 build'})"
+    with tempfile.TemporaryDirectory() as tmp:
+        other = build_tree(a.tree.resolve(), Path(tmp) / "other.so") if a.tree else None
+        columns = ([f"{a.tree.name}'s kernel"] if other else []) + [kernel_name] \
+            + (["kernel, widened"] if widened else []) + ["SDPA"] \
+            + (["kernel / other tree's"] if other else []) + (["kernel / widened"] if widened else []) \
+            + ["kernel / SDPA"]
+        print(f"| spans | {' | '.join(columns)} |\n|---|{'---|' * len(columns)}")
+        g = torch.Generator().manual_seed(0)
+        for name, spans in CASES:
+            attn, (q, k, v), meta, flops = setup(spans, h, kvh, a.head_dim, kv_dtype, q_dtype, g)
+            sides = ({"other": OtherTree(attn, other)} if other else {}) | {"kernel": attn} \
+                | ({"widened": Widened(attn)} if widened else {}) | {"sdpa": sdpa_only(attn)}
+            best = dict.fromkeys(sides, 0.0)
+            for layer in sides.values():     # untimed: first-touch of the outputs, each library's first call
                 layer(q, k, v, meta)
-                best[side] = max(best[side], flops / (time.perf_counter() - t0) / 1e9)
-        kern, sdpa = best["kernel"], best["sdpa"]
-        if widened:
-            wide = best["widened"]
-            print(f"| {name} | {kern:.1f} | {wide:.1f} | {sdpa:.1f} | {kern / wide:.2f}x | {kern / sdpa:.2f}x |",
-                  flush=True)
-        else:
-            print(f"| {name} | {kern:.1f} | {sdpa:.1f} | {kern / sdpa:.2f}x |", flush=True)
+            for _ in range(5):
+                for side, layer in sides.items():
+                    t0 = time.perf_counter()
+                    layer(q, k, v, meta)
+                    best[side] = max(best[side], flops / (time.perf_counter() - t0) / 1e9)
+            rates = [f"{r:.1f}" for r in best.values()]
+            ratios = [f"{best['kernel'] / best[side]:.2f}x" for side in ("other", "widened", "sdpa") if side in best]
+            print(f"| {name} | {' | '.join(rates + ratios)} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -12,9 +12,12 @@
  *   per two keys by interleaving them (vpunpck: within each 32 of D the order becomes 0-3, 8-11,
  *   16-19, 24-27 | 4-7, 12-15, 20-23, 28-31, which the accumulators keep and the output undoes);
  * - P V accumulates in registers, tiles of query rows x vectors of D (the fp32 kernel's PF_PV shapes).
- * Scores, softmax and accumulators are fp32; the output is rounded to bf16 once. Built where the
- * compiler targets AVX-512 BF16; elsewhere (and with AMX, where SDPA's bf16 GEMMs run on tiles) the
- * engine widens the queries for the fp32 kernel (model/attention.py).
+ * Scores, softmax and accumulators are fp32; the output is rounded to bf16 once. A tile's fixed work is
+ * on vectors too (element-at-a-time loops there took 1.1-1.3x a 64-512-token span's time, 1.5-2.7x at
+ * head size 128): the queries gathered 16 rows at a time, the softmax writing P's bf16 pairs, the output
+ * 32 elements at a time (packus undoes the interleave). Built where the compiler targets AVX-512 BF16;
+ * elsewhere the engine widens the queries for the fp32 kernel, and with AMX it leaves bf16 spans to
+ * SDPA, whose GEMMs run on tiles (model/attention.py).
  */
 #include "common.h"
 
@@ -60,25 +63,35 @@ static inline __attribute__((always_inline)) void pb_scores(const pair_t *qT, in
 }
 
 /* The online-softmax step of row vector rv over keys c0 .. c0 + nk - 1 (S holds their scores, where
- * any row of the vector sees them): S becomes the probabilities (zero where a row does not see the key),
- * m and l the running max and sum, alpha the factor the rows' earlier P V sums take. Block 0 holds key
- * 0, which every row sees, so m is finite from the first block on. */
-static inline void pb_softmax(float *S, int RW, int rv, int c0, int nk, const int *pos, float *m, float *l,
-                              float *alpha) {
+ * any row of the vector sees them): the probabilities (zero where a row does not see the key) go to Pp
+ * rounded to bf16 and paired per two keys, m and l take the running max and sum (of the fp32
+ * probabilities), alpha the factor the rows' earlier P V sums take. Block 0 holds key 0, which every row
+ * sees, so m is finite from the first block on. Where the vector's first row (the lowest pos) sees the
+ * whole block, as in every block before the diagonal, no key needs a mask. */
+static inline __attribute__((always_inline)) void pb_softmax(const float *S, int RW, int rv, int c0, int nk,
+                                                             const int *pos, float *m, float *l, float *alpha,
+                                                             pair_t *Pp) {
     const __m512i posv = _mm512_loadu_si512(pos + rv * 16);
+    const int full = c0 + nk - 1 <= pos[rv * 16];
     const __m512 mold = _mm512_load_ps(m + rv * 16);
     __m512 mx = mold;
-    for (int j = 0; j < nk; j++) {
-        const __mmask16 vis = _mm512_cmple_epi32_mask(_mm512_set1_epi32(c0 + j), posv);
-        mx = _mm512_mask_max_ps(mx, vis, mx, _mm512_load_ps(S + (int64_t)j * RW + rv * 16));
-    }
+    if (full)
+        for (int j = 0; j < nk; j++) mx = _mm512_max_ps(mx, _mm512_load_ps(S + (int64_t)j * RW + rv * 16));
+    else
+        for (int j = 0; j < nk; j++) {
+            const __mmask16 vis = _mm512_cmple_epi32_mask(_mm512_set1_epi32(c0 + j), posv);
+            mx = _mm512_mask_max_ps(mx, vis, mx, _mm512_load_ps(S + (int64_t)j * RW + rv * 16));
+        }
     __m512 sum = _mm512_setzero_ps();
-    for (int j = 0; j < nk; j++) {
-        float *sj = S + (int64_t)j * RW + rv * 16;
-        const __mmask16 vis = _mm512_cmple_epi32_mask(_mm512_set1_epi32(c0 + j), posv);
-        const __m512 p = _mm512_maskz_mov_ps(vis, exp_vec_nonpos(_mm512_sub_ps(_mm512_load_ps(sj), mx)));
-        sum = _mm512_add_ps(sum, p);
-        _mm512_store_ps(sj, p);
+    for (int j = 0; j < nk; j += 2) {
+        __m512 p[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+        for (int h = 0; h < 2 && j + h < nk; h++) {
+            const __m512 e = exp_vec_nonpos(_mm512_sub_ps(_mm512_load_ps(S + (int64_t)(j + h) * RW + rv * 16), mx));
+            p[h] = full ? e : _mm512_maskz_mov_ps(_mm512_cmple_epi32_mask(_mm512_set1_epi32(c0 + j + h), posv), e);
+            sum = _mm512_add_ps(sum, p[h]);
+        }
+        _mm512_store_si512(Pp + (int64_t)(j / 2) * RW + rv * 16,
+                           _mm512_or_si512(pb_round(p[0]), _mm512_slli_epi32(pb_round(p[1]), 16)));
     }
     const __m512 al = exp_vec_nonpos(_mm512_sub_ps(mold, mx));   /* m = -inf: e^-87, times l and acc = 0 */
     _mm512_store_ps(l + rv * 16, _mm512_fmadd_ps(_mm512_load_ps(l + rv * 16), al, sum));
@@ -127,8 +140,12 @@ static inline __attribute__((always_inline)) void pb_pv_##SV##x##RR(            
 DEFINE_PB_PV(4, 6)     /* D = 64: 24 accumulators + 4 V pairs' vectors of 32 zmm */
 DEFINE_PB_PV(8, 3)     /* D = 128 */
 
-/* Where element e of each 32 of D sits in the accumulators (the interleave's order, see the top). */
-static inline int pb_slot(int e) { return (e & 4 ? 16 : 0) + (e >> 3) * 4 + (e & 3); }
+/* 16 fp32 lanes rounded to bf16 as f32_to_bf16 rounds (nearest even), each in the low half of its lane. */
+static inline __m512i pb_bf16_bits(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    return _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+}
 
 /* One work item (the arguments of pf_item in prefill_attention.c; offsets are in elements). */
 static void pb_item(const bf16_t *q, int64_t q_stride, const bf16_t *kc, const bf16_t *vc, bf16_t *out,
@@ -145,13 +162,20 @@ static void pb_item(const bf16_t *q, int64_t q_stride, const bf16_t *kc, const b
     int pos[PB_MAX_ROWS];
     const pair_t *kw[PB_KEYS];
     const bf16_t *vrows[PB_KEYS];
+    const pair_t *q_tile = (const pair_t *)(q + (int64_t)(q0 + t0) * q_stride + (int64_t)kh * G * D);
+    int at[PB_MAX_ROWS];                    /* row r's query, in pairs from q_tile */
     for (int r = 0; r < RW; r++) {          /* rows past `rows` (to a whole vector) repeat the last one */
-        const int rr = r < rows ? r : rows - 1, i = t0 + rr / G, g = rr % G;
-        const pair_t *src = (const pair_t *)(q + (int64_t)(q0 + i) * q_stride + (int64_t)(kh * G + g) * D);
-        for (int p = 0; p < DP; p++) qT[(int64_t)p * RW + r] = src[p];
-        pos[r] = ctx - qlen + i;            /* sees keys 0 .. pos (rising with r) */
+        const int rr = r < rows ? r : rows - 1, i = rr / G, g = rr % G;
+        at[r] = (int)(((int64_t)i * q_stride + (int64_t)g * D) / 2);
+        pos[r] = ctx - qlen + t0 + i;       /* sees keys 0 .. pos (rising with r) */
         m[r] = -INFINITY;
         l[r] = 0.f;
+    }
+    for (int rv = 0; rv < nrv; rv++) {      /* the transpose, 16 rows' pair p at a time */
+        const __m512i idx = _mm512_loadu_si512(at + rv * 16);
+        for (int p = 0; p < DP; p++)
+            _mm512_store_si512(qT + (int64_t)p * RW + rv * 16,
+                               _mm512_i32gather_epi32(idx, (const int *)(q_tile + p), 4));
     }
     memset(acc, 0, sizeof(float) * (size_t)rows * (size_t)D);
     const __m512 sc = _mm512_set1_ps(scale);
@@ -174,15 +198,9 @@ static void pb_item(const bf16_t *q, int64_t q_stride, const bf16_t *kc, const b
                 else
                     pb_scores(qT, RW, kw, kb, rv, 1, DP, sc, S);
             }
-        for (int rv = 0; rv < nrv; rv++) pb_softmax(S, RW, rv, c0, nk, pos, m, l, alpha);
+        for (int rv = 0; rv < nrv; rv++) pb_softmax(S, RW, rv, c0, nk, pos, m, l, alpha, Pp);
         for (int jp = 0; jp < npairs; jp++) {
             const int j1 = 2 * jp + 1 < nk;
-            for (int rv = 0; rv < nrv; rv++) {
-                const __m512i p0 = pb_round(_mm512_load_ps(S + (int64_t)(2 * jp) * RW + rv * 16));
-                const __m512i p1 = j1 ? pb_round(_mm512_load_ps(S + (int64_t)(2 * jp + 1) * RW + rv * 16))
-                                      : _mm512_setzero_si512();
-                _mm512_store_si512(Pp + (int64_t)jp * RW + rv * 16, _mm512_or_si512(p0, _mm512_slli_epi32(p1, 16)));
-            }
             const bf16_t *v0 = vrows[2 * jp], *v1 = j1 ? vrows[2 * jp + 1] : v0;   /* P is 0 for the spare */
             for (int d = 0; d < D; d += 32) {
                 const __m512i x = _mm512_loadu_si512(v0 + d), y = _mm512_loadu_si512(v1 + d);
@@ -198,8 +216,13 @@ static void pb_item(const bf16_t *q, int64_t q_stride, const bf16_t *kc, const b
     for (int r = 0; r < rows; r++) {
         const int i = t0 + r / G, g = r % G;
         bf16_t *dst = out + (int64_t)(q0 + i) * out_stride + (int64_t)(kh * G + g) * D;
-        const float inv = 1.f / l[r], *ar = acc + (int64_t)r * D;
-        for (int d = 0; d < D; d++) dst[d] = f32_to_bf16(ar[(d & ~31) + pb_slot(d & 31)] * inv);
+        const __m512 inv = _mm512_set1_ps(1.f / l[r]);
+        const float *ar = acc + (int64_t)r * D;
+        for (int d = 0; d < D; d += 32) {   /* packus undoes the interleave (see the top) */
+            const __m512i lo = pb_bf16_bits(_mm512_mul_ps(_mm512_load_ps(ar + d), inv));
+            const __m512i hi = pb_bf16_bits(_mm512_mul_ps(_mm512_load_ps(ar + d + 16), inv));
+            _mm512_storeu_si512(dst + d, _mm512_packus_epi32(lo, hi));
+        }
     }
 }
 
@@ -209,7 +232,7 @@ int prefill_attention_bf16(const bf16_t *q, int64_t q_stride, const bf16_t *kc, 
                            int64_t out_stride, const int32_t *block_tables, int max_blocks, const int32_t *ctx_lens,
                            const int32_t *cu_q, int B, int H, int KVH, int D, int BS, int64_t blk_stride,
                            int64_t tok_stride, int64_t head_stride, float scale) {
-    if ((D != 64 && D != 128) || H % KVH || H / KVH > 16) return -3;
+    if ((D != 64 && D != 128) || H % KVH || H / KVH > 16 || q_stride % 2) return -3;   /* queries read as pairs */
     const int tiles = prefill_tiles(cu_q, B, PB_TOKENS);
     const int64_t scratch_len = (int64_t)D / 2 * PB_MAX_ROWS + (int64_t)PB_KEYS * PB_MAX_ROWS
                                 + PB_KEYS / 2 * (PB_MAX_ROWS + D) + (int64_t)PB_MAX_ROWS * D + 3 * PB_MAX_ROWS;

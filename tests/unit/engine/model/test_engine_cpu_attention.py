@@ -237,6 +237,21 @@ def test_prefill_kernel_declines_what_it_does_not_cover():
                                     torch.empty(4, 128, dtype=torch.bfloat16), meta)
 
 
+@pytest.mark.skipif(not HAS_BF16_DOT or attention.AMX, reason="the bf16 prefill kernel runs on AVX-512 BF16 without AMX")
+def test_bf16_prefill_kernel_declines_queries_at_an_odd_row_stride():
+    """It reads each row's queries as bf16 pairs (32-bit gathers): rows an odd number of elements apart
+    are left to SDPA instead of read at the wrong offsets."""
+    meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.int64), num_batched_tokens=0,
+                             prefill_block_tables=torch.zeros(1, 1, dtype=torch.int32),
+                             prefill_context_lens=torch.tensor([4], dtype=torch.int32),
+                             prefill_cu_query_lens=torch.tensor([0, 4], dtype=torch.int32))
+    attn = PagedAttention(2, 2, 64, 0.125, "cpu_kernel")
+    attn.k_cache = attn.v_cache = torch.ones(1, 2, 16, 64, dtype=torch.bfloat16)
+    q = torch.ones(4 * 129, dtype=torch.bfloat16).as_strided((4, 2, 64), (129, 64, 1))
+    assert not attn._prefill_kernel(q, torch.zeros(4, 128, dtype=torch.bfloat16), meta)
+    assert attn._prefill_kernel(q.contiguous(), torch.zeros(4, 128, dtype=torch.bfloat16), meta)
+
+
 @pytest.mark.skipif(not HAS_PREFILL, reason="the prefill kernel is built for AVX-512 or AVX2 + FMA CPUs")
 def test_bf16_prefill_takes_the_pair_dot_kernel_where_the_library_has_it(monkeypatch):
     """bf16 queries over a bf16 pool run the bf16 kernel in place where it is built (AVX-512 BF16), else
