@@ -68,30 +68,59 @@ static inline __attribute__((always_inline)) void pb_scores(const pair_t *qT, in
  * probabilities), alpha the factor the rows' earlier P V sums take. Block 0 holds key 0, which every row
  * sees, so m is finite from the first block on. Where the vector's first row (the lowest pos) sees the
  * whole block, as in every block before the diagonal, no key needs a mask. */
+static inline __attribute__((always_inline)) __m512i pb_pair(__m512 p0, __m512 p1) {
+    return _mm512_or_si512(pb_round(p0), _mm512_slli_epi32(pb_round(p1), 16));
+}
+
+/* Key j's probabilities for row vector rv, e^(S - mx), zero in rows that do not see it where MASKED
+ * (a constant: the blocks before the diagonal run without the compare). */
+static inline __attribute__((always_inline)) __m512 pb_prob(const float *S, int RW, int rv, int j, int c0,
+                                                            __m512i posv, __m512 mx, const int MASKED) {
+    const __m512 e = exp_vec_nonpos(_mm512_sub_ps(_mm512_load_ps(S + (int64_t)j * RW + rv * 16), mx));
+    return MASKED ? _mm512_maskz_mov_ps(_mm512_cmple_epi32_mask(_mm512_set1_epi32(c0 + j), posv), e) : e;
+}
+
+/* The probabilities of keys 0 .. nk - 1 into Pp (bf16 pairs), their fp32 sum returned. */
+static inline __attribute__((always_inline)) __m512 pb_probs(const float *S, int RW, int rv, int c0, int nk,
+                                                             __m512i posv, __m512 mx, pair_t *Pp, const int MASKED) {
+    __m512 sum = _mm512_setzero_ps();
+    int j = 0;
+    for (; j + 2 <= nk; j += 2) {
+        const __m512 p0 = pb_prob(S, RW, rv, j, c0, posv, mx, MASKED);
+        const __m512 p1 = pb_prob(S, RW, rv, j + 1, c0, posv, mx, MASKED);
+        sum = _mm512_add_ps(_mm512_add_ps(sum, p0), p1);
+        _mm512_store_si512(Pp + (int64_t)(j / 2) * RW + rv * 16, pb_pair(p0, p1));
+    }
+    if (j < nk) {                             /* an odd last key: its pair's second half is 0 */
+        const __m512 p0 = pb_prob(S, RW, rv, j, c0, posv, mx, MASKED);
+        sum = _mm512_add_ps(sum, p0);
+        _mm512_store_si512(Pp + (int64_t)(j / 2) * RW + rv * 16, pb_pair(p0, _mm512_setzero_ps()));
+    }
+    return sum;
+}
+
 static inline __attribute__((always_inline)) void pb_softmax(const float *S, int RW, int rv, int c0, int nk,
                                                              const int *pos, float *m, float *l, float *alpha,
                                                              pair_t *Pp) {
     const __m512i posv = _mm512_loadu_si512(pos + rv * 16);
     const int full = c0 + nk - 1 <= pos[rv * 16];
     const __m512 mold = _mm512_load_ps(m + rv * 16);
-    __m512 mx = mold;
-    if (full)
-        for (int j = 0; j < nk; j++) mx = _mm512_max_ps(mx, _mm512_load_ps(S + (int64_t)j * RW + rv * 16));
-    else
+    __m512 mx = mold, sum;
+    if (full) {                               /* four max chains: one would wait on each max's latency */
+        __m512 m4[4] = {mold, mold, mold, mold};
+        int j = 0;
+        const float *sv = S + rv * 16;
+        for (; j + 4 <= nk; j += 4)
+            for (int u = 0; u < 4; u++) m4[u] = _mm512_max_ps(m4[u], _mm512_load_ps(sv + (int64_t)(j + u) * RW));
+        for (; j < nk; j++) m4[0] = _mm512_max_ps(m4[0], _mm512_load_ps(sv + (int64_t)j * RW));
+        mx = _mm512_max_ps(_mm512_max_ps(m4[0], m4[1]), _mm512_max_ps(m4[2], m4[3]));
+        sum = pb_probs(S, RW, rv, c0, nk, posv, mx, Pp, 0);
+    } else {
         for (int j = 0; j < nk; j++) {
             const __mmask16 vis = _mm512_cmple_epi32_mask(_mm512_set1_epi32(c0 + j), posv);
             mx = _mm512_mask_max_ps(mx, vis, mx, _mm512_load_ps(S + (int64_t)j * RW + rv * 16));
         }
-    __m512 sum = _mm512_setzero_ps();
-    for (int j = 0; j < nk; j += 2) {
-        __m512 p[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-        for (int h = 0; h < 2 && j + h < nk; h++) {
-            const __m512 e = exp_vec_nonpos(_mm512_sub_ps(_mm512_load_ps(S + (int64_t)(j + h) * RW + rv * 16), mx));
-            p[h] = full ? e : _mm512_maskz_mov_ps(_mm512_cmple_epi32_mask(_mm512_set1_epi32(c0 + j + h), posv), e);
-            sum = _mm512_add_ps(sum, p[h]);
-        }
-        _mm512_store_si512(Pp + (int64_t)(j / 2) * RW + rv * 16,
-                           _mm512_or_si512(pb_round(p[0]), _mm512_slli_epi32(pb_round(p[1]), 16)));
+        sum = pb_probs(S, RW, rv, c0, nk, posv, mx, Pp, 1);
     }
     const __m512 al = exp_vec_nonpos(_mm512_sub_ps(mold, mx));   /* m = -inf: e^-87, times l and acc = 0 */
     _mm512_store_ps(l + rv * 16, _mm512_fmadd_ps(_mm512_load_ps(l + rv * 16), al, sum));
