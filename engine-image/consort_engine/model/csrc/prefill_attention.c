@@ -250,7 +250,7 @@ int prefill_attention_##SUFFIX(const float *q, int64_t q_stride, const TKV *kc, 
         float *scratch = (float *)aligned_alloc(64, sizeof(float) * ((scratch_len + 15) / 16 * 16));      \
         if (!scratch) err = -2;                                                                             \
         _Pragma("omp for schedule(dynamic, 1)")                                                             \
-        for (int it = 0; it < tiles * KVH; it++) {                                                          \
+        for (int it = tiles * KVH - 1; it >= 0; it--) {   /* a span's last tiles (the most keys) first */   \
             if (!scratch) continue;                                                                         \
             int b, t0, t1;                                                                                  \
             const int kh = it % KVH;                                                                        \

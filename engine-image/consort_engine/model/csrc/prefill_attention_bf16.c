@@ -271,7 +271,7 @@ int prefill_attention_bf16(const bf16_t *q, int64_t q_stride, const bf16_t *kc, 
         float *scratch = (float *)aligned_alloc(64, sizeof(float) * (size_t)((scratch_len + 15) / 16 * 16));
         if (!scratch) err = -2;
         #pragma omp for schedule(dynamic, 1)
-        for (int it = 0; it < tiles * KVH; it++) {
+        for (int it = tiles * KVH - 1; it >= 0; it--) {   /* a span's last tiles (the most keys) first */
             if (!scratch) continue;
             int b, t0, t1;
             const int kh = it % KVH;
