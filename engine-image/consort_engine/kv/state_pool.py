@@ -39,6 +39,7 @@ class StateMetadata:
     ssm: torch.Tensor                           # [slots, mixers, heads, head_dim, d_state] float32
     decode_rows: torch.Tensor | slice | None = None   # rows of single-token groups (one batched step)
     decode_slots: torch.Tensor | slice | None = None  # their slots (a slice when consecutive: views, no gather)
+    decode_ids: tuple[torch.Tensor, torch.Tensor] | None = None   # the same as int64 arrays (CPU: the C step)
     chunks: list[tuple[int, int, int]] = field(default_factory=list)   # (start row, end row, slot) scans
     # per chunk: (rows into it, checkpoint row) where its state is saved into ckpt_conv / ckpt_ssm
     chunk_checkpoints: list[list[tuple[int, int]]] = field(default_factory=list)
@@ -154,6 +155,8 @@ def build_state_metadata(conv: torch.Tensor, ssm: torch.Tensor, rows: list[tuple
         meta.ckpt_conv, meta.ckpt_ssm = ckpt
     if dec_rows:
         meta.decode_rows, meta.decode_slots = as_index(dec_rows, dev), as_index(dec_slots, dev)
+        if dev.type == "cpu":
+            meta.decode_ids = torch.tensor(dec_rows, dtype=torch.int64), torch.tensor(dec_slots, dtype=torch.int64)
     if wins:
         longest = max(n for _, n, _ in wins)
         for j in range(longest):

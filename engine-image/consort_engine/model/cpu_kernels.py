@@ -77,6 +77,7 @@ SIGNATURES = {   # name (per dtype suffix) -> (argtypes, restype)
     "rope": ([P, L, I, I, I, P, P, P], None),
     "silu_mul": ([P, P, I, I], None),
     "argmax_rows": ([P, L, I, L, P], None),
+    "mamba_step": ([P, L, P, L, P, P, I, P, L, P, L, P, P, P, P, P, P, L, I, I, I, I, I, I], I),
     "gemm": ([P, L, L, L, P, L, P, L, P], I),             # f32: AVX2 + FMA builds; bf16: AVX-512 BF16 ones
     "gemm_pack": ([P, L, L, P], None),
     "gemm_packed_floats": ([L, L], L),

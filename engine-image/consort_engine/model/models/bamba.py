@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from consort_engine.model.attention import AttentionMetadata
+from consort_engine.model.cpu_kernels import kernel
 from consort_engine.model.loader import ModelConfig
 from consort_engine.model.lora import AdapterError
 from consort_engine.kv.state_pool import StateMetadata
@@ -78,10 +79,11 @@ class GatedRMSNorm(HooklessModule):
 
 
 class Mamba2Mixer(HooklessModule):
-    def __init__(self, cfg: ModelConfig, index: int):
+    def __init__(self, cfg: ModelConfig, index: int, fast: bool = False):
         super().__init__()
         raw = cfg.raw
         self.index = index                                   # this mixer's row in the state pool
+        self.fast = fast                                     # CPU kernels: the decode rows' step in C
         self.heads = int(raw["mamba_n_heads"])
         self.inner = int(raw.get("mamba_expand", 2)) * cfg.hidden_size
         self.head_dim = self.inner // self.heads
@@ -120,6 +122,20 @@ class Mamba2Mixer(HooklessModule):
         y[rows] = ys.reshape(b, -1)
         return conv_new, ssm_new
 
+    def _step_kernel(self, xbc: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, y: torch.Tensor,
+                     st: StateMetadata, conv_state: torch.Tensor, ssm_state: torch.Tensor) -> None:
+        """_step for every decode row at once, in C (csrc/mamba.c): the states updated in place."""
+        rows, slots = st.decode_ids
+        w, b = self.conv1d.weight, self.conv1d.bias
+        rc = kernel("mamba_step", y.dtype)(
+            xbc.data_ptr(), xbc.stride(0), dt.data_ptr(), dt.stride(0), rows.data_ptr(), slots.data_ptr(),
+            rows.shape[0], conv_state.data_ptr(), conv_state.stride(0), ssm_state.data_ptr(), ssm_state.stride(0),
+            w.data_ptr(), None if b is None else b.data_ptr(), A.data_ptr(), self.D.data_ptr(),
+            self.dt_bias.data_ptr(), y.data_ptr(), y.stride(0), self.conv_dim, self.d_conv, self.heads,
+            self.head_dim, self.groups, self.d_state)
+        if rc:
+            raise MemoryError(f"mamba_step: no memory for its buffer ({rows.shape[0]} rows)")
+
     def forward(self, x: torch.Tensor, st: StateMetadata) -> torch.Tensor:
         proj = self.in_proj(x)
         gate, xbc, dt = proj.split([self.inner, self.conv_dim, self.heads], dim=-1)
@@ -128,7 +144,9 @@ class Mamba2Mixer(HooklessModule):
         A = -torch.exp(self.A_log.float())
         y = torch.empty(x.shape[0], self.inner, dtype=x.dtype, device=x.device)
         n, gs = self.inner, self.groups * self.d_state
-        if st.decode_rows is not None:          # one batched step for every single-token row
+        if st.decode_ids is not None and self.fast:
+            self._step_kernel(xbc, dt, A, y, st, conv_state, ssm_state)
+        elif st.decode_rows is not None:        # one batched step for every single-token row
             self._step(xbc, dt, A, y, st.decode_rows, st.decode_slots, conv_state, ssm_state)
         for j, (rows, slots, live) in enumerate(st.window_steps):   # verify windows: a batched step per position
             conv_new, ssm_new = self._step(xbc, dt, A, y, rows, slots, conv_state, ssm_state)
@@ -170,7 +188,7 @@ class BambaLayer(HooklessModule):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fast)
         self.self_attn = BambaAttention(cfg, backend, fast) if attention else None
-        self.mamba = None if attention else Mamba2Mixer(cfg, mixer_index)
+        self.mamba = None if attention else Mamba2Mixer(cfg, mixer_index, fast)
         self.pre_ff_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fast)
         self.feed_forward = MLP(cfg, fast)
 

@@ -1,0 +1,85 @@
+/* The Mamba2 mixer's decode step (models/bamba.py): for each single-token row of a step, the causal
+ * depthwise conv over its slot's conv state and the new input, SiLU, then one recurrence step of its
+ * slot's SSM state, both states updated in place. One call per mixer layer for the whole decode batch,
+ * where the torch path (models/ssd.py conv_step + state_update) ran about 25 tensor ops per layer, the
+ * slots' state gathered and scattered back. It rounds where that path rounds in a bf16 model (each conv
+ * product, the conv sum, the bias add, SiLU, softplus(dt + dt_bias), dt x, the state's output, x D and
+ * their sum); the SSM state stays float32.
+ *
+ * Rows: row r of the step reads xbc + rows[r] * xbc_stride ([conv_dim]: x | B | C) and dt + rows[r] *
+ * dt_stride ([heads]), owns slot slots[r] (conv state [conv_dim][d_conv - 1] at conv + slot * conv_stride,
+ * SSM state [heads][head_dim][d_state] at ssm + slot * ssm_stride) and writes y + rows[r] * y_stride
+ * ([heads * head_dim]). Heads h of group h / (heads / groups) read that group's B and C. */
+#include "common.h"
+
+static inline float mb_round_f32(float x) { return x; }
+static inline float mb_round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
+static inline void mb_put_f32(float *p, float v) { *p = v; }
+static inline void mb_put_bf16(bf16_t *p, float v) { *p = f32_to_bf16(v); }
+
+static inline float mb_exp(float x) {   /* exp(x), x clamped to [-87, 88] (common.h's polynomial) */
+    x = x > 88.0f ? 88.0f : x;
+    return exp_nonpos_core(x < -87.0f ? -87.0f : x);
+}
+
+/* torch's softplus (threshold 20: the identity above it) */
+static inline float mb_softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+
+#define DEFINE_MAMBA_STEP(SUFFIX, T)                                                                    \
+int mamba_step_##SUFFIX(const T *xbc, int64_t xbc_stride, const T *dt, int64_t dt_stride,              \
+                        const int64_t *rows, const int64_t *slots, int n, T *conv, int64_t conv_stride,  \
+                        float *ssm, int64_t ssm_stride, const T *conv_w, const T *conv_b, const float *A, \
+                        const T *Dp, const T *dt_bias, T *y, int64_t y_stride, int CD, int K, int H,     \
+                        int P, int G, int N) {                                                          \
+    const int inner = H * P, KS = K - 1, heads_per_group = H / G;                                       \
+    float *out = (float *)malloc(sizeof(float) * (size_t)n * (size_t)CD);   /* the conv's output rows */ \
+    if (!out) return -2;                                                                                \
+    _Pragma("omp parallel num_threads(NT)")                                                             \
+    {                                                                                                   \
+        _Pragma("omp for schedule(static)")                                                             \
+        for (int r = 0; r < n; r++) {                                                                   \
+            const T *x = xbc + rows[r] * xbc_stride;                                                    \
+            T *cs = conv + slots[r] * conv_stride;                                                      \
+            float *o = out + (int64_t)r * CD;                                                           \
+            for (int c = 0; c < CD; c++) {                                                              \
+                T *st = cs + (int64_t)c * KS;                                                           \
+                const T *w = conv_w + (int64_t)c * K;                                                   \
+                float acc = 0.f;                  /* the window in order: the state, then the input */  \
+                for (int k = 0; k < KS; k++)                                                            \
+                    acc += mb_round_##SUFFIX(get_##SUFFIX(w, k) * get_##SUFFIX(st, k));                 \
+                acc = mb_round_##SUFFIX(acc + mb_round_##SUFFIX(get_##SUFFIX(w, KS) * get_##SUFFIX(x, c))); \
+                if (conv_b) acc = mb_round_##SUFFIX(acc + get_##SUFFIX(conv_b, c));                     \
+                o[c] = mb_round_##SUFFIX(acc / (1.0f + mb_exp(-acc)));                                  \
+                for (int k = 0; k + 1 < KS; k++) st[k] = st[k + 1];     /* the window moves one on */   \
+                if (KS) st[KS - 1] = x[c];                                                              \
+            }                                                                                           \
+        }                                                                                               \
+        _Pragma("omp for schedule(static)")                                                             \
+        for (int it = 0; it < n * H; it++) {                                                            \
+            const int r = it / H, h = it % H, g = h / heads_per_group;                                  \
+            const float *o = out + (int64_t)r * CD;                                                     \
+            const float *xs = o + (int64_t)h * P, *B = o + inner + (int64_t)g * N;                      \
+            const float *C = o + inner + (int64_t)G * N + (int64_t)g * N;                               \
+            const float d = mb_round_##SUFFIX(mb_softplus(mb_round_##SUFFIX(                            \
+                get_##SUFFIX(dt + rows[r] * dt_stride, h) + get_##SUFFIX(dt_bias, h))));                \
+            const float dA = mb_exp(d * A[h]), Dh = get_##SUFFIX(Dp, h);                                \
+            float *s = ssm + slots[r] * ssm_stride + (int64_t)h * P * N;                                \
+            T *yr = y + rows[r] * y_stride + (int64_t)h * P;                                            \
+            for (int p = 0; p < P; p++) {                                                               \
+                float *sp = s + (int64_t)p * N, acc = 0.f;                                              \
+                const float dx = mb_round_##SUFFIX(d * xs[p]);                                          \
+                for (int k = 0; k < N; k++) {                                                           \
+                    const float v = sp[k] * dA + dx * B[k];                                             \
+                    sp[k] = v;                                                                          \
+                    acc += v * C[k];                                                                    \
+                }                                                                                       \
+                mb_put_##SUFFIX(yr + p, mb_round_##SUFFIX(acc) + mb_round_##SUFFIX(xs[p] * Dh));        \
+            }                                                                                           \
+        }                                                                                               \
+    }                                                                                                   \
+    free(out);                                                                                          \
+    return 0;                                                                                           \
+}
+
+DEFINE_MAMBA_STEP(f32, float)
+DEFINE_MAMBA_STEP(bf16, bf16_t)

@@ -1,0 +1,72 @@
+"""The Mamba2 mixer's decode step in C (csrc/mamba.c through Mamba2Mixer._step_kernel) against the torch step
+it replaces (models/ssd.py conv_step + state_update through Mamba2Mixer._step): the output rows and both
+states of every slot, for float32 and bfloat16 models, rows and slots in any order, one or several groups,
+with and without a conv bias; slots the step does not name stay as they were."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from consort_engine.kv.state_pool import build_state_metadata
+from consort_engine.model import cpu_kernels as ck
+from consort_engine.model.loader import ModelConfig
+from consort_engine.model.models.bamba import Mamba2Mixer
+
+pytestmark = pytest.mark.skipif(ck.cpu_kernels() is None, reason="no C compiler for the CPU kernels")
+
+
+def mixer(dtype: torch.dtype, groups: int, conv_bias: bool, g: torch.Generator) -> Mamba2Mixer:
+    raw = {"mamba_n_heads": 8, "mamba_expand": 2, "mamba_n_groups": groups, "mamba_d_state": 24,
+           "mamba_d_conv": 4, "mamba_chunk_size": 16, "mamba_conv_bias": conv_bias}
+    cfg = ModelConfig(model_type="bamba", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=32,
+                      max_position_embeddings=64, raw=raw)
+    m = Mamba2Mixer(cfg, index=1, fast=True)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+        m.A_log.copy_(torch.rand(m.heads, generator=g) * 2 - 1)
+        m.dt_bias.copy_(torch.randn(m.heads, generator=g))
+        m.dt_bias[0] = 25.0                      # softplus above its threshold: the identity
+    return m.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("groups,conv_bias", [(1, True), (2, False), (4, True)])
+def test_c_decode_step_equals_the_torch_step(dtype, groups, conv_bias):
+    g = torch.Generator().manual_seed(groups * 10 + conv_bias + (dtype == torch.bfloat16))
+    m = mixer(dtype, groups, conv_bias, g)
+    slots_n, mixers = 9, 3
+    (cd, ck_), (h, p, n) = m.state_shapes()
+    conv = (torch.randn(slots_n, mixers, cd, ck_, generator=g)).to(dtype)
+    ssm = torch.randn(slots_n, mixers, h, p, n, generator=g)
+    t = 7                                        # step rows: 0, 2, 3, 6 decode; 1 and 4-5 another group's
+    rows, slots = [6, 0, 3, 2], [4, 8, 1, 5]
+    proj = torch.randn(t, m.inner + m.conv_dim + m.heads, generator=g).to(dtype)
+    _, xbc, dt = proj.split([m.inner, m.conv_dim, m.heads], dim=-1)
+    A = -torch.exp(m.A_log.float())
+    groups_rows = [(r, r + 1) for r in rows]
+    st = build_state_metadata(conv, ssm, groups_rows, slots, [False] * len(rows))
+    assert st.decode_ids is not None
+
+    ref_conv, ref_ssm = conv.clone(), ssm.clone()
+    y_ref = torch.zeros(t, m.inner, dtype=dtype)
+    m._step(xbc, dt, A, y_ref, torch.tensor(rows), torch.tensor(slots), ref_conv[:, 1], ref_ssm[:, 1])
+    y = torch.zeros(t, m.inner, dtype=dtype)
+    m._step_kernel(xbc, dt, A, y, st, conv[:, 1], ssm[:, 1])
+
+    untouched = [s for s in range(slots_n) if s not in slots]
+    assert torch.equal(conv[untouched], ref_conv[untouched]) and torch.equal(ssm[untouched], ref_ssm[untouched])
+    assert torch.equal(conv[:, [0, 2]], ref_conv[:, [0, 2]]) and torch.equal(ssm[:, [0, 2]], ref_ssm[:, [0, 2]])
+    assert torch.equal(conv, ref_conv)          # the window moved on: the same values, whatever the dtype
+    assert bool((y[[1, 4, 5]] == 0).all())      # rows outside the decode group are not written
+    if dtype == torch.float32:
+        torch.testing.assert_close(ssm, ref_ssm, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    else:
+        # the same rounding points; the float32 sums may add in another order, moving a value by one
+        # bf16 step where it lands next to a rounding boundary
+        torch.testing.assert_close(ssm, ref_ssm, rtol=1e-4, atol=1e-4)
+        diff = (y.float() - y_ref.float()).abs()
+        assert bool((diff <= 2 ** -7 * y_ref.float().abs() + 1e-6).all()), float(diff.max())
+        assert float((diff > 0).float().mean()) <= 0.05
