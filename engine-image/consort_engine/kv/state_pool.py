@@ -40,6 +40,9 @@ class StateMetadata:
     decode_rows: torch.Tensor | slice | None = None   # rows of single-token groups (one batched step)
     decode_slots: torch.Tensor | slice | None = None  # their slots (a slice when consecutive: views, no gather)
     decode_ids: tuple[torch.Tensor, torch.Tensor] | None = None   # the same as int64 arrays (CPU: the C step)
+    # CPU: chunks and their checkpoints as arrays for the C scan: (starts, ends int32, slots int64),
+    # (the cuts' chunk, tokens into it int32, checkpoint row int64)
+    chunk_ids: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] | None = None
     chunks: list[tuple[int, int, int]] = field(default_factory=list)   # (start row, end row, slot) scans
     # per chunk: (rows into it, checkpoint row) where its state is saved into ckpt_conv / ckpt_ssm
     chunk_checkpoints: list[list[tuple[int, int]]] = field(default_factory=list)
@@ -157,6 +160,14 @@ def build_state_metadata(conv: torch.Tensor, ssm: torch.Tensor, rows: list[tuple
         meta.decode_rows, meta.decode_slots = as_index(dec_rows, dev), as_index(dec_slots, dev)
         if dev.type == "cpu":
             meta.decode_ids = torch.tensor(dec_rows, dtype=torch.int64), torch.tensor(dec_slots, dtype=torch.int64)
+    if chunks and dev.type == "cpu":
+        spans = (torch.tensor([a for a, _, _ in chunks], dtype=torch.int32),
+                 torch.tensor([b for _, b, _ in chunks], dtype=torch.int32),
+                 torch.tensor([s for _, _, s in chunks], dtype=torch.int64))
+        at = [(i, off, row) for i, cs in enumerate(cuts) for off, row in cs]
+        meta.chunk_ids = spans, (torch.tensor([i for i, _, _ in at], dtype=torch.int32),
+                                 torch.tensor([off for _, off, _ in at], dtype=torch.int32),
+                                 torch.tensor([row for _, _, row in at], dtype=torch.int64))
     if wins:
         longest = max(n for _, n, _ in wins)
         for j in range(longest):

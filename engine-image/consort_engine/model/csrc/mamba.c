@@ -83,3 +83,58 @@ int mamba_step_##SUFFIX(const T *xbc, int64_t xbc_stride, const T *dt, int64_t d
 
 DEFINE_MAMBA_STEP(f32, float)
 DEFINE_MAMBA_STEP(bf16, bf16_t)
+
+/* The prefill scan: every prefill chunk of a step (span s: rows span_start[s] .. span_end[s] - 1, slot
+ * span_slot[s]) through the SSM recurrence token by token, from its slot's state, which ends as the state
+ * after the span's last token. On a CPU this beats the chunked SSD algorithm (models/ssd.py chunk_scan,
+ * matmul-shaped for GPUs): per token and head it is 3 vector ops per state element (decay, input, output)
+ * against the chunked form's C.B scores and two state passes, and a work item (span, head) keeps its
+ * head's state ([head_dim][d_state] float32) in L1/L2 across its tokens. Checkpoints (prefix caching):
+ * cut c saves the state after cut_off[c] tokens of span cut_span[c] into row cut_row[c] of ckpt
+ * (cuts of a span in rising order). x, B, C: the conv's output rows (x | B | C, row stride xbc_stride).
+ * Rounds where the torch scan rounds: softplus(dt + dt_bias) in the model dtype (then clamped to the
+ * time-step limit), everything after in float32, y rounded once. */
+#define DEFINE_MAMBA_SCAN(SUFFIX, T)                                                                    \
+void mamba_scan_##SUFFIX(const T *xbc, int64_t xbc_stride, const T *dt, int64_t dt_stride,             \
+                         const int32_t *span_start, const int32_t *span_end, const int64_t *span_slot,   \
+                         int spans, const int32_t *cut_span, const int32_t *cut_off, const int64_t *cut_row, \
+                         int cuts, float *ssm, int64_t ssm_stride, float *ckpt, int64_t ckpt_stride,     \
+                         const float *A, const T *Dp, const T *dt_bias, float dt_lo, float dt_hi, T *y,  \
+                         int64_t y_stride, int H, int P, int G, int N) {                                 \
+    const int inner = H * P, heads_per_group = H / G;                                                   \
+    const int64_t state = (int64_t)P * N;                                                               \
+    _Pragma("omp parallel for schedule(dynamic, 1) num_threads(NT)")                                    \
+    for (int it = 0; it < spans * H; it++) {                                                            \
+        const int sp = it / H, h = it % H, g = h / heads_per_group;                                     \
+        float *s = ssm + span_slot[sp] * ssm_stride + (int64_t)h * state;                               \
+        const float Ah = A[h], Dh = get_##SUFFIX(Dp, h), bias = get_##SUFFIX(dt_bias, h);               \
+        int c = 0;                                                                                      \
+        while (c < cuts && cut_span[c] < sp) c++;                                                       \
+        for (int j = 0;; j++) {                                   /* j tokens of the span done */      \
+            for (; c < cuts && cut_span[c] == sp && cut_off[c] == j; c++)                               \
+                memcpy(ckpt + cut_row[c] * ckpt_stride + (int64_t)h * state, s, sizeof(float) * (size_t)state); \
+            const int t = span_start[sp] + j;                                                           \
+            if (t >= span_end[sp]) break;                                                               \
+            const T *row = xbc + t * xbc_stride;                                                        \
+            const T *xs = row + (int64_t)h * P, *B = row + inner + (int64_t)g * N;                      \
+            const T *C = row + inner + (int64_t)G * N + (int64_t)g * N;                                 \
+            float d = mb_round_##SUFFIX(mb_softplus(mb_round_##SUFFIX(get_##SUFFIX(dt + t * dt_stride, h) + bias))); \
+            d = d < dt_lo ? dt_lo : (d > dt_hi ? dt_hi : d);                                            \
+            const float dA = mb_exp(d * Ah);                                                            \
+            T *yr = y + t * y_stride + (int64_t)h * P;                                                  \
+            for (int p = 0; p < P; p++) {                                                               \
+                float *sr = s + (int64_t)p * N, acc = 0.f;                                              \
+                const float xp = get_##SUFFIX(xs, p), dx = d * xp;                                      \
+                for (int k = 0; k < N; k++) {                                                           \
+                    const float v = sr[k] * dA + dx * get_##SUFFIX(B, k);                               \
+                    sr[k] = v;                                                                          \
+                    acc += v * get_##SUFFIX(C, k);                                                      \
+                }                                                                                       \
+                mb_put_##SUFFIX(yr + p, acc + Dh * xp);                                                 \
+            }                                                                                           \
+        }                                                                                               \
+    }                                                                                                   \
+}
+
+DEFINE_MAMBA_SCAN(f32, float)
+DEFINE_MAMBA_SCAN(bf16, bf16_t)

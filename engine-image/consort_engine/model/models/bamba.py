@@ -136,6 +136,20 @@ class Mamba2Mixer(HooklessModule):
         if rc:
             raise MemoryError(f"mamba_step: no memory for its buffer ({rows.shape[0]} rows)")
 
+    def _scan_kernel(self, xbc: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, y: torch.Tensor,
+                     st: StateMetadata, ssm_state: torch.Tensor) -> None:
+        """The SSD scans of every prefill chunk at once, in C (csrc/mamba.c, the recurrence token by token):
+        xbc holds the chunks' conv output rows; their slots' SSM state and checkpoint rows are written."""
+        (starts, ends, slots), (cut_chunk, cut_off, cut_row) = st.chunk_ids
+        ckpt = None if st.ckpt_ssm is None else st.ckpt_ssm[:, self.index]
+        kernel("mamba_scan", y.dtype)(
+            xbc.data_ptr(), xbc.stride(0), dt.data_ptr(), dt.stride(0), starts.data_ptr(), ends.data_ptr(),
+            slots.data_ptr(), starts.shape[0], cut_chunk.data_ptr(), cut_off.data_ptr(), cut_row.data_ptr(),
+            cut_chunk.shape[0], ssm_state.data_ptr(), ssm_state.stride(0), None if ckpt is None else ckpt.data_ptr(),
+            0 if ckpt is None else ckpt.stride(0), A.data_ptr(), self.D.data_ptr(), self.dt_bias.data_ptr(),
+            self.dt_limit[0], self.dt_limit[1], y.data_ptr(), y.stride(0), self.heads, self.head_dim,
+            self.groups, self.d_state)
+
     def forward(self, x: torch.Tensor, st: StateMetadata) -> torch.Tensor:
         proj = self.in_proj(x)
         gate, xbc, dt = proj.split([self.inner, self.conv_dim, self.heads], dim=-1)
@@ -152,6 +166,8 @@ class Mamba2Mixer(HooklessModule):
             conv_new, ssm_new = self._step(xbc, dt, A, y, rows, slots, conv_state, ssm_state)
             st.snapshots.conv[j, live, self.index] = conv_new
             st.snapshots.ssm[j, live, self.index] = ssm_new
+        scan_in_c = self.fast and st.chunk_ids is not None
+        conv_out = torch.empty(x.shape[0], self.conv_dim, dtype=x.dtype) if scan_in_c else None
         for (start, end, slot), cuts in zip(st.chunks, st.chunk_checkpoints):   # prefill chunks: SSD scans
             if cuts:       # the conv state at a cut: the d_conv - 1 inputs before it
                 window = torch.cat((conv_state[slot].to(xbc.dtype), xbc[start:end].t()), dim=1)
@@ -159,6 +175,9 @@ class Mamba2Mixer(HooklessModule):
                     st.ckpt_conv[row, self.index] = window[:, off:off + self.d_conv - 1]
             out, conv_new = ssd.conv_chunk(xbc[start:end], conv_state[slot], w, self.conv1d.bias)
             conv_state[slot] = conv_new.to(conv_state.dtype)
+            if scan_in_c:      # the scans run below, all chunks in one call
+                conv_out[start:end] = out
+                continue
             xs, B, C = out.split([n, gs, gs], dim=-1)
             state = ssm_state[slot]
             a = 0
@@ -173,6 +192,8 @@ class Mamba2Mixer(HooklessModule):
                     st.ckpt_ssm[row, self.index] = state
                 a = b
             ssm_state[slot] = state
+        if scan_in_c and st.chunks:
+            self._scan_kernel(conv_out, dt, A, y, st, ssm_state)
         return self.out_proj(self.norm(y, gate))
 
 

@@ -1,8 +1,15 @@
-"""The Mamba2 mixer's decode step in C (csrc/mamba.c through Mamba2Mixer._step_kernel) against the torch step
-it replaces (models/ssd.py conv_step + state_update through Mamba2Mixer._step): the output rows and both
-states of every slot, for float32 and bfloat16 models, rows and slots in any order, one or several groups,
-with and without a conv bias; slots the step does not name stay as they were."""
+"""The Mamba2 mixer's steps in C (csrc/mamba.c) against the torch code they replace, for float32 and bfloat16
+models, one or several groups, with and without a conv bias:
+- the decode step (Mamba2Mixer._step_kernel against _step: models/ssd.py conv_step + state_update): the
+  output rows and both states of every slot, rows and slots in any order; slots the step does not name stay
+  as they were;
+- the prefill scan (Mamba2Mixer._scan_kernel, the recurrence token by token, against ssd.chunk_scan's
+  chunked algorithm): a whole mixer forward over a step of prefill chunks and decode rows, checkpoints
+  at a chunk's start, inside it and at its end; the layer output, the pools and the checkpoint rows."""
+
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -15,9 +22,11 @@ from consort_engine.model.models.bamba import Mamba2Mixer
 pytestmark = pytest.mark.skipif(ck.cpu_kernels() is None, reason="no C compiler for the CPU kernels")
 
 
-def mixer(dtype: torch.dtype, groups: int, conv_bias: bool, g: torch.Generator) -> Mamba2Mixer:
+def mixer(dtype: torch.dtype, groups: int, conv_bias: bool, g: torch.Generator,
+          time_step_limit: tuple[float, float] | None = None) -> Mamba2Mixer:
     raw = {"mamba_n_heads": 8, "mamba_expand": 2, "mamba_n_groups": groups, "mamba_d_state": 24,
-           "mamba_d_conv": 4, "mamba_chunk_size": 16, "mamba_conv_bias": conv_bias}
+           "mamba_d_conv": 4, "mamba_chunk_size": 16, "mamba_conv_bias": conv_bias,
+           "time_step_limit": time_step_limit}
     cfg = ModelConfig(model_type="bamba", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=32,
                       max_position_embeddings=64, raw=raw)
@@ -70,3 +79,41 @@ def test_c_decode_step_equals_the_torch_step(dtype, groups, conv_bias):
         diff = (y.float() - y_ref.float()).abs()
         assert bool((diff <= 2 ** -7 * y_ref.float().abs() + 1e-6).all()), float(diff.max())
         assert float((diff > 0).float().mean()) <= 0.05
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("groups,conv_bias,limit", [(1, True, None), (2, False, (0.0, 0.7)), (4, True, None)])
+def test_c_prefill_scan_equals_the_chunked_scan(dtype, groups, conv_bias, limit):
+    g = torch.Generator().manual_seed(100 + groups * 10 + conv_bias + (dtype == torch.bfloat16))
+    fast = mixer(dtype, groups, conv_bias, g, limit)
+    ref = copy.deepcopy(fast)
+    ref.fast = False
+    slots_n, mixers, ckpt_rows = 6, 2, 7
+    (cd, kc), (h, p, n) = fast.state_shapes()
+    conv = torch.randn(slots_n, mixers, cd, kc, generator=g).to(dtype)
+    ssm = torch.randn(slots_n, mixers, h, p, n, generator=g)
+    ckpt = (torch.zeros(ckpt_rows, mixers, cd, kc, dtype=dtype), torch.zeros(ckpt_rows, mixers, h, p, n))
+    # rows: chunk 0-4 (slot 3), decode row 5 (slot 0), chunk 6-28 (slot 5, cuts at 0, 8 and 23 = its end),
+    # chunk 29-68 (slot 1, cuts at 16 and 33: inside the scan's chunks of 16 and across them)
+    items, slots = [(0, 5), (5, 6), (6, 29), (29, 69)], [3, 0, 5, 1]
+    cuts = [[], [], [(0, 2), (8, 0), (23, 5)], [(16, 6), (33, 1)]]
+    x = torch.randn(69, 64, generator=g).to(dtype)
+
+    def run(m: Mamba2Mixer):
+        c, s, cc, cs = conv.clone(), ssm.clone(), ckpt[0].clone(), ckpt[1].clone()
+        st = build_state_metadata(c, s, items, slots, [False] * 4, cuts, (cc, cs))
+        with torch.inference_mode():
+            return m(x, st), c, s, cc, cs
+    out, *pools = run(fast)
+    out_ref, *pools_ref = run(ref)
+    assert torch.equal(pools[0], pools_ref[0]) and torch.equal(pools[2], pools_ref[2])   # conv: the same code
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(pools[1], pools_ref[1], **tol)                                     # SSM pool
+    torch.testing.assert_close(pools[3], pools_ref[3], **tol)                                     # its checkpoints
+    assert bool((pools[3][[3, 4]] == 0).all())            # rows no cut names are not written
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, out_ref, **tol)
+    else:   # y differs by a bf16 step here and there (other float32 sums); the norm and out_proj spread it
+        diff = (out.float() - out_ref.float()).abs()
+        assert float(diff.max()) <= 0.02 * float(out_ref.float().abs().max()), float(diff.max())
+        assert float(diff.mean()) <= 0.002 * float(out_ref.float().abs().mean()), float(diff.mean())
