@@ -76,6 +76,7 @@ SIGNATURES = {   # name (per dtype suffix) -> (argtypes, restype)
     "add_rms_norm": ([P, P, P, P, I, I, F32], None),
     "rope": ([P, L, I, I, I, P, P, P], None),
     "silu_mul": ([P, P, I, I], None),
+    "gated_rms_norm": ([P, P, L, P, P, I, I, I, F32], None),
     "argmax_rows": ([P, L, I, L, P], None),
     "mamba_step": ([P, L, P, L, P, P, I, P, L, P, L, P, P, P, P, P, P, L, I, I, I, I, I, I], I),   # csrc/mamba.c
     "mamba_scan": ([P, L, P, L, P, P, P, I, P, P, P, I, P, L, P, L, P, P, P, F32, F32, P, L, I, I, I, I], None),

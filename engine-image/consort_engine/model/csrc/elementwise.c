@@ -94,6 +94,32 @@ static inline void put_bf16(bf16_t *p, int64_t i, float v) { p[i] = f32_to_bf16(
         }                                                                                         \
     }
 
+/* Mamba2's gated norm (transformers' BambaRMSNormGated, norm after the gate): v = y * silu(gate) in fp32,
+ * each of `groups` groups of a row scaled by 1 / rms(v over the group), rounded to the model dtype, times w.
+ * y rows of D contiguous; gate rows at gate_stride (a view into the mixer's input projection). */
+#define DEFINE_GATED_RMSNORM(SUFFIX, T)                                                           \
+    void gated_rms_norm_##SUFFIX(const T *y, const T *gate, int64_t gate_stride, T *out, const T *w, \
+                                 int n, int D, int groups, float eps) {                           \
+        const int gd = D / groups;                                                                \
+        _Pragma("omp parallel for if (n >= 16) num_threads(NT)")                                  \
+        for (int t = 0; t < n; t++) {                                                             \
+            float v[gd];                                                                          \
+            const T *yr = y + (int64_t)t * D, *gr = gate + (int64_t)t * gate_stride;              \
+            T *o = out + (int64_t)t * D;                                                          \
+            for (int g0 = 0; g0 < D; g0 += gd) {                                                  \
+                float ss = 0.f;                                                                   \
+                for (int d = 0; d < gd; d++) {                                                    \
+                    const float z = get_##SUFFIX(gr, g0 + d);                                     \
+                    v[d] = get_##SUFFIX(yr, g0 + d) * (z / (1.0f + exp_clamped(-z)));             \
+                    ss += v[d] * v[d];                                                            \
+                }                                                                                 \
+                const float inv = 1.0f / sqrtf(ss / (float)gd + eps);                             \
+                for (int d = 0; d < gd; d++)                                                      \
+                    put_##SUFFIX(o, g0 + d, get_##SUFFIX(w, g0 + d) * round_##SUFFIX(v[d] * inv)); \
+            }                                                                                     \
+        }                                                                                         \
+    }
+
 DEFINE_NORM_ROW(f32, float)
 DEFINE_NORM_ROW(bf16, bf16_t)
 DEFINE_RMSNORM(f32, float)
@@ -104,3 +130,5 @@ DEFINE_ROPE(f32, float)
 DEFINE_ROPE(bf16, bf16_t)
 DEFINE_SILU_MUL(f32, float)
 DEFINE_SILU_MUL(bf16, bf16_t)
+DEFINE_GATED_RMSNORM(f32, float)
+DEFINE_GATED_RMSNORM(bf16, bf16_t)

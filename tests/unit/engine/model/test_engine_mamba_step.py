@@ -4,8 +4,9 @@ models, one or several groups, with and without a conv bias:
   output rows and both states of every slot, rows and slots in any order; slots the step does not name stay
   as they were;
 - the prefill scan (Mamba2Mixer._scan_kernel, the recurrence token by token, against ssd.chunk_scan's
-  chunked algorithm): a whole mixer forward over a step of prefill chunks and decode rows, checkpoints
-  at a chunk's start, inside it and at its end; the layer output, the pools and the checkpoint rows."""
+  chunked algorithm) and the gated norm (csrc/elementwise.c against GatedRMSNorm's tensor ops): a whole
+  mixer forward over a step of prefill chunks and decode rows, checkpoints at a chunk's start, inside it
+  and at its end; the layer output, the pools and the checkpoint rows."""
 
 from __future__ import annotations
 
@@ -87,7 +88,7 @@ def test_c_prefill_scan_equals_the_chunked_scan(dtype, groups, conv_bias, limit)
     g = torch.Generator().manual_seed(100 + groups * 10 + conv_bias + (dtype == torch.bfloat16))
     fast = mixer(dtype, groups, conv_bias, g, limit)
     ref = copy.deepcopy(fast)
-    ref.fast = False
+    ref.fast = ref.norm.fast = False          # the torch scan and gated norm
     slots_n, mixers, ckpt_rows = 6, 2, 7
     (cd, kc), (h, p, n) = fast.state_shapes()
     conv = torch.randn(slots_n, mixers, cd, kc, generator=g).to(dtype)
