@@ -138,3 +138,72 @@ void mamba_scan_##SUFFIX(const T *xbc, int64_t xbc_stride, const T *dt, int64_t 
 
 DEFINE_MAMBA_SCAN(f32, float)
 DEFINE_MAMBA_SCAN(bf16, bf16_t)
+
+/* The prefill chunks' causal depthwise conv + SiLU (models/ssd.py conv_chunk, one call for the step's
+ * chunks instead of a few tensor ops per chunk): chunk s's window is its slot's conv state ([conv_dim]
+ * [d_conv - 1], the inputs before it) followed by its rows of xbc; out rows get silu(conv + bias) (the
+ * conv summed in fp32, rounded once with its bias in a bf16 model, as torch's conv1d does), the slot's
+ * state becomes the window's last d_conv - 1 inputs, and cut c (of chunk cut_span[c]) saves the
+ * d_conv - 1 inputs before its token cut_off[c] into row cut_row[c] of ckpt. Work items: (chunk, 64
+ * channels), vectorised across the channels; d_conv <= 9 (the taps sit in arrays on the stack; Mamba2
+ * models use 4, and models/bamba.py takes the tensor ops above MAX_KERNEL_CONV). */
+#define MB_CONV_CHANNELS 64
+#define DEFINE_MAMBA_CONV(SUFFIX, T)                                                                    \
+void mamba_conv_##SUFFIX(const T *xbc, int64_t xbc_stride, const int32_t *span_start, const int32_t *span_end, \
+                         const int64_t *span_slot, int spans, const int32_t *cut_span, const int32_t *cut_off, \
+                         const int64_t *cut_row, int cuts, T *conv, int64_t conv_stride, T *ckpt,        \
+                         int64_t ckpt_stride, const T *conv_w, const T *conv_b, T *out, int64_t out_stride, \
+                         int CD, int K) {                                                               \
+    const int KS = K - 1, blocks = (CD + MB_CONV_CHANNELS - 1) / MB_CONV_CHANNELS;                      \
+    _Pragma("omp parallel for schedule(dynamic, 1) num_threads(NT)")                                    \
+    for (int it = 0; it < spans * blocks; it++) {                                                       \
+        const int sp = it / blocks, c0 = it % blocks * MB_CONV_CHANNELS;                                \
+        const int nc = CD - c0 < MB_CONV_CHANNELS ? CD - c0 : MB_CONV_CHANNELS;                         \
+        const int a = span_start[sp], len = span_end[sp] - a;                                           \
+        float st[8][MB_CONV_CHANNELS], wT[9][MB_CONV_CHANNELS], bias[MB_CONV_CHANNELS];                \
+        T *cs = conv + span_slot[sp] * conv_stride;                                                     \
+        for (int c = 0; c < nc; c++) {                                                                  \
+            for (int k = 0; k < KS; k++) st[k][c] = get_##SUFFIX(cs + (int64_t)(c0 + c) * KS, k);       \
+            for (int k = 0; k < K; k++) wT[k][c] = get_##SUFFIX(conv_w + (int64_t)(c0 + c) * K, k);     \
+            bias[c] = conv_b ? get_##SUFFIX(conv_b, c0 + c) : 0.f;                                      \
+        }                                                                                               \
+        for (int t = 0; t < len; t++) {                                                                 \
+            float acc[MB_CONV_CHANNELS];                                                                \
+            for (int c = 0; c < nc; c++) acc[c] = 0.f;                                                  \
+            for (int k = 0; k < K; k++) {                 /* window position t + k */                   \
+                const int i = t + k - KS;                                                               \
+                if (i < 0)                                                                              \
+                    for (int c = 0; c < nc; c++) acc[c] += wT[k][c] * st[KS + i][c];                    \
+                else {                                                                                  \
+                    const T *xr = xbc + (int64_t)(a + i) * xbc_stride + c0;                             \
+                    for (int c = 0; c < nc; c++) acc[c] += wT[k][c] * get_##SUFFIX(xr, c);              \
+                }                                                                                       \
+            }                                                                                           \
+            T *o = out + (int64_t)(a + t) * out_stride + c0;                                            \
+            for (int c = 0; c < nc; c++) {                                                              \
+                const float v = mb_round_##SUFFIX(acc[c] + bias[c]);                                    \
+                mb_put_##SUFFIX(o + c, v / (1.0f + mb_exp(-v)));                                        \
+            }                                                                                           \
+        }                                                                                               \
+        /* window position w: the old state below KS, then the chunk's rows */                          \
+        for (int c = 0; c < cuts; c++) {                                                                \
+            if (cut_span[c] != sp) continue;                                                            \
+            T *dst = ckpt + cut_row[c] * ckpt_stride;                                                   \
+            for (int j = 0; j < KS; j++) {                                                              \
+                const int w = cut_off[c] + j;                                                           \
+                for (int ch = 0; ch < nc; ch++)                                                         \
+                    mb_put_##SUFFIX(dst + (int64_t)(c0 + ch) * KS + j, w < KS ? st[w][ch]                 \
+                                    : get_##SUFFIX(xbc + (int64_t)(a + w - KS) * xbc_stride + c0, ch));   \
+            }                                                                                           \
+        }                                                                                               \
+        for (int j = 0; j < KS; j++) {                    /* the new state: window positions len .. */  \
+            const int w = len + j;                                                                      \
+            for (int ch = 0; ch < nc; ch++)                                                             \
+                mb_put_##SUFFIX(cs + (int64_t)(c0 + ch) * KS + j, w < KS ? st[w][ch]                      \
+                                : get_##SUFFIX(xbc + (int64_t)(a + w - KS) * xbc_stride + c0, ch));       \
+        }                                                                                               \
+    }                                                                                                   \
+}
+
+DEFINE_MAMBA_CONV(f32, float)
+DEFINE_MAMBA_CONV(bf16, bf16_t)

@@ -83,6 +83,9 @@ class GatedRMSNorm(HooklessModule):
         return self.weight * g.view_as(y).to(dtype)
 
 
+MAX_KERNEL_CONV = 9     # csrc/mamba.c's prefill conv holds up to 9 taps (d_conv; Mamba2 models use 4)
+
+
 class Mamba2Mixer(HooklessModule):
     def __init__(self, cfg: ModelConfig, index: int, fast: bool = False):
         super().__init__()
@@ -155,6 +158,20 @@ class Mamba2Mixer(HooklessModule):
             self.dt_limit[0], self.dt_limit[1], y.data_ptr(), y.stride(0), self.heads, self.head_dim,
             self.groups, self.d_state)
 
+    def _conv_kernel(self, xbc: torch.Tensor, conv_out: torch.Tensor, st: StateMetadata,
+                     conv_state: torch.Tensor) -> None:
+        """conv_chunk for every prefill chunk at once, in C (csrc/mamba.c): their rows of conv_out, their
+        slots' conv state and the conv state at their checkpoints."""
+        (starts, ends, slots), (cut_chunk, cut_off, cut_row) = st.chunk_ids
+        ckpt = None if st.ckpt_conv is None else st.ckpt_conv[:, self.index]
+        b = self.conv1d.bias
+        kernel("mamba_conv", xbc.dtype)(
+            xbc.data_ptr(), xbc.stride(0), starts.data_ptr(), ends.data_ptr(), slots.data_ptr(), starts.shape[0],
+            cut_chunk.data_ptr(), cut_off.data_ptr(), cut_row.data_ptr(), cut_chunk.shape[0], conv_state.data_ptr(),
+            conv_state.stride(0), None if ckpt is None else ckpt.data_ptr(), 0 if ckpt is None else ckpt.stride(0),
+            self.conv1d.weight.data_ptr(), None if b is None else b.data_ptr(), conv_out.data_ptr(),
+            conv_out.stride(0), self.conv_dim, self.d_conv)
+
     def forward(self, x: torch.Tensor, st: StateMetadata) -> torch.Tensor:
         proj = self.in_proj(x)
         gate, xbc, dt = proj.split([self.inner, self.conv_dim, self.heads], dim=-1)
@@ -171,8 +188,11 @@ class Mamba2Mixer(HooklessModule):
             conv_new, ssm_new = self._step(xbc, dt, A, y, rows, slots, conv_state, ssm_state)
             st.snapshots.conv[j, live, self.index] = conv_new
             st.snapshots.ssm[j, live, self.index] = ssm_new
-        scan_in_c = self.fast and st.chunk_ids is not None
-        conv_out = torch.empty(x.shape[0], self.conv_dim, dtype=x.dtype) if scan_in_c else None
+        if self.fast and st.chunk_ids is not None and self.d_conv <= MAX_KERNEL_CONV:   # all chunks: two calls
+            conv_out = torch.empty(x.shape[0], self.conv_dim, dtype=x.dtype)
+            self._conv_kernel(xbc, conv_out, st, conv_state)
+            self._scan_kernel(conv_out, dt, A, y, st, ssm_state)
+            return self.out_proj(self.norm(y, gate))
         for (start, end, slot), cuts in zip(st.chunks, st.chunk_checkpoints):   # prefill chunks: SSD scans
             if cuts:       # the conv state at a cut: the d_conv - 1 inputs before it
                 window = torch.cat((conv_state[slot].to(xbc.dtype), xbc[start:end].t()), dim=1)
@@ -180,9 +200,6 @@ class Mamba2Mixer(HooklessModule):
                     st.ckpt_conv[row, self.index] = window[:, off:off + self.d_conv - 1]
             out, conv_new = ssd.conv_chunk(xbc[start:end], conv_state[slot], w, self.conv1d.bias)
             conv_state[slot] = conv_new.to(conv_state.dtype)
-            if scan_in_c:      # the scans run below, all chunks in one call
-                conv_out[start:end] = out
-                continue
             xs, B, C = out.split([n, gs, gs], dim=-1)
             state = ssm_state[slot]
             a = 0
@@ -197,8 +214,6 @@ class Mamba2Mixer(HooklessModule):
                     st.ckpt_ssm[row, self.index] = state
                 a = b
             ssm_state[slot] = state
-        if scan_in_c and st.chunks:
-            self._scan_kernel(conv_out, dt, A, y, st, ssm_state)
         return self.out_proj(self.norm(y, gate))
 
 
