@@ -130,16 +130,22 @@ class Mamba2Mixer(HooklessModule):
         y[rows] = ys.reshape(b, -1)
         return conv_new, ssm_new
 
+    def time_steps(self, dt: torch.Tensor) -> torch.Tensor:
+        """softplus(dt + dt_bias) for every row of the step in one tensor op, rounded to the model dtype as
+        the torch path rounds it: what the C kernels take as dt."""
+        return F.softplus(dt + self.dt_bias.to(dt.dtype))
+
     def _step_kernel(self, xbc: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, y: torch.Tensor,
                      st: StateMetadata, conv_state: torch.Tensor, ssm_state: torch.Tensor) -> None:
-        """_step for every decode row at once, in C (csrc/mamba.c): the states updated in place."""
+        """_step for every decode row at once, in C (csrc/mamba.c): the states updated in place. dt: the
+        time steps, softplus(dt + dt_bias)."""
         rows, slots = st.decode_ids
         w, b = self.conv1d.weight, self.conv1d.bias
         rc = kernel("mamba_step", y.dtype)(
             xbc.data_ptr(), xbc.stride(0), dt.data_ptr(), dt.stride(0), rows.data_ptr(), slots.data_ptr(),
             rows.shape[0], conv_state.data_ptr(), conv_state.stride(0), ssm_state.data_ptr(), ssm_state.stride(0),
             w.data_ptr(), None if b is None else b.data_ptr(), A.data_ptr(), self.D.data_ptr(),
-            self.dt_bias.data_ptr(), y.data_ptr(), y.stride(0), self.conv_dim, self.d_conv, self.heads,
+            y.data_ptr(), y.stride(0), self.conv_dim, self.d_conv, self.heads,
             self.head_dim, self.groups, self.d_state)
         if rc:
             raise MemoryError(f"mamba_step: no memory for its buffer ({rows.shape[0]} rows)")
@@ -147,14 +153,15 @@ class Mamba2Mixer(HooklessModule):
     def _scan_kernel(self, xbc: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, y: torch.Tensor,
                      st: StateMetadata, ssm_state: torch.Tensor) -> None:
         """The SSD scans of every prefill chunk at once, in C (csrc/mamba.c, the recurrence token by token):
-        xbc holds the chunks' conv output rows; their slots' SSM state and checkpoint rows are written."""
+        xbc holds the chunks' conv output rows, dt the time steps (softplus(dt + dt_bias)); their slots'
+        SSM state and checkpoint rows are written."""
         (starts, ends, slots), (cut_chunk, cut_off, cut_row) = st.chunk_ids
         ckpt = None if st.ckpt_ssm is None else st.ckpt_ssm[:, self.index]
         kernel("mamba_scan", y.dtype)(
             xbc.data_ptr(), xbc.stride(0), dt.data_ptr(), dt.stride(0), starts.data_ptr(), ends.data_ptr(),
             slots.data_ptr(), starts.shape[0], cut_chunk.data_ptr(), cut_off.data_ptr(), cut_row.data_ptr(),
             cut_chunk.shape[0], ssm_state.data_ptr(), ssm_state.stride(0), None if ckpt is None else ckpt.data_ptr(),
-            0 if ckpt is None else ckpt.stride(0), A.data_ptr(), self.D.data_ptr(), self.dt_bias.data_ptr(),
+            0 if ckpt is None else ckpt.stride(0), A.data_ptr(), self.D.data_ptr(),
             self.dt_limit[0], self.dt_limit[1], y.data_ptr(), y.stride(0), self.heads, self.head_dim,
             self.groups, self.d_state)
 
@@ -180,8 +187,10 @@ class Mamba2Mixer(HooklessModule):
         A = -torch.exp(self.A_log.float())
         y = torch.empty(x.shape[0], self.inner, dtype=x.dtype, device=x.device)
         n, gs = self.inner, self.groups * self.d_state
+        if self.fast:
+            steps = self.time_steps(dt)
         if st.decode_ids is not None and self.fast:
-            self._step_kernel(xbc, dt, A, y, st, conv_state, ssm_state)
+            self._step_kernel(xbc, steps, A, y, st, conv_state, ssm_state)
         elif st.decode_rows is not None:        # one batched step for every single-token row
             self._step(xbc, dt, A, y, st.decode_rows, st.decode_slots, conv_state, ssm_state)
         for j, (rows, slots, live) in enumerate(st.window_steps):   # verify windows: a batched step per position
@@ -191,7 +200,7 @@ class Mamba2Mixer(HooklessModule):
         if self.fast and st.chunk_ids is not None and self.d_conv <= MAX_KERNEL_CONV:   # all chunks: two calls
             conv_out = torch.empty(x.shape[0], self.conv_dim, dtype=x.dtype)
             self._conv_kernel(xbc, conv_out, st, conv_state)
-            self._scan_kernel(conv_out, dt, A, y, st, ssm_state)
+            self._scan_kernel(conv_out, steps, A, y, st, ssm_state)
             return self.out_proj(self.norm(y, gate))
         for (start, end, slot), cuts in zip(st.chunks, st.chunk_checkpoints):   # prefill chunks: SSD scans
             if cuts:       # the conv state at a cut: the d_conv - 1 inputs before it
