@@ -91,7 +91,7 @@ class Mamba2Mixer(HooklessModule):
         super().__init__()
         raw = cfg.raw
         self.index = index                                   # this mixer's row in the state pool
-        self.fast = fast                                     # CPU kernels: the decode rows' step in C
+        self.fast = fast                                     # CPU kernels: decode step, prefill conv and scans in C
         self.heads = int(raw["mamba_n_heads"])
         self.inner = int(raw.get("mamba_expand", 2)) * cfg.hidden_size
         self.head_dim = self.inner // self.heads
@@ -187,8 +187,7 @@ class Mamba2Mixer(HooklessModule):
         A = -torch.exp(self.A_log.float())
         y = torch.empty(x.shape[0], self.inner, dtype=x.dtype, device=x.device)
         n, gs = self.inner, self.groups * self.d_state
-        if self.fast:
-            steps = self.time_steps(dt)
+        steps = self.time_steps(dt) if self.fast else None      # the C kernels' dt
         if st.decode_ids is not None and self.fast:
             self._step_kernel(xbc, steps, A, y, st, conv_state, ssm_state)
         elif st.decode_rows is not None:        # one batched step for every single-token row
