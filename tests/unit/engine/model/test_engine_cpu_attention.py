@@ -220,14 +220,19 @@ def test_prefill_kernel_equals_causal_sdpa(h, kvh, d, bs, spans, kv_dtype, q_dty
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+def four_token_prefill() -> AttentionMetadata:
+    """A step of one fresh 4-token prefill span in pool block 0."""
+    return AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.int64), num_batched_tokens=0,
+                             prefill_block_tables=torch.zeros(1, 1, dtype=torch.int32),
+                             prefill_context_lens=torch.tensor([4], dtype=torch.int32),
+                             prefill_cu_query_lens=torch.tensor([0, 4], dtype=torch.int32))
+
+
 @pytest.mark.skipif(not HAS_PREFILL, reason="the prefill kernel is built for AVX-512 or AVX2 + FMA CPUs")
 def test_prefill_kernel_declines_what_it_does_not_cover():
     """Other head sizes, and bf16 activations over an fp32 pool, go through SDPA: the kernel says no
     instead of computing."""
-    meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.int64), num_batched_tokens=0,
-                             prefill_block_tables=torch.zeros(1, 1, dtype=torch.int32),
-                             prefill_context_lens=torch.tensor([4], dtype=torch.int32),
-                             prefill_cu_query_lens=torch.tensor([0, 4], dtype=torch.int32))
+    meta = four_token_prefill()
     attn = PagedAttention(2, 2, 40, 0.1, "cpu_kernel")
     attn.k_cache = attn.v_cache = torch.zeros(2, 2, 16, 40)
     assert not attn._prefill_kernel(torch.zeros(4, 2, 40), torch.empty(4, 80), meta)
@@ -237,14 +242,12 @@ def test_prefill_kernel_declines_what_it_does_not_cover():
                                     torch.empty(4, 128, dtype=torch.bfloat16), meta)
 
 
-@pytest.mark.skipif(not HAS_BF16_DOT or attention.AMX, reason="the bf16 prefill kernel runs on AVX-512 BF16 without AMX")
+@pytest.mark.skipif(not HAS_BF16_DOT or attention.AMX,
+                    reason="the bf16 prefill kernel runs on AVX-512 BF16 without AMX")
 def test_bf16_prefill_kernel_declines_queries_at_an_odd_row_stride():
     """It reads each row's queries as bf16 pairs (32-bit gathers): rows an odd number of elements apart
     are left to SDPA instead of read at the wrong offsets."""
-    meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.int64), num_batched_tokens=0,
-                             prefill_block_tables=torch.zeros(1, 1, dtype=torch.int32),
-                             prefill_context_lens=torch.tensor([4], dtype=torch.int32),
-                             prefill_cu_query_lens=torch.tensor([0, 4], dtype=torch.int32))
+    meta = four_token_prefill()
     attn = PagedAttention(2, 2, 64, 0.125, "cpu_kernel")
     attn.k_cache = attn.v_cache = torch.ones(1, 2, 16, 64, dtype=torch.bfloat16)
     q = torch.ones(4 * 129, dtype=torch.bfloat16).as_strided((4, 2, 64), (129, 64, 1))
@@ -264,10 +267,7 @@ def test_bf16_prefill_takes_the_pair_dot_kernel_where_the_library_has_it(monkeyp
         asked.append(fn.__name__)
         return fn
     monkeypatch.setattr(attention, "kernel", recording)
-    meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.int64), num_batched_tokens=0,
-                             prefill_block_tables=torch.zeros(1, 1, dtype=torch.int32),
-                             prefill_context_lens=torch.tensor([4], dtype=torch.int32),
-                             prefill_cu_query_lens=torch.tensor([0, 4], dtype=torch.int32))
+    meta = four_token_prefill()
     attn = PagedAttention(2, 2, 64, 0.125, "cpu_kernel")
     attn.k_cache = attn.v_cache = torch.ones(1, 2, 16, 64, dtype=torch.bfloat16)
     out = torch.zeros(4, 128, dtype=torch.bfloat16)
