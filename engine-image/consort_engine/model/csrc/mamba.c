@@ -1,10 +1,12 @@
-/* The Mamba2 mixer's decode step (models/bamba.py): for each single-token row of a step, the causal
- * depthwise conv over its slot's conv state and the new input, SiLU, then one recurrence step of its
- * slot's SSM state, both states updated in place. One call per mixer layer for the whole decode batch,
- * where the torch path (models/ssd.py conv_step + state_update) ran about 25 tensor ops per layer, the
- * slots' state gathered and scattered back. It rounds where that path rounds in a bf16 model (each conv
- * product, the conv sum, the bias add, SiLU, dt x, the state's output, x D and their sum); the SSM state
- * stays float32.
+/* The Mamba2 mixer on CPU (models/bamba.py): the decode step, and the prefill chunks' conv and scan, each
+ * one call per mixer layer for all of a step's rows.
+ *
+ * The decode step: for each single-token row of a step, the causal depthwise conv over its slot's conv
+ * state and the new input, SiLU, then one recurrence step of its slot's SSM state, both states updated
+ * in place, where the torch path (models/ssd.py conv_step + state_update) ran about 25 tensor ops per
+ * layer, the slots' state gathered and scattered back. It rounds where that path rounds in a bf16 model
+ * (each conv product, the conv sum, the bias add, SiLU, dt x, the state's output, x D and their sum);
+ * the SSM state stays float32.
  *
  * dt: the time steps softplus(dt + dt_bias), computed by the caller for the whole step in one tensor op
  * (torch's vectorised softplus; element by element here it took a quarter of a small model's scan).
