@@ -89,6 +89,13 @@ static inline bf16_t f32_to_bf16(float f) {
     u += 0x7FFFu + ((u >> 16) & 1u); /* round to nearest even */
     return (bf16_t)(u >> 16);
 }
+
+/* x at the row type's precision (where transformers rounds an intermediate), and element i of a row set
+ * from fp32, by the row's type. */
+static inline float round_f32(float x) { return x; }
+static inline float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
+static inline void put_f32(float *p, int64_t i, float v) { p[i] = v; }
+static inline void put_bf16(bf16_t *p, int64_t i, float v) { p[i] = f32_to_bf16(v); }
 /* exp(x) as 2^k * p(f), |f| <= 1/2, degree-7 Taylor of 2^f: relative error < 1e-8,
  * written so the compiler vectorises it (libm's expf is a scalar call without -ffast-math). */
 static inline float exp_nonpos_core(float x) { /* x in [-87, 88] */
@@ -110,6 +117,11 @@ static inline float exp_nonpos_core(float x) { /* x in [-87, 88] */
 }
 
 static inline float exp_nonpos(float x) { return exp_nonpos_core(x < -87.0f ? -87.0f : x); }
+
+static inline float exp_clamped(float x) { /* exp(x), x clamped to [-87, 88] */
+    x = x > 88.0f ? 88.0f : x;
+    return exp_nonpos_core(x < -87.0f ? -87.0f : x);
+}
 
 /* The prefill kernels' work items (prefill_attention.c, prefill_attention_bf16.c): each sequence's query
  * rows cu_q[b] .. cu_q[b+1]-1 cut into tiles of `tokens`. prefill_tiles: how many in all; prefill_tile:

@@ -1,17 +1,6 @@
 /* Fused element-wise layers (fp32 arithmetic; bf16 variants round where transformers rounds). */
 #include "common.h"
 
-static inline float exp_clamped(float x) { /* exp(x), x clamped to [-87, 88] */
-    x = x > 88.0f ? 88.0f : x;
-    return exp_nonpos_core(x < -87.0f ? -87.0f : x);
-}
-
-static inline float round_f32(float x) { return x; }
-static inline float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
-
-static inline void put_f32(float *p, int64_t i, float v) { p[i] = v; }
-static inline void put_bf16(bf16_t *p, int64_t i, float v) { p[i] = f32_to_bf16(v); }
-
 /* o = w * round(x * inv), inv = 1 / rms: the output of both norms (ss: the row's sum of squares). */
 #define DEFINE_NORM_ROW(SUFFIX, T)                                                                \
     static inline void norm_row_##SUFFIX(const T *x, T *o, const T *w, int D, float ss, float eps) { \

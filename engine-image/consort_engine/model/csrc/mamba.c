@@ -16,16 +16,6 @@
  * ([heads * head_dim]). Heads h of group h / (heads / groups) read that group's B and C. */
 #include "common.h"
 
-static inline float mb_round_f32(float x) { return x; }
-static inline float mb_round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
-static inline void mb_put_f32(float *p, float v) { *p = v; }
-static inline void mb_put_bf16(bf16_t *p, float v) { *p = f32_to_bf16(v); }
-
-static inline float mb_exp(float x) {   /* exp(x), x clamped to [-87, 88] (common.h's polynomial) */
-    x = x > 88.0f ? 88.0f : x;
-    return exp_nonpos_core(x < -87.0f ? -87.0f : x);
-}
-
 #define DEFINE_MAMBA_STEP(SUFFIX, T)                                                                    \
 int mamba_step_##SUFFIX(const T *xbc, int64_t xbc_stride, const T *dt, int64_t dt_stride,              \
                         const int64_t *rows, const int64_t *slots, int n, T *conv, int64_t conv_stride,  \
@@ -47,10 +37,10 @@ int mamba_step_##SUFFIX(const T *xbc, int64_t xbc_stride, const T *dt, int64_t d
                 const T *w = conv_w + (int64_t)c * K;                                                   \
                 float acc = 0.f;                  /* the window in order: the state, then the input */  \
                 for (int k = 0; k < KS; k++)                                                            \
-                    acc += mb_round_##SUFFIX(get_##SUFFIX(w, k) * get_##SUFFIX(st, k));                 \
-                acc = mb_round_##SUFFIX(acc + mb_round_##SUFFIX(get_##SUFFIX(w, KS) * get_##SUFFIX(x, c))); \
-                if (conv_b) acc = mb_round_##SUFFIX(acc + get_##SUFFIX(conv_b, c));                     \
-                o[c] = mb_round_##SUFFIX(acc / (1.0f + mb_exp(-acc)));                                  \
+                    acc += round_##SUFFIX(get_##SUFFIX(w, k) * get_##SUFFIX(st, k));                 \
+                acc = round_##SUFFIX(acc + round_##SUFFIX(get_##SUFFIX(w, KS) * get_##SUFFIX(x, c))); \
+                if (conv_b) acc = round_##SUFFIX(acc + get_##SUFFIX(conv_b, c));                     \
+                o[c] = round_##SUFFIX(acc / (1.0f + exp_clamped(-acc)));                                  \
                 for (int k = 0; k + 1 < KS; k++) st[k] = st[k + 1];     /* the window moves one on */   \
                 if (KS) st[KS - 1] = x[c];                                                              \
             }                                                                                           \
@@ -62,18 +52,18 @@ int mamba_step_##SUFFIX(const T *xbc, int64_t xbc_stride, const T *dt, int64_t d
             const float *xs = o + (int64_t)h * P, *B = o + inner + (int64_t)g * N;                      \
             const float *C = o + inner + (int64_t)G * N + (int64_t)g * N;                               \
             const float d = get_##SUFFIX(dt + rows[r] * dt_stride, h);                                  \
-            const float dA = mb_exp(d * A[h]), Dh = get_##SUFFIX(Dp, h);                                \
+            const float dA = exp_clamped(d * A[h]), Dh = get_##SUFFIX(Dp, h);                                \
             float *s = ssm + slots[r] * ssm_stride + (int64_t)h * P * N;                                \
             T *yr = y + rows[r] * y_stride + (int64_t)h * P;                                            \
             for (int p = 0; p < P; p++) {                                                               \
                 float *sp = s + (int64_t)p * N, acc = 0.f;                                              \
-                const float dx = mb_round_##SUFFIX(d * xs[p]);                                          \
+                const float dx = round_##SUFFIX(d * xs[p]);                                          \
                 for (int k = 0; k < N; k++) {                                                           \
                     const float v = sp[k] * dA + dx * B[k];                                             \
                     sp[k] = v;                                                                          \
                     acc += v * C[k];                                                                    \
                 }                                                                                       \
-                mb_put_##SUFFIX(yr + p, mb_round_##SUFFIX(acc) + mb_round_##SUFFIX(xs[p] * Dh));        \
+                put_##SUFFIX(yr, p, round_##SUFFIX(acc) + round_##SUFFIX(xs[p] * Dh));           \
             }                                                                                           \
         }                                                                                               \
     }                                                                                                   \
@@ -120,7 +110,7 @@ void mamba_scan_##SUFFIX(const T *xbc, int64_t xbc_stride, const T *dt, int64_t 
             const T *C = row + inner + (int64_t)G * N + (int64_t)g * N;                                 \
             float d = get_##SUFFIX(dt + t * dt_stride, h);                                              \
             d = d < dt_lo ? dt_lo : (d > dt_hi ? dt_hi : d);                                            \
-            const float dA = mb_exp(d * Ah);                                                            \
+            const float dA = exp_clamped(d * Ah);                                                            \
             T *yr = y + t * y_stride + (int64_t)h * P;                                                  \
             for (int p = 0; p < P; p++) {                                                               \
                 float *sr = s + (int64_t)p * N, acc = 0.f;                                              \
@@ -130,7 +120,7 @@ void mamba_scan_##SUFFIX(const T *xbc, int64_t xbc_stride, const T *dt, int64_t 
                     sr[k] = v;                                                                          \
                     acc += v * get_##SUFFIX(C, k);                                                      \
                 }                                                                                       \
-                mb_put_##SUFFIX(yr + p, acc + Dh * xp);                                                 \
+                put_##SUFFIX(yr, p, acc + Dh * xp);                                                    \
             }                                                                                           \
         }                                                                                               \
     }                                                                                                   \
@@ -181,8 +171,8 @@ void mamba_conv_##SUFFIX(const T *xbc, int64_t xbc_stride, const int32_t *span_s
             }                                                                                           \
             T *o = out + (int64_t)(a + t) * out_stride + c0;                                            \
             for (int c = 0; c < nc; c++) {                                                              \
-                const float v = mb_round_##SUFFIX(acc[c] + bias[c]);                                    \
-                mb_put_##SUFFIX(o + c, v / (1.0f + mb_exp(-v)));                                        \
+                const float v = round_##SUFFIX(acc[c] + bias[c]);                                    \
+                put_##SUFFIX(o, c, v / (1.0f + exp_clamped(-v)));                                     \
             }                                                                                           \
         }                                                                                               \
         /* window position w: the old state below KS, then the chunk's rows */                          \
@@ -192,14 +182,14 @@ void mamba_conv_##SUFFIX(const T *xbc, int64_t xbc_stride, const int32_t *span_s
             for (int j = 0; j < KS; j++) {                                                              \
                 const int w = cut_off[c] + j;                                                           \
                 for (int ch = 0; ch < nc; ch++)                                                         \
-                    mb_put_##SUFFIX(dst + (int64_t)(c0 + ch) * KS + j, w < KS ? st[w][ch]                 \
+                    put_##SUFFIX(dst, (int64_t)(c0 + ch) * KS + j, w < KS ? st[w][ch]                    \
                                     : get_##SUFFIX(xbc + (int64_t)(a + w - KS) * xbc_stride + c0, ch));   \
             }                                                                                           \
         }                                                                                               \
         for (int j = 0; j < KS; j++) {                    /* the new state: window positions len .. */  \
             const int w = len + j;                                                                      \
             for (int ch = 0; ch < nc; ch++)                                                             \
-                mb_put_##SUFFIX(cs + (int64_t)(c0 + ch) * KS + j, w < KS ? st[w][ch]                      \
+                put_##SUFFIX(cs, (int64_t)(c0 + ch) * KS + j, w < KS ? st[w][ch]                         \
                                 : get_##SUFFIX(xbc + (int64_t)(a + w - KS) * xbc_stride + c0, ch));       \
         }                                                                                               \
     }                                                                                                   \
