@@ -13,7 +13,12 @@
  * Rows: row r of the step reads xbc + rows[r] * xbc_stride ([conv_dim]: x | B | C) and dt + rows[r] *
  * dt_stride ([heads]), owns slot slots[r] (conv state [conv_dim][d_conv - 1] at conv + slot * conv_stride,
  * SSM state [heads][head_dim][d_state] at ssm + slot * ssm_stride) and writes y + rows[r] * y_stride
- * ([heads * head_dim]). Heads h of group h / (heads / groups) read that group's B and C. */
+ * ([heads * head_dim]). Heads h of group h / (heads / groups) read that group's B and C.
+ *
+ * Speculative verify windows run one call per window position (rows: the windows' rows at that
+ * position); with snap_conv / snap_ssm given, row r's slot states after the step are also copied to
+ * row snap_rows[r] of those (state_pool.py WindowSnapshots: the state to fall back to when a later draft
+ * of the window is rejected), while they are still in cache. */
 #include "common.h"
 
 #define DEFINE_MAMBA_STEP(SUFFIX, T)                                                                    \
@@ -21,7 +26,8 @@ int mamba_step_##SUFFIX(const T *xbc, int64_t xbc_stride, const T *dt, int64_t d
                         const int64_t *rows, const int64_t *slots, int n, T *conv, int64_t conv_stride,  \
                         float *ssm, int64_t ssm_stride, const T *conv_w, const T *conv_b, const float *A, \
                         const T *Dp, T *y, int64_t y_stride, int CD, int K, int H,                       \
-                        int P, int G, int N) {                                                          \
+                        int P, int G, int N, const int64_t *snap_rows, T *snap_conv,                     \
+                        int64_t snap_conv_stride, float *snap_ssm, int64_t snap_ssm_stride) {            \
     const int inner = H * P, KS = K - 1, heads_per_group = H / G;                                       \
     float *out = (float *)malloc(sizeof(float) * (size_t)n * (size_t)CD);   /* the conv's output rows */ \
     if (!out) return -2;                                                                                \
@@ -44,6 +50,8 @@ int mamba_step_##SUFFIX(const T *xbc, int64_t xbc_stride, const T *dt, int64_t d
                 for (int k = 0; k + 1 < KS; k++) st[k] = st[k + 1];     /* the window moves one on */   \
                 if (KS) st[KS - 1] = x[c];                                                              \
             }                                                                                           \
+            if (snap_conv)                                                                              \
+                memcpy(snap_conv + snap_rows[r] * snap_conv_stride, cs, sizeof(T) * (size_t)CD * KS);    \
         }                                                                                               \
         _Pragma("omp for schedule(static)")                                                             \
         for (int it = 0; it < n * H; it++) {                                                            \
@@ -55,6 +63,7 @@ int mamba_step_##SUFFIX(const T *xbc, int64_t xbc_stride, const T *dt, int64_t d
             const float dA = exp_clamped(d * A[h]), Dh = get_##SUFFIX(Dp, h);                                \
             float *s = ssm + slots[r] * ssm_stride + (int64_t)h * P * N;                                \
             T *yr = y + rows[r] * y_stride + (int64_t)h * P;                                            \
+            float *sn = snap_ssm ? snap_ssm + snap_rows[r] * snap_ssm_stride + (int64_t)h * P * N : NULL; \
             for (int p = 0; p < P; p++) {                                                               \
                 float *sp = s + (int64_t)p * N, acc = 0.f;                                              \
                 const float dx = round_##SUFFIX(d * xs[p]);                                          \
@@ -64,6 +73,7 @@ int mamba_step_##SUFFIX(const T *xbc, int64_t xbc_stride, const T *dt, int64_t d
                     acc += v * C[k];                                                                    \
                 }                                                                                       \
                 put_##SUFFIX(yr, p, round_##SUFFIX(acc) + round_##SUFFIX(xs[p] * Dh));           \
+                if (sn) memcpy(sn + (int64_t)p * N, sp, sizeof(float) * (size_t)N);                      \
             }                                                                                           \
         }                                                                                               \
     }                                                                                                   \

@@ -136,17 +136,21 @@ class Mamba2Mixer(HooklessModule):
         return F.softplus(dt + self.dt_bias.to(dt.dtype))
 
     def _step_kernel(self, xbc: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, y: torch.Tensor,
-                     st: StateMetadata, conv_state: torch.Tensor, ssm_state: torch.Tensor) -> None:
-        """_step for every decode row at once, in C (csrc/mamba.c): the states updated in place. dt: the
-        time steps, softplus(dt + dt_bias)."""
-        rows, slots = st.decode_ids
+                     rows: torch.Tensor, slots: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
+                     snap: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+        """_step for `rows` (int64 on CPU) at once, in C (csrc/mamba.c): the states updated in place. dt: the
+        time steps, softplus(dt + dt_bias). snap: (snapshot rows, conv, SSM [window, ...]) where row r's new
+        states are also copied (a verify window position's WindowSnapshots)."""
         w, b = self.conv1d.weight, self.conv1d.bias
+        to, sc, ss = snap if snap is not None else (None, None, None)
         rc = kernel("mamba_step", y.dtype)(
             xbc.data_ptr(), xbc.stride(0), dt.data_ptr(), dt.stride(0), rows.data_ptr(), slots.data_ptr(),
             rows.shape[0], conv_state.data_ptr(), conv_state.stride(0), ssm_state.data_ptr(), ssm_state.stride(0),
             w.data_ptr(), None if b is None else b.data_ptr(), A.data_ptr(), self.D.data_ptr(),
             y.data_ptr(), y.stride(0), self.conv_dim, self.d_conv, self.heads,
-            self.head_dim, self.groups, self.d_state)
+            self.head_dim, self.groups, self.d_state, None if to is None else to.data_ptr(),
+            None if sc is None else sc.data_ptr(), 0 if sc is None else sc.stride(0),
+            None if ss is None else ss.data_ptr(), 0 if ss is None else ss.stride(0))
         if rc:
             raise MemoryError(f"mamba_step: no memory for its buffer ({rows.shape[0]} rows)")
 
@@ -189,13 +193,18 @@ class Mamba2Mixer(HooklessModule):
         n, gs = self.inner, self.groups * self.d_state
         steps = self.time_steps(dt) if self.fast else None      # the C kernels' dt
         if st.decode_ids is not None and self.fast:
-            self._step_kernel(xbc, steps, A, y, st, conv_state, ssm_state)
+            self._step_kernel(xbc, steps, A, y, *st.decode_ids, conv_state, ssm_state)
         elif st.decode_rows is not None:        # one batched step for every single-token row
             self._step(xbc, dt, A, y, st.decode_rows, st.decode_slots, conv_state, ssm_state)
+        snaps = st.snapshots
         for j, (rows, slots, live) in enumerate(st.window_steps):   # verify windows: a batched step per position
+            if self.fast:
+                snap = (live, snaps.conv[j, :, self.index], snaps.ssm[j, :, self.index])
+                self._step_kernel(xbc, steps, A, y, rows, slots, conv_state, ssm_state, snap)
+                continue
             conv_new, ssm_new = self._step(xbc, dt, A, y, rows, slots, conv_state, ssm_state)
-            st.snapshots.conv[j, live, self.index] = conv_new
-            st.snapshots.ssm[j, live, self.index] = ssm_new
+            snaps.conv[j, live, self.index] = conv_new
+            snaps.ssm[j, live, self.index] = ssm_new
         if self.fast and st.chunk_ids is not None and self.d_conv <= MAX_KERNEL_CONV:   # all chunks: two calls
             conv_out = torch.empty(x.shape[0], self.conv_dim, dtype=x.dtype)
             self._conv_kernel(xbc, conv_out, st, conv_state)

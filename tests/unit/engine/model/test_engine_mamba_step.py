@@ -6,7 +6,10 @@ models, one or several groups, with and without a conv bias:
 - the prefill scan (Mamba2Mixer._scan_kernel, the recurrence token by token, against ssd.chunk_scan's
   chunked algorithm) and the gated norm (csrc/elementwise.c against GatedRMSNorm's tensor ops): a whole
   mixer forward over a step of prefill chunks and decode rows, checkpoints at a chunk's start, inside it
-  and at its end; the layer output, the pools and the checkpoint rows."""
+  and at its end; the layer output, the pools and the checkpoint rows;
+- speculative verify windows (the C step once per window position, writing the windows' state snapshots,
+  against _step per position): a mixer forward over windows of several lengths beside a decode row; the
+  output, the pools and every snapshot a window position writes."""
 
 from __future__ import annotations
 
@@ -63,7 +66,7 @@ def test_c_decode_step_equals_the_torch_step(dtype, groups, conv_bias):
     y_ref = torch.zeros(t, m.inner, dtype=dtype)
     m._step(xbc, dt, A, y_ref, torch.tensor(rows), torch.tensor(slots), ref_conv[:, 1], ref_ssm[:, 1])
     y = torch.zeros(t, m.inner, dtype=dtype)
-    m._step_kernel(xbc, m.time_steps(dt), A, y, st, conv[:, 1], ssm[:, 1])
+    m._step_kernel(xbc, m.time_steps(dt), A, y, *st.decode_ids, conv[:, 1], ssm[:, 1])
 
     untouched = [s for s in range(slots_n) if s not in slots]
     assert torch.equal(conv[untouched], ref_conv[untouched]) and torch.equal(ssm[untouched], ref_ssm[untouched])
@@ -115,6 +118,44 @@ def test_c_prefill_scan_equals_the_chunked_scan(dtype, groups, conv_bias, limit)
     if dtype == torch.float32:
         torch.testing.assert_close(out, out_ref, **tol)
     else:   # y differs by a bf16 step here and there (other float32 sums); the norm and out_proj spread it
+        diff = (out.float() - out_ref.float()).abs()
+        assert float(diff.max()) <= 0.02 * float(out_ref.float().abs().max()), float(diff.max())
+        assert float(diff.mean()) <= 0.002 * float(out_ref.float().abs().mean()), float(diff.mean())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("groups,conv_bias", [(1, True), (2, False)])
+def test_c_verify_windows_equal_the_torch_steps(dtype, groups, conv_bias):
+    g = torch.Generator().manual_seed(200 + groups * 10 + conv_bias + (dtype == torch.bfloat16))
+    fast = mixer(dtype, groups, conv_bias, g)
+    ref = copy.deepcopy(fast)
+    ref.fast = ref.norm.fast = False
+    slots_n, mixers = 7, 2
+    (cd, kc), (h, p, n) = fast.state_shapes()
+    conv = torch.randn(slots_n, mixers, cd, kc, generator=g).to(dtype)
+    ssm = torch.randn(slots_n, mixers, h, p, n, generator=g)
+    # rows: window 0-3 (slot 5), decode row 4 (slot 0), window 5-6 (slot 2), window 7-11 (slot 6)
+    items, slots, windows = [(0, 4), (4, 5), (5, 7), (7, 12)], [5, 0, 2, 6], [True, False, True, True]
+    x = torch.randn(12, 64, generator=g).to(dtype)
+
+    def run(m: Mamba2Mixer):
+        c, s = conv.clone(), ssm.clone()
+        st = build_state_metadata(c, s, items, slots, windows)
+        with torch.inference_mode():
+            return m(x, st), c, s, st.snapshots
+    out, c, s, snaps = run(fast)
+    out_ref, c_ref, s_ref, snaps_ref = run(ref)
+    tol = dict(rtol=1e-4, atol=1e-4)
+    assert torch.equal(c, c_ref)                        # the conv windows: the same values
+    torch.testing.assert_close(s, s_ref, **tol)
+    for w, length in enumerate(snaps.lengths):          # every position a window has: both snapshots
+        assert torch.equal(snaps.conv[:length, w, 1], snaps_ref.conv[:length, w, 1])
+        torch.testing.assert_close(snaps.ssm[:length, w, 1], snaps_ref.ssm[:length, w, 1], **tol)
+    # a window's last snapshot is its slot's state in the pool
+    assert torch.equal(snaps.ssm[4, 2, 1], s[6, 1]) and torch.equal(snaps.conv[1, 1, 1], c[2, 1])
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, out_ref, **tol)
+    else:
         diff = (out.float() - out_ref.float()).abs()
         assert float(diff.max()) <= 0.02 * float(out_ref.float().abs().max()), float(diff.max())
         assert float(diff.mean()) <= 0.002 * float(out_ref.float().abs().mean()), float(diff.mean())
