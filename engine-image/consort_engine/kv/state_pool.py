@@ -14,9 +14,12 @@ choice: a state copy is a fixed cost per victim, so it prefers one victim that f
 over several small ones.
 
 Speculative verify: a window (last token + K drafts) steps the recurrence row by row, batched over
-every window of the step, and keeps a snapshot of each slot's state after every window position
-(WindowSnapshots). Once acceptance is known, commit() puts back the state after the last kept
-token (the pool already holds it when every draft was accepted): rejected drafts leave no trace.
+every window of the step, in place in its slot; the slot's state before the window is kept aside
+(VerifyWindows) and each mixer keeps the inputs its steps took. Once acceptance is known, a window
+whose drafts were all accepted has nothing to undo (the pool holds the state after its last token);
+one with rejected drafts gets its state from before the window back and steps again over the kept
+tokens only (model/hybrid_state.py commit_windows): rejected drafts leave no trace. One saved state per
+window, not one per position: a real hybrid's state is megabytes per layer and sequence.
 
 Prefix caching: a prefill chunk may carry checkpoints, (tokens into the chunk, checkpoint row): the
 scan stops at each and saves the conv and SSM state there into the runner's checkpoint pools
@@ -48,32 +51,27 @@ class StateMetadata:
     chunk_checkpoints: list[list[tuple[int, int]]] = field(default_factory=list)
     ckpt_conv: torch.Tensor | None = None       # [rows, mixers, conv_dim, d_conv - 1]
     ckpt_ssm: torch.Tensor | None = None        # [rows, mixers, heads, head_dim, d_state] float32
-    # verify windows, position by position: (rows, slots, window indices) of the windows that long
-    window_steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    snapshots: "WindowSnapshots | None" = None
+    # verify windows, position by position: (rows, slots) of the windows that long (the first position: all)
+    window_steps: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    windows: "VerifyWindows | None" = None
 
 
 @dataclass
-class WindowSnapshots:
-    """State of each verify window's slot after each of its positions: [position, window, mixers, ...]."""
+class VerifyWindows:
+    """A step's verify windows: each one's slot, length and first row, its slot's state before the window
+    ([window, mixers, ...], written by the mixers' first window step) and, per mixer, the inputs its
+    steps took (whatever that mixer needs to step the window's rows again)."""
     slots: list[int]
     lengths: list[int]
+    first_rows: list[int]
     conv: torch.Tensor
     ssm: torch.Tensor
+    inputs: list = field(default_factory=list)
 
-    def commit(self, pool_conv: torch.Tensor, pool_ssm: torch.Tensor, kept: dict[int, int]) -> None:
-        """kept: slot -> tokens of its window whose state stands (1..length). Restores the state after
-        the last kept one where drafts were rejected."""
-        restore = [(w, kept[s] - 1) for w, (s, n) in enumerate(zip(self.slots, self.lengths))
-                   if s in kept and kept[s] < n]
-        if not restore:
-            return
-        dev = pool_conv.device
-        win = torch.tensor([w for w, _ in restore], dtype=torch.int64, device=dev)
-        pos = torch.tensor([p for _, p in restore], dtype=torch.int64, device=dev)
-        slots = torch.tensor([self.slots[w] for w, _ in restore], dtype=torch.int64, device=dev)
-        pool_conv[slots] = self.conv[pos, win]
-        pool_ssm[slots] = self.ssm[pos, win]
+    def rejected(self, kept: dict[int, int]) -> list[tuple[int, int]]:
+        """kept: slot -> tokens of its window whose state stands (1..length). (window, kept tokens) of the
+        windows that had drafts rejected: their state goes back to before the window, then steps again."""
+        return [(w, kept[s]) for w, (s, n) in enumerate(zip(self.slots, self.lengths)) if s in kept and kept[s] < n]
 
 
 class StateSlots:
@@ -169,16 +167,23 @@ def build_state_metadata(conv: torch.Tensor, ssm: torch.Tensor, rows: list[tuple
                                  torch.tensor([off for _, off, _ in at], dtype=torch.int32),
                                  torch.tensor([row for _, _, row in at], dtype=torch.int64))
     if wins:
-        longest = max(n for _, n, _ in wins)
-        for j in range(longest):
-            live = [i for i, (_, n, _) in enumerate(wins) if n > j]
-            meta.window_steps.append((torch.tensor([wins[i][0] + j for i in live], dtype=torch.int64, device=dev),
-                                      torch.tensor([wins[i][2] for i in live], dtype=torch.int64, device=dev),
-                                      torch.tensor(live, dtype=torch.int64, device=dev)))
-        meta.snapshots = WindowSnapshots([s for *_, s in wins], [n for _, n, _ in wins],
-                                         conv.new_empty(longest, len(wins), *conv.shape[1:]),
-                                         ssm.new_empty(longest, len(wins), *ssm.shape[1:]))
+        meta.window_steps = window_steps([(a, s) for a, _, s in wins], [n for _, n, _ in wins], dev)
+        meta.windows = VerifyWindows([s for *_, s in wins], [n for _, n, _ in wins], [a for a, _, _ in wins],
+                                     conv.new_empty(len(wins), *conv.shape[1:]),
+                                     ssm.new_empty(len(wins), *ssm.shape[1:]), [None] * conv.shape[1])
     return meta
+
+
+def window_steps(windows: list[tuple[int, int]], lengths: list[int],
+                 device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Windows (first row, slot) stepped `lengths` rows each: per position, the (rows, slots) of the
+    windows that long, in window order; int64 (CPU: what the C step reads)."""
+    steps = []
+    for j in range(max(lengths, default=0)):
+        live = [w for w, n in zip(windows, lengths) if n > j]
+        steps.append((torch.tensor([a + j for a, _ in live], dtype=torch.int64, device=device),
+                      torch.tensor([s for _, s in live], dtype=torch.int64, device=device)))
+    return steps
 
 
 def seqs_per_pool(pool_bytes: int, context_len: int, block_size: int, block_bytes: int, state_bytes: int) -> int:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from consort_engine.kv.state_pool import StateMetadata, SwappedState, WindowSnapshots, build_state_metadata
+from consort_engine.kv.state_pool import (StateMetadata, SwappedState, VerifyWindows, build_state_metadata,
+                                          window_steps)
 from consort_engine.model.step_inputs import RowGroup
 
 
@@ -33,7 +34,8 @@ class HybridState:
         self.ckpt_conv = torch.zeros(checkpoints, n, cd, ck, dtype=dtype, device=device)
         self.ckpt_ssm = torch.zeros(checkpoints, n, sh, sp, sn, dtype=torch.float32, device=device)
         self.bytes_per_seq = self.conv[0].numel() * self.conv.element_size() + self.ssm[0].numel() * 4
-        self.window_snapshots: WindowSnapshots | None = None    # the last step's verify windows
+        self.mixers = mixers
+        self.windows: VerifyWindows | None = None    # the last step's verify windows
 
     @property
     def num_checkpoints(self) -> int:
@@ -56,13 +58,23 @@ class HybridState:
         meta = build_state_metadata(self.conv, self.ssm, item_rows, [g.state_slot for g in groups],
                                     [g.num_sampled > 1 for g in groups], [g.checkpoints for g in groups],
                                     (self.ckpt_conv, self.ckpt_ssm))
-        self.window_snapshots = meta.snapshots
+        self.windows = meta.windows
         return meta
 
     def commit_windows(self, kept: dict[int, int]) -> None:
-        snaps, self.window_snapshots = self.window_snapshots, None
-        if snaps is not None and kept:
-            snaps.commit(self.conv, self.ssm, kept)
+        """kept: slot -> tokens of its verify window whose state stands. A window with rejected drafts
+        gets its slot's state from before the window back, then every mixer steps its kept tokens again."""
+        win, self.windows = self.windows, None
+        redo = win.rejected(kept) if win is not None else []
+        if not redo:
+            return
+        w = torch.tensor([i for i, _ in redo], dtype=torch.int64, device=self.device)
+        slots = torch.tensor([win.slots[i] for i, _ in redo], dtype=torch.int64, device=self.device)
+        self.conv[slots] = win.conv[w]
+        self.ssm[slots] = win.ssm[w]
+        steps = window_steps([(win.first_rows[i], win.slots[i]) for i, _ in redo], [m for _, m in redo], self.device)
+        for m in self.mixers:
+            m.step_again(win.inputs[m.index], steps, self.conv[:, m.index], self.ssm[:, m.index])
 
     def restore(self, pairs: list[tuple[int, int]]) -> None:
         """(slot, checkpoint row): a prefix hit's sequence continues from the state saved at its last cached block."""

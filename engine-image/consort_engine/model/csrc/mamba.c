@@ -16,9 +16,9 @@
  * ([heads * head_dim]). Heads h of group h / (heads / groups) read that group's B and C.
  *
  * Speculative verify windows run one call per window position (rows: the windows' rows at that
- * position); with snap_conv / snap_ssm given, row r's slot states after the step are also copied to
- * row snap_rows[r] of those (state_pool.py WindowSnapshots: the state to fall back to when a later draft
- * of the window is rejected), while they are still in cache. */
+ * position). With save_conv / save_ssm given (the first position), row r's slot states before the step
+ * are copied to row r of those while they are in cache (state_pool.py VerifyWindows: where a window
+ * with rejected drafts starts again from). */
 #include "common.h"
 
 #define DEFINE_MAMBA_STEP(SUFFIX, T)                                                                    \
@@ -26,8 +26,8 @@ int mamba_step_##SUFFIX(const T *xbc, int64_t xbc_stride, const T *dt, int64_t d
                         const int64_t *rows, const int64_t *slots, int n, T *conv, int64_t conv_stride,  \
                         float *ssm, int64_t ssm_stride, const T *conv_w, const T *conv_b, const float *A, \
                         const T *Dp, T *y, int64_t y_stride, int CD, int K, int H,                       \
-                        int P, int G, int N, const int64_t *snap_rows, T *snap_conv,                     \
-                        int64_t snap_conv_stride, float *snap_ssm, int64_t snap_ssm_stride) {            \
+                        int P, int G, int N, T *save_conv, int64_t save_conv_stride,                     \
+                        float *save_ssm, int64_t save_ssm_stride) {                                      \
     const int inner = H * P, KS = K - 1, heads_per_group = H / G;                                       \
     float *out = (float *)malloc(sizeof(float) * (size_t)n * (size_t)CD);   /* the conv's output rows */ \
     if (!out) return -2;                                                                                \
@@ -38,6 +38,8 @@ int mamba_step_##SUFFIX(const T *xbc, int64_t xbc_stride, const T *dt, int64_t d
             const T *x = xbc + rows[r] * xbc_stride;                                                    \
             T *cs = conv + slots[r] * conv_stride;                                                      \
             float *o = out + (int64_t)r * CD;                                                           \
+            if (save_conv)                                                                              \
+                memcpy(save_conv + r * save_conv_stride, cs, sizeof(T) * (size_t)CD * KS);              \
             for (int c = 0; c < CD; c++) {                                                              \
                 T *st = cs + (int64_t)c * KS;                                                           \
                 const T *w = conv_w + (int64_t)c * K;                                                   \
@@ -50,8 +52,6 @@ int mamba_step_##SUFFIX(const T *xbc, int64_t xbc_stride, const T *dt, int64_t d
                 for (int k = 0; k + 1 < KS; k++) st[k] = st[k + 1];     /* the window moves one on */   \
                 if (KS) st[KS - 1] = x[c];                                                              \
             }                                                                                           \
-            if (snap_conv)                                                                              \
-                memcpy(snap_conv + snap_rows[r] * snap_conv_stride, cs, sizeof(T) * (size_t)CD * KS);    \
         }                                                                                               \
         _Pragma("omp for schedule(static)")                                                             \
         for (int it = 0; it < n * H; it++) {                                                            \
@@ -63,17 +63,17 @@ int mamba_step_##SUFFIX(const T *xbc, int64_t xbc_stride, const T *dt, int64_t d
             const float dA = exp_clamped(d * A[h]), Dh = get_##SUFFIX(Dp, h);                                \
             float *s = ssm + slots[r] * ssm_stride + (int64_t)h * P * N;                                \
             T *yr = y + rows[r] * y_stride + (int64_t)h * P;                                            \
-            float *sn = snap_ssm ? snap_ssm + snap_rows[r] * snap_ssm_stride + (int64_t)h * P * N : NULL; \
+            float *sv = save_ssm ? save_ssm + r * save_ssm_stride + (int64_t)h * P * N : NULL;          \
             for (int p = 0; p < P; p++) {                                                               \
                 float *sp = s + (int64_t)p * N, acc = 0.f;                                              \
                 const float dx = round_##SUFFIX(d * xs[p]);                                          \
+                if (sv) memcpy(sv + (int64_t)p * N, sp, sizeof(float) * (size_t)N);                     \
                 for (int k = 0; k < N; k++) {                                                           \
                     const float v = sp[k] * dA + dx * B[k];                                             \
                     sp[k] = v;                                                                          \
                     acc += v * C[k];                                                                    \
                 }                                                                                       \
                 put_##SUFFIX(yr, p, round_##SUFFIX(acc) + round_##SUFFIX(xs[p] * Dh));           \
-                if (sn) memcpy(sn + (int64_t)p * N, sp, sizeof(float) * (size_t)N);                      \
             }                                                                                           \
         }                                                                                               \
     }                                                                                                   \

@@ -114,21 +114,43 @@ class Mamba2Mixer(HooklessModule):
         """Per sequence: conv state [conv_dim, d_conv - 1], SSM state [heads, head_dim, d_state]."""
         return (self.conv_dim, self.d_conv - 1), (self.heads, self.head_dim, self.d_state)
 
-    def _step(self, xbc: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, y: torch.Tensor, rows: torch.Tensor,
-              slots: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor):
-        """One recurrence step for `rows` (one token each) from their slots' state, written back.
-        Returns the new (conv, SSM) states."""
+    def step(self, xbc: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, y: torch.Tensor, rows: torch.Tensor,
+             slots: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
+             save: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """One recurrence step for `rows` (one token each, int64) from their slots' state, written back: in C
+        with the CPU kernels (dt: the time steps, softplus(dt + dt_bias)), else tensor ops (dt as projected).
+        save: (conv, SSM) whose row r gets row r's slot state from before the step."""
+        if self.fast:
+            self._step_kernel(xbc, dt, A, y, rows, slots, conv_state, ssm_state, save)
+            return
+        if save is not None:
+            save[0].copy_(conv_state[slots])
+            save[1].copy_(ssm_state[slots])
+        self._step(xbc, dt, A, y, rows, slots, conv_state, ssm_state)
+
+    def _step(self, xbc: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, y: torch.Tensor,
+              rows: torch.Tensor | slice, slots: torch.Tensor | slice, conv_state: torch.Tensor,
+              ssm_state: torch.Tensor) -> None:
+        """step in tensor ops (models/ssd.py); rows and slots may be slices."""
         n, gs = self.inner, self.groups * self.d_state
         out, conv_new = ssd.conv_step(xbc[rows], conv_state[slots], self.conv1d.weight[:, 0], self.conv1d.bias)
-        conv_new = conv_new.to(conv_state.dtype)
-        conv_state[slots] = conv_new
+        conv_state[slots] = conv_new.to(conv_state.dtype)
         xs, B, C = out.split([n, gs, gs], dim=-1)
         b = xs.shape[0]
         ys, ssm_new = ssd.state_update(ssm_state[slots], xs.view(b, self.heads, self.head_dim), dt[rows], A,
                                        B.view(b, self.groups, -1), C.view(b, self.groups, -1), self.D, self.dt_bias)
         ssm_state[slots] = ssm_new
         y[rows] = ys.reshape(b, -1)
-        return conv_new, ssm_new
+
+    def step_again(self, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                   steps: list[tuple[torch.Tensor, torch.Tensor]], conv_state: torch.Tensor,
+                   ssm_state: torch.Tensor) -> None:
+        """Verify windows' rows stepped again, position by position ((rows, slots) each), from the inputs
+        this mixer's forward kept (xbc, dt as `step` takes it, y as scratch): hybrid_state.commit_windows."""
+        xbc, dt, y = inputs
+        A = -torch.exp(self.A_log.float())
+        for rows, slots in steps:
+            self.step(xbc, dt, A, y, rows, slots, conv_state, ssm_state)
 
     def time_steps(self, dt: torch.Tensor) -> torch.Tensor:
         """softplus(dt + dt_bias) for every row of the step in one tensor op, rounded to the model dtype as
@@ -137,19 +159,17 @@ class Mamba2Mixer(HooklessModule):
 
     def _step_kernel(self, xbc: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, y: torch.Tensor,
                      rows: torch.Tensor, slots: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
-                     snap: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
-        """_step for `rows` (int64 on CPU) at once, in C (csrc/mamba.c): the states updated in place. dt: the
-        time steps, softplus(dt + dt_bias). snap: (snapshot rows, conv, SSM [window, ...]) where row r's new
-        states are also copied (a verify window position's WindowSnapshots)."""
+                     save: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """step in C (csrc/mamba.c), all rows in one call."""
         w, b = self.conv1d.weight, self.conv1d.bias
-        to, sc, ss = snap if snap is not None else (None, None, None)
+        sc, ss = save if save is not None else (None, None)
         rc = kernel("mamba_step", y.dtype)(
             xbc.data_ptr(), xbc.stride(0), dt.data_ptr(), dt.stride(0), rows.data_ptr(), slots.data_ptr(),
             rows.shape[0], conv_state.data_ptr(), conv_state.stride(0), ssm_state.data_ptr(), ssm_state.stride(0),
             w.data_ptr(), None if b is None else b.data_ptr(), A.data_ptr(), self.D.data_ptr(),
             y.data_ptr(), y.stride(0), self.conv_dim, self.d_conv, self.heads,
-            self.head_dim, self.groups, self.d_state, None if to is None else to.data_ptr(),
-            None if sc is None else sc.data_ptr(), 0 if sc is None else sc.stride(0),
+            self.head_dim, self.groups, self.d_state, None if sc is None else sc.data_ptr(),
+            0 if sc is None else sc.stride(0),
             None if ss is None else ss.data_ptr(), 0 if ss is None else ss.stride(0))
         if rc:
             raise MemoryError(f"mamba_step: no memory for its buffer ({rows.shape[0]} rows)")
@@ -191,20 +211,17 @@ class Mamba2Mixer(HooklessModule):
         A = -torch.exp(self.A_log.float())
         y = torch.empty(x.shape[0], self.inner, dtype=x.dtype, device=x.device)
         n, gs = self.inner, self.groups * self.d_state
-        steps = self.time_steps(dt) if self.fast else None      # the C kernels' dt
+        steps = self.time_steps(dt) if self.fast else dt      # dt as `step` (and the C scan) take it
         if st.decode_ids is not None and self.fast:
             self._step_kernel(xbc, steps, A, y, *st.decode_ids, conv_state, ssm_state)
         elif st.decode_rows is not None:        # one batched step for every single-token row
             self._step(xbc, dt, A, y, st.decode_rows, st.decode_slots, conv_state, ssm_state)
-        snaps = st.snapshots
-        for j, (rows, slots, live) in enumerate(st.window_steps):   # verify windows: a batched step per position
-            if self.fast:
-                snap = (live, snaps.conv[j, :, self.index], snaps.ssm[j, :, self.index])
-                self._step_kernel(xbc, steps, A, y, rows, slots, conv_state, ssm_state, snap)
-                continue
-            conv_new, ssm_new = self._step(xbc, dt, A, y, rows, slots, conv_state, ssm_state)
-            snaps.conv[j, live, self.index] = conv_new
-            snaps.ssm[j, live, self.index] = ssm_new
+        if st.window_steps:     # verify windows: a batched step per position, the state before them saved
+            win = st.windows
+            win.inputs[self.index] = (xbc, steps, y)     # for step_again: y is free once the layer's output is
+            for j, (rows, slots) in enumerate(st.window_steps):
+                save = (win.conv[:, self.index], win.ssm[:, self.index]) if j == 0 else None
+                self.step(xbc, steps, A, y, rows, slots, conv_state, ssm_state, save)
         if self.fast and st.chunk_ids is not None and self.d_conv <= MAX_KERNEL_CONV:   # all chunks: two calls
             conv_out = torch.empty(x.shape[0], self.conv_dim, dtype=x.dtype)
             self._conv_kernel(xbc, conv_out, st, conv_state)

@@ -7,9 +7,9 @@ models, one or several groups, with and without a conv bias:
   chunked algorithm) and the gated norm (csrc/elementwise.c against GatedRMSNorm's tensor ops): a whole
   mixer forward over a step of prefill chunks and decode rows, checkpoints at a chunk's start, inside it
   and at its end; the layer output, the pools and the checkpoint rows;
-- speculative verify windows (the C step once per window position, writing the windows' state snapshots,
-  against _step per position): a mixer forward over windows of several lengths beside a decode row; the
-  output, the pools and every snapshot a window position writes."""
+- speculative verify windows (the C step once per window position, saving each window's state before it,
+  against the tensor-op step), then HybridState.commit_windows: windows with rejected drafts end in the
+  state the step would have left with only their kept tokens, the others as the step left them."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import torch
 
 from consort_engine.kv.state_pool import build_state_metadata
 from consort_engine.model import cpu_kernels as ck
+from consort_engine.model.hybrid_state import HybridState
 from consort_engine.model.loader import ModelConfig
 from consort_engine.model.models.bamba import Mamba2Mixer
 
@@ -125,7 +126,7 @@ def test_c_prefill_scan_equals_the_chunked_scan(dtype, groups, conv_bias, limit)
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("groups,conv_bias", [(1, True), (2, False)])
-def test_c_verify_windows_equal_the_torch_steps(dtype, groups, conv_bias):
+def test_verify_windows_step_in_c_and_roll_back_to_the_kept_tokens(dtype, groups, conv_bias):
     g = torch.Generator().manual_seed(200 + groups * 10 + conv_bias + (dtype == torch.bfloat16))
     fast = mixer(dtype, groups, conv_bias, g)
     ref = copy.deepcopy(fast)
@@ -137,25 +138,40 @@ def test_c_verify_windows_equal_the_torch_steps(dtype, groups, conv_bias):
     # rows: window 0-3 (slot 5), decode row 4 (slot 0), window 5-6 (slot 2), window 7-11 (slot 6)
     items, slots, windows = [(0, 4), (4, 5), (5, 7), (7, 12)], [5, 0, 2, 6], [True, False, True, True]
     x = torch.randn(12, 64, generator=g).to(dtype)
+    kept = {5: 2, 2: 2, 6: 1, 0: 1}       # window 0: 2 of 4 tokens, window 5-6 all of its 2, window 7-11: 1
 
-    def run(m: Mamba2Mixer):
-        c, s = conv.clone(), ssm.clone()
-        st = build_state_metadata(c, s, items, slots, windows)
+    def run(m: Mamba2Mixer, spans, flags):
+        hs = HybridState([m], slots_n, 0, dtype, torch.device("cpu"))
+        hs.conv, hs.ssm = conv.clone(), ssm.clone()           # the test's pools: the mixer is index 1 of 2
+        st = build_state_metadata(hs.conv, hs.ssm, spans, slots, flags)
+        hs.windows = st.windows
         with torch.inference_mode():
-            return m(x, st), c, s, st.snapshots
-    out, c, s, snaps = run(fast)
-    out_ref, c_ref, s_ref, snaps_ref = run(ref)
+            return m(x, st), hs, st.windows
+    for m in (fast, ref):
+        out, hs, win = run(m, items, windows)
+        assert torch.equal(win.conv[:, 1], conv[[5, 2, 6], 1])         # each window's state before it
+        assert torch.equal(win.ssm[:, 1], ssm[[5, 2, 6], 1])
+        after = hs.conv.clone(), hs.ssm.clone()
+        if m is fast:
+            out_c, after_c = out, after
+        with torch.inference_mode():
+            hs.commit_windows(kept)
+        # the truth: the same step with each window cut to its kept tokens (one token: a decode row)
+        cut = [(0, 2), (4, 5), (5, 7), (7, 8)]
+        _, truth, _ = run(m, cut, [True, False, True, False])
+        # (mixer 1's state only: the test's one mixer saved no state before the windows for mixer 0)
+        assert torch.equal(hs.conv[:, 1], truth.conv[:, 1])
+        torch.testing.assert_close(hs.ssm[:, 1], truth.ssm[:, 1], rtol=1e-6, atol=1e-6)
+        for slot in (0, 2):        # the decode row and the window that kept everything: as the step left them
+            assert torch.equal(hs.conv[slot], after[0][slot]) and torch.equal(hs.ssm[slot], after[1][slot])
+        assert not torch.equal(hs.ssm[5, 1], after[1][5, 1]) and not torch.equal(hs.ssm[6, 1], after[1][6, 1])
+    # C against the tensor ops: the step's pools and the layer output
     tol = dict(rtol=1e-4, atol=1e-4)
-    assert torch.equal(c, c_ref)                        # the conv windows: the same values
-    torch.testing.assert_close(s, s_ref, **tol)
-    for w, length in enumerate(snaps.lengths):          # every position a window has: both snapshots
-        assert torch.equal(snaps.conv[:length, w, 1], snaps_ref.conv[:length, w, 1])
-        torch.testing.assert_close(snaps.ssm[:length, w, 1], snaps_ref.ssm[:length, w, 1], **tol)
-    # a window's last snapshot is its slot's state in the pool
-    assert torch.equal(snaps.ssm[4, 2, 1], s[6, 1]) and torch.equal(snaps.conv[1, 1, 1], c[2, 1])
+    assert torch.equal(after_c[0], after[0])
+    torch.testing.assert_close(after_c[1], after[1], **tol)
     if dtype == torch.float32:
-        torch.testing.assert_close(out, out_ref, **tol)
+        torch.testing.assert_close(out_c, out, **tol)
     else:
-        diff = (out.float() - out_ref.float()).abs()
-        assert float(diff.max()) <= 0.02 * float(out_ref.float().abs().max()), float(diff.max())
-        assert float(diff.mean()) <= 0.002 * float(out_ref.float().abs().mean()), float(diff.mean())
+        diff = (out_c.float() - out.float()).abs()
+        assert float(diff.max()) <= 0.02 * float(out.float().abs().max()), float(diff.max())
+        assert float(diff.mean()) <= 0.002 * float(out.float().abs().mean()), float(diff.mean())
