@@ -13,8 +13,8 @@ into the blocks and slot the sequence gets when it is readmitted. Which runner g
 choice: a state copy is a fixed cost per victim, so it prefers one victim that frees enough blocks
 over several small ones.
 
-Speculative verify: a window (last token + K drafts) steps the recurrence row by row, batched over
-every window of the step, in place in its slot; the slot's state before the window is kept aside
+Speculative verify: a window (last token + K drafts) steps the recurrence row by row (RowRuns), batched
+over every window of the step, in place in its slot; the slot's state before the window is kept aside
 (VerifyWindows) and each mixer keeps the inputs its steps took. Once acceptance is known, a window
 whose drafts were all accepted has nothing to undo (the pool holds the state after its last token);
 one with rejected drafts gets its state from before the window back and steps again over the kept
@@ -51,19 +51,40 @@ class StateMetadata:
     chunk_checkpoints: list[list[tuple[int, int]]] = field(default_factory=list)
     ckpt_conv: torch.Tensor | None = None       # [rows, mixers, conv_dim, d_conv - 1]
     ckpt_ssm: torch.Tensor | None = None        # [rows, mixers, heads, head_dim, d_state] float32
-    # verify windows, position by position: (rows, slots) of the windows that long (the first position: all)
-    window_steps: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    windows: "VerifyWindows | None" = None
+    windows: "VerifyWindows | None" = None      # speculative verify windows
+
+
+@dataclass
+class RowRuns:
+    """Runs of consecutive step rows, each stepped token by token from one slot's state: what a mixer's
+    `step` takes. ids: (first rows int64, lengths int32, slots int64) on CPU, the C step's arrays."""
+    first_rows: list[int]
+    lengths: list[int]
+    slots: list[int]
+    device: torch.device
+    ids: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.ids = (torch.tensor(self.first_rows, dtype=torch.int64), torch.tensor(self.lengths, dtype=torch.int32),
+                    torch.tensor(self.slots, dtype=torch.int64))
+
+    def by_position(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Position by position (tensor ops step that way): the (rows, slots) of the runs that long, in run
+        order, int64 on the device; the first position holds every run."""
+        steps = []
+        for j in range(max(self.lengths, default=0)):
+            live = [k for k, n in enumerate(self.lengths) if n > j]
+            steps.append((torch.tensor([self.first_rows[k] + j for k in live], dtype=torch.int64, device=self.device),
+                          torch.tensor([self.slots[k] for k in live], dtype=torch.int64, device=self.device)))
+        return steps
 
 
 @dataclass
 class VerifyWindows:
-    """A step's verify windows: each one's slot, length and first row, its slot's state before the window
-    ([window, mixers, ...], written by the mixers' first window step) and, per mixer, the inputs its
-    steps took (whatever that mixer needs to step the window's rows again)."""
-    slots: list[int]
-    lengths: list[int]
-    first_rows: list[int]
+    """A step's verify windows (one run each), their slots' state before them ([window, mixers, ...],
+    written by the mixers' window step) and, per mixer, the inputs its step took (whatever that mixer
+    needs to step a window's rows again)."""
+    runs: RowRuns
     conv: torch.Tensor
     ssm: torch.Tensor
     inputs: list = field(default_factory=list)
@@ -71,7 +92,8 @@ class VerifyWindows:
     def rejected(self, kept: dict[int, int]) -> list[tuple[int, int]]:
         """kept: slot -> tokens of its window whose state stands (1..length). (window, kept tokens) of the
         windows that had drafts rejected: their state goes back to before the window, then steps again."""
-        return [(w, kept[s]) for w, (s, n) in enumerate(zip(self.slots, self.lengths)) if s in kept and kept[s] < n]
+        runs = self.runs
+        return [(w, kept[s]) for w, (s, n) in enumerate(zip(runs.slots, runs.lengths)) if s in kept and kept[s] < n]
 
 
 class StateSlots:
@@ -167,23 +189,11 @@ def build_state_metadata(conv: torch.Tensor, ssm: torch.Tensor, rows: list[tuple
                                  torch.tensor([off for _, off, _ in at], dtype=torch.int32),
                                  torch.tensor([row for _, _, row in at], dtype=torch.int64))
     if wins:
-        meta.window_steps = window_steps([(a, s) for a, _, s in wins], [n for _, n, _ in wins], dev)
-        meta.windows = VerifyWindows([s for *_, s in wins], [n for _, n, _ in wins], [a for a, _, _ in wins],
+        meta.windows = VerifyWindows(RowRuns([a for a, _, _ in wins], [n for _, n, _ in wins], [s for *_, s in wins],
+                                             dev),
                                      conv.new_empty(len(wins), *conv.shape[1:]),
                                      ssm.new_empty(len(wins), *ssm.shape[1:]), [None] * conv.shape[1])
     return meta
-
-
-def window_steps(windows: list[tuple[int, int]], lengths: list[int],
-                 device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Windows (first row, slot) stepped `lengths` rows each: per position, the (rows, slots) of the
-    windows that long, in window order; int64 (CPU: what the C step reads)."""
-    steps = []
-    for j in range(max(lengths, default=0)):
-        live = [w for w, n in zip(windows, lengths) if n > j]
-        steps.append((torch.tensor([a + j for a, _ in live], dtype=torch.int64, device=device),
-                      torch.tensor([s for _, s in live], dtype=torch.int64, device=device)))
-    return steps
 
 
 def seqs_per_pool(pool_bytes: int, context_len: int, block_size: int, block_bytes: int, state_bytes: int) -> int:

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from consort_engine.kv.state_pool import (StateMetadata, SwappedState, VerifyWindows, build_state_metadata,
-                                          window_steps)
+from consort_engine.kv.state_pool import RowRuns, StateMetadata, SwappedState, VerifyWindows, build_state_metadata
 from consort_engine.model.step_inputs import RowGroup
 
 
@@ -68,13 +67,14 @@ class HybridState:
         redo = win.rejected(kept) if win is not None else []
         if not redo:
             return
+        runs = RowRuns([win.runs.first_rows[i] for i, _ in redo], [m for _, m in redo],
+                       [win.runs.slots[i] for i, _ in redo], self.device)
         w = torch.tensor([i for i, _ in redo], dtype=torch.int64, device=self.device)
-        slots = torch.tensor([win.slots[i] for i, _ in redo], dtype=torch.int64, device=self.device)
+        slots = torch.tensor(runs.slots, dtype=torch.int64, device=self.device)
         self.conv[slots] = win.conv[w]
         self.ssm[slots] = win.ssm[w]
-        steps = window_steps([(win.first_rows[i], win.slots[i]) for i, _ in redo], [m for _, m in redo], self.device)
         for m in self.mixers:
-            m.step_again(win.inputs[m.index], steps, self.conv[:, m.index], self.ssm[:, m.index])
+            m.step_again(win.inputs[m.index], runs, self.conv[:, m.index], self.ssm[:, m.index])
 
     def restore(self, pairs: list[tuple[int, int]]) -> None:
         """(slot, checkpoint row): a prefix hit's sequence continues from the state saved at its last cached block."""

@@ -1,4 +1,4 @@
-/* The Mamba2 mixer on CPU (models/bamba.py): the decode step, and the prefill chunks' conv and scan, each
+/* The Mamba2 mixer on CPU (models/bamba.py): the decode steps, and the prefill chunks' conv and scan, each
  * one call per mixer layer for all of a step's rows.
  *
  * The decode step: for each single-token row of a step, the causal depthwise conv over its slot's conv
@@ -10,74 +10,83 @@
  *
  * dt: the time steps softplus(dt + dt_bias), computed by the caller for the whole step in one tensor op
  * (torch's vectorised softplus; element by element here it took a quarter of a small model's scan).
- * Rows: row r of the step reads xbc + rows[r] * xbc_stride ([conv_dim]: x | B | C) and dt + rows[r] *
- * dt_stride ([heads]), owns slot slots[r] (conv state [conv_dim][d_conv - 1] at conv + slot * conv_stride,
- * SSM state [heads][head_dim][d_state] at ssm + slot * ssm_stride) and writes y + rows[r] * y_stride
- * ([heads * head_dim]). Heads h of group h / (heads / groups) read that group's B and C.
- *
- * Speculative verify windows run one call per window position (rows: the windows' rows at that
- * position). With save_conv / save_ssm given (the first position), row r's slot states before the step
- * are copied to row r of those while they are in cache (state_pool.py VerifyWindows: where a window
- * with rejected drafts starts again from). */
+ * Runs: run r is the step rows rows[r] .. rows[r] + len - 1 (len = lengths[r], or 1 without lengths),
+ * stepped one after another from slot slots[r] (conv state [conv_dim][d_conv - 1] at conv + slot *
+ * conv_stride, SSM state [heads][head_dim][d_state] at ssm + slot * ssm_stride): a decode row is a run of
+ * one, a speculative verify window (last token + drafts) a run of its length. Row i reads xbc + i *
+ * xbc_stride ([conv_dim]: x | B | C) and dt + i * dt_stride ([heads]) and writes y + i * y_stride
+ * ([heads * head_dim]). Heads h of group h / (heads / groups) read that group's B and C. A work item (run,
+ * head) keeps its head's state in L1 across the run's rows: a window costs one pass over its state, not
+ * one per position. With save_conv / save_ssm, run r's slot state before its first row is copied to
+ * row r of those (state_pool.py VerifyWindows: where a window with rejected drafts starts again from). */
 #include "common.h"
 
 #define DEFINE_MAMBA_STEP(SUFFIX, T)                                                                    \
 int mamba_step_##SUFFIX(const T *xbc, int64_t xbc_stride, const T *dt, int64_t dt_stride,              \
-                        const int64_t *rows, const int64_t *slots, int n, T *conv, int64_t conv_stride,  \
-                        float *ssm, int64_t ssm_stride, const T *conv_w, const T *conv_b, const float *A, \
-                        const T *Dp, T *y, int64_t y_stride, int CD, int K, int H,                       \
-                        int P, int G, int N, T *save_conv, int64_t save_conv_stride,                     \
+                        const int64_t *rows, const int32_t *lengths, const int64_t *slots, int n,        \
+                        T *conv, int64_t conv_stride, float *ssm, int64_t ssm_stride, const T *conv_w,   \
+                        const T *conv_b, const float *A, const T *Dp, T *y, int64_t y_stride, int CD,    \
+                        int K, int H, int P, int G, int N, T *save_conv, int64_t save_conv_stride,       \
                         float *save_ssm, int64_t save_ssm_stride) {                                      \
     const int inner = H * P, KS = K - 1, heads_per_group = H / G;                                       \
-    float *out = (float *)malloc(sizeof(float) * (size_t)n * (size_t)CD);   /* the conv's output rows */ \
-    if (!out) return -2;                                                                                \
+    int64_t *first = (int64_t *)malloc(sizeof(int64_t) * ((size_t)n + 1));   /* run r's first out row */ \
+    if (!first) return -2;                                                                              \
+    first[0] = 0;                                                                                       \
+    for (int r = 0; r < n; r++) first[r + 1] = first[r] + (lengths ? lengths[r] : 1);                  \
+    float *out = (float *)malloc(sizeof(float) * (size_t)first[n] * (size_t)CD);   /* the conv's output */ \
+    if (!out) { free(first); return -2; }                                                               \
     _Pragma("omp parallel num_threads(NT)")                                                             \
     {                                                                                                   \
         _Pragma("omp for schedule(static)")                                                             \
         for (int r = 0; r < n; r++) {                                                                   \
-            const T *x = xbc + rows[r] * xbc_stride;                                                    \
+            const int len = (int)(first[r + 1] - first[r]);                                             \
             T *cs = conv + slots[r] * conv_stride;                                                      \
-            float *o = out + (int64_t)r * CD;                                                           \
             if (save_conv)                                                                              \
                 memcpy(save_conv + r * save_conv_stride, cs, sizeof(T) * (size_t)CD * KS);              \
             for (int c = 0; c < CD; c++) {                                                              \
                 T *st = cs + (int64_t)c * KS;                                                           \
                 const T *w = conv_w + (int64_t)c * K;                                                   \
-                float acc = 0.f;                  /* the window in order: the state, then the input */  \
-                for (int k = 0; k < KS; k++)                                                            \
-                    acc += round_##SUFFIX(get_##SUFFIX(w, k) * get_##SUFFIX(st, k));                 \
-                acc = round_##SUFFIX(acc + round_##SUFFIX(get_##SUFFIX(w, KS) * get_##SUFFIX(x, c))); \
-                if (conv_b) acc = round_##SUFFIX(acc + get_##SUFFIX(conv_b, c));                     \
-                o[c] = round_##SUFFIX(acc / (1.0f + exp_clamped(-acc)));                                  \
-                for (int k = 0; k + 1 < KS; k++) st[k] = st[k + 1];     /* the window moves one on */   \
-                if (KS) st[KS - 1] = x[c];                                                              \
+                for (int t = 0; t < len; t++) {                                                         \
+                    const T *x = xbc + (rows[r] + t) * xbc_stride;                                      \
+                    float acc = 0.f;              /* the window in order: the state, then the input */  \
+                    for (int k = 0; k < KS; k++)                                                        \
+                        acc += round_##SUFFIX(get_##SUFFIX(w, k) * get_##SUFFIX(st, k));             \
+                    acc = round_##SUFFIX(acc + round_##SUFFIX(get_##SUFFIX(w, KS) * get_##SUFFIX(x, c))); \
+                    if (conv_b) acc = round_##SUFFIX(acc + get_##SUFFIX(conv_b, c));                 \
+                    out[(first[r] + t) * CD + c] = round_##SUFFIX(acc / (1.0f + exp_clamped(-acc)));  \
+                    for (int k = 0; k + 1 < KS; k++) st[k] = st[k + 1];     /* the window moves one on */ \
+                    if (KS) st[KS - 1] = x[c];                                                          \
+                }                                                                                       \
             }                                                                                           \
         }                                                                                               \
         _Pragma("omp for schedule(static)")                                                             \
         for (int it = 0; it < n * H; it++) {                                                            \
             const int r = it / H, h = it % H, g = h / heads_per_group;                                  \
-            const float *o = out + (int64_t)r * CD;                                                     \
-            const float *xs = o + (int64_t)h * P, *B = o + inner + (int64_t)g * N;                      \
-            const float *C = o + inner + (int64_t)G * N + (int64_t)g * N;                               \
-            const float d = get_##SUFFIX(dt + rows[r] * dt_stride, h);                                  \
-            const float dA = exp_clamped(d * A[h]), Dh = get_##SUFFIX(Dp, h);                                \
+            const float Ah = A[h], Dh = get_##SUFFIX(Dp, h);                                            \
             float *s = ssm + slots[r] * ssm_stride + (int64_t)h * P * N;                                \
-            T *yr = y + rows[r] * y_stride + (int64_t)h * P;                                            \
-            float *sv = save_ssm ? save_ssm + r * save_ssm_stride + (int64_t)h * P * N : NULL;          \
-            for (int p = 0; p < P; p++) {                                                               \
-                float *sp = s + (int64_t)p * N, acc = 0.f;                                              \
-                const float dx = round_##SUFFIX(d * xs[p]);                                          \
-                if (sv) memcpy(sv + (int64_t)p * N, sp, sizeof(float) * (size_t)N);                     \
-                for (int k = 0; k < N; k++) {                                                           \
-                    const float v = sp[k] * dA + dx * B[k];                                             \
-                    sp[k] = v;                                                                          \
-                    acc += v * C[k];                                                                    \
+            if (save_ssm)                                                                               \
+                memcpy(save_ssm + r * save_ssm_stride + (int64_t)h * P * N, s, sizeof(float) * (size_t)P * N); \
+            for (int64_t i = rows[r], o_row = first[r]; o_row < first[r + 1]; i++, o_row++) {          \
+                const float *o = out + o_row * CD;                                                      \
+                const float *xs = o + (int64_t)h * P, *B = o + inner + (int64_t)g * N;                  \
+                const float *C = o + inner + (int64_t)G * N + (int64_t)g * N;                           \
+                const float d = get_##SUFFIX(dt + i * dt_stride, h), dA = exp_clamped(d * Ah);          \
+                T *yr = y + i * y_stride + (int64_t)h * P;                                              \
+                for (int p = 0; p < P; p++) {                                                           \
+                    float *sp = s + (int64_t)p * N, acc = 0.f;                                          \
+                    const float dx = round_##SUFFIX(d * xs[p]);                                      \
+                    for (int k = 0; k < N; k++) {                                                       \
+                        const float v = sp[k] * dA + dx * B[k];                                         \
+                        sp[k] = v;                                                                      \
+                        acc += v * C[k];                                                                \
+                    }                                                                                   \
+                    put_##SUFFIX(yr, p, round_##SUFFIX(acc) + round_##SUFFIX(xs[p] * Dh));       \
                 }                                                                                       \
-                put_##SUFFIX(yr, p, round_##SUFFIX(acc) + round_##SUFFIX(xs[p] * Dh));           \
             }                                                                                           \
         }                                                                                               \
     }                                                                                                   \
     free(out);                                                                                          \
+    free(first);                                                                                        \
     return 0;                                                                                           \
 }
 

@@ -21,7 +21,7 @@ from consort_engine.model.attention import AttentionMetadata
 from consort_engine.model.cpu_kernels import kernel
 from consort_engine.model.loader import ModelConfig
 from consort_engine.model.lora import AdapterError
-from consort_engine.kv.state_pool import StateMetadata
+from consort_engine.kv.state_pool import RowRuns, StateMetadata
 from consort_engine.model.tensor_parallel import SINGLE, TPGroup
 from consort_engine.model.models import ssd
 from consort_engine.model.models.layers import MLP, Attention, Linear, RMSNorm
@@ -114,19 +114,20 @@ class Mamba2Mixer(HooklessModule):
         """Per sequence: conv state [conv_dim, d_conv - 1], SSM state [heads, head_dim, d_state]."""
         return (self.conv_dim, self.d_conv - 1), (self.heads, self.head_dim, self.d_state)
 
-    def step(self, xbc: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, y: torch.Tensor, rows: torch.Tensor,
-             slots: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
+    def step(self, xbc: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, y: torch.Tensor, runs: RowRuns,
+             conv_state: torch.Tensor, ssm_state: torch.Tensor,
              save: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        """One recurrence step for `rows` (one token each, int64) from their slots' state, written back: in C
-        with the CPU kernels (dt: the time steps, softplus(dt + dt_bias)), else tensor ops (dt as projected).
-        save: (conv, SSM) whose row r gets row r's slot state from before the step."""
+        """The recurrence over runs of rows, each token by token from its slot's state, written back: in C
+        with the CPU kernels (dt: the time steps, softplus(dt + dt_bias)), else tensor ops position by
+        position (dt as projected). save: (conv, SSM) whose row r gets run r's slot state from before it."""
         if self.fast:
-            self._step_kernel(xbc, dt, A, y, rows, slots, conv_state, ssm_state, save)
+            self._step_kernel(xbc, dt, A, y, *runs.ids, conv_state, ssm_state, save)
             return
-        if save is not None:
-            save[0].copy_(conv_state[slots])
-            save[1].copy_(ssm_state[slots])
-        self._step(xbc, dt, A, y, rows, slots, conv_state, ssm_state)
+        for j, (rows, slots) in enumerate(runs.by_position()):
+            if j == 0 and save is not None:
+                save[0].copy_(conv_state[slots])
+                save[1].copy_(ssm_state[slots])
+            self._step(xbc, dt, A, y, rows, slots, conv_state, ssm_state)
 
     def _step(self, xbc: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, y: torch.Tensor,
               rows: torch.Tensor | slice, slots: torch.Tensor | slice, conv_state: torch.Tensor,
@@ -142,15 +143,12 @@ class Mamba2Mixer(HooklessModule):
         ssm_state[slots] = ssm_new
         y[rows] = ys.reshape(b, -1)
 
-    def step_again(self, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                   steps: list[tuple[torch.Tensor, torch.Tensor]], conv_state: torch.Tensor,
-                   ssm_state: torch.Tensor) -> None:
-        """Verify windows' rows stepped again, position by position ((rows, slots) each), from the inputs
-        this mixer's forward kept (xbc, dt as `step` takes it, y as scratch): hybrid_state.commit_windows."""
+    def step_again(self, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor], runs: RowRuns,
+                   conv_state: torch.Tensor, ssm_state: torch.Tensor) -> None:
+        """Verify windows' rows stepped again from the inputs this mixer's forward kept (xbc, dt as `step`
+        takes it, y as scratch): hybrid_state.commit_windows."""
         xbc, dt, y = inputs
-        A = -torch.exp(self.A_log.float())
-        for rows, slots in steps:
-            self.step(xbc, dt, A, y, rows, slots, conv_state, ssm_state)
+        self.step(xbc, dt, -torch.exp(self.A_log.float()), y, runs, conv_state, ssm_state)
 
     def time_steps(self, dt: torch.Tensor) -> torch.Tensor:
         """softplus(dt + dt_bias) for every row of the step in one tensor op, rounded to the model dtype as
@@ -158,18 +156,18 @@ class Mamba2Mixer(HooklessModule):
         return F.softplus(dt + self.dt_bias.to(dt.dtype))
 
     def _step_kernel(self, xbc: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, y: torch.Tensor,
-                     rows: torch.Tensor, slots: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
-                     save: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        """step in C (csrc/mamba.c), all rows in one call."""
+                     rows: torch.Tensor, lengths: torch.Tensor | None, slots: torch.Tensor, conv_state: torch.Tensor,
+                     ssm_state: torch.Tensor, save: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """step in C (csrc/mamba.c), all runs in one call; no lengths: runs of one row."""
         w, b = self.conv1d.weight, self.conv1d.bias
         sc, ss = save if save is not None else (None, None)
         rc = kernel("mamba_step", y.dtype)(
-            xbc.data_ptr(), xbc.stride(0), dt.data_ptr(), dt.stride(0), rows.data_ptr(), slots.data_ptr(),
-            rows.shape[0], conv_state.data_ptr(), conv_state.stride(0), ssm_state.data_ptr(), ssm_state.stride(0),
+            xbc.data_ptr(), xbc.stride(0), dt.data_ptr(), dt.stride(0), rows.data_ptr(),
+            None if lengths is None else lengths.data_ptr(), slots.data_ptr(), rows.shape[0],
+            conv_state.data_ptr(), conv_state.stride(0), ssm_state.data_ptr(), ssm_state.stride(0),
             w.data_ptr(), None if b is None else b.data_ptr(), A.data_ptr(), self.D.data_ptr(),
-            y.data_ptr(), y.stride(0), self.conv_dim, self.d_conv, self.heads,
-            self.head_dim, self.groups, self.d_state, None if sc is None else sc.data_ptr(),
-            0 if sc is None else sc.stride(0),
+            y.data_ptr(), y.stride(0), self.conv_dim, self.d_conv, self.heads, self.head_dim, self.groups,
+            self.d_state, None if sc is None else sc.data_ptr(), 0 if sc is None else sc.stride(0),
             None if ss is None else ss.data_ptr(), 0 if ss is None else ss.stride(0))
         if rc:
             raise MemoryError(f"mamba_step: no memory for its buffer ({rows.shape[0]} rows)")
@@ -213,15 +211,15 @@ class Mamba2Mixer(HooklessModule):
         n, gs = self.inner, self.groups * self.d_state
         steps = self.time_steps(dt) if self.fast else dt      # dt as `step` (and the C scan) take it
         if st.decode_ids is not None and self.fast:
-            self._step_kernel(xbc, steps, A, y, *st.decode_ids, conv_state, ssm_state)
+            rows, slots = st.decode_ids
+            self._step_kernel(xbc, steps, A, y, rows, None, slots, conv_state, ssm_state)
         elif st.decode_rows is not None:        # one batched step for every single-token row
             self._step(xbc, dt, A, y, st.decode_rows, st.decode_slots, conv_state, ssm_state)
-        if st.window_steps:     # verify windows: a batched step per position, the state before them saved
-            win = st.windows
+        win = st.windows
+        if win is not None:     # verify windows, the state before them saved
             win.inputs[self.index] = (xbc, steps, y)     # for step_again: y is free once the layer's output is
-            for j, (rows, slots) in enumerate(st.window_steps):
-                save = (win.conv[:, self.index], win.ssm[:, self.index]) if j == 0 else None
-                self.step(xbc, steps, A, y, rows, slots, conv_state, ssm_state, save)
+            save = win.conv[:, self.index], win.ssm[:, self.index]
+            self.step(xbc, steps, A, y, win.runs, conv_state, ssm_state, save)
         if self.fast and st.chunk_ids is not None and self.d_conv <= MAX_KERNEL_CONV:   # all chunks: two calls
             conv_out = torch.empty(x.shape[0], self.conv_dim, dtype=x.dtype)
             self._conv_kernel(xbc, conv_out, st, conv_state)

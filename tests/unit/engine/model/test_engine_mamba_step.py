@@ -67,7 +67,7 @@ def test_c_decode_step_equals_the_torch_step(dtype, groups, conv_bias):
     y_ref = torch.zeros(t, m.inner, dtype=dtype)
     m._step(xbc, dt, A, y_ref, torch.tensor(rows), torch.tensor(slots), ref_conv[:, 1], ref_ssm[:, 1])
     y = torch.zeros(t, m.inner, dtype=dtype)
-    m._step_kernel(xbc, m.time_steps(dt), A, y, *st.decode_ids, conv[:, 1], ssm[:, 1])
+    m._step_kernel(xbc, m.time_steps(dt), A, y, st.decode_ids[0], None, st.decode_ids[1], conv[:, 1], ssm[:, 1])
 
     untouched = [s for s in range(slots_n) if s not in slots]
     assert torch.equal(conv[untouched], ref_conv[untouched]) and torch.equal(ssm[untouched], ref_ssm[untouched])
