@@ -7,6 +7,11 @@ Per model, from our runner: KV bytes per token (attention layers only), state by
 holds; then throughput: `--batch` greedy requests of `--prompt-len` tokens generating `--max-tokens`
 each, output tokens over the wall time of `generate` (prefill included, warm-up excluded, the fastest
 of --repeats runs) and over the process's CPU time (steadier where other work shares the CPU).
+With --spec-k K (3 by default; 0: off), the same requests with speculative decoding: each step verifies
+a window of the last token + K drafts per request. The drafts are the model's own greedy continuation
+with every third token changed (about two of three drafts accepted; a random-weight model rarely repeats
+an n-gram, so the n-gram drafter would draft almost nothing): output tok/s with drafting against without,
+at a known acceptance; the greedy outputs must equal the run without (the exit status is 1 otherwise).
 Then, for the hybrid, prefix caching: the time to first token of a prompt whose first
 `--cached-prefix` tokens are in the prefix cache (KV blocks + the mixers' state checkpoint at that
 boundary) against the same-length prompt computed from scratch.
@@ -45,17 +50,31 @@ def write_checkpoints(out: Path, args) -> dict[str, Path]:
     return paths
 
 
-def measure(name: str, path: Path, params: int, args) -> dict:
+def continuation_drafter(prompts: list[list[int]], outputs: list[list[int]], vocab: int):
+    """A drafter proposing each request's greedy continuation (`outputs`) with every third token changed."""
+    by_prompt = {tuple(p): o for p, o in zip(prompts, outputs)}
+    n = len(prompts[0])                 # the bench's prompts are all this long
+
+    def propose(token_ids: list[int], k: int, **_) -> list[int]:
+        ref = by_prompt.get(tuple(token_ids[:n]), [])
+        g = len(token_ids) - n
+        return [t if (g + j) % 3 != 2 else (t + 1) % vocab for j, t in enumerate(ref[g:g + k])]
+    return propose
+
+
+def timed_generate(path: Path, args, ps: list[list[int]], spec_k: int = 0, outputs=None):
+    """The fastest of --repeats greedy runs of ps: (outputs, wall s, CPU s, runner, acceptance rate); with
+    spec_k, drafts of spec_k tokens from continuation_drafter(outputs)."""
     from consort_engine.config import EngineConfig
     from consort_engine.core.engine import LLMEngine
     from consort_engine.kv.sequence import SamplingParams
+    spec = dict(speculative="ngram", num_speculative_tokens=spec_k) if spec_k else {}
     engine = LLMEngine(EngineConfig(model=str(path), name="bench", device=args.device, dtype=args.dtype,
                                     max_num_seqs=max(16, args.batch), num_blocks=args.num_blocks,
-                                    max_model_len=args.context + 64, block_size=16))
+                                    max_model_len=args.context + 64, block_size=16, **spec))
+    if spec_k:
+        engine.scheduler.spec.propose_ngram = continuation_drafter(ps, outputs, args.vocab)
     engine.warmup()
-    r = engine.runner
-    pool = args.pool_mib * MiB
-    ps = [[(7 * i + j) % (args.vocab - 3) + 3 for j in range(args.prompt_len)] for i in range(args.batch)]
     params_ = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     wall = cpu = float("inf")
     for _ in range(args.repeats):
@@ -65,10 +84,21 @@ def measure(name: str, path: Path, params: int, args) -> dict:
         t0, c0 = time.perf_counter(), time.process_time()
         outs = engine.generate(ps, params_)
         wall, cpu = min(wall, time.perf_counter() - t0), min(cpu, time.process_time() - c0)
-    return {"model": name, "params_m": params / 1e6, "kv_layers": r.num_kv_layers,
-            "kv_bytes_per_token": r.kv_bytes_per_token, "state_bytes_per_seq": r.state_bytes_per_seq,
-            "seqs_in_pool": r.seqs_in_pool(pool, args.context), "tok_s": sum(map(len, outs)) / wall,
-            "tok_cpu_s": sum(map(len, outs)) / cpu}
+    return outs, wall, cpu, engine.runner, engine.stats()["speculation"]["acceptance_rate"]
+
+
+def measure(name: str, path: Path, params: int, args) -> dict:
+    ps = [[(7 * i + j) % (args.vocab - 3) + 3 for j in range(args.prompt_len)] for i in range(args.batch)]
+    outs, wall, cpu, r, _ = timed_generate(path, args, ps)
+    n = sum(map(len, outs))
+    row = {"model": name, "params_m": params / 1e6, "kv_layers": r.num_kv_layers,
+           "kv_bytes_per_token": r.kv_bytes_per_token, "state_bytes_per_seq": r.state_bytes_per_seq,
+           "seqs_in_pool": r.seqs_in_pool(args.pool_mib * MiB, args.context), "tok_s": n / wall,
+           "tok_cpu_s": n / cpu}
+    if args.spec_k:
+        spec_outs, wall, _, _, acceptance = timed_generate(path, args, ps, args.spec_k, outs)
+        row.update(spec_tok_s=n / wall, acceptance=acceptance, spec_same=spec_outs == outs)
+    return row
 
 
 def measure_prefix_ttft(path: Path, args) -> dict:
@@ -120,19 +150,23 @@ def main(args: argparse.Namespace) -> int:
             if name.startswith("bamba") and args.cached_prefix:
                 ttft = measure_prefix_ttft(path, args)
     dt = args.dtype if args.dtype != "auto" else ("bfloat16" if args.device == "cuda" else "float32")
+    spec = (f" output tok/s, drafts of {args.spec_k} (acceptance) | same greedy tokens |", "---:|---|") \
+        if args.spec_k else ("", "")
     print(f"| model | params | KV layers | KV bytes/token ({dt}) | state bytes/seq | seqs of {args.context} tokens "
-          f"in {args.pool_mib} MiB | output tok/s (batch {args.batch}, {args.device}) | tok/CPU-s |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+          f"in {args.pool_mib} MiB | output tok/s (batch {args.batch}, {args.device}) | tok/CPU-s |{spec[0]}")
+    print(f"|---|---:|---:|---:|---:|---:|---:|---:|{spec[1]}")
     for r in rows:
+        extra = f" {r['spec_tok_s']:.1f} ({r['acceptance']:.2f}) | {'yes' if r['spec_same'] else 'NO'} |" \
+            if args.spec_k else ""
         print(f"| {r['model']} | {r['params_m']:.1f}M | {r['kv_layers']} | {r['kv_bytes_per_token']} | "
-              f"{r['state_bytes_per_seq']} | {r['seqs_in_pool']} | {r['tok_s']:.1f} | {r['tok_cpu_s']:.1f} |")
+              f"{r['state_bytes_per_seq']} | {r['seqs_in_pool']} | {r['tok_s']:.1f} | {r['tok_cpu_s']:.1f} |{extra}")
     if ttft is not None:
         print(f"\nbamba prefix cache: TTFT of {ttft['prefix']} cached + {ttft['suffix']} new tokens "
               f"{ttft['ttft_cached_s'] * 1e3:.1f} ms vs {ttft['ttft_cold_s'] * 1e3:.1f} ms uncached "
               f"({ttft['ttft_cached_s'] / ttft['ttft_cold_s']:.3f}x, {args.device})")
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "prefix_ttft": ttft}, indent=2))
-    return 0
+    return 0 if all(r.get("spec_same", True) for r in rows) else 1
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -154,6 +188,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-blocks", type=int, default=512, help="pool blocks of the throughput runs")
     p.add_argument("--repeats", type=int, default=2, help="runs per model; the fastest counts")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's choice)")
+    p.add_argument("--spec-k", type=int, default=3, metavar="K",
+                   help="draft tokens per step of the speculative runs (0: none)")
     p.add_argument("--cached-prefix", type=int, default=1024,
                    help="the hybrid's prefix-cache TTFT: tokens of the cached prefix (a multiple of 256; 0: skip)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
