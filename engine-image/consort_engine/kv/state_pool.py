@@ -14,12 +14,11 @@ choice: a state copy is a fixed cost per victim, so it prefers one victim that f
 over several small ones.
 
 Speculative verify: a window (last token + K drafts) steps the recurrence row by row (RowRuns), batched
-over every window of the step, in place in its slot; the slot's state before the window is kept aside
-(VerifyWindows) and each mixer keeps the inputs its steps took. Once acceptance is known, a window
-whose drafts were all accepted has nothing to undo (the pool holds the state after its last token);
-one with rejected drafts gets its state from before the window back and steps again over the kept
-tokens only (model/hybrid_state.py commit_windows): rejected drafts leave no trace. One saved state per
-window, not one per position: a real hybrid's state is megabytes per layer and sequence.
+over every window of the step, from its slot's state without writing it back; each mixer keeps the
+inputs its step took (VerifyWindows). Once acceptance is known, every window steps its kept tokens
+again, this time into its slot (model/hybrid_state.py commit_windows): the slot never holds a rejected
+draft's state, so nothing is saved or put back (a real hybrid's state is megabytes per layer and
+sequence), and a window costs two passes over its state, whatever its length and acceptance.
 
 Prefix caching: a prefill chunk may carry checkpoints, (tokens into the chunk, checkpoint row): the
 scan stops at each and saves the conv and SSM state there into the runner's checkpoint pools
@@ -81,19 +80,19 @@ class RowRuns:
 
 @dataclass
 class VerifyWindows:
-    """A step's verify windows (one run each), their slots' state before them ([window, mixers, ...],
-    written by the mixers' window step) and, per mixer, the inputs its step took (whatever that mixer
-    needs to step a window's rows again)."""
+    """A step's verify windows (one run each) and, per mixer, the inputs its step took (whatever that
+    mixer needs to step a window's rows again)."""
     runs: RowRuns
-    conv: torch.Tensor
-    ssm: torch.Tensor
     inputs: list = field(default_factory=list)
 
-    def rejected(self, kept: dict[int, int]) -> list[tuple[int, int]]:
-        """kept: slot -> tokens of its window whose state stands (1..length). (window, kept tokens) of the
-        windows that had drafts rejected: their state goes back to before the window, then steps again."""
+    def kept_runs(self, kept: dict[int, int]) -> RowRuns | None:
+        """kept: slot -> tokens of its window whose state stands (1..length). The runs of those tokens,
+        from each window's first row; None when no window is named (its sequence finished)."""
         runs = self.runs
-        return [(w, kept[s]) for w, (s, n) in enumerate(zip(runs.slots, runs.lengths)) if s in kept and kept[s] < n]
+        keep = [(a, min(kept[s], n), s) for a, n, s in zip(runs.first_rows, runs.lengths, runs.slots) if s in kept]
+        if not keep:
+            return None
+        return RowRuns([a for a, _, _ in keep], [m for _, m, _ in keep], [s for *_, s in keep], runs.device)
 
 
 class StateSlots:
@@ -189,10 +188,8 @@ def build_state_metadata(conv: torch.Tensor, ssm: torch.Tensor, rows: list[tuple
                                  torch.tensor([off for _, off, _ in at], dtype=torch.int32),
                                  torch.tensor([row for _, _, row in at], dtype=torch.int64))
     if wins:
-        meta.windows = VerifyWindows(RowRuns([a for a, _, _ in wins], [n for _, n, _ in wins], [s for *_, s in wins],
-                                             dev),
-                                     conv.new_empty(len(wins), *conv.shape[1:]),
-                                     ssm.new_empty(len(wins), *ssm.shape[1:]), [None] * conv.shape[1])
+        runs = RowRuns([a for a, _, _ in wins], [n for _, n, _ in wins], [s for *_, s in wins], dev)
+        meta.windows = VerifyWindows(runs, [None] * conv.shape[1])
     return meta
 
 

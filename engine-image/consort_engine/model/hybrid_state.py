@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from consort_engine.kv.state_pool import RowRuns, StateMetadata, SwappedState, VerifyWindows, build_state_metadata
+from consort_engine.kv.state_pool import StateMetadata, SwappedState, VerifyWindows, build_state_metadata
 from consort_engine.model.step_inputs import RowGroup
 
 
@@ -61,18 +61,12 @@ class HybridState:
         return meta
 
     def commit_windows(self, kept: dict[int, int]) -> None:
-        """kept: slot -> tokens of its verify window whose state stands. A window with rejected drafts
-        gets its slot's state from before the window back, then every mixer steps its kept tokens again."""
+        """kept: slot -> tokens of its verify window whose state stands. The verify step left the slots as
+        they were before the windows: every mixer now steps each window's kept tokens into its slot."""
         win, self.windows = self.windows, None
-        redo = win.rejected(kept) if win is not None else []
-        if not redo:
+        runs = win.kept_runs(kept) if win is not None else None
+        if runs is None:
             return
-        runs = RowRuns([win.runs.first_rows[i] for i, _ in redo], [m for _, m in redo],
-                       [win.runs.slots[i] for i, _ in redo], self.device)
-        w = torch.tensor([i for i, _ in redo], dtype=torch.int64, device=self.device)
-        slots = torch.tensor(runs.slots, dtype=torch.int64, device=self.device)
-        self.conv[slots] = win.conv[w]
-        self.ssm[slots] = win.ssm[w]
         for m in self.mixers:
             m.step_again(win.inputs[m.index], runs, self.conv[:, m.index], self.ssm[:, m.index])
 

@@ -15,78 +15,100 @@
  * conv_stride, SSM state [heads][head_dim][d_state] at ssm + slot * ssm_stride): a decode row is a run of
  * one, a speculative verify window (last token + drafts) a run of its length. Row i reads xbc + i *
  * xbc_stride ([conv_dim]: x | B | C) and dt + i * dt_stride ([heads]) and writes y + i * y_stride
- * ([heads * head_dim]). Heads h of group h / (heads / groups) read that group's B and C. A work item (run,
- * head) keeps its head's state in L1 across the run's rows: a window costs one pass over its state, not
- * one per position. With save_conv / save_ssm, run r's slot state before its first row is copied to
- * row r of those (state_pool.py VerifyWindows: where a window with rejected drafts starts again from). */
+ * ([heads * head_dim]). Heads h of group h / (heads / groups) read that group's B and C. A state row
+ * ([d_state] of a head's [head_dim][d_state]) stays in registers and L1 across the run's rows: a run
+ * costs one pass over its state, not one per row.
+ *
+ * keep = 0 leaves the slots' state as it was (the run's states evolve in a per-thread copy of one state
+ * row at a time): a verify window's rows are computed before it is known how many of them stand; the
+ * engine then runs the kept rows again with keep = 1 (model/hybrid_state.py commit_windows), so the slot
+ * never holds a rejected draft's state and nothing has to be saved or put back. */
 #include "common.h"
 
 #define DEFINE_MAMBA_STEP(SUFFIX, T)                                                                    \
 int mamba_step_##SUFFIX(const T *xbc, int64_t xbc_stride, const T *dt, int64_t dt_stride,              \
                         const int64_t *rows, const int32_t *lengths, const int64_t *slots, int n,        \
-                        T *conv, int64_t conv_stride, float *ssm, int64_t ssm_stride, const T *conv_w,   \
-                        const T *conv_b, const float *A, const T *Dp, T *y, int64_t y_stride, int CD,    \
-                        int K, int H, int P, int G, int N, T *save_conv, int64_t save_conv_stride,       \
-                        float *save_ssm, int64_t save_ssm_stride) {                                      \
-    const int inner = H * P, KS = K - 1, heads_per_group = H / G;                                       \
+                        int keep, T *conv, int64_t conv_stride, float *ssm, int64_t ssm_stride,          \
+                        const T *conv_w, const T *conv_b, const float *A, const T *Dp, T *y,             \
+                        int64_t y_stride, int CD, int K, int H, int P, int G, int N) {                   \
+    const int inner = H * P, KS = K - 1, heads_per_group = H / G, nt = NT;                              \
     int64_t *first = (int64_t *)malloc(sizeof(int64_t) * ((size_t)n + 1));   /* run r's first out row */ \
     if (!first) return -2;                                                                              \
+    int max_len = 1;                                                                                    \
     first[0] = 0;                                                                                       \
-    for (int r = 0; r < n; r++) first[r + 1] = first[r] + (lengths ? lengths[r] : 1);                  \
+    for (int r = 0; r < n; r++) {                                                                       \
+        const int len = lengths ? lengths[r] : 1;                                                       \
+        first[r + 1] = first[r] + len;                                                                  \
+        if (len > max_len) max_len = len;                                                               \
+    }                                                                                                   \
+    const int64_t per_thread = N + 2 * (int64_t)max_len;      /* a state row, the run's dt and decay */ \
     float *out = (float *)malloc(sizeof(float) * (size_t)first[n] * (size_t)CD);   /* the conv's output */ \
-    if (!out) { free(first); return -2; }                                                               \
-    _Pragma("omp parallel num_threads(NT)")                                                             \
+    float *scratch = (float *)malloc(sizeof(float) * (size_t)nt * (size_t)per_thread);                  \
+    if (!out || !scratch) { free(first); free(out); free(scratch); return -2; }                         \
+    _Pragma("omp parallel num_threads(nt)")                                                             \
     {                                                                                                   \
+        float *row_copy = scratch + omp_get_thread_num() * per_thread;                                  \
+        float *d_t = row_copy + N, *decay_t = d_t + max_len;                                            \
         _Pragma("omp for schedule(static)")                                                             \
         for (int r = 0; r < n; r++) {                                                                   \
             const int len = (int)(first[r + 1] - first[r]);                                             \
             T *cs = conv + slots[r] * conv_stride;                                                      \
-            if (save_conv)                                                                              \
-                memcpy(save_conv + r * save_conv_stride, cs, sizeof(T) * (size_t)CD * KS);              \
             for (int c = 0; c < CD; c++) {                                                              \
                 T *st = cs + (int64_t)c * KS;                                                           \
                 const T *w = conv_w + (int64_t)c * K;                                                   \
-                for (int t = 0; t < len; t++) {                                                         \
-                    const T *x = xbc + (rows[r] + t) * xbc_stride;                                      \
-                    float acc = 0.f;              /* the window in order: the state, then the input */  \
-                    for (int k = 0; k < KS; k++)                                                        \
-                        acc += round_##SUFFIX(get_##SUFFIX(w, k) * get_##SUFFIX(st, k));             \
-                    acc = round_##SUFFIX(acc + round_##SUFFIX(get_##SUFFIX(w, KS) * get_##SUFFIX(x, c))); \
-                    if (conv_b) acc = round_##SUFFIX(acc + get_##SUFFIX(conv_b, c));                 \
+                for (int t = 0; t < len; t++) {   /* row t's window: the state from t on, then inputs */ \
+                    float acc = 0.f;                                                                    \
+                    for (int k = 0; k < KS; k++) {                                                      \
+                        const float tap = t + k < KS ? get_##SUFFIX(st, t + k)                          \
+                            : get_##SUFFIX(xbc + (rows[r] + t + k - KS) * xbc_stride, c);               \
+                        acc += round_##SUFFIX(get_##SUFFIX(w, k) * tap);                                \
+                    }                                                                                   \
+                    const float x = get_##SUFFIX(xbc + (rows[r] + t) * xbc_stride, c);                  \
+                    acc = round_##SUFFIX(acc + round_##SUFFIX(get_##SUFFIX(w, KS) * x));                \
+                    if (conv_b) acc = round_##SUFFIX(acc + get_##SUFFIX(conv_b, c));                     \
                     out[(first[r] + t) * CD + c] = round_##SUFFIX(acc / (1.0f + exp_clamped(-acc)));  \
-                    for (int k = 0; k + 1 < KS; k++) st[k] = st[k + 1];     /* the window moves one on */ \
-                    if (KS) st[KS - 1] = x[c];                                                          \
                 }                                                                                       \
+                if (keep)       /* the window moves on by len: ascending k reads ahead of its writes */ \
+                    for (int k = 0; k < KS; k++)                                                        \
+                        st[k] = len + k < KS ? st[len + k] : (xbc + (rows[r] + len + k - KS) * xbc_stride)[c]; \
             }                                                                                           \
         }                                                                                               \
         _Pragma("omp for schedule(static)")                                                             \
         for (int it = 0; it < n * H; it++) {                                                            \
             const int r = it / H, h = it % H, g = h / heads_per_group;                                  \
-            const float Ah = A[h], Dh = get_##SUFFIX(Dp, h);                                            \
+            const int len = (int)(first[r + 1] - first[r]);                                             \
+            const float Dh = get_##SUFFIX(Dp, h);                                                       \
+            for (int t = 0; t < len; t++) {                                                             \
+                d_t[t] = get_##SUFFIX(dt + (rows[r] + t) * dt_stride, h);                               \
+                decay_t[t] = exp_clamped(d_t[t] * A[h]);                                                \
+            }                                                                                           \
             float *s = ssm + slots[r] * ssm_stride + (int64_t)h * P * N;                                \
-            if (save_ssm)                                                                               \
-                memcpy(save_ssm + r * save_ssm_stride + (int64_t)h * P * N, s, sizeof(float) * (size_t)P * N); \
-            for (int64_t i = rows[r], o_row = first[r]; o_row < first[r + 1]; i++, o_row++) {          \
-                const float *o = out + o_row * CD;                                                      \
-                const float *xs = o + (int64_t)h * P, *B = o + inner + (int64_t)g * N;                  \
-                const float *C = o + inner + (int64_t)G * N + (int64_t)g * N;                           \
-                const float d = get_##SUFFIX(dt + i * dt_stride, h), dA = exp_clamped(d * Ah);          \
-                T *yr = y + i * y_stride + (int64_t)h * P;                                              \
-                for (int p = 0; p < P; p++) {                                                           \
-                    float *sp = s + (int64_t)p * N, acc = 0.f;                                          \
-                    const float dx = round_##SUFFIX(d * xs[p]);                                      \
+            for (int p = 0; p < P; p++) {                                                               \
+                float *sp = s + (int64_t)p * N;                                                         \
+                if (!keep) {                                                                            \
+                    memcpy(row_copy, sp, sizeof(float) * (size_t)N);                                    \
+                    sp = row_copy;                                                                      \
+                }                                                                                       \
+                for (int t = 0; t < len; t++) {                                                         \
+                    const float *o = out + (first[r] + t) * CD;                                         \
+                    const float *xs = o + (int64_t)h * P, *B = o + inner + (int64_t)g * N;              \
+                    const float *C = o + inner + (int64_t)G * N + (int64_t)g * N;                       \
+                    const float dA = decay_t[t], dx = round_##SUFFIX(d_t[t] * xs[p]);                   \
+                    float acc = 0.f;                                                                    \
                     for (int k = 0; k < N; k++) {                                                       \
                         const float v = sp[k] * dA + dx * B[k];                                         \
                         sp[k] = v;                                                                      \
                         acc += v * C[k];                                                                \
                     }                                                                                   \
-                    put_##SUFFIX(yr, p, round_##SUFFIX(acc) + round_##SUFFIX(xs[p] * Dh));       \
+                    put_##SUFFIX(y + (rows[r] + t) * y_stride + (int64_t)h * P, p,                      \
+                                 round_##SUFFIX(acc) + round_##SUFFIX(xs[p] * Dh));                     \
                 }                                                                                       \
             }                                                                                           \
         }                                                                                               \
     }                                                                                                   \
     free(out);                                                                                          \
     free(first);                                                                                        \
+    free(scratch);                                                                                      \
     return 0;                                                                                           \
 }
 

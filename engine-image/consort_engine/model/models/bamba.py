@@ -115,18 +115,18 @@ class Mamba2Mixer(HooklessModule):
         return (self.conv_dim, self.d_conv - 1), (self.heads, self.head_dim, self.d_state)
 
     def step(self, xbc: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, y: torch.Tensor, runs: RowRuns,
-             conv_state: torch.Tensor, ssm_state: torch.Tensor,
-             save: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        """The recurrence over runs of rows, each token by token from its slot's state, written back: in C
-        with the CPU kernels (dt: the time steps, softplus(dt + dt_bias)), else tensor ops position by
-        position (dt as projected). save: (conv, SSM) whose row r gets run r's slot state from before it."""
+             conv_state: torch.Tensor, ssm_state: torch.Tensor, keep: bool = True) -> None:
+        """The recurrence over runs of rows, each token by token from its slot's state: in C with the CPU
+        kernels (dt: the time steps, softplus(dt + dt_bias)), else tensor ops position by position (dt as
+        projected). keep: the state after each run goes into its slot; else the slots stay as they were."""
         if self.fast:
-            self._step_kernel(xbc, dt, A, y, *runs.ids, conv_state, ssm_state, save)
+            self._step_kernel(xbc, dt, A, y, *runs.ids, conv_state, ssm_state, keep)
             return
-        for j, (rows, slots) in enumerate(runs.by_position()):
-            if j == 0 and save is not None:
-                save[0].copy_(conv_state[slots])
-                save[1].copy_(ssm_state[slots])
+        if not keep:        # step copies of the slots' state
+            idx = torch.tensor(runs.slots, dtype=torch.int64, device=conv_state.device)
+            conv_state, ssm_state = conv_state[idx], ssm_state[idx]
+            runs = RowRuns(runs.first_rows, runs.lengths, list(range(len(runs.slots))), runs.device)
+        for rows, slots in runs.by_position():
             self._step(xbc, dt, A, y, rows, slots, conv_state, ssm_state)
 
     def _step(self, xbc: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, y: torch.Tensor,
@@ -145,8 +145,8 @@ class Mamba2Mixer(HooklessModule):
 
     def step_again(self, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor], runs: RowRuns,
                    conv_state: torch.Tensor, ssm_state: torch.Tensor) -> None:
-        """Verify windows' rows stepped again from the inputs this mixer's forward kept (xbc, dt as `step`
-        takes it, y as scratch): hybrid_state.commit_windows."""
+        """Verify windows' kept rows stepped again into their slots, from the inputs this mixer's forward
+        kept (xbc, dt as `step` takes it, y as scratch): hybrid_state.commit_windows."""
         xbc, dt, y = inputs
         self.step(xbc, dt, -torch.exp(self.A_log.float()), y, runs, conv_state, ssm_state)
 
@@ -157,18 +157,16 @@ class Mamba2Mixer(HooklessModule):
 
     def _step_kernel(self, xbc: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, y: torch.Tensor,
                      rows: torch.Tensor, lengths: torch.Tensor | None, slots: torch.Tensor, conv_state: torch.Tensor,
-                     ssm_state: torch.Tensor, save: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                     ssm_state: torch.Tensor, keep: bool = True) -> None:
         """step in C (csrc/mamba.c), all runs in one call; no lengths: runs of one row."""
         w, b = self.conv1d.weight, self.conv1d.bias
-        sc, ss = save if save is not None else (None, None)
         rc = kernel("mamba_step", y.dtype)(
             xbc.data_ptr(), xbc.stride(0), dt.data_ptr(), dt.stride(0), rows.data_ptr(),
-            None if lengths is None else lengths.data_ptr(), slots.data_ptr(), rows.shape[0],
+            None if lengths is None else lengths.data_ptr(), slots.data_ptr(), rows.shape[0], int(keep),
             conv_state.data_ptr(), conv_state.stride(0), ssm_state.data_ptr(), ssm_state.stride(0),
             w.data_ptr(), None if b is None else b.data_ptr(), A.data_ptr(), self.D.data_ptr(),
             y.data_ptr(), y.stride(0), self.conv_dim, self.d_conv, self.heads, self.head_dim, self.groups,
-            self.d_state, None if sc is None else sc.data_ptr(), 0 if sc is None else sc.stride(0),
-            None if ss is None else ss.data_ptr(), 0 if ss is None else ss.stride(0))
+            self.d_state)
         if rc:
             raise MemoryError(f"mamba_step: no memory for its buffer ({rows.shape[0]} rows)")
 
@@ -216,10 +214,9 @@ class Mamba2Mixer(HooklessModule):
         elif st.decode_rows is not None:        # one batched step for every single-token row
             self._step(xbc, dt, A, y, st.decode_rows, st.decode_slots, conv_state, ssm_state)
         win = st.windows
-        if win is not None:     # verify windows, the state before them saved
+        if win is not None:     # verify windows: their slots stay as they were until commit_windows
             win.inputs[self.index] = (xbc, steps, y)     # for step_again: y is free once the layer's output is
-            save = win.conv[:, self.index], win.ssm[:, self.index]
-            self.step(xbc, steps, A, y, win.runs, conv_state, ssm_state, save)
+            self.step(xbc, steps, A, y, win.runs, conv_state, ssm_state, keep=False)
         if self.fast and st.chunk_ids is not None and self.d_conv <= MAX_KERNEL_CONV:   # all chunks: two calls
             conv_out = torch.empty(x.shape[0], self.conv_dim, dtype=x.dtype)
             self._conv_kernel(xbc, conv_out, st, conv_state)

@@ -7,9 +7,9 @@ models, one or several groups, with and without a conv bias:
   chunked algorithm) and the gated norm (csrc/elementwise.c against GatedRMSNorm's tensor ops): a whole
   mixer forward over a step of prefill chunks and decode rows, checkpoints at a chunk's start, inside it
   and at its end; the layer output, the pools and the checkpoint rows;
-- speculative verify windows (the C step once per window position, saving each window's state before it,
-  against the tensor-op step), then HybridState.commit_windows: windows with rejected drafts end in the
-  state the step would have left with only their kept tokens, the others as the step left them."""
+- speculative verify windows (the C step over each window's rows, against the tensor-op step position by
+  position): the windows' slots stay as they were; HybridState.commit_windows then leaves each in the state
+  the step would have left with only its kept tokens."""
 
 from __future__ import annotations
 
@@ -126,7 +126,7 @@ def test_c_prefill_scan_equals_the_chunked_scan(dtype, groups, conv_bias, limit)
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("groups,conv_bias", [(1, True), (2, False)])
-def test_verify_windows_step_in_c_and_roll_back_to_the_kept_tokens(dtype, groups, conv_bias):
+def test_verify_windows_leave_their_slots_until_the_kept_tokens_commit(dtype, groups, conv_bias):
     g = torch.Generator().manual_seed(200 + groups * 10 + conv_bias + (dtype == torch.bfloat16))
     fast = mixer(dtype, groups, conv_bias, g)
     ref = copy.deepcopy(fast)
@@ -138,40 +138,40 @@ def test_verify_windows_step_in_c_and_roll_back_to_the_kept_tokens(dtype, groups
     # rows: window 0-3 (slot 5), decode row 4 (slot 0), window 5-6 (slot 2), window 7-11 (slot 6)
     items, slots, windows = [(0, 4), (4, 5), (5, 7), (7, 12)], [5, 0, 2, 6], [True, False, True, True]
     x = torch.randn(12, 64, generator=g).to(dtype)
-    kept = {5: 2, 2: 2, 6: 1, 0: 1}       # window 0: 2 of 4 tokens, window 5-6 all of its 2, window 7-11: 1
+    kept = {5: 2, 2: 2, 6: 1}       # window 0: 2 of its 4 tokens, window 5-6 both, window 7-11: 1
 
-    def run(m: Mamba2Mixer, spans, flags):
+    def run(m: Mamba2Mixer, steps):
         hs = HybridState([m], slots_n, 0, dtype, torch.device("cpu"))
         hs.conv, hs.ssm = conv.clone(), ssm.clone()           # the test's pools: the mixer is index 1 of 2
-        st = build_state_metadata(hs.conv, hs.ssm, spans, slots, flags)
-        hs.windows = st.windows
-        with torch.inference_mode():
-            return m(x, st), hs, st.windows
+        for spans, step_slots, flags in steps:
+            st = build_state_metadata(hs.conv, hs.ssm, spans, step_slots, flags)
+            hs.windows = st.windows
+            with torch.inference_mode():
+                out = m(x, st)
+        return out, hs
+    outs = {}
     for m in (fast, ref):
-        out, hs, win = run(m, items, windows)
-        assert torch.equal(win.conv[:, 1], conv[[5, 2, 6], 1])         # each window's state before it
-        assert torch.equal(win.ssm[:, 1], ssm[[5, 2, 6], 1])
-        after = hs.conv.clone(), hs.ssm.clone()
-        if m is fast:
-            out_c, after_c = out, after
+        out, hs = run(m, [(items, slots, windows)])
+        outs[m is fast] = out, hs.conv.clone(), hs.ssm.clone()
+        untouched = [1, 2, 3, 4, 5, 6]                        # the windows' slots too: only the decode row moved
+        assert torch.equal(hs.conv[untouched], conv[untouched]) and torch.equal(hs.ssm[untouched], ssm[untouched])
+        assert not torch.equal(hs.ssm[0], ssm[0])
         with torch.inference_mode():
             hs.commit_windows(kept)
-        # the truth: the same step with each window cut to its kept tokens (one token: a decode row)
-        cut = [(0, 2), (4, 5), (5, 7), (7, 8)]
-        _, truth, _ = run(m, cut, [True, False, True, False])
-        # (mixer 1's state only: the test's one mixer saved no state before the windows for mixer 0)
-        assert torch.equal(hs.conv[:, 1], truth.conv[:, 1])
-        torch.testing.assert_close(hs.ssm[:, 1], truth.ssm[:, 1], rtol=1e-6, atol=1e-6)
-        for slot in (0, 2):        # the decode row and the window that kept everything: as the step left them
-            assert torch.equal(hs.conv[slot], after[0][slot]) and torch.equal(hs.ssm[slot], after[1][slot])
-        assert not torch.equal(hs.ssm[5, 1], after[1][5, 1]) and not torch.equal(hs.ssm[6, 1], after[1][6, 1])
-    # C against the tensor ops: the step's pools and the layer output
+        # the truth: decode steps, one token of each sequence at a time, over the kept tokens
+        _, truth = run(m, [([(0, 1), (4, 5), (5, 6), (7, 8)], [5, 0, 2, 6], [False] * 4),
+                           ([(1, 2), (6, 7)], [5, 2], [False] * 2)])
+        assert torch.equal(hs.conv, truth.conv)
+        torch.testing.assert_close(hs.ssm, truth.ssm, rtol=1e-6, atol=1e-6)
+        assert hs.windows is None
+    # C against the tensor ops: the layer output (every window row) and the decode row's state
+    (out_c, conv_c, ssm_c), (out_t, conv_t, ssm_t) = outs[True], outs[False]
     tol = dict(rtol=1e-4, atol=1e-4)
-    assert torch.equal(after_c[0], after[0])
-    torch.testing.assert_close(after_c[1], after[1], **tol)
+    assert torch.equal(conv_c, conv_t)
+    torch.testing.assert_close(ssm_c, ssm_t, **tol)
     if dtype == torch.float32:
-        torch.testing.assert_close(out_c, out, **tol)
+        torch.testing.assert_close(out_c, out_t, **tol)
     else:
-        diff = (out_c.float() - out.float()).abs()
-        assert float(diff.max()) <= 0.02 * float(out.float().abs().max()), float(diff.max())
-        assert float(diff.mean()) <= 0.002 * float(out.float().abs().mean()), float(diff.mean())
+        diff = (out_c.float() - out_t.float()).abs()
+        assert float(diff.max()) <= 0.02 * float(out_t.float().abs().max()), float(diff.max())
+        assert float(diff.mean()) <= 0.002 * float(out_t.float().abs().mean()), float(diff.mean())
