@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -67,6 +68,7 @@ class RowRuns:
         self.ids = (torch.tensor(self.first_rows, dtype=torch.int64), torch.tensor(self.lengths, dtype=torch.int32),
                     torch.tensor(self.slots, dtype=torch.int64))
 
+    @cached_property
     def by_position(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Position by position (tensor ops step that way): the (rows, slots) of the runs that long, in run
         order, int64 on the device; the first position holds every run."""
@@ -76,6 +78,13 @@ class RowRuns:
             steps.append((torch.tensor([self.first_rows[k] + j for k in live], dtype=torch.int64, device=self.device),
                           torch.tensor([self.slots[k] for k in live], dtype=torch.int64, device=self.device)))
         return steps
+
+    @cached_property
+    def on_copies(self) -> tuple[torch.Tensor, "RowRuns"]:
+        """(the slots as an index on the device, the same runs on slots 0..n-1): stepping copies of the
+        slots' state, gathered in run order."""
+        idx = torch.tensor(self.slots, dtype=torch.int64, device=self.device)
+        return idx, RowRuns(self.first_rows, self.lengths, list(range(len(self.slots))), self.device)
 
 
 @dataclass

@@ -123,10 +123,9 @@ class Mamba2Mixer(HooklessModule):
             self._step_kernel(xbc, dt, A, y, *runs.ids, conv_state, ssm_state, keep)
             return
         if not keep:        # step copies of the slots' state
-            idx = torch.tensor(runs.slots, dtype=torch.int64, device=conv_state.device)
+            idx, runs = runs.on_copies
             conv_state, ssm_state = conv_state[idx], ssm_state[idx]
-            runs = RowRuns(runs.first_rows, runs.lengths, list(range(len(runs.slots))), runs.device)
-        for rows, slots in runs.by_position():
+        for rows, slots in runs.by_position:
             self._step(xbc, dt, A, y, rows, slots, conv_state, ssm_state)
 
     def _step(self, xbc: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, y: torch.Tensor,
