@@ -215,12 +215,17 @@ def train_weights(cfg: dict, weights: dict[str, torch.Tensor], tok, *, seconds: 
 
 
 def hf_decoder_modules(model_type: str) -> tuple[type, type]:
-    """transformers' decoder layer and RMSNorm classes of an --arch: an MTP block's layer is its base
-    model's own (Qwen3's has q/k norms, Qwen2's q/k/v biases), as the engine's MTPBlock builds it."""
+    """transformers' decoder layer (a callable of (config, layer_idx)) and RMSNorm class of an --arch or a
+    Bamba: an MTP block's layer is its base model's own attention layer (Qwen3's has q/k norms, Qwen2's
+    q/k/v biases, a Bamba's partial rotary), as the engine's MTPBlock builds it."""
+    import functools
     import importlib
 
+    if model_type == "bamba":
+        from transformers.models.bamba import modeling_bamba as m
+        return functools.partial(m.BambaDecoderLayer, layer_type="full_attention"), m.BambaRMSNorm
     if model_type not in ARCHS:
-        raise ValueError(f"no MTP reference for model_type {model_type!r} (one of {sorted(ARCHS)})")
+        raise ValueError(f"no MTP reference for model_type {model_type!r} (one of {sorted(ARCHS)} or bamba)")
     module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
     prefix = ARCHS[model_type].removesuffix("ForCausalLM")
     return getattr(module, prefix + "DecoderLayer"), getattr(module, prefix + "RMSNorm")
@@ -244,7 +249,8 @@ class MTPReference(torch.nn.Module):
         """e: embeddings of tokens p+1, hidden: final-norm states at p [B, T, H], pos: p [T] -> [B, T, H]."""
         x = self.fc(torch.cat((self.pre_fc_norm_embedding(e), self.pre_fc_norm_hidden(hidden)), -1))
         pe = rotary(x, pos[None].expand(x.shape[0], -1))
-        return self.norm(self.layers[0](x, position_embeddings=pe, position_ids=pos[None]))
+        out = self.layers[0](x, position_embeddings=pe, position_ids=pos[None])
+        return self.norm(out[0] if isinstance(out, tuple) else out)      # Bamba's layer: (h, attention weights)
 
 
 def mtp_reference_drafts(model_dir: str | Path, context: list[int], k: int) -> list[int]:
@@ -257,7 +263,7 @@ def mtp_reference_drafts(model_dir: str | Path, context: list[int], k: int) -> l
     model_dir = Path(model_dir)
     cfg = json.loads((model_dir / "config.json").read_text())
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    block = MTPReference(AutoConfig.for_model(**cfg)).eval()
+    block = MTPReference(AutoConfig.from_pretrained(model_dir)).eval()     # decodes config.json's Infinity
     # checkpoint name (either layout) -> the block's Qwen3-Next name: mtp_tensors renames the names too
     names = [f"mtp.{n}" for n in block.state_dict()]
     mtp_name = {n: n for n in names} | mtp_tensors(dict(zip(names, names)), "deepseek_v3", cfg["num_hidden_layers"])

@@ -10,6 +10,8 @@ Import them as `from fidelity_helpers import ...` (tests/fidelity is on sys.path
   transformers greedy decoding, one prompt at a time, with the top-5 logprobs of every step.
 - ``check_logprobs_close(ref, tokens, top)``: vLLM's check_logprobs_close semantics: tokens equal,
   or at the first divergence each side's token is in the other's top-k; comparison stops there.
+- ``served_drafts(engine, prompt, max_tokens)``, ``assert_drafts_match_reference(model, engine, prompt,
+  max_tokens)``: an MTP drafter's draft windows of a greedy run, against transformers' full recompute.
 - ``greedy_agrees(ref_logits, ref_tokens, tokens)``, ``assert_greedy_matches(refs, outs)``,
   ``rank_bounds(ref_row, value)``, ``NearTies``: the near-tie rule of every comparison that expects
   exact equality of tokens or ranks (see below).
@@ -271,3 +273,29 @@ def assert_quant_fidelity(case: HeldOut, plps: list, quantization: str, name: st
     assert max_err <= max_lp, f"{name}{quantization}: max logprob error {max_err:.4f} > {max_lp}"
     assert abs(ppl_delta) <= max_ppl, f"{name}{quantization}: perplexity delta {ppl_delta:+.4f} beyond {max_ppl}"
     return top1, max_err, ppl_delta
+
+
+def served_drafts(eng, prompt: list[int], max_tokens: int) -> list[tuple[list[int], list[int]]]:
+    """(context, drafts) of every MTP draft window of a greedy run of `prompt`."""
+    from consort_engine.kv.sequence import SamplingParams
+    seen: list[tuple[list[int], list[int]]] = []
+    inner = eng._draft_mtp
+
+    def spy(batch):
+        inner(batch)
+        for seq, k in zip(batch.seqs, batch.num_draft or []):
+            if k:
+                seen.append((seq.token_ids[: seq.num_computed_tokens + 1], seq.token_ids[-k:]))
+
+    eng._draft_mtp = spy
+    eng.generate([prompt], SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    return seen
+
+
+def assert_drafts_match_reference(model, eng, prompt: list[int], max_tokens: int) -> None:
+    """All but at most one of the first six draft windows equal transformers' full recompute."""
+    from consort_engine.demo_model import mtp_reference_drafts
+    seen = served_drafts(eng, prompt, max_tokens)
+    assert len(seen) >= 4
+    matched = sum(mtp_reference_drafts(model, ctx, len(d)) == d for ctx, d in seen[:6])
+    assert matched >= min(len(seen), 6) - 1, f"{matched} of {min(len(seen), 6)} draft windows matched"

@@ -123,7 +123,7 @@ class ModelRunner:
         # MTP drafting: one rank only (the block is not split for tensor parallelism yet)
         # Hybrid (attention + Mamba2): KV only for the attention layers, a state slot per sequence for the rest.
         self.is_hybrid = cfg.is_hybrid
-        self.has_mtp = (config.speculative == "mtp" and tp.size == 1 and not self.is_hybrid
+        self.has_mtp = (config.speculative == "mtp" and tp.size == 1
                         and has_mtp(checkpoint_names(config.model), cfg.num_hidden_layers))
         self.num_kv_layers = len(cfg.attention_layers) + self.has_mtp     # the MTP block's own KV layer last
         self.last_hidden: torch.Tensor | None = None     # normed target hidden states of the last step (MTP)
@@ -278,9 +278,10 @@ class ModelRunner:
                                    seq.state_slot, batch.checkpoints.get(i, [])))
         return self.build_inputs(groups, on_host)
 
-    def build_inputs(self, groups: list[RowGroup], on_host: bool = False) -> StepInputs:
+    def build_inputs(self, groups: list[RowGroup], on_host: bool = False, mixers: bool = True) -> StepInputs:
         """Flat step inputs for row groups: short ones in the batched (kernel) group first, then prefill spans.
-        On the device's, unless on_host (the decode graphs copy them into their static buffers themselves)."""
+        On the device's, unless on_host (the decode graphs copy them into their static buffers themselves).
+        mixers: a hybrid's forward through its mixers (not the MTP block's passes, attention only)."""
         new = [len(g.tokens) for g in groups]
         bs, flash = self.block_size, self.backend == "flash"
         batched = [i for i in range(len(groups)) if flash or new[i] <= self.max_kernel_query]
@@ -354,7 +355,7 @@ class ModelRunner:
         ids = torch.tensor(tokens, dtype=torch.int64)
         if self.device.type != "cpu" and not on_host:
             ids, positions, sample_idx = self._upload(ids, positions, sample_idx, meta)
-        if self.is_hybrid:
+        if self.is_hybrid and mixers:
             meta.state = self.hybrid_state.metadata(groups, item_rows)
         lora = segments_of([groups[i].adapter for i in order], lens) if self.adapters else []
         return StepInputs(ids, positions, meta, sample_idx, lora, order, item_rows)
@@ -508,7 +509,7 @@ class ModelRunner:
             return drafts
         mtp, model = self.model.mtp, self.model
         inp = self.build_inputs([RowGroup(it.tokens, it.start, it.block_table, 1 if it.num_draft else 0)
-                                 for it in items])
+                                 for it in items], mixers=False)
         hidden = torch.cat([items[i].hidden[: len(items[i].tokens)] for i in inp.order])
         out = mtp(model.embed_tokens(inp.input_ids), hidden, inp.positions, model.rotary, inp.meta)
         active = [i for i, it in enumerate(items) if it.num_draft]
@@ -531,7 +532,7 @@ class ModelRunner:
                 active = [active[j] for j in keep]
             # draft number `step` sits at position L + step (L = the last real token's); its row is the one before
             inp = self.build_inputs([RowGroup([0], items[i].start + len(items[i].tokens) + step - 1,
-                                              items[i].block_table, 1) for i in active])
+                                              items[i].block_table, 1) for i in active], mixers=False)
             h = mtp(model.embed_tokens(tokens), h, inp.positions, model.rotary, inp.meta)
             tokens = greedy_tokens(model.head(h))
 

@@ -17,7 +17,8 @@ import random
 
 import pytest
 import torch
-from fidelity_helpers import check_logprobs_close, greedy_agrees, hf_greedy, make_checkpoint
+from fidelity_helpers import (assert_drafts_match_reference, check_logprobs_close, greedy_agrees, hf_greedy,
+                              make_checkpoint)
 
 from consort_engine.config import EngineConfig
 from consort_engine.core.engine import LLMEngine
@@ -166,6 +167,92 @@ def test_hybrid_speculative_greedy_matches_transformers(hybrid, case, monkeypatc
     assert sch.spec.num_draft_tokens > sch.spec.num_accepted_tokens, "no draft was rejected: the rollback was not exercised"
     exact = sum(out == list(ref.tokens) for out, ref in zip(outs, refs))
     assert exact >= N - 1, f"{name}/{case}: only {exact}/{N} speculative requests matched transformers"
+
+
+def add_mtp_block(ckpt, attention_layer: int) -> None:
+    """An MTP block in the Qwen3-Next layout (`mtp.*`): the decoder layer a copy of the model's attention
+    layer `attention_layer`, a random input projection. It drafts (rarely the model's tokens) and loads."""
+    from safetensors.torch import load_file, save_file
+    path = ckpt / "model.safetensors"
+    tensors = load_file(path)
+    g = torch.Generator().manual_seed(7)
+    h = tensors["model.embed_tokens.weight"].shape[1]
+    src = f"model.layers.{attention_layer}."
+    block = {"mtp.layers.0." + k[len(src):]: v.clone() for k, v in tensors.items() if k.startswith(src)}
+    block["mtp.fc.weight"] = torch.randn(h, 2 * h, generator=g) * 0.2
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        block[f"mtp.{name}.weight"] = 1 + 0.1 * torch.randn(h, generator=g)
+    save_file({**tensors, **block}, path, metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module")
+def hybrid_mtp(tmp_path_factory):
+    ckpt = make_checkpoint("bamba", tmp_path_factory.mktemp("mtp"), attn_layer_indices=[0, 3])
+    slow_decay(ckpt)
+    add_mtp_block(ckpt, 3)
+    prompts, max_tokens = workload(512)
+    return ckpt, prompts, max_tokens, hf_greedy(ckpt, prompts, max_tokens)
+
+
+def test_hybrid_mtp_drafts_equal_the_reference(hybrid_mtp):
+    """MTP on a hybrid: the block is one of the model's attention layers (partial rotary; its own KV
+    layer after the two attention layers'); its passes touch no mixer state. Drafts, through chunked
+    prefill, equal transformers' full recompute (BambaDecoderLayer, demo_model.mtp_reference_drafts)."""
+    from consort_engine.model.models.bamba import BambaAttention
+    ckpt, prompts, *_ = hybrid_mtp
+    eng = LLMEngine(EngineConfig(model=str(ckpt), dtype="float32", block_size=4, speculative="mtp",
+                                 num_speculative_tokens=3, max_num_batched_tokens=16, num_blocks=1024))
+    r = eng.runner
+    assert r.has_mtp and r.kv_cache.shape[0] == 3 and eng.stats()["speculation"]["state"] == "on"
+    assert isinstance(r.model.mtp.layer.self_attn, BambaAttention) and r.model.mtp.layer.mamba is None
+    assert_drafts_match_reference(ckpt, eng, prompts[1], 24)
+
+
+def continuation_drafts(engine: LLMEngine, prompts: list[list[int]], refs) -> None:
+    """After the MTP block drafts (its pass and chain run as ever), replace its drafts with transformers'
+    continuation, every third token wrong: the random block's drafts are almost never accepted."""
+    by_prompt = {tuple(p): list(r.tokens) for p, r in zip(prompts, refs)}
+    inner = engine._draft_mtp
+
+    def draft(batch):
+        inner(batch)
+        for seq, k in zip(batch.seqs, batch.num_draft or []):
+            if k:
+                g = seq.num_computed_tokens + 1 - seq.num_prompt_tokens      # output index of the first draft
+                ref = by_prompt[tuple(seq.prompt_token_ids)][g:g + k]
+                ref = [t if (g + j) % 3 != 2 else (t + 1) % 512 for j, t in enumerate(ref)]
+                seq.token_ids[-k:] = ref + seq.token_ids[len(seq.token_ids) - k + len(ref):]
+    engine._draft_mtp = draft
+
+
+@pytest.mark.parametrize("drafts", ["block", "continuation"])
+@pytest.mark.parametrize("case", ["concurrent", "preempt", "chunked"])
+def test_hybrid_mtp_greedy_matches_transformers(hybrid_mtp, case, drafts):
+    """Greedy output with MTP drafting equals transformers' (verify windows on the mixers, the block's
+    own KV layer) under concurrency, preemption (swap: the block's KV layer goes with the others) and
+    chunked prefill; the pool and the state slots do not leak. With the block's own drafts (rejected
+    but for chance) and with drafts that are mostly right (windows keep 1..K+1 tokens, the next MTP pass
+    runs over every kept row)."""
+    ckpt, prompts, max_tokens, refs = hybrid_mtp
+    engine = LLMEngine(EngineConfig(model=str(ckpt), dtype="float32", block_size=4, max_num_seqs=8,
+                                    speculative="mtp", num_speculative_tokens=3, **CASES[case]))
+    if drafts == "continuation":
+        continuation_drafts(engine, prompts, refs)
+    engine.warmup()
+    outs = engine.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
+                                     for m in max_tokens])
+    stats = engine.stats()
+    spec = stats["speculation"]
+    assert spec["drafter"] == "mtp" and spec["draft_tokens"] > 0, spec
+    if drafts == "continuation":
+        assert 0.3 < spec["acceptance_rate"] < 0.95, spec
+    assert stats["kv_free_blocks"] == stats["kv_total_blocks"]
+    slots = engine.block_manager.state_slots
+    assert slots.num_free == slots.num_slots
+    if case == "preempt":
+        assert stats["num_preemptions_swapped"] > 0
+    exact = sum(out == list(ref.tokens) for out, ref in zip(outs, refs))
+    assert exact >= N - 1, f"mtp/{case}: only {exact}/{N} requests matched transformers"
 
 
 def shared_prefix_workload(vocab: int) -> tuple[list[list[int]], list[list[int]], list[int]]:

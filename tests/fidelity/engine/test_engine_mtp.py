@@ -18,9 +18,10 @@ import shutil
 import pytest
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from fidelity_helpers import assert_drafts_match_reference
 
 from consort_engine.config import EngineConfig
-from consort_engine.demo_model import main, mtp_reference_drafts, mtp_tensors, train_tokenizer, write_demo_model
+from consort_engine.demo_model import main, mtp_tensors, train_tokenizer, write_demo_model
 from consort_engine.core.engine import LLMEngine
 from consort_engine.model.models.mtp import mtp_param_name
 from consort_engine.kv.sequence import SamplingParams
@@ -78,30 +79,6 @@ def test_layout_names():
     assert mtp_param_name("model.layers.4.embed_tokens.weight", 4) == ""
     assert mtp_param_name("model.layers.3.mlp.down_proj.weight", 4) is None      # a decoder layer
     assert mtp_param_name("lm_head.weight", 4) is None
-
-
-def served_drafts(eng: LLMEngine, prompt: list[int], max_tokens: int) -> list[tuple[list[int], list[int]]]:
-    """(context, drafts) of every MTP draft window of a greedy run of `prompt`."""
-    seen: list[tuple[list[int], list[int]]] = []
-    inner = eng._draft_mtp
-
-    def spy(batch):
-        inner(batch)
-        for seq, k in zip(batch.seqs, batch.num_draft or []):
-            if k:
-                seen.append((seq.token_ids[: seq.num_computed_tokens + 1], seq.token_ids[-k:]))
-
-    eng._draft_mtp = spy
-    eng.generate([prompt], SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
-    return seen
-
-
-def assert_drafts_match_reference(model, eng: LLMEngine, prompt: list[int], max_tokens: int) -> None:
-    """All but at most one of the first six draft windows equal transformers' full recompute."""
-    seen = served_drafts(eng, prompt, max_tokens)
-    assert len(seen) >= 4
-    matched = sum(mtp_reference_drafts(model, ctx, len(d)) == d for ctx, d in seen[:6])
-    assert matched >= min(len(seen), 6) - 1, f"{matched} of {min(len(seen), 6)} draft windows matched"
 
 
 def test_engine_drafts_equal_the_reference(mtp_models):

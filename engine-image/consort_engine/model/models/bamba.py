@@ -26,6 +26,7 @@ from consort_engine.model.tensor_parallel import SINGLE, TPGroup
 from consort_engine.model.models import ssd
 from consort_engine.model.models.layers import MLP, Attention, Linear, RMSNorm
 from consort_engine.model.models.llama import CausalLM
+from consort_engine.model.models.mtp import MTPBlock, mtp_names
 from consort_engine.model.models.rope import RotaryEmbedding
 from consort_engine.model.hookless import HooklessModule
 
@@ -273,7 +274,7 @@ class BambaLayer(HooklessModule):
 
 
 class BambaForCausalLM(CausalLM):
-    single_modules = ("o_proj", "down_proj", "lm_head", "in_proj", "out_proj")
+    single_modules = ("o_proj", "down_proj", "lm_head", "in_proj", "out_proj", "fc")   # fc: the MTP block's
 
     def __init__(self, cfg: ModelConfig, max_len: int, backend: str, dtype: torch.dtype,
                  device: torch.device, tp: TPGroup = SINGLE, mtp: bool = False):
@@ -294,7 +295,9 @@ class BambaForCausalLM(CausalLM):
         self.tied_head = None
         rot = int(cfg.head_dim * cfg.partial_rotary_factor)
         self.rotary = RotaryEmbedding(rot, max_len, cfg.rope_theta, cfg.rope_scaling, dtype, device)
-        self.mtp = None
+        # The checkpoint's MTP block (models/mtp.py) on one of this model's attention layers: drafting
+        # touches no mixer state. Loaded only when it drafts.
+        self.mtp = MTPBlock(cfg, BambaLayer(cfg, True, -1, backend, fast), fast) if mtp else None
 
     @property
     def attention_modules(self) -> list[BambaAttention]:
@@ -310,4 +313,4 @@ class BambaForCausalLM(CausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.load_tensors((name.removeprefix("model.").replace("final_layernorm.", "norm."), tensor)
-                          for name, tensor in weights)
+                          for name, tensor in mtp_names(weights, self.cfg.num_hidden_layers, self.mtp is not None))

@@ -16,7 +16,7 @@ from consort_engine.model.lora import LoraAdapter, LoraContext
 from consort_engine.model.loader import ModelConfig
 from consort_engine.model.models.packed import pack_linear
 from consort_engine.model.models.layers import DecoderLayer, Linear, RMSNorm
-from consort_engine.model.models.mtp import MTPBlock, mtp_param_name
+from consort_engine.model.models.mtp import MTPBlock, mtp_names
 from consort_engine.model.models.rope import RotaryEmbedding
 from consort_engine.model.tensor_parallel import SINGLE, TPGroup
 
@@ -120,7 +120,7 @@ class LlamaForCausalLM(CausalLM):
         self.tied_head = None
         self.rotary = RotaryEmbedding(cfg.head_dim, max_len, cfg.rope_theta, cfg.rope_scaling, dtype, device)
         # The checkpoint's MTP block (models/mtp.py), loaded only when it drafts; otherwise its tensors are skipped.
-        self.mtp = MTPBlock(cfg, backend, fast) if mtp else None
+        self.mtp = MTPBlock(cfg, DecoderLayer(cfg, backend, fast), fast) if mtp else None
 
     def shard_shapes(self) -> dict[str, list[tuple[int, int]]]:
         """(out, in) of each shard of the fused projections, for validating adapters."""
@@ -148,12 +148,6 @@ class LlamaForCausalLM(CausalLM):
     def _own_names(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
         """Checkpoint names -> this module's: rotary buffers dropped, MTP tensors under mtp. (or
         skipped when MTP does not draft), the model. prefix removed."""
-        for name, tensor in weights:
-            if "rotary_emb" in name:
-                continue
-            mtp_name = mtp_param_name(name, self.cfg.num_hidden_layers)
-            if mtp_name is not None:
-                if not mtp_name or self.mtp is None:
-                    continue                                    # a shared copy, or MTP not drafting
-                name = "mtp." + mtp_name
-            yield name.removeprefix("model."), tensor
+        for name, tensor in mtp_names(weights, self.cfg.num_hidden_layers, self.mtp is not None):
+            if "rotary_emb" not in name:
+                yield name.removeprefix("model."), tensor

@@ -7,7 +7,8 @@ chains it: the block's own output hidden state stands in for the target's at the
 
     x = fc(cat(enorm(embed(t[p+1])), hnorm(h[p])));  h' = norm(layer(x));  logits = lm_head(h')
 
-Checkpoint layouts (the block's decoder layer is the base model's Llama-family layer):
+Checkpoint layouts (the block's decoder layer is the base model's own attention layer kind: Llama-family,
+or a hybrid's attention layer, so a Bamba's MTP block is attention only and keeps no mixer state):
 - Qwen3-Next: `mtp.fc`, `mtp.pre_fc_norm_embedding`, `mtp.pre_fc_norm_hidden`, `mtp.layers.0.*`,
   `mtp.norm` (the LM head is the model's).
 - DeepSeek-V3: `model.layers.{num_hidden_layers}.` + `eh_proj`, `enorm`, `hnorm`, the decoder layer's
@@ -17,13 +18,14 @@ Checkpoint layouts (the block's decoder layer is the base model's Llama-family l
 from __future__ import annotations
 
 import re
+from typing import Iterable
 
 import torch
 from torch import nn
 
 from consort_engine.model.attention import AttentionMetadata
 from consort_engine.model.loader import ModelConfig
-from consort_engine.model.models.layers import DecoderLayer, Linear, RMSNorm
+from consort_engine.model.models.layers import Linear, RMSNorm
 from consort_engine.model.models.rope import RotaryEmbedding
 from consort_engine.model.hookless import HooklessModule
 
@@ -61,14 +63,28 @@ def has_mtp(names: list[str], num_hidden_layers: int) -> bool:
     return any(mtp_param_name(n, num_hidden_layers) for n in names)
 
 
+def mtp_names(weights: Iterable[tuple[str, torch.Tensor]], num_hidden_layers: int,
+              drafting: bool) -> Iterable[tuple[str, torch.Tensor]]:
+    """A checkpoint's tensors with the MTP block's under `mtp.<MTPBlock name>` (dropped, as are its copies
+    of shared tensors, when the block does not draft); the others as they are."""
+    for name, tensor in weights:
+        mtp_name = mtp_param_name(name, num_hidden_layers)
+        if mtp_name is None:
+            yield name, tensor
+        elif mtp_name and drafting:
+            yield "mtp." + mtp_name, tensor
+
+
 class MTPBlock(HooklessModule):
-    def __init__(self, cfg: ModelConfig, backend: str, fast: bool):
+    def __init__(self, cfg: ModelConfig, layer: nn.Module, fast: bool):
+        """layer: a decoder layer of the base model's attention kind (forward(x, residual, positions,
+        rotary, meta) -> (h, residual)); its K/V is the runner's last pool layer."""
         super().__init__()
         h = cfg.hidden_size
         self.enorm = RMSNorm(h, cfg.rms_norm_eps, fast)
         self.hnorm = RMSNorm(h, cfg.rms_norm_eps, fast)
         self.fc = Linear(2 * h, [h], False)
-        self.layer = DecoderLayer(cfg, backend, fast)
+        self.layer = layer
         self.norm = RMSNorm(h, cfg.rms_norm_eps, fast)
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
