@@ -41,9 +41,11 @@ int mamba_step_##SUFFIX(const T *xbc, int64_t xbc_stride, const T *dt, int64_t d
         first[r + 1] = first[r] + len;                                                                  \
         if (len > max_len) max_len = len;                                                               \
     }                                                                                                   \
-    const int64_t per_thread = N + 2 * (int64_t)max_len;      /* a state row, the run's dt and decay */ \
+    /* per thread: a state row, the run's dt and decay; 64-byte aligned (a row split across cache lines  \
+     * ran the keep = 0 pass at half speed) */                                                          \
+    const int64_t per_thread = (N + 2 * (int64_t)max_len + 15) / 16 * 16;                               \
     float *out = (float *)malloc(sizeof(float) * (size_t)first[n] * (size_t)CD);   /* the conv's output */ \
-    float *scratch = (float *)malloc(sizeof(float) * (size_t)nt * (size_t)per_thread);                  \
+    float *scratch = (float *)aligned_alloc(64, sizeof(float) * (size_t)nt * (size_t)per_thread);       \
     if (!out || !scratch) { free(first); free(out); free(scratch); return -2; }                         \
     _Pragma("omp parallel num_threads(nt)")                                                             \
     {                                                                                                   \
