@@ -25,6 +25,66 @@
  * never holds a rejected draft's state and nothing has to be saved or put back. */
 #include "common.h"
 
+/* The recurrence for one token over state rows of a head: s <- s * dA + dx * B, then y = s . C. Four rows
+ * at a time: four independent sums (one row's sum is a chain of dependent FMAs, which ran at a quarter of
+ * the FMA rate) and one load of B and C for the four. */
+static inline void ssm_rows4(float *restrict s0, float *restrict s1, float *restrict s2, float *restrict s3,
+                             const float *dx, const float *restrict B, const float *restrict C, float dA,
+                             int N, float *acc) {
+    const float x0 = dx[0], x1 = dx[1], x2 = dx[2], x3 = dx[3];
+    float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+    for (int k = 0; k < N; k++) {
+        const float b = B[k], c = C[k];
+        const float v0 = s0[k] * dA + x0 * b, v1 = s1[k] * dA + x1 * b;
+        const float v2 = s2[k] * dA + x2 * b, v3 = s3[k] * dA + x3 * b;
+        s0[k] = v0;
+        s1[k] = v1;
+        s2[k] = v2;
+        s3[k] = v3;
+        a0 += v0 * c;
+        a1 += v1 * c;
+        a2 += v2 * c;
+        a3 += v3 * c;
+    }
+    acc[0] = a0;
+    acc[1] = a1;
+    acc[2] = a2;
+    acc[3] = a3;
+}
+
+static inline float ssm_row(float *restrict s, float dx, const float *restrict B, const float *restrict C,
+                            float dA, int N) {
+    float a = 0.f;
+    for (int k = 0; k < N; k++) {
+        const float v = s[k] * dA + dx * B[k];
+        s[k] = v;
+        a += v * C[k];
+    }
+    return a;
+}
+
+/* Rows 0 .. np - 1 (np <= 4) of a state block with row stride N: acc[q] = row q . C after the update. */
+static inline void ssm_rows(float *s, int np, int N, const float *dx, const float *B, const float *C,
+                            float dA, float *acc) {
+    if (np == 4) {
+        ssm_rows4(s, s + N, s + 2 * (int64_t)N, s + 3 * (int64_t)N, dx, B, C, dA, N, acc);
+        return;
+    }
+    for (int q = 0; q < np; q++) acc[q] = ssm_row(s + (int64_t)q * N, dx[q], B, C, dA, N);
+}
+
+/* n values as float: the array itself, or (bf16) converted into buf. */
+static inline const float *as_f32_f32(float *buf, const float *src, int n) {
+    (void)buf;
+    (void)n;
+    return src;
+}
+
+static inline const float *as_f32_bf16(float *buf, const bf16_t *src, int n) {
+    for (int i = 0; i < n; i++) buf[i] = get_bf16(src, i);
+    return buf;
+}
+
 #define DEFINE_MAMBA_STEP(SUFFIX, T)                                                                    \
 int mamba_step_##SUFFIX(const T *xbc, int64_t xbc_stride, const T *dt, int64_t dt_stride,              \
                         const int64_t *rows, const int32_t *lengths, const int64_t *slots, int n,        \
@@ -85,7 +145,7 @@ int mamba_step_##SUFFIX(const T *xbc, int64_t xbc_stride, const T *dt, int64_t d
                 decay_t[t] = exp_clamped(d_t[t] * A[h]);                                                \
             }                                                                                           \
             float *s = ssm + slots[r] * ssm_stride + (int64_t)h * P * N;                                \
-            for (int p = 0; p < P; p++) {                                                               \
+            for (int p = 0; p < P; p++) {             /* a state row, kept in L1 across the run */      \
                 float *sp = s + (int64_t)p * N;                                                         \
                 if (!keep) {                                                                            \
                     memcpy(row_copy, sp, sizeof(float) * (size_t)N);                                    \
@@ -139,6 +199,7 @@ void mamba_scan_##SUFFIX(const T *xbc, int64_t xbc_stride, const T *dt, int64_t 
     _Pragma("omp parallel for schedule(dynamic, 1) num_threads(NT)")                                    \
     for (int it = 0; it < spans * H; it++) {                                                            \
         const int sp = it / H, h = it % H, g = h / heads_per_group;                                     \
+        float bc[2 * N];                                        /* (bf16) the token's B and C as float */ \
         float *s = ssm + span_slot[sp] * ssm_stride + (int64_t)h * state;                               \
         const float Ah = A[h], Dh = get_##SUFFIX(Dp, h);                                                \
         int c = 0;                                                                                      \
@@ -149,21 +210,20 @@ void mamba_scan_##SUFFIX(const T *xbc, int64_t xbc_stride, const T *dt, int64_t 
             const int t = span_start[sp] + j;                                                           \
             if (t >= span_end[sp]) break;                                                               \
             const T *row = xbc + t * xbc_stride;                                                        \
-            const T *xs = row + (int64_t)h * P, *B = row + inner + (int64_t)g * N;                      \
-            const T *C = row + inner + (int64_t)G * N + (int64_t)g * N;                                 \
+            const T *xs = row + (int64_t)h * P;                                                         \
+            const float *B = as_f32_##SUFFIX(bc, row + inner + (int64_t)g * N, N);                      \
+            const float *C = as_f32_##SUFFIX(bc + N, row + inner + (int64_t)G * N + (int64_t)g * N, N); \
             float d = get_##SUFFIX(dt + t * dt_stride, h);                                              \
             d = d < dt_lo ? dt_lo : (d > dt_hi ? dt_hi : d);                                            \
             const float dA = exp_clamped(d * Ah);                                                            \
             T *yr = y + t * y_stride + (int64_t)h * P;                                                  \
-            for (int p = 0; p < P; p++) {                                                               \
-                float *sr = s + (int64_t)p * N, acc = 0.f;                                              \
-                const float xp = get_##SUFFIX(xs, p), dx = d * xp;                                      \
-                for (int k = 0; k < N; k++) {                                                           \
-                    const float v = sr[k] * dA + dx * get_##SUFFIX(B, k);                               \
-                    sr[k] = v;                                                                          \
-                    acc += v * get_##SUFFIX(C, k);                                                      \
-                }                                                                                       \
-                put_##SUFFIX(yr, p, acc + Dh * xp);                                                    \
+            for (int p = 0; p < P; p += 4) {                                                            \
+                const int np = P - p < 4 ? P - p : 4;                                                   \
+                float dx[4], acc[4];                                                                    \
+                for (int q = 0; q < np; q++) dx[q] = d * get_##SUFFIX(xs, p + q);                       \
+                ssm_rows(s + (int64_t)p * N, np, N, dx, B, C, dA, acc);                                 \
+                for (int q = 0; q < np; q++)                                                            \
+                    put_##SUFFIX(yr, p + q, acc[q] + Dh * get_##SUFFIX(xs, p + q));                     \
             }                                                                                           \
         }                                                                                               \
     }                                                                                                   \

@@ -28,8 +28,8 @@ pytestmark = pytest.mark.skipif(ck.cpu_kernels() is None, reason="no C compiler 
 
 
 def mixer(dtype: torch.dtype, groups: int, conv_bias: bool, g: torch.Generator,
-          time_step_limit: tuple[float, float] | None = None) -> Mamba2Mixer:
-    raw = {"mamba_n_heads": 8, "mamba_expand": 2, "mamba_n_groups": groups, "mamba_d_state": 24,
+          time_step_limit: tuple[float, float] | None = None, heads: int = 8, expand: int = 2) -> Mamba2Mixer:
+    raw = {"mamba_n_heads": heads, "mamba_expand": expand, "mamba_n_groups": groups, "mamba_d_state": 24,
            "mamba_d_conv": 4, "mamba_chunk_size": 16, "mamba_conv_bias": conv_bias,
            "time_step_limit": time_step_limit}
     cfg = ModelConfig(model_type="bamba", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -87,10 +87,12 @@ def test_c_decode_step_equals_the_torch_step(dtype, groups, conv_bias):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("groups,conv_bias,limit", [(1, True, None), (2, False, (0.0, 0.7)), (4, True, None)])
-def test_c_prefill_scan_equals_the_chunked_scan(dtype, groups, conv_bias, limit):
-    g = torch.Generator().manual_seed(100 + groups * 10 + conv_bias + (dtype == torch.bfloat16))
-    fast = mixer(dtype, groups, conv_bias, g, limit)
+@pytest.mark.parametrize("groups,conv_bias,limit,heads,expand",
+                         [(1, True, None, 8, 2), (2, False, (0.0, 0.7), 8, 2), (4, True, None, 8, 2),
+                          (2, True, None, 32, 3)])        # head_dim 6: the scan's rows in fours and a pair
+def test_c_prefill_scan_equals_the_chunked_scan(dtype, groups, conv_bias, limit, heads, expand):
+    g = torch.Generator().manual_seed(100 + groups * 10 + conv_bias + (dtype == torch.bfloat16) + heads)
+    fast = mixer(dtype, groups, conv_bias, g, limit, heads, expand)
     ref = copy.deepcopy(fast)
     ref.fast = ref.norm.fast = False          # the torch scan and gated norm
     slots_n, mixers, ckpt_rows = 6, 2, 7
