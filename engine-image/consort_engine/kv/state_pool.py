@@ -57,16 +57,17 @@ class StateMetadata:
 @dataclass
 class RowRuns:
     """Runs of consecutive step rows, each stepped token by token from one slot's state: what a mixer's
-    `step` takes. ids: (first rows int64, lengths int32, slots int64) on CPU, the C step's arrays."""
+    `step` takes."""
     first_rows: list[int]
     lengths: list[int]
     slots: list[int]
     device: torch.device
-    ids: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = field(init=False)
 
-    def __post_init__(self) -> None:
-        self.ids = (torch.tensor(self.first_rows, dtype=torch.int64), torch.tensor(self.lengths, dtype=torch.int32),
-                    torch.tensor(self.slots, dtype=torch.int64))
+    @cached_property
+    def ids(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(first rows int64, lengths int32, slots int64) on CPU: the C step's arrays."""
+        return (torch.tensor(self.first_rows, dtype=torch.int64), torch.tensor(self.lengths, dtype=torch.int32),
+                torch.tensor(self.slots, dtype=torch.int64))
 
     @cached_property
     def by_position(self) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -377,8 +377,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def commit_windows(self, kept: dict[int, int]) -> None:
-        """After a verify step of a hybrid: state slot -> window tokens kept; the mixers' state goes
-        back to the one after the last kept token (HybridState.commit_windows)."""
+        """After a verify step of a hybrid: state slot -> window tokens kept; the mixers' state becomes
+        the one after the last kept token (HybridState.commit_windows)."""
         self.hybrid_state.commit_windows(kept)
 
     @torch.inference_mode()

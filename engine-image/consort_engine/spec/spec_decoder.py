@@ -3,7 +3,7 @@
 Proposal (n-gram prompt lookup, or placeholders the checkpoint's MTP block fills in before the
 forward), verification (the greedy argmax rule; typical acceptance for sampled requests),
 rollback (rejected drafts cut from the tokens, their blocks returned, the K/V slots they wrote
-inside kept blocks zeroed, a hybrid model's mixer state put back at the last kept token) and the
+inside kept blocks zeroed, a hybrid model's mixer state advanced over the kept tokens only) and the
 proposed/accepted counters that metrics and `speculation_stats()` read. The scheduler and the
 engine call into it at fixed points of a step and know nothing else about speculation:
 
@@ -11,7 +11,7 @@ engine call into it at fixed points of a step and know nothing else about specul
     forward:     draft_mtp() before, keep_hidden() after (MTP drafter only)
     sample:      typical_window() for sampled verify windows (greedy rows: argmax)
     postprocess: accept() -> the tokens to emit; release() after the window committed
-    after step:  commit()  -> hybrid state restore + stale-slot zeroing on the runner
+    after step:  commit()  -> hybrid windows' kept tokens into the state + stale-slot zeroing on the runner
 """
 from __future__ import annotations
 
@@ -163,7 +163,7 @@ class SpecDecoder:
         self.stale_slots += [seq.block_table[p // bs] * bs + p % bs for p in range(computed, min(window_end, kept))]
 
     def commit(self, batch: ScheduledBatch, before: list[int] | None, runner: Any) -> None:
-        """After postprocess: a hybrid model's mixer state back to the last kept token of each
+        """After postprocess: a hybrid model's mixer state advanced to the last kept token of each
         verify window (before: computed tokens per seq ahead of the commit), stale slots zeroed."""
         if before is not None:
             runner.commit_windows({s.state_slot: s.num_computed_tokens - b
