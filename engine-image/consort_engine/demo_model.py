@@ -14,6 +14,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors.torch import save_file
@@ -214,7 +215,7 @@ def train_weights(cfg: dict, weights: dict[str, torch.Tensor], tok, *, seconds: 
     return state
 
 
-def hf_decoder_modules(model_type: str) -> tuple[type, type]:
+def hf_decoder_modules(model_type: str) -> tuple[Callable[..., torch.nn.Module], type]:
     """transformers' decoder layer (a callable of (config, layer_idx)) and RMSNorm class of an --arch or a
     Bamba: an MTP block's layer is its base model's own attention layer (Qwen3's has q/k norms, Qwen2's
     q/k/v biases, a Bamba's partial rotary), as the engine's MTPBlock builds it."""
