@@ -104,7 +104,7 @@ int mamba_step_##SUFFIX(const T *xbc, int64_t xbc_stride, const T *dt, int64_t d
     /* per thread: a state row, the run's dt and decay; 64-byte aligned (a row split across cache lines  \
      * ran the keep = 0 pass at half speed) */                                                          \
     const int64_t per_thread = (N + 2 * (int64_t)max_len + 15) / 16 * 16;                               \
-    float *out = (float *)malloc(sizeof(float) * (size_t)first[n] * (size_t)CD);   /* the conv's output */ \
+    float *out = (float *)aligned_alloc(64, (sizeof(float) * (size_t)first[n] * CD + 63) / 64 * 64); /* conv out */ \
     float *scratch = (float *)aligned_alloc(64, sizeof(float) * (size_t)nt * (size_t)per_thread);       \
     if (!out || !scratch) { free(first); free(out); free(scratch); return -2; }                         \
     _Pragma("omp parallel num_threads(nt)")                                                             \
@@ -115,25 +115,29 @@ int mamba_step_##SUFFIX(const T *xbc, int64_t xbc_stride, const T *dt, int64_t d
         for (int r = 0; r < n; r++) {                                                                   \
             const int len = (int)(first[r + 1] - first[r]);                                             \
             T *cs = conv + slots[r] * conv_stride;                                                      \
-            for (int c = 0; c < CD; c++) {                                                              \
-                T *st = cs + (int64_t)c * KS;                                                           \
-                const T *w = conv_w + (int64_t)c * K;                                                   \
-                for (int t = 0; t < len; t++) {   /* row t's window: the state from t on, then inputs */ \
+            for (int t = 0; t < len; t++) {       /* row t's window: the state from t on, then inputs */ \
+                float *o = out + (first[r] + t) * CD;                                                   \
+                const T *x = xbc + (rows[r] + t) * xbc_stride;                                          \
+                for (int c = 0; c < CD; c++) {                                                          \
+                    const T *st = cs + (int64_t)c * KS, *w = conv_w + (int64_t)c * K;                   \
                     float acc = 0.f;                                                                    \
                     for (int k = 0; k < KS; k++) {                                                      \
                         const float tap = t + k < KS ? get_##SUFFIX(st, t + k)                          \
                             : get_##SUFFIX(xbc + (rows[r] + t + k - KS) * xbc_stride, c);               \
                         acc += round_##SUFFIX(get_##SUFFIX(w, k) * tap);                                \
                     }                                                                                   \
-                    const float x = get_##SUFFIX(xbc + (rows[r] + t) * xbc_stride, c);                  \
-                    acc = round_##SUFFIX(acc + round_##SUFFIX(get_##SUFFIX(w, KS) * x));                \
-                    if (conv_b) acc = round_##SUFFIX(acc + get_##SUFFIX(conv_b, c));                     \
-                    out[(first[r] + t) * CD + c] = round_##SUFFIX(acc / (1.0f + exp_clamped(-acc)));  \
+                    acc = round_##SUFFIX(acc + round_##SUFFIX(get_##SUFFIX(w, KS) * get_##SUFFIX(x, c))); \
+                    o[c] = conv_b ? round_##SUFFIX(acc + get_##SUFFIX(conv_b, c)) : acc;                \
                 }                                                                                       \
-                if (keep)       /* the window moves on by len: ascending k reads ahead of its writes */ \
+                for (int c = 0; c < CD; c++)      /* SiLU apart: a loop over the row that vectorises */ \
+                    o[c] = round_##SUFFIX(o[c] / (1.0f + exp_clamped(-o[c])));                          \
+            }                                                                                           \
+            if (keep)           /* the window moves on by len: ascending k reads ahead of its writes */ \
+                for (int c = 0; c < CD; c++) {                                                          \
+                    T *st = cs + (int64_t)c * KS;                                                       \
                     for (int k = 0; k < KS; k++)                                                        \
                         st[k] = len + k < KS ? st[len + k] : (xbc + (rows[r] + len + k - KS) * xbc_stride)[c]; \
-            }                                                                                           \
+                }                                                                                       \
         }                                                                                               \
         _Pragma("omp for schedule(static)")                                                             \
         for (int it = 0; it < n * H; it++) {                                                            \
