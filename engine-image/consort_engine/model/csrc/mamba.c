@@ -26,8 +26,9 @@
 #include "common.h"
 
 /* The recurrence for one token over state rows of a head: s <- s * dA + dx * B, then y = s . C. Four rows
- * at a time: four independent sums (one row's sum is a chain of dependent FMAs, which ran at a quarter of
- * the FMA rate) and one load of B and C for the four. */
+ * at a time (the prefill scan): four independent sums (one row's sum is a chain of dependent FMAs, which
+ * ran at a quarter of the FMA rate) and one load of B and C for the four. The decode step goes one row
+ * at a time (ssm_row), the row held across a run's tokens: four rows there measured slower. */
 static inline void ssm_rows4(float *restrict s0, float *restrict s1, float *restrict s2, float *restrict s3,
                              const float *dx, const float *restrict B, const float *restrict C, float dA,
                              int N, float *acc) {
@@ -159,13 +160,8 @@ int mamba_step_##SUFFIX(const T *xbc, int64_t xbc_stride, const T *dt, int64_t d
                     const float *o = out + (first[r] + t) * CD;                                         \
                     const float *xs = o + (int64_t)h * P, *B = o + inner + (int64_t)g * N;              \
                     const float *C = o + inner + (int64_t)G * N + (int64_t)g * N;                       \
-                    const float dA = decay_t[t], dx = round_##SUFFIX(d_t[t] * xs[p]);                   \
-                    float acc = 0.f;                                                                    \
-                    for (int k = 0; k < N; k++) {                                                       \
-                        const float v = sp[k] * dA + dx * B[k];                                         \
-                        sp[k] = v;                                                                      \
-                        acc += v * C[k];                                                                \
-                    }                                                                                   \
+                    const float dx = round_##SUFFIX(d_t[t] * xs[p]);                                    \
+                    const float acc = ssm_row(sp, dx, B, C, decay_t[t], N);                             \
                     put_##SUFFIX(y + (rows[r] + t) * y_stride + (int64_t)h * P, p,                      \
                                  round_##SUFFIX(acc) + round_##SUFFIX(xs[p] * Dh));                     \
                 }                                                                                       \
