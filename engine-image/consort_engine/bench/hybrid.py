@@ -51,13 +51,16 @@ def write_checkpoints(out: Path, args) -> dict[str, Path]:
 
 
 def continuation_drafter(prompts: list[list[int]], outputs: list[list[int]], vocab: int):
-    """A drafter proposing each request's greedy continuation (`outputs`) with every third token changed."""
-    by_prompt = {tuple(p): o for p, o in zip(prompts, outputs)}
-    n = len(prompts[0])                 # the bench's prompts are all this long
+    """A drafter proposing each request's greedy continuation (`outputs`) with every third token changed:
+    propose(token_ids, k) for a sequence whose tokens start with one of `prompts` (the longest that fits)."""
+    by_prompt = {tuple(p): list(o) for p, o in zip(prompts, outputs)}
+    lengths = sorted({len(p) for p in prompts}, reverse=True)
 
     def propose(token_ids: list[int], k: int, **_) -> list[int]:
-        ref = by_prompt.get(tuple(token_ids[:n]), [])
-        g = len(token_ids) - n
+        n = next((n for n in lengths if tuple(token_ids[:n]) in by_prompt), None)
+        if n is None:
+            return []
+        g, ref = len(token_ids) - n, by_prompt[tuple(token_ids[:n])]
         return [t if (g + j) % 3 != 2 else (t + 1) % vocab for j, t in enumerate(ref[g:g + k])]
     return propose
 

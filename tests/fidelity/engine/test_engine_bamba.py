@@ -20,6 +20,7 @@ import torch
 from fidelity_helpers import (assert_drafts_match_reference, check_logprobs_close, greedy_agrees, hf_greedy,
                               make_checkpoint)
 
+from consort_engine.bench.hybrid import continuation_drafter
 from consort_engine.config import EngineConfig
 from consort_engine.core.engine import LLMEngine
 from consort_engine.kv.sequence import SamplingParams, Sequence
@@ -144,15 +145,8 @@ def test_hybrid_speculative_greedy_matches_transformers(hybrid, case, monkeypatc
     Random weights rarely repeat an n-gram, so the n-gram proposer is swapped for one that drafts
     transformers' own continuation with every third token wrong: windows accept 0..K drafts."""
     name, ckpt, prompts, max_tokens, refs = hybrid
-    by_prompt = {tuple(p): r.tokens for p, r in zip(prompts, refs)}
-
-    def propose(token_ids, k, packed=None):
-        for p, ref in sorted(by_prompt.items(), key=lambda kv: -len(kv[0])):    # longest prompt first
-            if tuple(token_ids[:len(p)]) == p and len(token_ids) - len(p) <= len(ref):
-                g = len(token_ids) - len(p)
-                return [t if (g + j) % 3 != 2 else (t + 1) % 512 for j, t in enumerate(ref[g:g + k])]
-        return []
-    monkeypatch.setattr("consort_engine.core.scheduler.propose_ngram", propose)
+    monkeypatch.setattr("consort_engine.core.scheduler.propose_ngram",
+                        continuation_drafter(prompts, [r.tokens for r in refs], 512))
     engine = LLMEngine(EngineConfig(model=str(ckpt), dtype="float32", block_size=4, max_num_seqs=8,
                                     speculative="ngram", num_speculative_tokens=3, **CASES[case]))
     engine.warmup()
@@ -211,16 +205,14 @@ def test_hybrid_mtp_drafts_equal_the_reference(hybrid_mtp):
 def continuation_drafts(engine: LLMEngine, prompts: list[list[int]], refs) -> None:
     """After the MTP block drafts (its pass and chain run as ever), replace its drafts with transformers'
     continuation, every third token wrong: the random block's drafts are almost never accepted."""
-    by_prompt = {tuple(p): list(r.tokens) for p, r in zip(prompts, refs)}
+    propose = continuation_drafter(prompts, [r.tokens for r in refs], 512)
     inner = engine._draft_mtp
 
     def draft(batch):
         inner(batch)
         for seq, k in zip(batch.seqs, batch.num_draft or []):
             if k:
-                g = seq.num_computed_tokens + 1 - seq.num_prompt_tokens      # output index of the first draft
-                ref = by_prompt[tuple(seq.prompt_token_ids)][g:g + k]
-                ref = [t if (g + j) % 3 != 2 else (t + 1) % 512 for j, t in enumerate(ref)]
+                ref = propose(seq.token_ids[: seq.num_computed_tokens + 1], k)
                 seq.token_ids[-k:] = ref + seq.token_ids[len(seq.token_ids) - k + len(ref):]
     engine._draft_mtp = draft
 
