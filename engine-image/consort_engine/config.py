@@ -35,7 +35,7 @@ class EngineConfig:
     name: str = "default"               # specialist name: stamped on responses, part of the prefix-cache key
     device: str = "cpu"                 # cpu | cuda
     tensor_parallel_size: int = 1       # ranks (processes; GPUs on cuda) the weights and KV heads are split over
-    dtype: str = "auto"                 # auto (fp32 on cpu, bf16 on cuda) | float32 | bfloat16 | float16
+    dtype: str = "auto"                 # auto (loader.resolve_dtype) | float32 | bfloat16 | float16
     quantization: str = "none"          # none | int8 (int8 weights, int16 rows; cpu) | w8a8 (cpu) | fp8 (cuda): model/models/quant.py
     block_size: int = 16                # tokens per KV block (8 for prefix-heavy specialists)
     num_blocks: int | None = None       # None: size the pool from free memory after weights + reserve

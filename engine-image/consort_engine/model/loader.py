@@ -148,10 +148,16 @@ def eos_token_ids(model_dir: str | Path, cfg: ModelConfig) -> set[int]:
     return ids
 
 
-def resolve_dtype(dtype: str, device: str) -> torch.dtype:
-    """`auto` is float32 on CPU and bfloat16 on CUDA; otherwise the named dtype."""
+def resolve_dtype(dtype: str, device: str, checkpoint_dtype: str | None, bf16_dot: bool) -> torch.dtype:
+    """The named dtype, or for `auto`: bfloat16 on CUDA; on a CPU the checkpoint's own bfloat16 where
+    the CPU has a bf16 dot product (`bf16_dot`: AMX or AVX-512 BF16), else float32. Both CPU answers
+    keep every weight as stored (bf16 and float16 fit float32 exactly); without a bf16 dot product a
+    bf16 model computes in float32 anyway (model_runner.compute_dtype), so float32 costs nothing there
+    but memory."""
     if dtype in ("auto", None):
-        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+        if device.startswith("cuda"):
+            return torch.bfloat16
+        return torch.bfloat16 if checkpoint_dtype == "bfloat16" and bf16_dot else torch.float32
     if dtype not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; use auto, float32, bfloat16 or float16")
     return _DTYPES[dtype]

@@ -114,11 +114,13 @@ class ModelRunner:
             tp = self.workers.join_group(config.device)
         self.tp = tp = tp or SINGLE
         self.device = torch.device(config.device)
-        self.dtype = resolve_dtype(config.dtype, config.device)           # weights and KV cache
         self.hf_config = cfg = load_model_config(config.model)
+        self.dtype = resolve_dtype(config.dtype, config.device, cfg.torch_dtype, has_bf16_dot())  # weights, KV
         prequantized = checkpoint_format(cfg.raw)         # model/quantized_checkpoint.py
         self.quantization = resolve_quantization(config.quantization, prequantized)
         self.compute_dtype = compute_dtype(self.dtype, self.device)   # activations, GEMMs
+        log.info("weights and KV cache in %s, activations in %s (--dtype %s; the checkpoint is %s)",
+                 self.dtype, self.compute_dtype, config.dtype, cfg.torch_dtype or "of unstated dtype")
         self.eos_token_ids: set[int] = eos_token_ids(config.model, cfg)
         # MTP drafting: one rank only (the block is not split for tensor parallelism yet)
         # Hybrid (attention + Mamba2): KV only for the attention layers, a state slot per sequence for the rest.

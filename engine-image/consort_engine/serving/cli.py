@@ -48,7 +48,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                    help="split attention heads and the MLP over this many ranks (processes; GPUs on cuda)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights and KV cache; auto: float32 on cpu, bfloat16 on cuda")
+                   help="weights and KV cache; auto: bfloat16 on cuda; on cpu a bfloat16 checkpoint stays "
+                        "bfloat16 where the CPU has AMX or AVX-512 BF16, else float32")
     p.add_argument("--quantization", default="none", choices=list(QUANTIZATIONS),
                    help="quantize the decoder's linear weights at load: int8 (int8 weights, each layer's input rounded "
                         "per row to 16-bit integers, the LM head too; cpu), w8a8 (int8 weights and activations, cpu), fp8 (e4m3 weights and activations, cuda); per-channel scales. "

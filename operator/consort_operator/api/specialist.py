@@ -206,7 +206,8 @@ class SpecialistSpec(Model):
     ]}}
 
     model: ModelSource = Field(description="Checkpoint and tokenizer of this specialist (a Hugging Face checkpoint of a supported architecture: Llama, Mistral, Qwen2, Qwen3, or Bamba, hybrid attention + Mamba2).")
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(default="auto", description="Weight/activation dtype: auto = bfloat16 on GPU, float32 on CPU.")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(default="auto", description="Weight/activation dtype: auto = bfloat16 on GPU; on CPU, a bfloat16 checkpoint "
+                                                                         "stays bfloat16 where the CPU has AMX or AVX-512 BF16, anything else float32.")
     max_context: int | None = Field(default=None, ge=128, le=1_048_576, description="Maximum tokens per sequence (prompt + output); default: the checkpoint's max_position_embeddings.")
     replicas: int = Field(default=1, ge=0, le=1000, description="Desired engine replicas (pods).")
     min_ready: int = Field(default=1, ge=0, le=1000, description="Replicas that must report warm before the Specialist is Ready (also the PodDisruptionBudget's minAvailable).")

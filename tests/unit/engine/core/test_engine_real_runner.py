@@ -69,3 +69,33 @@ def test_real_runner_outputs_do_not_depend_on_scheduling(tiny_llama):
         for k, tok in enumerate(out):
             top = logits[len(prompt) - 1 + k].topk(3).indices.tolist()
             assert tok in top, (k, tok, top)
+
+
+@pytest.mark.parametrize("bf16_dot", [True, False])
+def test_auto_dtype_keeps_a_bf16_checkpoint_in_bf16_where_the_cpu_multiplies_it(tiny_llama, tmp_path, monkeypatch,
+                                                                               bf16_dot):
+    """`--dtype auto` on a CPU: a bf16 checkpoint (what real checkpoints ship) loads as bf16 where the
+    CPU has a bf16 dot product, else as float32; a float32 checkpoint stays float32. Either way every
+    weight is the checkpoint's value, and the engine serves."""
+    from consort_engine.model import model_runner
+    from consort_engine.model.loader import resolve_dtype
+
+    monkeypatch.setattr(model_runner, "has_bf16_dot", lambda: bf16_dot)
+    import copy
+
+    _, model = tiny_llama
+    bf16_dir = tmp_path / "bf16"
+    copy.deepcopy(model).to(torch.bfloat16).save_pretrained(bf16_dir)
+    expected = torch.bfloat16 if bf16_dot else torch.float32
+    assert resolve_dtype("auto", "cpu", "bfloat16", bf16_dot) == expected
+    assert resolve_dtype("auto", "cpu", "float16", bf16_dot) == torch.float32
+    assert resolve_dtype("auto", "cuda", "float32", bf16_dot) == torch.bfloat16
+    assert resolve_dtype("float32", "cpu", "bfloat16", bf16_dot) == torch.float32
+    for ckpt, dtype in ((bf16_dir, expected), (tiny_llama[0], torch.float32)):
+        engine = LLMEngine(EngineConfig(model=str(ckpt), block_size=4, num_blocks=64))
+        embed = engine.runner.model.embed_tokens.weight
+        assert engine.runner.dtype == embed.dtype == dtype
+        stored = model.model.embed_tokens.weight.detach()
+        assert torch.equal(embed.float(), stored.to(torch.bfloat16).float() if ckpt == bf16_dir else stored)
+        out = engine.generate([[5, 6, 7]], [SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)])
+        assert len(out[0]) == 4
