@@ -95,11 +95,13 @@ class LLMEngine:
         if sampler is None:
             from consort_engine.model.sampler import Sampler
             sampler = Sampler()
+        hybrid = getattr(runner, "is_hybrid", False)
+        if hybrid and runner.config.max_num_seqs < config.max_num_seqs:
+            config = runner.config      # fewer state slots fit than max_num_seqs (ModelRunner._state_rows)
         self.config = config
         self.runner = runner
         self.sampler = sampler
         self.max_model_len: int = runner.max_model_len
-        hybrid = getattr(runner, "is_hybrid", False)
         caching = config.enable_prefix_caching
         checkpoints = getattr(runner, "num_checkpoints", 0)
         if hybrid and caching and not checkpoints:

@@ -208,3 +208,17 @@ def seqs_per_pool(pool_bytes: int, context_len: int, block_size: int, block_byte
     layers only) plus, for a hybrid, its conv/SSM state (bytes per sequence, not per token)."""
     per_seq = -(-context_len // block_size) * block_bytes + state_bytes
     return pool_bytes // per_seq if per_seq else 0
+
+
+def state_rows(max_num_seqs: int, checkpoints: int | None, bytes_per_row: int, budget: int) -> tuple[int, int]:
+    """(slots, checkpoint rows) of a hybrid's state pools within `budget` bytes, a row of either pool
+    `bytes_per_row`: max_num_seqs slots where they fit, else as many as fit (a running sequence needs
+    its slot, so fewer slots run fewer sequences at once). checkpoints None: a quarter of the slots, at
+    least 1; 0: none (no prefix caching). (0, 0) when not even one slot and its rows fit."""
+    def rows(slots: int) -> int:
+        return max(1, slots // 4) if checkpoints is None else checkpoints
+
+    slots = min(max_num_seqs, budget // max(bytes_per_row, 1))
+    while slots > 0 and (slots + rows(slots)) * bytes_per_row > budget:
+        slots -= 1
+    return (slots, rows(slots)) if slots else (0, 0)

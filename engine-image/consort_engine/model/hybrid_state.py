@@ -23,6 +23,12 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def state_bytes_per_seq(mixers: list, dtype: torch.dtype) -> int:
+    """A sequence's state over all the mixers: the conv state in `dtype`, the SSM state in float32."""
+    (cd, ck), (sh, sp, sn) = mixers[0].state_shapes()
+    return len(mixers) * (cd * ck * dtype.itemsize + sh * sp * sn * 4)
+
+
 class HybridState:
     def __init__(self, mixers: list, slots: int, checkpoints: int, dtype: torch.dtype, device: torch.device):
         (cd, ck), (sh, sp, sn) = mixers[0].state_shapes()
@@ -32,7 +38,7 @@ class HybridState:
         self.ssm = torch.zeros(slots, n, sh, sp, sn, dtype=torch.float32, device=device)
         self.ckpt_conv = torch.zeros(checkpoints, n, cd, ck, dtype=dtype, device=device)
         self.ckpt_ssm = torch.zeros(checkpoints, n, sh, sp, sn, dtype=torch.float32, device=device)
-        self.bytes_per_seq = self.conv[0].numel() * self.conv.element_size() + self.ssm[0].numel() * 4
+        self.bytes_per_seq = state_bytes_per_seq(mixers, dtype)
         self.mixers = mixers
         self.windows: VerifyWindows | None = None    # the last step's verify windows
 

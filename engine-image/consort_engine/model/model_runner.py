@@ -13,6 +13,7 @@ decode steps replay CUDA graphs captured at warm-up (cuda_graphs.py).
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import math
 import os
@@ -22,11 +23,11 @@ import torch
 
 from consort_engine.model.attention import AttentionMetadata, PrefillSpan, choose_backend, flash_refusal, pool_shape
 from consort_engine.config import EngineConfig
-from consort_engine.model.cpu import cgroup_memory_available, memory_available
 from consort_engine.model.cuda_graphs import DecodeGraphs, use_decode_graphs
 from consort_engine.model.host_staging import PinnedStaging
 from consort_engine.model.loader import checkpoint_names, eos_token_ids, load_model_config, resolve_dtype
 from consort_engine.model.models import MODELS
+from consort_engine.model.pool_memory import MiB, activation_reserve, mem_available
 from consort_engine.model.models.layers import Linear
 from consort_engine.model.models.mtp import has_mtp
 from consort_engine.model.lora import AdapterError, LoraAdapter, LoraContext, load_peft_adapter, segments_of
@@ -35,14 +36,13 @@ from consort_engine.model.sampler import greedy_tokens
 from consort_engine.model.quantized_checkpoint import checkpoint_format, checkpoint_weights, resolve_quantization
 from consort_engine.model.models.quant import check_quantization
 from consort_engine.kv.sequence import PromptLogprobs, ScheduledBatch, Sequence
-from consort_engine.kv.state_pool import SwappedState, seqs_per_pool
-from consort_engine.model.hybrid_state import HybridState
+from consort_engine.kv.state_pool import SwappedState, seqs_per_pool, state_rows
+from consort_engine.model.hybrid_state import HybridState, state_bytes_per_seq
 from consort_engine.model.step_inputs import MTPRows, RowGroup, StepInputs
 from consort_engine.model.tensor_parallel import SINGLE, TPGroup, TPWorkers
 
 MAX_KERNEL_QUERY = 16     # sequences with at most this many new tokens join the batched (kernel) group
 PROMPT_LOGITS_ELEMENTS = 1 << 25   # full-vocab fp32 logit rows per slice for prompt logprobs (128 MiB)
-MiB = 1 << 20
 
 log = logging.getLogger("consort.engine")
 
@@ -57,15 +57,6 @@ def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
             and os.environ.get("CONSORT_BF16_COMPUTE") != "1"):
         return torch.float32
     return dtype
-
-
-def mem_available(device: torch.device) -> int:
-    """Bytes free for the pool: cudaMemGetInfo on CUDA; on CPU MemAvailable from /proc/meminfo, capped
-    by what the cgroup's memory limit leaves (a pod's `resources.limits.memory`)."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    with open("/proc/meminfo") as f:
-        return memory_available(f.read(), cgroup_memory_available())
 
 
 def tune_cpu_memory(kv_cache: torch.Tensor) -> None:
@@ -176,11 +167,10 @@ class ModelRunner:
         self.hybrid_state = self.conv_state = self.ssm_state = None
         self.state_bytes_per_seq = self.num_checkpoints = 0
         if self.is_hybrid:
-            rows = config.hybrid_checkpoints
-            if rows is None:
-                rows = max(1, config.max_num_seqs // 4)
-            self.hybrid_state = HybridState(self.model.mixers, config.max_num_seqs, rows if config.enable_prefix_caching
-                                            else 0, self.compute_dtype, self.device)
+            slots, rows = self._state_rows()
+            if slots < config.max_num_seqs:    # the engine's scheduler runs as many sequences as there are slots
+                self.config = config = dataclasses.replace(config, max_num_seqs=slots)
+            self.hybrid_state = HybridState(self.model.mixers, slots, rows, self.compute_dtype, self.device)
             self.conv_state, self.ssm_state = self.hybrid_state.conv, self.hybrid_state.ssm
             self.state_bytes_per_seq = self.hybrid_state.bytes_per_seq
             self.num_checkpoints = self.hybrid_state.num_checkpoints
@@ -232,12 +222,41 @@ class ModelRunner:
         """How many sequences of context_len tokens one pool of pool_bytes holds (KV + hybrid state)."""
         return seqs_per_pool(pool_bytes, context_len, self.block_size, self.block_bytes, self.state_bytes_per_seq)
 
-    def _pool_blocks(self) -> int:
+    def _memory_budget(self) -> tuple[int, int, str]:
+        """(bytes this engine's pools may use, the activation reserve they leave, where the first comes from)."""
         available = mem_available(self.device)
         where = "free device memory" if self.device.type == "cuda" else "MemAvailable capped by the cgroup memory limit"
         if self.device.type == "cpu" and self.tp.size > 1:   # the ranks share the host (and the pod's limit)
             available //= self.tp.size
             where += f", a 1/{self.tp.size} share per rank"
+        m = self.model.mixers[0] if self.is_hybrid else None
+        width = 2 * m.inner + m.conv_dim + m.heads if m else 0
+        return available, activation_reserve(self.hf_config, self.config.max_num_batched_tokens, self.max_model_len,
+                                             self.config.max_num_seqs, width), where
+
+    def _state_rows(self) -> tuple[int, int]:
+        """A hybrid's state slots and checkpoint rows (model/hybrid_state.py): max_num_seqs slots where
+        the pools fit in half of what the KV pool may take (kv_memory_fraction of the memory the
+        activation reserve leaves), so the attention layers' KV keeps the other half; else fewer. At
+        Bamba-9B's shape a slot is ~120 MiB: the default 128 slots (and 32 checkpoint rows) took ~19 GiB."""
+        c = self.config
+        available, reserve, where = self._memory_budget()
+        budget = int(max(available - reserve, 0) * c.kv_memory_fraction) // 2
+        per_row = state_bytes_per_seq(self.model.mixers, self.compute_dtype)
+        slots, rows = state_rows(c.max_num_seqs, c.hybrid_checkpoints if c.enable_prefix_caching else 0,
+                                 per_row, budget)
+        if slots == 0:
+            raise RuntimeError(f"no memory for one sequence's hybrid state ({per_row / MiB:.0f} MiB with its "
+                               f"checkpoint row): half of {max(available - reserve, 0) / MiB:.0f} MiB ({where}, less "
+                               f"the activation reserve) is {budget / MiB:.0f} MiB; give the engine more memory")
+        if slots < c.max_num_seqs:
+            log.warning("hybrid state: %d slots and %d checkpoint rows of %.1f MiB fit in %.1f MiB (half of the "
+                        "pools' memory; %s): at most %d sequences run at once, not max_num_seqs %d",
+                        slots, rows, per_row / MiB, budget / MiB, where, slots, c.max_num_seqs)
+        return slots, rows
+
+    def _pool_blocks(self) -> int:
+        available, reserve, where = self._memory_budget()
         if self.config.num_blocks:
             n = int(self.config.num_blocks)
             log.info("KV pool: %d blocks (%.0f MiB), set by --num-blocks; %.0f MiB available (%s)",
@@ -247,17 +266,7 @@ class ModelRunner:
                             "it is committed as it fills, and the engine is OOM-killed when it passes the limit",
                             n * self.block_bytes / MiB, available / MiB)
             return n
-        c = self.hf_config
-        tokens = self.config.max_num_batched_tokens
-        per_token = (6 * c.hidden_size + 3 * (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
-                     + 3 * c.intermediate_size) * 4
-        scores = c.num_attention_heads * min(tokens, self.max_model_len) * self.max_model_len * 4
-        logits = 4 * self.config.max_num_seqs * c.vocab_size * 4
-        # hybrids: the state pools are already allocated (not in `free` any more), the mixers' projections are wide
-        if self.is_hybrid:
-            m = self.model.mixers[0]
-            per_token += 3 * (2 * m.inner + m.conv_dim + m.heads) * 4
-        reserve = 2 * (tokens * per_token + scores + logits) + 256 * MiB
+        # a hybrid's state pools are already allocated (not in `available` any more)
         free = available - reserve
         n = int(max(free, 0) * self.config.kv_memory_fraction) // max(self.block_bytes, 1)   # 0: no attention layer
         # more than every running sequence at full length can never be used

@@ -404,6 +404,62 @@ def test_state_slots_and_pool_capacity():
     assert seqs_per_pool(64 << 20, 2048, 16, 4096, 0) == 128
 
 
+def test_state_rows_fit_the_budget():
+    """Slots and checkpoint rows (a quarter of the slots by default) within a budget of bytes."""
+    from consort_engine.kv.state_pool import state_rows
+    assert state_rows(128, None, 100, 1 << 30) == (128, 32)          # everything fits
+    assert state_rows(128, None, 100, 100 * 160 - 1) == (127, 31)     # one row short: 127 + 31 = 158 rows
+    assert state_rows(128, None, 100, 100 * 10) == (8, 2)
+    assert state_rows(128, 0, 100, 100 * 10) == (10, 0)               # no prefix caching: slots only
+    assert state_rows(128, 5, 100, 100 * 10) == (5, 5)                # checkpoint rows as set
+    assert state_rows(4, None, 100, 100 * 1000) == (4, 1)
+    assert state_rows(128, None, 100, 199) == (0, 0)                  # one slot and its row need 200
+    assert state_rows(128, 5, 100, 599) == (0, 0)
+
+
+def test_hybrid_state_pools_fit_the_memory(tmp_path, monkeypatch, caplog):
+    """max_num_seqs slots that do not fit in half the pools' memory shrink to what fits: the engine then
+    runs that many sequences at once, and its tokens equal an engine with every slot; when not one slot
+    fits, the engine says so at start."""
+    from consort_engine.model import model_runner
+
+    ckpt = make_checkpoint("bamba", tmp_path)
+    prompts, max_tokens = workload(512)
+    config = EngineConfig(model=str(ckpt), dtype="float32", block_size=4, max_num_seqs=8, num_blocks=1024)
+    full = LLMEngine(config)
+    per_row = full.runner.hybrid_state.bytes_per_seq
+    reserve = full.runner._memory_budget()[1]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    expected = full.generate(prompts, params)
+    assert full.runner.hybrid_state.conv.shape[0] == 8 and full.config.max_num_seqs == 8
+
+    # half of the fraction of what the reserve leaves = 4.5 rows: 3 slots + 1 checkpoint row fit, 4 + 1 do not
+    monkeypatch.setattr(model_runner, "mem_available",
+                        lambda device: reserve + int(9 * per_row / config.kv_memory_fraction) + 1)
+    caplog.set_level("WARNING", logger="consort.engine")
+    small = LLMEngine(config)
+    assert small.runner.hybrid_state.conv.shape[0] == small.runner.hybrid_state.ssm.shape[0] == 3
+    assert small.runner.num_checkpoints == 1 and small.block_manager.state_slots.num_slots == 3
+    assert small.config.max_num_seqs == 3 and config.max_num_seqs == 8
+    assert "at most 3 sequences run at once, not max_num_seqs 8" in caplog.text
+    seqs = [Sequence(list(p), sp) for p, sp in zip(prompts, params)]
+    small.warmup()
+    for s in seqs:
+        small.add_request(s)
+    most = 0
+    while any(not s.is_finished for s in seqs):
+        small.step()
+        most = max(most, len(small.scheduler.running))
+    assert most == 3
+    assert [s.output_token_ids for s in seqs] == expected
+    stats = small.stats()
+    assert stats["kv_free_blocks"] == stats["kv_total_blocks"] and small.block_manager.state_slots.num_free == 3
+
+    monkeypatch.setattr(model_runner, "mem_available", lambda device: reserve + int(3 * per_row / 0.5))
+    with pytest.raises(RuntimeError, match="no memory for one sequence's hybrid state"):
+        LLMEngine(config)
+
+
 def test_hybrid_unsupported_features_are_typed_errors(tmp_path):
     """Tensor parallelism fails before any rank starts; a LoRA adapter is a typed adapter error."""
     from consort_engine.model.lora import AdapterError
