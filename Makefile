@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 CACHE ?= $(HOME)/.cache/consort
 
-.PHONY: venv controlplane thirdparty-crds node images prometheus-tools prerequisites test test-fast cluster cluster-real e2e-real cluster-down up crds lint clean bench-tool bench-serve bench-vllm-cpu gpu-check
+.PHONY: venv controlplane thirdparty-crds node images prometheus-tools prerequisites test test-fast cluster cluster-real e2e-real cluster-down up crds lint clean bench-tool bench-serve bench-vllm-cpu gpu-check gpu-wheels
 
 venv:
 	@scripts/bootstrap.sh
@@ -91,3 +91,7 @@ clean:
 # table. docs/gpu.md. `$(PY) hack/gpu_check.py --dry-run` lists the steps anywhere.
 gpu-check: venv
 	@$(PY) hack/gpu_check.py
+
+# .whl/: the packages a GPU machine without a package index needs beside its PyTorch (docs/gpu.md)
+gpu-wheels: venv
+	@hack/gpu-wheels.sh

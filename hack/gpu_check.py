@@ -9,7 +9,12 @@ Steps (`--dry-run` lists them with their commands and time limits, and runs noth
    backends with CUDA graphs on and off; every row's ratio is against that one transformers figure.
 3. `consort bench quant --device cuda`: bf16 vs fp8 weights, side by side.
 Each step has its own time limit; a step that fails or times out is a FAIL row, and the others still run.
-The exit status is 1 if any step failed.
+Where flash-attn does not import (it has no wheels on PyPI), the flash rows say so (skip) and the
+transformers run moves to the triton backend. The exit status is 1 if any step failed.
+
+On a GPU machine without a package index: `make gpu-wheels` (here) downloads the engine's packages that
+a PyTorch image may lack into .whl/; there, `python3 -m pip install --no-index --no-deps --target
+/tmp/site .whl/*.whl && PYTHONPATH=/tmp/site python3 hack/gpu_check.py` (docs/gpu.md).
 """
 from __future__ import annotations
 
@@ -46,16 +51,23 @@ class Row:
     seconds: float
     result: str                      # "12 passed, 3 skipped", "812.4 tok/s", ...
     vs: str = ""                     # ratio column
+    skipped: bool = False            # not run: what it needs is not here (result says what)
 
 
-def plan(python: str, out_dir: str) -> list[Step]:
-    """The steps, in order; benches write JSON under out_dir."""
+def offline_name(backend: str, graphs: bool) -> str:
+    return f"offline bf16 {backend} graphs {'on' if graphs else 'off'}"
+
+
+def plan(python: str, out_dir: str, flash: bool = True) -> list[Step]:
+    """The steps, in order; benches write JSON under out_dir. flash: flash-attn imports (else no flash steps)."""
     bench = [python, "-m", "consort_common.cli", "bench"]
     steps = [Step("pytest tests/gpu", [python, "-m", "pytest", "tests/gpu", "-q", "-rs", "-p", "no:cacheprovider"], 210)]
     first = True
     for backend, block in BACKENDS.items():
+        if backend == "flash" and not flash:
+            continue
         for graphs in (True, False):
-            name = f"offline bf16 {backend} graphs {'on' if graphs else 'off'}"
+            name = offline_name(backend, graphs)
             argv = bench + ["offline", "--device", "cuda", "--dtype", "bfloat16", "--quick", "--no-startup",
                             "--block-size", str(block)]
             argv += [] if graphs else ["--enforce-eager"]
@@ -95,18 +107,40 @@ def bench_rows(step: Step, data, hf_tok_s: float | None) -> tuple[list[Row], flo
     return [Row(step.name, True, 0.0, f"{r['engine']['tok_s']:.1f} tok/s", vs)], hf_tok_s
 
 
+def flash_rows(python: str) -> list[Row]:
+    """Skip rows for the flash steps where flash-attn does not import in `python` (with the steps' path)."""
+    try:
+        probe = subprocess.run([python, "-c", "import flash_attn"], env=step_env({}), capture_output=True, text=True)
+    except OSError as e:
+        why = str(e)
+    else:
+        if probe.returncode == 0:
+            return []
+        why = (probe.stderr.strip().splitlines() or ["no output"])[-1]
+    return [Row(offline_name("flash", g), False, 0.0, f"flash-attn does not import ({why})", skipped=True)
+            for g in (True, False)]
+
+
 def table(rows: list[Row], device: str) -> str:
     lines = [f"=== make gpu-check on {device} ===", "| check | status | seconds | result | vs |", "|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r.name} | {'ok' if r.ok else 'FAIL'} | {r.seconds:.0f} | {r.result} | {r.vs} |")
-    lines.append(f"total {sum(r.seconds for r in rows):.0f} s; {sum(not r.ok for r in rows)} failed")
+        status = "skip" if r.skipped else "ok" if r.ok else "FAIL"
+        lines.append(f"| {r.name} | {status} | {r.seconds:.0f} | {r.result} | {r.vs} |")
+    failed = sum(not (r.ok or r.skipped) for r in rows)
+    lines.append(f"total {sum(r.seconds for r in rows):.0f} s; {failed} failed, {sum(r.skipped for r in rows)} skipped")
     return "\n".join(lines)
 
 
-def run_step(step: Step, hf_tok_s: float | None) -> tuple[list[Row], float | None]:
-    env = {**os.environ, **step.env}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / p) for p in ("engine-image", "router-image", "operator")]
+def step_env(extra: dict[str, str]) -> dict[str, str]:
+    """The environment a step runs in: the project's packages first on the path (no install needed)."""
+    env = {**os.environ, **extra}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / p) for p in ("engine-image", "router-image", "operator", "common")]
                                         + [env.get("PYTHONPATH", "")])
+    return env
+
+
+def run_step(step: Step, hf_tok_s: float | None) -> tuple[list[Row], float | None]:
+    env = step_env(step.env)
     print(f"[gpu-check] {step.name}: {' '.join(step.argv)} (limit {step.timeout_s} s)", flush=True)
     t0 = time.monotonic()
     try:
@@ -131,8 +165,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--python", default=sys.executable, help="the interpreter that runs the steps")
     args = p.parse_args(argv)
     out_dir = tempfile.mkdtemp(prefix="gpu-check-")
-    steps = plan(args.python, out_dir)
+    skipped = flash_rows(args.python)
+    steps = plan(args.python, out_dir, flash=not skipped)
     if args.dry_run:
+        for r in skipped:
+            print(f"{r.name}: skipped, {r.result}")
         for s in steps:
             env = " ".join(f"{k}={v}" for k, v in s.env.items())
             print(f"{s.name}: {env + ' ' if env else ''}{' '.join(s.argv)}  (limit {s.timeout_s} s)")
@@ -147,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     for step in steps:
         got, hf_tok_s = run_step(step, hf_tok_s)
         rows += got
-    print(table(rows, torch.cuda.get_device_name()), flush=True)
+    print(table(rows + skipped, torch.cuda.get_device_name()), flush=True)
     return 0 if all(r.ok for r in rows) else 1
 
 

@@ -74,4 +74,38 @@ def test_table_from_bench_json_and_pytest_summary():
     assert gc.summarize_pytest("....\n12 passed, 3 skipped, 1 failed in 40.10s") == "12 passed, 3 skipped, 1 failed"
     text = gc.table([gc.Row("pytest tests/gpu", False, 41, "1 failed")] + rows + qrows, "H100")
     assert text.splitlines()[0] == "=== make gpu-check on H100 ==="
-    assert "| pytest tests/gpu | FAIL | 41 | 1 failed |  |" in text and text.endswith("1 failed")
+    assert "| pytest tests/gpu | FAIL | 41 | 1 failed |  |" in text and text.endswith("1 failed, 0 skipped")
+
+
+def test_without_flash_attn_its_rows_are_skips_and_transformers_runs_on_triton(tmp_path):
+    """Where flash-attn does not import (it has no wheels; a PyTorch image seldom has it), the flash
+    steps are skip rows saying why, not triton runs under flash's name, and the one transformers run
+    moves to the triton step; skips do not fail the check."""
+    gc = gpu_check()
+    steps = gc.plan("py", str(tmp_path), flash=False)
+    offline = [s for s in steps if "offline" in s.argv]
+    assert {s.env["CONSORT_ATTENTION_BACKEND"] for s in offline} == {"triton"} and len(offline) == 2
+    assert ["--engine-only" in s.argv for s in offline] == [False, True]
+    assert offline[0].timeout_s == 70
+    rows = gc.flash_rows(sys.executable)     # this venv has no flash-attn
+    assert [r.name for r in rows] == ["offline bf16 flash graphs on", "offline bf16 flash graphs off"]
+    assert all(r.skipped and not r.ok and "flash_attn" in r.result for r in rows)
+    assert len(gc.flash_rows(str(tmp_path / "no-such-python"))) == 2
+    text = gc.table([gc.Row("pytest tests/gpu", True, 40, "12 passed")] + rows, "H200")
+    assert "| offline bf16 flash graphs on | skip | 0 | flash-attn does not import (" in text
+    assert text.endswith("0 failed, 2 skipped")
+
+
+def test_steps_find_the_project_without_an_install():
+    """A GPU machine runs the steps from a bare checkout (no editable install): every package's folder
+    is on the steps' path, so `python -m consort_common.cli bench` imports there."""
+    gc = gpu_check()
+    path = gc.step_env({"X": "1"})["PYTHONPATH"].split(":")
+    for folder in ("engine-image", "router-image", "operator", "common"):
+        assert str(ROOT / folder) in path
+    import subprocess
+    env = gc.step_env({})
+    env["PYTHONNOUSERSITE"] = "1"
+    probe = subprocess.run([sys.executable, "-S", "-c", "import consort_common.cli, consort_engine.bench.offline"],
+                           env=env, capture_output=True, text=True, cwd=str(ROOT))
+    assert probe.returncode == 0, probe.stderr
