@@ -238,7 +238,7 @@ class ModelRunner:
         """A hybrid's state slots and checkpoint rows (model/hybrid_state.py): max_num_seqs slots where
         the pools fit in half of what the KV pool may take (kv_memory_fraction of the memory the
         activation reserve leaves), so the attention layers' KV keeps the other half; else fewer. At
-        Bamba-9B's shape a slot is ~120 MiB: the default 128 slots (and 32 checkpoint rows) took ~19 GiB."""
+        Bamba-9B's shape a slot is ~120 MiB: the default 128 slots and 32 checkpoint rows would take ~19 GiB."""
         c = self.config
         available, reserve, where = self._memory_budget()
         budget = int(max(available - reserve, 0) * c.kv_memory_fraction) // 2
@@ -246,9 +246,10 @@ class ModelRunner:
         slots, rows = state_rows(c.max_num_seqs, c.hybrid_checkpoints if c.enable_prefix_caching else 0,
                                  per_row, budget)
         if slots == 0:
-            raise RuntimeError(f"no memory for one sequence's hybrid state ({per_row / MiB:.0f} MiB with its "
-                               f"checkpoint row): half of {max(available - reserve, 0) / MiB:.0f} MiB ({where}, less "
-                               f"the activation reserve) is {budget / MiB:.0f} MiB; give the engine more memory")
+            raise RuntimeError(f"no memory for one sequence's hybrid state (a slot of {per_row / MiB:.1f} MiB, and a "
+                               f"checkpoint row as large with prefix caching): half of "
+                               f"{max(available - reserve, 0) / MiB:.0f} MiB ({where}, less the activation reserve) "
+                               f"is {budget / MiB:.1f} MiB; give the engine more memory")
         if slots < c.max_num_seqs:
             log.warning("hybrid state: %d slots and %d checkpoint rows of %.1f MiB fit in %.1f MiB (half of the "
                         "pools' memory; %s): at most %d sequences run at once, not max_num_seqs %d",

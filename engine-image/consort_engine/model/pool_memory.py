@@ -23,7 +23,7 @@ def activation_reserve(c: ModelConfig, tokens: int, max_model_len: int, max_num_
                        mixer_width: int = 0) -> int:
     """Bytes a step's activations may need (twice a float32 estimate, plus 256 MiB): per token of the
     step's `tokens` the hidden states, projections and MLP (and a hybrid's mixer projections,
-    `mixer_width` floats), one head's attention scores at full length, the sampled rows' logits."""
+    `mixer_width` floats), every head's attention scores of a chunk at full length, the sampled rows' logits."""
     per_token = (6 * c.hidden_size + 3 * (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
                  + 3 * c.intermediate_size + 3 * mixer_width) * 4
     scores = c.num_attention_heads * min(tokens, max_model_len) * max_model_len * 4
