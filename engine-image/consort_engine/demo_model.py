@@ -1,4 +1,4 @@
-"""`consort demo-model OUT`: a small Llama-family checkpoint + BPE tokenizer that transformers loads.
+"""`consort demo-model OUT`: a small Llama-family or Bamba (hybrid) checkpoint + BPE tokenizer that transformers loads.
 
 The tokenizer is a byte-level BPE trained (deterministically, in seconds) on the libstdc++ headers
 under /usr/include/c++; weights are random (seeded) unless --train fits the model on the same text
@@ -23,7 +23,7 @@ from consort_common.help import HelpFormatter
 from consort_engine.config import checkpoint_dir
 
 ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-         "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
+         "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM", "bamba": "BambaForCausalLM"}
 SPECIAL = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n{% endfor %}"
@@ -99,6 +99,28 @@ def hf_config(arch: str, s: Size, *, tie: bool, bos: int, eos: list[int]) -> dic
     return cfg
 
 
+def bamba_checkpoint(s: Size, *, tie: bool, bos: int, eos: list[int], seed: int) -> tuple[dict, dict[str, torch.Tensor]]:
+    """config.json's fields and random weights (transformers' own initialisation: the mixers' A, dt and D
+    as a Mamba2 starts) of a Bamba: attention in every fourth layer (at least the last), Mamba2 mixers of
+    hidden / 16 heads x 32 elsewhere, d_state 64, one group."""
+    import transformers
+
+    attn = [i for i in range(s.layers) if i % 4 == 3] or [s.layers - 1]
+    hf = transformers.BambaConfig(
+        hidden_size=s.hidden, intermediate_size=s.ffn, num_hidden_layers=s.layers, num_attention_heads=s.heads,
+        num_key_value_heads=s.kv_heads, vocab_size=s.vocab, max_position_embeddings=s.max_pos, rms_norm_eps=1e-6,
+        tie_word_embeddings=tie, bos_token_id=bos, eos_token_id=eos, initializer_range=0.02,
+        attn_layer_indices=attn, mamba_n_heads=s.hidden // 16, mamba_d_head=32, mamba_d_state=64,
+        mamba_n_groups=1, mamba_chunk_size=64)
+    torch.manual_seed(seed)
+    weights = {k: v.detach().clone() for k, v in transformers.BambaForCausalLM(hf).state_dict().items()}
+    if tie:
+        weights.pop("lm_head.weight", None)
+    cfg = hf.to_dict() | {"architectures": [ARCHS["bamba"]], "torch_dtype": "float32"}
+    cfg.pop("dtype", None)
+    return cfg, weights
+
+
 def random_weights(arch: str, s: Size, *, tie: bool, seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
 
@@ -149,6 +171,8 @@ def write_demo_model(out_dir: str | Path, *, arch: str = "llama", hidden: int = 
     block's tensor layout ("qwen3_next" or "deepseek_v3"), trained for mtp_seconds."""
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {sorted(ARCHS)}")
+    if mtp and arch == "bamba":
+        raise ValueError("--mtp is not available with --arch bamba (the block is fitted from a Llama-family layer)")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     s = Size(hidden, layers, heads, kv_heads, ffn, vocab, max_pos)
@@ -156,8 +180,11 @@ def write_demo_model(out_dir: str | Path, *, arch: str = "llama", hidden: int = 
     if tok.get_vocab_size() > vocab:
         raise ValueError(f"tokenizer has {tok.get_vocab_size()} tokens > vocab {vocab}")
     bos, eos, end = tok.token_to_id("<s>"), tok.token_to_id("</s>"), tok.token_to_id("<|end|>")
-    cfg = hf_config(arch, s, tie=tie, bos=bos, eos=[eos, end])
-    weights = random_weights(arch, s, tie=tie, seed=seed)
+    if arch == "bamba":
+        cfg, weights = bamba_checkpoint(s, tie=tie, bos=bos, eos=[eos, end], seed=seed)
+    else:
+        cfg = hf_config(arch, s, tie=tie, bos=bos, eos=[eos, end])
+        weights = random_weights(arch, s, tie=tie, seed=seed)
     if train:
         weights = train_weights(cfg, weights, tok, seconds=train_seconds, seed=seed)
     if mtp:
