@@ -57,8 +57,8 @@ def test_demo_model_cli_is_deterministic(tmp_path, capsys):
 
 
 def test_demo_bamba_serves_and_refuses_mtp(tmp_path, capsys):
-    """`consort demo-model --arch bamba`: a hybrid the engine serves (greedy tokens equal transformers');
-    asking for an MTP block with it is an error that says why."""
+    """`consort demo-model --arch bamba`: a hybrid the engine serves (greedy tokens equal transformers', or
+    part at a near-tie); asking for an MTP block with it is an error that says why."""
     from fidelity_helpers import greedy_agrees, hf_greedy
 
     from consort_engine.core.engine import LLMEngine
