@@ -35,15 +35,16 @@ def write_checkpoints(out: Path, args) -> dict[str, Path]:
                   num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, vocab_size=args.vocab,
                   max_position_embeddings=4096, bos_token_id=1, eos_token_id=2)
     attn = [i for i in range(args.layers) if i % args.attn_every == args.attn_every - 1]
-    models = {
-        "llama (attention)": transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)),
-        f"bamba (attention {len(attn)}/{args.layers})": transformers.BambaForCausalLM(transformers.BambaConfig(
+    configs = {
+        "llama (attention)": (transformers.LlamaForCausalLM, transformers.LlamaConfig(**common)),
+        f"bamba (attention {len(attn)}/{args.layers})": (transformers.BambaForCausalLM, transformers.BambaConfig(
             **common, attn_layer_indices=attn, mamba_n_heads=args.hidden // 16, mamba_d_head=32,
             mamba_d_state=64, mamba_chunk_size=64, mamba_n_groups=1)),
     }
     paths = {}
-    for name, model in models.items():
-        torch.manual_seed(0)
+    for name, (cls, cfg) in configs.items():
+        torch.manual_seed(0)         # before the model initialises its weights: the same checkpoints every run
+        model = cls(cfg)
         path = out / name.split()[0]
         model.save_pretrained(path)
         paths[name] = (path, sum(p.numel() for p in model.parameters()))

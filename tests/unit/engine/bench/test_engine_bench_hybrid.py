@@ -32,3 +32,15 @@ def test_small_hybrid_bench_runs_speculation_with_the_same_tokens(tmp_path, caps
         assert 0.3 < r["acceptance"] < 0.9, r       # every third draft wrong: windows keep 1..3 of 3
     table = capsys.readouterr().out
     assert "drafts of 3 (acceptance)" in table and table.count("| yes |") == 2
+
+
+def test_bench_checkpoints_are_the_same_every_run(tmp_path):
+    """Both models' weights come from a seeded initialisation: runs of the bench compare like with like."""
+    p = argparse.ArgumentParser()
+    bench_hybrid.add_args(p)
+    args = p.parse_args(["--hidden", "64", "--layers", "2", "--heads", "2", "--kv-heads", "1", "--vocab", "256",
+                         "--attn-every", "2"])
+    first, second = (bench_hybrid.write_checkpoints(tmp_path / d, args) for d in ("a", "b"))
+    assert list(first) == list(second) == ["llama (attention)", "bamba (attention 1/2)"]
+    for (a, n), (b, m) in zip(first.values(), second.values()):
+        assert n == m and (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
