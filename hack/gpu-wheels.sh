@@ -14,7 +14,9 @@ for pkg in pydantic pydantic-core annotated-types typing-inspection typing-exten
 done
 mkdir -p .whl
 platforms=()
-for n in manylinux_2_28 manylinux_2_27 manylinux_2_17 manylinux2014 manylinux1; do platforms+=(--platform "${n}_x86_64"); done
+for n in manylinux_2_28 manylinux_2_27 manylinux_2_17 manylinux2014 manylinux1; do
+    platforms+=(--platform "${n}_x86_64")
+done
 echo "[gpu-wheels] ${pins[*]} for CPython $PYVER -> .whl/" >&2
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "$PYVER" --implementation cp \
     "${platforms[@]}" -d .whl "${pins[@]}"

@@ -99,7 +99,8 @@ def hf_config(arch: str, s: Size, *, tie: bool, bos: int, eos: list[int]) -> dic
     return cfg
 
 
-def bamba_checkpoint(s: Size, *, tie: bool, bos: int, eos: list[int], seed: int) -> tuple[dict, dict[str, torch.Tensor]]:
+def bamba_checkpoint(s: Size, *, tie: bool, bos: int, eos: list[int],
+                     seed: int) -> tuple[dict, dict[str, torch.Tensor]]:
     """config.json's fields and random weights (transformers' own initialisation: the mixers' A, dt and D
     as a Mamba2 starts) of a Bamba: attention in every fourth layer (at least the last), Mamba2 mixers of
     hidden / 16 heads x 32 elsewhere, d_state 64, one group."""

@@ -455,7 +455,8 @@ def test_hybrid_state_pools_fit_the_memory(tmp_path, monkeypatch, caplog):
     stats = small.stats()
     assert stats["kv_free_blocks"] == stats["kv_total_blocks"] and small.block_manager.state_slots.num_free == 3
 
-    monkeypatch.setattr(model_runner, "mem_available", lambda device: reserve + int(3 * per_row / config.kv_memory_fraction))
+    monkeypatch.setattr(model_runner, "mem_available",
+                        lambda device: reserve + int(3 * per_row / config.kv_memory_fraction))
     with pytest.raises(RuntimeError, match="no memory for one sequence's hybrid state"):
         LLMEngine(config)
 
