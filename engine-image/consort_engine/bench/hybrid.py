@@ -95,8 +95,9 @@ def measure(name: str, path: Path, params: int, args) -> dict:
     ps = [[(7 * i + j) % (args.vocab - 3) + 3 for j in range(args.prompt_len)] for i in range(args.batch)]
     outs, wall, cpu, r, _ = timed_generate(path, args, ps)
     n = sum(map(len, outs))
-    row = {"model": name, "params_m": params / 1e6, "kv_layers": r.num_kv_layers,
-           "kv_bytes_per_token": r.kv_bytes_per_token, "state_bytes_per_seq": r.state_bytes_per_seq,
+    row = {"model": name, "params_m": params / 1e6, "dtype": str(r.dtype).removeprefix("torch."),
+           "kv_layers": r.num_kv_layers, "kv_bytes_per_token": r.kv_bytes_per_token,
+           "state_bytes_per_seq": r.state_bytes_per_seq,
            "seqs_in_pool": r.seqs_in_pool(args.pool_mib * MiB, args.context), "tok_s": n / wall,
            "tok_cpu_s": n / cpu}
     if args.spec_k:
@@ -153,7 +154,7 @@ def main(args: argparse.Namespace) -> int:
             print(f"{name}: {rows[-1]}", file=sys.stderr, flush=True)
             if name.startswith("bamba") and args.cached_prefix:
                 ttft = measure_prefix_ttft(path, args)
-    dt = args.dtype if args.dtype != "auto" else ("bfloat16" if args.device == "cuda" else "float32")
+    dt = rows[0]["dtype"]      # what the runner made of --dtype (model/loader.py resolve_dtype)
     spec = (f" output tok/s, drafts of {args.spec_k} (acceptance) | same greedy tokens |", "---:|---|") \
         if args.spec_k else ("", "")
     print(f"| model | params | KV layers | KV bytes/token ({dt}) | state bytes/seq | seqs of {args.context} tokens "
