@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
+from consort_common.demo_source import parse_demo
 from consort_common.help import HelpFormatter
 
 MANIFEST = "manifest.json"
@@ -140,13 +141,12 @@ def fetch(source: str, revision: str, out: Path) -> None:
     elif source.startswith("demo://"):
         from consort_engine.demo_model import SIZES, write_demo_model
 
-        size, _, query = source[len("demo://"):].partition("?")
-        seed = int(query.split("=", 1)[1]) if query.startswith("seed=") else 0
-        if size not in SIZES:
-            raise ValueError(f"model cache: {source!r}: demo sizes are {sorted(SIZES)}")
-        s = SIZES[size]
-        write_demo_model(out, hidden=s.hidden, layers=s.layers, heads=s.heads, kv_heads=s.kv_heads,
-                         ffn=s.ffn, vocab=s.vocab, max_pos=s.max_pos, seed=seed)
+        demo = parse_demo(source)
+        if demo.name == "lora":
+            raise ValueError(f"model cache: {source!r} is an adapter, not a model")
+        s = SIZES[demo.size]
+        write_demo_model(out, arch=demo.arch, hidden=s.hidden, layers=s.layers, heads=s.heads,
+                         kv_heads=s.kv_heads, ffn=s.ffn, vocab=s.vocab, max_pos=s.max_pos, seed=demo.seed)
     elif source.startswith("file://"):
         shutil.copytree(source[len("file://"):], out)
     else:
@@ -377,7 +377,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="consort model-cache", description=__doc__.splitlines()[0],
                                  formatter_class=HelpFormatter)
     ap.add_argument("pairs", nargs="+", metavar="SOURCE TARGET",
-                    help="a source (hf://ORG/NAME[@REV], demo://SIZE[?seed=N], file:///DIR) and the "
+                    help="a source (hf://ORG/NAME[@REV], demo://NAME[?seed=N], file:///DIR) and the "
                          "directory to fill with its checkpoint; repeat for more")
     ap.add_argument("--cache-dir", default="", help="the node's cache directory ('' fetches without a cache)")
     ap.add_argument("--max-bytes", type=int, default=100 << 30,
@@ -392,6 +392,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for source in a.pairs[::2]:
         if not source.startswith(("hf://", "demo://", "file://")):
             ap.error(f"{source!r} is not an hf://, demo:// or file:// source")
+        if source.startswith("demo://"):
+            try:
+                if parse_demo(source).name == "lora":
+                    ap.error(f"{source!r} is an adapter, not a model")
+            except ValueError as e:
+                ap.error(str(e))
     return a
 
 

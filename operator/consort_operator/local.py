@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from consort_common.demo_source import parse_demo
 from consort_common.help import HelpFormatter
 from pydantic import ValidationError
 
@@ -115,15 +116,13 @@ def local_model_dir(source: str, cache: Path, log: Any) -> str:
     if source.startswith("file://"):
         return source[len("file://"):]
     if source.startswith("demo://"):
-        from .resources.specialist import parse_demo
-
-        size, seed = parse_demo(source)
-        target = cache / "demo-models" / f"{size}-{seed}"
+        demo = parse_demo(source)
+        target = cache / "demo-models" / f"{demo.name}-{demo.seed}"
         if not (target / "config.json").exists() or not (target / "tokenizer.json").exists():
             log(f"writing demo model {source} into {target} (once; cached)")
             tmp = target.with_name(target.name + f".tmp{os.getpid()}")
             proc = subprocess.run([sys.executable, "-m", "consort_common.cli", "demo-model", str(tmp),
-                                   "--size", size, "--seed", str(seed)], capture_output=True, text=True)
+                                   *demo.model_args()], capture_output=True, text=True)
             if proc.returncode != 0:
                 raise UpError(f"consort demo-model failed:\n{proc.stderr[-2000:]}")
             if target.exists():

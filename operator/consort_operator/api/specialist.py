@@ -15,9 +15,9 @@ SINGULAR = "specialist"
 SHORT_NAMES = ["spec", "sp"]
 
 ADAPTER_SOURCE = r"^(demo://lora(\?seed=[0-9]{1,9})?|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[^/].*)?|file:///.+|hf://[A-Za-z0-9][-._A-Za-z0-9]*/[-._A-Za-z0-9]+(@[-._A-Za-z0-9]+)?)$"
-MODEL_SOURCE = r"^(demo://(tiny|bench)(\?seed=[0-9]{1,9})?|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[^/].*)?|file:///.+|hf://[A-Za-z0-9][-._A-Za-z0-9]*/[-._A-Za-z0-9]+(@[-._A-Za-z0-9]+)?)$"
+MODEL_SOURCE = r"^(demo://(tiny|bench)(-bamba)?(\?seed=[0-9]{1,9})?|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[^/].*)?|file:///.+|hf://[A-Za-z0-9][-._A-Za-z0-9]*/[-._A-Za-z0-9]+(@[-._A-Za-z0-9]+)?)$"
 PATTERN_HINTS[MODEL_SOURCE] = ("one of pvc://CLAIM/PATH, file:///PATH (absolute), hf://ORG/NAME[@REVISION], "
-                               "demo://tiny[?seed=N] or demo://bench")
+                               "demo://tiny[-bamba][?seed=N] or demo://bench[-bamba]")
 PATTERN_HINTS[ADAPTER_SOURCE] = ("one of pvc://CLAIM/PATH, file:///PATH (absolute), hf://ORG/NAME[@REVISION] "
                                  "or demo://lora[?seed=N]")
 
@@ -51,7 +51,9 @@ class ModelSource(Model):
             "PersistentVolumeClaim in the namespace, mounted read-only; PATH may not contain `..`), `file:///PATH` (a path already "
             "present in the engine image or on the node), `hf://ORG/NAME[@REVISION]` (downloaded into "
             "an emptyDir by an init container on first start), or `demo://tiny[?seed=N]` / `demo://bench` (a small "
-            "random-weight Llama checkpoint written by `consort demo-model`: demos and tests, CPU is enough)."),
+            "random-weight Llama checkpoint written by `consort demo-model`: demos and tests, CPU is enough; "
+            "`demo://tiny-bamba` / `demo://bench-bamba`: the same as a hybrid, Mamba2 mixers with attention in every "
+            "fourth layer)."),
         pattern=MODEL_SOURCE, max_length=512)
     tokenizer: str | None = Field(
         default=None, pattern=MODEL_SOURCE, max_length=512,

@@ -11,6 +11,8 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
+from consort_common.demo_source import DemoSource, parse_demo
+
 from ..api.base import quantity_value
 from ..api.specialist import KIND, SpecialistSpec
 from .common import (LABEL_SPECIALIST, BuildContext, common_labels, container_security_context,
@@ -58,7 +60,7 @@ class Sources:
     volumes: dict[str, dict[str, Any]] = field(default_factory=dict)
     mounts: dict[str, dict[str, Any]] = field(default_factory=dict)
     downloads: list[tuple[str, str | None, str]] = field(default_factory=list)  # (repo, revision, dir)
-    demos: list[tuple[str, int, str]] = field(default_factory=list)             # (size, seed, dir)
+    demos: list[tuple[DemoSource, str]] = field(default_factory=list)          # (demo, dir)
     download_limit: str = DOWNLOAD_LIMIT                                         # hf-cache sizeLimit
 
     def resolve(self, url: str) -> str:
@@ -80,22 +82,14 @@ class Sources:
             self.mounts["hf-cache"] = {"name": "hf-cache", "mountPath": f"{MODELS_ROOT}/hf"}
             return target
         if url.startswith("demo://"):
-            size, seed = parse_demo(url)
-            target = f"{MODELS_ROOT}/demo/{size}-{seed}"
-            if (size, seed, target) not in self.demos:
-                self.demos.append((size, seed, target))
+            demo = parse_demo(url)
+            target = f"{MODELS_ROOT}/demo/{demo.name}-{demo.seed}"
+            if (demo, target) not in self.demos:
+                self.demos.append((demo, target))
             self.volumes["demo"] = scratch_volume("demo", DEMO_LIMIT)
             self.mounts["demo"] = {"name": "demo", "mountPath": f"{MODELS_ROOT}/demo"}
             return target
         raise ValueError(f"unsupported source {url!r}")
-
-
-def parse_demo(url: str) -> tuple[str, int]:
-    """demo://tiny?seed=3 -> ("tiny", 3)."""
-    rest = url[len("demo://"):]
-    size, _, query = rest.partition("?")
-    seed = int(query.split("=", 1)[1]) if query.startswith("seed=") else 0
-    return size, seed
 
 
 def _volume_name(prefix: str, name: str) -> str:
@@ -274,14 +268,14 @@ def engine_deployment(name: str, namespace: str, uid: str, spec: SpecialistSpec,
             "resources": {"requests": {"cpu": "500m", "memory": "512Mi"},
                           "limits": {"memory": "2Gi", "ephemeral-storage": INIT_STORAGE}},
         })
-    for size, seed, target in src.demos:
+    for demo, target in src.demos:
         # demo://lora adapters are written for the model, whose init container runs before theirs
         # (the model is resolved first, so it comes first in src.demos).
-        what = ["--lora-for", model_dir] if size == "lora" else ["--size", size]
-        demo_command = (_model_cache_command(ctx, [(f"demo://{size}?seed={seed}", target)])
-                        if cached and size != "lora" else ["consort", "demo-model", target, *what, "--seed", str(seed)])
+        what = ["--lora-for", model_dir, "--seed", str(demo.seed)] if demo.name == "lora" else demo.model_args()
+        demo_command = (_model_cache_command(ctx, [(f"demo://{demo.name}?seed={demo.seed}", target)])
+                        if cached and demo.name != "lora" else ["consort", "demo-model", target, *what])
         init_containers.append({
-            "name": f"demo-model-{size}-{seed}"[:63], "image": image, "imagePullPolicy": ctx.image_pull_policy,
+            "name": f"demo-model-{demo.name}-{demo.seed}"[:63], "image": image, "imagePullPolicy": ctx.image_pull_policy,
             "command": demo_command,
             "env": [{"name": "HOME", "value": "/tmp"}],
             "volumeMounts": list(src.mounts.values()) + [{"name": "tmp", "mountPath": "/tmp"}],
@@ -497,7 +491,7 @@ def desired_adapters(spec: SpecialistSpec, exclude: frozenset[str], src: Sources
         if a.name in exclude:
             continue
         if a.source.startswith("demo://lora"):
-            path = f"{DEMO_ADAPTERS_DIR}/lora-{parse_demo(a.source)[1]}"
+            path = f"{DEMO_ADAPTERS_DIR}/lora-{parse_demo(a.source).seed}"
         else:
             path = src.resolve(a.source)
         out.append({"name": a.name, "path": path, "source": a.source})

@@ -50,6 +50,19 @@ def test_demo_model_miss_builds_then_hit_copies(tmp_path):
     assert (tmp_path / "b" / "model.safetensors").stat().st_size > 1_000_000
 
 
+def test_hybrid_demo_model_is_a_bamba_and_unknown_demo_names_are_refused(tmp_path):
+    import json
+
+    out = run_cli("--cache-dir", str(tmp_path / "cache"), "--termination-log", "", "demo://tiny-bamba?seed=1",
+                  str(tmp_path / "h"))
+    assert out.returncode == 0, out.stderr
+    cfg = json.loads((tmp_path / "h" / "config.json").read_text())
+    assert cfg["model_type"] == "bamba" and cfg["attn_layer_indices"] == [3] and cfg["num_hidden_layers"] == 4
+    for bad in ("demo://tiny-mamba", "demo://lora"):
+        refused = run_cli("--cache-dir", "", "--termination-log", "", bad, str(tmp_path / "x"))
+        assert refused.returncode == 2 and bad in refused.stderr and not (tmp_path / "x").exists()
+
+
 def test_unusable_cache_dir_is_bypassed(tmp_path):
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("")

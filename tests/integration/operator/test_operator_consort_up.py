@@ -140,3 +140,48 @@ def test_a_killed_engine_is_restarted_while_the_others_and_the_fallback_serve(tm
         assert r.headers["x-consort-specialist"] == "algo"
         proc.send_signal(signal.SIGINT)
         assert proc.wait(30) == 0, log_path.read_text()[-2000:]
+
+
+HYBRID = """\
+apiVersion: consort.dev/v1alpha1
+kind: EnsembleRouter
+metadata: {name: hybrid-local}
+spec:
+  specialistSelector: {matchLabels: {consort.dev/ensemble: hybrid-local}}
+---
+apiVersion: consort.dev/v1alpha1
+kind: Specialist
+metadata:
+  name: mamba
+  labels: {consort.dev/ensemble: hybrid-local}
+spec:
+  model: {source: "demo://tiny-bamba?seed=1"}
+  resources: {gpus: 0, cpu: 400m, memory: 2Gi}
+  kv: {blockSize: 16, numBlocks: 256}
+  scheduler: {maxNumSeqs: 8, maxNumBatchedTokens: 512}
+  warmupTimeoutSeconds: 120
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_hybrid_demo_specialist_serves_through_the_router(tmp_path):
+    """demo://tiny-bamba: a Bamba (Mamba2 mixers, attention in the last layer) written once into the cache."""
+    import json
+
+    from consort_operator.local import CACHE
+    from openai import OpenAI
+
+    manifests = tmp_path / "manifests"
+    manifests.mkdir()
+    (manifests / "hybrid.yaml").write_text(HYBRID)
+    port = free_port()
+    with consort_up(tmp_path, port, manifests=manifests) as (proc, log_path):
+        path = CACHE / "demo-models" / "tiny-bamba-1"
+        assert f"model {path}," in (tmp_path / "run" / "logs" / "engine-mamba-0.log").read_text()
+        assert json.loads((path / "config.json").read_text())["model_type"] == "bamba"
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+        raw = client.chat.completions.with_raw_response.create(
+            model="mamba", max_tokens=6, messages=[{"role": "user", "content": "std::vector"}])
+        assert raw.headers["x-consort-specialist"] == "mamba"
+        chat = raw.parse()
+        assert chat.usage.completion_tokens == 6 and chat.choices[0].finish_reason == "length"

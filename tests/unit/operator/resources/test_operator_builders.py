@@ -281,6 +281,24 @@ def test_demo_model_init_container_has_the_engines_requests_and_demo_loras_are_t
     assert model["resources"] == engine["resources"]
 
 
+def test_a_hybrid_demo_model_is_written_as_a_bamba_by_its_init_container_or_the_model_cache():
+    s = SpecialistSpec.model_validate({"model": {"source": "demo://tiny-bamba?seed=2"},
+                                       "resources": {"cpu": "400m", "memory": "2Gi"}})
+    pod = S.engine_deployment("algo", "ns", "uid-1", s, CTX)["spec"]["template"]["spec"]
+    [model] = pod["initContainers"]
+    assert model["name"] == "demo-model-tiny-bamba-2"
+    assert model["command"] == ["consort", "demo-model", "/models/demo/tiny-bamba-2", "--size", "tiny",
+                                "--arch", "bamba", "--seed", "2"]
+    assert pod["containers"][0]["args"][pod["containers"][0]["args"].index("--model") + 1] == "/models/demo/tiny-bamba-2"
+    cached = S.engine_deployment("algo", "ns", "uid-1", s, CACHE_CTX)["spec"]["template"]["spec"]
+    from consort_engine.model_cache import parse_args
+    assert parse_args(cached["initContainers"][1]["command"][2:]).pairs == ["demo://tiny-bamba?seed=2",
+                                                                          "/models/demo/tiny-bamba-2"]
+    for bad in ("demo://tiny-mamba", "demo://bamba", "demo://lora-bamba", "demo://tiny-bamba?seed=x"):
+        with pytest.raises(ValueError):
+            SpecialistSpec.model_validate({"model": {"source": bad}})
+
+
 def test_demo_lora_is_an_adapter_source_only():
     with pytest.raises(ValueError):
         SpecialistSpec.model_validate({"model": {"source": "demo://lora"}})
