@@ -3,7 +3,7 @@
 The same manifests a cluster takes: each Specialist becomes one `consort engine` process on
 127.0.0.1 (replicas are capped by --replicas, default 1: a laptop is not a GPU pool), the
 EnsembleRouter becomes one `consort router` whose RouterConfig lists the engines by URL instead of by
-Service. Model sources: `demo://SIZE[?seed=N]` (written once by `consort demo-model` into the cache),
+Service. Model sources: `demo://NAME[?seed=N]` (written once by `consort demo-model` into the cache),
 `file:///PATH`; `pvc://` and `hf://` only exist in a cluster. Each run generates an engine credential
 (RUN_DIR/engine-credential, mode 0600): the engines require it and the router presents it, so an
 engine port answers only its probes to anyone else on the host.
