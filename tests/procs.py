@@ -172,6 +172,14 @@ def write_lora_adapter(model_dir: Path, out: Path, rank: int = 4, seed: int = 0)
     return write_demo_adapter(model_dir, out, rank=rank, seed=seed)
 
 
+def manifest_dir(tmp_path: Path, text: str) -> Path:
+    """A directory holding one manifest file with `text`, for `consort up -f`."""
+    d = tmp_path / "manifests"
+    d.mkdir()
+    (d / "manifests.yaml").write_text(text)
+    return d
+
+
 @contextlib.contextmanager
 def consort_up(tmp_path: Path, port: int, timeout: float = 150.0, manifests: Path = REPO / "examples" / "local"):
     """`consort up -f examples/local` (or `manifests`) with its router on `port` and engines on free

@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[3]
 CONSORT = str(Path(sys.executable).with_name("consort"))
 
 
-from procs import consort_up, free_port  # noqa: E402
+from procs import consort_up, free_port, manifest_dir  # noqa: E402
 
 
 def rss_kib(pid: int) -> int:
@@ -171,11 +171,8 @@ def test_a_hybrid_demo_specialist_serves_through_the_router(tmp_path):
     from consort_operator.local import CACHE
     from openai import OpenAI
 
-    manifests = tmp_path / "manifests"
-    manifests.mkdir()
-    (manifests / "hybrid.yaml").write_text(HYBRID)
     port = free_port()
-    with consort_up(tmp_path, port, manifests=manifests) as (proc, log_path):
+    with consort_up(tmp_path, port, manifests=manifest_dir(tmp_path, HYBRID)) as (proc, log_path):
         path = CACHE / "demo-models" / "tiny-bamba-1"
         assert f"model {path}," in (tmp_path / "run" / "logs" / "engine-mamba-0.log").read_text()
         assert json.loads((path / "config.json").read_text())["model_type"] == "bamba"

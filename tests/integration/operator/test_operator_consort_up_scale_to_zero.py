@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from procs import consort_up, free_port
+from procs import consort_up, free_port, manifest_dir
 
 IDLE_AFTER_S = 8
 BURST = 8
@@ -58,12 +58,9 @@ def metric(text: str, name: str, **labels: str) -> float:
 
 @pytest.mark.timeout(300)
 def test_an_idle_engine_stops_and_a_burst_while_stopped_is_held_then_served(tmp_path):
-    manifests = tmp_path / "manifests"
-    manifests.mkdir()
-    (manifests / "algo.yaml").write_text(MANIFEST)
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    with consort_up(tmp_path, port, manifests=manifests) as (proc, log_path):
+    with consort_up(tmp_path, port, manifests=manifest_dir(tmp_path, MANIFEST)) as (proc, log_path):
         from openai import OpenAI
 
         client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
