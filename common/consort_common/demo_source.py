@@ -7,6 +7,7 @@ A model's NAME is a size (`tiny`: seconds to write and serve; `bench`: the bench
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 SIZES = ("tiny", "bench")
@@ -28,7 +29,7 @@ class DemoSource:
 
     def model_args(self) -> list[str]:
         """`consort demo-model` flags that write this model (not for `lora`, which needs its model's
-        directory). A Llama's name no --arch (its default), so the init containers of pods written before
+        directory). A Llama's flags name no --arch (its default), so the init containers of pods written before
         hybrid demos existed stay as they were and the pods do not roll."""
         arch = ["--arch", self.arch] if self.arch != "llama" else []
         return ["--size", self.size, *arch, "--seed", str(self.seed)]
@@ -42,7 +43,6 @@ def parse_demo(url: str) -> DemoSource:
     if name != "lora" and name.removesuffix(HYBRID_SUFFIX) not in SIZES:
         names = [*SIZES, *(s + HYBRID_SUFFIX for s in SIZES)]
         raise ValueError(f"{url!r}: demo models are {', '.join(names)} (and demo://lora for adapters)")
-    seed = query.partition("=")[2] if query.startswith("seed=") else "0"
-    if not seed.isdigit():
-        raise ValueError(f"{url!r}: seed must be a non-negative integer")
-    return DemoSource(name, int(seed))
+    if query and not re.fullmatch(r"seed=[0-9]{1,9}", query):
+        raise ValueError(f"{url!r}: the only query is seed=N (N a non-negative integer of at most 9 digits)")
+    return DemoSource(name, int(query.removeprefix("seed=") or 0))

@@ -275,7 +275,8 @@ def engine_deployment(name: str, namespace: str, uid: str, spec: SpecialistSpec,
         demo_command = (_model_cache_command(ctx, [(f"demo://{demo.name}?seed={demo.seed}", target)])
                         if cached and demo.name != "lora" else ["consort", "demo-model", target, *what])
         init_containers.append({
-            "name": f"demo-model-{demo.name}-{demo.seed}"[:63], "image": image, "imagePullPolicy": ctx.image_pull_policy,
+            "name": f"demo-model-{demo.name}-{demo.seed}"[:63], "image": image,
+            "imagePullPolicy": ctx.image_pull_policy,
             "command": demo_command,
             "env": [{"name": "HOME", "value": "/tmp"}],
             "volumeMounts": list(src.mounts.values()) + [{"name": "tmp", "mountPath": "/tmp"}],

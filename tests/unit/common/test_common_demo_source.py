@@ -19,7 +19,8 @@ def test_a_llamas_flags_name_no_arch_so_existing_pods_keep_their_init_command():
 
 
 @pytest.mark.parametrize("url", ["demo://huge", "demo://bamba", "demo://tiny-mamba", "demo://tiny?seed=-1",
-                                 "demo://tiny?seed=x", "demo://"])
+                                 "demo://tiny?seed=x", "demo://", "demo://tiny?sed=1",
+                                 "demo://tiny?seed=1234567890", "demo://tiny?seed="])
 def test_other_names_are_refused(url):
     with pytest.raises(ValueError):
         parse_demo(url)

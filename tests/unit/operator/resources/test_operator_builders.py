@@ -289,7 +289,8 @@ def test_a_hybrid_demo_model_is_written_as_a_bamba_by_its_init_container_or_the_
     assert model["name"] == "demo-model-tiny-bamba-2"
     assert model["command"] == ["consort", "demo-model", "/models/demo/tiny-bamba-2", "--size", "tiny",
                                 "--arch", "bamba", "--seed", "2"]
-    assert pod["containers"][0]["args"][pod["containers"][0]["args"].index("--model") + 1] == "/models/demo/tiny-bamba-2"
+    args = pod["containers"][0]["args"]
+    assert args[args.index("--model") + 1] == "/models/demo/tiny-bamba-2"
     cached = S.engine_deployment("algo", "ns", "uid-1", s, CACHE_CTX)["spec"]["template"]["spec"]
     from consort_engine.model_cache import parse_args
     assert parse_args(cached["initContainers"][1]["command"][2:]).pairs == ["demo://tiny-bamba?seed=2",
