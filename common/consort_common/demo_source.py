@@ -46,3 +46,11 @@ def parse_demo(url: str) -> DemoSource:
     if query and not re.fullmatch(r"seed=[0-9]{1,9}", query):
         raise ValueError(f"{url!r}: the only query is seed=N (N a non-negative integer of at most 9 digits)")
     return DemoSource(name, int(query.removeprefix("seed=") or 0))
+
+
+def parse_demo_model(url: str) -> DemoSource:
+    """parse_demo for a model source: demo://lora (an adapter) is refused too."""
+    demo = parse_demo(url)
+    if demo.name == "lora":
+        raise ValueError(f"{url!r} is an adapter, not a model")
+    return demo

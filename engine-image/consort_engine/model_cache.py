@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from consort_common.demo_source import parse_demo
+from consort_common.demo_source import parse_demo_model
 from consort_common.help import HelpFormatter
 
 MANIFEST = "manifest.json"
@@ -141,9 +141,7 @@ def fetch(source: str, revision: str, out: Path) -> None:
     elif source.startswith("demo://"):
         from consort_engine.demo_model import SIZES, write_demo_model
 
-        demo = parse_demo(source)
-        if demo.name == "lora":
-            raise ValueError(f"model cache: {source!r} is an adapter, not a model")
+        demo = parse_demo_model(source)
         s = SIZES[demo.size]
         write_demo_model(out, arch=demo.arch, hidden=s.hidden, layers=s.layers, heads=s.heads,
                          kv_heads=s.kv_heads, ffn=s.ffn, vocab=s.vocab, max_pos=s.max_pos, seed=demo.seed)
@@ -394,8 +392,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             ap.error(f"{source!r} is not an hf://, demo:// or file:// source")
         if source.startswith("demo://"):
             try:
-                if parse_demo(source).name == "lora":
-                    ap.error(f"{source!r} is an adapter, not a model")
+                parse_demo_model(source)
             except ValueError as e:
                 ap.error(str(e))
     return a

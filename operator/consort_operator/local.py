@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from consort_common.demo_source import parse_demo
+from consort_common.demo_source import parse_demo_model
 from consort_common.help import HelpFormatter
 from pydantic import ValidationError
 
@@ -116,7 +116,7 @@ def local_model_dir(source: str, cache: Path, log: Any) -> str:
     if source.startswith("file://"):
         return source[len("file://"):]
     if source.startswith("demo://"):
-        demo = parse_demo(source)
+        demo = parse_demo_model(source)
         target = cache / "demo-models" / f"{demo.name}-{demo.seed}"
         if not (target / "config.json").exists() or not (target / "tokenizer.json").exists():
             log(f"writing demo model {source} into {target} (once; cached)")
