@@ -56,8 +56,9 @@ class EngineConfig:
     # (None: host memory, when kv_tier_bytes is set), at most kv_tier_bytes of them; both None: off
     kv_tier_path: str | None = None
     kv_tier_bytes: int | None = None
-    speculative: str = "off"            # off | ngram | mtp  (next issue)
+    speculative: str = "off"            # off | ngram | mtp
     num_speculative_tokens: int = 3
+    spec_policy: str = "goodput"        # goodput: draft where it pays (spec/draft_plan.py) | always
     spec_typical_tau: float = 0.1       # typical acceptance for sampled requests; 0 = greedy requests only
     # Tool-call trigger tokens: an accepted draft run is cut right after one, and that sequence
     # decodes one token per step from there (the caller dispatches a tool; nothing is guessed past it).

@@ -25,6 +25,7 @@ from consort_engine.model.lora import AdapterError
 from consort_engine.model.sampler import greedy_tokens
 from consort_engine.core.scheduler import Scheduler, StepOutput
 from consort_engine.kv.sequence import SamplingParams, ScheduledBatch, Sequence
+from consort_engine.spec.step_cost import profile_step_cost
 from consort_engine.text.guided import advance, apply_mask
 
 __all__ = ["AdmissionRejected", "LLMEngine", "StepOutput"]
@@ -143,6 +144,8 @@ class LLMEngine:
         """Run the model's warm-up shapes; add_request rejects with `warming` until done."""
         self._warmup_started = time.monotonic()
         self.runner.warmup()
+        if self.spec.enabled and self.config.spec_policy == "goodput":
+            self.spec.cost = profile_step_cost(self.runner, self.spec.k)
         self.warmup_s = time.monotonic() - self._warmup_started
         self.warm = True
 

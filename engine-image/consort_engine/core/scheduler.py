@@ -226,7 +226,10 @@ class Scheduler:
         if head is not None and running and head.priority > running[-1].priority:
             self._preempt_for(head, preempted)
 
-        # (1) decodes, highest priority first; victims are always later in this order.
+        # (1) decodes, highest priority first; victims are always later in this order. Speculating: each
+        # decode's draft length where drafting pays (None: up to K each).
+        limits = self.spec.plan([s for s in running if len(s.token_ids) - s.num_computed_tokens == 1]) \
+            if self.speculate else None
         prefilling: list[Sequence] = []
         decode_preempted = False
         i = 0
@@ -240,7 +243,9 @@ class Scheduler:
                 continue
             if n > budget:
                 continue
-            k = self.spec.propose(seq, budget - n) if n == 1 and self.speculate else 0
+            k = 0
+            if n == 1 and self.speculate:
+                k = self.spec.propose(seq, budget - n, None if limits is None else limits.get(seq.seq_id, 0))
             if k:
                 n += k
             need = (computed + n + bs - 1) // bs - len(seq.block_table)
@@ -382,6 +387,8 @@ class Scheduler:
             emit = targets[:1]
             if rows > 1:    # verify: drafts equal to the model's own choices (engine._sample) stand
                 emit = self.spec.accept(seq, targets)
+            elif n == 1:    # a decode that did not draft: would its n-gram draft have stood?
+                self.spec.observe_shadow(seq, emit[0])
             new, reason = [], None
             for token in emit:
                 seq.token_ids.append(token)

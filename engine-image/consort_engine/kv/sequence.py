@@ -104,6 +104,13 @@ class Sequence:
     prompt_logprobs: PromptLogprobs | None = None      # when sampling.prompt_logprobs asks (set at init)
     first_token_time: float | None = None
     speculate: bool = True                             # False once a tool trigger was emitted
+    # Speculation policy (spec/draft_plan.py): decayed counts of this sequence's verified draft tokens, the
+    # n-gram draft of a step that did not draft (checked against the token it emits; -1: none), steps since
+    # the last draft.
+    draft_hits: float = 0.0
+    draft_tries: float = 0.0
+    shadow_draft: int = -1
+    steps_since_draft: int = 0
     matcher: Any = field(default=None, repr=False)     # xgrammar GrammarMatcher of a guided request
     packed_tokens: bytearray = field(default_factory=bytearray, repr=False)  # committed tokens, for n-gram lookup
     # MTP drafting: the target's normed hidden states of the last step that ran this sequence (rows from

@@ -39,6 +39,7 @@ from consort_engine.kv.sequence import PromptLogprobs, ScheduledBatch, Sequence
 from consort_engine.kv.state_pool import SwappedState, seqs_per_pool, state_rows
 from consort_engine.model.hybrid_state import HybridState, state_bytes_per_seq
 from consort_engine.model.step_inputs import MTPRows, RowGroup, StepInputs
+from consort_engine.model.scratch_batches import decode_batch, mtp_rows, scratch_decodes, verify_batch
 from consort_engine.model.tensor_parallel import SINGLE, TPGroup, TPWorkers
 
 MAX_KERNEL_QUERY = 16     # sequences with at most this many new tokens join the batched (kernel) group
@@ -571,23 +572,13 @@ class ModelRunner:
         self.execute(ScheduledBatch([seq], [prompt], [True], mode="prefill"))
         n = max(1, min(self.config.max_num_seqs, 32, self.num_blocks))
         ctx = max(1, min(prompt, (self.num_blocks // n) * bs - 1))
-        seqs = []
-        for j in range(n):
-            s = Sequence(prompt_token_ids=[(j + i) % self.vocab_size for i in range(ctx + 1)])
-            s.num_computed_tokens = ctx
-            s.state_slot = j
-            s.block_table = [(j * math.ceil((ctx + 1) / bs) + k) % self.num_blocks
-                             for k in range(math.ceil((ctx + 1) / bs))]
-            seqs.append(s)
-        self.execute(ScheduledBatch(seqs, [1] * n, [True] * n, mode="decode"))
+        seqs = scratch_decodes(self, n, ctx)
+        self.execute(decode_batch(seqs, ctx))
         if self.has_mtp:         # the MTP pass over those rows, one draft each (the chain is the same shapes)
-            self.mtp_draft([MTPRows(s.token_ids[ctx:ctx + 1], self.last_hidden[a:b], ctx - 1, s.block_table, 1)
-                            for s, (a, b) in zip(seqs, self.last_item_rows)])
+            self.mtp_draft(mtp_rows(self, seqs, ctx, 1))
         k = self.config.num_speculative_tokens if self.config.speculative != "off" else 0
         if k and ctx > k:        # the verify window: 1 + k query rows per sequence, every row sampled
-            for s in seqs:
-                s.num_computed_tokens = ctx - k
-            self.execute(ScheduledBatch(seqs, [1 + k] * n, [True] * n, mode="spec_verify", num_draft=[k] * n))
+            self.execute(verify_batch(seqs, ctx, k))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         if self.decode_graphs is None and use_decode_graphs(self.device.type, self.config.enforce_eager, self.backend,

@@ -80,6 +80,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "checkpoint's multi-token-prediction block")
     p.add_argument("--num-speculative-tokens", type=int, default=3, metavar="K",
                    help="draft tokens proposed per step (with --speculative)")
+    p.add_argument("--speculative-policy", default=EngineConfig.spec_policy, choices=["goodput", "always"],
+                   help="goodput: each step drafts where the expected tokens per second gain (the step cost is "
+                        "measured at start-up, each sequence's acceptance as it runs); always: every eligible "
+                        "decode drafts up to K")
     p.add_argument("--spec-typical-tau", type=float, default=EngineConfig.spec_typical_tau,
                    help="typical-acceptance tau for sampled requests (0: only greedy requests speculate)")
     p.add_argument("--tool-trigger", action="append", default=None, metavar="TOKEN",
@@ -153,7 +157,8 @@ def config_from_args(a: argparse.Namespace) -> EngineConfig:
         max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
         max_waiting=a.max_waiting, enable_prefix_caching=not a.no_prefix_caching, speculative=a.speculative,
         kv_tier_path=a.kv_tier_path, kv_tier_bytes=a.kv_tier_bytes,
-        num_speculative_tokens=a.num_speculative_tokens, spec_typical_tau=a.spec_typical_tau,
+        num_speculative_tokens=a.num_speculative_tokens, spec_policy=a.speculative_policy,
+        spec_typical_tau=a.spec_typical_tau,
         adapters=adapters, max_adapters=a.max_adapters, seed=a.seed, enforce_eager=a.enforce_eager,
         slo_ttft_ms=a.slo_ttft_ms, slo_itl_ms=a.slo_itl_ms, max_body_bytes=a.max_body_bytes,
         **({} if a.tool_trigger is None else {"tool_triggers": list(a.tool_trigger)}))

@@ -7,10 +7,12 @@ inside kept blocks zeroed, a hybrid model's mixer state advanced over the kept t
 proposed/accepted counters that metrics and `speculation_stats()` read. The scheduler and the
 engine call into it at fixed points of a step and know nothing else about speculation:
 
-    schedule:    propose()        -> k draft tokens appended to a decode's window
+    schedule:    plan()           -> each decode's draft length where drafting pays (draft_plan.py)
+                 propose()        -> k draft tokens appended to a decode's window
     forward:     draft_mtp() before, keep_hidden() after (MTP drafter only)
     sample:      typical_window() for sampled verify windows (greedy rows: argmax)
-    postprocess: accept() -> the tokens to emit; release() after the window committed
+    postprocess: accept() -> the tokens to emit; release() after the window committed;
+                 observe_shadow() for a decode that did not draft
     after step:  commit()  -> hybrid windows' kept tokens into the state + stale-slot zeroing on the runner
 """
 from __future__ import annotations
@@ -23,7 +25,17 @@ from consort_engine.kv.block_manager import BlockManager
 from consort_engine.config import EngineConfig
 from consort_engine.text.guided import advance, grammar_prefix
 from consort_engine.kv.sequence import ScheduledBatch, Sequence
+from consort_engine.spec.draft_plan import acceptance_rate, plan_drafts
 from consort_engine.spec.speculative import propose_ngram, typical_accepted
+from consort_engine.spec.step_cost import StepCost
+
+# The acceptance estimate (draft_plan.py): before anything was verified the engine assumes drafts pay
+# (so drafting starts and gets measured); a sequence's own counts sit on PRIOR_WEIGHT pseudo-tries of
+# the engine's recent rate, and decay per observation (a sequence's latest windows count most).
+PRIOR_ACCEPTANCE, ENGINE_PRIOR_WEIGHT, PRIOR_WEIGHT = 0.7, 4.0, 2.0
+SEQ_DECAY, ENGINE_DECAY = 0.8, 0.99
+# MTP drafts cost a pass to see: a sequence the plan keeps from drafting drafts one token this often.
+PROBE_EVERY = 16
 
 
 class SpecDecoder:
@@ -41,6 +53,10 @@ class SpecDecoder:
         self.tool_trigger_ids = frozenset(config.tool_trigger_ids)
         self.num_draft_tokens = 0        # proposed / accepted by verification, cumulative
         self.num_accepted_tokens = 0
+        # Where drafting pays (policy goodput): the step cost the engine measured at warm-up (None: not
+        # measured, every eligible decode drafts up to K) and the engine's recent acceptance counts.
+        self.cost: StepCost | None = None
+        self.recent_hits = self.recent_tries = 0.0
         # Pool slots that held rejected draft K/V inside kept blocks: zeroed after the commit, so
         # stale K/V can never be read (or shared through the prefix cache).
         self.stale_slots: list[int] = []
@@ -60,14 +76,37 @@ class SpecDecoder:
                     or (guided and self.drafter != "ngram")
                     or (not sp.greedy and self.config.spec_typical_tau <= 0))
 
-    def propose(self, seq: Sequence, budget: int) -> int:
-        """Append up to K draft tokens to a decode's window; how many were appended. A draft never
-        runs past max_tokens or the context, and never needs a block the pool does not have free
-        right now (speculation does not preempt anyone)."""
+    def plan(self, decodes: list[Sequence]) -> dict[int, int] | None:
+        """Draft lengths (seq_id -> 0..K) for this step's eligible decodes: those that maximise expected
+        tokens per second under the measured step cost (draft_plan.py). None: every one may draft K."""
+        if self.cost is None or self.config.spec_policy != "goodput":
+            return None
+        candidates = [s for s in decodes if self.eligible(s)]
+        prior = acceptance_rate(self.recent_hits, self.recent_tries, PRIOR_ACCEPTANCE, ENGINE_PRIOR_WEIGHT)
+        rates = [acceptance_rate(s.draft_hits, s.draft_tries, prior, PRIOR_WEIGHT) for s in candidates]
+        return {s.seq_id: k for s, k in zip(candidates, plan_drafts(rates, self.k, len(decodes), self.cost))}
+
+    def propose(self, seq: Sequence, budget: int, limit: int | None = None) -> int:
+        """Append up to K (or the plan's `limit`) draft tokens to a decode's window; how many were
+        appended. A draft never runs past max_tokens or the context, and never needs a block the pool
+        does not have free right now (speculation does not preempt anyone). A decode the plan keeps
+        from drafting still has its acceptance watched: the n-gram draft it would have made is noted
+        for observe_shadow, and an MTP sequence drafts one token every PROBE_EVERY steps."""
+        seq.shadow_draft = -1
         if not self.eligible(seq):
             return 0
+        k = self.k if limit is None else limit
+        if k == 0:
+            seq.steps_since_draft += 1
+            if self.drafter == "ngram":
+                shadow = self.propose_ngram(seq.token_ids, 1, packed=seq.packed_tokens)
+                seq.shadow_draft = shadow[0] if shadow else -1
+                return 0
+            if seq.steps_since_draft < PROBE_EVERY:
+                return 0
+            k = 1
         sp = seq.sampling
-        k = min(self.k, budget, sp.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
+        k = min(k, budget, sp.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
         if k <= 0:
             return 0
         if self.drafter == "mtp":
@@ -83,6 +122,7 @@ class SpecDecoder:
         if self.block_manager.slots_needed(seq, 1 + len(draft)) > self.block_manager.num_free_blocks:
             return 0
         seq.token_ids.extend(draft)
+        seq.steps_since_draft = 0
         return len(draft)
 
     def draft_mtp(self, batch: ScheduledBatch, runner: Any) -> None:
@@ -140,8 +180,22 @@ class SpecDecoder:
             accepted += 1
         self.num_draft_tokens += k
         self.num_accepted_tokens += accepted
+        self._observe(seq, accepted, accepted + (accepted < k))
         cut = next((p for p in range(accepted) if draft[p] in self.tool_trigger_ids), None)
         return draft[:cut + 1] if cut is not None else draft[:accepted] + targets[accepted:accepted + 1]
+
+    def observe_shadow(self, seq: Sequence, token: int) -> None:
+        """A decode that did not draft emitted `token`: did the draft it would have made (its first
+        token) get it right? For a sampled request a match is stricter than typical acceptance."""
+        if seq.shadow_draft >= 0:
+            self._observe(seq, int(token == seq.shadow_draft), 1)
+            seq.shadow_draft = -1
+
+    def _observe(self, seq: Sequence, hits: int, tries: int) -> None:
+        seq.draft_hits = seq.draft_hits * SEQ_DECAY + hits
+        seq.draft_tries = seq.draft_tries * SEQ_DECAY + tries
+        self.recent_hits = self.recent_hits * ENGINE_DECAY + hits
+        self.recent_tries = self.recent_tries * ENGINE_DECAY + tries
 
     @staticmethod
     def commit_token(seq: Sequence, token: int) -> None:
@@ -181,5 +235,6 @@ class SpecDecoder:
         state = "off" if mode == "off" else ("fallback" if mode == "mtp" and self.drafter != "mtp" else "on")
         proposed, accepted = self.num_draft_tokens, self.num_accepted_tokens
         return {"mode": mode, "state": state, "drafter": self.drafter if mode != "off" else None,
+                "policy": self.config.spec_policy if mode != "off" else None,
                 "draft_tokens": proposed, "accepted_tokens": accepted,
                 "acceptance_rate": accepted / proposed if proposed else None}

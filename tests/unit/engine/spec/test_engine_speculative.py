@@ -30,8 +30,9 @@ def test_propose_ngram_ignores_byte_matches_across_token_boundaries():
 
 def make_engine(spec: str = "ngram", num_blocks: int = 512, vocab: int = 5, eos=None, **cfg) -> LLMEngine:
     runner = PagedFakeRunner(num_blocks=num_blocks, block_size=4, vocab=vocab, eos_token_ids=eos)
+    # policy always: the fake runner's steps cost nothing a plan could weigh (test_engine_draft_plan.py)
     config = EngineConfig(model="fake", name="algo", block_size=4, speculative=spec, num_speculative_tokens=3,
-                          **cfg)
+                          spec_policy="always", **cfg)
     return LLMEngine(config, runner=runner, sampler=GreedySampler())
 
 
@@ -170,7 +171,7 @@ def test_sampled_requests_speculate_with_typical_acceptance_and_stay_seed_reprod
     def run(spec: str, tau: float = 0.1):
         runner = PagedFakeRunner(num_blocks=256, block_size=4, vocab=5)
         config = EngineConfig(model="fake", name="algo", block_size=4, speculative=spec, num_speculative_tokens=3,
-                              spec_typical_tau=tau)
+                              spec_typical_tau=tau, spec_policy="always")
         engine = LLMEngine(config, runner=runner, sampler=Sampler())
         params = [SamplingParams(temperature=0.7, seed=100 + i, max_tokens=30, ignore_eos=True) for i in range(8)]
         return engine, engine.generate(prompts(8, seed=9), params)
