@@ -40,41 +40,42 @@ class StepCost:
         return ds[i - 1] + t * (ds[i] - ds[i - 1]), cs[i - 1] + t * (cs[i] - cs[i - 1])
 
 
-def _seconds(runner: Any, fn: Callable[[], object], repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        if runner.device.type == "cuda":
-            torch.cuda.synchronize(runner.device)
-        best = min(best, time.perf_counter() - t)
-    return best
+def _seconds(runner: Any, fn: Callable[[], object]) -> float:
+    t = time.perf_counter()
+    fn()
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
+    return time.perf_counter() - t
 
 
-def profile_step_cost(runner: Any, k: int, repeats: int = 2) -> StepCost:
+def profile_step_cost(runner: Any, k: int, rounds: int = 3) -> StepCost:
     """Time decode steps and verify steps of k drafts each at 1, 2, 4, ... sequences (up to the seats,
     the token budget and PROFILE_MAX_SEQS): what a step costs and what each draft adds to it (with an
-    MTP block, its passes too). The fastest of `repeats` runs of each."""
+    MTP block, its passes too). Every size once a round, the fastest of `rounds` rounds: a shape's
+    first run (kernel selection, allocation) and a neighbour's burst do not count."""
     config = runner.config
     top = max(1, min(config.max_num_seqs, PROFILE_MAX_SEQS, config.max_num_batched_tokens // (1 + k)))
     ctx = max(k + 1, min(256, runner.max_model_len - k - 2))
     sizes = sorted({min(2 ** i, top) for i in range(top.bit_length() + 1)})
+    batches = {n: scratch_decodes(runner, n, ctx, slots=ctx + k + 1) for n in sizes}
+    arms = ("decode", "verify", "mtp0", "mtpk") if runner.has_mtp else ("decode", "verify")
+    best = {(n, arm): float("inf") for n in sizes for arm in arms}
     t0 = time.perf_counter()
-    decode_s, draft_s = [], []
-    for n in sizes:
-        seqs = scratch_decodes(runner, n, ctx, slots=ctx + k + 1)
-        decode = _seconds(runner, lambda: runner.execute(decode_batch(seqs, ctx)), repeats)
-        verify = _seconds(runner, lambda: runner.execute(verify_batch(seqs, ctx, k)), repeats)
-        per_draft = (verify - decode) / (n * k)
-        if runner.has_mtp:
-            runner.execute(decode_batch(seqs, ctx))
-            passes = [_seconds(runner, lambda d=d: runner.mtp_draft(mtp_rows(runner, seqs, ctx, d)), repeats)
-                      for d in (0, k)]
-            per_draft += (passes[1] - passes[0]) / (n * k)
-        decode_s.append(decode)
-        draft_s.append(per_draft)
-    cost = StepCost(tuple(sizes), tuple(decode_s), tuple(draft_s))
+    for _ in range(rounds):
+        for n, seqs in batches.items():
+            runs = {"decode": lambda: runner.execute(decode_batch(seqs, ctx)),
+                    "verify": lambda: runner.execute(verify_batch(seqs, ctx, k))}
+            for arm, fn in runs.items():
+                best[n, arm] = min(best[n, arm], _seconds(runner, fn))
+            if runner.has_mtp:           # the MTP pass after a decode (its hidden rows), without and with drafts
+                for arm, d in (("mtp0", 0), ("mtpk", k)):
+                    runner.execute(decode_batch(seqs, ctx))
+                    rows = mtp_rows(runner, seqs, ctx, d)
+                    best[n, arm] = min(best[n, arm], _seconds(runner, lambda: runner.mtp_draft(rows)))
+    decode_s = [best[n, "decode"] for n in sizes]
+    draft_s = [(best[n, "verify"] - best[n, "decode"]
+                + (best[n, "mtpk"] - best[n, "mtp0"] if runner.has_mtp else 0.0)) / (n * k) for n in sizes]
     log.info("speculation: step cost profiled in %.1f s (sequences: decode ms, +ms per draft): %s",
              time.perf_counter() - t0,
              ", ".join(f"{n}: {d * 1e3:.2f}, +{c * 1e3:.3f}" for n, d, c in zip(sizes, decode_s, draft_s)))
-    return cost
+    return StepCost(tuple(sizes), tuple(decode_s), tuple(draft_s))

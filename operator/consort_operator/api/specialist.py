@@ -152,6 +152,7 @@ class Speculative(Model):
     mode: Literal["off", "ngram", "mtp"] = Field(default="off", description="Self-drafting speculative decoding: off, ngram (prompt lookup) or mtp (the checkpoint's multi-token-prediction head; engines without one draft with ngram and report state fallback). Requests without logprobs speculate: greedy ones with output exactly one-token decoding's, sampled ones by typical acceptance (typicalTau).")
     num_tokens: int = Field(default=3, ge=1, le=8, description="Draft tokens proposed per step (K); admission reserves KV for the whole window.")
     typical_tau: float = Field(default=0.1, ge=0.0, le=1.0, description="Typical-acceptance tau for sampled (temperature > 0) requests; 0 = only greedy requests speculate.")
+    policy: Literal["goodput", "always"] = Field(default="goodput", description="goodput: each engine step drafts only where the expected tokens per second gain, from each sequence's measured acceptance and the step cost the engine measures at start-up (drafts stop for sequences whose drafts fail once rows cost, e.g. at large batches on a CPU); always: every eligible decode drafts numTokens.")
 
 
 class Slo(Model):

@@ -188,6 +188,8 @@ def engine_args(name: str, spec: SpecialistSpec, model_dir: str, adapters: dict[
     if spec.speculative.mode != "off":
         args += ["--num-speculative-tokens", str(spec.speculative.num_tokens),
                  "--spec-typical-tau", f"{spec.speculative.typical_tau:g}"]
+        if spec.speculative.policy != "goodput":      # the engine's default: pods from before the field keep their args
+            args += ["--speculative-policy", spec.speculative.policy]
     args += ["--max-adapters", str(spec.max_adapters)]
     args += ["--slo-ttft-ms", str(spec.slo.ttft_ms), "--slo-itl-ms", str(spec.slo.itl_ms)]
     args += ["--drain-timeout", str(DRAIN_S)]

@@ -148,7 +148,8 @@ def test_hybrid_speculative_greedy_matches_transformers(hybrid, case, monkeypatc
     monkeypatch.setattr("consort_engine.core.scheduler.propose_ngram",
                         continuation_drafter(prompts, [r.tokens for r in refs], 512))
     engine = LLMEngine(EngineConfig(model=str(ckpt), dtype="float32", block_size=4, max_num_seqs=8,
-                                    speculative="ngram", num_speculative_tokens=3, **CASES[case]))
+                                    speculative="ngram", num_speculative_tokens=3, spec_policy="always",
+                                    **CASES[case]))
     engine.warmup()
     outs = engine.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
                                      for m in max_tokens])
@@ -195,7 +196,8 @@ def test_hybrid_mtp_drafts_equal_the_reference(hybrid_mtp):
     from consort_engine.model.models.bamba import BambaAttention
     ckpt, prompts, *_ = hybrid_mtp
     eng = LLMEngine(EngineConfig(model=str(ckpt), dtype="float32", block_size=4, speculative="mtp",
-                                 num_speculative_tokens=3, max_num_batched_tokens=16, num_blocks=1024))
+                                 num_speculative_tokens=3, max_num_batched_tokens=16, num_blocks=1024,
+                                 spec_policy="always"))
     r = eng.runner
     assert r.has_mtp and r.kv_cache.shape[0] == 3 and eng.stats()["speculation"]["state"] == "on"
     assert isinstance(r.model.mtp.layer.self_attn, BambaAttention) and r.model.mtp.layer.mamba is None
@@ -226,8 +228,10 @@ def test_hybrid_mtp_greedy_matches_transformers(hybrid_mtp, case, drafts):
     but for chance) and with drafts that are mostly right (windows keep 1..K+1 tokens, the next MTP pass
     runs over every kept row)."""
     ckpt, prompts, max_tokens, refs = hybrid_mtp
+    # policy always: windows are verified every step, even with the random block's rejected drafts
     engine = LLMEngine(EngineConfig(model=str(ckpt), dtype="float32", block_size=4, max_num_seqs=8,
-                                    speculative="mtp", num_speculative_tokens=3, **CASES[case]))
+                                    speculative="mtp", num_speculative_tokens=3, spec_policy="always",
+                                    **CASES[case]))
     if drafts == "continuation":
         continuation_drafts(engine, prompts, refs)
     engine.warmup()

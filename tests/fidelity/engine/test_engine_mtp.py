@@ -50,8 +50,9 @@ def mtp_models(tmp_path_factory, tokenizer):
 
 
 def engine(model, spec: str = "mtp", **kw) -> LLMEngine:
+    # policy always: every step's windows are verified, whatever the block's acceptance (what is checked)
     cfg = dict(model=str(model), dtype="float32", block_size=4, speculative=spec, num_speculative_tokens=3,
-               max_model_len=512)
+               max_model_len=512, spec_policy="always")
     cfg.update(kw)
     return LLMEngine(EngineConfig(**cfg))
 
@@ -146,7 +147,8 @@ def mtp_model(root, arch: str, layout: str, tokenizer):
 
 def drafting_engine(model) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(model), dtype="float32", block_size=4, speculative="mtp",
-                                  num_speculative_tokens=3, max_model_len=256, max_num_batched_tokens=16))
+                                  num_speculative_tokens=3, max_model_len=256, max_num_batched_tokens=16,
+                                  spec_policy="always"))
 
 
 def arch_prompt(seed: int) -> list[int]:

@@ -109,7 +109,7 @@ def test_speculative_greedy_matches_transformers(model_and_reference, case):
     rejected drafts) under pool pressure and chunking: the same greedy tokens as transformers."""
     arch, ckpt, prompts, max_tokens, refs = model_and_reference
     engine = LLMEngine(EngineConfig(model=str(ckpt), dtype="float32", block_size=4, speculative="ngram",
-                                    num_speculative_tokens=3, **CASES[case]))
+                                    num_speculative_tokens=3, spec_policy="always", **CASES[case]))
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
     outs = engine.generate(prompts, params)
     stats = engine.stats()
@@ -138,7 +138,7 @@ def test_penalized_greedy_matches_transformers_generate(tmp_path):
                              output_scores=True, return_dict_in_generate=True)
         refs.append(Reference(p, out.sequences[0, len(p):].tolist(), [], [row[0] for row in out.scores]))
     engine = LLMEngine(EngineConfig(model=str(ckpt), dtype="float32", block_size=4, speculative="ngram",
-                                    num_speculative_tokens=3, **CASES["preempt"]))
+                                    num_speculative_tokens=3, spec_policy="always", **CASES["preempt"]))
     penalized = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, repetition_penalty=1.5, logit_bias=bias)
                  for m in max_tokens]
     plain = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]

@@ -86,6 +86,21 @@ def test_engine_args_are_accepted_by_the_real_engine_cli():
     assert args.model == "/models/pvc/models/algo"
 
 
+def test_the_draft_policy_reaches_the_engine_and_the_default_adds_no_argument():
+    from consort_engine.serving.cli import parse_args
+
+    def engine_args(speculative: dict) -> list[str]:
+        d = S.engine_deployment("t", "ns", "u", spec(speculative=speculative), CTX)
+        return d["spec"]["template"]["spec"]["containers"][0]["args"]
+
+    default, always = engine_args({"mode": "ngram"}), engine_args({"mode": "ngram", "policy": "always"})
+    assert "--speculative-policy" not in default and parse_args(default).speculative_policy == "goodput"
+    assert parse_args(always).speculative_policy == "always"
+    assert [a for a in always if a not in default] == ["--speculative-policy", "always"]
+    with pytest.raises(ValueError, match="policy"):
+        spec(speculative={"mode": "ngram", "policy": "sometimes"})
+
+
 def test_sources_pvc_hf_and_tokenizer_assembly():
     s = spec(model={"source": "hf://Qwen/Qwen2.5-Coder-1.5B@main", "tokenizer": "pvc://tok/qwen"}, resources={"gpus": 0})
     d = S.engine_deployment("x", "ns", "u", s, CTX)
