@@ -89,7 +89,8 @@ def main(args: argparse.Namespace) -> int:
                 base = base or dict(r)
                 same = sum(a == b for a, b in zip(r["outputs"], base["outputs"])) / len(ps)
                 r.update(kind=kind, batch=batch, speedup=r["tok_s"] / base["tok_s"],
-                         cpu_speedup=r["tok_cpu_s"] / base["tok_cpu_s"], same=same if args.temperature == 0 else None)
+                         cpu_speedup=r["tok_cpu_s"] / base["tok_cpu_s"],
+                         same=same if args.temperature == 0 else None)
                 del r["outputs"]
                 rows.append(r)
                 acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
@@ -102,8 +103,8 @@ def main(args: argparse.Namespace) -> int:
         acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
         same = "-" if r["same"] is None else f"{r['same']:.0%}"
         print(f"| {r['kind']} | {r['batch']} | {r['drafter']} | {r['policy']} | {acc} | {r['drafted']} | "
-              f"{r['steps']} | "
-              f"{r['tok_s']:.1f} | {r['speedup']:.2f}x | {r['tok_cpu_s']:.1f} | {r['cpu_speedup']:.2f}x | {same} |")
+              f"{r['steps']} | {r['tok_s']:.1f} | {r['speedup']:.2f}x | {r['tok_cpu_s']:.1f} | "
+              f"{r['cpu_speedup']:.2f}x | {same} |")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0 if all(r["same"] in (None, 1.0) for r in rows) else 1

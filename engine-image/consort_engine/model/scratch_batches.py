@@ -12,6 +12,7 @@ from typing import Any
 from consort_engine.kv.sequence import ScheduledBatch, Sequence
 from consort_engine.model.step_inputs import MTPRows
 
+
 def scratch_decodes(runner: Any, n: int, ctx: int, slots: int = 0) -> list[Sequence]:
     """n sequences of ctx computed tokens, each one token to decode, with block tables covering
     max(slots, ctx + 1) positions (wrapping around the pool)."""
@@ -28,6 +29,7 @@ def scratch_decodes(runner: Any, n: int, ctx: int, slots: int = 0) -> list[Seque
 
 
 def decode_batch(seqs: list[Sequence], ctx: int) -> ScheduledBatch:
+    """Every sequence's next token at position ctx."""
     for s in seqs:
         s.num_computed_tokens = ctx
     return ScheduledBatch(seqs, [1] * len(seqs), [True] * len(seqs), mode="decode")
