@@ -124,10 +124,15 @@ class _EngineStatsCollector:
                      "consort_kv_tier_lookups_hit for the mean load latency)", s.get("kv_tier_load_seconds", 0.0)),
                     ("consort_kv_event_snapshots", "Snapshots served to /v1/kv/events subscribers that could not "
                      "catch up from the event ring", s.get("kv_events_snapshots", 0)),
+                    ("vllm:spec_decode_num_drafts", "Verify windows (draft runs) verified",
+                     (s.get("speculation") or {}).get("drafts", 0)),
                     ("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed for verification",
                      (s.get("speculation") or {}).get("draft_tokens", 0)),
                     ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted by verification",
-                     (s.get("speculation") or {}).get("accepted_tokens", 0)))
+                     (s.get("speculation") or {}).get("accepted_tokens", 0)),
+                    ("consort_spec_decode_held_decodes", "Decodes that could have drafted and did not: the draft "
+                     "policy (goodput) expected the drafts to cost more than they add",
+                     (s.get("speculation") or {}).get("held_decodes", 0)))
         for name, doc, value in counters:
             c = CounterMetricFamily(name, doc, labels=ENGINE_LABELS)
             c.add_metric(self.labels, float(value or 0))

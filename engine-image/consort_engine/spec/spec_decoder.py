@@ -53,6 +53,8 @@ class SpecDecoder:
         self.tool_trigger_ids = frozenset(config.tool_trigger_ids)
         self.num_draft_tokens = 0        # proposed / accepted by verification, cumulative
         self.num_accepted_tokens = 0
+        self.num_drafts = 0              # verify windows (mean accepted run: num_accepted_tokens / num_drafts)
+        self.num_held_decodes = 0        # eligible decodes the policy kept from drafting (the plan said 0)
         # Where drafting pays (policy goodput): the step cost the engine measured at warm-up (None: not
         # measured, every eligible decode drafts up to K) and the engine's recent acceptance counts.
         self.cost: StepCost | None = None
@@ -97,6 +99,7 @@ class SpecDecoder:
             return 0
         k = self.k if limit is None else limit
         if k == 0:
+            self.num_held_decodes += 1
             seq.steps_since_draft += 1
             if self.drafter == "ngram":
                 shadow = self.propose_ngram(seq.token_ids, 1, packed=seq.packed_tokens)
@@ -180,6 +183,7 @@ class SpecDecoder:
             accepted += 1
         self.num_draft_tokens += k
         self.num_accepted_tokens += accepted
+        self.num_drafts += 1
         self._observe(seq, accepted, accepted + (accepted < k))
         cut = next((p for p in range(accepted) if draft[p] in self.tool_trigger_ids), None)
         return draft[:cut + 1] if cut is not None else draft[:accepted] + targets[accepted:accepted + 1]
@@ -236,5 +240,6 @@ class SpecDecoder:
         proposed, accepted = self.num_draft_tokens, self.num_accepted_tokens
         return {"mode": mode, "state": state, "drafter": self.drafter if mode != "off" else None,
                 "policy": self.config.spec_policy if mode != "off" else None,
-                "draft_tokens": proposed, "accepted_tokens": accepted,
+                "drafts": self.num_drafts, "draft_tokens": proposed, "accepted_tokens": accepted,
+                "held_decodes": self.num_held_decodes,
                 "acceptance_rate": accepted / proposed if proposed else None}

@@ -267,6 +267,11 @@ def test_speculative_engine_streams_the_same_greedy_text(engine, demo_model, eng
         accepted = s["speculation"]["accepted_tokens"]
         metrics = httpx.get(spec.url + "/metrics", timeout=10).text
         assert f"vllm:spec_decode_num_accepted_tokens_total{{model_name=\"spec-ngram\",specialist=\"spec-ngram\"}} {float(accepted)}" in metrics
+        labels = '{model_name="spec-ngram",specialist="spec-ngram"}'
+        spec_stats = s["speculation"]
+        assert spec_stats["policy"] == "goodput" and 0 < spec_stats["drafts"] <= spec_stats["draft_tokens"]
+        assert f"vllm:spec_decode_num_drafts_total{labels} {float(spec_stats['drafts'])}" in metrics
+        assert f"consort_spec_decode_held_decodes_total{labels} {float(spec_stats['held_decodes'])}" in metrics
     finally:
         assert spec.stop() == 0, spec.proc.tail()
 

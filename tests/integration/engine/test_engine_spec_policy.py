@@ -80,6 +80,7 @@ def test_drafts_that_never_stand_stop_and_drafts_that_stand_go_on(demo_model, re
     # always: 3 drafts a step for every request; goodput: the prior's first window, then nothing
     assert always["draft_tokens"] > 10 * BATCH * 3
     assert wrong["draft_tokens"] <= BATCH * 3, wrong
+    assert always["held_decodes"] == 0 and wrong["held_decodes"] > 10 * BATCH
     # drafts that stand: nearly as many as policy always verifies (the prior, 0.7, does not pay at these
     # costs: the first steps only watch, and the free checks raise the estimate)
     assert right["acceptance_rate"] == 1.0 and right["draft_tokens"] >= 0.85 * always_right["draft_tokens"], right

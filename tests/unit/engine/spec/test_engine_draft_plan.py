@@ -85,7 +85,8 @@ def test_a_sequence_stops_drafting_where_its_drafts_fail_and_starts_again_when_t
     # the engine's prior (0.7) at one decode: drafting pays; one failed window at the prior stops it
     assert drafted[0] >= 1 and drafted[1:] == [0] * 7, drafted
     assert shadows[0] == -1 and any(s >= 0 for s in shadows[1:])      # watched, not drafted
-    assert sched.spec.num_draft_tokens == drafted[0]
+    assert sched.spec.num_draft_tokens == drafted[0] and sched.spec.num_drafts == 1
+    assert sched.spec.num_held_decodes == 7
     # Now the model copies what the n-gram lookup proposes: the free checks raise the estimate.
     for _ in range(40):
         batch = sched.schedule()
