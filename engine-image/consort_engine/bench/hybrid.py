@@ -72,7 +72,8 @@ def timed_generate(path: Path, args, ps: list[list[int]], spec_k: int = 0, outpu
     from consort_engine.config import EngineConfig
     from consort_engine.core.engine import LLMEngine
     from consort_engine.kv.sequence import SamplingParams
-    spec = dict(speculative="ngram", num_speculative_tokens=spec_k) if spec_k else {}
+    # policy always: every step verifies the same drafts (what this bench measures is the verify windows)
+    spec = dict(speculative="ngram", num_speculative_tokens=spec_k, spec_policy="always") if spec_k else {}
     engine = LLMEngine(EngineConfig(model=str(path), name="bench", device=args.device, dtype=args.dtype,
                                     max_num_seqs=max(16, args.batch), num_blocks=args.num_blocks,
                                     max_model_len=args.context + 64, block_size=16, **spec))
