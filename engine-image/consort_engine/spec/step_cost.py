@@ -15,7 +15,9 @@ from consort_engine.model.scratch_batches import decode_batch, mtp_rows, scratch
 
 log = logging.getLogger("consort.engine")
 
-PROFILE_MAX_SEQS = 64     # beyond it a step's cost grows linearly (StepCost extrapolates)
+# Beyond these a step's cost grows linearly (StepCost extrapolates): a CPU step is bound by arithmetic
+# from a few tens of sequences; a GPU's from a few hundred, and its profile steps take milliseconds.
+PROFILE_MAX_SEQS = {"cpu": 64, "cuda": 256}
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,8 @@ def profile_step_cost(runner: Any, k: int, rounds: int = 3) -> StepCost:
     MTP block, its passes too). Every size once a round, the fastest of `rounds` rounds: a shape's
     first run (kernel selection, allocation) and a neighbour's burst do not count."""
     config = runner.config
-    top = max(1, min(config.max_num_seqs, PROFILE_MAX_SEQS, config.max_num_batched_tokens // (1 + k)))
+    most = PROFILE_MAX_SEQS.get(runner.device.type, PROFILE_MAX_SEQS["cpu"])
+    top = max(1, min(config.max_num_seqs, most, config.max_num_batched_tokens // (1 + k)))
     ctx = max(k + 1, min(256, runner.max_model_len - k - 2))
     sizes = sorted({min(2 ** i, top) for i in range(top.bit_length() + 1)})
     batches = {n: scratch_decodes(runner, n, ctx, slots=ctx + k + 1) for n in sizes}
