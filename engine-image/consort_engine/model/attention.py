@@ -96,7 +96,8 @@ class PagedAttention(HooklessModule):
     def block_size(self) -> int:
         return self.k_cache.shape[2] if self.heads_first else self.k_cache.shape[1]
 
-    def _store(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    def store(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """k, v [T, KVH, D] into the pool at slots [T]."""
         kc, vc = self.k_cache, self.v_cache
         if not self.heads_first:
             kc.view(-1, self.kvh, self.d).index_copy_(0, slots, k.to(kc.dtype))
@@ -118,7 +119,7 @@ class PagedAttention(HooklessModule):
                 meta: AttentionMetadata) -> torch.Tensor:
         kc, vc = self.k_cache, self.v_cache
         bs = self.block_size
-        self._store(k, v, meta.slot_mapping)
+        self.store(k, v, meta.slot_mapping)
         if self.backend == "flash":
             return self._flash(q, meta)
         out = torch.empty(q.shape[0], self.h * self.d, dtype=q.dtype, device=q.device)

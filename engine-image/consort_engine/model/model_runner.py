@@ -515,8 +515,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def mtp_draft(self, items: list[MTPRows]) -> list[list[int]]:
-        """One batched MTP pass over every item's rows (writing the block's K/V there), then
-        max(num_draft) - 1 chained one-row steps: greedy draft tokens per item, item order."""
+        """The block's K/V for every item's rows (its layer's input and K/V projection only), then for the
+        drafting items the whole layer over their last row and max(num_draft) - 1 chained one-row steps:
+        greedy draft tokens per item, item order."""
         drafts: list[list[int]] = [[] for _ in items]
         if not items:
             return drafts
@@ -524,11 +525,15 @@ class ModelRunner:
         inp = self.build_inputs([RowGroup(it.tokens, it.start, it.block_table, 1 if it.num_draft else 0)
                                  for it in items], mixers=False)
         hidden = torch.cat([items[i].hidden[: len(items[i].tokens)] for i in inp.order])
-        out = mtp(model.embed_tokens(inp.input_ids), hidden, inp.positions, model.rotary, inp.meta)
+        x = mtp.fuse(model.embed_tokens(inp.input_ids), hidden)
+        mtp.store_kv(x, inp.positions, model.rotary, inp.meta.slot_mapping)
         active = [i for i, it in enumerate(items) if it.num_draft]
         if not active:
             return drafts
-        h = out[inp.sample_idx]
+        # the last row of each drafting item: its attention over the block's K/V (all written above)
+        last = self.build_inputs([RowGroup([0], items[i].start + len(items[i].tokens) - 1, items[i].block_table, 1)
+                                  for i in active], mixers=False)
+        h = mtp.decode(x[inp.sample_idx], last.positions, model.rotary, last.meta)
         tokens = greedy_tokens(model.head(h))
         step = 0
         while True:

@@ -38,14 +38,14 @@ class BambaAttention(Attention):
         super().__init__(cfg, backend, fast, tp)
         self.rotary_dim = int(cfg.head_dim * cfg.partial_rotary_factor)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def qkv(self, x: torch.Tensor, positions: torch.Tensor,
+            rotary: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         t, h, kvh, r = x.shape[0], self.h, self.kvh, self.rotary_dim
         qkv = self.qkv_proj(x).view(t, h + 2 * kvh, self.d)
         qk, v = qkv[:, : h + kvh], qkv[:, h + kvh:]
         rot = _rope(qk[..., :r], positions, rotary.cos, rotary.sin)
         qk = torch.cat((rot, qk[..., r:]), dim=-1)
-        return self.o_proj(self.attn(qk[:, :h], qk[:, h:], v, meta))
+        return qk[:, :h], qk[:, h:], v
 
 
 def _rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

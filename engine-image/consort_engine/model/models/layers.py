@@ -144,8 +144,9 @@ class Attention(HooklessModule):
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps, fast) if cfg.qk_norm else None
         self.attn = PagedAttention(self.h, self.kvh, self.d, self.d ** -0.5, backend)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def qkv(self, x: torch.Tensor, positions: torch.Tensor,
+            rotary: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> q [T, H, D], k and v [T, KVH, D]: projected, normed (Qwen3) and rotated."""
         t, h, kvh = x.shape[0], self.h, self.kvh
         qkv = self.qkv_proj(x).view(t, h + 2 * kvh, self.d)
         qk, v = qkv[:, : h + kvh], qkv[:, h + kvh:]
@@ -156,7 +157,17 @@ class Attention(HooklessModule):
             if not self.fast:
                 qk = torch.cat((q, k), dim=1)
         qk = ops.rope_(qk, positions, rotary.cos, rotary.sin, self.fast)
-        return self.o_proj(self.attn(qk[:, :h], qk[:, h:], v, meta))
+        return qk[:, :h], qk[:, h:], v
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+                meta: AttentionMetadata) -> torch.Tensor:
+        return self.o_proj(self.attn(*self.qkv(x, positions, rotary), meta))
+
+    def store_kv(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+                 slots: torch.Tensor) -> None:
+        """Only the K/V of rows x into the pool at slots: rows whose attention output nobody reads."""
+        _, k, v = self.qkv(x, positions, rotary)
+        self.attn.store(k, v, slots)
 
 
 class MLP(HooklessModule):

@@ -87,10 +87,25 @@ class MTPBlock(HooklessModule):
         self.layer = layer
         self.norm = RMSNorm(h, cfg.rms_norm_eps, fast)
 
-    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                rotary: RotaryEmbedding, meta: AttentionMetadata) -> torch.Tensor:
-        """embeds of tokens p+1, normed hidden states at p, positions p [T] -> normed output [T, H]
-        (the LM head's input for token p+2, and the next chained step's hidden state)."""
-        x = self.fc(torch.cat((self.enorm(embeds), self.hnorm(hidden)), dim=-1))
+    def fuse(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """embeds of tokens p+1, normed hidden states at p [T, H] -> the layer's input x [T, H]."""
+        return self.fc(torch.cat((self.enorm(embeds), self.hnorm(hidden)), dim=-1))
+
+    def store_kv(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+                 slots: torch.Tensor) -> None:
+        """The layer's K/V of rows x at positions into the block's pool layer, nothing else: what a
+        kept row that drafts nothing leaves for the drafts after it (the attention output and the MLP
+        of such rows are never read)."""
+        self.layer.self_attn.store_kv(self.layer.input_layernorm(x), positions, rotary, slots)
+
+    def decode(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+               meta: AttentionMetadata) -> torch.Tensor:
+        """The layer and the final norm over rows x -> normed output [T, H] (the LM head's input for
+        token p+2, and the next chained step's hidden state)."""
         h, residual = self.layer(x, None, positions, rotary, meta)
         return self.norm(h, residual)[0]
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                rotary: RotaryEmbedding, meta: AttentionMetadata) -> torch.Tensor:
+        """embeds of tokens p+1, normed hidden states at p, positions p [T] -> normed output [T, H]."""
+        return self.decode(self.fuse(embeds, hidden), positions, rotary, meta)
