@@ -16,6 +16,7 @@ import random
 import shutil
 
 import pytest
+import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from fidelity_helpers import assert_drafts_match_reference
@@ -87,6 +88,37 @@ def test_engine_drafts_equal_the_reference(mtp_models):
     eng = engine(model, max_num_batched_tokens=16)       # the prompt runs as chunked prefill
     assert eng.runner.has_mtp and eng.runner.kv_cache.shape[0] == N_LAYERS + 1
     assert_drafts_match_reference(model, eng, prompts(1, seed=3)[0], 24)
+
+
+def test_rows_that_draft_nothing_run_only_the_blocks_kv_projection(mtp_models):
+    """A prefill chunk's rows (and a verify window's kept rows) leave the block's K/V for later drafts;
+    only each drafting sequence's last row needs the layer's attention output and MLP."""
+    eng = engine(mtp_models["qwen3_next"], max_num_batched_tokens=16)      # 16-row prefill chunks
+    eng.warmup()
+    block = eng.runner.model.mtp
+    mlp_rows, kv_rows = [], []
+    store = block.store_kv
+
+    class CountedMLP(torch.nn.Module):      # the engine's layers call their class's forward: wrap the module
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            mlp_rows.append(x.shape[0])
+            return self.inner(x)
+
+    def counted_store(x, *args):
+        kv_rows.append(x.shape[0])
+        return store(x, *args)
+    block.layer.mlp, block.store_kv = CountedMLP(block.layer.mlp), counted_store
+    p = prompts(1, seed=5)[0]
+    p = (p * 3)[:45]
+    out = eng.generate([p], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+    assert out == engine(mtp_models["qwen3_next"], "off").generate([p], SamplingParams(
+        temperature=0.0, max_tokens=20, ignore_eos=True))
+    assert max(kv_rows) == 16 and sum(kv_rows) >= len(p)       # every prompt row's K/V, in chunks
+    assert mlp_rows and max(mlp_rows) == 1, mlp_rows           # one sequence: one row a pass
 
 
 @pytest.mark.parametrize("case", [dict(), dict(num_blocks=40, max_num_batched_tokens=32)])
