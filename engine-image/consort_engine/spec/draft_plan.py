@@ -13,7 +13,8 @@ of a_i^j for as long as each one raises the ratio (vLLM's static `disable_by_bat
 A sequence's acceptance is a decayed count of its own verified drafts over a prior, the engine's
 recent acceptance (`acceptance_rate`): a sequence that stops copying its context stops drafting, and
 one that starts again is seen by the drafter's free check (spec_decoder: the n-gram proposal of a
-non-drafting step compared with the token the step emits; MTP: an occasional one-token probe).
+non-drafting step compared with the token the step emits; MTP: a one-token probe, rarer the worse
+the sequence's drafts have been, `probe_interval`).
 """
 from __future__ import annotations
 
@@ -42,3 +43,9 @@ def acceptance_rate(hits: float, tries: float, prior: float, weight: float) -> f
     tried (a window of k drafts with h accepted tried h + 1, or k when all stood), plus `weight`
     pseudo-tries at `prior`."""
     return (hits + weight * prior) / (tries + weight)
+
+
+def probe_interval(acceptance: float, every: int, most: int) -> float:
+    """Steps between one-token probes of a sequence held from drafting: `every` while its drafts look
+    sure, growing as 1 / acceptance to at most `most` (a probe that fails costs a verify row)."""
+    return min(most, every / max(acceptance, every / most))

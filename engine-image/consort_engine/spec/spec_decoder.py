@@ -25,7 +25,7 @@ from consort_engine.kv.block_manager import BlockManager
 from consort_engine.config import EngineConfig
 from consort_engine.text.guided import advance, grammar_prefix
 from consort_engine.kv.sequence import ScheduledBatch, Sequence
-from consort_engine.spec.draft_plan import acceptance_rate, plan_drafts
+from consort_engine.spec.draft_plan import acceptance_rate, plan_drafts, probe_interval
 from consort_engine.spec.speculative import propose_ngram, typical_accepted
 from consort_engine.spec.step_cost import StepCost
 
@@ -34,8 +34,9 @@ from consort_engine.spec.step_cost import StepCost
 # the engine's recent rate, and decay per observation (a sequence's latest windows count most).
 PRIOR_ACCEPTANCE, ENGINE_PRIOR_WEIGHT, PRIOR_WEIGHT = 0.7, 4.0, 2.0
 SEQ_DECAY, ENGINE_DECAY = 0.8, 0.99
-# MTP drafts cost a pass to see: a sequence the plan keeps from drafting drafts one token this often.
-PROBE_EVERY = 16
+# MTP drafts cost a pass and a verify row to see: a sequence the plan keeps from drafting drafts one
+# token every PROBE_EVERY steps while its drafts look sure, less often as they look worse (draft_plan.py).
+PROBE_EVERY, PROBE_MAX = 16, 256
 
 
 class SpecDecoder:
@@ -84,16 +85,19 @@ class SpecDecoder:
         if self.cost is None or self.config.spec_policy != "goodput":
             return None
         candidates = [s for s in decodes if self.eligible(s)]
-        prior = acceptance_rate(self.recent_hits, self.recent_tries, PRIOR_ACCEPTANCE, ENGINE_PRIOR_WEIGHT)
-        rates = [acceptance_rate(s.draft_hits, s.draft_tries, prior, PRIOR_WEIGHT) for s in candidates]
+        rates = [self._acceptance(s) for s in candidates]
         return {s.seq_id: k for s, k in zip(candidates, plan_drafts(rates, self.k, len(decodes), self.cost))}
+
+    def _acceptance(self, seq: Sequence) -> float:
+        prior = acceptance_rate(self.recent_hits, self.recent_tries, PRIOR_ACCEPTANCE, ENGINE_PRIOR_WEIGHT)
+        return acceptance_rate(seq.draft_hits, seq.draft_tries, prior, PRIOR_WEIGHT)
 
     def propose(self, seq: Sequence, budget: int, limit: int | None = None) -> int:
         """Append up to K (or the plan's `limit`) draft tokens to a decode's window; how many were
         appended. A draft never runs past max_tokens or the context, and never needs a block the pool
         does not have free right now (speculation does not preempt anyone). A decode the plan keeps
         from drafting still has its acceptance watched: the n-gram draft it would have made is noted
-        for observe_shadow, and an MTP sequence drafts one token every PROBE_EVERY steps."""
+        for observe_shadow, and an MTP sequence drafts one token now and then (probe_interval)."""
         seq.shadow_draft = -1
         if not self.eligible(seq):
             return 0
@@ -105,7 +109,7 @@ class SpecDecoder:
                 shadow = self.propose_ngram(seq.token_ids, 1, packed=seq.packed_tokens)
                 seq.shadow_draft = shadow[0] if shadow else -1
                 return 0
-            if seq.steps_since_draft < PROBE_EVERY:
+            if seq.steps_since_draft < probe_interval(self._acceptance(seq), PROBE_EVERY, PROBE_MAX):
                 return 0
             k = 1
         sp = seq.sampling

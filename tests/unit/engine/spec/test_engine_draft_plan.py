@@ -10,7 +10,7 @@ import random
 import pytest
 from engine_fakes import make_scheduler, make_seq
 
-from consort_engine.spec.draft_plan import acceptance_rate, plan_drafts
+from consort_engine.spec.draft_plan import acceptance_rate, plan_drafts, probe_interval
 from consort_engine.spec.step_cost import StepCost
 
 
@@ -111,3 +111,30 @@ def test_policy_always_and_no_measured_cost_draft_up_to_k():
         sched.postprocess(sched.schedule(), [1])
         seq.draft_hits, seq.draft_tries = 0.0, 100.0                # every draft so far failed
         assert sched.schedule().num_draft == [3]
+
+
+def test_probes_grow_rarer_as_a_held_sequences_drafts_look_worse():
+    assert probe_interval(1.0, 16, 256) == 16 and probe_interval(0.5, 16, 256) == 32
+    assert probe_interval(0.01, 16, 256) == probe_interval(0.0, 16, 256) == 256
+
+
+def test_an_mtp_sequence_held_from_drafting_probes_rarely_once_its_probes_fail():
+    sched = make_scheduler(num_blocks=256, speculative="ngram", num_speculative_tokens=3)
+    sched.spec.drafter = "mtp"          # placeholders only: what is drafted comes from the block
+    sched.spec.cost = StepCost((1, 64), (0.010, 0.080), (0.004, 0.004))
+    seq = make_seq(8, max_tokens=1000)
+    seq.mtp_hidden = object()           # a kept hidden row: propose reserves MTP placeholders
+    sched.add(seq)
+    sched.postprocess(sched.schedule(), [1])
+    probes = []
+    for step in range(400):
+        batch = sched.schedule()
+        k = batch.num_draft[0] if batch.num_draft else 0
+        if k:
+            probes.append(step)
+        other = 3 if seq.token_ids[-1 - k] == 2 else 2               # never the placeholder (the last token)
+        sched.postprocess(batch, [other] * batch.rows_sampled(0))
+        seq.mtp_hidden = object()
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert probes and probes[0] <= 1 and len(probes) <= 8, probes
+    assert gaps == sorted(gaps) and gaps[-1] > 100, gaps          # every failed probe pushes the next out
