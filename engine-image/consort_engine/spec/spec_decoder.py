@@ -85,12 +85,13 @@ class SpecDecoder:
         if self.cost is None or self.config.spec_policy != "goodput":
             return None
         candidates = [s for s in decodes if self.eligible(s)]
-        rates = [self._acceptance(s) for s in candidates]
+        prior = self._prior()
+        rates = [acceptance_rate(s.draft_hits, s.draft_tries, prior, PRIOR_WEIGHT) for s in candidates]
         return {s.seq_id: k for s, k in zip(candidates, plan_drafts(rates, self.k, len(decodes), self.cost))}
 
-    def _acceptance(self, seq: Sequence) -> float:
-        prior = acceptance_rate(self.recent_hits, self.recent_tries, PRIOR_ACCEPTANCE, ENGINE_PRIOR_WEIGHT)
-        return acceptance_rate(seq.draft_hits, seq.draft_tries, prior, PRIOR_WEIGHT)
+    def _prior(self) -> float:
+        """The engine's recent acceptance: what a sequence's own counts start from."""
+        return acceptance_rate(self.recent_hits, self.recent_tries, PRIOR_ACCEPTANCE, ENGINE_PRIOR_WEIGHT)
 
     def propose(self, seq: Sequence, budget: int, limit: int | None = None) -> int:
         """Append up to K (or the plan's `limit`) draft tokens to a decode's window; how many were
@@ -109,7 +110,8 @@ class SpecDecoder:
                 shadow = self.propose_ngram(seq.token_ids, 1, packed=seq.packed_tokens)
                 seq.shadow_draft = shadow[0] if shadow else -1
                 return 0
-            if seq.steps_since_draft < probe_interval(self._acceptance(seq), PROBE_EVERY, PROBE_MAX):
+            rate = acceptance_rate(seq.draft_hits, seq.draft_tries, self._prior(), PRIOR_WEIGHT)
+            if seq.steps_since_draft < probe_interval(rate, PROBE_EVERY, PROBE_MAX):
                 return 0
             k = 1
         sp = seq.sampling
