@@ -63,7 +63,8 @@ def server_argv(model_dir: Path, dtype: str, args: argparse.Namespace) -> list[s
     argv = ["--model", str(model_dir), "--port", "0", "--name", "bench", "--dtype", dtype,
             "--device", args.device, "--block-size", str(args.block_size),
             "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-            "--speculative", args.speculative, "--quantization", getattr(args, "quantization", "none")]
+            "--speculative", args.speculative, "--quantization", getattr(args, "quantization", "none"),
+            "--kv-cache-dtype", getattr(args, "kv_cache_dtype", "auto")]
     if args.num_blocks:
         argv += ["--num-blocks", str(args.num_blocks)]
     if args.threads:
@@ -484,13 +485,15 @@ def run(args: argparse.Namespace) -> int:
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """The engine the benchmark builds (its `consort engine` flags: server_argv) and where results go;
     `bench roofline` takes these too."""
-    from consort_engine.config import EngineConfig
+    from consort_engine.config import KV_CACHE_DTYPES, EngineConfig
 
     p.add_argument("--dtype", choices=["float32", "bfloat16", "both"], default="both",
                    help="weights and KV cache; both: one run each (roofline: float32)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the engine runs")
     p.add_argument("--quantization", default="none", choices=["none", "auto", "int8", "w8a8", "fp8", "awq", "gptq", "compressed-tensors"],
                    help="the engine's --quantization (`consort bench quant` runs several side by side)")
+    p.add_argument("--kv-cache-dtype", default=EngineConfig.kv_cache_dtype, choices=KV_CACHE_DTYPES,
+                   help="the engine's --kv-cache-dtype (`consort bench quant` arms DTYPE:QUANT:KV side by side)")
     # Defaults are `consort engine`'s own (EngineConfig's), so a bare bench runs the engine a bare server runs.
     p.add_argument("--block-size", type=int, default=EngineConfig.block_size, help="tokens per KV block")
     p.add_argument("--num-blocks", type=int, default=None,

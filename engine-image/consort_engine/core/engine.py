@@ -69,7 +69,7 @@ def make_tier(config: EngineConfig, runner, events: KVEventLog) -> KVTier | None
         return None
     # a hybrid's blocks carry the state checkpoint at their end: its shapes are part of the layout
     states = runner.hybrid_state.checkpoint_pools if getattr(runner, "is_hybrid", False) else ()
-    identity = layout_identity(config, runner.kv_cache, runner.backend, 0, 1, states)
+    identity = layout_identity(config, runner.dtype, runner.kv_cache, runner.backend, 0, 1, states)
     tier = KVTier(config.kv_tier_path, config.kv_tier_bytes or DEFAULT_TIER_BYTES, identity, events)
     log.info("KV tier: %s, %.1f GiB, %s", tier.dir or "host memory", tier.max_bytes / 2**30, identity)
     return tier

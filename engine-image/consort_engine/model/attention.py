@@ -1,5 +1,7 @@
 """Paged attention: K/V live in a block pool per layer, [num_blocks, block_size, kv_heads, head_dim]
-(flash-attn's paged layout); every sequence reads them through its block table.
+(flash-attn's paged layout); every sequence reads them through its block table. The pool holds the
+model's dtype, or with --kv-cache-dtype a narrower one (kv_cache_dtype): bfloat16, or fp8 (e4m3), which
+halves what decode attention reads per token and doubles the tokens a pool of the same memory holds.
 
 A step's tokens are laid out as [batched group | prefill spans]:
 - the batched group (decode tokens, short queries such as spec-verify windows) is attended in ONE
@@ -30,6 +32,8 @@ from consort_engine.model.triton_attention import paged_attention as triton_page
 from consort_engine.model.hookless import HooklessModule
 
 AMX = "amx_bf16" in cpu_model_and_flags()[1]      # bf16 prefill spans stay with SDPA there (_prefill_kernel)
+FP8 = torch.float8_e4m3fn                          # the fp8 KV pool's element (kv_cache_dtype)
+KV_ELEMENTS = {"bfloat16": torch.bfloat16, "fp8": FP8}   # --kv-cache-dtype's choices besides auto
 
 try:  # pragma: no cover - only on CUDA machines with flash-attn
     from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
@@ -100,8 +104,11 @@ class PagedAttention(HooklessModule):
         """k, v [T, KVH, D] into the pool at slots [T]."""
         kc, vc = self.k_cache, self.v_cache
         if not self.heads_first:
-            kc.view(-1, self.kvh, self.d).index_copy_(0, slots, k.to(kc.dtype))
-            vc.view(-1, self.kvh, self.d).index_copy_(0, slots, v.to(vc.dtype))
+            for cache, x in ((kc, k), (vc, v)):
+                rows, new = cache.view(-1, self.kvh, self.d), x.to(cache.dtype)
+                if cache.dtype == FP8:       # index_copy_ has no float8 kernel: copy the bytes
+                    rows, new = rows.view(torch.uint8), new.view(torch.uint8)
+                rows.index_copy_(0, slots, new)
             return
         assert k.stride()[1:] == (self.d, 1) and v.stride()[1:] == (self.d, 1)
         kernel("store_kv", k.dtype, kc.dtype)(
@@ -169,16 +176,23 @@ class PagedAttention(HooklessModule):
 
     def _prefill_kernel(self, q: torch.Tensor, out: torch.Tensor, meta: AttentionMetadata) -> bool:
         """Every prefill span through a C kernel reading the pool in place (head size 64/128, AVX-512 or AVX2
-        build): float32 queries over a float32 or bfloat16 pool; bfloat16 queries over a bfloat16 pool on the
-        bf16 pair dot product where the library has it (AVX-512 BF16), else widened to float32 and the output
-        rounded back; except with AMX, where SDPA's bf16 GEMMs run on AMX tiles (not compared there). False
-        where none applies (then SDPA runs)."""
+        build): float32 queries over a float32, bfloat16 or fp8 pool; bfloat16 queries over a bfloat16 pool on
+        the bf16 pair dot product where the library has it (AVX-512 BF16), else widened to float32 and the
+        output rounded back (so too over an fp8 pool); except with AMX, where SDPA's bf16 GEMMs run on AMX
+        tiles (not compared there). False where none applies (then SDPA runs)."""
         kv = self.k_cache.dtype
-        bf16 = q.dtype == torch.bfloat16 and kv == torch.bfloat16 and not AMX
-        if self.backend != "cpu_kernel" or not (q.dtype == torch.float32 or bf16) \
-                or kv not in (torch.float32, torch.bfloat16) or meta.prefill_block_tables is None:
+        if self.backend != "cpu_kernel" or meta.prefill_block_tables is None \
+                or kv not in (torch.float32, torch.bfloat16, FP8):
             return False
-        for dtype in (q.dtype, torch.float32) if bf16 else (q.dtype,):
+        if q.dtype == torch.float32:
+            dtypes = (q.dtype,)
+        elif q.dtype == torch.bfloat16 and kv == torch.bfloat16 and not AMX:
+            dtypes = (q.dtype, torch.float32)
+        elif q.dtype == torch.bfloat16 and kv == FP8:     # widened: no bf16-query kernel over fp8
+            dtypes = (torch.float32,)
+        else:
+            return False
+        for dtype in dtypes:
             try:
                 fn = kernel("prefill_attention", dtype, kv)
                 break
@@ -224,6 +238,22 @@ class PagedAttention(HooklessModule):
                                    max_seqlen_k=meta.max_context_len, softmax_scale=self.scale,
                                    causal=True, block_table=meta.block_tables)
         return o.reshape(q.shape[0], -1)
+
+
+def kv_cache_dtype(choice: str, dtype: torch.dtype, backend: str) -> torch.dtype:
+    """The pool's element type for --kv-cache-dtype: auto is the weights' dtype; bfloat16 (half a float32
+    pool's bytes) or fp8 (float8 e4m3, unscaled and saturating at +-448: half a bfloat16 pool's) where the
+    backend reads them, the CPU kernels and the portable torch path; flash-attn 2 and the Triton kernel
+    read the model's own dtype only. ValueError for a choice this backend cannot serve."""
+    if choice == "auto":
+        return dtype
+    if choice not in KV_ELEMENTS:
+        raise ValueError(f"kv cache dtype {choice!r}: one of auto, {', '.join(KV_ELEMENTS)}")
+    want = KV_ELEMENTS[choice]
+    if want != dtype and backend not in ("cpu_kernel", "torch"):
+        raise ValueError(f"kv cache dtype {choice}: the {backend} attention backend (CUDA) reads a pool of the "
+                         f"model's dtype ({str(dtype).removeprefix('torch.')}) only; use auto there")
+    return want
 
 
 def default_block_size(device_type: str) -> int:

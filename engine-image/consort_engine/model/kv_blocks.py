@@ -14,22 +14,25 @@ from pathlib import Path
 import torch
 
 
-def layout_identity(config, kv_cache: torch.Tensor, backend: str, tp_rank: int, tp_size: int,
-                    states: tuple[torch.Tensor, ...] = ()) -> str:
-    """Model (its config.json and weight files' names and sizes), weight quantization, dtype, per-block
-    shape, pool layout, shard and, for a hybrid, its checkpoint pools' per-row shapes and dtypes: two
-    engines with the same identity compute the same K/V and state for the same tokens (quantized
-    weights compute other K/V from the same files)."""
+def layout_identity(config, weights_dtype: torch.dtype, kv_cache: torch.Tensor, backend: str, tp_rank: int,
+                    tp_size: int, states: tuple[torch.Tensor, ...] = ()) -> str:
+    """Model (its config.json and weight files' names and sizes), weight quantization, the weights' dtype and
+    the pool's, per-block shape, pool layout, shard and, for a hybrid, its checkpoint pools' per-row shapes and
+    dtypes: two engines with the same identity compute the same K/V and state for the same tokens (quantized
+    weights compute other K/V from the same files; a narrower pool rounds them otherwise)."""
     root = Path(config.model)
     digest = hashlib.sha256((root / "config.json").read_bytes())
     for f in sorted(root.glob("*.safetensors")):
         digest.update(f"{f.name}:{f.stat().st_size}".encode())
     shape = "x".join(str(d) for d in kv_cache[:, :, 0].shape)
     layout = "heads-first" if backend == "cpu_kernel" else "tokens-first"
-    return (f"model={digest.hexdigest()[:16]} quant={config.quantization} dtype={str(kv_cache.dtype).removeprefix('torch.')} "
-            f"block={shape} layout={layout} shard={tp_rank}/{tp_size}"
-            + "".join(f" state={'x'.join(map(str, t.shape[1:]))}:{str(t.dtype).removeprefix('torch.')}"
-                      for t in states))
+    return (f"model={digest.hexdigest()[:16]} quant={config.quantization} dtype={_name(weights_dtype)} "
+            f"kv={_name(kv_cache.dtype)} block={shape} layout={layout} shard={tp_rank}/{tp_size}"
+            + "".join(f" state={'x'.join(map(str, t.shape[1:]))}:{_name(t.dtype)}" for t in states))
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 @torch.inference_mode()

@@ -4,8 +4,8 @@ The pool is sized once at start-up (config.num_blocks, or free memory after the 
 activation reserve, times kv_memory_fraction) and never grows. `execute` reads the sequences and
 their block tables (allocated by the block manager) and never mutates them.
 
-dtype (config.dtype) is the weights' and the KV cache's; compute_dtype is the activations' (they
-differ only for bf16 on some CPUs, see compute_dtype()). On CPU the attention, K/V store
+dtype (config.dtype) is the weights' and the KV cache's unless --kv-cache-dtype narrows the pool (kv_dtype);
+compute_dtype is the activations' (they differ only for bf16 on some CPUs, see compute_dtype()). On CPU the attention, K/V store
 and element-wise layers run as C kernels (cpu_kernels.py) and the GEMM weights are pre-packed.
 On CUDA a step's inputs reach the device through pinned staging buffers (host_staging.py) and pure
 decode steps replay CUDA graphs captured at warm-up (cuda_graphs.py).
@@ -21,7 +21,8 @@ import time
 
 import torch
 
-from consort_engine.model.attention import AttentionMetadata, PrefillSpan, choose_backend, flash_refusal, pool_shape
+from consort_engine.model.attention import (AttentionMetadata, PrefillSpan, choose_backend, flash_refusal,
+                                            kv_cache_dtype, pool_shape)
 from consort_engine.config import EngineConfig
 from consort_engine.model.cuda_graphs import DecodeGraphs, use_decode_graphs
 from consort_engine.model.host_staging import PinnedStaging
@@ -111,7 +112,7 @@ class ModelRunner:
         prequantized = checkpoint_format(cfg.raw)         # model/quantized_checkpoint.py
         self.quantization = resolve_quantization(config.quantization, prequantized)
         self.compute_dtype = compute_dtype(self.dtype, self.device)   # activations, GEMMs
-        log.info("weights and KV cache in %s, activations in %s (--dtype %s; the checkpoint is %s)",
+        log.info("weights in %s, activations in %s (--dtype %s; the checkpoint is %s)",
                  self.dtype, self.compute_dtype, config.dtype, cfg.torch_dtype or "of unstated dtype")
         self.eos_token_ids: set[int] = eos_token_ids(config.model, cfg)
         # MTP drafting: one rank only (the block is not split for tensor parallelism yet)
@@ -133,6 +134,8 @@ class ModelRunner:
         if self.device.type == "cuda" and self.backend != "flash":
             log.info("attention on CUDA: %s, not flash-attn (%s)", self.backend,
                      flash_refusal(self.device, self.dtype, self.block_size) or "CONSORT_ATTENTION_BACKEND")
+        self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.backend)   # the pool's element
+        log.info("KV cache in %s (--kv-cache-dtype %s)", self.kv_dtype, config.kv_cache_dtype)
         self.max_kernel_query = (max(1, 256 // (cfg.num_attention_heads // cfg.num_key_value_heads))
                                  if self.backend in ("cpu_kernel", "triton") else 1)
         self.max_kernel_query = min(self.max_kernel_query, MAX_KERNEL_QUERY)
@@ -188,7 +191,7 @@ class ModelRunner:
         # The CPU kernel never reads a slot before it is written, so untouched pages stay uncommitted;
         # the gather fallbacks read whole blocks and need finite values in the unused tail.
         alloc = torch.empty if self.backend == "cpu_kernel" else torch.zeros
-        self.kv_cache = alloc(kv_shape, dtype=self.dtype, device=self.device)
+        self.kv_cache = alloc(kv_shape, dtype=self.kv_dtype, device=self.device)
         if self.device.type == "cpu":
             tune_cpu_memory(self.kv_cache)
         attn_modules = [layer.self_attn for layer in self.model.layers if layer.self_attn is not None]
@@ -217,7 +220,7 @@ class ModelRunner:
     def kv_bytes_per_token(self) -> int:
         """K and V of every attention layer (only those: a hybrid's mixers hold no per-token state)."""
         c = self.hf_config
-        return 2 * self.num_kv_layers * self.kv_heads * c.head_dim * self.dtype.itemsize
+        return 2 * self.num_kv_layers * self.kv_heads * c.head_dim * self.kv_dtype.itemsize
 
     def seqs_in_pool(self, pool_bytes: int, context_len: int) -> int:
         """How many sequences of context_len tokens one pool of pool_bytes holds (KV + hybrid state)."""

@@ -16,7 +16,7 @@ from consort_engine.serving.limits import ADAPTER_NAME
 from consort_engine.model.attention import default_block_size
 from consort_engine.core.async_engine import AsyncEngine
 from consort_common.help import HelpFormatter
-from consort_engine.config import EngineConfig, byte_size
+from consort_engine.config import KV_CACHE_DTYPES, EngineConfig, byte_size
 from consort_engine.serving.adapter_sync import AdapterSync
 from consort_engine.serving.credential import CredentialSource
 from consort_engine.model.cpu import apply_threads
@@ -56,6 +56,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "A pre-quantized checkpoint (awq or gptq int4, compressed-tensors int4/int8, named by "
                         "config.json's quantization_config) loads with none, auto or its own format's name; on cpu "
                         "its codes run on the int8 kernel, elsewhere it is dequantized to --dtype")
+    p.add_argument("--kv-cache-dtype", default=EngineConfig.kv_cache_dtype, choices=KV_CACHE_DTYPES,
+                   help="the KV pool's element: auto = the weights' dtype; bfloat16 (a float32 model's pool in half "
+                        "the memory) or fp8 (float8 e4m3, unscaled: half a bfloat16 pool; decode attention reads "
+                        "half the bytes and the pool holds twice the tokens); narrower than auto only on cpu")
     p.add_argument("--max-model-len", type=int, default=None, metavar="TOKENS",
                    help="longest prompt + completion; unset: the checkpoint's max_position_embeddings")
     p.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs, metavar="N",
@@ -151,7 +155,7 @@ def config_from_args(a: argparse.Namespace) -> EngineConfig:
         raise SystemExit(f"consort engine: --tensor-parallel-size must be >= 1, got {a.tensor_parallel_size}")
     return EngineConfig(
         model=str(Path(a.model)), name=a.name or Path(a.model).resolve().name, device=a.device, dtype=a.dtype,
-        quantization=a.quantization,
+        quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype,
         tensor_parallel_size=a.tensor_parallel_size,
         block_size=a.block_size or default_block_size(a.device), num_blocks=a.num_blocks, kv_memory_fraction=a.kv_memory_fraction,
         max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,

@@ -158,6 +158,8 @@ class ServerContext:
             "kv_cached_blocks": s.get("kv_cached_blocks"),
             "kv_usage": s.get("kv_usage"),
             "block_size": self.config.block_size,
+            # the pool's element (--kv-cache-dtype resolved); None before the model loads
+            "kv_cache_dtype": str(runner.kv_dtype).removeprefix("torch.") if hasattr(runner, "kv_dtype") else None,
             "preempting": bool(s.get("preempting", False)),
             "num_preemptions": s.get("num_preemptions", 0),
             "prefix_cache_queries": s.get("prefix_cache_queries", 0),

@@ -175,6 +175,8 @@ def engine_args(name: str, spec: SpecialistSpec, model_dir: str, adapters: dict[
         args += ["--kv-memory-fraction", f"{spec.kv.memory_fraction:g}"]
     elif device == "cuda":
         args += ["--kv-memory-fraction", "0.9"]
+    if spec.kv.dtype != "auto":      # the engine's default: pods from before the field keep their args
+        args += ["--kv-cache-dtype", spec.kv.dtype]
     if not spec.kv.prefix_caching:
         args += ["--no-prefix-caching"]
     elif spec.kv.tier is not None:

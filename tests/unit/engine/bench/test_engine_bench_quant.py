@@ -4,16 +4,32 @@ from __future__ import annotations
 import pytest
 
 from consort_engine.bench import BenchError
-from consort_engine.bench.quant import DEFAULT_ARMS, machine, parse_arms, round_order, table
+from consort_engine.bench.quant import DEFAULT_ARMS, add_args, machine, parse_arms, round_order, table
 
 
 def test_arms_parse_and_bad_ones_are_refused():
-    assert parse_arms(DEFAULT_ARMS["cpu"])[0] == ("float32", "none")
-    assert parse_arms("bfloat16:none, bfloat16:fp8") == [("bfloat16", "none"), ("bfloat16", "fp8")]
-    assert parse_arms("float32:none,bfloat16:awq") == [("float32", "none"), ("bfloat16", "awq")]
-    for bad in ("float32", "float64:none", "float32:int4", "float32:none,float32:none"):
+    assert parse_arms(DEFAULT_ARMS["cpu"])[0] == ("float32", "none", "auto")
+    assert parse_arms("bfloat16:none, bfloat16:fp8") == [("bfloat16", "none", "auto"), ("bfloat16", "fp8", "auto")]
+    assert parse_arms("float32:none,bfloat16:awq") == [("float32", "none", "auto"), ("bfloat16", "awq", "auto")]
+    assert parse_arms("bfloat16:none,bfloat16:none:fp8,float32:int8:bfloat16") == [
+        ("bfloat16", "none", "auto"), ("bfloat16", "none", "fp8"), ("float32", "int8", "bfloat16")]
+    for bad in ("float32", "float64:none", "float32:int4", "float32:none,float32:none", "float32:none:int8",
+                "float32:none:fp8:x", "bfloat16:none:auto,bfloat16:none"):
         with pytest.raises(BenchError):
             parse_arms(bad)
+
+
+def test_the_workload_takes_prompt_and_output_ranges():
+    import argparse
+
+    p = argparse.ArgumentParser()
+    add_args(p)
+    a = p.parse_args(["--prompt-len", "1024,2048", "--output-len", "128"])
+    assert (a.prompt_len, a.output_len) == ((1024, 2048), (128, 128))
+    assert p.parse_args([]).prompt_len == (64, 512)
+    for bad in ("0,4", "9,3", "x"):
+        with pytest.raises(SystemExit):
+            p.parse_args(["--prompt-len", bad])
 
 
 def test_every_arm_takes_every_position_once_per_cycle():
@@ -26,9 +42,9 @@ def test_every_arm_takes_every_position_once_per_cycle():
 
 
 def test_table_gives_medians_and_ratios_to_the_first_arm():
-    arms = [("float32", "none"), ("float32", "w8a8")]
+    arms = [("float32", "none", "auto"), ("float32", "w8a8", "fp8")]
     rows = table(arms, {arms[0]: [100.0, 120.0, 110.0], arms[1]: [150.0, 170.0, 160.0]}, "tok/s")
-    assert rows[0].startswith("| dtype | quantization | round 0 tok/s")
-    assert rows[2] == "| float32 | none | 100.0 | 120.0 | 110.0 | 110.0 | 1.00x |"
-    assert rows[3] == "| float32 | w8a8 | 150.0 | 170.0 | 160.0 | 160.0 | 1.45x |"
+    assert rows[0].startswith("| dtype | quantization | kv cache | round 0 tok/s")
+    assert rows[2] == "| float32 | none | auto | 100.0 | 120.0 | 110.0 | 110.0 | 1.00x |"
+    assert rows[3] == "| float32 | w8a8 | fp8 | 150.0 | 170.0 | 160.0 | 160.0 | 1.45x |"
     assert "flags:" in machine()

@@ -123,7 +123,7 @@ def test_tier_size_flag_takes_binary_suffixes_and_refuses_nonsense():
             byte_size(bad)
 
 
-def test_the_layout_identity_names_the_weight_quantization(tmp_path):
+def test_the_layout_identity_names_the_weight_quantization_and_both_dtypes(tmp_path):
     import json
     from types import SimpleNamespace
 
@@ -133,6 +133,15 @@ def test_the_layout_identity_names_the_weight_quantization(tmp_path):
 
     (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 8}))
     cache = torch.zeros(2, 2, 4, 16, 2, 8)
-    ids = {q: layout_identity(SimpleNamespace(model=str(tmp_path), quantization=q), cache, "cpu_kernel", 0, 1)
+    ids = {q: layout_identity(SimpleNamespace(model=str(tmp_path), quantization=q), torch.float32, cache,
+                              "cpu_kernel", 0, 1)
            for q in ("none", "int8", "w8a8")}
     assert len(set(ids.values())) == 3        # int8 weights compute other K/V: never each other's blocks
+    config = SimpleNamespace(model=str(tmp_path), quantization="none")
+    # the same pool element from other weights, and other pool elements from the same weights: all differ
+    pools = {(w, c): layout_identity(config, w, cache.to(c), "cpu_kernel", 0, 1)
+             for w, c in ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                          (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float8_e4m3fn),
+                          (torch.float32, torch.float8_e4m3fn))}
+    assert len(set(pools.values())) == 5
+    assert "dtype=bfloat16 kv=float8_e4m3fn " in pools[torch.bfloat16, torch.float8_e4m3fn]

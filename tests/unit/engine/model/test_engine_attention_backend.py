@@ -23,3 +23,55 @@ def test_flash_only_for_half_precision_and_whole_256_token_pages(monkeypatch):
     assert choose_backend(cuda, torch.float32, 256) == "torch"
     monkeypatch.setattr(attention, "flash_attn_varlen_func", None)
     assert choose_backend(cuda, torch.bfloat16, 256) == "torch"
+
+
+def test_the_kv_cache_dtype_narrows_the_pool_only_where_the_backend_reads_it():
+    import pytest
+
+    from consort_engine.config import KV_CACHE_DTYPES
+    from consort_engine.model.attention import FP8, kv_cache_dtype
+
+    assert KV_CACHE_DTYPES == ("auto", *attention.KV_ELEMENTS)      # the CLI's choices are the elements
+    for backend in ("cpu_kernel", "torch", "flash", "triton"):
+        for dtype in (torch.float32, torch.bfloat16):
+            assert kv_cache_dtype("auto", dtype, backend) == dtype
+    for backend in ("cpu_kernel", "torch"):
+        assert kv_cache_dtype("bfloat16", torch.float32, backend) == torch.bfloat16
+        assert kv_cache_dtype("fp8", torch.bfloat16, backend) == FP8
+        assert kv_cache_dtype("fp8", torch.float32, backend) == FP8
+    assert kv_cache_dtype("bfloat16", torch.bfloat16, "flash") == torch.bfloat16     # the model's own: no change
+    for backend, dtype, choice in (("flash", torch.bfloat16, "fp8"), ("triton", torch.float32, "bfloat16"),
+                                   ("triton", torch.bfloat16, "fp8")):
+        with pytest.raises(ValueError, match="use auto"):
+            kv_cache_dtype(choice, dtype, backend)
+    with pytest.raises(ValueError, match="one of auto"):
+        kv_cache_dtype("int8", torch.float32, "cpu_kernel")
+
+
+def test_the_portable_path_stores_and_reads_an_fp8_pool():
+    """The torch backend (CUDA without Triton, CONSORT_ATTENTION_BACKEND=torch): index_copy_ has no float8
+    kernel, so the store copies bytes; decode reads what the pool holds, widened."""
+    from consort_engine.model.attention import FP8, AttentionMetadata, PagedAttention
+
+    g = torch.Generator().manual_seed(3)
+    h, kvh, d, bs = 4, 2, 16, 4
+    attn = PagedAttention(h, kvh, d, d ** -0.5, "torch")
+    attn.k_cache, attn.v_cache = (torch.zeros(6, bs, kvh, d, dtype=FP8) for _ in range(2))
+    ctx = 7                                                  # one sequence in blocks 3 and 1
+    k, v = torch.randn(ctx, kvh, d, generator=g) * 3, torch.randn(ctx, kvh, d, generator=g)
+    k[0, 0, 0] = 1000.0                                      # beyond e4m3's 448: saturates, as the C store does
+    slots = torch.tensor([3 * bs + i for i in range(bs)] + [1 * bs + i for i in range(ctx - bs)])
+    attn.store(k, v, slots)
+    held_k = attn.k_cache.view(-1, kvh, d)[slots]
+    assert torch.equal(held_k.view(torch.uint8), k.to(FP8).view(torch.uint8))
+    assert held_k[0, 0, 0].float() == 448.0
+    q = torch.randn(1, h, d, generator=g)
+    meta = AttentionMetadata(slot_mapping=torch.tensor([-1]), num_batched_tokens=1,
+                             block_tables=torch.tensor([[3, 1]], dtype=torch.int32),
+                             context_lens=torch.tensor([ctx], dtype=torch.int32))
+    out = attn._gathered_decode(q, meta, bs)
+    kf, vf = held_k.float(), attn.v_cache.view(-1, kvh, d)[slots].float()
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0), kf.transpose(0, 1).unsqueeze(0), vf.transpose(0, 1).unsqueeze(0),
+        scale=d ** -0.5, enable_gqa=True)
+    torch.testing.assert_close(out, ref[0].transpose(0, 1).reshape(1, -1), rtol=1e-5, atol=1e-5)
