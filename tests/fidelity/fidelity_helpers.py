@@ -195,6 +195,13 @@ HELD_OUT = [Path("/usr/include/stdlib.h"), Path("/usr/include/stdio.h")]   # C h
 # where many positions are near-ties: top-1 agreement is the strictest of the three there.
 QUANT_BOUNDS = {"none": (0.99, 1e-3, 1e-4), "int8": (0.95, 0.15, 0.005),
                 "w8a8": (0.75, 0.6, 0.015), "fp8": (0.75, 0.6, 0.015)}
+# the same three for a narrower KV pool (--kv-cache-dtype), per (model dtype, pool element)
+KV_BOUNDS = {
+    ("float32", "auto"): (0.99, 1e-3, 1e-4),
+    ("float32", "bfloat16"): (0.97, 0.1, 0.003),
+    ("float32", "fp8"): (0.90, 0.5, 0.02),
+    ("bfloat16", "fp8"): (0.90, 0.5, 0.02),
+}
 
 
 @dataclass

@@ -240,19 +240,19 @@ class PagedAttention(HooklessModule):
         return o.reshape(q.shape[0], -1)
 
 
-def kv_cache_dtype(choice: str, dtype: torch.dtype, backend: str) -> torch.dtype:
+def kv_cache_dtype(choice: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The pool's element type for --kv-cache-dtype: auto is the weights' dtype; bfloat16 (half a float32
-    pool's bytes) or fp8 (float8 e4m3, unscaled and saturating at +-448: half a bfloat16 pool's) where the
-    backend reads them, the CPU kernels and the portable torch path; flash-attn 2 and the Triton kernel
-    read the model's own dtype only. ValueError for a choice this backend cannot serve."""
+    pool's bytes) or fp8 (float8 e4m3, unscaled and saturating at +-448: half a bfloat16 pool's). Every
+    backend but flash-attn 2 reads them (choose_backend); on CUDA fp8 needs compute capability 8.9 or newer
+    (the Triton kernel's e4m3 loads). ValueError for a choice this device cannot serve."""
     if choice == "auto":
         return dtype
     if choice not in KV_ELEMENTS:
         raise ValueError(f"kv cache dtype {choice!r}: one of auto, {', '.join(KV_ELEMENTS)}")
     want = KV_ELEMENTS[choice]
-    if want != dtype and backend not in ("cpu_kernel", "torch"):
-        raise ValueError(f"kv cache dtype {choice}: the {backend} attention backend (CUDA) reads a pool of the "
-                         f"model's dtype ({str(dtype).removeprefix('torch.')}) only; use auto there")
+    if want == FP8 and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError("kv cache dtype fp8: this GPU has no e4m3 conversions (compute capability below 8.9); "
+                         "use auto or bfloat16")
     return want
 
 
@@ -267,12 +267,16 @@ def flash_capable(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 8
 
 
-def flash_refusal(device: torch.device, dtype: torch.dtype, block_size: int) -> str | None:
-    """Why flash-attn does not serve a CUDA runner of this dtype and block size; None when it does."""
+def flash_refusal(device: torch.device, dtype: torch.dtype, block_size: int,
+                  kv_dtype: torch.dtype | None = None) -> str | None:
+    """Why flash-attn does not serve a CUDA runner of this dtype, block size and pool element (None: the
+    model's dtype); None when it does."""
     if flash_attn_varlen_func is None:
         return f"flash-attn does not import ({FLASH_IMPORT_ERROR})"
     if dtype not in (torch.float16, torch.bfloat16):
         return f"dtype {dtype}: flash-attn has no fp32 kernels"
+    if kv_dtype not in (None, dtype):
+        return f"kv cache dtype {kv_dtype}: flash-attn 2 reads a pool of the model's dtype only"
     if block_size % 256:
         return f"block size {block_size}: flash-attn reads paged KV in 256-token pages"
     if not flash_capable(device):
@@ -280,10 +284,12 @@ def flash_refusal(device: torch.device, dtype: torch.dtype, block_size: int) -> 
     return None
 
 
-def choose_backend(device: torch.device, dtype: torch.dtype, block_size: int) -> str:
-    """flash (CUDA + flash-attn on Ampere+, fp16/bf16, block_size % 256 == 0), triton (other CUDA cases), cpu_kernel
-    (CPU, fp32/bf16, a C compiler) or torch. flash-attn has no fp32 kernels (it rejects the call), so
-    a float32 specialist on CUDA takes Triton even with 256-token blocks.
+def choose_backend(device: torch.device, dtype: torch.dtype, block_size: int,
+                   kv_dtype: torch.dtype | None = None) -> str:
+    """flash (CUDA + flash-attn on Ampere+, fp16/bf16, block_size % 256 == 0, a pool of the model's dtype),
+    triton (other CUDA cases), cpu_kernel (CPU, fp32/bf16, a C compiler) or torch. flash-attn has no fp32
+    kernels (it rejects the call), so a float32 specialist on CUDA takes Triton even with 256-token blocks;
+    so does a narrower pool (kv_dtype), which the Triton kernel widens as it loads.
 
     CONSORT_ATTENTION_BACKEND=torch forces the portable path (tests compare the two); =triton forces the
     Triton kernel (on CPU only under TRITON_INTERPRET=1, which is how tests run it without a GPU)."""
@@ -291,7 +297,7 @@ def choose_backend(device: torch.device, dtype: torch.dtype, block_size: int) ->
     if forced == "torch" or (forced == "triton" and triton_available()):
         return forced
     if device.type == "cuda":
-        if flash_refusal(device, dtype, block_size) is None:
+        if flash_refusal(device, dtype, block_size, kv_dtype) is None:
             return "flash"
         return "triton" if triton_available() else "torch"
     if dtype in (torch.float32, torch.bfloat16) and cpu_kernels() is not None:

@@ -130,12 +130,12 @@ class ModelRunner:
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
         if cfg.sliding_window:     # no sliding-window kernel: stay where full attention is exact
             self.max_model_len = min(self.max_model_len, cfg.sliding_window)
-        self.backend = choose_backend(self.device, self.dtype, self.block_size)
-        if self.device.type == "cuda" and self.backend != "flash":
-            log.info("attention on CUDA: %s, not flash-attn (%s)", self.backend,
-                     flash_refusal(self.device, self.dtype, self.block_size) or "CONSORT_ATTENTION_BACKEND")
-        self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.backend)   # the pool's element
+        self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)   # the pool's element
         log.info("KV cache in %s (--kv-cache-dtype %s)", self.kv_dtype, config.kv_cache_dtype)
+        self.backend = choose_backend(self.device, self.dtype, self.block_size, self.kv_dtype)
+        if self.device.type == "cuda" and self.backend != "flash":
+            log.info("attention on CUDA: %s, not flash-attn (%s)", self.backend, flash_refusal(
+                self.device, self.dtype, self.block_size, self.kv_dtype) or "CONSORT_ATTENTION_BACKEND")
         self.max_kernel_query = (max(1, 256 // (cfg.num_attention_heads // cfg.num_key_value_heads))
                                  if self.backend in ("cpu_kernel", "triton") else 1)
         self.max_kernel_query = min(self.max_kernel_query, MAX_KERNEL_QUERY)
@@ -440,10 +440,11 @@ class ModelRunner:
             self.workers.call("zero_slots", slots)
         idx = torch.tensor(slots, dtype=torch.int64, device=self.device)
         blocks, offsets = idx // self.block_size, idx % self.block_size
+        pool = self.kv_cache.view(torch.uint8)   # zero bytes are 0.0 in every element (float8 has no index_put)
         if self.backend == "cpu_kernel":       # [layers, 2, blocks, kv_heads, block_size, D]
-            self.kv_cache[:, :, blocks, :, offsets, :] = 0
+            pool[:, :, blocks, :, offsets, :] = 0
         else:                                   # [layers, 2, blocks, block_size, kv_heads, D]
-            self.kv_cache[:, :, blocks, offsets] = 0
+            pool[:, :, blocks, offsets] = 0
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:

@@ -112,7 +112,7 @@ class KVCache(Model):
                                           description="Share of the memory left after the weights and an activation reserve that the KV pool takes (GPU: free device memory; CPU: the node's available memory capped by the pod's memory limit). Sized once at start; the pool never grows. Default: the engine's own (0.5 on CPU, 0.9 on GPU).")
     num_blocks: int | None = Field(default=None, ge=1, le=10_000_000, description="Exact KV pool size in blocks (overrides memoryFraction sizing).")
     prefix_caching: bool = Field(default=True, description="Reuse KV blocks across requests sharing a prefix (key: specialist, adapter, token-prefix hash).")
-    dtype: Literal["auto", "bfloat16", "fp8"] = Field(default="auto", description="Element of the KV pool: auto = the model's dtype; `bfloat16` (a float32 model's pool in half the memory) or `fp8` (float8 e4m3, unscaled, saturating at +-448: half a bfloat16 pool), so decode attention reads half the bytes and the pool holds twice the tokens, for a small loss of fidelity (docs/kv-cache.md). Narrower than auto on CPU engines only (resources.gpus 0).")
+    dtype: Literal["auto", "bfloat16", "fp8"] = Field(default="auto", description="Element of the KV pool: auto = the model's dtype; `bfloat16` (a float32 model's pool in half the memory) or `fp8` (float8 e4m3, unscaled, saturating at +-448: half a bfloat16 pool), so decode attention reads half the bytes and the pool holds twice the tokens, for a small loss of fidelity (docs/kv-cache.md). On GPUs a narrower pool is read by the engine's Triton kernel instead of flash-attn, and fp8 needs compute capability 8.9 or newer (the engine refuses to start otherwise).")
     tier: KVTier | None = Field(default=None, description="A KV tier below the pool (docs/kv-cache.md): evicted prefix blocks are kept there and read back instead of recomputed. Unset: no tier.")
 
     @model_validator(mode="after")
@@ -172,10 +172,6 @@ QUANTIZATION_RULE = ("!has(self.model.quantization) || !(self.model.quantization
                      "((self.model.quantization == 'fp8') == (!has(self.resources) || !has(self.resources.gpus) || self.resources.gpus > 0))")
 LOAD_TIME_QUANTIZATIONS = ("int8", "w8a8", "fp8")
 QUANTIZATION_MESSAGE = "model.quantization fp8 needs resources.gpus > 0; int8 and w8a8 run on CPU engines (gpus 0)"
-# a pool narrower than the model's dtype is read by the CPU kernels only (model/attention.kv_cache_dtype in the engine)
-KV_DTYPE_RULE = ("!has(self.kv) || !has(self.kv.dtype) || self.kv.dtype == 'auto' || "
-                 "(has(self.resources) && has(self.resources.gpus) && self.resources.gpus == 0)")
-KV_DTYPE_MESSAGE = "kv.dtype bfloat16 and fp8 need a CPU engine (resources.gpus 0); GPU engines keep auto"
 
 
 class ScaleToZero(Model):
@@ -211,7 +207,6 @@ class SpecialistSpec(Model):
         cel("!has(self.tensorParallelSize) || self.tensorParallelSize == 1 || !has(self.adapters) || size(self.adapters) == 0",
             "LoRA adapters are not supported with tensorParallelSize > 1 yet", field_path=".tensorParallelSize"),
         cel(QUANTIZATION_RULE, QUANTIZATION_MESSAGE, field_path=".model.quantization"),
-        cel(KV_DTYPE_RULE, KV_DTYPE_MESSAGE, field_path=".kv.dtype"),
     ]}}
 
     model: ModelSource = Field(description="Checkpoint and tokenizer of this specialist (a Hugging Face checkpoint of a supported architecture: Llama, Mistral, Qwen2, Qwen3, or Bamba, hybrid attention + Mamba2).")
@@ -254,8 +249,6 @@ class SpecialistSpec(Model):
                 raise ValueError("LoRA adapters are not supported with tensorParallelSize > 1 yet")
         if self.model.quantization in LOAD_TIME_QUANTIZATIONS and (self.model.quantization == "fp8") != (self.resources.gpus > 0):
             raise ValueError(QUANTIZATION_MESSAGE)
-        if self.kv.dtype != "auto" and self.resources.gpus > 0:
-            raise ValueError(KV_DTYPE_MESSAGE)
         return self
 
     def adapter_names(self) -> list[str]:

@@ -57,8 +57,6 @@ def test_invalid_manifests_are_rejected_by_kubectl_apply(cluster, crds, namespac
                                       "resources.gpus must equal tensorParallelSize"),
         "unknown field": (variant(gpuCount=2), 'unknown field "spec.gpuCount"'),
         "bad model source": (variant(**{"model.source": "s3://bucket/model"}), "spec.model.source in body should match"),
-        "fp8 KV cache on a GPU engine": (variant(**{"kv.dtype": "fp8", "resources.gpus": 1}),
-                                         "kv.dtype bfloat16 and fp8 need a CPU engine (resources.gpus 0)"),
         "wrong enum (kv.dtype)": (variant(**{"kv.dtype": "int4"}), 'spec.kv.dtype: Unsupported value: "int4"'),
     }
     for what, (manifest, expected) in cases.items():

@@ -29,3 +29,22 @@ def test_fp8_engine_on_cuda_stays_close_to_the_unquantized_model(tmp_path):
     case = held_out_case(tmp_path)
     plps = engine_prompt_logprobs(case.checkpoint, case.prompts, device="cuda", dtype="bfloat16", quantization="fp8")
     assert_quant_fidelity(case, plps, "fp8", name="cuda bf16 ")
+
+
+def test_an_fp8_kv_pool_on_cuda_takes_the_triton_kernel_and_holds_the_cpu_bounds(tmp_path):
+    """`--kv-cache-dtype fp8` on the GPU: 256-token blocks would take flash-attn, which reads the model's dtype
+    only, so the pool is read by the Triton kernel (decode) and SDPA over the widened context (prefill
+    chunks); held to the bounds tests/fidelity/engine/test_engine_kv_cache_dtype.py holds the CPU engine to."""
+    from fidelity_helpers import KV_BOUNDS, assert_quant_fidelity, held_out_case, run_engine
+
+    from consort_engine.kv.sequence import SamplingParams, Sequence
+
+    case = held_out_case(tmp_path)
+    seqs = [Sequence(list(p), SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, prompt_logprobs=1))
+            for p in case.prompts]
+    engine = run_engine(case.checkpoint, seqs, device="cuda", dtype="bfloat16", kv_cache_dtype="fp8",
+                        block_size=256, max_num_batched_tokens=48, enable_prefix_caching=False)
+    assert engine.runner.backend == "triton" and engine.runner.kv_cache.dtype == torch.float8_e4m3fn
+    assert_quant_fidelity(case, [s.prompt_logprobs for s in seqs], "fp8", name="cuda kv ",
+                          bounds=KV_BOUNDS["bfloat16", "fp8"])
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

@@ -75,3 +75,22 @@ def test_a_second_engine_on_the_same_directory_starts_warm(demo, tmp_path):
     assert seq.num_cached_tokens == (len(prompt) - 1) // 4 * 4 > 0
     assert seq.output_token_ids == out[0]
     assert second.stats()["prefix_cache_hits"] == 0 and second.stats()["tier_cache_hits"] == seq.num_cached_tokens
+
+
+def test_an_fp8_pool_round_trips_the_tier_and_keeps_to_its_own_layout(demo, tmp_path):
+    """fp8 blocks (a quarter of fp32's bytes) go out to the tier and come back bit for bit: the outputs
+    are those of an fp8 engine whose pool never evicted; an fp32 engine on the same directory finds none
+    of them (its layout identity names the other pool element)."""
+    reference = two_rounds(engine(demo, num_blocks=512, kv_cache_dtype="fp8"))
+    eng = engine(demo, num_blocks=40, max_num_batched_tokens=32, kv_tier_path=str(tmp_path), kv_cache_dtype="fp8")
+    assert eng.runner.kv_cache.element_size() == 1
+    with_tier = two_rounds(eng)
+    stats = eng.stats()
+    assert stats["kv_tier_written"] > 0 and stats["tier_cache_hits"] > 0 and stats["num_preemptions"] > 0, stats
+    assert with_tier == reference
+    eng.block_manager.check_invariants([])
+    eng.close()
+    fp32 = engine(demo, num_blocks=512, kv_tier_path=str(tmp_path))
+    assert fp32.runner.kv_bytes_per_token == 4 * eng.runner.kv_bytes_per_token
+    fp32.generate(prompts()[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert fp32.stats()["tier_cache_hits"] == 0

@@ -25,27 +25,36 @@ def test_flash_only_for_half_precision_and_whole_256_token_pages(monkeypatch):
     assert choose_backend(cuda, torch.bfloat16, 256) == "torch"
 
 
-def test_the_kv_cache_dtype_narrows_the_pool_only_where_the_backend_reads_it():
+def test_the_kv_cache_dtype_and_the_backend_that_reads_it(monkeypatch):
     import pytest
 
     from consort_engine.config import KV_CACHE_DTYPES
     from consort_engine.model.attention import FP8, kv_cache_dtype
 
     assert KV_CACHE_DTYPES == ("auto", *attention.KV_ELEMENTS)      # the CLI's choices are the elements
-    for backend in ("cpu_kernel", "torch", "flash", "triton"):
-        for dtype in (torch.float32, torch.bfloat16):
-            assert kv_cache_dtype("auto", dtype, backend) == dtype
-    for backend in ("cpu_kernel", "torch"):
-        assert kv_cache_dtype("bfloat16", torch.float32, backend) == torch.bfloat16
-        assert kv_cache_dtype("fp8", torch.bfloat16, backend) == FP8
-        assert kv_cache_dtype("fp8", torch.float32, backend) == FP8
-    assert kv_cache_dtype("bfloat16", torch.bfloat16, "flash") == torch.bfloat16     # the model's own: no change
-    for backend, dtype, choice in (("flash", torch.bfloat16, "fp8"), ("triton", torch.float32, "bfloat16"),
-                                   ("triton", torch.bfloat16, "fp8")):
-        with pytest.raises(ValueError, match="use auto"):
-            kv_cache_dtype(choice, dtype, backend)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    for dtype in (torch.float32, torch.bfloat16):
+        assert kv_cache_dtype("auto", dtype, cpu) == dtype
+        assert kv_cache_dtype("fp8", dtype, cpu) == FP8
+    assert kv_cache_dtype("bfloat16", torch.float32, cpu) == torch.bfloat16
     with pytest.raises(ValueError, match="one of auto"):
-        kv_cache_dtype("int8", torch.float32, "cpu_kernel")
+        kv_cache_dtype("int8", torch.float32, cpu)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))    # an A100
+    assert kv_cache_dtype("bfloat16", torch.float16, cuda) == torch.bfloat16
+    with pytest.raises(ValueError, match="8.9"):
+        kv_cache_dtype("fp8", torch.bfloat16, cuda)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))    # an H100 / H200
+    assert kv_cache_dtype("fp8", torch.bfloat16, cuda) == FP8
+    # flash-attn 2 reads the model's own dtype only: a narrower pool takes the Triton kernel
+    monkeypatch.delenv("CONSORT_ATTENTION_BACKEND", raising=False)
+    monkeypatch.setattr(attention, "flash_attn_varlen_func", object())
+    monkeypatch.setattr(attention, "triton_available", lambda: True)
+    monkeypatch.setattr(attention, "flash_capable", lambda device: True)
+    assert choose_backend(cuda, torch.bfloat16, 256, torch.bfloat16) == "flash"
+    assert choose_backend(cuda, torch.bfloat16, 256, FP8) == "triton"
+    assert "flash-attn 2 reads a pool of the model's dtype" in attention.flash_refusal(cuda, torch.bfloat16, 256, FP8)
+    monkeypatch.setattr(attention, "cpu_kernels", lambda: object())
+    assert choose_backend(cpu, torch.bfloat16, 16, FP8) == "cpu_kernel"
 
 
 def test_the_portable_path_stores_and_reads_an_fp8_pool():
