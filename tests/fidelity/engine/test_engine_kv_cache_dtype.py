@@ -27,6 +27,9 @@ def test_a_narrower_pool_stays_close_to_the_model(case, dtype, kv):
     assert_quant_fidelity(case, plps, kv, name=f"{dtype} model, kv ", bounds=KV_BOUNDS[dtype, kv])
 
 
+MARGIN = 0.2     # logits between transformers' first two tokens: below it, a pool's rounding may pick either
+
+
 @pytest.mark.skipif(cpu_kernels() is None, reason="the C kernels need a compiler")
 def test_greedy_decoding_over_an_fp8_pool_matches_the_reference_where_it_is_sure(case):
     """Decode steps read the fp8 pool through the decode kernel: each greedy token the engine picks over
@@ -41,15 +44,16 @@ def test_greedy_decoding_over_an_fp8_pool_matches_the_reference_where_it_is_sure
     engine = run_engine(case.checkpoint, seqs, dtype="float32", kv_cache_dtype="fp8")
     assert engine.runner.kv_cache.dtype == torch.float8_e4m3fn
     hf = hf_model(case.checkpoint)
-    sure = agree = 0
+    sure = agree = total = agree_all = 0
     for s in seqs:
         with torch.no_grad():
             logits = hf(torch.tensor([s.token_ids])).logits[0, 63:-1].float()
         top2 = logits.topk(2, -1)
-        clear = (top2.values[:, 0] - top2.values[:, 1]) > 0.5
-        picked = torch.tensor(s.output_token_ids)
-        sure += int(clear.sum())
-        agree += int((top2.indices[:, 0] == picked)[clear].sum())
-    print(f"\nfp8 pool, greedy: {agree}/{sure} clear positions agree with transformers")
-    assert sure >= 40 and agree / sure >= 0.95
+        clear = (top2.values[:, 0] - top2.values[:, 1]) > MARGIN
+        same = top2.indices[:, 0] == torch.tensor(s.output_token_ids)
+        sure, agree = sure + int(clear.sum()), agree + int(same[clear].sum())
+        total, agree_all = total + len(same), agree_all + int(same.sum())
+    print(f"\nfp8 pool, greedy: {agree}/{sure} positions with a margin over {MARGIN} and {agree_all}/{total} "
+          "in all agree with transformers")
+    assert sure >= 40 and agree / sure >= 0.97 and agree_all / total >= 0.85
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks   # nothing leaked
