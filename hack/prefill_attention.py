@@ -2,18 +2,18 @@
 (csrc prefill_attention_f32, AVX-512 and AVX2 + FMA builds) against torch's SDPA, the path it replaces
 (causal over a fresh chunk's own K/V, or over the gathered context after a prefix-cache hit), on the
 benchmark model's heads (8 query heads, 4 kv heads, head size 64; --head-dim 128 takes 16 and 2),
-float32 queries over a float32 pool (--kv-dtype bfloat16: a bf16 model computing in fp32) and
-scattered pool blocks. `--q-dtype bfloat16` (a bf16 model computing in bf16, over a bf16 pool) adds
-the kernel with the queries widened to fp32 (what the engine runs where the library has no AVX-512
-BF16 pair dot product) beside the bf16 kernel. All sides run the same spans through PagedAttention, best
-of 5 in rotation, so a burst of neighbour load hits them alike. FLOPs: 4 x heads x head size per visible
-(query, key) pair.
+float32 queries over a float32 pool (--kv-dtype bfloat16: a bf16 model computing in fp32;
+float8_e4m3fn: an fp8 pool) and scattered pool blocks. `--q-dtype bfloat16` (a bf16 model computing in
+bf16, over a bf16 or fp8 pool) adds the kernel with the queries widened to fp32 (what the engine runs where
+the library has no AVX-512 BF16 pair dot product) beside the bf16 kernel. All sides run the same spans
+through PagedAttention, best of 5 in rotation, so a burst of neighbour load hits them alike. FLOPs:
+4 x heads x head size per visible (query, key) pair.
 
 `--tree DIR` adds another checkout's kernels (a `git worktree` of the commit before a change), built with
 this machine's -march=native and the engine's flags, run in rotation with this one's on the same pools.
 
-    PYTHONPATH=engine-image .venv/bin/python hack/prefill_attention.py [--head-dim 128] [--kv-dtype bfloat16]
-        [--q-dtype bfloat16] [--tree DIR]
+    PYTHONPATH=engine-image .venv/bin/python hack/prefill_attention.py [--head-dim 128]
+        [--kv-dtype bfloat16|float8_e4m3fn] [--q-dtype bfloat16] [--tree DIR]
 """
 from __future__ import annotations
 
@@ -120,13 +120,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=0, help="torch and kernel threads (0: torch's default)")
     ap.add_argument("--head-dim", type=int, default=64, choices=(64, 128))
-    ap.add_argument("--kv-dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--kv-dtype", default="float32", choices=("float32", "bfloat16", "float8_e4m3fn"))
     ap.add_argument("--q-dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--tree", type=Path, default=None, help="another checkout's kernels, timed beside this one's")
     a = ap.parse_args()
-    if a.q_dtype == "bfloat16" and a.kv_dtype != "bfloat16":
-        ap.error("--q-dtype bfloat16 runs over a bfloat16 pool (--kv-dtype bfloat16)")
-    from consort_engine.model.cpu_kernels import cpu_kernels, set_threads
+    if a.q_dtype == "bfloat16" and a.kv_dtype == "float32":
+        ap.error("--q-dtype bfloat16 runs over a bfloat16 or fp8 pool (--kv-dtype bfloat16 or float8_e4m3fn)")
+    from consort_engine.model.cpu_kernels import cpu_kernels, kernel_suffix, set_threads
     if a.threads:
         set_threads(a.threads)
     if cpu_kernels() is None or not hasattr(cpu_kernels(), "prefill_attention_f32"):
@@ -145,7 +145,7 @@ def main() -> None:
           f"GFLOP/s, best of 5")
     kernel_name = "kernel"
     if widened:
-        built = hasattr(cpu_kernels(), "prefill_attention_bf16")
+        built = hasattr(cpu_kernels(), f"prefill_attention_{kernel_suffix(q_dtype, kv_dtype)}")
         kernel_name = f"kernel ({'bf16 pair dot' if built else 'widened too: no AVX-512 BF16 build'})"
     with tempfile.TemporaryDirectory() as tmp:
         other = build_tree(a.tree.resolve(), Path(tmp) / "other.so") if a.tree else None
@@ -157,6 +157,9 @@ def main() -> None:
         g = torch.Generator().manual_seed(0)
         for name, spans in CASES:
             attn, (q, k, v), meta, flops = setup(spans, h, kvh, a.head_dim, kv_dtype, q_dtype, g)
+            if not attn._prefill_kernel(q, torch.empty(q.shape[0], h * a.head_dim, dtype=q_dtype), meta):
+                raise SystemExit(f"the layer runs SDPA, not the kernel, for {a.q_dtype} queries over a {a.kv_dtype} "
+                                 "pool: nothing to compare")
             sides = ({"other": OtherTree(attn, other)} if other else {}) | {"kernel": attn} \
                 | ({"widened": Widened(attn)} if widened else {}) | {"sdpa": sdpa_only(attn)}
             best = dict.fromkeys(sides, 0.0)

@@ -176,10 +176,10 @@ class PagedAttention(HooklessModule):
 
     def _prefill_kernel(self, q: torch.Tensor, out: torch.Tensor, meta: AttentionMetadata) -> bool:
         """Every prefill span through a C kernel reading the pool in place (head size 64/128, AVX-512 or AVX2
-        build): float32 queries over a float32, bfloat16 or fp8 pool; bfloat16 queries over a bfloat16 pool on
-        the bf16 pair dot product where the library has it (AVX-512 BF16), else widened to float32 and the
-        output rounded back (so too over an fp8 pool); except with AMX, where SDPA's bf16 GEMMs run on AMX
-        tiles (not compared there). False where none applies (then SDPA runs)."""
+        build): float32 queries over a float32, bfloat16 or fp8 pool; bfloat16 queries over a bfloat16 or fp8
+        pool on the bf16 pair dot product where the library has it (AVX-512 BF16), else widened to float32 and
+        the output rounded back; except bf16 pools with AMX, where SDPA's bf16 GEMMs run on AMX tiles (not
+        compared there). False where none applies (then SDPA runs)."""
         kv = self.k_cache.dtype
         if self.backend != "cpu_kernel" or meta.prefill_block_tables is None \
                 or kv not in (torch.float32, torch.bfloat16, FP8):
@@ -188,8 +188,8 @@ class PagedAttention(HooklessModule):
             dtypes = (q.dtype,)
         elif q.dtype == torch.bfloat16 and kv == torch.bfloat16 and not AMX:
             dtypes = (q.dtype, torch.float32)
-        elif q.dtype == torch.bfloat16 and kv == FP8:     # widened: no bf16-query kernel over fp8
-            dtypes = (torch.float32,)
+        elif q.dtype == torch.bfloat16 and kv == FP8:     # the pair dot product over widened rows (AMX too)
+            dtypes = (q.dtype, torch.float32)
         else:
             return False
         for dtype in dtypes:

@@ -93,6 +93,9 @@ SIGNATURES = {   # name (per dtype suffix) -> (argtypes, restype)
     "gemm_packed_bytes_i8a8": ([L, L], L),
 }
 
+# The functions' dtype suffixes (kernel_suffix): activations, and where it differs the K/V pool's.
+SUFFIXES = ("f32", "bf16", "f32_bf16kv", "f32_fp8kv", "bf16_fp8kv")
+
 _lib: ctypes.CDLL | None | bool = False   # False = not tried yet
 
 
@@ -177,7 +180,7 @@ def load_library(so: Path) -> ctypes.CDLL:
     """A kernels library with its functions' C signatures set and its team at torch's thread count."""
     lib = ctypes.CDLL(str(so))
     for name, (argtypes, restype) in SIGNATURES.items():
-        for suffix in ("f32", "bf16", "f32_bf16kv"):
+        for suffix in SUFFIXES:
             fn = getattr(lib, f"{name}_{suffix}", None)
             if fn is not None:
                 fn.argtypes, fn.restype = argtypes, restype
@@ -206,18 +209,26 @@ def set_threads(n: int) -> None:
 _resolved: dict[tuple, object] = {}   # (library, name, dtype, kv dtype) -> its function
 
 
+def kernel_suffix(dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> str:
+    """The C function suffix (SUFFIXES) for this activation dtype (float32 or bfloat16) and, for the
+    attention kernels and the K/V store, the pool dtype: the activations' own, bfloat16 under float32
+    activations (f32_bf16kv), or float8_e4m3fn under either (f32_fp8kv, bf16_fp8kv)."""
+    act = "f32" if dtype == torch.float32 else "bf16"
+    if kv_dtype == torch.float8_e4m3fn:
+        return f"{act}_fp8kv"
+    if kv_dtype is not None and kv_dtype != dtype:
+        return "f32_bf16kv"
+    return act
+
+
 def kernel(name: str, dtype: torch.dtype, kv_dtype: torch.dtype | None = None):
-    """The compiled function for this activation dtype (float32 or bfloat16) and, for the
-    attention kernels, the KV cache dtype (float32 activations over a bfloat16 cache included).
-    AttributeError where the library does not build it. Resolved once: layers ask ~50 times a step."""
+    """The compiled function for this activation dtype and pool dtype (kernel_suffix). AttributeError
+    where the library does not build it. Resolved once: layers ask ~50 times a step."""
     lib = cpu_kernels()
     key = (lib, name, dtype, kv_dtype)
     fn = _resolved.get(key)
     if fn is None:
-        suffix = "f32" if dtype == torch.float32 else "bf16"
-        if kv_dtype is not None and kv_dtype != dtype:
-            suffix = "f32_bf16kv"
-        fn = _resolved[key] = getattr(lib, f"{name}_{suffix}")
+        fn = _resolved[key] = getattr(lib, f"{name}_{kernel_suffix(dtype, kv_dtype)}")
     return fn
 
 

@@ -20,16 +20,22 @@
  * where the items are fewer than the threads (one sequence, fewer kv heads than threads) each item's
  * context is split into parts instead (flash-decoding), merged by their softmax max and sum.
  * Scores are fp32, the softmax is exact (scores of one item fit a scratch row), the output is written in
- * the cache dtype.
+ * the queries' dtype.
+ *
+ * The pool holds fp32, bf16 or fp8 (float8 e4m3fn, common.h: the value itself, no scale): fp8 is half
+ * the bytes of bf16, so decode attention, which reads the whole context per token, reads half as much
+ * memory, and the pool holds twice the tokens. The kernels take fp32 or bf16 queries over each (suffixes
+ * f32, bf16, f32_bf16kv, f32_fp8kv, bf16_fp8kv); K/V rows are widened to fp32 as they are read.
  *
  * Head sizes 64 and 128 run on SIMD vectors (AVX-512 or AVX2 + FMA builds): a query row against VLEN
  * keys at a time, each key's products summed across the lanes of its vector and the VLEN sums gathered
  * into one vector by a transpose-add (sum_lanes), so no key pays a horizontal sum of its own; bf16
  * queries over a bf16 pool multiply pairs of elements in place where AVX-512 BF16 is built (vdpbf16ps:
  * bf16 products are exact in fp32), else both are widened (once per run where several query rows share
- * it: widen_run). The V pass keeps tiles of output rows in registers across a block's keys. On AVX2 over
- * an fp32 pool the scores keep the plain loops (scores_f32: measured faster there). Other head sizes
- * (and builds without those vectors) run plain loops.
+ * it: widen_run); an fp8 pool is widened the same way, under fp32 or bf16 queries. The V pass keeps tiles
+ * of output rows in registers across a block's keys. On AVX2 over an fp32 pool the scores keep the plain
+ * loops (scores_f32: measured faster there). Other head sizes (and builds without those vectors) run
+ * plain loops.
  */
 #include "common.h"
 
@@ -47,13 +53,17 @@ static inline void load_row_bf16(float *restrict dst, const bf16_t *restrict src
 static inline void copy_row_bf16(float *restrict dst, const bf16_t *restrict src, int D) {
     memcpy(dst, src, sizeof(bf16_t) * (size_t)D);
 }
-/* K/V row as fp32: the pool row itself for fp32, widened into `dst` for bf16. */
+/* K/V row as fp32: the pool row itself for fp32, widened into `dst` for bf16 and fp8. */
 static inline const float *kv_row_f32(float *restrict dst, const float *restrict src, int D) {
     (void)dst; (void)D;
     return src;
 }
 static inline const float *kv_row_bf16(float *restrict dst, const bf16_t *restrict src, int D) {
     load_row_bf16(dst, src, D);
+    return dst;
+}
+static inline const float *kv_row_fp8(float *restrict dst, const fp8_t *restrict src, int D) {
+    for (int d = 0; d < D; d++) dst[d] = fp8_to_f32(src[d]);
     return dst;
 }
 static inline void store_row_f32(float *restrict dst, const float *restrict src, int D) {
@@ -106,6 +116,7 @@ static AI void prefetch_key(prefetch_t pf, int o) {
     }
 DEFINE_PLAIN_RUNS(f32, float)
 DEFINE_PLAIN_RUNS(bf16, bf16_t)
+DEFINE_PLAIN_RUNS(fp8, fp8_t)
 
 #if defined(VEC)
 #if defined(__AVX512F__)
@@ -158,7 +169,8 @@ static AI void store_scores(float *s, VEC x, int m) {
 /* The runs on vectors (D a multiple of VLEN, a constant where the item is specialised). Scores take
  * VLEN keys at a time (past the run's end the last key repeats, its lanes not stored); the V pass
  * takes slices of SV vectors of D and tiles of up to RB rows, their accumulators in registers while the
- * run's values stream past, each value vector loaded (widened) once per tile. */
+ * run's values stream past, each value vector loaded (widened) once per tile. The lanes' unit
+ * (VEC_UNIT_*) is divided out of the scores' scale and the probabilities (pv_scaled's ps). */
 #define DEFINE_VEC_RUNS(KS, TKV)                                                                               \
     static AI void scores_vec_##KS(const float *q, int rq, const TKV *k, int64_t tok, int n, const int D,      \
                                    float scale, float *s, int ctx, float *row, prefetch_t pf) {                \
@@ -176,12 +188,12 @@ static AI void store_scores(float *s, VEC x, int m) {
                     for (int d = VLEN; d < D; d += VLEN) a = VEC_FMA(VEC_LOADU(qr + d), VEC_GET_##KS(kr[o] + d), a); \
                     p[o] = a;                                                                                  \
                 }                                                                                              \
-                store_scores(s + (int64_t)r * ctx + o0, VEC_MUL(sum_lanes(p), VEC_SET1(scale)), m);            \
+                store_scores(s + (int64_t)r * ctx + o0, VEC_MUL(sum_lanes(p), VEC_SET1(scale / VEC_UNIT_##KS)), m); \
             }                                                                                                  \
         }                                                                                                      \
     }                                                                                                          \
     static AI void pv_tile_##KS(float *acc, const TKV *v, int64_t tok, int n, const int D, int d0,             \
-                                const int SV, const int R, const float *s, int ctx, prefetch_t pf) {           \
+                                const int SV, const int R, const float *s, int ctx, float ps, prefetch_t pf) { \
         VEC a[ACC_VECS];                                                                                       \
         _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)                                                   \
             _Pragma("GCC unroll 16") for (int x = 0; x < SV; x++)                                              \
@@ -189,7 +201,7 @@ static AI void store_scores(float *s, VEC x, int m) {
         for (int o = 0; o < n; o++) {                                                                          \
             prefetch_key(pf, o);                                                                               \
             VEC p[PV_ROWS];                                                                                    \
-            _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) p[r] = VEC_SET1(s[(int64_t)r * ctx + o]);     \
+            _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) p[r] = VEC_SET1(s[(int64_t)r * ctx + o] * ps); \
             const TKV *vr = v + o * tok + d0;                                                                  \
             _Pragma("GCC unroll 16") for (int x = 0; x < SV; x++) {                                            \
                 const VEC y = VEC_GET_##KS(vr + x * VLEN);                                                        \
@@ -201,9 +213,8 @@ static AI void store_scores(float *s, VEC x, int m) {
             _Pragma("GCC unroll 16") for (int x = 0; x < SV; x++)                                              \
                 VEC_STOREU(acc + (int64_t)r * D + d0 + x * VLEN, a[r * SV + x]);                               \
     }                                                                                                          \
-    static AI void pv_vec_##KS(float *acc, int rq, const TKV *v, int64_t tok, int n, const int D,              \
-                               const float *s, int ctx, float *row, prefetch_t pf) {                           \
-        (void)row;                                                                                             \
+    static AI void pv_scaled_##KS(float *acc, int rq, const TKV *v, int64_t tok, int n, const int D,           \
+                                  const float *s, int ctx, float ps, prefetch_t pf) {                          \
         const int SV = PV_SV(D), RB = PV_RB(D);                                                                \
         for (int d0 = 0; d0 < D; d0 += SV * VLEN)                                                              \
             for (int r0 = 0; r0 < rq; r0 += RB) {                                                              \
@@ -211,15 +222,21 @@ static AI void store_scores(float *s, VEC x, int m) {
                 const float *sr = s + (int64_t)r0 * ctx;                                                       \
                 const prefetch_t p = d0 || r0 ? (prefetch_t){0, 0, 0, 0} : pf;   /* the first tile's */        \
                 switch (rq - r0 < RB ? rq - r0 : RB) {   /* R a constant in each tile, <= RB */                \
-                case 1: pv_tile_##KS(ar, v, tok, n, D, d0, SV, 1, sr, ctx, p); break;                        \
-                case 2: pv_tile_##KS(ar, v, tok, n, D, d0, SV, 2 < RB ? 2 : RB, sr, ctx, p); break;            \
-                case 3: pv_tile_##KS(ar, v, tok, n, D, d0, SV, 3 < RB ? 3 : RB, sr, ctx, p); break;            \
-                default: pv_tile_##KS(ar, v, tok, n, D, d0, SV, RB, sr, ctx, p); break;                        \
+                case 1: pv_tile_##KS(ar, v, tok, n, D, d0, SV, 1, sr, ctx, ps, p); break;                    \
+                case 2: pv_tile_##KS(ar, v, tok, n, D, d0, SV, 2 < RB ? 2 : RB, sr, ctx, ps, p); break;        \
+                case 3: pv_tile_##KS(ar, v, tok, n, D, d0, SV, 3 < RB ? 3 : RB, sr, ctx, ps, p); break;        \
+                default: pv_tile_##KS(ar, v, tok, n, D, d0, SV, RB, sr, ctx, ps, p); break;                    \
                 }                                                                                              \
             }                                                                                                  \
+    }                                                                                                          \
+    static AI void pv_vec_##KS(float *acc, int rq, const TKV *v, int64_t tok, int n, const int D,              \
+                               const float *s, int ctx, float *row, prefetch_t pf) {                           \
+        (void)row;                                                                                             \
+        pv_scaled_##KS(acc, rq, v, tok, n, D, s, ctx, 1.f / VEC_UNIT_##KS, pf);                                \
     }
 DEFINE_VEC_RUNS(f32, float)
 DEFINE_VEC_RUNS(bf16, bf16_t)
+DEFINE_VEC_RUNS(fp8, fp8_t)
 /* fp32 scores over an fp32 pool: on AVX2 the plain loops (the compiler's ymm dot products) measured faster
  * than scores_vec's (in cache 1.14x against 0.86x the earlier kernel's rate); over a run widened into L1
  * (scores_wide_bf16) scores_vec's were (verify windows 1.28x against 1.13x). The V tile pays off on both. */
@@ -229,27 +246,32 @@ DEFINE_VEC_RUNS(bf16, bf16_t)
 #define scores_f32 scores_plain_f32
 #endif
 
-/* fp32 arithmetic over bf16 runs with several query rows: the run's rows widened once into `row` (BS x D
- * floats), then the fp32 runs over them, instead of each row (or each V tile) widening them again. */
-static AI const float *widen_run(float *row, const bf16_t *k, int64_t tok, int n, const int D) {
-    for (int o = 0; o < n; o++)
-        for (int d = 0; d < D; d += VLEN) VEC_STOREU(row + (int64_t)o * D + d, VEC_GET_bf16(k + o * tok + d));
-    return row;
-}
-static AI void scores_wide_bf16(const float *q, int rq, const bf16_t *k, int64_t tok, int n, const int D,
-                                float scale, float *s, int ctx, float *row, prefetch_t pf) {
-    if (rq == 1)
-        scores_vec_bf16(q, rq, k, tok, n, D, scale, s, ctx, row, pf);
-    else
-        scores_vec_f32(q, rq, widen_run(row, k, tok, n, D), D, n, D, scale, s, ctx, row, pf);
-}
-static AI void pv_wide_bf16(float *acc, int rq, const bf16_t *v, int64_t tok, int n, const int D,
-                            const float *s, int ctx, float *row, prefetch_t pf) {
-    if (rq <= PV_RB(D))         /* one tile of rows: each vector is widened once anyway */
-        pv_vec_bf16(acc, rq, v, tok, n, D, s, ctx, row, pf);
-    else
-        pv_vec_f32(acc, rq, widen_run(row, v, tok, n, D), D, n, D, s, ctx, row, pf);
-}
+/* fp32 arithmetic over bf16 or fp8 runs with several query rows: the run's rows widened once into `row`
+ * (BS x D floats, in the lanes' unit), then the fp32 runs over them, instead of each row (or each V tile)
+ * widening them again. */
+#define DEFINE_WIDE_RUNS(KS, TKV)                                                                              \
+    static AI const float *widen_run_##KS(float *row, const TKV *k, int64_t tok, int n, const int D) {         \
+        for (int o = 0; o < n; o++)                                                                            \
+            for (int d = 0; d < D; d += VLEN) VEC_STOREU(row + (int64_t)o * D + d, VEC_GET_##KS(k + o * tok + d)); \
+        return row;                                                                                            \
+    }                                                                                                          \
+    static AI void scores_wide_##KS(const float *q, int rq, const TKV *k, int64_t tok, int n, const int D,     \
+                                    float scale, float *s, int ctx, float *row, prefetch_t pf) {               \
+        if (rq == 1)                                                                                           \
+            scores_vec_##KS(q, rq, k, tok, n, D, scale, s, ctx, row, pf);                                      \
+        else                                                                                                   \
+            scores_vec_f32(q, rq, widen_run_##KS(row, k, tok, n, D), D, n, D, scale / VEC_UNIT_##KS, s, ctx,   \
+                           row, pf);                                                                           \
+    }                                                                                                          \
+    static AI void pv_wide_##KS(float *acc, int rq, const TKV *v, int64_t tok, int n, const int D,             \
+                                const float *s, int ctx, float *row, prefetch_t pf) {                          \
+        if (rq <= PV_RB(D))         /* one tile of rows: each vector is widened once anyway */                 \
+            pv_vec_##KS(acc, rq, v, tok, n, D, s, ctx, row, pf);                                               \
+        else                                                                                                   \
+            pv_scaled_f32(acc, rq, widen_run_##KS(row, v, tok, n, D), D, n, D, s, ctx, 1.f / VEC_UNIT_##KS, pf); \
+    }
+DEFINE_WIDE_RUNS(bf16, bf16_t)
+DEFINE_WIDE_RUNS(fp8, fp8_t)
 #endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -373,6 +395,8 @@ static inline int64_t out_offset(int r, int rq, int G, int q0, int kh0, int64_t 
 DEFINE_ITEM(plain_f32, float, float, load_row_f32, scores_plain_f32, pv_plain_f32, store_row_f32)
 DEFINE_ITEM(plain_bf16, bf16_t, bf16_t, load_row_bf16, scores_plain_bf16, pv_plain_bf16, store_row_bf16)
 DEFINE_ITEM(plain_f32_bf16kv, float, bf16_t, load_row_f32, scores_plain_bf16, pv_plain_bf16, store_row_f32)
+DEFINE_ITEM(plain_f32_fp8kv, float, fp8_t, load_row_f32, scores_plain_fp8, pv_plain_fp8, store_row_f32)
+DEFINE_ITEM(plain_bf16_fp8kv, bf16_t, fp8_t, load_row_bf16, scores_plain_fp8, pv_plain_fp8, store_row_bf16)
 #if defined(VEC)
 DEFINE_ITEM(fast_f32, float, float, load_row_f32, scores_f32, pv_vec_f32, store_row_f32)
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -381,10 +405,14 @@ DEFINE_ITEM(fast_bf16, bf16_t, bf16_t, copy_row_bf16, scores_dot_bf16, pv_vec_bf
 DEFINE_ITEM(fast_bf16, bf16_t, bf16_t, load_row_bf16, scores_wide_bf16, pv_wide_bf16, store_row_bf16)
 #endif
 DEFINE_ITEM(fast_f32_bf16kv, float, bf16_t, load_row_f32, scores_wide_bf16, pv_wide_bf16, store_row_f32)
+DEFINE_ITEM(fast_f32_fp8kv, float, fp8_t, load_row_f32, scores_wide_fp8, pv_wide_fp8, store_row_f32)
+DEFINE_ITEM(fast_bf16_fp8kv, bf16_t, fp8_t, load_row_bf16, scores_wide_fp8, pv_wide_fp8, store_row_bf16)
 #else
 #define item_fast_f32 item_plain_f32
 #define item_fast_bf16 item_plain_bf16
 #define item_fast_f32_bf16kv item_plain_f32_bf16kv
+#define item_fast_f32_fp8kv item_plain_f32_fp8kv
+#define item_fast_bf16_fp8kv item_plain_bf16_fp8kv
 #endif
 
 /* KV heads per work item: the most (longer runs of the pool per block) whose query rows fit MAX_ROWS while
@@ -531,9 +559,12 @@ static void merge_row(const float *parts, int nparts, int64_t part_len, int rows
 DEFINE_KERNEL(f32, float, float, store_row_f32)
 DEFINE_KERNEL(bf16, bf16_t, bf16_t, store_row_bf16)
 DEFINE_KERNEL(f32_bf16kv, float, bf16_t, store_row_f32)
+DEFINE_KERNEL(f32_fp8kv, float, fp8_t, store_row_f32)
+DEFINE_KERNEL(bf16_fp8kv, bf16_t, fp8_t, store_row_bf16)
 
 /* Write the new tokens' K/V rows into their pool slots (slot = block * BS + offset; < 0 skips).
- * k, v: [n, KVH, D] with any token stride (views into the fused qkv projection). */
+ * k, v: [n, KVH, D] with any token stride (views into the fused qkv projection). Into an fp8 pool each
+ * value is rounded to nearest even and saturated at +-448 (f32_to_fp8; bf16 widened first, exactly). */
 #define DEFINE_STORE(SUFFIX, TS, TC, CONV)                                                                   \
     void store_kv_##SUFFIX(const TS *k, int64_t k_stride, const TS *v, int64_t v_stride, TC *kc,  \
                            TC *vc, const int64_t *slots, int n, int KVH, int D, int BS,            \
@@ -558,3 +589,6 @@ DEFINE_KERNEL(f32_bf16kv, float, bf16_t, store_row_f32)
 DEFINE_STORE(f32, float, float, SAME)
 DEFINE_STORE(bf16, bf16_t, bf16_t, SAME)
 DEFINE_STORE(f32_bf16kv, float, bf16_t, f32_to_bf16)
+static inline fp8_t bf16_to_fp8(bf16_t x) { return f32_to_fp8(bf16_to_f32(x)); }
+DEFINE_STORE(f32_fp8kv, float, fp8_t, f32_to_fp8)
+DEFINE_STORE(bf16_fp8kv, bf16_t, fp8_t, bf16_to_fp8)

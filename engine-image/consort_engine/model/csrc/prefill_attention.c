@@ -1,6 +1,7 @@
-/* Causal attention of prefill chunks over the pool (float32 queries and output over a float32 or
- * bfloat16 pool, the K/V widened as they are read; AVX-512 or AVX2 + FMA builds, elsewhere the engine
- * uses torch's SDPA). Same arguments as paged_attention_f32: sequence b's query rows
+/* Causal attention of prefill chunks over the pool (float32 queries and output over a float32, bfloat16
+ * or fp8 e4m3fn pool, the K/V widened as they are read; AVX-512 or AVX2 + FMA builds, elsewhere the engine
+ * uses torch's SDPA). fp8 (common.h) is the pool that holds twice a bf16 pool's tokens in the same memory;
+ * prefill reads its K/V like any other pool's. Same arguments as paged_attention_f32: sequence b's query rows
  * cu_q[b] .. cu_q[b+1]-1 are the last tokens of its context, its K/V (the chunk's own already stored)
  * read in place through its block table. Work item = (sequence, kv head, tile of PF_TOKENS query
  * tokens); keys are taken PF_KEYS at a time, flash-attention style:
@@ -22,8 +23,14 @@
 #define PF_MAX_ROWS (PF_TOKENS * 16)      /* G <= 16 */
 #define PF_SUB (16 / VLEN)                /* vectors of 16 keys' scores */
 
-/* A row of V (or its part from element d0 on) as fp32 vectors: the pool's element type is a constant. */
-#define PF_LOAD_V(row, d0, bf16kv) ((bf16kv) ? VEC_LOAD_BF16((const bf16_t *)(row) + (d0)) : VEC_LOADU((const float *)(row) + (d0)))
+/* The pool's element type (a constant in each kernel's copy of the loops). */
+enum { KV_F32, KV_BF16, KV_FP8 };
+
+/* A row of V (or its part from element d0 on) as fp32 vectors; fp8's in FP8_UNIT (VEC_LOAD_FP8), which
+ * the output's division by the softmax sum takes out (3% faster than a multiply per vector). */
+#define PF_LOAD_V(row, d0, kvt) ((kvt) == KV_BF16 ? VEC_LOAD_BF16((const bf16_t *)(row) + (d0))               \
+                                 : (kvt) == KV_FP8 ? VEC_LOAD_FP8((const fp8_t *)(row) + (d0))                \
+                                 : VEC_LOADU((const float *)(row) + (d0)))
 
 #if defined(__AVX512F__)
 #define PF_KEYS 16                        /* keys per block */
@@ -100,11 +107,11 @@ static inline __attribute__((always_inline)) int pf_softmax_row(float *P, int c0
 
 /* acc[r][0..D) = acc[r] * alpha[r] + sum_j P[r][j] V[j] over nk keys: rows RR at a time, D in slices of
  * SV vectors (the slice's accumulators stay in registers while the keys stream past). V rows are fp32,
- * or bf16 (bf16kv, a constant) widened as they load. */
+ * or bf16 or fp8 (kvt, a constant) widened as they load. */
 #define DEFINE_PF_PV(SV, RR)                                                                              \
 static inline __attribute__((always_inline)) void pf_pv_##SV##x##RR(                                    \
         float *acc, int D, const float *P, const float *alpha, const void *const *vrows, int nk, int rows, \
-        const int bf16kv) {                                                                               \
+        const int kvt) {                                                                                  \
     for (int d0 = 0; d0 < D; d0 += SV * VLEN)                                                             \
     for (int r0 = 0; r0 < rows; r0 += RR) {                                                               \
         const int rr = rows - r0 < RR ? rows - r0 : RR;                                                   \
@@ -116,7 +123,7 @@ static inline __attribute__((always_inline)) void pf_pv_##SV##x##RR(            
         if (rr == RR) {                                                                                   \
             for (int j = 0; j < nk; j++) {                                                                \
                 VEC vv[SV];                                                                               \
-                for (int v = 0; v < SV; v++) vv[v] = PF_LOAD_V(vrows[j], d0 + v * VLEN, bf16kv);           \
+                for (int v = 0; v < SV; v++) vv[v] = PF_LOAD_V(vrows[j], d0 + v * VLEN, kvt);              \
                 _Pragma("GCC unroll 8") for (int r = 0; r < RR; r++) {                                    \
                     const VEC p = VEC_SET1(P[(r0 + r) * PF_KEYS + j]);                                    \
                     _Pragma("GCC unroll 8") for (int v = 0; v < SV; v++) a[r][v] = VEC_FMA(p, vv[v], a[r][v]); \
@@ -125,7 +132,7 @@ static inline __attribute__((always_inline)) void pf_pv_##SV##x##RR(            
         } else {                                                                                          \
             for (int j = 0; j < nk; j++) {                                                                \
                 VEC vv[SV];                                                                               \
-                for (int v = 0; v < SV; v++) vv[v] = PF_LOAD_V(vrows[j], d0 + v * VLEN, bf16kv);           \
+                for (int v = 0; v < SV; v++) vv[v] = PF_LOAD_V(vrows[j], d0 + v * VLEN, kvt);              \
                 for (int r = 0; r < rr; r++) {                                                            \
                     const VEC p = VEC_SET1(P[(r0 + r) * PF_KEYS + j]);                                    \
                     for (int v = 0; v < SV; v++) a[r][v] = VEC_FMA(p, vv[v], a[r][v]);                    \
@@ -164,14 +171,14 @@ static inline __attribute__((always_inline)) void pf_scores(const float *qr, con
         for (int v = 0; v < PF_SUB; v++) VEC_STORE(P + r * PF_KEYS + kb + v * VLEN, s[r][v]);
 }
 
-/* One work item. The pool (kc, vc) holds fp32, or bf16 where bf16kv (a constant: each caller's copy
- * is specialised); K/V are widened to fp32 as they are read, as a bf16 model's fp32 activations
- * attend over its bf16 cache on CPUs without AMX. Offsets are in elements. */
+/* One work item. The pool (kc, vc) holds fp32, bf16 or fp8 by kvt (a constant: each caller's copy is
+ * specialised); K/V are widened to fp32 as they are read, as a bf16 model's fp32 activations attend over
+ * its bf16 cache on CPUs without AMX. Offsets are in elements. */
 static inline __attribute__((always_inline)) void pf_item(
         const float *q, int64_t q_stride, const void *kc, const void *vc, float *out, int64_t out_stride,
         const int32_t *bt, int ctx, int q0, int qlen, int t0, int t1, int kh, int H, int KVH, int D, int BS,
-        int64_t blk_stride, int64_t tok, int64_t head_stride, float scale, float *scratch, const int bf16kv) {
-    const int esize = bf16kv ? (int)sizeof(bf16_t) : (int)sizeof(float);
+        int64_t blk_stride, int64_t tok, int64_t head_stride, float scale, float *scratch, const int kvt) {
+    const int esize = kvt == KV_BF16 ? (int)sizeof(bf16_t) : kvt == KV_FP8 ? (int)sizeof(fp8_t) : (int)sizeof(float);
     const int G = H / KVH, rows = (t1 - t0) * G;
     float *qs = scratch;                                   /* [rows][D] */
     float *acc = qs + (int64_t)PF_MAX_ROWS * D;            /* [rows][D] */
@@ -199,8 +206,10 @@ static inline __attribute__((always_inline)) void pf_item(
                 const int64_t at = ((int64_t)bt[j / BS] * blk_stride + head + (int64_t)(j % BS) * tok) * esize;
                 const void *kr = (const char *)kc + at;
                 vrows[jj] = (const char *)vc + at;
-                if (bf16kv)
+                if (kvt == KV_BF16)
                     for (int d = 0; d < D; d++) kt[d * PF_KEYS + jj] = bf16_to_f32(((const bf16_t *)kr)[d]);
+                else if (kvt == KV_FP8)
+                    for (int d = 0; d < D; d++) kt[d * PF_KEYS + jj] = fp8_to_f32(((const fp8_t *)kr)[d]);
                 else
                     for (int d = 0; d < D; d++) kt[d * PF_KEYS + jj] = ((const float *)kr)[d];
             } else {
@@ -221,20 +230,21 @@ static inline __attribute__((always_inline)) void pf_item(
         for (int r = 0; r < rows; r++)
             live |= pf_softmax_row(P + r * PF_KEYS, c0, nk, pos[r], m + r, l + r, alpha + r);
         if (!live) continue;
-        PF_PV(D, acc, D, P, alpha, vrows, nk, rows, bf16kv);
+        PF_PV(D, acc, D, P, alpha, vrows, nk, rows, kvt);
     }
     for (int i = t0; i < t1; i++)
         for (int g = 0; g < G; g++) {
             const int r = (i - t0) * G + g;
             float *dst = out + (int64_t)(q0 + i) * out_stride + (int64_t)(kh * G + g) * D;
-            const float inv = 1.f / l[r];
+            const float inv = (kvt == KV_FP8 ? 1.f / FP8_UNIT : 1.f) / l[r];
             for (int d = 0; d < D; d++) dst[d] = acc[(int64_t)r * D + d] * inv;
         }
 }
 
-/* The entry points: prefill_attention_f32 (fp32 pool) and prefill_attention_f32_bf16kv (bf16 pool), fp32
- * queries and output; 0, -2 (no scratch), or -3 for what they do not cover (SDPA then runs). */
-#define DEFINE_PREFILL(SUFFIX, TKV, BF16KV)                                                                \
+/* The entry points: prefill_attention_f32 (fp32 pool), prefill_attention_f32_bf16kv (bf16 pool) and
+ * prefill_attention_f32_fp8kv (fp8 pool), fp32 queries and output; 0, -2 (no scratch), or -3 for what they
+ * do not cover (SDPA then runs). */
+#define DEFINE_PREFILL(SUFFIX, TKV, KVT)                                                                \
 int prefill_attention_##SUFFIX(const float *q, int64_t q_stride, const TKV *kc, const TKV *vc, float *out,  \
                                int64_t out_stride, const int32_t *block_tables, int max_blocks,            \
                                const int32_t *ctx_lens, const int32_t *cu_q, int B, int H, int KVH, int D, \
@@ -258,13 +268,14 @@ int prefill_attention_##SUFFIX(const float *q, int64_t q_stride, const TKV *kc, 
             const int qlen = cu_q[b + 1] - cu_q[b];                                                         \
             pf_item(q, q_stride, kc, vc, out, out_stride, block_tables + (int64_t)b * max_blocks,           \
                     ctx_lens[b], cu_q[b], qlen, t0, t1, kh, H, KVH, D, BS, blk_stride, tok_stride,          \
-                    head_stride, scale, scratch, BF16KV);                                                   \
+                    head_stride, scale, scratch, KVT);                                                      \
         }                                                                                                   \
         free(scratch);                                                                                      \
     }                                                                                                       \
     return err;                                                                                             \
 }
 
-DEFINE_PREFILL(f32, float, 0)
-DEFINE_PREFILL(f32_bf16kv, bf16_t, 1)
+DEFINE_PREFILL(f32, float, KV_F32)
+DEFINE_PREFILL(f32_bf16kv, bf16_t, KV_BF16)
+DEFINE_PREFILL(f32_fp8kv, fp8_t, KV_FP8)
 #endif

@@ -15,7 +15,10 @@
  * Scores, softmax and accumulators are fp32; the output is rounded to bf16 once. A tile's fixed work is
  * on vectors too (element-at-a-time loops there took 1.1-1.3x a 64-512-token span's time, 1.5-2.7x at
  * head size 128): the queries gathered 16 rows at a time, the softmax writing P's bf16 pairs, the output
- * 32 elements at a time (packus undoes the interleave). Built where the compiler targets AVX-512 BF16;
+ * 32 elements at a time (packus undoes the interleave). Over an fp8 pool (prefill_attention_bf16_fp8kv) each
+ * block's K and V rows are widened to bf16 once (exact: every e4m3 value is a bf16) into scratch rows the
+ * same loops read: one conversion per element per tile against 2 x 32 x G products.
+ * Built where the compiler targets AVX-512 BF16;
  * elsewhere the engine widens the queries for the fp32 kernel, and with AMX it leaves bf16 spans to
  * SDPA, whose GEMMs run on tiles (model/attention.py).
  */
@@ -176,11 +179,21 @@ static inline __m512i pb_bf16_bits(__m512 x) {
     return _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
 }
 
-/* One work item (the arguments of pf_item in prefill_attention.c; offsets are in elements). */
-static void pb_item(const bf16_t *q, int64_t q_stride, const bf16_t *kc, const bf16_t *vc, bf16_t *out,
-                    int64_t out_stride, const int32_t *bt, int ctx, int q0, int qlen, int t0, int t1, int kh,
-                    int H, int KVH, int D, int BS, int64_t blk_stride, int64_t tok, int64_t head_stride,
-                    float scale, float *scratch) {
+/* An fp8 row of D (a multiple of 32) as bf16: the widened lanes (times FP8_UNIT) scaled back, rounded
+ * to bf16 without a change (each fp8 value is a bf16) and narrowed. */
+static inline void pb_fp8_row(bf16_t *dst, const fp8_t *src, int D) {
+    const __m512 unit = _mm512_set1_ps(1.f / FP8_UNIT);
+    for (int d = 0; d < D; d += 16)
+        _mm256_store_si256((__m256i *)(dst + d),
+                           _mm512_cvtepi32_epi16(pb_bf16_bits(_mm512_mul_ps(VEC_LOAD_FP8(src + d), unit))));
+}
+
+/* One work item (the arguments of pf_item in prefill_attention.c; offsets are in elements). `fp8`: kc, vc
+ * are fp8 pools (fp8_t) whose rows the item widens into its scratch rows kw8 / vw8 block by block. */
+static inline __attribute__((always_inline)) void pb_item(
+    const bf16_t *q, int64_t q_stride, const void *kc, const void *vc, bf16_t *out, int64_t out_stride,
+    const int32_t *bt, int ctx, int q0, int qlen, int t0, int t1, int kh, int H, int KVH, int D, int BS,
+    int64_t blk_stride, int64_t tok, int64_t head_stride, float scale, float *scratch, const int fp8) {
     const int G = H / KVH, rows = (t1 - t0) * G, nrv = (rows + 15) / 16, RW = nrv * 16, DP = D / 2;
     pair_t *qT = (pair_t *)scratch;                              /* [DP][RW] */
     float *S = (float *)(qT + (int64_t)DP * PB_MAX_ROWS);        /* [PB_KEYS][RW] */
@@ -188,6 +201,7 @@ static void pb_item(const bf16_t *q, int64_t q_stride, const bf16_t *kc, const b
     pair_t *Vp = Pp + PB_KEYS / 2 * PB_MAX_ROWS;                 /* [PB_KEYS / 2][D] */
     float *acc = (float *)(Vp + PB_KEYS / 2 * D);                /* [rows][D] */
     float *m = acc + (int64_t)PB_MAX_ROWS * D, *l = m + PB_MAX_ROWS, *alpha = l + PB_MAX_ROWS;
+    bf16_t *kw8 = (bf16_t *)(alpha + PB_MAX_ROWS), *vw8 = kw8 + PB_KEYS * D;   /* [PB_KEYS][D] each (fp8) */
     int pos[PB_MAX_ROWS];
     const pair_t *kw[PB_KEYS];
     const bf16_t *vrows[PB_KEYS];
@@ -215,8 +229,12 @@ static void pb_item(const bf16_t *q, int64_t q_stride, const bf16_t *kc, const b
         for (int jj = 0; jj < PB_KEYS; jj++) {   /* keys past the end repeat the last (never visible) */
             const int j = c0 + (jj < nk ? jj : nk - 1);
             const int64_t at = (int64_t)bt[j / BS] * blk_stride + head + (int64_t)(j % BS) * tok;
-            kw[jj] = (const pair_t *)(kc + at);
-            vrows[jj] = vc + at;
+            if (fp8 && jj < nk) {
+                pb_fp8_row(kw8 + (int64_t)jj * D, (const fp8_t *)kc + at, D);
+                pb_fp8_row(vw8 + (int64_t)jj * D, (const fp8_t *)vc + at, D);
+            }
+            kw[jj] = (const pair_t *)(fp8 ? kw8 + (int64_t)(jj < nk ? jj : nk - 1) * D : (const bf16_t *)kc + at);
+            vrows[jj] = fp8 ? vw8 + (int64_t)(jj < nk ? jj : nk - 1) * D : (const bf16_t *)vc + at;
         }
         for (int kb = 0; kb < nk; kb += PB_KCHUNK)
             for (int rv = 0; rv < nrv; rv += 2) {
@@ -255,16 +273,17 @@ static void pb_item(const bf16_t *q, int64_t q_stride, const bf16_t *kc, const b
     }
 }
 
-/* The entry point, the arguments of prefill_attention_f32 with bf16 queries and output: 0, -2 (no
- * scratch), or -3 for what it does not cover (the engine then widens for the fp32 kernel). */
-int prefill_attention_bf16(const bf16_t *q, int64_t q_stride, const bf16_t *kc, const bf16_t *vc, bf16_t *out,
-                           int64_t out_stride, const int32_t *block_tables, int max_blocks, const int32_t *ctx_lens,
-                           const int32_t *cu_q, int B, int H, int KVH, int D, int BS, int64_t blk_stride,
-                           int64_t tok_stride, int64_t head_stride, float scale) {
+/* The entry points, the arguments of prefill_attention_f32 with bf16 queries and output over a bf16 or an
+ * fp8 pool: 0, -2 (no scratch), or -3 for what they do not cover (the engine then widens for the fp32 kernel). */
+static int pb_run(const bf16_t *q, int64_t q_stride, const void *kc, const void *vc, bf16_t *out,
+                  int64_t out_stride, const int32_t *block_tables, int max_blocks, const int32_t *ctx_lens,
+                  const int32_t *cu_q, int B, int H, int KVH, int D, int BS, int64_t blk_stride,
+                  int64_t tok_stride, int64_t head_stride, float scale, const int fp8) {
     if ((D != 64 && D != 128) || H % KVH || H / KVH > 16 || q_stride % 2) return -3;   /* queries read as pairs */
     const int tiles = prefill_tiles(cu_q, B, PB_TOKENS);
     const int64_t scratch_len = (int64_t)D / 2 * PB_MAX_ROWS + (int64_t)PB_KEYS * PB_MAX_ROWS
-                                + PB_KEYS / 2 * (PB_MAX_ROWS + D) + (int64_t)PB_MAX_ROWS * D + 3 * PB_MAX_ROWS;
+                                + PB_KEYS / 2 * (PB_MAX_ROWS + D) + (int64_t)PB_MAX_ROWS * D + 3 * PB_MAX_ROWS
+                                + (int64_t)PB_KEYS * D;                 /* the fp8 rows widened: 2 x [PB_KEYS][D] bf16 */
     int err = 0;
     #pragma omp parallel num_threads(NT)
     {
@@ -277,11 +296,32 @@ int prefill_attention_bf16(const bf16_t *q, int64_t q_stride, const bf16_t *kc, 
             const int kh = it % KVH;
             prefill_tile(cu_q, PB_TOKENS, it / KVH, &b, &t0, &t1);
             const int qlen = cu_q[b + 1] - cu_q[b];
-            pb_item(q, q_stride, kc, vc, out, out_stride, block_tables + (int64_t)b * max_blocks, ctx_lens[b],
-                    cu_q[b], qlen, t0, t1, kh, H, KVH, D, BS, blk_stride, tok_stride, head_stride, scale, scratch);
+            const int32_t *bt = block_tables + (int64_t)b * max_blocks;
+            if (fp8)   /* two call sites: each inlines pb_item with its pool type a constant */
+                pb_item(q, q_stride, kc, vc, out, out_stride, bt, ctx_lens[b], cu_q[b], qlen, t0, t1, kh, H, KVH, D,
+                        BS, blk_stride, tok_stride, head_stride, scale, scratch, 1);
+            else
+                pb_item(q, q_stride, kc, vc, out, out_stride, bt, ctx_lens[b], cu_q[b], qlen, t0, t1, kh, H, KVH, D,
+                        BS, blk_stride, tok_stride, head_stride, scale, scratch, 0);
         }
         free(scratch);
     }
     return err;
+}
+
+int prefill_attention_bf16(const bf16_t *q, int64_t q_stride, const bf16_t *kc, const bf16_t *vc, bf16_t *out,
+                           int64_t out_stride, const int32_t *block_tables, int max_blocks, const int32_t *ctx_lens,
+                           const int32_t *cu_q, int B, int H, int KVH, int D, int BS, int64_t blk_stride,
+                           int64_t tok_stride, int64_t head_stride, float scale) {
+    return pb_run(q, q_stride, kc, vc, out, out_stride, block_tables, max_blocks, ctx_lens, cu_q, B, H, KVH, D, BS,
+                  blk_stride, tok_stride, head_stride, scale, 0);
+}
+
+int prefill_attention_bf16_fp8kv(const bf16_t *q, int64_t q_stride, const fp8_t *kc, const fp8_t *vc, bf16_t *out,
+                                 int64_t out_stride, const int32_t *block_tables, int max_blocks,
+                                 const int32_t *ctx_lens, const int32_t *cu_q, int B, int H, int KVH, int D, int BS,
+                                 int64_t blk_stride, int64_t tok_stride, int64_t head_stride, float scale) {
+    return pb_run(q, q_stride, kc, vc, out, out_stride, block_tables, max_blocks, ctx_lens, cu_q, B, H, KVH, D, BS,
+                  blk_stride, tok_stride, head_stride, scale, 1);
 }
 #endif

@@ -2,7 +2,9 @@
 softmax(q K^T) V over each sequence's visible context: decode rows and verify windows of several query
 rows in one call, grouped-query heads, items split across kv heads where a sequence's rows do not fit
 one item, head sizes with and without a specialised loop, any block size, a bfloat16 pool under float32 or
-bfloat16 queries, and every build of the kernel this CPU runs."""
+bfloat16 queries, an fp8 (float8 e4m3fn) pool under either, and every build of the kernel this CPU runs.
+The K/V store into an fp8 pool rounds bit for bit as torch does, and the prefill kernel reads that pool
+as its float32 values."""
 from __future__ import annotations
 
 import contextlib
@@ -51,9 +53,25 @@ WIDE_CASES = [
     (64, 8, 64, [5, 1, 5] * 22),           # 64 heads x 5 rows: items of 4 of the 8 kv heads (MAX_ROWS)
     (32, 32, 64, [9, 1] * 16),             # MHA x 9 rows: items of 16 kv heads
 ]
+FP8 = torch.float8_e4m3fn
+
+
+def fp8_codes(shape, g: torch.Generator) -> torch.Tensor:
+    """An fp8 tensor of codes drawn uniformly below 0x48 (|v| < 4), random signs: one value in nine a
+    subnormal (the widening's own path), where normal draws give about one in a hundred."""
+    codes = torch.randint(0, 0x48, shape, generator=g) | torch.randint(0, 2, shape, generator=g) << 7
+    return codes.to(torch.uint8).view(FP8)
+
+
+def pool_of(shape, kv_dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
+    return fp8_codes(shape, g) if kv_dtype == FP8 else torch.randn(shape, generator=g).to(kv_dtype)
+
+
 DTYPES = [(torch.float32, torch.float32),
           (torch.bfloat16, torch.float32),      # a bf16 model computing in fp32 (no bf16 dot product on the CPU)
-          (torch.bfloat16, torch.bfloat16)]     # one computing in bf16: pairs multiplied in place, or widened
+          (torch.bfloat16, torch.bfloat16),     # one computing in bf16: pairs multiplied in place, or widened
+          (FP8, torch.float32),                 # an fp8 pool: the reference attends over its values as fp32
+          (FP8, torch.bfloat16)]
 
 
 def check_decode(h, kvh, d, qlens, kv_dtype, q_dtype, bs=16, ctx_lens=None):
@@ -66,8 +84,8 @@ def check_decode(h, kvh, d, qlens, kv_dtype, q_dtype, bs=16, ctx_lens=None):
     max_blocks = max((c + bs - 1) // bs for c in ctx_lens)
     num_blocks = len(qlens) * max_blocks + 16
     attn = PagedAttention(h, kvh, d, d ** -0.5, "cpu_kernel")
-    attn.k_cache = torch.randn(num_blocks, kvh, bs, d, generator=g).to(kv_dtype)
-    attn.v_cache = torch.randn(num_blocks, kvh, bs, d, generator=g).to(kv_dtype)
+    attn.k_cache = pool_of((num_blocks, kvh, bs, d), kv_dtype, g)
+    attn.v_cache = pool_of((num_blocks, kvh, bs, d), kv_dtype, g)
     perm = torch.randperm(num_blocks, generator=g)[:len(qlens) * max_blocks]       # scattered blocks
     block_tables = perm.view(len(qlens), max_blocks).to(torch.int32)
     t = sum(qlens)
@@ -137,14 +155,22 @@ def test_kernel_reads_any_block_size(bs):
 RUNNABLE_LEVELS = ck.runnable_levels(cpu_model_and_flags()[1])
 
 
+@pytest.fixture(scope="module")
+def level_libraries(tmp_path_factory):
+    """Each runnable level's build of the attention kernels (the decode and prefill kernels, the store)."""
+    sources = [p for p in ck.SOURCES if p.stem in ("paged_attention", "prefill_attention", "team")]
+    out = {}
+    for level in RUNNABLE_LEVELS:
+        out[level] = tmp_path_factory.mktemp("levels") / f"attention-{level}.so"
+        ck.compile_sources(out[level], level, sources=sources)
+    return out
+
+
 @pytest.mark.skipif(not RUNNABLE_LEVELS, reason="the engine image's builds are for x86-64 CPUs")
-def test_kernel_equals_sdpa_in_every_build_this_cpu_runs(tmp_path, monkeypatch):
+def test_kernel_equals_sdpa_in_every_build_this_cpu_runs(level_libraries, monkeypatch):
     """Each x86-64 level's build of the kernel this CPU can run (plain loops at v2, ymm at v3, zmm at v4,
     the bf16 pair dot product with AVX-512 BF16) against SDPA, not only the library loaded here."""
-    sources = [p for p in ck.SOURCES if p.stem in ("paged_attention", "team")]
-    for level in RUNNABLE_LEVELS:
-        so = tmp_path / f"attention-{level}.so"
-        ck.compile_sources(so, level, sources=sources)
+    for so in level_libraries.values():
         monkeypatch.setattr(ck, "_lib", ck.load_library(so))
         for h, kvh, d, qlens in DECODE_CASES[1:5]:
             for kv_dtype, q_dtype in DTYPES:
@@ -182,6 +208,8 @@ HAS_BF16_DOT = cpu_kernels() is not None and hasattr(cpu_kernels(), "prefill_att
     (torch.float32, torch.float32),
     (torch.bfloat16, torch.float32),     # a bf16 model computing in fp32 (no bf16 dot product on the CPU)
     (torch.bfloat16, torch.bfloat16),    # one computing in bf16: the pair dot product, or queries widened
+    (FP8, torch.float32),                # an fp8 pool (--kv-cache-dtype fp8) under fp32 activations
+    (FP8, torch.bfloat16),               # and under bf16 ones: its rows widened to bf16 pairs, or queries widened
 ])
 def test_prefill_kernel_equals_causal_sdpa(h, kvh, d, bs, spans, kv_dtype, q_dtype):
     g = torch.Generator().manual_seed(h + d + bs + len(spans))
@@ -202,7 +230,7 @@ def test_prefill_kernel_equals_causal_sdpa(h, kvh, d, bs, spans, kv_dtype, q_dty
                              prefill_cu_query_lens=torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()],
                                                                 dtype=torch.int32))
     out = torch.full((t, h * d), float("nan"), dtype=q_dtype)
-    if q_dtype == torch.bfloat16 and attention.AMX:     # SDPA's bf16 path runs on AMX there
+    if q_dtype == kv_dtype == torch.bfloat16 and attention.AMX:     # SDPA's bf16 path runs on AMX there
         assert not attn._prefill_kernel(q, out, meta)
         return
     assert attn._prefill_kernel(q, out, meta)
@@ -277,3 +305,162 @@ def test_bf16_prefill_takes_the_pair_dot_kernel_where_the_library_has_it(monkeyp
         return
     assert ran and bool((out == 1).all())
     assert asked == (["prefill_attention_bf16"] if HAS_BF16_DOT else ["prefill_attention_f32_bf16kv"])
+
+
+@pytest.mark.skipif(not HAS_PREFILL, reason="the prefill kernel is built for AVX-512 or AVX2 + FMA CPUs")
+def test_bf16_prefill_over_an_fp8_pool_takes_the_pair_dot_kernel_with_amx_too(monkeypatch):
+    """bf16 queries over an fp8 pool: the pair dot product kernel widening the pool's rows to bf16 where it
+    is built (AVX-512 BF16, AMX machines included: SDPA would read a gathered, widened copy), else the fp32
+    kernel on widened queries."""
+    asked: list[str] = []
+    lookup = attention.kernel
+
+    def recording(name, dtype, kv_dtype=None):
+        fn = lookup(name, dtype, kv_dtype)
+        asked.append(fn.__name__)
+        return fn
+    monkeypatch.setattr(attention, "kernel", recording)
+    monkeypatch.setattr(attention, "AMX", True)
+    attn = PagedAttention(2, 2, 64, 0.125, "cpu_kernel")
+    attn.k_cache = attn.v_cache = torch.full((1, 2, 16, 64), 3.0).to(FP8)
+    out = torch.zeros(4, 128, dtype=torch.bfloat16)
+    assert attn._prefill_kernel(torch.ones(4, 2, 64, dtype=torch.bfloat16), out, four_token_prefill())
+    assert bool((out == 3).all())
+    assert asked == (["prefill_attention_bf16_fp8kv"] if HAS_BF16_DOT else ["prefill_attention_f32_fp8kv"])
+
+
+def test_kernel_suffix_names_each_activation_and_pool_dtype():
+    assert ck.kernel_suffix(torch.float32) == ck.kernel_suffix(torch.float32, torch.float32) == "f32"
+    assert ck.kernel_suffix(torch.bfloat16, torch.bfloat16) == "bf16"
+    assert ck.kernel_suffix(torch.float32, torch.bfloat16) == "f32_bf16kv"
+    assert ck.kernel_suffix(torch.float32, FP8) == "f32_fp8kv"
+    assert ck.kernel_suffix(torch.bfloat16, FP8) == "bf16_fp8kv"
+    assert set(ck.SUFFIXES) >= {"f32", "bf16", "f32_bf16kv", "f32_fp8kv", "bf16_fp8kv"}
+
+
+def fp8_cases(g: torch.Generator) -> torch.Tensor:
+    """fp32 values the conversion to fp8 must round as torch does: every finite fp8 value, the exact ties
+    between neighbours and the fp32 values either side of each, subnormals and what rounds to or below
+    them, fp32 subnormals, values beyond 448 (saturated), infinities, both zeros, and normals at scales
+    from the subnormals to past 448."""
+    grid = torch.arange(0x7f, dtype=torch.uint8).view(FP8).float()           # +0 .. 448
+    mid = (grid[1:] + grid[:-1]) / 2                                          # exact in fp32
+    inf = torch.tensor(float("inf"))
+    special = torch.tensor([2.0 ** -10, 2.0 ** -11, 3 * 2.0 ** -11, 2.0 ** -6 - 2.0 ** -12, 1e-40, 1e-45,
+                            448.5, 463.9, 464.0, 464.1, 479.9, 480.0, 1e4, 3e38, float("inf")])
+    normals = [torch.randn(4096, generator=g) * scale for scale in (1e-3, 0.05, 1.0, 20.0, 300.0)]
+    v = torch.cat([grid, mid, mid.nextafter(inf), mid.nextafter(-inf), special, *normals])
+    return torch.cat([v, -v])
+
+
+def check_fp8_store(src_dtype: torch.dtype) -> None:
+    """K and V, views into a fused projection (token stride above KVH x D), stored into an fp8 pool: the bytes
+    at each written slot are torch's rounding of the (fp32-widened) source; slots < 0 leave the pool as it was."""
+    g = torch.Generator().manual_seed(11)
+    h, kvh, d, bs = 4, 2, 64, 16
+    values = fp8_cases(g)
+    n = -(-values.numel() // (kvh * d))                                         # tokens
+    values = torch.cat([values, torch.randn(n * kvh * d - values.numel(), generator=g)])
+    qkv = torch.randn(n, (h + 2 * kvh) * d, generator=g)
+    qkv[:, h * d:(h + kvh) * d] = values.view(n, kvh * d)
+    qkv[:, (h + kvh) * d:] = values[torch.randperm(values.numel(), generator=g)].view(n, kvh * d)
+    qkv = qkv.to(src_dtype)
+    k, v = qkv[:, h * d:(h + kvh) * d].view(n, kvh, d), qkv[:, (h + kvh) * d:].view(n, kvh, d)
+    num_blocks = -(-n // bs) + 3
+    slots = torch.randperm(num_blocks * bs, generator=g)[:n]
+    slots[::7] = -1
+    kc = torch.full((num_blocks, kvh, bs, d), 0x55, dtype=torch.uint8).view(FP8)
+    vc = torch.full((num_blocks, kvh, bs, d), 0x55, dtype=torch.uint8).view(FP8)
+    ck.kernel("store_kv", src_dtype, FP8)(
+        k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), kc.data_ptr(), vc.data_ptr(), slots.data_ptr(),
+        n, kvh, d, bs, kc.stride(0), kc.stride(2), kc.stride(1))
+    for pool, src in ((kc, k), (vc, v)):
+        want = torch.full((num_blocks, kvh, bs, d), 0x55, dtype=torch.uint8)
+        kept = slots >= 0
+        want[slots[kept] // bs, :, slots[kept] % bs] = src[kept].float().to(FP8).view(torch.uint8)
+        bad = (pool.view(torch.uint8) != want).nonzero()
+        if len(bad):
+            pytest.fail(f"{len(bad)} bytes differ from torch's, the first at (block, head, offset, d) "
+                        f"{bad[0].tolist()}")
+
+
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16])
+def test_store_into_an_fp8_pool_rounds_as_torch_does(src_dtype):
+    check_fp8_store(src_dtype)
+
+
+@pytest.mark.parametrize("h,d", [(4, 64), (16, 64), (4, 40)])
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+def test_decode_reads_every_fp8_value_exactly(h, d, q_dtype):
+    """Sequences of one key: each output row is its kv head's V row, so every fp8 code but NaN (both zeros
+    and the subnormals included) comes out as its exact value (in bf16 too: fp8's values are bf16's), through
+    the vectors widened per V tile (G = 2), widened once per run for several tiles (G = 8), and the plain
+    loops (head size 40)."""
+    g = torch.Generator().manual_seed(h + d)
+    kvh, bs = 2, 16
+    codes = torch.tensor([c for c in range(256) if c & 0x7f != 0x7f], dtype=torch.uint8)
+    b = -(-codes.numel() // (kvh * d))
+    rows = torch.cat([codes, codes[torch.randint(0, codes.numel(), (b * kvh * d - codes.numel(),), generator=g)]])
+    vc = torch.zeros(b + 1, kvh, bs, d, dtype=torch.uint8)
+    vc[1:, :, 0] = rows.view(b, kvh, d)
+    vc = vc.view(FP8)
+    attn = PagedAttention(h, kvh, d, d ** -0.5, "cpu_kernel")
+    attn.k_cache, attn.v_cache = fp8_codes(vc.shape, g), vc
+    meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.int64), num_batched_tokens=b,
+                             block_tables=torch.arange(1, b + 1, dtype=torch.int32).view(b, 1),
+                             context_lens=torch.ones(b, dtype=torch.int32),
+                             cu_query_lens=torch.arange(b + 1, dtype=torch.int32))
+    out = torch.full((b, h * d), float("nan"), dtype=q_dtype)
+    attn._kernel(torch.randn(b, h, d, generator=g).to(q_dtype), out, meta)
+    want = vc[1:, :, 0].float().repeat_interleave(h // kvh, dim=1).reshape(b, h * d)
+    assert torch.equal(out.float(), want)
+
+
+def check_fp8_prefill(h, kvh, d, bs, spans):
+    """The fp32 prefill kernel over an fp8 pool (called directly: fp32 queries, the engine widens bf16 ones)
+    against SDPA over the pool's values as fp32."""
+    g = torch.Generator().manual_seed(h + d + bs + len(spans))
+    ctx_lens, qlens = [c + n for c, n in spans], [n for _, n in spans]
+    max_blocks = max((c + bs - 1) // bs for c in ctx_lens)
+    num_blocks = len(spans) * max_blocks + 4
+    kc, vc = fp8_codes((num_blocks, kvh, bs, d), g), fp8_codes((num_blocks, kvh, bs, d), g)
+    perm = torch.randperm(num_blocks, generator=g)[:len(spans) * max_blocks]
+    bt = perm.view(len(spans), max_blocks).to(torch.int32)
+    t = sum(qlens)
+    q = torch.randn(t, h, d, generator=g)
+    out = torch.full((t, h * d), float("nan"))
+    ctx = torch.tensor(ctx_lens, dtype=torch.int32)
+    cu = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32)
+    rc = ck.kernel("prefill_attention", torch.float32, FP8)(
+        q.data_ptr(), q.stride(0), kc.data_ptr(), vc.data_ptr(), out.data_ptr(), out.stride(0), bt.data_ptr(),
+        max_blocks, ctx.data_ptr(), cu.data_ptr(), len(spans), h, kvh, d, bs, kc.stride(0), kc.stride(2),
+        kc.stride(1), d ** -0.5)
+    assert rc == 0
+    ref = reference(q, kc, vc, bt, ctx_lens, qlens, h, kvh, d)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+FP8_PREFILL_CASES = [
+    (8, 4, 64, 16, [(0, 300), (0, 17), (40, 33)]),        # (cached, new): fresh chunks and one after a cache hit
+    (16, 2, 128, 32, [(0, 45), (64, 16)]),                # G = 8, head size 128
+    (16, 1, 64, 8, [(3, 40), (129, 7), (0, 64)]),         # G = 16, blocks below the kernel's key block
+]
+
+
+@pytest.mark.skipif(not HAS_PREFILL, reason="the prefill kernel is built for AVX-512 or AVX2 + FMA CPUs")
+@pytest.mark.parametrize("h,kvh,d,bs,spans", FP8_PREFILL_CASES)
+def test_prefill_kernel_over_an_fp8_pool_equals_causal_sdpa(h, kvh, d, bs, spans):
+    check_fp8_prefill(h, kvh, d, bs, spans)
+
+
+@pytest.mark.skipif(not RUNNABLE_LEVELS, reason="the engine image's builds are for x86-64 CPUs")
+def test_fp8_store_and_prefill_in_every_build_this_cpu_runs(level_libraries, monkeypatch):
+    """The store's conversion (vectorised by the compiler for each level's vectors) and the prefill
+    kernel's fp8 widening (AVX2 or AVX-512) in each level's build, not only the library loaded here."""
+    for so in level_libraries.values():
+        monkeypatch.setattr(ck, "_lib", ck.load_library(so))
+        for src_dtype in (torch.float32, torch.bfloat16):
+            check_fp8_store(src_dtype)
+        if hasattr(ck._lib, "prefill_attention_f32_fp8kv"):      # AVX2 + FMA and AVX-512 builds
+            for case in FP8_PREFILL_CASES[:2]:
+                check_fp8_prefill(*case)
