@@ -195,13 +195,15 @@ HELD_OUT = [Path("/usr/include/stdlib.h"), Path("/usr/include/stdio.h")]   # C h
 # where many positions are near-ties: top-1 agreement is the strictest of the three there.
 QUANT_BOUNDS = {"none": (0.99, 1e-3, 1e-4), "int8": (0.95, 0.15, 0.005),
                 "w8a8": (0.75, 0.6, 0.015), "fp8": (0.75, 0.6, 0.015)}
-# the same three for a narrower KV pool (--kv-cache-dtype), per (model dtype, pool element)
+# the same three for a narrower KV pool (--kv-cache-dtype), per (model dtype, pool element); measured on
+# AMD Zen 4 (AVX-512 BF16): bf16 pool 0.9948 / 0.0069 / -0.015%, fp8 0.9476 / 0.105 / -0.045%, a bf16 model
+# on its own pool 0.9853 / 0.030 / -0.042% and on an fp8 one 0.9413 / 0.101 / -0.089%
 KV_BOUNDS = {
     ("float32", "auto"): (0.99, 1e-3, 1e-4),
-    ("float32", "bfloat16"): (0.97, 0.1, 0.003),
-    ("float32", "fp8"): (0.90, 0.5, 0.02),
-    ("bfloat16", "auto"): (0.90, 0.5, 0.02),
-    ("bfloat16", "fp8"): (0.90, 0.5, 0.02),
+    ("float32", "bfloat16"): (0.98, 0.03, 0.002),
+    ("float32", "fp8"): (0.92, 0.25, 0.005),
+    ("bfloat16", "auto"): (0.96, 0.1, 0.003),
+    ("bfloat16", "fp8"): (0.91, 0.25, 0.006),
 }
 
 
