@@ -20,7 +20,19 @@ from pathlib import Path
 from consort_common.machine import machine
 from consort_engine.bench import BenchError
 from consort_engine.bench.workload import BENCH_SPEC, bench_model, log, make_workload
-from consort_engine.config import KV_CACHE_DTYPES
+from consort_engine.config import KV_CACHE_DTYPES, byte_size
+
+ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "fp8": 1}     # a KV pool element's size, by --kv-cache-dtype
+
+
+def pool_blocks(model_dir: Path, dtype: str, kv: str, block_size: int, memory: int) -> int:
+    """Blocks of an arm's pool that fit in `memory` bytes (--kv-memory): the same bytes for every arm,
+    so a narrower element holds more tokens."""
+    from consort_engine.model.loader import load_model_config
+    from consort_engine.model.pool_memory import kv_bytes_per_token
+
+    per_token = kv_bytes_per_token(load_model_config(model_dir), ELEMENT_BYTES[dtype if kv == "auto" else kv])
+    return max(1, memory // (per_token * block_size))
 
 DEFAULT_ARMS = {"cpu": "float32:none,float32:int8,float32:w8a8,bfloat16:none",
                 "cuda": "bfloat16:none,bfloat16:fp8"}
@@ -90,6 +102,8 @@ def run(args: argparse.Namespace) -> int:
             arm_args.temperature, arm_args.top_p = 0.0, 1.0
             log(f"round {r}: {dtype} {quant} kv {kv}")
             arm_model = Path(args.quantized_model) if quant in PREQUANTIZED else model_dir
+            if args.kv_memory:
+                arm_args.num_blocks = pool_blocks(arm_model, dtype, kv, args.block_size, args.kv_memory)
             res = bench_offline.run_engine(arm_model, dtype, wl, arm_args, extras=False)
             runs[arm].append(res["tok_s"])
             per_cpu_s[arm].append(wl.useful_tokens / res["cpu_s"])
@@ -97,7 +111,8 @@ def run(args: argparse.Namespace) -> int:
     print("\n=== consort bench quant ===")
     print(f"machine: {machine() if args.device == 'cpu' else gpu_name()}; torch threads {args.threads}; "
           f"1-min load after each round: {', '.join(f'{x:.2f}' for x in loads)}")
-    print(f"workload: {n} requests, {wl.prompt_tokens} prompt tokens, {wl.useful_tokens} output tokens, greedy")
+    print(f"workload: {n} requests, {wl.prompt_tokens} prompt tokens, {wl.useful_tokens} output tokens, greedy"
+          + (f"; every arm's KV pool {args.kv_memory / 2**20:.0f} MiB" if args.kv_memory else ""))
     print("\n".join(table(arms, runs, "tok/s")), flush=True)
     print("\nthe same runs in output tokens per CPU-second of this process (all threads; load from other work "
           "moves it less than wall time):")
@@ -130,6 +145,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="prompt tokens, drawn uniformly (the anchor: 64,512)")
     p.add_argument("--output-len", type=token_range, default=(16, 128), metavar="MIN,MAX",
                    help="output tokens, drawn uniformly (the anchor: 16,128)")
+    p.add_argument("--kv-memory", type=byte_size, default=None, metavar="SIZE",
+                   help="every arm's KV pool in this many bytes (e.g. 96M; --num-blocks per arm from its element), "
+                        "so the arms compare at the same memory; unset: --num-blocks, else sized as the server does")
 
 
 def token_range(text: str) -> tuple[int, int]:

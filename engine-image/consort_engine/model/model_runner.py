@@ -28,7 +28,7 @@ from consort_engine.model.cuda_graphs import DecodeGraphs, use_decode_graphs
 from consort_engine.model.host_staging import PinnedStaging
 from consort_engine.model.loader import checkpoint_names, eos_token_ids, load_model_config, resolve_dtype
 from consort_engine.model.models import MODELS
-from consort_engine.model.pool_memory import MiB, activation_reserve, mem_available
+from consort_engine.model.pool_memory import MiB, activation_reserve, kv_bytes_per_token, mem_available
 from consort_engine.model.models.layers import Linear
 from consort_engine.model.models.mtp import has_mtp
 from consort_engine.model.lora import AdapterError, LoraAdapter, LoraContext, load_peft_adapter, segments_of
@@ -218,9 +218,7 @@ class ModelRunner:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """K and V of every attention layer (only those: a hybrid's mixers hold no per-token state)."""
-        c = self.hf_config
-        return 2 * self.num_kv_layers * self.kv_heads * c.head_dim * self.kv_dtype.itemsize
+        return kv_bytes_per_token(self.hf_config, self.kv_dtype.itemsize, self.kv_heads, self.has_mtp)
 
     def seqs_in_pool(self, pool_bytes: int, context_len: int) -> int:
         """How many sequences of context_len tokens one pool of pool_bytes holds (KV + hybrid state)."""

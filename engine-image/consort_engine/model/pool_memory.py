@@ -19,6 +19,14 @@ def mem_available(device: torch.device) -> int:
         return memory_available(f.read(), cgroup_memory_available())
 
 
+def kv_bytes_per_token(c: ModelConfig, element_size: int, kv_heads: int | None = None, mtp: bool = False) -> int:
+    """K and V of every attention layer (only those: a hybrid's mixers hold no per-token state; an MTP
+    block's layer counts), `kv_heads` of them per layer (a tensor-parallel rank's share; default all),
+    `element_size` bytes each (the pool's element)."""
+    layers = len(c.attention_layers) + mtp
+    return 2 * layers * (kv_heads or c.num_key_value_heads) * c.head_dim * element_size
+
+
 def activation_reserve(c: ModelConfig, tokens: int, max_model_len: int, max_num_seqs: int,
                        mixer_width: int = 0) -> int:
     """Bytes a step's activations may need (twice a float32 estimate, plus 256 MiB): per token of the

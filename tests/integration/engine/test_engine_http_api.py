@@ -29,6 +29,7 @@ def test_models_and_status(engine, demo_model):
     s = engine.status()
     assert s["warm"] is True and s["specialist"] == "spec" and s["speculation"]["state"] == "off"
     assert s["kv_total_blocks"] == 256 and s["kv_free_blocks"] == 256 and s["adapters"] == {}
+    assert s["kv_cache_dtype"] in ("float32", "bfloat16")          # auto: the model's dtype
     assert procs.http_get(engine.url + "/health")[0] == 200
     assert procs.http_get(engine.url + "/ready")[0] == 200
 
@@ -274,6 +275,29 @@ def test_speculative_engine_streams_the_same_greedy_text(engine, demo_model, eng
         assert f"consort_spec_decode_held_decodes_total{labels} {float(spec_stats['held_decodes'])}" in metrics
     finally:
         assert spec.stop() == 0, spec.proc.tail()
+
+
+def test_an_fp8_kv_cache_serves_the_openai_surface_and_says_so(demo_model, engine_logs):
+    """`--kv-cache-dtype fp8`: the real openai client streams a chat completion from an engine whose pool is
+    float8 (status names it), and every block is free again afterwards."""
+    import openai
+
+    eng = procs.start_engine(demo_model, engine_logs, "--num-blocks", "64", "--kv-cache-dtype", "fp8",
+                             name="spec-fp8")
+    try:
+        assert eng.status()["kv_cache_dtype"] == "float8_e4m3fn"
+        client = openai.OpenAI(base_url=eng.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        stream = client.chat.completions.create(
+            model="spec-fp8", messages=[{"role": "user", "content": "int main() { return 0; }"}],
+            max_tokens=24, temperature=0, stream=True, stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True})
+        chunks = list(stream)
+        assert chunks[-1].usage.completion_tokens == 24
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        s = wait_idle(eng)
+        assert s["kv_free_blocks"] == s["kv_total_blocks"] == 64
+    finally:
+        assert eng.stop() == 0, eng.proc.tail()
 
 
 def test_lora_adapter_served_by_name_beside_the_base_model(engine, demo_model, engine_logs, tmp_path):

@@ -48,3 +48,19 @@ def test_table_gives_medians_and_ratios_to_the_first_arm():
     assert rows[2] == "| float32 | none | auto | 100.0 | 120.0 | 110.0 | 110.0 | 1.00x |"
     assert rows[3] == "| float32 | w8a8 | fp8 | 150.0 | 170.0 | 160.0 | 160.0 | 1.45x |"
     assert "flags:" in machine()
+
+
+def test_kv_memory_gives_every_arm_the_same_bytes(tmp_path):
+    """--kv-memory: an fp8 pool gets twice a bf16 pool's blocks and four times a float32 one's."""
+    import json
+
+    from consort_engine.bench.quant import pool_blocks
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8,
+        "num_key_value_heads": 4, "intermediate_size": 1408, "vocab_size": 32000, "max_position_embeddings": 2048}))
+    mib = 1 << 20            # a token: 2 x 8 layers x 4 heads x 64 = 4,096 elements
+    assert pool_blocks(tmp_path, "bfloat16", "auto", 16, 96 * mib) == 96 * mib // (8192 * 16) == 768
+    assert pool_blocks(tmp_path, "bfloat16", "fp8", 16, 96 * mib) == 1536
+    assert pool_blocks(tmp_path, "float32", "auto", 16, 96 * mib) == 384
+    assert pool_blocks(tmp_path, "float32", "bfloat16", 16, 96 * mib) == 768
