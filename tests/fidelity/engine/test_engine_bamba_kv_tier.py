@@ -162,3 +162,21 @@ def test_a_hybrid_tier_file_is_refused_by_a_non_hybrid_engine(waves, tmp_path):
     assert second.stats()["kv_tier_rejected"] == 1 and seq.num_cached_tokens == 0   # the first lookup refuses
     assert seq.output_token_ids == reference
     second.close()
+
+
+def test_a_hybrids_fp8_pool_swaps_and_tiers_its_blocks_bit_for_bit(waves, tmp_path):
+    """`--kv-cache-dtype fp8` under a hybrid: its attention layers' fp8 blocks go out to host memory on
+    preemption (swap) and to the tier with their state checkpoints, and come back as they were: the tokens
+    equal the same fp8 engine's without a tier."""
+    import torch
+
+    ckpt, prompts, max_tokens, _ = waves
+    plain = run_waves(engine(ckpt, kv_cache_dtype="fp8", **SMALL), prompts, max_tokens)
+    eng = engine(ckpt, kv_cache_dtype="fp8", kv_tier_path=str(tmp_path), **SMALL)
+    assert eng.runner.kv_cache.dtype == torch.float8_e4m3fn
+    tiered = run_waves(eng, prompts, max_tokens)
+    stats = eng.stats()
+    assert stats["num_preemptions"] > 0 and stats["tier_cache_hits"] > 0 and stats["kv_tier_rejected"] == 0, stats
+    assert [s.output_token_ids for s in tiered] == [s.output_token_ids for s in plain]
+    assert stats["kv_free_blocks"] == stats["kv_total_blocks"]
+    eng.close()
