@@ -283,18 +283,24 @@ def test_bf16_prefill_kernel_declines_queries_at_an_odd_row_stride():
     assert attn._prefill_kernel(q.contiguous(), torch.zeros(4, 128, dtype=torch.bfloat16), meta)
 
 
-@pytest.mark.skipif(not HAS_PREFILL, reason="the prefill kernel is built for AVX-512 or AVX2 + FMA CPUs")
-def test_bf16_prefill_takes_the_pair_dot_kernel_where_the_library_has_it(monkeypatch):
-    """bf16 queries over a bf16 pool run the bf16 kernel in place where it is built (AVX-512 BF16), else
-    the fp32 one on widened queries; with AMX neither (SDPA)."""
-    asked: list[str] = []
+@pytest.fixture
+def asked(monkeypatch) -> list[str]:
+    """The names of the kernels the attention layer looks up (and finds) while the test runs."""
+    names: list[str] = []
     lookup = attention.kernel
 
     def recording(name, dtype, kv_dtype=None):
         fn = lookup(name, dtype, kv_dtype)
-        asked.append(fn.__name__)
+        names.append(fn.__name__)
         return fn
     monkeypatch.setattr(attention, "kernel", recording)
+    return names
+
+
+@pytest.mark.skipif(not HAS_PREFILL, reason="the prefill kernel is built for AVX-512 or AVX2 + FMA CPUs")
+def test_bf16_prefill_takes_the_pair_dot_kernel_where_the_library_has_it(asked):
+    """bf16 queries over a bf16 pool run the bf16 kernel in place where it is built (AVX-512 BF16), else
+    the fp32 one on widened queries; with AMX neither (SDPA)."""
     meta = four_token_prefill()
     attn = PagedAttention(2, 2, 64, 0.125, "cpu_kernel")
     attn.k_cache = attn.v_cache = torch.ones(1, 2, 16, 64, dtype=torch.bfloat16)
@@ -308,18 +314,10 @@ def test_bf16_prefill_takes_the_pair_dot_kernel_where_the_library_has_it(monkeyp
 
 
 @pytest.mark.skipif(not HAS_PREFILL, reason="the prefill kernel is built for AVX-512 or AVX2 + FMA CPUs")
-def test_bf16_prefill_over_an_fp8_pool_takes_the_pair_dot_kernel_with_amx_too(monkeypatch):
+def test_bf16_prefill_over_an_fp8_pool_takes_the_pair_dot_kernel_with_amx_too(asked, monkeypatch):
     """bf16 queries over an fp8 pool: the pair dot product kernel widening the pool's rows to bf16 where it
     is built (AVX-512 BF16, AMX machines included: SDPA would read a gathered, widened copy), else the fp32
     kernel on widened queries."""
-    asked: list[str] = []
-    lookup = attention.kernel
-
-    def recording(name, dtype, kv_dtype=None):
-        fn = lookup(name, dtype, kv_dtype)
-        asked.append(fn.__name__)
-        return fn
-    monkeypatch.setattr(attention, "kernel", recording)
     monkeypatch.setattr(attention, "AMX", True)
     attn = PagedAttention(2, 2, 64, 0.125, "cpu_kernel")
     attn.k_cache = attn.v_cache = torch.full((1, 2, 16, 64), 3.0).to(FP8)
