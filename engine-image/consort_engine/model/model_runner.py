@@ -5,8 +5,8 @@ activation reserve, times kv_memory_fraction) and never grows. `execute` reads t
 their block tables (allocated by the block manager) and never mutates them.
 
 dtype (config.dtype) is the weights' and the KV cache's unless --kv-cache-dtype narrows the pool (kv_dtype);
-compute_dtype is the activations' (they differ only for bf16 on some CPUs, see compute_dtype()). On CPU the attention, K/V store
-and element-wise layers run as C kernels (cpu_kernels.py) and the GEMM weights are pre-packed.
+compute_dtype is the activations' (they differ only for bf16 on some CPUs, see compute_dtype()). On CPU the
+attention, K/V store and element-wise layers run as C kernels (cpu_kernels.py) and the GEMM weights are pre-packed.
 On CUDA a step's inputs reach the device through pinned staging buffers (host_staging.py) and pure
 decode steps replay CUDA graphs captured at warm-up (cuda_graphs.py).
 """

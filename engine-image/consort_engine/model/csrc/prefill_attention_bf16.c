@@ -283,7 +283,7 @@ static int pb_run(const bf16_t *q, int64_t q_stride, const void *kc, const void 
     const int tiles = prefill_tiles(cu_q, B, PB_TOKENS);
     const int64_t scratch_len = (int64_t)D / 2 * PB_MAX_ROWS + (int64_t)PB_KEYS * PB_MAX_ROWS
                                 + PB_KEYS / 2 * (PB_MAX_ROWS + D) + (int64_t)PB_MAX_ROWS * D + 3 * PB_MAX_ROWS
-                                + (int64_t)PB_KEYS * D;                 /* the fp8 rows widened: 2 x [PB_KEYS][D] bf16 */
+                                + (int64_t)PB_KEYS * D;      /* the fp8 rows widened: 2 x [PB_KEYS][D] bf16 */
     int err = 0;
     #pragma omp parallel num_threads(NT)
     {
