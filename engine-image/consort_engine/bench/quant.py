@@ -22,17 +22,18 @@ from consort_engine.bench import BenchError
 from consort_engine.bench.workload import BENCH_SPEC, bench_model, log, make_workload
 from consort_engine.config import KV_CACHE_DTYPES, byte_size
 
-ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "fp8": 1}     # a KV pool element's size, by --kv-cache-dtype
-
 
 def pool_blocks(model_dir: Path, dtype: str, kv: str, block_size: int, memory: int) -> int:
     """Blocks of an arm's pool that fit in `memory` bytes (--kv-memory): the same bytes for every arm,
     so a narrower element holds more tokens."""
+    import torch
+
+    from consort_engine.model.attention import kv_cache_dtype
     from consort_engine.model.loader import load_model_config
     from consort_engine.model.pool_memory import kv_bytes_per_token
 
-    per_token = kv_bytes_per_token(load_model_config(model_dir), ELEMENT_BYTES[dtype if kv == "auto" else kv])
-    return max(1, memory // (per_token * block_size))
+    element = kv_cache_dtype(kv, getattr(torch, dtype), torch.device("cpu"))
+    return max(1, memory // (kv_bytes_per_token(load_model_config(model_dir), element.itemsize) * block_size))
 
 DEFAULT_ARMS = {"cpu": "float32:none,float32:int8,float32:w8a8,bfloat16:none",
                 "cuda": "bfloat16:none,bfloat16:fp8"}
@@ -152,7 +153,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def token_range(text: str) -> tuple[int, int]:
     """argparse type: `MIN,MAX` tokens, 1 <= MIN <= MAX."""
-    lo, sep, hi = text.partition(",")
+    lo, _, hi = text.partition(",")
     try:
         r = (int(lo), int(hi or lo))
     except ValueError:

@@ -186,10 +186,8 @@ class PagedAttention(HooklessModule):
             return False
         if q.dtype == torch.float32:
             dtypes = (q.dtype,)
-        elif q.dtype == torch.bfloat16 and kv == torch.bfloat16 and not AMX:
-            dtypes = (q.dtype, torch.float32)
-        elif q.dtype == torch.bfloat16 and kv == FP8:     # the pair dot product over widened rows (AMX too)
-            dtypes = (q.dtype, torch.float32)
+        elif q.dtype == torch.bfloat16 and (kv == FP8 or (kv == torch.bfloat16 and not AMX)):
+            dtypes = (q.dtype, torch.float32)     # an fp8 pool's rows widened to bf16 pairs, AMX or not
         else:
             return False
         for dtype in dtypes:
