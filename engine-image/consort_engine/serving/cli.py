@@ -59,7 +59,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--kv-cache-dtype", default=EngineConfig.kv_cache_dtype, choices=KV_CACHE_DTYPES,
                    help="the KV pool's element: auto = the weights' dtype; bfloat16 (a float32 model's pool in half "
                         "the memory) or fp8 (float8 e4m3, unscaled: half a bfloat16 pool; decode attention reads "
-                        "half the bytes and the pool holds twice the tokens); narrower than auto only on cpu")
+                        "half the bytes and the pool holds twice the tokens); on cuda a narrower pool takes the Triton "
+                        "kernel, and fp8 needs compute capability 8.9+")
     p.add_argument("--max-model-len", type=int, default=None, metavar="TOKENS",
                    help="longest prompt + completion; unset: the checkpoint's max_position_embeddings")
     p.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs, metavar="N",
