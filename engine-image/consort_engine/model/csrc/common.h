@@ -37,6 +37,9 @@
 #define VEC_STORE _mm512_store_ps
 #define VEC_STOREU _mm512_storeu_ps
 #define VEC_MAX _mm512_max_ps
+#define VEC_MIN _mm512_min_ps
+#define VEC_DIV _mm512_div_ps
+#define VECI __m512i                       /* VLEN int32 lanes */
 #define VEC_SUB _mm512_sub_ps
 #define VEC_ADD _mm512_add_ps
 #define VEC_FROM_I32 _mm512_cvtepi32_ps   /* VLEN int32 lanes -> fp32 */
@@ -64,6 +67,9 @@
 #define VEC_STORE _mm256_store_ps
 #define VEC_STOREU _mm256_storeu_ps
 #define VEC_MAX _mm256_max_ps
+#define VEC_MIN _mm256_min_ps
+#define VEC_DIV _mm256_div_ps
+#define VECI __m256i
 #define VEC_SUB _mm256_sub_ps
 #define VEC_ADD _mm256_add_ps
 #define VEC_FROM_I32 _mm256_cvtepi32_ps
@@ -194,9 +200,8 @@ static inline void prefill_tile(const int32_t *cu_q, int tokens, int t, int *b, 
 }
 
 #if defined(VEC)
-/* e^x for x <= 0 lanes (clamped at -87): the polynomial of exp_nonpos_core, a vector at a time. */
-static inline VEC exp_vec_nonpos(VEC x) {
-    x = VEC_MAX(x, VEC_SET1(-87.f));
+/* e^x for lanes in [-87, 88]: the polynomial of exp_nonpos_core, a vector at a time. */
+static inline VEC exp_vec_core(VEC x) {
     const VEC t = VEC_MUL(x, VEC_SET1(1.44269504088896341f));
     const VEC k = VEC_ROUND(t);
     const VEC f = VEC_MUL(VEC_SUB(t, k), VEC_SET1(0.693147180559945309f));
@@ -211,6 +216,60 @@ static inline VEC exp_vec_nonpos(VEC x) {
     return VEC_TIMES_POW2(p, k);
 }
 
+/* e^x for x <= 0 lanes (clamped at -87). */
+static inline VEC exp_vec_nonpos(VEC x) { return exp_vec_core(VEC_MAX(x, VEC_SET1(-87.f))); }
+
+/* e^x, x clamped to [-87, 88] (exp_clamped a vector at a time). */
+static inline VEC exp_vec_clamped(VEC x) { return exp_vec_core(VEC_MIN(VEC_MAX(x, VEC_SET1(-87.f)), VEC_SET1(88.f))); }
+
+/* The sum of a vector's lanes. */
+static inline float vec_hsum(VEC v) {
+#if defined(__AVX512F__)
+    return _mm512_reduce_add_ps(v);
+#else
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+#endif
+}
+
+/* Each lane rounded to bf16 as f32_to_bf16 rounds (nearest even): the bf16 bits in the lane's low half. */
+#if defined(__AVX512F__)
+static inline VECI vec_bf16_bits(VEC x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    return _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+}
+/* vec_round_bf16 / vec_put_bf16: with AVX-512 BF16 one vcvtneps2bf16, a third of the integer steps' time
+ * in silu_mul. It rounds alike but flushes fp32 subnormals (below 2^-126) to zero, as the GEMMs' bf16
+ * stores do (gemm.c): no activation is that small. */
+static inline VEC vec_round_bf16(VEC x) {
+#if defined(__AVX512BF16__)
+    return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(x));
+#else
+    return _mm512_castsi512_ps(_mm512_slli_epi32(vec_bf16_bits(x), 16));
+#endif
+}
+static inline void vec_put_bf16(bf16_t *p, VEC x) {
+#if defined(__AVX512BF16__)
+    _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(x));
+#else
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(vec_bf16_bits(x)));
+#endif
+}
+#else
+static inline VECI vec_bf16_bits(VEC x) {
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    return _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+}
+static inline VEC vec_round_bf16(VEC x) { return _mm256_castsi256_ps(_mm256_slli_epi32(vec_bf16_bits(x), 16)); }
+static inline void vec_put_bf16(bf16_t *p, VEC x) {
+    const __m256i b = vec_bf16_bits(x);                 /* each below 2^16: the unsigned pack keeps it */
+    _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
+}
+#endif
+
 /* A vector of a row as fp32 lanes by the row's type (as get_f32 / get_bf16 / fp8_to_f32 for one element). */
 #define VEC_GET_f32(p) VEC_LOADU(p)
 #define VEC_GET_bf16(p) VEC_LOAD_BF16(p)
@@ -220,6 +279,12 @@ static inline VEC exp_vec_nonpos(VEC x) {
 #define VEC_UNIT_f32 1.f
 #define VEC_UNIT_bf16 1.f
 #define VEC_UNIT_fp8 FP8_UNIT
+/* A vector at the row type's precision (round_f32 / round_bf16), and stored into a row of that type
+ * (put_f32 / put_bf16), a vector at a time. */
+#define VEC_RND_f32(x) (x)
+#define VEC_RND_bf16(x) vec_round_bf16(x)
+#define VEC_PUT_f32(p, x) VEC_STOREU(p, x)
+#define VEC_PUT_bf16(p, x) vec_put_bf16(p, x)
 #endif
 
 #endif

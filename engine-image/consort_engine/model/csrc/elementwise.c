@@ -1,11 +1,82 @@
-/* Fused element-wise layers (fp32 arithmetic; bf16 variants round where transformers rounds). */
+/* Fused element-wise layers (fp32 arithmetic; bf16 variants round where transformers rounds).
+ *
+ * Each row runs a vector at a time where the library has vectors (VEC: AVX-512 or AVX2; the *_vec
+ * functions, which return how far they got) and its last D % VLEN elements one at a time, the same
+ * arithmetic either way. Written with intrinsics rather than left to the compiler, which vectorises the
+ * plain loops too but narrows bf16 in scalar-sized steps and builds the exponential's 2^k in integer
+ * lanes (docs/engine-speed.md, "Element-wise layers on vectors"). */
 #include "common.h"
+
+#if defined(VEC)
+#define VEC_PART(fn, ...) fn(__VA_ARGS__)
+/* Vector parts of the rows below, per row type; each returns the first element it left. */
+#define DEFINE_VEC_PARTS(SUFFIX, T)                                                               \
+    /* o = w * round(x * inv) */                                                                  \
+    static inline int norm_vec_##SUFFIX(const T *x, T *o, const T *w, int D, float inv) {         \
+        int d = 0;                                                                                \
+        for (; d + VLEN <= D; d += VLEN) {                                                        \
+            const VEC y = VEC_RND_##SUFFIX(VEC_MUL(VEC_GET_##SUFFIX(x + d), VEC_SET1(inv)));      \
+            VEC_PUT_##SUFFIX(o + d, VEC_MUL(VEC_GET_##SUFFIX(w + d), y));                         \
+        }                                                                                         \
+        return d;                                                                                 \
+    }                                                                                             \
+    /* *ss = the sum of squares of x's vectors */                                                 \
+    static inline int sum_squares_vec_##SUFFIX(const T *x, int D, float *ss) {                    \
+        VEC acc = VEC_ZERO();                                                                     \
+        int d = 0;                                                                                \
+        for (; d + VLEN <= D; d += VLEN) {                                                        \
+            const VEC v = VEC_GET_##SUFFIX(x + d);                                                \
+            acc = VEC_FMA(v, v, acc);                                                             \
+        }                                                                                         \
+        *ss = vec_hsum(acc);                                                                      \
+        return d;                                                                                 \
+    }                                                                                             \
+    /* r = round(r + x); *ss = the sum of squares of the new r */                                 \
+    static inline int add_sum_squares_vec_##SUFFIX(T *r, const T *x, int D, float *ss) {          \
+        VEC acc = VEC_ZERO();                                                                     \
+        int d = 0;                                                                                \
+        for (; d + VLEN <= D; d += VLEN) {                                                        \
+            const VEC v = VEC_RND_##SUFFIX(VEC_ADD(VEC_GET_##SUFFIX(r + d), VEC_GET_##SUFFIX(x + d))); \
+            VEC_PUT_##SUFFIX(r + d, v);                                                           \
+            acc = VEC_FMA(v, v, acc);                                                             \
+        }                                                                                         \
+        *ss = vec_hsum(acc);                                                                      \
+        return d;                                                                                 \
+    }                                                                                             \
+    /* one head's rotate-half over its first `half` pairs */                                      \
+    static inline int rope_vec_##SUFFIX(T *xh, const T *c, const T *s, int half) {                \
+        int i = 0;                                                                                \
+        for (; i + VLEN <= half; i += VLEN) {                                                     \
+            const VEC a = VEC_GET_##SUFFIX(xh + i), b = VEC_GET_##SUFFIX(xh + i + half);          \
+            const VEC ci = VEC_GET_##SUFFIX(c + i), si = VEC_GET_##SUFFIX(s + i);                 \
+            VEC_PUT_##SUFFIX(xh + i, VEC_SUB(VEC_RND_##SUFFIX(VEC_MUL(a, ci)), VEC_RND_##SUFFIX(VEC_MUL(b, si)))); \
+            VEC_PUT_##SUFFIX(xh + i + half,                                                       \
+                             VEC_ADD(VEC_RND_##SUFFIX(VEC_MUL(b, ci)), VEC_RND_##SUFFIX(VEC_MUL(a, si)))); \
+        }                                                                                         \
+        return i;                                                                                 \
+    }                                                                                             \
+    /* o = round(silu(g)) * u */                                                                  \
+    static inline int silu_mul_vec_##SUFFIX(const T *g, const T *u, T *o, int F) {               \
+        int f = 0;                                                                                \
+        for (; f + VLEN <= F; f += VLEN) {                                                        \
+            const VEC v = VEC_GET_##SUFFIX(g + f);                                                \
+            const VEC e = exp_vec_clamped(VEC_SUB(VEC_ZERO(), v));                                \
+            const VEC act = VEC_RND_##SUFFIX(VEC_DIV(v, VEC_ADD(VEC_SET1(1.0f), e)));             \
+            VEC_PUT_##SUFFIX(o + f, VEC_MUL(act, VEC_GET_##SUFFIX(u + f)));                       \
+        }                                                                                         \
+        return f;                                                                                 \
+    }
+DEFINE_VEC_PARTS(f32, float)
+DEFINE_VEC_PARTS(bf16, bf16_t)
+#else
+#define VEC_PART(fn, ...) 0   /* no vectors: every element one at a time */
+#endif
 
 /* o = w * round(x * inv), inv = 1 / rms: the output of both norms (ss: the row's sum of squares). */
 #define DEFINE_NORM_ROW(SUFFIX, T)                                                                \
     static inline void norm_row_##SUFFIX(const T *x, T *o, const T *w, int D, float ss, float eps) { \
         const float inv = 1.0f / sqrtf(ss / (float)D + eps);                                      \
-        for (int d = 0; d < D; d++)                                                               \
+        for (int d = VEC_PART(norm_vec_##SUFFIX, x, o, w, D, inv); d < D; d++)                    \
             put_##SUFFIX(o, d, get_##SUFFIX(w, d) * round_##SUFFIX(get_##SUFFIX(x, d) * inv));    \
     }
 
@@ -20,7 +91,7 @@
                 const T *xr = x + t * x_stride + (int64_t)h * D;                                  \
                 T *o = out + t * out_stride + (int64_t)h * D;                                     \
                 float ss = 0.f;                                                                   \
-                for (int d = 0; d < D; d++) {                                                     \
+                for (int d = VEC_PART(sum_squares_vec_##SUFFIX, xr, D, &ss); d < D; d++) {        \
                     const float v = get_##SUFFIX(xr, d);                                          \
                     ss += v * v;                                                                  \
                 }                                                                                 \
@@ -38,7 +109,7 @@
             const T *xr = x + (int64_t)t * D;                                                     \
             T *o = out + (int64_t)t * D;                                                          \
             float ss = 0.f;                                                                       \
-            for (int d = 0; d < D; d++) {                                                         \
+            for (int d = VEC_PART(add_sum_squares_vec_##SUFFIX, r, xr, D, &ss); d < D; d++) {     \
                 const float v = round_##SUFFIX(get_##SUFFIX(r, d) + get_##SUFFIX(xr, d));         \
                 put_##SUFFIX(r, d, v);                                                            \
                 ss += v * v;                                                                      \
@@ -58,7 +129,7 @@
             const T *c = cos_t + positions[t] * half, *s = sin_t + positions[t] * half;           \
             for (int h = 0; h < n_head; h++) {                                                    \
                 T *xh = x + t * x_stride + (int64_t)h * D;                                        \
-                for (int i = 0; i < half; i++) {                                                  \
+                for (int i = VEC_PART(rope_vec_##SUFFIX, xh, c, s, half); i < half; i++) {        \
                     const float a = get_##SUFFIX(xh, i), b = get_##SUFFIX(xh, i + half);          \
                     const float ci = get_##SUFFIX(c, i), si = get_##SUFFIX(s, i);                 \
                     put_##SUFFIX(xh, i, round_##SUFFIX(a * ci) - round_##SUFFIX(b * si));         \
@@ -75,7 +146,7 @@
         for (int t = 0; t < n; t++) {                                                             \
             const T *g = gu + (int64_t)t * 2 * F, *u = g + F;                                     \
             T *o = out + (int64_t)t * F;                                                          \
-            for (int f = 0; f < F; f++) {                                                         \
+            for (int f = VEC_PART(silu_mul_vec_##SUFFIX, g, u, o, F); f < F; f++) {               \
                 const float v = get_##SUFFIX(g, f);                                               \
                 const float act = round_##SUFFIX(v / (1.0f + exp_clamped(-v)));                   \
                 put_##SUFFIX(o, f, act * get_##SUFFIX(u, f));                                     \

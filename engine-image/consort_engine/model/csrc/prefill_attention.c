@@ -53,7 +53,7 @@ static inline __attribute__((always_inline)) int pf_softmax_row(float *P, int c0
     const float mx = _mm512_reduce_max_ps(sv), mnew = mx > *m ? mx : *m;
     const __m512 p = _mm512_maskz_mov_ps(vis, exp_vec_nonpos(_mm512_sub_ps(sv, _mm512_set1_ps(mnew))));
     *alpha = *m == -INFINITY ? 0.f : exp_nonpos(*m - mnew);
-    *l = *l * *alpha + _mm512_reduce_add_ps(p);
+    *l = *l * *alpha + vec_hsum(p);
     *m = mnew;
     _mm512_store_ps(P, p);
     return 1;
@@ -67,12 +67,6 @@ static inline float hmax256(__m256 v) {
     __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     x = _mm_max_ps(x, _mm_movehl_ps(x, x));
     return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
-}
-
-static inline float hsum256(__m256 v) {
-    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-    return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
 }
 
 /* As the AVX-512 one over a block of 64 keys (8 ymm); the visible lanes are a compare mask (keys
@@ -99,7 +93,7 @@ static inline __attribute__((always_inline)) int pf_softmax_row(float *P, int c0
         _mm256_store_ps(P + v * 8, p);
     }
     *alpha = *m == -INFINITY ? 0.f : exp_nonpos(*m - mnew);
-    *l = *l * *alpha + hsum256(sum);
+    *l = *l * *alpha + vec_hsum(sum);
     *m = mnew;
     return 1;
 }

@@ -172,20 +172,12 @@ static inline __attribute__((always_inline)) void pb_pv_##SV##x##RR(            
 DEFINE_PB_PV(4, 6)     /* D = 64: 24 accumulators + 4 V pairs' vectors of 32 zmm */
 DEFINE_PB_PV(8, 3)     /* D = 128 */
 
-/* 16 fp32 lanes rounded to bf16 as f32_to_bf16 rounds (nearest even), each in the low half of its lane. */
-static inline __m512i pb_bf16_bits(__m512 x) {
-    const __m512i u = _mm512_castps_si512(x);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    return _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
-}
-
 /* An fp8 row of D (a multiple of 32) as bf16: the widened lanes (times FP8_UNIT) scaled back, rounded
  * to bf16 without a change (each fp8 value is a bf16) and narrowed. */
 static inline void pb_fp8_row(bf16_t *dst, const fp8_t *src, int D) {
     const __m512 unit = _mm512_set1_ps(1.f / FP8_UNIT);
     for (int d = 0; d < D; d += 16)
-        _mm256_store_si256((__m256i *)(dst + d),
-                           _mm512_cvtepi32_epi16(pb_bf16_bits(_mm512_mul_ps(VEC_LOAD_FP8(src + d), unit))));
+        vec_put_bf16(dst + d, _mm512_mul_ps(VEC_LOAD_FP8(src + d), unit));
 }
 
 /* One work item (the arguments of pf_item in prefill_attention.c; offsets are in elements). `fp8`: kc, vc
@@ -266,8 +258,8 @@ static inline __attribute__((always_inline)) void pb_item(
         const __m512 inv = _mm512_set1_ps(1.f / l[r]);
         const float *ar = acc + (int64_t)r * D;
         for (int d = 0; d < D; d += 32) {   /* packus undoes the interleave (see the top) */
-            const __m512i lo = pb_bf16_bits(_mm512_mul_ps(_mm512_load_ps(ar + d), inv));
-            const __m512i hi = pb_bf16_bits(_mm512_mul_ps(_mm512_load_ps(ar + d + 16), inv));
+            const __m512i lo = vec_bf16_bits(_mm512_mul_ps(_mm512_load_ps(ar + d), inv));
+            const __m512i hi = vec_bf16_bits(_mm512_mul_ps(_mm512_load_ps(ar + d + 16), inv));
             _mm512_storeu_si512(dst + d, _mm512_packus_epi32(lo, hi));
         }
     }
