@@ -39,7 +39,6 @@
 #define VEC_MAX _mm512_max_ps
 #define VEC_MIN _mm512_min_ps
 #define VEC_DIV _mm512_div_ps
-#define VECI __m512i                       /* VLEN int32 lanes */
 #define VEC_SUB _mm512_sub_ps
 #define VEC_ADD _mm512_add_ps
 #define VEC_FROM_I32 _mm512_cvtepi32_ps   /* VLEN int32 lanes -> fp32 */
@@ -69,7 +68,6 @@
 #define VEC_MAX _mm256_max_ps
 #define VEC_MIN _mm256_min_ps
 #define VEC_DIV _mm256_div_ps
-#define VECI __m256i
 #define VEC_SUB _mm256_sub_ps
 #define VEC_ADD _mm256_add_ps
 #define VEC_FROM_I32 _mm256_cvtepi32_ps
@@ -233,41 +231,20 @@ static inline float vec_hsum(VEC v) {
 #endif
 }
 
-/* Each lane rounded to bf16 as f32_to_bf16 rounds (nearest even): the bf16 bits in the lane's low half. */
 #if defined(__AVX512F__)
-static inline VECI vec_bf16_bits(VEC x) {
+/* Each lane rounded to bf16 as f32_to_bf16 rounds (nearest even): the bf16 bits in the lane's low half. */
+static inline __m512i vec_bf16_bits(__m512 x) {
     const __m512i u = _mm512_castps_si512(x);
     const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     return _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
 }
-/* vec_round_bf16 / vec_put_bf16: with AVX-512 BF16 one vcvtneps2bf16, a third of the integer steps' time
- * in silu_mul. It rounds alike but flushes fp32 subnormals (below 2^-126) to zero, as the GEMMs' bf16
- * stores do (gemm.c): no activation is that small. */
-static inline VEC vec_round_bf16(VEC x) {
-#if defined(__AVX512BF16__)
-    return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(x));
-#else
-    return _mm512_castsi512_ps(_mm512_slli_epi32(vec_bf16_bits(x), 16));
 #endif
-}
-static inline void vec_put_bf16(bf16_t *p, VEC x) {
 #if defined(__AVX512BF16__)
-    _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(x));
-#else
-    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(vec_bf16_bits(x)));
-#endif
-}
-#else
-static inline VECI vec_bf16_bits(VEC x) {
-    const __m256i u = _mm256_castps_si256(x);
-    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    return _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
-}
-static inline VEC vec_round_bf16(VEC x) { return _mm256_castsi256_ps(_mm256_slli_epi32(vec_bf16_bits(x), 16)); }
-static inline void vec_put_bf16(bf16_t *p, VEC x) {
-    const __m256i b = vec_bf16_bits(x);                 /* each below 2^16: the unsigned pack keeps it */
-    _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
-}
+/* round_bf16 / put_bf16 a vector at a time by vcvtneps2bf16, a third of vec_bf16_bits' time in silu_mul: it
+ * rounds alike but flushes fp32 subnormals (below 2^-126) to zero, as the GEMMs' bf16 stores do (gemm.c);
+ * no activation is that small. */
+static inline __m512 vec_round_bf16(__m512 x) { return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(x)); }
+static inline void vec_put_bf16(bf16_t *p, __m512 x) { _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(x)); }
 #endif
 
 /* A vector of a row as fp32 lanes by the row's type (as get_f32 / get_bf16 / fp8_to_f32 for one element). */
@@ -280,11 +257,13 @@ static inline void vec_put_bf16(bf16_t *p, VEC x) {
 #define VEC_UNIT_bf16 1.f
 #define VEC_UNIT_fp8 FP8_UNIT
 /* A vector at the row type's precision (round_f32 / round_bf16), and stored into a row of that type
- * (put_f32 / put_bf16), a vector at a time. */
+ * (put_f32 / put_bf16), a vector at a time; bf16's with AVX-512 BF16 only. */
 #define VEC_RND_f32(x) (x)
-#define VEC_RND_bf16(x) vec_round_bf16(x)
 #define VEC_PUT_f32(p, x) VEC_STOREU(p, x)
+#if defined(__AVX512BF16__)
+#define VEC_RND_bf16(x) vec_round_bf16(x)
 #define VEC_PUT_bf16(p, x) vec_put_bf16(p, x)
+#endif
 #endif
 
 #endif
