@@ -86,6 +86,8 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--tree", default=str(REPO), help="the checkout whose engine runs (default: this one)")
     ap.add_argument("--model", default=None, help="checkpoint (default: the bench model)")
+    ap.add_argument("--perf-data", type=Path, help="keep perf's samples here (for `perf report -i`: per thread, "
+                                                    "per caller)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--ctl", help=argparse.SUPPRESS)
     ap.add_argument("--ack", help=argparse.SUPPRESS)
@@ -99,7 +101,7 @@ def main() -> int:
     if a.model is None:
         a.model = str(bench_model())
     with tempfile.TemporaryDirectory() as tmp:
-        ctl, ack, data = f"{tmp}/ctl", f"{tmp}/ack", f"{tmp}/perf.data"
+        ctl, ack, data = f"{tmp}/ctl", f"{tmp}/ack", str(a.perf_data or f"{tmp}/perf.data")
         os.mkfifo(ctl)
         os.mkfifo(ack)
         run = subprocess.run(

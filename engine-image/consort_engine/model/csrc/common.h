@@ -220,6 +220,17 @@ static inline VEC exp_vec_nonpos(VEC x) { return exp_vec_core(VEC_MAX(x, VEC_SET
 /* e^x, x clamped to [-87, 88] (exp_clamped a vector at a time). */
 static inline VEC exp_vec_clamped(VEC x) { return exp_vec_core(VEC_MIN(VEC_MAX(x, VEC_SET1(-87.f)), VEC_SET1(88.f))); }
 
+/* The largest of a vector's lanes. */
+static inline float vec_hmax(VEC v) {
+#if defined(__AVX512F__)
+    return _mm512_reduce_max_ps(v);
+#else
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+#endif
+}
+
 /* The sum of a vector's lanes. */
 static inline float vec_hsum(VEC v) {
 #if defined(__AVX512F__)
@@ -265,5 +276,22 @@ static inline void vec_put_bf16(bf16_t *p, __m512 x) { _mm256_storeu_si256((__m2
 #define VEC_PUT_bf16(p, x) vec_put_bf16(p, x)
 #endif
 #endif
+
+/* max(x[0 .. n)), -inf for none; NaN lanes are passed over, as the plain loop's compare passes them (vmaxps
+ * returns its second operand where either is NaN). The compiler leaves that loop a serial chain of scalar
+ * max instructions (a max reduction is not reassociable where NaN may occur). */
+static inline float row_max(const float *x, int n) {
+    float m = -INFINITY;
+    int j = 0;
+#if defined(VEC)
+    if (n >= VLEN) {
+        VEC mv = VEC_SET1(-INFINITY);
+        for (; j + VLEN <= n; j += VLEN) mv = VEC_MAX(VEC_LOADU(x + j), mv);
+        m = vec_hmax(mv);
+    }
+#endif
+    for (; j < n; j++) m = x[j] > m ? x[j] : m;
+    return m;
+}
 
 #endif

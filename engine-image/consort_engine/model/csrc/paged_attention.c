@@ -354,8 +354,8 @@ static inline int64_t out_offset(int r, int rq, int G, int q0, int kh0, int64_t 
         for (int r = 0; r < rows; r++) {     /* a part: P unnormalised, the row's max and sum to `part` */     \
             float *sr = s + (int64_t)r * ctx;                                                                  \
             const int L = lim[r] < j0 ? j0 : lim[r] < jend ? lim[r] : jend;                                    \
-            float m = -INFINITY, sum = 0.f;                                                                    \
-            for (int j = j0; j < L; j++) m = sr[j] > m ? sr[j] : m;                                            \
+            const float m = row_max(sr + j0, L - j0);                                                          \
+            float sum = 0.f;                                                                                   \
             for (int j = j0; j < L; j++) {                                                                     \
                 sr[j] = exp_nonpos(sr[j] - m);                                                                 \
                 sum += sr[j];                                                                                  \

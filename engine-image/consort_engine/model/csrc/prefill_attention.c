@@ -50,7 +50,7 @@ static inline __attribute__((always_inline)) int pf_softmax_row(float *P, int c0
                                                   _mm512_set1_epi32(pos)) & (__mmask16)((1u << nk) - 1);
     if (!vis) { *alpha = 1.f; memset(P, 0, 64); return 0; }
     const __m512 sv = _mm512_mask_blend_ps(vis, _mm512_set1_ps(-INFINITY), _mm512_load_ps(P));
-    const float mx = _mm512_reduce_max_ps(sv), mnew = mx > *m ? mx : *m;
+    const float mx = vec_hmax(sv), mnew = mx > *m ? mx : *m;
     const __m512 p = _mm512_maskz_mov_ps(vis, exp_vec_nonpos(_mm512_sub_ps(sv, _mm512_set1_ps(mnew))));
     *alpha = *m == -INFINITY ? 0.f : exp_nonpos(*m - mnew);
     *l = *l * *alpha + vec_hsum(p);
@@ -62,12 +62,6 @@ static inline __attribute__((always_inline)) int pf_softmax_row(float *P, int c0
 #define PF_KEYS 64
 #define PF_SCORE_ROWS 6                   /* 12 FMA chains of two ymm */
 #define PF_PV(D, ...) pf_pv_2x4(__VA_ARGS__)   /* 4 rows x 16 floats of D: 8 chains */
-
-static inline float hmax256(__m256 v) {
-    __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
-    return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
-}
 
 /* As the AVX-512 one over a block of 64 keys (8 ymm); the visible lanes are a compare mask (keys
  * c0 + lane <= pos: keys past c0 + nk are past every row's pos, so nk needs no mask of its own, and
@@ -84,7 +78,7 @@ static inline __attribute__((always_inline)) int pf_softmax_row(float *P, int c0
         sv[v] = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_load_ps(P + v * 8), vis[v]);
         mx = _mm256_max_ps(mx, sv[v]);
     }
-    const float mb = hmax256(mx), mnew = mb > *m ? mb : *m;
+    const float mb = vec_hmax(mx), mnew = mb > *m ? mb : *m;
     const __m256 mv = _mm256_set1_ps(mnew);
     __m256 sum = _mm256_setzero_ps();
     for (int v = 0; v < PF_KEYS / 8; v++) {
