@@ -74,10 +74,10 @@ DTYPES = [(torch.float32, torch.float32),
           (FP8, torch.bfloat16)]
 
 
-def check_decode(h, kvh, d, qlens, kv_dtype, q_dtype, bs=16, ctx_lens=None):
+def check_decode(h, kvh, d, qlens, kv_dtype, q_dtype, bs=16, ctx_lens=None, q_scale=2.0):
     """The batched group of one step through the kernel against SDPA over each sequence's gathered context:
     scattered blocks, contexts of any length (drawn under 90 + rows unless given), the last block partly
-    filled."""
+    filled. q_scale: the queries' spread (scores spread with it)."""
     g = torch.Generator().manual_seed(h * 100 + kvh + d + len(qlens) + bs)
     if ctx_lens is None:
         ctx_lens = [int(torch.randint(n, 90, (1,), generator=g)) + n for n in qlens]   # >= the query rows
@@ -89,7 +89,7 @@ def check_decode(h, kvh, d, qlens, kv_dtype, q_dtype, bs=16, ctx_lens=None):
     perm = torch.randperm(num_blocks, generator=g)[:len(qlens) * max_blocks]       # scattered blocks
     block_tables = perm.view(len(qlens), max_blocks).to(torch.int32)
     t = sum(qlens)
-    q = (torch.randn(t, h, d, generator=g) * 2).to(q_dtype)
+    q = (torch.randn(t, h, d, generator=g) * q_scale).to(q_dtype)
     meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.int64), num_batched_tokens=t,
                              block_tables=block_tables, context_lens=torch.tensor(ctx_lens, dtype=torch.int32),
                              cu_query_lens=torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32))
@@ -107,6 +107,13 @@ def check_decode(h, kvh, d, qlens, kv_dtype, q_dtype, bs=16, ctx_lens=None):
 @pytest.mark.parametrize("kv_dtype,q_dtype", DTYPES)
 def test_kernel_equals_sdpa_over_the_gathered_context(h, kvh, d, qlens, kv_dtype, q_dtype):
     check_decode(h, kvh, d, qlens, kv_dtype, q_dtype)
+
+
+@pytest.mark.parametrize("kv_dtype,q_dtype", DTYPES)
+def test_kernel_takes_each_rows_max_over_all_its_keys(kv_dtype, q_dtype):
+    """Scores hundreds apart (a near one-hot softmax): e^(score - max) overflows unless the max the
+    softmax subtracts is the row's largest score over every key (the vector part and the tail)."""
+    check_decode(8, 4, 64, [1, 2, 1, 1], kv_dtype, q_dtype, q_scale=400.0)
 
 
 @contextlib.contextmanager
