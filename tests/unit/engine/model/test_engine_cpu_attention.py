@@ -13,7 +13,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from consort_common.machine import cpu_model_and_flags
 from consort_engine.model import attention
 from consort_engine.model import cpu_kernels as ck
 from consort_engine.model.attention import AttentionMetadata, PagedAttention
@@ -158,22 +157,12 @@ def test_kernel_reads_any_block_size(bs):
         check_decode(16, 2, 128, [1, 4], kv_dtype, q_dtype, bs=bs)
 
 
-# The x86-64 levels' builds this CPU runs (LEVELS: the engine image prebuilds one per level).
-RUNNABLE_LEVELS = ck.runnable_levels(cpu_model_and_flags()[1])
-
-
 @pytest.fixture(scope="module")
-def level_libraries(tmp_path_factory):
+def level_libraries(level_builds):
     """Each runnable level's build of the attention kernels (the decode and prefill kernels, the store)."""
-    sources = [p for p in ck.SOURCES if p.stem in ("paged_attention", "prefill_attention", "team")]
-    out = {}
-    for level in RUNNABLE_LEVELS:
-        out[level] = tmp_path_factory.mktemp("levels") / f"attention-{level}.so"
-        ck.compile_sources(out[level], level, sources=sources)
-    return out
+    return level_builds("paged_attention", "prefill_attention", "team")
 
 
-@pytest.mark.skipif(not RUNNABLE_LEVELS, reason="the engine image's builds are for x86-64 CPUs")
 def test_kernel_equals_sdpa_in_every_build_this_cpu_runs(level_libraries, monkeypatch):
     """Each x86-64 level's build of the kernel this CPU can run (plain loops at v2, ymm at v3, zmm at v4,
     the bf16 pair dot product with AVX-512 BF16) against SDPA, not only the library loaded here."""
@@ -458,7 +447,6 @@ def test_prefill_kernel_over_an_fp8_pool_equals_causal_sdpa(h, kvh, d, bs, spans
     check_fp8_prefill(h, kvh, d, bs, spans)
 
 
-@pytest.mark.skipif(not RUNNABLE_LEVELS, reason="the engine image's builds are for x86-64 CPUs")
 def test_fp8_store_and_prefill_in_every_build_this_cpu_runs(level_libraries, monkeypatch):
     """The store's conversion (vectorised by the compiler for each level's vectors) and the prefill
     kernel's fp8 widening (AVX2 or AVX-512) in each level's build, not only the library loaded here."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from consort_common.machine import cpu_model_and_flags
 from consort_engine.model import cpu_kernels as ck
 from consort_engine.model.cpu_kernels import cpu_kernels
 from consort_engine.model.models import ops
@@ -93,21 +92,12 @@ def test_kernels_equal_the_torch_path(dtype, width, rows):
     check_kernels(dtype, width, rows, seed=width * 1000 + rows)
 
 
-RUNNABLE_LEVELS = ck.runnable_levels(cpu_model_and_flags()[1])
-
-
 @pytest.fixture(scope="module")
-def level_libraries(tmp_path_factory):
+def level_libraries(level_builds):
     """Each runnable level's build of the element-wise kernels."""
-    sources = [p for p in ck.SOURCES if p.stem in ("elementwise", "team")]
-    out = {}
-    for level in RUNNABLE_LEVELS:
-        out[level] = tmp_path_factory.mktemp("levels") / f"elementwise-{level}.so"
-        ck.compile_sources(out[level], level, sources=sources)
-    return out
+    return level_builds("elementwise", "team")
 
 
-@pytest.mark.skipif(not RUNNABLE_LEVELS, reason="the engine image's builds are for x86-64 CPUs")
 def test_kernels_equal_the_torch_path_in_every_build_this_cpu_runs(level_libraries, monkeypatch):
     for level, so in level_libraries.items():
         monkeypatch.setattr(ck, "_lib", ck.load_library(so))
