@@ -255,7 +255,9 @@ static inline __m512i vec_bf16_bits(__m512 x) {
  * rounds alike but flushes fp32 subnormals (below 2^-126) to zero, as the GEMMs' bf16 stores do (gemm.c);
  * no activation is that small. */
 static inline __m512 vec_round_bf16(__m512 x) { return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(x)); }
-static inline void vec_put_bf16(bf16_t *p, __m512 x) { _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(x)); }
+static inline void vec_put_bf16(bf16_t *p, __m512 x) {
+    _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(x));
+}
 #endif
 
 /* A vector of a row as fp32 lanes by the row's type (as get_f32 / get_bf16 / fp8_to_f32 for one element). */

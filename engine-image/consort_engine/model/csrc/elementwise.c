@@ -63,7 +63,8 @@
             for (int h = 0; h < n_head; h++) {                                                    \
                 T *xh = xt + (int64_t)h * D;                                                      \
                 const VEC a = VEC_GET_##SUFFIX(xh + i), b = VEC_GET_##SUFFIX(xh + i + half);      \
-                VEC_PUT_##SUFFIX(xh + i, VEC_SUB(VEC_RND_##SUFFIX(VEC_MUL(a, ci)), VEC_RND_##SUFFIX(VEC_MUL(b, si)))); \
+                VEC_PUT_##SUFFIX(xh + i,                                                          \
+                                 VEC_SUB(VEC_RND_##SUFFIX(VEC_MUL(a, ci)), VEC_RND_##SUFFIX(VEC_MUL(b, si)))); \
                 VEC_PUT_##SUFFIX(xh + i + half,                                                   \
                                  VEC_ADD(VEC_RND_##SUFFIX(VEC_MUL(b, ci)), VEC_RND_##SUFFIX(VEC_MUL(a, si)))); \
             }                                                                                     \
