@@ -87,7 +87,10 @@ def main() -> None:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64, 256, 2048])
     p.add_argument("--quantized", action="store_true", help="the int8 products against fp32")
     p.add_argument("--bf16", action="store_true", help="the bf16 products against fp32")
+    p.add_argument("--shapes", nargs="+", metavar="IN:OUT", help="weights of these shapes instead of the bench "
+                   "model's (e.g. 4096:6144 4096:28672 14336:4096, an 8B model's qkv, gate_up and down)")
     a = p.parse_args()
+    shapes = [tuple(int(v) for v in s.split(":")) for s in a.shapes] if a.shapes else SHAPES
     if a.threads:
         torch.set_num_threads(a.threads)
     make, (first, second) = ((quantized, ("fp32", "int8 (engine)")) if a.quantized else
@@ -97,7 +100,7 @@ def main() -> None:
     print("| rows | in x out | " + " | ".join(names) + f" | {second} / {first} |")
     print("|---|---|" + "---|" * (len(names) + 1))
     for m in a.rows:
-        for k, n in SHAPES:
+        for k, n in shapes:
             w, x = torch.randn(n, k) * 0.02, torch.randn(m, k)
             r = rates({name: f for name, f in make(w).items() if f is not None}, x, 2.0 * m * k * n)
             cells = " | ".join(f"{r[name]:.0f}" if name in r else "-" for name in names)
