@@ -4,8 +4,8 @@
  * far they got) and its last D % VLEN elements one at a time, the same arithmetic either way: float32
  * rows with AVX2 or AVX-512, bfloat16 rows with AVX-512 BF16, whose vcvtneps2bf16 rounds a vector in one
  * instruction. Elsewhere the compiler vectorises the plain loops itself, narrowing bf16 in integer steps.
- * Written with intrinsics where that pays: 1.1-1.3x the compiler's loops (docs/engine-speed.md, "The
- * element-wise layers"). */
+ * Written with intrinsics where that pays: 1.1-1.4x the compiler's loops (docs/engine-speed.md, "The
+ * element-wise layers and the softmax's max"). */
 #include "common.h"
 
 #if defined(VEC)
