@@ -17,6 +17,7 @@ from consort_engine.model import attention
 from consort_engine.model import cpu_kernels as ck
 from consort_engine.model.attention import AttentionMetadata, PagedAttention
 from consort_engine.model.cpu_kernels import cpu_kernels
+from kernel_levels import build_levels
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="needs a C compiler")
 
@@ -158,9 +159,9 @@ def test_kernel_reads_any_block_size(bs):
 
 
 @pytest.fixture(scope="module")
-def level_libraries(level_builds):
+def level_libraries(tmp_path_factory):
     """Each runnable level's build of the attention kernels (the decode and prefill kernels, the store)."""
-    return level_builds("paged_attention", "prefill_attention", "team")
+    return build_levels(tmp_path_factory, "paged_attention", "prefill_attention", "team")
 
 
 def test_kernel_equals_sdpa_in_every_build_this_cpu_runs(level_libraries, monkeypatch):

@@ -11,6 +11,7 @@ import torch
 
 from consort_engine.model import cpu_kernels as ck
 from consort_engine.model.cpu_kernels import cpu_kernels
+from kernel_levels import build_levels
 from consort_engine.model.models import ops
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="needs a C compiler")
@@ -93,9 +94,9 @@ def test_kernels_equal_the_torch_path(dtype, width, rows):
 
 
 @pytest.fixture(scope="module")
-def level_libraries(level_builds):
+def level_libraries(tmp_path_factory):
     """Each runnable level's build of the element-wise kernels."""
-    return level_builds("elementwise", "team")
+    return build_levels(tmp_path_factory, "elementwise", "team")
 
 
 def test_kernels_equal_the_torch_path_in_every_build_this_cpu_runs(level_libraries, monkeypatch):
