@@ -17,7 +17,7 @@ from consort_engine.model import attention
 from consort_engine.model import cpu_kernels as ck
 from consort_engine.model.attention import AttentionMetadata, PagedAttention
 from consort_engine.model.cpu_kernels import cpu_kernels
-from kernel_levels import build_levels
+from kernel_levels import ON_X86_64, build_levels
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="needs a C compiler")
 
@@ -164,6 +164,7 @@ def level_libraries(tmp_path_factory):
     return build_levels(tmp_path_factory, "paged_attention", "prefill_attention", "team")
 
 
+@ON_X86_64
 def test_kernel_equals_sdpa_in_every_build_this_cpu_runs(level_libraries, monkeypatch):
     """Each x86-64 level's build of the kernel this CPU can run (plain loops at v2, ymm at v3, zmm at v4,
     the bf16 pair dot product with AVX-512 BF16) against SDPA, not only the library loaded here."""
@@ -448,6 +449,7 @@ def test_prefill_kernel_over_an_fp8_pool_equals_causal_sdpa(h, kvh, d, bs, spans
     check_fp8_prefill(h, kvh, d, bs, spans)
 
 
+@ON_X86_64
 def test_fp8_store_and_prefill_in_every_build_this_cpu_runs(level_libraries, monkeypatch):
     """The store's conversion (vectorised by the compiler for each level's vectors) and the prefill
     kernel's fp8 widening (AVX2 or AVX-512) in each level's build, not only the library loaded here."""

@@ -11,7 +11,7 @@ import torch
 
 from consort_engine.model import cpu_kernels as ck
 from consort_engine.model.cpu_kernels import cpu_kernels
-from kernel_levels import build_levels
+from kernel_levels import ON_X86_64, build_levels
 from consort_engine.model.models import ops
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="needs a C compiler")
@@ -99,6 +99,7 @@ def level_libraries(tmp_path_factory):
     return build_levels(tmp_path_factory, "elementwise", "team")
 
 
+@ON_X86_64
 def test_kernels_equal_the_torch_path_in_every_build_this_cpu_runs(level_libraries, monkeypatch):
     for level, so in level_libraries.items():
         monkeypatch.setattr(ck, "_lib", ck.load_library(so))
