@@ -180,24 +180,9 @@ class PagedAttention(HooklessModule):
         pool on the bf16 pair dot product where the library has it (AVX-512 BF16), else widened to float32 and
         the output rounded back; except bf16 pools with AMX, where SDPA's bf16 GEMMs run on AMX tiles (not
         compared there). False where none applies (then SDPA runs)."""
-        kv = self.k_cache.dtype
-        if self.backend != "cpu_kernel" or meta.prefill_block_tables is None \
-                or kv not in (torch.float32, torch.bfloat16, FP8):
+        if meta.prefill_block_tables is None or (chosen := self.prefill_kernel(q.dtype)) is None:
             return False
-        if q.dtype == torch.float32:
-            dtypes = (q.dtype,)
-        elif q.dtype == torch.bfloat16 and (kv == FP8 or (kv == torch.bfloat16 and not AMX)):
-            dtypes = (q.dtype, torch.float32)     # an fp8 pool's rows widened to bf16 pairs, AMX or not
-        else:
-            return False
-        for dtype in dtypes:
-            try:
-                fn = kernel("prefill_attention", dtype, kv)
-                break
-            except AttributeError:      # bf16: no pair dot product in this build; fp32: no AVX-512 / AVX2 + FMA
-                continue
-        else:
-            return False
+        fn, dtype = chosen
         widen = dtype != q.dtype
         tb, bt, kc = meta.num_batched_tokens, meta.prefill_block_tables, self.k_cache
         qp, op = (q[tb:].float(), torch.empty(out.shape[0] - tb, out.shape[1])) if widen else (q[tb:], out[tb:])
@@ -205,13 +190,31 @@ class PagedAttention(HooklessModule):
                 bt.data_ptr(), bt.shape[1], meta.prefill_context_lens.data_ptr(), meta.prefill_cu_query_lens.data_ptr(),
                 bt.shape[0], self.h, self.kvh, self.d, self.block_size, kc.stride(0), kc.stride(2), kc.stride(1),
                 self.scale)
-        if rc == -3:
-            return False
         if rc != 0:
             raise RuntimeError(f"prefill_attention kernel failed ({rc})")
         if widen:
             out[tb:] = op
         return True
+
+    def prefill_kernel(self, q_dtype: torch.dtype) -> tuple[object, torch.dtype] | None:
+        """The C prefill kernel for queries of q_dtype over this pool (_prefill_kernel's rules) and the dtype
+        it takes them in (q_dtype, or float32 where they are widened); None where SDPA runs them."""
+        kv = self.k_cache.dtype
+        if self.backend != "cpu_kernel" or kv not in (torch.float32, torch.bfloat16, FP8) \
+                or self.d not in (64, 128) or self.h % self.kvh or self.h // self.kvh > 16:
+            return None
+        if q_dtype == torch.float32:
+            dtypes = (q_dtype,)
+        elif q_dtype == torch.bfloat16 and (kv == FP8 or (kv == torch.bfloat16 and not AMX)):
+            dtypes = (q_dtype, torch.float32)     # an fp8 pool's rows widened to bf16 pairs, AMX or not
+        else:
+            return None
+        for dtype in dtypes:
+            try:
+                return kernel("prefill_attention", dtype, kv), dtype
+            except AttributeError:      # bf16: no pair dot product in this build; fp32: no AVX-512 / AVX2 + FMA
+                continue
+        return None
 
     def _gathered_decode(self, q: torch.Tensor, meta: AttentionMetadata, bs: int) -> torch.Tensor:
         """One query token per sequence: gather the blocks, SDPA with a length mask."""

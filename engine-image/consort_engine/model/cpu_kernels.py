@@ -186,6 +186,7 @@ def load_library(so: Path) -> ctypes.CDLL:
                 fn.argtypes, fn.restype = argtypes, restype
     lib.set_num_threads.argtypes, lib.set_num_threads.restype = [I], None
     lib.team_size.argtypes, lib.team_size.restype = [], I
+    lib.decoder_layers.argtypes, lib.decoder_layers.restype = [P, P, I, P], I     # models/fused_layers.py
     lib.set_num_threads(torch.get_num_threads())
     return lib
 

@@ -14,6 +14,7 @@ from torch import nn
 from consort_engine.model.attention import AttentionMetadata
 from consort_engine.model.lora import LoraAdapter, LoraContext
 from consort_engine.model.loader import ModelConfig
+from consort_engine.model.models.fused_layers import FusedLayers
 from consort_engine.model.models.packed import pack_linear
 from consort_engine.model.models.layers import DecoderLayer, Linear, RMSNorm
 from consort_engine.model.models.mtp import MTPBlock, mtp_names
@@ -36,13 +37,26 @@ class CausalLM(nn.Module):
                       "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
     single_modules: tuple[str, ...] = ("o_proj", "down_proj", "lm_head")   # unfused Linear modules
 
+    fused: FusedLayers | None | bool = False       # the C plan of the layers (False: not planned yet)
+    lora_ctx: LoraContext | None = None            # set with the first adapter: its rows take the modules
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions [T] -> last layer's hidden states [T, hidden] (before the final norm)."""
         h, residual = self.embed_tokens(input_ids), None
+        fused = self.fused_layers()
+        if fused is not None and fused.applies(h, meta) and not (self.lora_ctx and self.lora_ctx.segments):
+            return fused.run(h, positions, meta)
         for layer in self.layers:
             h, residual = layer(h, residual, positions, self.rotary, meta)
         return h + residual
+
+    def fused_layers(self) -> FusedLayers | None:
+        """The layers' C plan (fused_layers.py), made at the first forward over the pools and again when the
+        pools change; None where it does not apply to this model."""
+        if self.fused is False or (self.fused is not None and not self.fused.current(self.layers)):
+            self.fused = FusedLayers.plan(list(self.layers), self.rotary, self.embed_tokens.weight.dtype)
+        return self.fused
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head, for the sampled rows only."""
@@ -134,7 +148,7 @@ class LlamaForCausalLM(CausalLM):
         for (i, module, shard), (a, b) in adapter.weights.items():
             layer = self.layers[i]
             lin = getattr(layer.mlp if module in ("gate_up_proj", "down_proj") else layer.self_attn, module)
-            lin.lora_ctx = ctx
+            lin.lora_ctx = self.lora_ctx = ctx
             lin.lora.setdefault(adapter.name, []).append((lin.shard_offsets[shard], lin.shard_sizes[shard], a, b))
 
     def detach_adapter(self, name: str) -> None:

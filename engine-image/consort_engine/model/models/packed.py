@@ -29,7 +29,9 @@ plain weight is kept (returns None).
 """
 from __future__ import annotations
 
+import ctypes
 import os
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -60,6 +62,23 @@ def _aligned(size: int, dtype: torch.dtype) -> torch.Tensor:
     return raw[start:start + size]
 
 
+@dataclass(frozen=True)
+class GemmCall:
+    """One of the engine's GEMMs over one packed weight, as C calls it (csrc/decoder.c `linear_t`)."""
+    fn: int                       # the function's address
+    weights: tuple[int, ...]      # its weight arguments: pointers, group sizes (0: NULL)
+    bias: int                     # fp32 bias, or 0
+    n: int
+    k: int
+
+
+def gemm_call(packed: Callable[[torch.Tensor], torch.Tensor] | None, dtype: torch.dtype) -> GemmCall | None:
+    """How C calls the packed weight `packed` (pack_linear) for `dtype` activations as the function itself
+    does, up to its `max_rows` rows where it has that bound; None where it runs something else (oneDNN,
+    MKL, a dtype conversion)."""
+    return getattr(packed, "gemm_calls", {}).get(dtype)
+
+
 def _consort_call(gemm: Callable[..., int], n: int, k: int, bias: torch.Tensor | None,
                   *weights: torch.Tensor | int | None,
                   out_dtype: torch.dtype = torch.float32) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -79,6 +98,8 @@ def _consort_call(gemm: Callable[..., int], n: int, k: int, bias: torch.Tensor |
             raise MemoryError(f"{gemm.__name__}: no memory for its buffers ({m} x {k})")
         return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
     run.weights, run.bias = weights, b          # keep the packed tensors and the bias alive with the function
+    run.gemm_calls = {out_dtype: GemmCall(ctypes.cast(gemm, ctypes.c_void_p).value, tuple(a or 0 for a in args),
+                                          b_ptr or 0, n, k)}
     return run
 
 
@@ -106,6 +127,7 @@ def _consort_rows(lib, name: str, n: int, k: int, bias: torch.Tensor | None,
     def run(x: torch.Tensor) -> torch.Tensor:
         return bf16(x) if x.dtype == torch.bfloat16 else f32(x.float()).to(x.dtype)
     run.weights = weights
+    run.gemm_calls = {torch.float32: f32.gemm_calls[torch.float32], torch.bfloat16: bf16.gemm_calls[torch.bfloat16]}
     return run
 
 
@@ -248,6 +270,7 @@ def _bf16(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Te
 
     def run(x: torch.Tensor) -> torch.Tensor:
         return ours(x) if x.numel() <= BF16_KERNEL_ROWS * x.shape[-1] else onednn(x)
+    run.gemm_calls, run.max_rows = ours.gemm_calls, BF16_KERNEL_ROWS
     return run
 
 

@@ -1,0 +1,129 @@
+/* A step's decoder layers in one call: the llama family's pre-norm layer (RMSNorm, fused q/k/v projection,
+ * optional per-head q/k RMSNorm, RoPE, the K/V store, paged attention, o projection, RMSNorm with the
+ * residual add, gate/up projection, SiLU x up, down projection), layer after layer, over this library's
+ * kernels. Called once a step instead of ~10 ctypes calls a layer from Python (models/fused_layers.py):
+ * each of those cost 2-7 us of argument conversion, tensor allocation and views, ~80 us a layer, against
+ * a few hundred us of kernels a layer for a small model at one sequence.
+ *
+ * The kernels come in as function pointers (the ones Python would call for this activation dtype, pool
+ * dtype and weight format), so this file has one copy for every dtype and needs none of the per-level
+ * build conditions of the kernels it calls. Each kernel runs its own parallel regions as before; the
+ * arithmetic, and so every bit of the output and of the pool, is the layer-by-layer path's.
+ */
+#include "common.h"
+
+/* The engine's GEMMs by their weight arguments (model/models/packed.py `_consort_call`): the packed
+ * weight alone (gemm_f32, gemm_bf16); int8 codes, column scales and group (gemm_i8a8); the same and the
+ * order in which the kernel reads x's columns (gemm_i8w). */
+typedef int (*gemm_packed_fn)(const void *, int64_t, int64_t, int64_t, const void *, int64_t, void *, int64_t,
+                              const float *);
+typedef int (*gemm_codes_fn)(const void *, int64_t, int64_t, int64_t, const void *, const void *, int64_t, int64_t,
+                             void *, int64_t, const float *);
+typedef int (*gemm_ordered_fn)(const void *, int64_t, int64_t, int64_t, const void *, const void *, int64_t,
+                               const void *, int64_t, void *, int64_t, const float *);
+typedef void (*rms_norm_fn)(const void *, int64_t, void *, int64_t, const void *, int, int, int, float);
+typedef void (*add_rms_norm_fn)(void *, const void *, void *, const void *, int, int, float);
+typedef void (*rope_fn)(void *, int64_t, int, int, int, const int64_t *, const void *, const void *);
+typedef void (*silu_mul_fn)(const void *, void *, int, int);
+typedef void (*store_kv_fn)(const void *, int64_t, const void *, int64_t, void *, void *, const int64_t *, int, int,
+                            int, int, int64_t, int64_t, int64_t);
+typedef int (*attention_fn)(const void *, int64_t, const void *, const void *, void *, int64_t, const int32_t *, int,
+                            const int32_t *, const int32_t *, int, int, int, int, int, int64_t, int64_t, int64_t,
+                            float);
+
+typedef struct {
+    const void *fn;            /* the GEMM */
+    int64_t nargs;             /* its weight arguments: 1 (w0), 3 (w0, w1, w2) or 4 (w0, w1, w2, w3) */
+    const void *w0, *w1;
+    int64_t w2;
+    const void *w3;
+    const float *bias;         /* fp32, or NULL */
+    int64_t n, k;
+} linear_t;
+
+typedef struct {
+    const void *in_norm, *post_norm, *q_norm, *k_norm;    /* q_norm, k_norm: NULL without per-head norms */
+    void *k_cache, *v_cache;
+    linear_t qkv, o, gate_up, down;
+} layer_t;
+
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim, inter, block_size, elem;   /* elem: bytes of an activation */
+    int64_t blk_stride, tok_stride, head_stride;                          /* the pool's, in elements */
+    float eps, scale;
+    const void *cos, *sin;
+    const void *rms_norm, *add_rms_norm, *rope, *silu_mul, *store_kv, *paged_attention, *prefill_attention;
+} model_t;
+
+typedef struct {
+    int64_t rows, batched_rows;            /* the step's rows; the batched group's are [0, batched_rows) */
+    const int64_t *positions, *slots;
+    const int32_t *bt, *ctx, *cu;          /* the batched group's sequences (attention.AttentionMetadata) */
+    int64_t bt_width, batched_seqs;
+    const int32_t *pbt, *pctx, *pcu;       /* the prefill spans' */
+    int64_t pbt_width, prefill_seqs;
+    void *residual;                        /* in: the embeddings; out: the residual stream after the last layer */
+    void *h;                               /* out: the last layer's output (the model adds the two) */
+    void *x, *qkv, *attn, *gu, *act;       /* scratch, [rows] x hidden, q/k/v, heads x head_dim, 2 inter, inter */
+} step_t;
+
+static int linear(const linear_t *l, const void *x, int64_t m, void *y) {
+    if (l->nargs == 1)
+        return ((gemm_packed_fn)l->fn)(x, l->k, m, l->k, l->w0, l->n, y, l->n, l->bias);
+    if (l->nargs == 3)
+        return ((gemm_codes_fn)l->fn)(x, l->k, m, l->k, l->w0, l->w1, l->w2, l->n, y, l->n, l->bias);
+    return ((gemm_ordered_fn)l->fn)(x, l->k, m, l->k, l->w0, l->w1, l->w2, l->w3, l->n, y, l->n, l->bias);
+}
+
+enum { OP_QKV = 1, OP_O, OP_GATE_UP, OP_DOWN, OP_DECODE_ATTENTION, OP_PREFILL_ATTENTION };
+
+/* The attention block of one layer: x -> s->attn. Returns 0 or the failing op (OP_*). */
+static int attention(const model_t *m, const layer_t *L, const step_t *s) {
+    const int64_t H = m->heads, KVH = m->kv_heads, D = m->head_dim, T = s->rows, width = (H + 2 * KVH) * D;
+    char *qkv = s->qkv;
+    if (linear(&L->qkv, s->x, T, qkv)) return OP_QKV;
+    if (L->q_norm) {
+        ((rms_norm_fn)m->rms_norm)(qkv, width, qkv, width, L->q_norm, T, H, D, m->eps);
+        ((rms_norm_fn)m->rms_norm)(qkv + H * D * m->elem, width, qkv + H * D * m->elem, width, L->k_norm, T, KVH, D,
+                                   m->eps);
+    }
+    ((rope_fn)m->rope)(qkv, width, T, H + KVH, D, s->positions, m->cos, m->sin);
+    const char *k = qkv + H * D * m->elem, *v = qkv + (H + KVH) * D * m->elem;
+    ((store_kv_fn)m->store_kv)(k, width, v, width, L->k_cache, L->v_cache, s->slots, T, KVH, D, m->block_size,
+                               m->blk_stride, m->tok_stride, m->head_stride);
+    char *out = s->attn;
+    if (s->batched_rows
+        && ((attention_fn)m->paged_attention)(qkv, width, L->k_cache, L->v_cache, out, H * D, s->bt, s->bt_width,
+                                              s->ctx, s->cu, s->batched_seqs, H, KVH, D, m->block_size,
+                                              m->blk_stride, m->tok_stride, m->head_stride, m->scale))
+        return OP_DECODE_ATTENTION;
+    const int64_t nb = s->batched_rows;
+    if (s->prefill_seqs
+        && ((attention_fn)m->prefill_attention)(qkv + nb * width * m->elem, width, L->k_cache, L->v_cache,
+                                                out + nb * H * D * m->elem, H * D, s->pbt, s->pbt_width, s->pctx,
+                                                s->pcu, s->prefill_seqs, H, KVH, D, m->block_size, m->blk_stride,
+                                                m->tok_stride, m->head_stride, m->scale))
+        return OP_PREFILL_ATTENTION;
+    return 0;
+}
+
+/* Every layer over the step's rows. 0, or 16 * layer + the failing op (OP_*): a GEMM out of memory for its
+ * buffers, or an attention kernel's error. */
+int decoder_layers(const model_t *m, const layer_t *layers, int n_layers, const step_t *s) {
+    const int T = (int)s->rows, hidden = (int)m->hidden;
+    for (int i = 0; i < n_layers; i++) {
+        const layer_t *L = layers + i;
+        if (i == 0)     /* the residual stream starts as the embeddings */
+            ((rms_norm_fn)m->rms_norm)(s->residual, hidden, s->x, hidden, L->in_norm, T, 1, hidden, m->eps);
+        else
+            ((add_rms_norm_fn)m->add_rms_norm)(s->residual, s->h, s->x, L->in_norm, T, hidden, m->eps);
+        int op = attention(m, L, s);
+        if (!op && linear(&L->o, s->attn, T, s->h)) op = OP_O;
+        if (op) return 16 * i + op;
+        ((add_rms_norm_fn)m->add_rms_norm)(s->residual, s->h, s->x, L->post_norm, T, hidden, m->eps);
+        if (linear(&L->gate_up, s->x, T, s->gu)) return 16 * i + OP_GATE_UP;
+        ((silu_mul_fn)m->silu_mul)(s->gu, s->act, T, (int)m->inter);
+        if (linear(&L->down, s->act, T, s->h)) return 16 * i + OP_DOWN;
+    }
+    return 0;
+}

@@ -1,0 +1,171 @@
+"""A step's decoder layers in one C call (csrc/decoder.c), where every part of them runs on the engine's CPU
+kernels: the C GEMMs (fp32; bf16 up to BF16_KERNEL_ROWS rows; int8 and w8a8 codes), the element-wise
+kernels, decode attention and, for prefill spans, the C prefill kernel. Elsewhere (oneDNN's bf16 rows, SDPA
+prefills, LoRA rows, tensor parallelism, hybrids) the layers run one module at a time as before.
+
+The call does what DecoderLayer.forward does with the same kernels in the same order, so the output and the
+pool are bit for bit the same; it saves the Python between the kernels (~80 us a layer: ctypes argument
+conversion, tensor allocation, views), which at one sequence of a small model is a third of the step.
+CONSORT_FUSED_LAYERS=0 turns it off.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from ctypes import c_float, c_int64, c_void_p
+
+import torch
+
+from consort_engine.model.attention import AttentionMetadata
+from consort_engine.model.cpu_kernels import cpu_kernels, kernel
+from consort_engine.model.models.layers import MLP, Attention, DecoderLayer
+from consort_engine.model.models.packed import GemmCall, gemm_call
+from consort_engine.model.models.rope import RotaryEmbedding
+
+OPS = {1: "q/k/v projection", 2: "o projection", 3: "gate/up projection", 4: "down projection",
+       5: "decode attention", 6: "prefill attention"}     # csrc/decoder.c's OP_*
+ALIGN = 64             # bytes: each scratch buffer starts on a cache line
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("fn", c_void_p), ("nargs", c_int64), ("w0", c_void_p), ("w1", c_void_p), ("w2", c_int64),
+                ("w3", c_void_p), ("bias", c_void_p), ("n", c_int64), ("k", c_int64)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("in_norm", c_void_p), ("post_norm", c_void_p), ("q_norm", c_void_p), ("k_norm", c_void_p),
+                ("k_cache", c_void_p), ("v_cache", c_void_p),
+                ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [(name, c_int64) for name in ("hidden", "heads", "kv_heads", "head_dim", "inter", "block_size",
+                                              "elem", "blk_stride", "tok_stride", "head_stride")] + \
+               [("eps", c_float), ("scale", c_float)] + \
+               [(name, c_void_p) for name in ("cos", "sin", "rms_norm", "add_rms_norm", "rope", "silu_mul",
+                                              "store_kv", "paged_attention", "prefill_attention")]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("rows", c_int64), ("batched_rows", c_int64), ("positions", c_void_p), ("slots", c_void_p),
+                ("bt", c_void_p), ("ctx", c_void_p), ("cu", c_void_p), ("bt_width", c_int64),
+                ("batched_seqs", c_int64), ("pbt", c_void_p), ("pctx", c_void_p), ("pcu", c_void_p),
+                ("pbt_width", c_int64), ("prefill_seqs", c_int64)] + \
+               [(name, c_void_p) for name in ("residual", "h", "x", "qkv", "attn", "gu", "act")]
+
+
+def _address(fn) -> int:
+    return ctypes.cast(fn, c_void_p).value
+
+
+def _linear(call: GemmCall) -> _Linear:
+    w = (*call.weights, 0, 0, 0)[:4]
+    return _Linear(call.fn, len(call.weights), w[0], w[1], w[2], w[3], call.bias, call.n, call.k)
+
+
+def _pointer(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+class FusedLayers:
+    """The C plan of a model's decoder layers for one activation dtype: every layer's weights and pools as
+    pointers, built once (plan) and run per step (run) where it applies."""
+
+    def __init__(self, model: _Model, layers: ctypes.Array, max_rows: int | None, prefill: bool,
+                 widths: tuple[int, ...], dtype: torch.dtype, keys: tuple[int, int]):
+        self.model, self.layers, self.max_rows, self.prefill = model, layers, max_rows, prefill
+        self.widths, self.dtype, self.keys = widths, dtype, keys
+        lib = cpu_kernels()
+        self.fn = lib.decoder_layers
+
+    @classmethod
+    def plan(cls, layers: list, rotary: RotaryEmbedding, dtype: torch.dtype) -> FusedLayers | None:
+        """The plan for `layers` (DecoderLayers over their pools) with `dtype` activations, or None where some
+        part of them is not on the engine's kernels (or CONSORT_FUSED_LAYERS=0)."""
+        if os.environ.get("CONSORT_FUSED_LAYERS", "1") == "0" or dtype not in (torch.float32, torch.bfloat16) \
+                or cpu_kernels() is None or not hasattr(cpu_kernels(), "decoder_layers") or not layers:
+            return None
+        if not all(type(layer) is DecoderLayer and type(layer.self_attn) is Attention and type(layer.mlp) is MLP
+                   for layer in layers):
+            return None
+        first = layers[0].self_attn
+        attn = first.attn
+        if attn.backend != "cpu_kernel" or attn.k_cache.dim() != 4:
+            return None
+        structs, max_rows = [], None
+        for layer in layers:
+            a, mlp = layer.self_attn, layer.mlp
+            linears = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if any(lin.parallel is not None or lin.packed is None for lin in linears):
+                return None
+            calls = [gemm_call(lin.packed, dtype) for lin in linears]
+            if any(c is None for c in calls):
+                return None
+            for lin in linears:
+                bound = getattr(lin.packed, "max_rows", None)
+                max_rows = bound if max_rows is None or (bound is not None and bound < max_rows) else max_rows
+            if a.attn.k_cache.dtype != attn.k_cache.dtype or a.attn.k_cache.stride() != attn.k_cache.stride():
+                return None
+            structs.append(_Layer(layer.input_layernorm.weight.data_ptr(),
+                                  layer.post_attention_layernorm.weight.data_ptr(),
+                                  _pointer(None if a.q_norm is None else a.q_norm.weight),
+                                  _pointer(None if a.k_norm is None else a.k_norm.weight),
+                                  a.attn.k_cache.data_ptr(), a.attn.v_cache.data_ptr(), *map(_linear, calls)))
+        kv = attn.k_cache.dtype
+        prefill = attn.prefill_kernel(dtype)
+        prefill_fn = prefill[0] if prefill is not None and prefill[1] == dtype else None
+        h, kvh, d = first.h, first.kvh, first.d
+        inter = layers[0].mlp.gate_up_proj.shard_sizes[0]
+        hidden = layers[0].input_layernorm.weight.shape[0]
+        kc = attn.k_cache
+        model = _Model(hidden, h, kvh, d, inter, attn.block_size, torch.finfo(dtype).bits // 8,
+                       kc.stride(0), kc.stride(2), kc.stride(1), layers[0].input_layernorm.eps, attn.scale,
+                       rotary.cos.data_ptr(), rotary.sin.data_ptr(),
+                       *(_address(kernel(name, dtype)) for name in ("rms_norm", "add_rms_norm", "rope", "silu_mul")),
+                       _address(kernel("store_kv", dtype, kv)), _address(kernel("paged_attention", dtype, kv)),
+                       _address(prefill_fn) if prefill_fn is not None else 0)
+        # scratch per row, in elements: the layer output, the normed rows, q/k/v, attention, gate/up, SiLU x up
+        widths = (hidden, hidden, (h + 2 * kvh) * d, h * d, 2 * inter, inter)
+        keys = (attn.k_cache.data_ptr(), layers[-1].self_attn.attn.v_cache.data_ptr())
+        return cls(model, (_Layer * len(structs))(*structs), max_rows, prefill_fn is not None, widths, dtype, keys)
+
+    def current(self, layers: list) -> bool:
+        """Still the plan of these layers' pools (a runner may give the layers new ones)."""
+        return self.keys == (layers[0].self_attn.attn.k_cache.data_ptr(),
+                             layers[-1].self_attn.attn.v_cache.data_ptr())
+
+    def applies(self, h: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """Whether this step's rows run here: the dtype planned, rows every GEMM takes, prefill spans only with
+        the C prefill kernel, no hybrid state (the model sends adapter rows to the modules)."""
+        rows = h.shape[0]
+        return (h.dtype == self.dtype and rows > 0 and (self.max_rows is None or rows <= self.max_rows)
+                and meta.state is None
+                and (not meta.prefills or (self.prefill and meta.prefill_block_tables is not None)))
+
+    def run(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """h: the embeddings [T, hidden] (the residual stream, updated in place) -> the last layer's output plus
+        the residual stream, as CausalLM.forward returns it."""
+        rows, elem = h.shape[0], self.model.elem
+        sizes = [-(-rows * w * elem // ALIGN) * ALIGN // elem for w in self.widths]
+        scratch = torch.empty(sum(sizes), dtype=h.dtype)
+        base, starts = scratch.data_ptr(), [0]
+        for size in sizes[:-1]:
+            starts.append(starts[-1] + size)
+        out, x, qkv, attn, gu, act = (base + s * elem for s in starts)
+        nb, pbt = meta.num_batched_tokens, meta.prefill_block_tables
+        bt = meta.block_tables if nb else None
+        step = _Step(rows, nb, positions.data_ptr(), meta.slot_mapping.data_ptr(),
+                     _pointer(bt), _pointer(meta.context_lens if nb else None),
+                     _pointer(meta.cu_query_lens if nb else None), 0 if bt is None else bt.shape[1],
+                     0 if bt is None else bt.shape[0],
+                     _pointer(pbt if meta.prefills else None), _pointer(meta.prefill_context_lens if meta.prefills else None),
+                     _pointer(meta.prefill_cu_query_lens if meta.prefills else None),
+                     pbt.shape[1] if meta.prefills else 0, pbt.shape[0] if meta.prefills else 0,
+                     h.data_ptr(), out, x, qkv, attn, gu, act)
+        rc = self.fn(ctypes.byref(self.model), self.layers, len(self.layers), ctypes.byref(step))
+        if rc:
+            layer, op = divmod(rc, 16)
+            if op in (1, 2, 3, 4):
+                raise MemoryError(f"decoder layer {layer}: the {OPS[op]} has no memory for its buffers ({rows} rows)")
+            raise RuntimeError(f"decoder layer {layer}: {OPS.get(op, op)} kernel failed")
+        return scratch[:rows * self.widths[0]].view(rows, -1) + h

@@ -1,0 +1,172 @@
+"""The decoder layers in one C call (models/fused_layers.py, csrc/decoder.c) against the same layers run one
+module at a time: the hidden states and every byte of the K/V pool equal, for decode rows, prefill spans
+over a cached prefix and both in one step; Llama (GQA), Qwen2 (q/k/v biases) and Qwen3 (per-head q/k norms);
+fp32 and bf16 activations, an fp8 pool, int8 and w8a8 weights. And where it must not run: rows beyond the
+bf16 kernel's bound (oneDNN's), adapter rows."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from consort_engine.config import EngineConfig
+from consort_engine.model.cpu_kernels import cpu_kernels
+from consort_engine.model.model_runner import ModelRunner
+from consort_engine.model.models.fused_layers import FusedLayers
+from consort_engine.model.models.packed import BF16_KERNEL_ROWS, has_bf16_dot
+from consort_engine.model.step_inputs import RowGroup
+
+VOCAB = 512
+BS = 16
+LIB = cpu_kernels()
+NEEDS_GEMM = pytest.mark.skipif(not hasattr(LIB, "gemm_f32"), reason="the engine's GEMM needs an AVX2 + FMA build")
+BF16 = pytest.mark.skipif(not (hasattr(LIB, "gemm_bf16") and has_bf16_dot()),
+                          reason="bf16 rows on the engine's GEMM need AVX-512 BF16")
+W8A8 = pytest.mark.skipif(not hasattr(LIB, "gemm_i8a8_f32"), reason="the int8 x int8 kernel needs VNNI")
+
+
+def checkpoint(arch: str, tmp_path_factory) -> str:
+    import transformers
+
+    common = dict(hidden_size=256, intermediate_size=320, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=64, vocab_size=VOCAB, max_position_embeddings=1024,
+                  rms_norm_eps=1e-6, initializer_range=0.08, bos_token_id=1, eos_token_id=2)
+    cls, cfg = {"llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig),
+                "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config),
+                "qwen3": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config)}[arch]
+    torch.manual_seed(11)
+    model = cls(cfg(**common)).eval()
+    with torch.no_grad():          # biases and norm weights that matter (transformers makes them 0 and 1)
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0.0, 0.05)
+            elif "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+    out = tmp_path_factory.mktemp(arch)
+    model.save_pretrained(out)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    return {arch: checkpoint(arch, tmp_path_factory) for arch in ("llama", "qwen2", "qwen3")}
+
+
+def runner(ckpt: str, dtype: str, **cfg) -> ModelRunner:
+    return ModelRunner(EngineConfig(model=ckpt, dtype=dtype, block_size=BS, num_blocks=64, **cfg))
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (n,), generator=g).tolist()
+
+
+def forward_both_ways(r: ModelRunner, groups: list[RowGroup]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step through the C plan and through the modules, from the same pool; each one's hidden states,
+    and their pools after it (asserted equal here)."""
+    inp = r.build_inputs(groups)
+    model = r.model
+    before = r.kv_cache.clone()
+    with torch.inference_mode():
+        model.fused = False
+        plan = model.fused_layers()
+        assert isinstance(plan, FusedLayers)
+        assert plan.applies(model.embed_tokens(inp.input_ids), inp.meta)
+        fused = model(inp.input_ids, inp.positions, inp.meta)
+        pool = r.kv_cache.clone()
+        r.kv_cache.copy_(before)
+        model.fused = None              # the modules, one at a time
+        modules = model(inp.input_ids, inp.positions, inp.meta)
+    assert torch.equal(pool.view(torch.uint8), r.kv_cache.view(torch.uint8))
+    model.fused = False
+    return fused, modules
+
+
+def steps(r: ModelRunner) -> None:
+    """A prefill, then decode rows and a prefill over a cached prefix in one step, then decode alone: each
+    the same both ways. The pool carries each step's K/V into the next."""
+    a, b = tokens(70, 1), tokens(40, 2)
+    blocks_a, blocks_b = list(range(0, 8)), list(range(8, 16))
+    fused, modules = forward_both_ways(r, [RowGroup(a[:69], 0, blocks_a, 1)])
+    assert torch.equal(fused, modules)
+    # b's first 24 tokens in the pool, as a cached prefix would be
+    fused, modules = forward_both_ways(r, [RowGroup(b[:24], 0, blocks_b, 1)])
+    assert torch.equal(fused, modules)
+    fused, modules = forward_both_ways(r, [RowGroup(a[69:], 69, blocks_a, 1), RowGroup(b[24:], 24, blocks_b, 1)])
+    assert torch.equal(fused, modules)
+    fused, modules = forward_both_ways(r, [RowGroup([a[5]], 70, blocks_a, 1), RowGroup([b[7]], 40, blocks_b, 1)])
+    assert torch.equal(fused, modules)
+    assert fused.abs().sum() > 0 and torch.isfinite(fused).all()
+
+
+@NEEDS_GEMM
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_fused_layers_equal_the_modules_fp32(checkpoints, arch):
+    steps(runner(checkpoints[arch], "float32"))
+
+
+@NEEDS_GEMM
+@pytest.mark.parametrize("kv", ["bfloat16", "fp8"])
+def test_fused_layers_equal_the_modules_fp32_over_a_narrower_pool(checkpoints, kv):
+    steps(runner(checkpoints["qwen3"], "float32", kv_cache_dtype=kv))
+
+
+@BF16
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_fused_layers_equal_the_modules_bf16(checkpoints, arch):
+    steps(runner(checkpoints[arch], "bfloat16"))
+
+
+@BF16
+def test_fused_layers_equal_the_modules_bf16_over_fp8(checkpoints):
+    steps(runner(checkpoints["llama"], "bfloat16", kv_cache_dtype="fp8"))
+
+
+@NEEDS_GEMM
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=BF16)])
+def test_fused_layers_equal_the_modules_int8(checkpoints, dtype):
+    steps(runner(checkpoints["qwen2"], dtype, quantization="int8"))
+
+
+@W8A8
+def test_fused_layers_equal_the_modules_w8a8(checkpoints):
+    steps(runner(checkpoints["llama"], "float32", quantization="w8a8"))
+
+
+@BF16
+def test_bf16_rows_past_the_kernels_bound_take_the_modules(checkpoints):
+    """Beyond BF16_KERNEL_ROWS the bf16 GEMMs are oneDNN's, which C cannot call: the modules run them."""
+    r = runner(checkpoints["llama"], "bfloat16")
+    inp = r.build_inputs([RowGroup(tokens(BF16_KERNEL_ROWS + 1, 3), 0, list(range(0, 17)), 1)])
+    plan = r.model.fused_layers()
+    with torch.inference_mode():
+        h = r.model.embed_tokens(inp.input_ids)
+    assert plan.max_rows == BF16_KERNEL_ROWS and not plan.applies(h, inp.meta)
+    assert plan.applies(h[:BF16_KERNEL_ROWS], inp.meta)
+
+
+@NEEDS_GEMM
+def test_adapter_rows_take_the_modules(checkpoints, monkeypatch):
+    """A step with adapter rows (the runner sets the shared LoRA context's segments) runs the modules, whose
+    Linear adds the adapters; the plan is not called."""
+    r = runner(checkpoints["llama"], "float32")
+    calls = []
+    monkeypatch.setattr(FusedLayers, "run", lambda self, *a: calls.append(1))
+    inp = r.build_inputs([RowGroup(tokens(5, 4), 0, [0], 1)])
+    r.model.lora_ctx = r.lora_ctx
+    r.lora_ctx.segments = [(0, 5, "some-adapter")]
+    try:
+        with torch.inference_mode():
+            out = r.model(inp.input_ids, inp.positions, inp.meta)
+    finally:
+        r.lora_ctx.segments = []
+    assert not calls and out.shape == (5, 256)
+    with torch.inference_mode():
+        r.model(inp.input_ids, inp.positions, inp.meta)
+    assert calls == [1]
+
+
+def test_no_plan_without_the_engines_kernels(checkpoints, monkeypatch):
+    """CONSORT_FUSED_LAYERS=0: the modules, always."""
+    monkeypatch.setenv("CONSORT_FUSED_LAYERS", "0")
+    r = runner(checkpoints["llama"], "float32")
+    assert r.model.fused_layers() is None
