@@ -86,10 +86,8 @@ def steps(r: ModelRunner) -> None:
     the same both ways. The pool carries each step's K/V into the next."""
     a, b = tokens(70, 1), tokens(40, 2)
     blocks_a, blocks_b = list(range(0, 8)), list(range(8, 16))
-    fused, modules = forward_both_ways(r, [RowGroup(a[:69], 0, blocks_a, 1)])
-    assert torch.equal(fused, modules)
-    # b's first 24 tokens in the pool, as a cached prefix would be
-    fused, modules = forward_both_ways(r, [RowGroup(b[:24], 0, blocks_b, 1)])
+    # two prefill spans; b's first 24 tokens are then in the pool, as a cached prefix would be
+    fused, modules = forward_both_ways(r, [RowGroup(a[:69], 0, blocks_a, 1), RowGroup(b[:24], 0, blocks_b, 1)])
     assert torch.equal(fused, modules)
     fused, modules = forward_both_ways(r, [RowGroup(a[69:], 69, blocks_a, 1), RowGroup(b[24:], 24, blocks_b, 1)])
     assert torch.equal(fused, modules)
