@@ -190,6 +190,8 @@ class PagedAttention(HooklessModule):
                 bt.data_ptr(), bt.shape[1], meta.prefill_context_lens.data_ptr(), meta.prefill_cu_query_lens.data_ptr(),
                 bt.shape[0], self.h, self.kvh, self.d, self.block_size, kc.stride(0), kc.stride(2), kc.stride(1),
                 self.scale)
+        if rc == -3:        # queries it cannot read as bf16 pairs (an odd row stride)
+            return False
         if rc != 0:
             raise RuntimeError(f"prefill_attention kernel failed ({rc})")
         if widen:

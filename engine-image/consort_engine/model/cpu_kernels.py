@@ -186,7 +186,8 @@ def load_library(so: Path) -> ctypes.CDLL:
                 fn.argtypes, fn.restype = argtypes, restype
     lib.set_num_threads.argtypes, lib.set_num_threads.restype = [I], None
     lib.team_size.argtypes, lib.team_size.restype = [], I
-    lib.decoder_layers.argtypes, lib.decoder_layers.restype = [P, P, I, P], I     # models/fused_layers.py
+    if hasattr(lib, "decoder_layers"):         # models/fused_layers.py (a library of some kernels lacks it)
+        lib.decoder_layers.argtypes, lib.decoder_layers.restype = [P, P, I, P], I
     lib.set_num_threads(torch.get_num_threads())
     return lib
 

@@ -19,7 +19,7 @@ import torch
 from consort_engine.model.attention import AttentionMetadata
 from consort_engine.model.cpu_kernels import cpu_kernels, kernel
 from consort_engine.model.models.layers import MLP, Attention, DecoderLayer
-from consort_engine.model.models.packed import GemmCall, gemm_call
+from consort_engine.model.models.packed import GemmCall, c_address, gemm_call
 from consort_engine.model.models.rope import RotaryEmbedding
 
 OPS = {1: "q/k/v projection", 2: "o projection", 3: "gate/up projection", 4: "down projection",
@@ -54,10 +54,6 @@ class _Step(ctypes.Structure):
                [(name, c_void_p) for name in ("residual", "h", "x", "qkv", "attn", "gu", "act")]
 
 
-def _address(fn) -> int:
-    return ctypes.cast(fn, c_void_p).value
-
-
 def _linear(call: GemmCall) -> _Linear:
     w = (*call.weights, 0, 0, 0)[:4]
     return _Linear(call.fn, len(call.weights), w[0], w[1], w[2], w[3], call.bias, call.n, call.k)
@@ -65,6 +61,11 @@ def _linear(call: GemmCall) -> _Linear:
 
 def _pointer(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
+
+
+def _table_shape(block_tables: torch.Tensor | None) -> tuple[int, int]:
+    """(width, sequences) of a group's block tables; zeros for a group the step does not have."""
+    return (0, 0) if block_tables is None else (block_tables.shape[1], block_tables.shape[0])
 
 
 class FusedLayers:
@@ -113,17 +114,18 @@ class FusedLayers:
                                   a.attn.k_cache.data_ptr(), a.attn.v_cache.data_ptr(), *map(_linear, calls)))
         kv = attn.k_cache.dtype
         prefill = attn.prefill_kernel(dtype)
-        prefill_fn = prefill[0] if prefill is not None and prefill[1] == dtype else None
+        prefill_fn = c_address(prefill[0]) if prefill is not None and prefill[1] == dtype else None
+        kernels = [c_address(kernel(name, dtype)) for name in ("rms_norm", "add_rms_norm", "rope", "silu_mul")]
+        kernels += [c_address(kernel(name, dtype, kv)) for name in ("store_kv", "paged_attention")]
+        if None in kernels:
+            return None
         h, kvh, d = first.h, first.kvh, first.d
         inter = layers[0].mlp.gate_up_proj.shard_sizes[0]
         hidden = layers[0].input_layernorm.weight.shape[0]
         kc = attn.k_cache
         model = _Model(hidden, h, kvh, d, inter, attn.block_size, torch.finfo(dtype).bits // 8,
                        kc.stride(0), kc.stride(2), kc.stride(1), layers[0].input_layernorm.eps, attn.scale,
-                       rotary.cos.data_ptr(), rotary.sin.data_ptr(),
-                       *(_address(kernel(name, dtype)) for name in ("rms_norm", "add_rms_norm", "rope", "silu_mul")),
-                       _address(kernel("store_kv", dtype, kv)), _address(kernel("paged_attention", dtype, kv)),
-                       _address(prefill_fn) if prefill_fn is not None else 0)
+                       rotary.cos.data_ptr(), rotary.sin.data_ptr(), *kernels, prefill_fn or 0)
         # scratch per row, in elements: the layer output, the normed rows, q/k/v, attention, gate/up, SiLU x up
         widths = (hidden, hidden, (h + 2 * kvh) * d, h * d, 2 * inter, inter)
         keys = (attn.k_cache.data_ptr(), layers[-1].self_attn.attn.v_cache.data_ptr())
@@ -152,15 +154,12 @@ class FusedLayers:
         for size in sizes[:-1]:
             starts.append(starts[-1] + size)
         out, x, qkv, attn, gu, act = (base + s * elem for s in starts)
-        nb, pbt = meta.num_batched_tokens, meta.prefill_block_tables
-        bt = meta.block_tables if nb else None
-        step = _Step(rows, nb, positions.data_ptr(), meta.slot_mapping.data_ptr(),
-                     _pointer(bt), _pointer(meta.context_lens if nb else None),
-                     _pointer(meta.cu_query_lens if nb else None), 0 if bt is None else bt.shape[1],
-                     0 if bt is None else bt.shape[0],
-                     _pointer(pbt if meta.prefills else None), _pointer(meta.prefill_context_lens if meta.prefills else None),
-                     _pointer(meta.prefill_cu_query_lens if meta.prefills else None),
-                     pbt.shape[1] if meta.prefills else 0, pbt.shape[0] if meta.prefills else 0,
+        nb, none = meta.num_batched_tokens, (None, None, None)
+        batched = (meta.block_tables, meta.context_lens, meta.cu_query_lens) if nb else none
+        prefill = (meta.prefill_block_tables, meta.prefill_context_lens,
+                   meta.prefill_cu_query_lens) if meta.prefills else none
+        step = _Step(rows, nb, positions.data_ptr(), meta.slot_mapping.data_ptr(), *map(_pointer, batched),
+                     *_table_shape(batched[0]), *map(_pointer, prefill), *_table_shape(prefill[0]),
                      h.data_ptr(), out, x, qkv, attn, gu, act)
         rc = self.fn(ctypes.byref(self.model), self.layers, len(self.layers), ctypes.byref(step))
         if rc:

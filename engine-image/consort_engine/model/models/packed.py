@@ -98,9 +98,18 @@ def _consort_call(gemm: Callable[..., int], n: int, k: int, bias: torch.Tensor |
             raise MemoryError(f"{gemm.__name__}: no memory for its buffers ({m} x {k})")
         return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
     run.weights, run.bias = weights, b          # keep the packed tensors and the bias alive with the function
-    run.gemm_calls = {out_dtype: GemmCall(ctypes.cast(gemm, ctypes.c_void_p).value, tuple(a or 0 for a in args),
-                                          b_ptr or 0, n, k)}
+    address = c_address(gemm)
+    run.gemm_calls = {} if address is None else {out_dtype: GemmCall(address, tuple(a or 0 for a in args), b_ptr or 0,
+                                                                     n, k)}
     return run
+
+
+def c_address(fn) -> int | None:
+    """The address of a C function from ctypes; None for anything else (a Python wrapper around one)."""
+    try:
+        return ctypes.cast(fn, ctypes.c_void_p).value
+    except ctypes.ArgumentError:
+        return None
 
 
 def _consort(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor] | None:
@@ -127,7 +136,7 @@ def _consort_rows(lib, name: str, n: int, k: int, bias: torch.Tensor | None,
     def run(x: torch.Tensor) -> torch.Tensor:
         return bf16(x) if x.dtype == torch.bfloat16 else f32(x.float()).to(x.dtype)
     run.weights = weights
-    run.gemm_calls = {torch.float32: f32.gemm_calls[torch.float32], torch.bfloat16: bf16.gemm_calls[torch.bfloat16]}
+    run.gemm_calls = {**f32.gemm_calls, **bf16.gemm_calls}
     return run
 
 
@@ -270,7 +279,7 @@ def _bf16(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Te
 
     def run(x: torch.Tensor) -> torch.Tensor:
         return ours(x) if x.numel() <= BF16_KERNEL_ROWS * x.shape[-1] else onednn(x)
-    run.gemm_calls, run.max_rows = ours.gemm_calls, BF16_KERNEL_ROWS
+    run.gemm_calls, run.max_rows = getattr(ours, "gemm_calls", {}), BF16_KERNEL_ROWS
     return run
 
 
