@@ -78,6 +78,7 @@ class CausalLM(nn.Module):
             m.pack(quantization if m is not self.lm_head or quantization in QUANTIZE_LM_HEAD else "none")
         if self.lm_head is None:
             self.tied_head = pack_linear(self.embed_tokens.weight.data, None)
+        self.fused = False              # a plan holds the weights it was made with: made again at the next forward
         return sum(m.packed is not None for m in linears) + (self.tied_head is not None)
 
     def load_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
