@@ -271,9 +271,13 @@ BF16_KERNEL_ROWS = 256
 def _bf16(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
     """A bf16 weight on a CPU with a bf16 dot product: the engine's kernel up to BF16_KERNEL_ROWS rows,
     oneDNN's above; oneDNN's at every row count with AMX (its tiles; the engine's kernel is not measured
-    against them) or where the engine's is not built."""
+    against them) or where the engine's is not built. CONSORT_GEMM=consort takes the engine's with AMX too
+    (to compare the two there, the decoder layers in one call with it: fused_layers.py), =onednn oneDNN's
+    at every row count."""
     onednn = _onednn(weight, bias)
-    ours = None if "amx_bf16" in cpu_model_and_flags()[1] else consort_bf16(weight, bias)
+    forced = os.environ.get("CONSORT_GEMM", "")
+    amx = "amx_bf16" in cpu_model_and_flags()[1]
+    ours = consort_bf16(weight, bias) if forced == "consort" or (forced != "onednn" and not amx) else None
     if ours is None:
         return onednn
 

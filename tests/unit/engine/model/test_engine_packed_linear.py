@@ -153,3 +153,32 @@ def test_bf16_weights_run_the_engine_kernel_up_to_its_rows_then_onednn(monkeypat
         x = torch.randn(m, 96, generator=g).bfloat16()
         torch.testing.assert_close(fn(x), F.linear(x, w, bias), rtol=2e-2, atol=0.2)
         assert ran == ["engine" if m <= packed.BF16_KERNEL_ROWS else "onednn"], f"{m} rows"
+
+
+@pytest.mark.skipif(not HAS_BF16_GEMM, reason="the engine's bf16 kernel is built where AVX-512 BF16 is")
+@pytest.mark.parametrize("forced, amx, engine_rows", [("", True, 0), ("consort", True, packed.BF16_KERNEL_ROWS),
+                                                      ("onednn", False, 0), ("mkl", False, packed.BF16_KERNEL_ROWS)])
+def test_bf16_backend_with_amx_and_as_consort_gemm_says(monkeypatch, forced, amx, engine_rows):
+    """With AMX oneDNN takes every bf16 row count, unless CONSORT_GEMM=consort (the engine's kernel up to its
+    rows, to compare the two there); CONSORT_GEMM=onednn takes oneDNN's everywhere; mkl has no bf16 GEMM here."""
+    ran: list[str] = []
+
+    def spy(name, pack):
+        def packer(weight, bias):
+            fn = pack(weight, bias)
+            return lambda x: ran.append(name) or fn(x)
+        return packer
+    monkeypatch.setattr(packed, "consort_bf16", spy("engine", packed.consort_bf16))
+    monkeypatch.setattr(packed, "_onednn", spy("onednn", packed._onednn))
+    model, flags = cpu_model_and_flags()
+    flags = flags | {"amx_bf16"} if amx else flags - {"amx_bf16"}
+    monkeypatch.setattr(packed, "cpu_model_and_flags", lambda: (model, flags))
+    monkeypatch.setenv("CONSORT_GEMM", forced)
+    g = torch.Generator().manual_seed(8)
+    w = torch.randn(64, 96, generator=g).bfloat16()
+    fn = pack_linear(w, None)
+    for m in (1, packed.BF16_KERNEL_ROWS, packed.BF16_KERNEL_ROWS + 1):
+        ran.clear()
+        x = torch.randn(m, 96, generator=g).bfloat16()
+        torch.testing.assert_close(fn(x), F.linear(x, w), rtol=2e-2, atol=0.2)
+        assert ran == ["engine" if m <= engine_rows else "onednn"], f"{m} rows"
