@@ -40,7 +40,7 @@ from consort_engine.model.models.quant import check_quantization
 from consort_engine.kv.sequence import PromptLogprobs, ScheduledBatch, Sequence
 from consort_engine.kv.state_pool import SwappedState, seqs_per_pool, state_rows
 from consort_engine.model.hybrid_state import HybridState, state_bytes_per_seq
-from consort_engine.model.step_inputs import MTPRows, RowGroup, StepInputs
+from consort_engine.model.step_inputs import MTPRows, RowGroup, StepInputs, host_ints
 from consort_engine.model.scratch_batches import decode_batch, mtp_rows, scratch_decodes, verify_batch
 from consort_engine.model.tensor_parallel import SINGLE, TPGroup, TPWorkers
 
@@ -332,27 +332,27 @@ class ModelRunner:
             flat += t + [0] * (max_blocks - len(t))
 
         b = len(order)
-        bt = torch.tensor(flat, dtype=torch.int32).view(b, max_blocks)
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.int64), num_batched_tokens=cu[nb])
+        bt = host_ints(flat, torch.int32).view(b, max_blocks)
+        meta = AttentionMetadata(slot_mapping=host_ints(slots), num_batched_tokens=cu[nb])
         if nb:
             meta.block_tables = bt[:nb] if nb < b else bt
-            meta.context_lens = torch.tensor(ctx[:nb], dtype=torch.int32)
-            meta.cu_query_lens = torch.tensor(cu[: nb + 1], dtype=torch.int32)
+            meta.context_lens = host_ints(ctx[:nb], torch.int32)
+            meta.cu_query_lens = host_ints(cu[: nb + 1], torch.int32)
             meta.max_context_len = max(ctx[:nb])
             meta.max_query_len = max(lens[:nb])
         if flash:   # pragma: no cover - CUDA + flash-attn only
-            meta.cu_context_lens = torch.tensor([0, *accumulate(ctx)], dtype=torch.int32)
+            meta.cu_context_lens = host_ints([0, *accumulate(ctx)], torch.int32)
             meta.max_query_len_all = max(lens)
         if nb < b and self.backend == "cpu_kernel":
             meta.prefill_block_tables = bt[nb:]
-            meta.prefill_context_lens = torch.tensor(ctx[nb:], dtype=torch.int32)
-            meta.prefill_cu_query_lens = torch.tensor([c - cu[nb] for c in cu[nb:]], dtype=torch.int32)
+            meta.prefill_context_lens = host_ints(ctx[nb:], torch.int32)
+            meta.prefill_cu_query_lens = host_ints([c - cu[nb] for c in cu[nb:]], torch.int32)
         for r in range(nb, b):
             span = PrefillSpan(start=cu[r], end=cu[r + 1], cached=starts[r], context_len=ctx[r])
             if starts[r] > 0:
                 span.block_ids = bt[r, : (ctx[r] + bs - 1) // bs].to(torch.int64)
             meta.prefills.append(span)
-        positions_t = torch.tensor(positions, dtype=torch.int64)
+        positions_t = host_ints(positions)
 
         row_of = {i: r for r, i in enumerate(order)}
         sample_rows: list[int] = []       # the last num_sampled rows of each group, in group order
@@ -362,8 +362,8 @@ class ModelRunner:
             if k:
                 end = item_rows[i][1]
                 sample_rows.extend(range(end - k, end))
-        sample_idx = torch.tensor(sample_rows, dtype=torch.int64)
-        ids = torch.tensor(tokens, dtype=torch.int64)
+        sample_idx = host_ints(sample_rows)
+        ids = host_ints(tokens)
         if self.device.type != "cpu" and not on_host:
             ids, positions_t, sample_idx = self._upload(ids, positions_t, sample_idx, meta)
         if self.is_hybrid and mixers:

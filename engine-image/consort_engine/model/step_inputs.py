@@ -2,6 +2,7 @@
 runner builds from them (StepInputs), which the decode CUDA graphs replay into their buffers too."""
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 
 import torch
@@ -42,3 +43,14 @@ class MTPRows:
     start: int
     block_table: list[int]
     num_draft: int
+
+
+TYPECODES = {torch.int64: "q", torch.int32: "i"}
+
+
+def host_ints(values: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """A CPU tensor of Python ints (int64 or int32) over an array's buffer: torch.tensor on a list converts
+    int by int (113 us for 2,048 of them, 3 us for 5), the array in C (31 us, 1 us)."""
+    if not values:
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(array(TYPECODES[dtype], values), dtype=dtype)
