@@ -5,7 +5,7 @@ prefills, LoRA rows, tensor parallelism, hybrids) the layers run one module at a
 
 The call does what DecoderLayer.forward does with the same kernels in the same order, so the output and the
 pool are bit for bit the same; it saves the Python between the kernels (~80 us a layer: ctypes argument
-conversion, tensor allocation, views), which at one sequence of a small model is a third of the step.
+conversion, tensor allocation, views), which at one sequence of a small model is a quarter of the step.
 CONSORT_FUSED_LAYERS=0 turns it off.
 """
 from __future__ import annotations
