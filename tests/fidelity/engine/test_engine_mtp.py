@@ -96,29 +96,24 @@ def test_rows_that_draft_nothing_run_only_the_blocks_kv_projection(mtp_models):
     eng = engine(mtp_models["qwen3_next"], max_num_batched_tokens=16)      # 16-row prefill chunks
     eng.warmup()
     block = eng.runner.model.mtp
-    mlp_rows, kv_rows = [], []
-    store = block.store_kv
-
-    class CountedMLP(torch.nn.Module):      # the engine's layers call their class's forward: wrap the module
-        def __init__(self, inner):
-            super().__init__()
-            self.inner = inner
-
-        def forward(self, x):
-            mlp_rows.append(x.shape[0])
-            return self.inner(x)
+    layer_rows, kv_rows = [], []
+    store, decode = block.store_kv, block.decode
 
     def counted_store(x, *args):
         kv_rows.append(x.shape[0])
         return store(x, *args)
-    block.layer.mlp, block.store_kv = CountedMLP(block.layer.mlp), counted_store
+
+    def counted_decode(x, *args):           # the whole layer (attention output, MLP), modules or one C call
+        layer_rows.append(x.shape[0])
+        return decode(x, *args)
+    block.store_kv, block.decode = counted_store, counted_decode
     p = prompts(1, seed=5)[0]
     p = (p * 3)[:45]
     out = eng.generate([p], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
     assert out == engine(mtp_models["qwen3_next"], "off").generate([p], SamplingParams(
         temperature=0.0, max_tokens=20, ignore_eos=True))
     assert max(kv_rows) == 16 and sum(kv_rows) >= len(p)       # every prompt row's K/V, in chunks
-    assert mlp_rows and max(mlp_rows) == 1, mlp_rows           # one sequence: one row a pass
+    assert layer_rows and max(layer_rows) == 1, layer_rows     # one sequence: one row a pass
 
 
 @pytest.mark.parametrize("case", [dict(), dict(num_blocks=40, max_num_batched_tokens=32)])

@@ -79,6 +79,8 @@ class CausalLM(nn.Module):
         if self.lm_head is None:
             self.tied_head = pack_linear(self.embed_tokens.weight.data, None)
         self.fused = False              # a plan holds the weights it was made with: made again at the next forward
+        if getattr(self, "mtp", None) is not None:
+            self.mtp.fused = False
         return sum(m.packed is not None for m in linears) + (self.tied_head is not None)
 
     def load_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from consort_engine.model.attention import AttentionMetadata
+from consort_engine.model.models.fused_layers import FusedLayers
 from consort_engine.model.loader import ModelConfig
 from consort_engine.model.models.layers import Linear, RMSNorm
 from consort_engine.model.models.rope import RotaryEmbedding
@@ -86,6 +87,7 @@ class MTPBlock(HooklessModule):
         self.fc = Linear(2 * h, [h], False)
         self.layer = layer
         self.norm = RMSNorm(h, cfg.rms_norm_eps, fast)
+        self.fused: FusedLayers | None | bool = False     # the layer's C plan (False: not planned yet)
 
     def fuse(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """embeds of tokens p+1, normed hidden states at p [T, H] -> the layer's input x [T, H]."""
@@ -101,7 +103,12 @@ class MTPBlock(HooklessModule):
     def decode(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
                meta: AttentionMetadata) -> torch.Tensor:
         """The layer and the final norm over rows x -> normed output [T, H] (the LM head's input for
-        token p+2, and the next chained step's hidden state)."""
+        token p+2, and the next chained step's hidden state). The layer in one C call where it applies
+        (fused_layers.py; the same bits: the sum is rounded as the fused add rounds it)."""
+        if self.fused is False or (self.fused is not None and not self.fused.current([self.layer])):
+            self.fused = FusedLayers.plan([self.layer], rotary, self.norm.weight.dtype)
+        if self.fused is not None and self.fused.applies(x, meta):
+            return self.norm(self.fused.run(x, positions, meta))
         h, residual = self.layer(x, None, positions, rotary, meta)
         return self.norm(h, residual)[0]
 

@@ -168,3 +168,30 @@ def test_no_plan_without_the_engines_kernels(checkpoints, monkeypatch):
     monkeypatch.setenv("CONSORT_FUSED_LAYERS", "0")
     r = runner(checkpoints["llama"], "float32")
     assert r.model.fused_layers() is None
+
+
+@NEEDS_GEMM
+def test_mtp_block_layer_in_one_call_equals_its_modules(tmp_path):
+    """The MTP block's decode (its one decoder layer and final norm over drafting rows) through the C plan:
+    the same bits as through its modules, the block's pool layer included."""
+    from consort_engine.demo_model import write_demo_model
+
+    model_dir = write_demo_model(tmp_path / "mtp", max_pos=256, seed=0, mtp="qwen3_next", mtp_seconds=0,
+                                 mtp_steps=0, vocab=512)
+    r = ModelRunner(EngineConfig(model=str(model_dir), dtype="float32", block_size=BS, num_blocks=64,
+                                 speculative="mtp", num_speculative_tokens=2))
+    mtp, model = r.model.mtp, r.model
+    inp = r.build_inputs([RowGroup([7], 20, list(range(2)), 1), RowGroup([9], 33, list(range(2, 5)), 1)])
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, model.cfg.hidden_size, generator=g)
+    before = r.kv_cache.clone()
+    with torch.inference_mode():
+        mtp.fused = False
+        fused = mtp.decode(x.clone(), inp.positions, model.rotary, inp.meta)   # its residual stream, in place
+        assert isinstance(mtp.fused, FusedLayers)
+        pool = r.kv_cache.clone()
+        r.kv_cache.copy_(before)
+        mtp.fused = None
+        modules = mtp.decode(x.clone(), inp.positions, model.rotary, inp.meta)
+    assert torch.equal(fused, modules)
+    assert torch.equal(pool, r.kv_cache) and not torch.equal(pool, before)
