@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Sequence
 from ctypes import c_float, c_int64, c_void_p
 
 import torch
@@ -63,6 +64,11 @@ def _pointer(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
 
+def _pools(layers: Sequence) -> tuple[int, int]:
+    """Where the layers' pools start and end, which a plan points into."""
+    return layers[0].self_attn.attn.k_cache.data_ptr(), layers[-1].self_attn.attn.v_cache.data_ptr()
+
+
 def _table_shape(block_tables: torch.Tensor | None) -> tuple[int, int]:
     """(width, sequences) of a group's block tables; zeros for a group the step does not have."""
     return (0, 0) if block_tables is None else (block_tables.shape[1], block_tables.shape[0])
@@ -73,14 +79,14 @@ class FusedLayers:
     pointers, built once (plan) and run per step (run) where it applies."""
 
     def __init__(self, model: _Model, layers: ctypes.Array, max_rows: int | None, prefill: bool,
-                 widths: tuple[int, ...], dtype: torch.dtype, keys: tuple[int, int]):
+                 widths: tuple[int, ...], dtype: torch.dtype, pools: tuple[int, int]):
         self.model, self.layers, self.max_rows, self.prefill = model, layers, max_rows, prefill
-        self.widths, self.dtype, self.keys = widths, dtype, keys
+        self.widths, self.dtype, self.pools = widths, dtype, pools
         lib = cpu_kernels()
         self.fn = lib.decoder_layers
 
     @classmethod
-    def plan(cls, layers: list, rotary: RotaryEmbedding, dtype: torch.dtype) -> FusedLayers | None:
+    def plan(cls, layers: Sequence, rotary: RotaryEmbedding, dtype: torch.dtype) -> FusedLayers | None:
         """The plan for `layers` (DecoderLayers over their pools) with `dtype` activations, or None where some
         part of them is not on the engine's kernels (or CONSORT_FUSED_LAYERS=0)."""
         if os.environ.get("CONSORT_FUSED_LAYERS", "1") == "0" or dtype not in (torch.float32, torch.bfloat16) \
@@ -128,13 +134,17 @@ class FusedLayers:
                        rotary.cos.data_ptr(), rotary.sin.data_ptr(), *kernels, prefill_fn or 0)
         # scratch per row, in elements: the layer output, the normed rows, q/k/v, attention, gate/up, SiLU x up
         widths = (hidden, hidden, (h + 2 * kvh) * d, h * d, 2 * inter, inter)
-        keys = (attn.k_cache.data_ptr(), layers[-1].self_attn.attn.v_cache.data_ptr())
-        return cls(model, (_Layer * len(structs))(*structs), max_rows, prefill_fn is not None, widths, dtype, keys)
+        return cls(model, (_Layer * len(structs))(*structs), max_rows, prefill_fn is not None, widths, dtype,
+                   _pools(layers))
 
-    def current(self, layers: list) -> bool:
-        """Still the plan of these layers' pools (a runner may give the layers new ones)."""
-        return self.keys == (layers[0].self_attn.attn.k_cache.data_ptr(),
-                             layers[-1].self_attn.attn.v_cache.data_ptr())
+    @classmethod
+    def refresh(cls, plan: FusedLayers | None | bool, layers: Sequence, rotary: RotaryEmbedding,
+                dtype: torch.dtype) -> FusedLayers | None:
+        """`plan` while it is still that of these layers' pools (a runner may give the layers new ones), else
+        a new one; False: none made yet."""
+        if plan is False or (plan is not None and plan.pools != _pools(layers)):
+            return cls.plan(layers, rotary, dtype)
+        return plan
 
     def applies(self, h: torch.Tensor, meta: AttentionMetadata) -> bool:
         """Whether this step's rows run here: the dtype planned, rows every GEMM takes, prefill spans only with

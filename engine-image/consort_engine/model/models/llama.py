@@ -54,8 +54,7 @@ class CausalLM(nn.Module):
     def fused_layers(self) -> FusedLayers | None:
         """The layers' C plan (fused_layers.py), made at the first forward over the pools and again when the
         pools change; None where it does not apply to this model."""
-        if self.fused is False or (self.fused is not None and not self.fused.current(self.layers)):
-            self.fused = FusedLayers.plan(list(self.layers), self.rotary, self.embed_tokens.weight.dtype)
+        self.fused = FusedLayers.refresh(self.fused, self.layers, self.rotary, self.embed_tokens.weight.dtype)
         return self.fused
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:

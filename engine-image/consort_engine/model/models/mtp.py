@@ -105,8 +105,7 @@ class MTPBlock(HooklessModule):
         """The layer and the final norm over rows x -> normed output [T, H] (the LM head's input for
         token p+2, and the next chained step's hidden state). The layer in one C call where it applies
         (fused_layers.py; the same bits: the sum is rounded as the fused add rounds it)."""
-        if self.fused is False or (self.fused is not None and not self.fused.current([self.layer])):
-            self.fused = FusedLayers.plan([self.layer], rotary, self.norm.weight.dtype)
+        self.fused = FusedLayers.refresh(self.fused, [self.layer], rotary, self.norm.weight.dtype)
         if self.fused is not None and self.fused.applies(x, meta):
             return self.norm(self.fused.run(x, positions, meta))
         h, residual = self.layer(x, None, positions, rotary, meta)
