@@ -133,18 +133,24 @@ def test_bf16_kernel_takes_strided_and_batched_inputs():
         assert torch.equal(fn(x), fn(x.contiguous().reshape(-1, 40)).view(*x.shape[:-1], 50))
 
 
-@pytest.mark.skipif(not HAS_BF16_GEMM or "amx_bf16" in cpu_model_and_flags()[1],
-                    reason="the engine's bf16 kernel runs where AVX-512 BF16 is built and there is no AMX")
-def test_bf16_weights_run_the_engine_kernel_up_to_its_rows_then_onednn(monkeypatch):
-    ran: list[str] = []
+@pytest.fixture
+def ran(monkeypatch) -> list[str]:
+    """Which bf16 backend each call of a weight packed while the test runs took: "engine" or "onednn"."""
+    names: list[str] = []
 
     def spy(name, pack):
         def packer(weight, bias):
             fn = pack(weight, bias)
-            return lambda x: ran.append(name) or fn(x)
+            return lambda x: names.append(name) or fn(x)
         return packer
     monkeypatch.setattr(packed, "consort_bf16", spy("engine", packed.consort_bf16))
     monkeypatch.setattr(packed, "_onednn", spy("onednn", packed._onednn))
+    return names
+
+
+@pytest.mark.skipif(not HAS_BF16_GEMM or "amx_bf16" in cpu_model_and_flags()[1],
+                    reason="the engine's bf16 kernel runs where AVX-512 BF16 is built and there is no AMX")
+def test_bf16_weights_run_the_engine_kernel_up_to_its_rows_then_onednn(ran):
     g = torch.Generator().manual_seed(7)
     w, bias = torch.randn(200, 96, generator=g).bfloat16(), torch.randn(200, generator=g).bfloat16()
     fn = pack_linear(w, bias)
@@ -158,18 +164,9 @@ def test_bf16_weights_run_the_engine_kernel_up_to_its_rows_then_onednn(monkeypat
 @pytest.mark.skipif(not HAS_BF16_GEMM, reason="the engine's bf16 kernel is built where AVX-512 BF16 is")
 @pytest.mark.parametrize("forced, amx, engine_rows", [("", True, 0), ("consort", True, packed.BF16_KERNEL_ROWS),
                                                       ("onednn", False, 0), ("mkl", False, packed.BF16_KERNEL_ROWS)])
-def test_bf16_backend_with_amx_and_as_consort_gemm_says(monkeypatch, forced, amx, engine_rows):
+def test_bf16_backend_with_amx_and_as_consort_gemm_says(monkeypatch, ran, forced, amx, engine_rows):
     """With AMX oneDNN takes every bf16 row count, unless CONSORT_GEMM=consort (the engine's kernel up to its
     rows, to compare the two there); CONSORT_GEMM=onednn takes oneDNN's everywhere; mkl has no bf16 GEMM here."""
-    ran: list[str] = []
-
-    def spy(name, pack):
-        def packer(weight, bias):
-            fn = pack(weight, bias)
-            return lambda x: ran.append(name) or fn(x)
-        return packer
-    monkeypatch.setattr(packed, "consort_bf16", spy("engine", packed.consort_bf16))
-    monkeypatch.setattr(packed, "_onednn", spy("onednn", packed._onednn))
     model, flags = cpu_model_and_flags()
     flags = flags | {"amx_bf16"} if amx else flags - {"amx_bf16"}
     monkeypatch.setattr(packed, "cpu_model_and_flags", lambda: (model, flags))
