@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import os
 from collections.abc import Sequence
+from itertools import accumulate
 from ctypes import c_float, c_int64, c_void_p
 
 import torch
@@ -78,9 +79,9 @@ class FusedLayers:
     """The C plan of a model's decoder layers for one activation dtype: every layer's weights and pools as
     pointers, built once (plan) and run per step (run) where it applies."""
 
-    def __init__(self, model: _Model, layers: ctypes.Array, max_rows: int | None, prefill: bool,
-                 widths: tuple[int, ...], dtype: torch.dtype, pools: tuple[int, int]):
-        self.model, self.layers, self.max_rows, self.prefill = model, layers, max_rows, prefill
+    def __init__(self, model: _Model, layers: ctypes.Array, max_rows: int | None, widths: tuple[int, ...],
+                 dtype: torch.dtype, pools: tuple[int, int]):
+        self.model, self.layers, self.max_rows = model, layers, max_rows
         self.widths, self.dtype, self.pools = widths, dtype, pools
         lib = cpu_kernels()
         self.fn = lib.decoder_layers
@@ -99,7 +100,7 @@ class FusedLayers:
         attn = first.attn
         if attn.backend != "cpu_kernel" or attn.k_cache.dim() != 4:
             return None
-        structs, max_rows = [], None
+        structs, bounds = [], []
         for layer in layers:
             a, mlp = layer.self_attn, layer.mlp
             linears = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
@@ -108,9 +109,7 @@ class FusedLayers:
             calls = [gemm_call(lin.packed, dtype) for lin in linears]
             if any(c is None for c in calls):
                 return None
-            for lin in linears:
-                bound = getattr(lin.packed, "max_rows", None)
-                max_rows = bound if max_rows is None or (bound is not None and bound < max_rows) else max_rows
+            bounds += [lin.packed.max_rows for lin in linears if hasattr(lin.packed, "max_rows")]
             if a.attn.k_cache.dtype != attn.k_cache.dtype or a.attn.k_cache.stride() != attn.k_cache.stride():
                 return None
             structs.append(_Layer(layer.input_layernorm.weight.data_ptr(),
@@ -134,7 +133,7 @@ class FusedLayers:
                        rotary.cos.data_ptr(), rotary.sin.data_ptr(), *kernels, prefill_fn or 0)
         # scratch per row, in elements: the layer output, the normed rows, q/k/v, attention, gate/up, SiLU x up
         widths = (hidden, hidden, (h + 2 * kvh) * d, h * d, 2 * inter, inter)
-        return cls(model, (_Layer * len(structs))(*structs), max_rows, prefill_fn is not None, widths, dtype,
+        return cls(model, (_Layer * len(structs))(*structs), min(bounds, default=None), widths, dtype,
                    _pools(layers))
 
     @classmethod
@@ -152,7 +151,7 @@ class FusedLayers:
         rows = h.shape[0]
         return (h.dtype == self.dtype and rows > 0 and (self.max_rows is None or rows <= self.max_rows)
                 and meta.state is None
-                and (not meta.prefills or (self.prefill and meta.prefill_block_tables is not None)))
+                and (not meta.prefills or (self.model.prefill_attention and meta.prefill_block_tables is not None)))
 
     def run(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """h: the embeddings [T, hidden] (the residual stream, updated in place) -> the last layer's output plus
@@ -160,10 +159,8 @@ class FusedLayers:
         rows, elem = h.shape[0], self.model.elem
         sizes = [-(-rows * w * elem // ALIGN) * ALIGN // elem for w in self.widths]
         scratch = torch.empty(sum(sizes), dtype=h.dtype)
-        base, starts = scratch.data_ptr(), [0]
-        for size in sizes[:-1]:
-            starts.append(starts[-1] + size)
-        out, x, qkv, attn, gu, act = (base + s * elem for s in starts)
+        base = scratch.data_ptr()
+        out, x, qkv, attn, gu, act = (base + start * elem for start in (0, *accumulate(sizes[:-1])))
         nb, none = meta.num_batched_tokens, (None, None, None)
         batched = (meta.block_tables, meta.context_lens, meta.cu_query_lens) if nb else none
         prefill = (meta.prefill_block_tables, meta.prefill_context_lens,
