@@ -194,4 +194,6 @@ def test_mtp_block_layer_in_one_call_equals_its_modules(tmp_path):
         mtp.fused = None
         modules = mtp.decode(x.clone(), inp.positions, model.rotary, inp.meta)
     assert torch.equal(fused, modules)
-    assert torch.equal(pool, r.kv_cache) and not torch.equal(pool, before)
+    # bytes, not floats: the pool's unwritten slots hold whatever memory held, NaN patterns included
+    assert torch.equal(pool.view(torch.uint8), r.kv_cache.view(torch.uint8))
+    assert not torch.equal(pool.view(torch.uint8), before.view(torch.uint8))
