@@ -4,7 +4,8 @@ An adapter directory holds `adapter_config.json` (r, lora_alpha, target_modules,
 `adapter_model.safetensors` with `...layers.{i}.{self_attn|mlp}.{proj}.lora_A.weight` [r, in] and
 `lora_B.weight` [out, r]. A projection's output gains scaling * (x A^T) B^T for the rows of the
 requests that name the adapter; the scheduler groups a step's rows by adapter, so each adapter costs
-two thin matmuls per projection per step. The scaling is folded into B at load time.
+two thin matmuls per projection per step (on CPU one kernel call, csrc/lora.c). The scaling is folded
+into B at load time, and B is kept transposed ([r, out]): the update runs along its rows.
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ class LoraAdapter:
     path: str
     rank: int
     scaling: float
-    # (layer, fused module, shard) -> (A [r, in], B * scaling [shard_out, r]), float32
+    # (layer, fused module, shard) -> (A [r, in], (B * scaling)^T [r, shard_out]), float32, contiguous
     weights: dict[tuple[int, str, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
@@ -84,7 +85,7 @@ def load_peft_adapter(name: str, path: str | Path, num_layers: int, shard_shapes
             raise AdapterError(f"adapter {name!r}: layer {layer} {proj} has A {tuple(a.shape)} and B "
                                f"{tuple(b.shape)}; expected ({rank}, {in_f}) and ({out_f}, {rank})")
         adapter.weights[(layer, module, shard)] = (a.to(device, torch.float32).contiguous(),
-                                                   (b.to(device, torch.float32) * scaling).contiguous())
+                                                   (b.to(device, torch.float32) * scaling).t().contiguous())
     if not adapter.weights:
         raise AdapterError(f"adapter {name!r}: no LoRA tensors in {weights_path}")
     return adapter

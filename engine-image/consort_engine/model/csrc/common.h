@@ -2,7 +2,7 @@
  * bf16 and fp8 conversions, the exponential, and the team size.
  *
  * The kernels (paged_attention.c, prefill_attention.c, prefill_attention_bf16.c, elementwise.c, gemm.c,
- * gemm_bf16.c, gemm_i8w.c, gemm_i8a8.c, argmax.c, mamba.c, team.c) are built into
+ * gemm_bf16.c, gemm_i8w.c, gemm_i8a8.c, argmax.c, lora.c, mamba.c, team.c) are built into
  * one library at run time with the system C compiler (-O3 -march=native -fopenmp; the engine image
  * prebuilds one per x86-64 level) and called through ctypes (model/cpu_kernels.py); OpenMP resolves to
  * the libgomp torch already loaded, so the thread pool is shared.

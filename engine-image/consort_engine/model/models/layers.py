@@ -54,7 +54,7 @@ class Linear(HooklessModule):
         self.codes: dict[int, GroupCodes] = {}     # shard -> a pre-quantized checkpoint's integers (on CPU), until pack
         self.runs_codes = False                    # packed: the checkpoint's codes on the int8 kernel
         self.lora_ctx: LoraContext | None = None
-        self.lora: dict[str, list[tuple[int, int, torch.Tensor, torch.Tensor]]] = {}  # adapter -> (offset, n, A, B)
+        self.lora: dict[str, list[tuple[int, int, torch.Tensor, torch.Tensor]]] = {}  # adapter -> (offset, n, A, Bt)
 
     def pack(self, quantization: str = "none") -> None:
         """Switch to a pre-packed CPU GEMM weight (see packed.py), to a quantized one (quant.py), or to a
@@ -122,11 +122,7 @@ class Linear(HooklessModule):
     def _add_lora(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """y[rows of an adapter, its shard] += (x A^T) (scaling B)^T, per adapter segment of the step."""
         for start, end, name in self.lora_ctx.segments:
-            xs = None
-            for offset, n, a, b in self.lora.get(name, ()):
-                if xs is None:
-                    xs = x[start:end].float()
-                y[start:end, offset:offset + n] += ((xs @ a.t()) @ b.t()).to(y.dtype)
+            ops.add_lora_(y, x, start, end, self.lora.get(name, ()))
 
 
 class Attention(HooklessModule):

@@ -147,11 +147,11 @@ class LlamaForCausalLM(CausalLM):
 
     def attach_adapter(self, adapter: LoraAdapter, ctx: LoraContext) -> None:
         """Hang an adapter's A/B pairs on the projections they target (shard offsets of the fused ones)."""
-        for (i, module, shard), (a, b) in adapter.weights.items():
+        for (i, module, shard), (a, bt) in adapter.weights.items():
             layer = self.layers[i]
             lin = getattr(layer.mlp if module in ("gate_up_proj", "down_proj") else layer.self_attn, module)
             lin.lora_ctx = self.lora_ctx = ctx
-            lin.lora.setdefault(adapter.name, []).append((lin.shard_offsets[shard], lin.shard_sizes[shard], a, b))
+            lin.lora.setdefault(adapter.name, []).append((lin.shard_offsets[shard], lin.shard_sizes[shard], a, bt))
 
     def detach_adapter(self, name: str) -> None:
         for m in self.modules():

@@ -1,4 +1,5 @@
-"""Element-wise layers: fused C kernels on CPU (csrc/elementwise.c), torch ops elsewhere.
+"""Element-wise layers and LoRA's update: fused C kernels on CPU (csrc/elementwise.c, csrc/lora.c), torch ops
+elsewhere.
 
 `fast` is decided once per model (CPU, fp32/bf16, kernels compiled); both paths compute what
 transformers computes, rounding at the same points in bf16.
@@ -77,3 +78,24 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x.shape[0], dtype=torch.int64)
     kernel("argmax_rows", x.dtype)(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out.data_ptr())
     return out
+
+
+def add_lora_(y: torch.Tensor, x: torch.Tensor, start: int, end: int,
+              pairs: list[tuple[int, int, torch.Tensor, torch.Tensor]]) -> None:
+    """y[start:end, offset:offset + n] += ((x[start:end] A^T) Bt), rounded to y's dtype, for each (offset, n, A,
+    Bt) of one adapter on one projection: csrc/lora.c on CPU, one call a pair (against ~5 tensor ops), two
+    matmuls elsewhere. fp32 throughout either way."""
+    if not pairs:
+        return
+    if (x.device.type != "cpu" or x.dtype != y.dtype or x.dtype not in (torch.float32, torch.bfloat16)
+            or x.dim() != 2 or x.stride(1) != 1 or y.stride(1) != 1 or cpu_kernels() is None):
+        xs = x[start:end].float()
+        for offset, n, a, bt in pairs:
+            y[start:end, offset:offset + n] += ((xs @ a.t()) @ bt).to(y.dtype)
+        return
+    fn, e = kernel("lora_add", x.dtype), x.element_size()
+    xp = x.data_ptr() + start * x.stride(0) * e
+    for offset, n, a, bt in pairs:
+        if fn(xp, x.stride(0), end - start, x.shape[1], a.data_ptr(), a.shape[0], bt.data_ptr(), n,
+              y.data_ptr() + (start * y.stride(0) + offset) * e, y.stride(0)):
+            raise MemoryError(f"lora_add: no memory for its buffer ({end - start} rows x rank {a.shape[0]})")

@@ -1,0 +1,81 @@
+"""LoRA's update on CPU (csrc/lora.c through ops.add_lora_): a segment's rows of one projection's shard gain
+(x A^T) Bt rounded to the row type, against the same sum in float64, in fp32 and bf16, on one thread and on
+the team, with strided rows; rows outside the segment and columns outside the shard stay as they were."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from consort_engine.model import cpu_kernels as ck
+from consort_engine.model.models import ops
+
+pytestmark = pytest.mark.skipif(ck.cpu_kernels() is None, reason="no C compiler for the CPU kernels")
+
+# (rows in the segment, k, rank, n): below and above the kernel's single-thread bound (LORA_PARALLEL), k and n
+# off the vector width, n across the column chunks (256), rank 1 and odd ranks
+SHAPES = ((1, 64, 8, 100), (3, 100, 1, 1), (1, 512, 16, 1536), (37, 512, 13, 700), (5, 96, 64, 257),
+          (300, 256, 8, 256))
+
+
+def case(rows: int, k: int, r: int, n: int, dtype: torch.dtype, seed: int):
+    """x [rows + 6, k] as a view of wider rows, y [rows + 6, n + 9] (also strided), one pair at column 4,
+    the segment rows 2 .. rows + 2."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows + 6, k + 5, generator=g).to(dtype)[:, :k]
+    y = torch.randn(rows + 6, n + 20, generator=g).to(dtype)[:, 3:n + 12]
+    a = torch.randn(r, k, generator=g) / k ** 0.5
+    bt = torch.randn(r, n, generator=g) / r ** 0.5
+    return x, y, [(4, n, a, bt)], 2, rows + 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_update_equals_the_sum_in_float64(shape, dtype):
+    x, y, pairs, start, end = case(*shape, dtype, seed=sum(shape))
+    before = y.clone()
+    ops.add_lora_(y, x, start, end, pairs)
+    (offset, n, a, bt), = pairs
+    delta = (x[start:end].double() @ a.double().t()) @ bt.double()
+    want = before[start:end, offset:offset + n].double() + delta.to(dtype).double()
+    got = y[start:end, offset:offset + n].double()
+    # fp32: the sums' rounding; bf16: the update and the sum each rounded once to bf16 (an ulp of the update,
+    # whose fp32 sum may fall on the other side of a tie, and half an ulp of the sum)
+    tol = 1e-5 if dtype == torch.float32 else 2.0 ** -7
+    assert ((got - want).abs() <= tol * (delta.abs() + want.abs()) + 1e-6).all()
+    assert (got - before[start:end, offset:offset + n].double()).abs().max() > 0.1     # the update landed
+    untouched = torch.ones_like(y, dtype=torch.bool)
+    untouched[start:end, offset:offset + n] = False
+    assert torch.equal(y[untouched], before[untouched])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_and_torch_ops_agree(dtype, monkeypatch):
+    """The same update through the kernel and through the two matmuls (the path off CPU or without kernels)."""
+    x, y, pairs, start, end = case(37, 512, 13, 700, dtype, seed=7)
+    by_torch = y.clone()
+    ops.add_lora_(y, x, start, end, pairs)
+    monkeypatch.setattr(ops, "cpu_kernels", lambda: None)
+    ops.add_lora_(by_torch, x, start, end, pairs)
+    if dtype == torch.float32:
+        torch.testing.assert_close(y, by_torch, rtol=1e-5, atol=1e-5)
+    else:      # the update's rounding may fall either side of a tie, and the sum's with it: an ulp of each apart
+        (offset, n, a, bt), = pairs
+        delta = torch.zeros_like(y, dtype=torch.float32)
+        delta[start:end, offset:offset + n] = x[start:end].float() @ a.t() @ bt
+        assert ((y.float() - by_torch.float()).abs() <= 2.0 ** -7 * (delta.abs() + by_torch.float().abs())).all()
+        assert (y != by_torch).float().mean() < 0.01
+
+
+def test_every_pair_of_the_adapter_lands_on_its_shard():
+    """A fused projection's shards (q, k, v): each pair updates its own columns only."""
+    g = torch.Generator().manual_seed(11)
+    x, y = torch.randn(6, 64, generator=g), torch.randn(6, 48, generator=g)
+    before = y.clone()
+    pairs = [(0, 16, torch.randn(4, 64, generator=g), torch.randn(4, 16, generator=g)),
+             (32, 16, torch.randn(4, 64, generator=g), torch.randn(4, 16, generator=g))]
+    ops.add_lora_(y, x, 1, 4, pairs)
+    for offset, n, a, bt in pairs:
+        torch.testing.assert_close(y[1:4, offset:offset + n], before[1:4, offset:offset + n] + x[1:4] @ a.t() @ bt,
+                                   rtol=1e-5, atol=1e-5)
+    assert torch.equal(y[1:4, 16:32], before[1:4, 16:32])      # the shard without a pair
+    assert torch.equal(y[[0, 4, 5]], before[[0, 4, 5]])
