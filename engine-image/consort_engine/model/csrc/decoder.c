@@ -1,9 +1,10 @@
 /* A step's decoder layers in one call: the llama family's pre-norm layer (RMSNorm, fused q/k/v projection,
  * optional per-head q/k RMSNorm, RoPE, the K/V store, paged attention, o projection, RMSNorm with the
- * residual add, gate/up projection, SiLU x up, down projection), layer after layer, over this library's
- * kernels. Called once a step instead of ~10 ctypes calls a layer from Python (models/fused_layers.py):
- * each of those cost 2-7 us of argument conversion, tensor allocation and views, ~80 us a layer, against
- * a few hundred us of kernels a layer for a small model at one sequence.
+ * residual add, gate/up projection, SiLU x up, down projection; each projection with the LoRA updates of
+ * the step's adapter rows), layer after layer, over this library's kernels. Called once a step instead of
+ * ~10 ctypes calls a layer from Python (models/fused_layers.py): each of those cost 2-7 us of argument
+ * conversion, tensor allocation and views, ~80 us a layer, against a few hundred us of kernels a layer for a
+ * small model at one sequence; a LoRA update through torch ops cost ~5 tensor ops a shard.
  *
  * The kernels come in as function pointers (the ones Python would call for this activation dtype, pool
  * dtype and weight format), so this file has one copy for every dtype and needs none of the per-level
@@ -27,6 +28,7 @@ typedef void (*rope_fn)(void *, int64_t, int, int, int, const int64_t *, const v
 typedef void (*silu_mul_fn)(const void *, void *, int, int);
 typedef void (*store_kv_fn)(const void *, int64_t, const void *, int64_t, void *, void *, const int64_t *, int, int,
                             int, int, int64_t, int64_t, int64_t);
+typedef int (*lora_add_fn)(const void *, int64_t, int, int, const float *, int, const float *, int, void *, int64_t);
 typedef int (*attention_fn)(const void *, int64_t, const void *, const void *, void *, int64_t, const int32_t *, int,
                             const int32_t *, const int32_t *, int, int, int, int, int, int64_t, int64_t, int64_t,
                             float);
@@ -41,6 +43,28 @@ typedef struct {
     int64_t n, k;
 } linear_t;
 
+/* One LoRA pair of an adapter on one shard of a projection (model/lora.py): y[:, offset:offset + n] gains
+ * (x A^T) Bt. */
+typedef struct {
+    const float *a, *bt;       /* A [r, k]; (B * scaling)^T [r, n] */
+    int64_t r, offset, n;
+} lora_pair_t;
+
+/* An adapter's pairs on every layer: those of layer i's projection p (PROJ_*) are
+ * pairs[first[4 i + p] .. first[4 i + p + 1]). */
+typedef struct {
+    const lora_pair_t *pairs;
+    const int64_t *first;
+} adapter_t;
+
+/* A run of the step's rows that carry one adapter (lora.segments_of). */
+typedef struct {
+    int64_t start, end;
+    const adapter_t *adapter;
+} segment_t;
+
+enum { PROJ_QKV, PROJ_O, PROJ_GATE_UP, PROJ_DOWN };
+
 typedef struct {
     const void *in_norm, *post_norm, *q_norm, *k_norm;    /* q_norm, k_norm: NULL without per-head norms */
     void *k_cache, *v_cache;
@@ -53,6 +77,7 @@ typedef struct {
     float eps, scale;
     const void *cos, *sin;
     const void *rms_norm, *add_rms_norm, *rope, *silu_mul, *store_kv, *paged_attention, *prefill_attention;
+    const void *lora_add;
 } model_t;
 
 typedef struct {
@@ -65,9 +90,11 @@ typedef struct {
     void *residual;                        /* in: the embeddings; out: the residual stream after the last layer */
     void *h;                               /* out: the last layer's output (the model adds the two) */
     void *x, *qkv, *attn, *gu, *act;       /* scratch, [rows] x hidden, q/k/v, heads x head_dim, 2 inter, inter */
+    int64_t n_segments;                    /* the rows that carry an adapter, or 0 */
+    const segment_t *segments;
 } step_t;
 
-static int linear(const linear_t *l, const void *x, int64_t m, void *y) {
+static int gemm(const linear_t *l, const void *x, int64_t m, void *y) {
     if (l->nargs == 1)
         return ((gemm_packed_fn)l->fn)(x, l->k, m, l->k, l->w0, l->n, y, l->n, l->bias);
     if (l->nargs == 3)
@@ -75,13 +102,31 @@ static int linear(const linear_t *l, const void *x, int64_t m, void *y) {
     return ((gemm_ordered_fn)l->fn)(x, l->k, m, l->k, l->w0, l->w1, l->w2, l->w3, l->n, y, l->n, l->bias);
 }
 
+/* y = x W^T + b for the step's rows, plus each adapter segment's LoRA update of projection `proj` of `layer`
+ * (as Linear.forward adds it after the GEMM). Nonzero: out of memory (the GEMM's or the update's buffers). */
+static int linear(const model_t *m, const step_t *s, const linear_t *l, int layer, int proj, const void *x, void *y) {
+    if (gemm(l, x, s->rows, y)) return 1;
+    for (int64_t g = 0; g < s->n_segments; g++) {
+        const segment_t *seg = s->segments + g;
+        const adapter_t *ad = seg->adapter;
+        for (int64_t p = ad->first[4 * layer + proj]; p < ad->first[4 * layer + proj + 1]; p++) {
+            const lora_pair_t *P = ad->pairs + p;
+            if (((lora_add_fn)m->lora_add)((const char *)x + seg->start * l->k * m->elem, l->k,
+                                           (int)(seg->end - seg->start), (int)l->k, P->a, (int)P->r, P->bt,
+                                           (int)P->n, (char *)y + (seg->start * l->n + P->offset) * m->elem, l->n))
+                return 1;
+        }
+    }
+    return 0;
+}
+
 enum { OP_QKV = 1, OP_O, OP_GATE_UP, OP_DOWN, OP_DECODE_ATTENTION, OP_PREFILL_ATTENTION };
 
 /* The attention block of one layer: x -> s->attn. Returns 0 or the failing op (OP_*). */
-static int attention(const model_t *m, const layer_t *L, const step_t *s) {
+static int attention(const model_t *m, const layer_t *L, int layer, const step_t *s) {
     const int64_t H = m->heads, KVH = m->kv_heads, D = m->head_dim, T = s->rows, width = (H + 2 * KVH) * D;
     char *qkv = s->qkv;
-    if (linear(&L->qkv, s->x, T, qkv)) return OP_QKV;
+    if (linear(m, s, &L->qkv, layer, PROJ_QKV, s->x, qkv)) return OP_QKV;
     if (L->q_norm) {
         ((rms_norm_fn)m->rms_norm)(qkv, width, qkv, width, L->q_norm, T, H, D, m->eps);
         ((rms_norm_fn)m->rms_norm)(qkv + H * D * m->elem, width, qkv + H * D * m->elem, width, L->k_norm, T, KVH, D,
@@ -117,13 +162,13 @@ int decoder_layers(const model_t *m, const layer_t *layers, int n_layers, const 
             ((rms_norm_fn)m->rms_norm)(s->residual, hidden, s->x, hidden, L->in_norm, T, 1, hidden, m->eps);
         else
             ((add_rms_norm_fn)m->add_rms_norm)(s->residual, s->h, s->x, L->in_norm, T, hidden, m->eps);
-        int op = attention(m, L, s);
-        if (!op && linear(&L->o, s->attn, T, s->h)) op = OP_O;
+        int op = attention(m, L, i, s);
+        if (!op && linear(m, s, &L->o, i, PROJ_O, s->attn, s->h)) op = OP_O;
         if (op) return 16 * i + op;
         ((add_rms_norm_fn)m->add_rms_norm)(s->residual, s->h, s->x, L->post_norm, T, hidden, m->eps);
-        if (linear(&L->gate_up, s->x, T, s->gu)) return 16 * i + OP_GATE_UP;
+        if (linear(m, s, &L->gate_up, i, PROJ_GATE_UP, s->x, s->gu)) return 16 * i + OP_GATE_UP;
         ((silu_mul_fn)m->silu_mul)(s->gu, s->act, T, (int)m->inter);
-        if (linear(&L->down, s->act, T, s->h)) return 16 * i + OP_DOWN;
+        if (linear(m, s, &L->down, i, PROJ_DOWN, s->act, s->h)) return 16 * i + OP_DOWN;
     }
     return 0;
 }

@@ -1,7 +1,8 @@
 """A step's decoder layers in one C call (csrc/decoder.c), where every part of them runs on the engine's CPU
 kernels: the C GEMMs (fp32; bf16 up to BF16_KERNEL_ROWS rows; int8 and w8a8 codes), the element-wise
-kernels, decode attention and, for prefill spans, the C prefill kernel. Elsewhere (oneDNN's bf16 rows, SDPA
-prefills, LoRA rows, tensor parallelism, hybrids) the layers run one module at a time as before.
+kernels, decode attention and, for prefill spans, the C prefill kernel; adapter rows' LoRA updates on
+csrc/lora.c. Elsewhere (oneDNN's bf16 rows, SDPA prefills, tensor parallelism, hybrids) the layers run one
+module at a time as before.
 
 The call does what DecoderLayer.forward does with the same kernels in the same order, so the output and the
 pool are bit for bit the same; it saves the Python between the kernels (~80 us a layer: ctypes argument
@@ -34,6 +35,18 @@ class _Linear(ctypes.Structure):
                 ("w3", c_void_p), ("bias", c_void_p), ("n", c_int64), ("k", c_int64)]
 
 
+class _LoraPair(ctypes.Structure):
+    _fields_ = [("a", c_void_p), ("bt", c_void_p), ("r", c_int64), ("offset", c_int64), ("n", c_int64)]
+
+
+class _Adapter(ctypes.Structure):
+    _fields_ = [("pairs", c_void_p), ("first", c_void_p)]
+
+
+class _Segment(ctypes.Structure):
+    _fields_ = [("start", c_int64), ("end", c_int64), ("adapter", c_void_p)]
+
+
 class _Layer(ctypes.Structure):
     _fields_ = [("in_norm", c_void_p), ("post_norm", c_void_p), ("q_norm", c_void_p), ("k_norm", c_void_p),
                 ("k_cache", c_void_p), ("v_cache", c_void_p),
@@ -45,7 +58,7 @@ class _Model(ctypes.Structure):
                                               "elem", "blk_stride", "tok_stride", "head_stride")] + \
                [("eps", c_float), ("scale", c_float)] + \
                [(name, c_void_p) for name in ("cos", "sin", "rms_norm", "add_rms_norm", "rope", "silu_mul",
-                                              "store_kv", "paged_attention", "prefill_attention")]
+                                              "store_kv", "paged_attention", "prefill_attention", "lora_add")]
 
 
 class _Step(ctypes.Structure):
@@ -53,12 +66,34 @@ class _Step(ctypes.Structure):
                 ("bt", c_void_p), ("ctx", c_void_p), ("cu", c_void_p), ("bt_width", c_int64),
                 ("batched_seqs", c_int64), ("pbt", c_void_p), ("pctx", c_void_p), ("pcu", c_void_p),
                 ("pbt_width", c_int64), ("prefill_seqs", c_int64)] + \
-               [(name, c_void_p) for name in ("residual", "h", "x", "qkv", "attn", "gu", "act")]
+               [(name, c_void_p) for name in ("residual", "h", "x", "qkv", "attn", "gu", "act")] + \
+               [("n_segments", c_int64), ("segments", c_void_p)]
 
 
 def _linear(call: GemmCall) -> _Linear:
     w = (*call.weights, 0, 0, 0)[:4]
     return _Linear(call.fn, len(call.weights), w[0], w[1], w[2], w[3], call.bias, call.n, call.k)
+
+
+def _projections(layer: DecoderLayer) -> tuple:
+    """A layer's projections in csrc/decoder.c's PROJ_* order."""
+    return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
+
+
+def _adapters(layers: Sequence) -> dict[str, tuple]:
+    """Every adapter on the layers' projections as its C table (csrc/decoder.c adapter_t), with the arrays the
+    table points into; the A and Bt tensors stay with the projections (Linear.lora) while the plan lives."""
+    out = {}
+    for name in sorted({name for layer in layers for lin in _projections(layer) for name in lin.lora}):
+        pairs, first = [], [0]
+        for layer in layers:
+            for lin in _projections(layer):
+                pairs += [_LoraPair(a.data_ptr(), bt.data_ptr(), a.shape[0], offset, n)
+                          for offset, n, a, bt in lin.lora.get(name, ())]
+                first.append(len(pairs))
+        arrays = ((_LoraPair * len(pairs))(*pairs), (c_int64 * len(first))(*first))
+        out[name] = (_Adapter(*map(ctypes.addressof, arrays)), arrays)
+    return out
 
 
 def _pointer(t: torch.Tensor | None) -> int:
@@ -80,9 +115,9 @@ class FusedLayers:
     pointers, built once (plan) and run per step (run) where it applies."""
 
     def __init__(self, model: _Model, layers: ctypes.Array, max_rows: int | None, widths: tuple[int, ...],
-                 dtype: torch.dtype, pools: tuple[int, int]):
+                 dtype: torch.dtype, pools: tuple[int, int], adapters: dict[str, tuple]):
         self.model, self.layers, self.max_rows = model, layers, max_rows
-        self.widths, self.dtype, self.pools = widths, dtype, pools
+        self.widths, self.dtype, self.pools, self.adapters = widths, dtype, pools, adapters
         lib = cpu_kernels()
         self.fn = lib.decoder_layers
 
@@ -102,8 +137,7 @@ class FusedLayers:
             return None
         structs, bounds = [], []
         for layer in layers:
-            a, mlp = layer.self_attn, layer.mlp
-            linears = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            a, linears = layer.self_attn, _projections(layer)
             if any(lin.parallel is not None or lin.packed is None for lin in linears):
                 return None
             calls = [gemm_call(lin.packed, dtype) for lin in linears]
@@ -122,7 +156,8 @@ class FusedLayers:
         prefill_fn = c_address(prefill[0]) if prefill is not None and prefill[1] == dtype else None
         kernels = [c_address(kernel(name, dtype)) for name in ("rms_norm", "add_rms_norm", "rope", "silu_mul")]
         kernels += [c_address(kernel(name, dtype, kv)) for name in ("store_kv", "paged_attention")]
-        if None in kernels:
+        lora_add = c_address(kernel("lora_add", dtype))
+        if None in kernels or lora_add is None:
             return None
         h, kvh, d = first.h, first.kvh, first.d
         inter = layers[0].mlp.gate_up_proj.shard_sizes[0]
@@ -130,11 +165,11 @@ class FusedLayers:
         kc = attn.k_cache
         model = _Model(hidden, h, kvh, d, inter, attn.block_size, torch.finfo(dtype).bits // 8,
                        kc.stride(0), kc.stride(2), kc.stride(1), layers[0].input_layernorm.eps, attn.scale,
-                       rotary.cos.data_ptr(), rotary.sin.data_ptr(), *kernels, prefill_fn or 0)
+                       rotary.cos.data_ptr(), rotary.sin.data_ptr(), *kernels, prefill_fn or 0, lora_add)
         # scratch per row, in elements: the layer output, the normed rows, q/k/v, attention, gate/up, SiLU x up
         widths = (hidden, hidden, (h + 2 * kvh) * d, h * d, 2 * inter, inter)
         return cls(model, (_Layer * len(structs))(*structs), min(bounds, default=None), widths, dtype,
-                   _pools(layers))
+                   _pools(layers), _adapters(layers))
 
     @classmethod
     def refresh(cls, plan: FusedLayers | None | bool, layers: Sequence, rotary: RotaryEmbedding,
@@ -145,17 +180,19 @@ class FusedLayers:
             return cls.plan(layers, rotary, dtype)
         return plan
 
-    def applies(self, h: torch.Tensor, meta: AttentionMetadata) -> bool:
+    def applies(self, h: torch.Tensor, meta: AttentionMetadata,
+                segments: Sequence[tuple[int, int, str]] = ()) -> bool:
         """Whether this step's rows run here: the dtype planned, rows every GEMM takes, prefill spans only with
-        the C prefill kernel, no hybrid state (the model sends adapter rows to the modules)."""
+        the C prefill kernel, no hybrid state, adapter segments (lora.segments_of) of adapters the plan has."""
         rows = h.shape[0]
         return (h.dtype == self.dtype and rows > 0 and (self.max_rows is None or rows <= self.max_rows)
-                and meta.state is None
+                and meta.state is None and all(name in self.adapters for _, _, name in segments)
                 and (not meta.prefills or (self.model.prefill_attention and meta.prefill_block_tables is not None)))
 
-    def run(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def run(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+            segments: Sequence[tuple[int, int, str]] = ()) -> torch.Tensor:
         """h: the embeddings [T, hidden] (the residual stream, updated in place) -> the last layer's output plus
-        the residual stream, as CausalLM.forward returns it."""
+        the residual stream, as CausalLM.forward returns it; segments: the rows that carry an adapter."""
         rows, elem = h.shape[0], self.model.elem
         sizes = [-(-rows * w * elem // ALIGN) * ALIGN // elem for w in self.widths]
         scratch = torch.empty(sum(sizes), dtype=h.dtype)
@@ -165,13 +202,16 @@ class FusedLayers:
         batched = (meta.block_tables, meta.context_lens, meta.cu_query_lens) if nb else none
         prefill = (meta.prefill_block_tables, meta.prefill_context_lens,
                    meta.prefill_cu_query_lens) if meta.prefills else none
+        segs = (_Segment * len(segments))(*(_Segment(start, end, ctypes.addressof(self.adapters[name][0]))
+                                            for start, end, name in segments))
         step = _Step(rows, nb, positions.data_ptr(), meta.slot_mapping.data_ptr(), *map(_pointer, batched),
                      *_table_shape(batched[0]), *map(_pointer, prefill), *_table_shape(prefill[0]),
-                     h.data_ptr(), out, x, qkv, attn, gu, act)
+                     h.data_ptr(), out, x, qkv, attn, gu, act, len(segments), ctypes.addressof(segs))
         rc = self.fn(ctypes.byref(self.model), self.layers, len(self.layers), ctypes.byref(step))
         if rc:
             layer, op = divmod(rc, 16)
             if op in (1, 2, 3, 4):
-                raise MemoryError(f"decoder layer {layer}: the {OPS[op]} has no memory for its buffers ({rows} rows)")
+                raise MemoryError(f"decoder layer {layer}: the {OPS[op]} (GEMM or LoRA update) has no memory for its "
+                                  f"buffers ({rows} rows)")
             raise RuntimeError(f"decoder layer {layer}: {OPS.get(op, op)} kernel failed")
         return scratch[:rows * self.widths[0]].view(rows, -1) + h

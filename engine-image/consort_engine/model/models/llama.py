@@ -38,15 +38,16 @@ class CausalLM(nn.Module):
     single_modules: tuple[str, ...] = ("o_proj", "down_proj", "lm_head")   # unfused Linear modules
 
     fused: FusedLayers | None | bool = False       # the C plan of the layers (False: not planned yet)
-    lora_ctx: LoraContext | None = None            # set with the first adapter: its rows take the modules
+    lora_ctx: LoraContext | None = None            # set with the first adapter: the step's adapter rows
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions [T] -> last layer's hidden states [T, hidden] (before the final norm)."""
         h, residual = self.embed_tokens(input_ids), None
         fused = self.fused_layers()
-        if fused is not None and fused.applies(h, meta) and not (self.lora_ctx and self.lora_ctx.segments):
-            return fused.run(h, positions, meta)
+        segments = self.lora_ctx.segments if self.lora_ctx is not None else ()
+        if fused is not None and fused.applies(h, meta, segments):
+            return fused.run(h, positions, meta, segments)
         for layer in self.layers:
             h, residual = layer(h, residual, positions, self.rotary, meta)
         return h + residual
@@ -152,11 +153,13 @@ class LlamaForCausalLM(CausalLM):
             lin = getattr(layer.mlp if module in ("gate_up_proj", "down_proj") else layer.self_attn, module)
             lin.lora_ctx = self.lora_ctx = ctx
             lin.lora.setdefault(adapter.name, []).append((lin.shard_offsets[shard], lin.shard_sizes[shard], a, bt))
+        self.fused = False              # the plan's adapter tables: made again with this one
 
     def detach_adapter(self, name: str) -> None:
         for m in self.modules():
             if isinstance(m, Linear):
                 m.lora.pop(name, None)
+        self.fused = False
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.load_tensors(self._own_names(weights))

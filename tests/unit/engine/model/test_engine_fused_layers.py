@@ -1,8 +1,8 @@
 """The decoder layers in one C call (models/fused_layers.py, csrc/decoder.c) against the same layers run one
 module at a time: the hidden states and every byte of the K/V pool equal, for decode rows, prefill spans
 over a cached prefix and both in one step; Llama (GQA), Qwen2 (q/k/v biases) and Qwen3 (per-head q/k norms);
-fp32 and bf16 activations, an fp8 pool, int8 and w8a8 weights. And where it must not run: rows beyond the
-bf16 kernel's bound (oneDNN's), adapter rows."""
+fp32 and bf16 activations, an fp8 pool, int8 and w8a8 weights, rows of two LoRA adapters beside base rows.
+And where it must not run: rows beyond the bf16 kernel's bound (oneDNN's), an adapter the plan lacks."""
 from __future__ import annotations
 
 import pytest
@@ -66,34 +66,40 @@ def forward_both_ways(r: ModelRunner, groups: list[RowGroup]) -> tuple[torch.Ten
     inp = r.build_inputs(groups)
     model = r.model
     before = r.kv_cache.clone()
-    with torch.inference_mode():
-        model.fused = False
-        plan = model.fused_layers()
-        assert isinstance(plan, FusedLayers)
-        assert plan.applies(model.embed_tokens(inp.input_ids), inp.meta)
-        fused = model(inp.input_ids, inp.positions, inp.meta)
-        pool = r.kv_cache.clone()
-        r.kv_cache.copy_(before)
-        model.fused = None              # the modules, one at a time
-        modules = model(inp.input_ids, inp.positions, inp.meta)
+    r.lora_ctx.segments = inp.lora_segments       # as ModelRunner.execute sets them
+    try:
+        with torch.inference_mode():
+            model.fused = False
+            plan = model.fused_layers()
+            assert isinstance(plan, FusedLayers)
+            assert plan.applies(model.embed_tokens(inp.input_ids), inp.meta, inp.lora_segments)
+            fused = model(inp.input_ids, inp.positions, inp.meta)
+            pool = r.kv_cache.clone()
+            r.kv_cache.copy_(before)
+            model.fused = None              # the modules, one at a time
+            modules = model(inp.input_ids, inp.positions, inp.meta)
+    finally:
+        r.lora_ctx.segments = []
     assert torch.equal(pool.view(torch.uint8), r.kv_cache.view(torch.uint8))
     model.fused = False
     return fused, modules
 
 
-def steps(r: ModelRunner) -> None:
+def steps(r: ModelRunner, adapters: tuple[str | None, ...] = (None, None, None)) -> None:
     """A prefill, then decode rows and a prefill over a cached prefix in one step, then decode alone: each
-    the same both ways. The pool carries each step's K/V into the next."""
-    a, b = tokens(70, 1), tokens(40, 2)
-    blocks_a, blocks_b = list(range(0, 8)), list(range(8, 16))
-    # two prefill spans; b's first 24 tokens are then in the pool, as a cached prefix would be
-    fused, modules = forward_both_ways(r, [RowGroup(a[:69], 0, blocks_a, 1), RowGroup(b[:24], 0, blocks_b, 1)])
-    assert torch.equal(fused, modules)
-    fused, modules = forward_both_ways(r, [RowGroup(a[69:], 69, blocks_a, 1), RowGroup(b[24:], 24, blocks_b, 1)])
-    assert torch.equal(fused, modules)
-    fused, modules = forward_both_ways(r, [RowGroup([a[5]], 70, blocks_a, 1), RowGroup([b[7]], 40, blocks_b, 1)])
-    assert torch.equal(fused, modules)
-    assert fused.abs().sum() > 0 and torch.isfinite(fused).all()
+    the same both ways. The pool carries each step's K/V into the next. adapters: the three sequences'."""
+    a, b, c = tokens(70, 1), tokens(40, 2), tokens(9, 3)
+    blocks = list(range(0, 8)), list(range(8, 16)), list(range(16, 20))
+
+    def step(*rows: tuple[list[int], int]) -> None:
+        groups = [RowGroup(t, start, bl, 1, adapter=name) for (t, start), bl, name in zip(rows, blocks, adapters)]
+        fused, modules = forward_both_ways(r, groups)
+        assert torch.equal(fused, modules)
+        assert fused.abs().sum() > 0 and torch.isfinite(fused).all()
+    # three prefill spans; b's first 24 tokens are then in the pool, as a cached prefix would be
+    step((a[:69], 0), (b[:24], 0), (c, 0))
+    step((a[69:], 69), (b[24:], 24), ([c[3]], 9))
+    step(([a[5]], 70), ([b[7]], 40), ([c[1]], 10))
 
 
 @NEEDS_GEMM
@@ -142,10 +148,45 @@ def test_bf16_rows_past_the_kernels_bound_take_the_modules(checkpoints):
     assert plan.applies(h[:BF16_KERNEL_ROWS], inp.meta)
 
 
+def write_adapters(r: ModelRunner, ckpt: str, tmp_path) -> None:
+    """Two adapters loaded into the runner: a1 of rank 8 on every projection, a2 of rank 3 on q, v and down."""
+    from safetensors.torch import load_file, save_file
+
+    from consort_engine.demo_model import write_demo_adapter
+
+    r.load_adapter("a1", str(write_demo_adapter(ckpt, tmp_path / "a1", rank=8, seed=1)))
+    a2 = write_demo_adapter(ckpt, tmp_path / "a2", rank=3, seed=2)
+    tensors = load_file(str(a2 / "adapter_model.safetensors"))
+    save_file({k: v for k, v in tensors.items() if any(p in k for p in ("q_proj", "v_proj", "down_proj"))},
+              str(a2 / "adapter_model.safetensors"))
+    r.load_adapter("a2", str(a2))
+
+
 @NEEDS_GEMM
-def test_adapter_rows_take_the_modules(checkpoints, monkeypatch):
-    """A step with adapter rows (the runner sets the shared LoRA context's segments) runs the modules, whose
-    Linear adds the adapters; the plan is not called."""
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=BF16)])
+@pytest.mark.parametrize("adapters", [("a1", None, "a2"), ("a2", "a2", "a1")], ids=["two-and-base", "two"])
+def test_fused_layers_equal_the_modules_with_adapter_rows(checkpoints, tmp_path, dtype, adapters):
+    """Rows of two adapters (one segment each, or two sequences of one adapter in one segment) beside base rows:
+    the plan adds each projection's LoRA updates where the modules' Linear adds them, bit for bit."""
+    r = runner(checkpoints["qwen3"], dtype)
+    write_adapters(r, checkpoints["qwen3"], tmp_path)
+    assert set(r.model.fused_layers().adapters) == {"a1", "a2"}
+    steps(r, adapters)
+    inp = r.build_inputs([RowGroup(tokens(6, 9), 0, [20], 1, adapter="a1")])
+    with torch.inference_mode():
+        base = r.model(inp.input_ids, inp.positions, inp.meta)
+        r.lora_ctx.segments = inp.lora_segments
+        try:
+            with_adapter = r.model(inp.input_ids, inp.positions, inp.meta)
+        finally:
+            r.lora_ctx.segments = []
+    assert (with_adapter - base).abs().max() > 0.1         # the updates landed
+
+
+@NEEDS_GEMM
+def test_adapter_rows_of_an_adapter_the_plan_lacks_take_the_modules(checkpoints, monkeypatch):
+    """A segment naming an adapter the plan has no table for runs the modules, whose Linear adds what it has
+    (nothing); the plan is not called."""
     r = runner(checkpoints["llama"], "float32")
     calls = []
     monkeypatch.setattr(FusedLayers, "run", lambda self, *a: calls.append(1))
