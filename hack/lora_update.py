@@ -21,9 +21,10 @@ SHAPES = ((1, 512, 8, 1536), (8, 512, 8, 1536), (64, 512, 8, 2816), (64, 1408, 8
           (64, 4096, 16, 4096), (512, 1024, 16, 1024), (512, 4096, 64, 4096))
 
 
-def torch_ops(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor) -> None:
-    """What Linear._add_lora ran before the kernel."""
-    y += ((x.float() @ a.t()) @ bt).to(y.dtype)
+def torch_ops(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """What Linear._add_lora ran before the kernel (B kept [n, r] then), for one segment and one pair."""
+    xs = x[0:x.shape[0]].float()
+    y[0:x.shape[0], 0:b.shape[0]] += ((xs @ a.t()) @ b.t()).to(y.dtype)
 
 
 def _timed(fn, calls: int) -> float:
@@ -49,11 +50,12 @@ def main() -> int:
             g = torch.Generator().manual_seed(rows + k + r + n)
             x, y = torch.randn(rows, k, generator=g).to(dtype), torch.randn(rows, n, generator=g).to(dtype)
             pair = (0, n, torch.randn(r, k, generator=g) / k ** 0.5, torch.randn(r, n, generator=g) / r ** 0.5)
+            b = pair[3].t().contiguous()
             calls = max(1, int(4e6 / (rows * r * (k + n))))
             kernel, matmuls = [], []
             print(f"[lora_update] {str(dtype)[6:]} {rows} x {k} rank {r} -> {n}", flush=True)
             for _ in range(a.repeats):
-                matmuls.append(_timed(lambda: torch_ops(y, x, pair[2], pair[3]), calls))
+                matmuls.append(_timed(lambda: torch_ops(y, x, pair[2], b), calls))
                 kernel.append(_timed(lambda: ops.add_lora_(y, x, 0, rows, [pair]), calls))
             flop = 2 * rows * r * (k + n)
             print(f"| {str(dtype)[6:]} | {rows} | {k} | {r} | {n} | {min(matmuls):.1f} | {min(kernel):.1f} | "
