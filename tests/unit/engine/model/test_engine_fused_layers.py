@@ -163,12 +163,14 @@ def write_adapters(r: ModelRunner, ckpt: str, tmp_path) -> None:
 
 
 @NEEDS_GEMM
-@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=BF16)])
+@pytest.mark.parametrize("dtype,quantization", [("float32", "none"), pytest.param("bfloat16", "none", marks=BF16),
+                                                ("float32", "int8")])
 @pytest.mark.parametrize("adapters", [("a1", None, "a2"), ("a2", "a2", "a1")], ids=["two-and-base", "two"])
-def test_fused_layers_equal_the_modules_with_adapter_rows(checkpoints, tmp_path, dtype, adapters):
+def test_fused_layers_equal_the_modules_with_adapter_rows(checkpoints, tmp_path, dtype, quantization, adapters):
     """Rows of two adapters (one segment each, or two sequences of one adapter in one segment) beside base rows:
-    the plan adds each projection's LoRA updates where the modules' Linear adds them, bit for bit."""
-    r = runner(checkpoints["qwen3"], dtype)
+    the plan adds each projection's LoRA updates where the modules' Linear adds them, bit for bit (over int8
+    weights too: the adapters stay fp32)."""
+    r = runner(checkpoints["qwen3"], dtype, quantization=quantization)
     write_adapters(r, checkpoints["qwen3"], tmp_path)
     assert set(r.model.fused_layers().adapters) == {"a1", "a2"}
     steps(r, adapters)
