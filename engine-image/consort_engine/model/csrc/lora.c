@@ -19,52 +19,55 @@
 #define LOAD_f32(p) VEC_LOADU(p)
 #define LOAD_bf16(p) VEC_LOAD_BF16(p)
 
-/* out[q][j] = x row q . A row j over k, for 4 rows xs and 4 rows of A (repeats stand in where fewer). */
-#define DEFINE_SHRINK_TILE(SUFFIX, T)                                                                      \
-    static void shrink_tile_##SUFFIX(const T *const *xs, const float *const *as, int k, float out[4][4]) { \
-        VEC acc[4][4];                                                                                     \
-        for (int q = 0; q < 4; q++)                                                                        \
+/* out[q][j] = x row q . A row j over k, for NR rows xs and 4 rows of A (repeats stand in where fewer). */
+#define DEFINE_SHRINK_TILE(SUFFIX, T, NR)                                                                  \
+    static void shrink_tile##NR##_##SUFFIX(const T *const *xs, const float *const *as, int k,             \
+                                           float out[][4]) {                                               \
+        VEC acc[NR][4];                                                                                    \
+        for (int q = 0; q < NR; q++)                                                                       \
             for (int j = 0; j < 4; j++) acc[q][j] = VEC_ZERO();                                            \
         int i = 0;                                                                                         \
         for (; i + VLEN <= k; i += VLEN) {                                                                 \
             VEC av[4];                                                                                     \
             for (int j = 0; j < 4; j++) av[j] = VEC_LOADU(as[j] + i);                                      \
-            for (int q = 0; q < 4; q++) {                                                                  \
+            for (int q = 0; q < NR; q++) {                                                                 \
                 const VEC xv = LOAD_##SUFFIX(xs[q] + i);                                                   \
                 for (int j = 0; j < 4; j++) acc[q][j] = VEC_FMA(xv, av[j], acc[q][j]);                     \
             }                                                                                              \
         }                                                                                                  \
-        for (int q = 0; q < 4; q++)                                                                        \
+        for (int q = 0; q < NR; q++)                                                                       \
             for (int j = 0; j < 4; j++) {                                                                  \
                 float s = vec_hsum(acc[q][j]);                                                             \
-                for (int e = i; e < k; e++) s += get_##SUFFIX(xs[q], e) * as[j][e];                       \
+                for (int e = i; e < k; e++) s += get_##SUFFIX(xs[q], e) * as[j][e];                        \
                 out[q][j] = s;                                                                             \
             }                                                                                              \
     }
 
-/* out[q][c] = T row q . Bt column c0 + c, for LORA_COLS columns (all inside n). */
-static void expand_tile(const float *const *ts, int r, const float *bt, int64_t n, int64_t c0,
-                        float out[4][LORA_COLS]) {
-    VEC acc[4][4];
-    for (int q = 0; q < 4; q++)
-        for (int v = 0; v < 4; v++) acc[q][v] = VEC_ZERO();
-    for (int j = 0; j < r; j++) {
-        const float *b = bt + (int64_t)j * n + c0;
-        VEC bv[4];
-        for (int v = 0; v < 4; v++) bv[v] = VEC_LOADU(b + v * VLEN);
-        for (int q = 0; q < 4; q++) {
-            const VEC tv = VEC_SET1(ts[q][j]);
-            for (int v = 0; v < 4; v++) acc[q][v] = VEC_FMA(tv, bv[v], acc[q][v]);
-        }
+/* out[q][c] = T row q . Bt column c0 + c, for NR rows and LORA_COLS columns (all inside n). */
+#define DEFINE_EXPAND_TILE(NR)                                                                             \
+    static void expand_tile##NR(const float *const *ts, int r, const float *bt, int64_t n, int64_t c0,     \
+                                float out[][LORA_COLS]) {                                                  \
+        VEC acc[NR][4];                                                                                    \
+        for (int q = 0; q < NR; q++)                                                                       \
+            for (int v = 0; v < 4; v++) acc[q][v] = VEC_ZERO();                                            \
+        for (int j = 0; j < r; j++) {                                                                      \
+            const float *b = bt + (int64_t)j * n + c0;                                                     \
+            VEC bv[4];                                                                                     \
+            for (int v = 0; v < 4; v++) bv[v] = VEC_LOADU(b + v * VLEN);                                   \
+            for (int q = 0; q < NR; q++) {                                                                 \
+                const VEC tv = VEC_SET1(ts[q][j]);                                                         \
+                for (int v = 0; v < 4; v++) acc[q][v] = VEC_FMA(tv, bv[v], acc[q][v]);                    \
+            }                                                                                              \
+        }                                                                                                  \
+        for (int q = 0; q < NR; q++)                                                                       \
+            for (int v = 0; v < 4; v++) VEC_STOREU(out[q] + v * VLEN, acc[q][v]);                          \
     }
-    for (int q = 0; q < 4; q++)
-        for (int v = 0; v < 4; v++) VEC_STOREU(out[q] + v * VLEN, acc[q][v]);
-}
 #else
 #define LORA_COLS 32
-#define DEFINE_SHRINK_TILE(SUFFIX, T)                                                                      \
-    static void shrink_tile_##SUFFIX(const T *const *xs, const float *const *as, int k, float out[4][4]) { \
-        for (int q = 0; q < 4; q++)                                                                        \
+#define DEFINE_SHRINK_TILE(SUFFIX, T, NR)                                                                  \
+    static void shrink_tile##NR##_##SUFFIX(const T *const *xs, const float *const *as, int k,             \
+                                           float out[][4]) {                                               \
+        for (int q = 0; q < NR; q++)                                                                       \
             for (int j = 0; j < 4; j++) {                                                                  \
                 float s = 0.f;                                                                             \
                 for (int e = 0; e < k; e++) s += get_##SUFFIX(xs[q], e) * as[j][e];                        \
@@ -72,20 +75,18 @@ static void expand_tile(const float *const *ts, int r, const float *bt, int64_t 
             }                                                                                              \
     }
 
-static void expand_tile(const float *const *ts, int r, const float *bt, int64_t n, int64_t c0,
-                        float out[4][LORA_COLS]) {
-    for (int q = 0; q < 4; q++) {
-        for (int c = 0; c < LORA_COLS; c++) out[q][c] = 0.f;
-        for (int j = 0; j < r; j++)
-            for (int c = 0; c < LORA_COLS; c++) out[q][c] += ts[q][j] * bt[(int64_t)j * n + c0 + c];
+#define DEFINE_EXPAND_TILE(NR)                                                                             \
+    static void expand_tile##NR(const float *const *ts, int r, const float *bt, int64_t n, int64_t c0,     \
+                                float out[][LORA_COLS]) {                                                  \
+        expand_cols(ts, NR, r, bt, n, c0, LORA_COLS, out);                                                 \
     }
-}
 #endif
 
-/* The last columns, fewer than LORA_COLS: the same sums, one row at a time. */
-static void expand_tail(const float *const *ts, int r, const float *bt, int64_t n, int64_t c0, int64_t width,
-                        float out[4][LORA_COLS]) {
-    for (int q = 0; q < 4; q++) {
+/* The sums of an update tile one row at a time (any width): builds without vectors, and the last columns,
+ * fewer than LORA_COLS. */
+static void expand_cols(const float *const *ts, int nr, int r, const float *bt, int64_t n, int64_t c0,
+                        int64_t width, float out[][LORA_COLS]) {
+    for (int q = 0; q < nr; q++) {
         for (int64_t c = 0; c < width; c++) out[q][c] = 0.f;
         for (int j = 0; j < r; j++)
             for (int64_t c = 0; c < width; c++) out[q][c] += ts[q][j] * bt[(int64_t)j * n + c0 + c];
@@ -94,8 +95,25 @@ static void expand_tail(const float *const *ts, int r, const float *bt, int64_t 
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
+DEFINE_EXPAND_TILE(4)
+DEFINE_EXPAND_TILE(1)
+
+/* Update tile: rows ts (nr: 4 or 1) x columns c0 .. c0 + width of the update, into out. */
+static void expand(const float *const *ts, int nr, int r, const float *bt, int64_t n, int64_t c0, int64_t width,
+                   float out[][LORA_COLS]) {
+    if (width < LORA_COLS)
+        expand_cols(ts, nr, r, bt, n, c0, width, out);
+    else if (nr == 4)
+        expand_tile4(ts, r, bt, n, c0, out);
+    else
+        expand_tile1(ts, r, bt, n, c0, out);
+}
+
+/* A tile of the step's rows [r0, r0 + 4): all 4 at once where the segment has them, else its last rows one at a
+ * time (a decode step's segment is often 1-3 rows: a 4-row tile would do their work four times over). */
 #define DEFINE_LORA_ADD(SUFFIX, T)                                                                         \
-    DEFINE_SHRINK_TILE(SUFFIX, T)                                                                          \
+    DEFINE_SHRINK_TILE(SUFFIX, T, 4)                                                                       \
+    DEFINE_SHRINK_TILE(SUFFIX, T, 1)                                                                       \
     int lora_add_##SUFFIX(const T *x, int64_t ldx, int rows, int k, const float *a, int r, const float *bt,  \
                           int n, T *y, int64_t ldy) {                                                      \
         if (rows <= 0 || r <= 0 || n <= 0) return 0;                                                       \
@@ -108,33 +126,39 @@ static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
         {                                                                                                  \
             _Pragma("omp for schedule(static)")                                                            \
             for (int64_t p = 0; p < row_tiles * rank_tiles; p++) {                                         \
-                const int64_t r0 = p / rank_tiles * 4, j0 = p % rank_tiles * 4;                            \
-                const T *xs[4];                                                                            \
+                const int64_t r0 = p / rank_tiles * 4, j0 = p % rank_tiles * 4, r1 = min64(r0 + 4, rows);  \
                 const float *as[4];                                                                        \
-                for (int q = 0; q < 4; q++) {                                                              \
-                    xs[q] = x + min64(r0 + q, rows - 1) * ldx;                                             \
-                    as[q] = a + min64(j0 + q, r - 1) * k;                                                  \
+                for (int j = 0; j < 4; j++) as[j] = a + min64(j0 + j, r - 1) * k;                          \
+                for (int64_t q0 = r0; q0 < r1;) {                                                          \
+                    const int nr = r1 - q0 == 4 ? 4 : 1;                                                   \
+                    const T *xs[4];                                                                        \
+                    for (int q = 0; q < 4; q++) xs[q] = x + min64(q0 + q, rows - 1) * ldx;                 \
+                    float out[4][4];                                                                       \
+                    if (nr == 4)                                                                           \
+                        shrink_tile4_##SUFFIX(xs, as, k, out);                                             \
+                    else                                                                                   \
+                        shrink_tile1_##SUFFIX(xs, as, k, out);                                             \
+                    for (int q = 0; q < nr; q++)                                                           \
+                        for (int j = 0; j < 4 && j0 + j < r; j++) t[(q0 + q) * r + j0 + j] = out[q][j];    \
+                    q0 += nr;                                                                              \
                 }                                                                                          \
-                float out[4][4];                                                                           \
-                shrink_tile_##SUFFIX(xs, as, k, out);                                                      \
-                for (int q = 0; q < 4 && r0 + q < rows; q++)                                               \
-                    for (int j = 0; j < 4 && j0 + j < r; j++) t[(r0 + q) * r + j0 + j] = out[q][j];        \
             }                                                                                              \
             _Pragma("omp for schedule(static)")                                                            \
             for (int64_t p = 0; p < row_tiles * col_tiles; p++) {                                          \
-                const int64_t r0 = p / col_tiles * 4, c0 = p % col_tiles * LORA_COLS;                      \
+                const int64_t r0 = p / col_tiles * 4, c0 = p % col_tiles * LORA_COLS, r1 = min64(r0 + 4, rows); \
                 const int64_t width = min64(LORA_COLS, n - c0);                                            \
-                const float *ts[4];                                                                        \
-                for (int q = 0; q < 4; q++) ts[q] = t + min64(r0 + q, rows - 1) * r;                       \
-                float out[4][LORA_COLS];                                                                   \
-                if (width == LORA_COLS)                                                                    \
-                    expand_tile(ts, r, bt, n, c0, out);                                                    \
-                else                                                                                       \
-                    expand_tail(ts, r, bt, n, c0, width, out);                                             \
-                for (int q = 0; q < 4 && r0 + q < rows; q++) {                                             \
-                    T *yr = y + (r0 + q) * ldy + c0;                                                       \
-                    for (int64_t c = 0; c < width; c++)                                                    \
-                        put_##SUFFIX(yr, c, get_##SUFFIX(yr, c) + round_##SUFFIX(out[q][c]));             \
+                for (int64_t q0 = r0; q0 < r1;) {                                                          \
+                    const int nr = r1 - q0 == 4 ? 4 : 1;                                                   \
+                    const float *ts[4];                                                                    \
+                    for (int q = 0; q < 4; q++) ts[q] = t + min64(q0 + q, rows - 1) * r;                   \
+                    float out[4][LORA_COLS];                                                               \
+                    expand(ts, nr, r, bt, n, c0, width, out);                                              \
+                    for (int q = 0; q < nr; q++) {                                                         \
+                        T *yr = y + (q0 + q) * ldy + c0;                                                   \
+                        for (int64_t c = 0; c < width; c++)                                                \
+                            put_##SUFFIX(yr, c, get_##SUFFIX(yr, c) + round_##SUFFIX(out[q][c]));         \
+                    }                                                                                      \
+                    q0 += nr;                                                                              \
                 }                                                                                          \
             }                                                                                              \
         }                                                                                                  \
