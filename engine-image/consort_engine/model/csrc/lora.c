@@ -145,7 +145,7 @@ static void expand(const float *const *ts, int nr, int r, const float *bt, int64
             }                                                                                              \
             _Pragma("omp for schedule(static)")                                                            \
             for (int64_t p = 0; p < row_tiles * col_tiles; p++) {                                          \
-                const int64_t r0 = p / col_tiles * 4, c0 = p % col_tiles * LORA_COLS, r1 = min64(r0 + 4, rows); \
+                const int64_t c0 = p / row_tiles * LORA_COLS, r0 = p % row_tiles * 4, r1 = min64(r0 + 4, rows); \
                 const int64_t width = min64(LORA_COLS, n - c0);                                            \
                 for (int64_t q0 = r0; q0 < r1;) {                                                          \
                     const int nr = r1 - q0 == 4 ? 4 : 1;                                                   \
