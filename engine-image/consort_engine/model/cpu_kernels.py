@@ -79,6 +79,7 @@ SIGNATURES = {   # name (per dtype suffix) -> (argtypes, restype)
     "gated_rms_norm": ([P, P, L, P, P, I, I, I, F32], None),
     "argmax_rows": ([P, L, I, L, P], None),
     "lora_add": ([P, L, I, I, P, I, P, I, P, L], I),        # lora.c
+    "lora_jobs": ([P, I], I),
     "mamba_step": ([P, L, P, L, P, P, P, I, I, P, L, P, L, P, P, P, P, P, L, I, I, I, I, I, I], I),
     "mamba_scan": ([P, L, P, L, P, P, P, I, P, P, P, I, P, L, P, L, P, P, F32, F32, P, L, I, I, I, I], None),
     "mamba_conv": ([P, L, P, P, P, I, P, P, P, I, P, L, P, L, P, P, P, L, I, I], None),

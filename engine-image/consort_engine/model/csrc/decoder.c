@@ -12,6 +12,7 @@
  * arithmetic, and so every bit of the output and of the pool, is the layer-by-layer path's.
  */
 #include "common.h"
+#include "lora.h"
 
 /* The engine's GEMMs by their weight arguments (model/models/packed.py `_consort_call`): the packed
  * weight alone (gemm_f32, gemm_bf16); int8 codes, column scales and group (gemm_i8a8); the same and the
@@ -28,7 +29,7 @@ typedef void (*rope_fn)(void *, int64_t, int, int, int, const int64_t *, const v
 typedef void (*silu_mul_fn)(const void *, void *, int, int);
 typedef void (*store_kv_fn)(const void *, int64_t, const void *, int64_t, void *, void *, const int64_t *, int, int,
                             int, int, int64_t, int64_t, int64_t);
-typedef int (*lora_add_fn)(const void *, int64_t, int, int, const float *, int, const float *, int, void *, int64_t);
+typedef int (*lora_jobs_fn)(const lora_job_t *, int);
 typedef int (*attention_fn)(const void *, int64_t, const void *, const void *, void *, int64_t, const int32_t *, int,
                             const int32_t *, const int32_t *, int, int, int, int, int, int64_t, int64_t, int64_t,
                             float);
@@ -77,7 +78,7 @@ typedef struct {
     float eps, scale;
     const void *cos, *sin;
     const void *rms_norm, *add_rms_norm, *rope, *silu_mul, *store_kv, *paged_attention, *prefill_attention;
-    const void *lora_add;
+    const void *lora_jobs;
 } model_t;
 
 typedef struct {
@@ -103,21 +104,29 @@ static int gemm(const linear_t *l, const void *x, int64_t m, void *y) {
 }
 
 /* y = x W^T + b for the step's rows, plus each adapter segment's LoRA update of projection `proj` of `layer`
- * (as Linear.forward adds it after the GEMM). Nonzero: out of memory (the GEMM's or the update's buffers). */
+ * (as Linear.forward adds it after the GEMM), all segments and shards in one lora_jobs call. Nonzero: out of
+ * memory (the GEMM's or the update's buffers). */
 static int linear(const model_t *m, const step_t *s, const linear_t *l, int layer, int proj, const void *x, void *y) {
     if (gemm(l, x, s->rows, y)) return 1;
+    const int idx = 4 * layer + proj;
+    int64_t n_jobs = 0;
+    for (int64_t g = 0; g < s->n_segments; g++)
+        n_jobs += s->segments[g].adapter->first[idx + 1] - s->segments[g].adapter->first[idx];
+    if (!n_jobs) return 0;
+    lora_job_t *jobs = malloc(sizeof(lora_job_t) * (size_t)n_jobs), *J = jobs;
+    if (!jobs) return 1;
     for (int64_t g = 0; g < s->n_segments; g++) {
         const segment_t *seg = s->segments + g;
         const adapter_t *ad = seg->adapter;
-        for (int64_t p = ad->first[4 * layer + proj]; p < ad->first[4 * layer + proj + 1]; p++) {
+        for (int64_t p = ad->first[idx]; p < ad->first[idx + 1]; p++, J++) {
             const lora_pair_t *P = ad->pairs + p;
-            if (((lora_add_fn)m->lora_add)((const char *)x + seg->start * l->k * m->elem, l->k,
-                                           (int)(seg->end - seg->start), (int)l->k, P->a, (int)P->r, P->bt,
-                                           (int)P->n, (char *)y + (seg->start * l->n + P->offset) * m->elem, l->n))
-                return 1;
+            *J = (lora_job_t){(const char *)x + seg->start * l->k * m->elem, l->k, seg->end - seg->start, l->k,
+                              P->a, P->bt, P->r, P->n, (char *)y + (seg->start * l->n + P->offset) * m->elem, l->n};
         }
     }
-    return 0;
+    const int rc = ((lora_jobs_fn)m->lora_jobs)(jobs, (int)n_jobs);
+    free(jobs);
+    return rc;
 }
 
 enum { OP_QKV = 1, OP_O, OP_GATE_UP, OP_DOWN, OP_DECODE_ATTENTION, OP_PREFILL_ATTENTION };

@@ -8,10 +8,13 @@
  * x 4 of the rank, 16 vector sums along k, each x and A vector loaded once for 4 multiply-adds), then the
  * update T Bt (a tile: 4 rows x 4 vectors of columns, each Bt vector loaded once for the 4 rows). A row at a
  * time the two passes ran at ~9 GFLOP/s on Zen 4, a third of the matmuls' pace at 512 rows. Every element of
- * T and of the update is one tile's, so the sums do not depend on the team size. Small updates (one row at
- * rank 8 of a small model: a few thousand multiply-adds) run on the calling thread: a parallel region costs
- * more than they do. */
+ * T and of the update is one tile's, so the sums do not depend on the team size, nor on which other jobs share
+ * the call. lora_jobs takes several updates at once (every segment and shard of a projection in a step, from
+ * the decoder layers' one call): one parallel region for all of them, their tiles spread over the team, where a
+ * decode step's segment alone is too small to split. Small calls (one row at rank 8 of a small model: a few
+ * thousand multiply-adds) run on the calling thread: a parallel region costs more than they do. */
 #include "common.h"
+#include "lora.h"
 
 #define LORA_PARALLEL (1 << 16)     /* multiply-adds below which the call stays on one thread */
 #if defined(VEC)
@@ -109,62 +112,105 @@ static void expand(const float *const *ts, int nr, int r, const float *bt, int64
         expand_tile1(ts, r, bt, n, c0, out);
 }
 
-/* A tile of the step's rows [r0, r0 + 4): all 4 at once where the segment has them, else its last rows one at a
- * time (a decode step's segment is often 1-3 rows: a 4-row tile would do their work four times over). */
-#define DEFINE_LORA_ADD(SUFFIX, T)                                                                         \
+/* The work items of a call's jobs, counted across them: item p of a pass is job j's item p - first[j]
+ * (first[j] <= p < first[j + 1]). */
+static int job_of(const int64_t *first, int n_jobs, int64_t p) {
+    int lo = 0, hi = n_jobs - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (first[mid] <= p) lo = mid; else hi = mid - 1;
+    }
+    return lo;
+}
+
+/* A tile of a job's rows [r0, r0 + 4): all 4 at once where the job has them, else its last rows one at a time
+ * (a decode step's segment is often 1-3 rows: a 4-row tile would do their work four times over). Its item p:
+ * shrink, row tile p / rank tiles and rank tile p % rank tiles; expand, column tile p / row tiles and row tile
+ * p % row tiles (a column tile's Bt rows stay in cache across the row tiles). */
+#define DEFINE_LORA_JOBS(SUFFIX, T)                                                                        \
     DEFINE_SHRINK_TILE(SUFFIX, T, 4)                                                                       \
     DEFINE_SHRINK_TILE(SUFFIX, T, 1)                                                                       \
-    int lora_add_##SUFFIX(const T *x, int64_t ldx, int rows, int k, const float *a, int r, const float *bt,  \
-                          int n, T *y, int64_t ldy) {                                                      \
-        if (rows <= 0 || r <= 0 || n <= 0) return 0;                                                       \
-        float *t = malloc(sizeof(float) * (size_t)rows * (size_t)r);                                       \
-        if (!t) return -1;                                                                                 \
-        const int64_t row_tiles = (rows + 3) / 4, rank_tiles = (r + 3) / 4;                                \
-        const int64_t col_tiles = (n + LORA_COLS - 1) / LORA_COLS;                                         \
-        const int64_t work = (int64_t)rows * r * ((int64_t)k + n);                                         \
+    static void shrink_item_##SUFFIX(const lora_job_t *J, int64_t p, float *t) {                           \
+        const T *x = J->x;                                                                                 \
+        const int64_t rows = J->rows, r = J->r, k = J->k, rank_tiles = (r + 3) / 4;                        \
+        const int64_t r0 = p / rank_tiles * 4, j0 = p % rank_tiles * 4, r1 = min64(r0 + 4, rows);          \
+        const float *as[4];                                                                                \
+        for (int j = 0; j < 4; j++) as[j] = J->a + min64(j0 + j, r - 1) * k;                               \
+        for (int64_t q0 = r0; q0 < r1;) {                                                                  \
+            const int nr = r1 - q0 == 4 ? 4 : 1;                                                           \
+            const T *xs[4];                                                                                \
+            for (int q = 0; q < 4; q++) xs[q] = x + min64(q0 + q, rows - 1) * J->ldx;                      \
+            float out[4][4];                                                                               \
+            if (nr == 4)                                                                                   \
+                shrink_tile4_##SUFFIX(xs, as, (int)k, out);                                                \
+            else                                                                                           \
+                shrink_tile1_##SUFFIX(xs, as, (int)k, out);                                                \
+            for (int q = 0; q < nr; q++)                                                                   \
+                for (int j = 0; j < 4 && j0 + j < r; j++) t[(q0 + q) * r + j0 + j] = out[q][j];            \
+            q0 += nr;                                                                                      \
+        }                                                                                                  \
+    }                                                                                                      \
+    static void expand_item_##SUFFIX(const lora_job_t *J, int64_t p, const float *t) {                     \
+        const int64_t rows = J->rows, r = J->r, n = J->n, row_tiles = (rows + 3) / 4;                      \
+        const int64_t c0 = p / row_tiles * LORA_COLS, r0 = p % row_tiles * 4, r1 = min64(r0 + 4, rows);    \
+        const int64_t width = min64(LORA_COLS, n - c0);                                                    \
+        for (int64_t q0 = r0; q0 < r1;) {                                                                  \
+            const int nr = r1 - q0 == 4 ? 4 : 1;                                                           \
+            const float *ts[4];                                                                            \
+            for (int q = 0; q < 4; q++) ts[q] = t + min64(q0 + q, rows - 1) * r;                           \
+            float out[4][LORA_COLS];                                                                       \
+            expand(ts, nr, (int)r, J->bt, n, c0, width, out);                                              \
+            for (int q = 0; q < nr; q++) {                                                                 \
+                T *yr = (T *)J->y + (q0 + q) * J->ldy + c0;                                                \
+                for (int64_t c = 0; c < width; c++)                                                        \
+                    put_##SUFFIX(yr, c, get_##SUFFIX(yr, c) + round_##SUFFIX(out[q][c]));                 \
+            }                                                                                              \
+            q0 += nr;                                                                                      \
+        }                                                                                                  \
+    }                                                                                                      \
+    int lora_jobs_##SUFFIX(const lora_job_t *jobs, int n_jobs) {                                           \
+        if (n_jobs <= 0) return 0;                                                                         \
+        int64_t *first = malloc(sizeof(int64_t) * 3 * (size_t)(n_jobs + 1));                               \
+        if (!first) return -1;                                                                             \
+        int64_t *shrink_first = first, *expand_first = first + n_jobs + 1, *t_first = expand_first + n_jobs + 1; \
+        int64_t work = 0;                                                                                  \
+        shrink_first[0] = expand_first[0] = t_first[0] = 0;                                                \
+        for (int j = 0; j < n_jobs; j++) {                                                                 \
+            const lora_job_t *J = jobs + j;                                                                \
+            const int64_t rows = J->rows > 0 && J->r > 0 && J->n > 0 ? J->rows : 0;   /* 0: nothing to do */ \
+            const int64_t row_tiles = (rows + 3) / 4;                                                      \
+            shrink_first[j + 1] = shrink_first[j] + row_tiles * ((J->r + 3) / 4);                          \
+            expand_first[j + 1] = expand_first[j] + row_tiles * ((J->n + LORA_COLS - 1) / LORA_COLS);      \
+            t_first[j + 1] = t_first[j] + rows * J->r;                                                     \
+            work += rows * J->r * (J->k + J->n);                                                           \
+        }                                                                                                  \
+        float *t = malloc(sizeof(float) * (size_t)(t_first[n_jobs] > 0 ? t_first[n_jobs] : 1));           \
+        if (!t) {                                                                                          \
+            free(first);                                                                                   \
+            return -1;                                                                                     \
+        }                                                                                                  \
         _Pragma("omp parallel num_threads(NT) if (work >= LORA_PARALLEL)")                                 \
         {                                                                                                  \
             _Pragma("omp for schedule(static)")                                                            \
-            for (int64_t p = 0; p < row_tiles * rank_tiles; p++) {                                         \
-                const int64_t r0 = p / rank_tiles * 4, j0 = p % rank_tiles * 4, r1 = min64(r0 + 4, rows);  \
-                const float *as[4];                                                                        \
-                for (int j = 0; j < 4; j++) as[j] = a + min64(j0 + j, r - 1) * k;                          \
-                for (int64_t q0 = r0; q0 < r1;) {                                                          \
-                    const int nr = r1 - q0 == 4 ? 4 : 1;                                                   \
-                    const T *xs[4];                                                                        \
-                    for (int q = 0; q < 4; q++) xs[q] = x + min64(q0 + q, rows - 1) * ldx;                 \
-                    float out[4][4];                                                                       \
-                    if (nr == 4)                                                                           \
-                        shrink_tile4_##SUFFIX(xs, as, k, out);                                             \
-                    else                                                                                   \
-                        shrink_tile1_##SUFFIX(xs, as, k, out);                                             \
-                    for (int q = 0; q < nr; q++)                                                           \
-                        for (int j = 0; j < 4 && j0 + j < r; j++) t[(q0 + q) * r + j0 + j] = out[q][j];    \
-                    q0 += nr;                                                                              \
-                }                                                                                          \
+            for (int64_t p = 0; p < shrink_first[n_jobs]; p++) {                                           \
+                const int j = job_of(shrink_first, n_jobs, p);                                             \
+                shrink_item_##SUFFIX(jobs + j, p - shrink_first[j], t + t_first[j]);                       \
             }                                                                                              \
             _Pragma("omp for schedule(static)")                                                            \
-            for (int64_t p = 0; p < row_tiles * col_tiles; p++) {                                          \
-                const int64_t c0 = p / row_tiles * LORA_COLS, r0 = p % row_tiles * 4, r1 = min64(r0 + 4, rows); \
-                const int64_t width = min64(LORA_COLS, n - c0);                                            \
-                for (int64_t q0 = r0; q0 < r1;) {                                                          \
-                    const int nr = r1 - q0 == 4 ? 4 : 1;                                                   \
-                    const float *ts[4];                                                                    \
-                    for (int q = 0; q < 4; q++) ts[q] = t + min64(q0 + q, rows - 1) * r;                   \
-                    float out[4][LORA_COLS];                                                               \
-                    expand(ts, nr, r, bt, n, c0, width, out);                                              \
-                    for (int q = 0; q < nr; q++) {                                                         \
-                        T *yr = y + (q0 + q) * ldy + c0;                                                   \
-                        for (int64_t c = 0; c < width; c++)                                                \
-                            put_##SUFFIX(yr, c, get_##SUFFIX(yr, c) + round_##SUFFIX(out[q][c]));         \
-                    }                                                                                      \
-                    q0 += nr;                                                                              \
-                }                                                                                          \
+            for (int64_t p = 0; p < expand_first[n_jobs]; p++) {                                           \
+                const int j = job_of(expand_first, n_jobs, p);                                             \
+                expand_item_##SUFFIX(jobs + j, p - expand_first[j], t + t_first[j]);                       \
             }                                                                                              \
         }                                                                                                  \
         free(t);                                                                                           \
+        free(first);                                                                                       \
         return 0;                                                                                          \
+    }                                                                                                      \
+    int lora_add_##SUFFIX(const T *x, int64_t ldx, int rows, int k, const float *a, int r, const float *bt,  \
+                          int n, T *y, int64_t ldy) {                                                      \
+        const lora_job_t job = {x, ldx, rows, k, a, bt, r, n, y, ldy};                                     \
+        return lora_jobs_##SUFFIX(&job, 1);                                                                \
     }
 
-DEFINE_LORA_ADD(f32, float)
-DEFINE_LORA_ADD(bf16, bf16_t)
+DEFINE_LORA_JOBS(f32, float)
+DEFINE_LORA_JOBS(bf16, bf16_t)

@@ -58,7 +58,7 @@ class _Model(ctypes.Structure):
                                               "elem", "blk_stride", "tok_stride", "head_stride")] + \
                [("eps", c_float), ("scale", c_float)] + \
                [(name, c_void_p) for name in ("cos", "sin", "rms_norm", "add_rms_norm", "rope", "silu_mul",
-                                              "store_kv", "paged_attention", "prefill_attention", "lora_add")]
+                                              "store_kv", "paged_attention", "prefill_attention", "lora_jobs")]
 
 
 class _Step(ctypes.Structure):
@@ -156,8 +156,8 @@ class FusedLayers:
         prefill_fn = c_address(prefill[0]) if prefill is not None and prefill[1] == dtype else None
         kernels = [c_address(kernel(name, dtype)) for name in ("rms_norm", "add_rms_norm", "rope", "silu_mul")]
         kernels += [c_address(kernel(name, dtype, kv)) for name in ("store_kv", "paged_attention")]
-        lora_add = c_address(kernel("lora_add", dtype))
-        if None in kernels or lora_add is None:
+        lora_jobs = c_address(kernel("lora_jobs", dtype))
+        if None in kernels or lora_jobs is None:
             return None
         h, kvh, d = first.h, first.kvh, first.d
         inter = layers[0].mlp.gate_up_proj.shard_sizes[0]
@@ -165,7 +165,7 @@ class FusedLayers:
         kc = attn.k_cache
         model = _Model(hidden, h, kvh, d, inter, attn.block_size, torch.finfo(dtype).bits // 8,
                        kc.stride(0), kc.stride(2), kc.stride(1), layers[0].input_layernorm.eps, attn.scale,
-                       rotary.cos.data_ptr(), rotary.sin.data_ptr(), *kernels, prefill_fn or 0, lora_add)
+                       rotary.cos.data_ptr(), rotary.sin.data_ptr(), *kernels, prefill_fn or 0, lora_jobs)
         # scratch per row, in elements: the layer output, the normed rows, q/k/v, attention, gate/up, SiLU x up
         widths = (hidden, hidden, (h + 2 * kvh) * d, h * d, 2 * inter, inter)
         return cls(model, (_Layer * len(structs))(*structs), min(bounds, default=None), widths, dtype,

@@ -1,7 +1,11 @@
 """LoRA's update on CPU (csrc/lora.c through ops.add_lora_): a segment's rows of one projection's shard gain
 (x A^T) Bt rounded to the row type, against the same sum in float64, in fp32 and bf16, on one thread and on
-the team, with strided rows; rows outside the segment and columns outside the shard stay as they were."""
+the team, with strided rows; rows outside the segment and columns outside the shard stay as they were. Several
+updates in one call (lora_jobs) get the bits each gets alone."""
 from __future__ import annotations
+
+import ctypes
+from ctypes import c_int64, c_void_p
 
 import pytest
 import torch
@@ -79,3 +83,38 @@ def test_every_pair_of_the_adapter_lands_on_its_shard():
                                    rtol=1e-5, atol=1e-5)
     assert torch.equal(y[1:4, 16:32], before[1:4, 16:32])      # the shard without a pair
     assert torch.equal(y[[0, 4, 5]], before[[0, 4, 5]])
+
+
+class _Job(ctypes.Structure):        # csrc/lora.h lora_job_t
+    _fields_ = [("x", c_void_p), ("ldx", c_int64), ("rows", c_int64), ("k", c_int64), ("a", c_void_p),
+                ("bt", c_void_p), ("r", c_int64), ("n", c_int64), ("y", c_void_p), ("ldy", c_int64)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_jobs_in_one_call_equal_each_alone_on_any_team(dtype):
+    """lora_jobs (the decoder layers' call: every segment and shard of a projection at once) gives each job the
+    bits it gets alone, on two threads and on one; a job of no rows changes nothing."""
+    shapes = ((3, 512, 8, 512), (4, 512, 8, 256), (1, 512, 13, 700), (37, 100, 4, 64), (0, 512, 8, 512))
+    cases = [case(*shape, dtype, seed=i) for i, shape in enumerate(shapes)]
+    alone = []
+    for x, y, pairs, start, end in cases:
+        y = y.clone()
+        ops.add_lora_(y, x, start, end, pairs)
+        alone.append(y)
+    threads = torch.get_num_threads()
+    for team in (threads, 1):
+        ck.set_threads(team)
+        try:
+            ys = [y.clone() for _, y, _, _, _ in cases]
+            e = ys[0].element_size()
+            jobs = (_Job * len(cases))(*(
+                _Job(x.data_ptr() + start * x.stride(0) * e, x.stride(0), end - start, x.shape[1], a.data_ptr(),
+                     bt.data_ptr(), a.shape[0], n, y.data_ptr() + (start * y.stride(0) + offset) * e, y.stride(0))
+                for (x, _, [(offset, n, a, bt)], start, end), y in zip(cases, ys)))
+            fn = ck.kernel("lora_jobs", dtype)
+            assert fn(jobs, len(cases)) == 0
+        finally:
+            ck.set_threads(threads)
+        for got, want in zip(ys, alone):
+            assert torch.equal(got, want)
+    assert torch.equal(ys[-1], cases[-1][1])          # the job of no rows
