@@ -2,7 +2,8 @@
 
 An adapter directory holds `adapter_config.json` (r, lora_alpha, target_modules, use_rslora) and
 `adapter_model.safetensors` with `...layers.{i}.{self_attn|mlp}.{proj}.lora_A.weight` [r, in] and
-`lora_B.weight` [out, r]. A projection's output gains scaling * (x A^T) B^T for the rows of the
+`lora_B.weight` [out, r] (a hybrid's layers: `self_attn`, `mamba` with its in_proj and out_proj, and
+`feed_forward` for the MLP). A projection's output gains scaling * (x A^T) B^T for the rows of the
 requests that name the adapter; the scheduler groups a step's rows by adapter, so each adapter costs
 two thin matmuls per projection per step (on CPU one kernel call, csrc/lora.c). The scaling is folded
 into B at load time, and B is kept transposed ([r, out]): the update runs along its rows.
@@ -19,8 +20,8 @@ import torch
 # projection name in the checkpoint -> (our fused module, shard index)
 TARGETS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
            "o_proj": ("o_proj", 0), "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-           "down_proj": ("down_proj", 0)}
-KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.lora_([AB])\.weight$")
+           "down_proj": ("down_proj", 0), "in_proj": ("in_proj", 0), "out_proj": ("out_proj", 0)}
+KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp|feed_forward|mamba)\.(\w+_proj)\.lora_([AB])\.weight$")
 
 
 class AdapterError(ValueError):
@@ -48,9 +49,10 @@ class LoraContext:
     segments: list[tuple[int, int, str]] = field(default_factory=list)
 
 
-def load_peft_adapter(name: str, path: str | Path, num_layers: int, shard_shapes: dict[str, list[tuple[int, int]]],
+def load_peft_adapter(name: str, path: str | Path, shard_shapes: list[dict[str, list[tuple[int, int]]]],
                       device: torch.device | str = "cpu") -> LoraAdapter:
-    """Read a PEFT LoRA adapter; shard_shapes maps each fused module to its shards' (out, in)."""
+    """Read a PEFT LoRA adapter; shard_shapes[i] maps each fused module of layer i to its shards' (out, in)
+    (a hybrid's layers differ: attention or mixer)."""
     path = Path(path)
     cfg_path, weights_path = path / "adapter_config.json", path / "adapter_model.safetensors"
     if not cfg_path.is_file() or not weights_path.is_file():
@@ -68,18 +70,21 @@ def load_peft_adapter(name: str, path: str | Path, num_layers: int, shard_shapes
     for key, t in tensors.items():
         m = KEY.search(key)
         if m is None or m.group(2) not in TARGETS:
-            raise AdapterError(f"adapter {name!r}: unsupported tensor {key} (LoRA on the attention and MLP "
+            raise AdapterError(f"adapter {name!r}: unsupported tensor {key} (LoRA on the attention, mixer and MLP "
                                f"projections only)")
         layer = int(m.group(1))
-        if layer >= num_layers:
-            raise AdapterError(f"adapter {name!r}: {key} targets layer {layer}; the model has {num_layers}")
+        if layer >= len(shard_shapes):
+            raise AdapterError(f"adapter {name!r}: {key} targets layer {layer}; the model has {len(shard_shapes)}")
         pairs.setdefault((layer, m.group(2)), {})[m.group(3)] = t
     adapter = LoraAdapter(name, str(path), rank, scaling)
     for (layer, proj), ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:
             raise AdapterError(f"adapter {name!r}: layer {layer} {proj} lacks lora_{'B' if 'A' in ab else 'A'}")
         module, shard = TARGETS[proj]
-        out_f, in_f = shard_shapes[module][shard]
+        if module not in shard_shapes[layer]:
+            kinds = " / ".join(sorted(shard_shapes[layer]))
+            raise AdapterError(f"adapter {name!r}: layer {layer} has no {proj} (its projections: {kinds})")
+        out_f, in_f = shard_shapes[layer][module][shard]
         a, b = ab["A"], ab["B"]
         if tuple(a.shape) != (rank, in_f) or tuple(b.shape) != (out_f, rank):
             raise AdapterError(f"adapter {name!r}: layer {layer} {proj} has A {tuple(a.shape)} and B "

@@ -407,8 +407,7 @@ class ModelRunner:
         if len(self.adapters) >= self.config.max_adapters:
             raise AdapterError(f"{len(self.adapters)} adapters loaded, max_adapters is {self.config.max_adapters}",
                                code="max_adapters")
-        adapter = load_peft_adapter(name, path, self.hf_config.num_hidden_layers, self.model.shard_shapes(),
-                                    self.device)
+        adapter = load_peft_adapter(name, path, self.model.shard_shapes(), self.device)
         self.model.attach_adapter(adapter, self.lora_ctx)
         self.adapters[name] = adapter
         return adapter

@@ -465,13 +465,8 @@ def test_hybrid_state_pools_fit_the_memory(tmp_path, monkeypatch, caplog):
         LLMEngine(config)
 
 
-def test_hybrid_unsupported_features_are_typed_errors(tmp_path):
-    """Tensor parallelism fails before any rank starts; a LoRA adapter is a typed adapter error."""
-    from consort_engine.model.lora import AdapterError
+def test_hybrid_tensor_parallelism_is_a_typed_error(tmp_path):
+    """Tensor parallelism fails before any rank starts (adapters on hybrids: test_engine_lora.py)."""
     ckpt = make_checkpoint("bamba", tmp_path)
     with pytest.raises(ValueError, match="tensor parallelism is not supported for bamba"):
         LLMEngine(EngineConfig(model=str(ckpt), dtype="float32", tensor_parallel_size=2, num_blocks=64))
-    engine = LLMEngine(EngineConfig(model=str(ckpt), dtype="float32", num_blocks=64))
-    with pytest.raises(AdapterError) as e:
-        engine.load_adapter("a", str(tmp_path / "no-such-adapter"))
-    assert e.value.code == "adapter_unsupported"

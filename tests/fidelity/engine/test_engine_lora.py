@@ -1,9 +1,11 @@
 """LoRA adapters (PEFT format) applied unmerged vs transformers running the merged weights
-(W + scaling * B A), with base and two adapters' requests mixed in the same steps."""
+(W + scaling * B A), with base and two adapters' requests mixed in the same steps; on a hybrid too (attention
+layers' q/k/v/o, mixers' in_proj/out_proj, every layer's MLP)."""
 from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 from pathlib import Path
 
@@ -16,24 +18,32 @@ from consort_engine.core.engine import LLMEngine
 from consort_engine.model.lora import AdapterError, load_peft_adapter
 from consort_engine.kv.sequence import SamplingParams, Sequence
 
-PROJ = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-        "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+HYBRID_PROJ = PROJ + ("in_proj", "out_proj")       # a Bamba mixer's
+
+
+def lora_targets(model, targets) -> list[tuple[str, torch.nn.Linear]]:
+    """(peft's key prefix, module) of each projection of a transformers model that `targets` names."""
+    out = []
+    for name, module in model.named_modules():
+        m = re.fullmatch(r"model\.layers\.\d+\.(?:self_attn|mlp|feed_forward|mamba)\.(\w+_proj)", name)
+        if m and m.group(1) in targets:
+            out.append((f"base_model.model.{name}", module))
+    return out
 
 
 def write_adapter(ckpt: Path, out: Path, seed: int, rank: int = 8, alpha: float = 16.0,
-                  targets=tuple(PROJ)) -> Path:
+                  targets=PROJ) -> Path:
     """A random PEFT LoRA adapter for ckpt (layout and key names as peft's save_pretrained writes)."""
     import transformers
     from safetensors.torch import save_file
     model = transformers.AutoModelForCausalLM.from_pretrained(ckpt)
     g = torch.Generator().manual_seed(seed)
     tensors = {}
-    for i, layer in enumerate(model.model.layers):
-        for proj in targets:
-            w = getattr(getattr(layer, PROJ[proj]), proj).weight
-            prefix = f"base_model.model.model.layers.{i}.{PROJ[proj]}.{proj}"
-            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, w.shape[1], generator=g) * 0.3
-            tensors[f"{prefix}.lora_B.weight"] = torch.randn(w.shape[0], rank, generator=g) * 0.3
+    for prefix, module in lora_targets(model, targets):
+        w = module.weight
+        tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, w.shape[1], generator=g) * 0.3
+        tensors[f"{prefix}.lora_B.weight"] = torch.randn(w.shape[0], rank, generator=g) * 0.3
     out.mkdir(parents=True)
     save_file(tensors, str(out / "adapter_model.safetensors"))
     (out / "adapter_config.json").write_text(json.dumps(
@@ -51,12 +61,9 @@ def merged_checkpoint(ckpt: Path, adapter: Path, out: Path) -> Path:
     lora = load_file(str(adapter / "adapter_model.safetensors"))
     model = transformers.AutoModelForCausalLM.from_pretrained(ckpt)
     with torch.no_grad():
-        for i, layer in enumerate(model.model.layers):
-            for proj, parent in PROJ.items():
-                prefix = f"base_model.model.model.layers.{i}.{parent}.{proj}"
-                if f"{prefix}.lora_A.weight" in lora:
-                    w = getattr(getattr(layer, parent), proj).weight
-                    w += scaling * lora[f"{prefix}.lora_B.weight"] @ lora[f"{prefix}.lora_A.weight"]
+        for prefix, module in lora_targets(model, HYBRID_PROJ):
+            if f"{prefix}.lora_A.weight" in lora:
+                module.weight += scaling * lora[f"{prefix}.lora_B.weight"] @ lora[f"{prefix}.lora_A.weight"]
     model.save_pretrained(out)
     for f in ckpt.iterdir():
         if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json":
@@ -64,11 +71,13 @@ def merged_checkpoint(ckpt: Path, adapter: Path, out: Path) -> Path:
     return out
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "bamba"])
 def test_mixed_base_and_adapter_requests_match_merged_weights(arch, tmp_path):
     ckpt = make_checkpoint(arch, tmp_path)
-    a1 = write_adapter(ckpt, tmp_path / "a1", seed=1)
-    a2 = write_adapter(ckpt, tmp_path / "a2", seed=2, rank=4, alpha=4.0, targets=("q_proj", "v_proj", "down_proj"))
+    hybrid = arch == "bamba"
+    a1 = write_adapter(ckpt, tmp_path / "a1", seed=1, targets=HYBRID_PROJ if hybrid else PROJ)
+    a2 = write_adapter(ckpt, tmp_path / "a2", seed=2, rank=4, alpha=4.0,
+                       targets=("q_proj", "in_proj", "down_proj") if hybrid else ("q_proj", "v_proj", "down_proj"))
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 512) for _ in range(rng.randrange(4, 40))] for _ in range(9)]
     names = [None, "a1", "a2"] * 3
@@ -78,16 +87,27 @@ def test_mixed_base_and_adapter_requests_match_merged_weights(arch, tmp_path):
     engine = LLMEngine(EngineConfig(model=str(ckpt), dtype="float32", block_size=4, num_blocks=256,
                                     adapters={"a1": str(a1), "a2": str(a2)}))
     assert engine.stats()["adapters"] == {"a1": "loaded", "a2": "loaded"}
-    seqs = [Sequence(list(p), SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), adapter=n)
-            for p, n in zip(prompts, names)]
-    for s in seqs:
-        engine.scheduler.add(s)
-    while engine.has_unfinished():
-        engine.step()
-    assert_greedy_matches([refs[n][i] for i, n in enumerate(names)], [s.output_token_ids for s in seqs],
-                          name="lora")
-    differs = sum(n is not None and s.output_token_ids != refs[None][i].tokens for i, (s, n) in enumerate(zip(seqs, names)))
+
+    def run(names: list[str | None]) -> list[Sequence]:
+        seqs = [Sequence(list(p), SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), adapter=n)
+                for p, n in zip(prompts, names)]
+        for s in seqs:
+            engine.scheduler.add(s)
+        while engine.has_unfinished():
+            engine.step()
+        assert_greedy_matches([refs[n][i] for i, n in enumerate(names)], [s.output_token_ids for s in seqs],
+                              name="lora")
+        return seqs
+    seqs = run(names)
+    differs = sum(n is not None and s.output_token_ids != refs[None][i].tokens
+                  for i, (s, n) in enumerate(zip(seqs, names)))
     assert differs >= 4, "the adapters should change most outputs"
+    # the same prompts under another adapter each (their cached prefixes, a hybrid's states with them, are
+    # another adapter's: none may serve them), then under the first run's again (now they do)
+    run(names[1:] + names[:1])
+    hits = engine.stats()["prefix_cache_hits"]
+    run(names)
+    assert engine.stats()["prefix_cache_hits"] > hits
     assert engine.block_manager.num_free_blocks == 256
 
 
@@ -96,17 +116,21 @@ def test_bad_adapters_are_refused_with_the_reason(tmp_path):
     shapes = {"qkv_proj": [(64, 64), (32, 64), (32, 64)], "o_proj": [(64, 64)],
               "gate_up_proj": [(160, 64), (160, 64)], "down_proj": [(64, 160)]}
     with pytest.raises(AdapterError, match="needs adapter_config.json"):
-        load_peft_adapter("x", tmp_path / "missing", 2, shapes)
+        load_peft_adapter("x", tmp_path / "missing", [shapes] * 2)
     good = write_adapter(ckpt, tmp_path / "ok", seed=3, rank=4)
-    assert load_peft_adapter("ok", good, 2, shapes).rank == 4
+    assert load_peft_adapter("ok", good, [shapes] * 2).rank == 4
     with pytest.raises(AdapterError, match="targets layer 1; the model has 1"):
-        load_peft_adapter("ok", good, 1, shapes)
+        load_peft_adapter("ok", good, [shapes])
     wrong = {**shapes, "down_proj": [(64, 128)]}
     with pytest.raises(AdapterError, match="down_proj has A"):
-        load_peft_adapter("ok", good, 2, wrong)
+        load_peft_adapter("ok", good, [shapes, wrong])
+    mixer = {"in_proj": [(272, 64)], "out_proj": [(64, 128)], "gate_up_proj": shapes["gate_up_proj"],
+             "down_proj": shapes["down_proj"]}         # a hybrid's mixer layer: no attention projections
+    with pytest.raises(AdapterError, match="layer 0 has no k_proj"):
+        load_peft_adapter("ok", good, [mixer, shapes])
     from safetensors.torch import save_file
     head = tmp_path / "head"
     shutil.copytree(good, head)
     save_file({"base_model.model.lm_head.lora_A.weight": torch.zeros(4, 64)}, str(head / "adapter_model.safetensors"))
     with pytest.raises(AdapterError, match="unsupported tensor"):
-        load_peft_adapter("head", head, 2, shapes)
+        load_peft_adapter("head", head, [shapes] * 2)

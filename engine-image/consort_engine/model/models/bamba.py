@@ -20,7 +20,6 @@ from torch import nn
 from consort_engine.model.attention import AttentionMetadata
 from consort_engine.model.cpu_kernels import kernel
 from consort_engine.model.loader import ModelConfig
-from consort_engine.model.lora import AdapterError
 from consort_engine.kv.state_pool import RowRuns, StateMetadata
 from consort_engine.model.tensor_parallel import SINGLE, TPGroup
 from consort_engine.model.models import ssd
@@ -307,9 +306,15 @@ class BambaForCausalLM(CausalLM):
     def mixers(self) -> list[Mamba2Mixer]:
         return [layer.mamba for layer in self.layers if layer.mamba is not None]
 
-    def shard_shapes(self) -> dict:
-        raise AdapterError("LoRA adapters are not supported for hybrid (bamba) models yet",
-                           code="adapter_unsupported")
+    adapter_targets = ("qkv_proj", "o_proj", "in_proj", "out_proj", "gate_up_proj", "down_proj")
+
+    def projection(self, layer: int, module: str) -> Linear | None:
+        """Layer `layer`'s projection of that name: the attention's in an attention layer, the mixer's
+        in_proj / out_proj in a mixer layer, the MLP's in every layer; None where the layer has none."""
+        block = self.layers[layer]
+        if module in ("gate_up_proj", "down_proj"):
+            return getattr(block.feed_forward, module)
+        return getattr(block.self_attn if block.mamba is None else block.mamba, module, None)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.load_tensors((name.removeprefix("model.").replace("final_layernorm.", "norm."), tensor)

@@ -37,6 +37,8 @@ class CausalLM(nn.Module):
                       "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
     single_modules: tuple[str, ...] = ("o_proj", "down_proj", "lm_head")   # unfused Linear modules
 
+    adapter_targets: tuple[str, ...] = ()          # the lora.TARGETS modules its layers have (projection)
+
     fused: FusedLayers | None | bool = False       # the C plan of the layers (False: not planned yet)
     lora_ctx: LoraContext | None = None            # set with the first adapter: the step's adapter rows
 
@@ -82,6 +84,30 @@ class CausalLM(nn.Module):
         if getattr(self, "mtp", None) is not None:
             self.mtp.fused = False
         return sum(m.packed is not None for m in linears) + (self.tied_head is not None)
+
+    def projection(self, layer: int, module: str) -> Linear | None:
+        """Layer `layer`'s projection of a lora.TARGETS module name (adapter_targets), None where it has none."""
+        raise NotImplementedError
+
+    def shard_shapes(self) -> list[dict[str, list[tuple[int, int]]]]:
+        """Per layer, (out, in) of each shard of the projections an adapter may target, for validating adapters."""
+        return [{k: [(n, m.weight.shape[1]) for n in m.shard_sizes]
+                 for k in self.adapter_targets if (m := self.projection(i, k)) is not None}
+                for i in range(len(self.layers))]
+
+    def attach_adapter(self, adapter: LoraAdapter, ctx: LoraContext) -> None:
+        """Hang an adapter's A/B pairs on the projections they target (shard offsets of the fused ones)."""
+        for (i, module, shard), (a, bt) in adapter.weights.items():
+            lin = self.projection(i, module)
+            lin.lora_ctx = self.lora_ctx = ctx
+            lin.lora.setdefault(adapter.name, []).append((lin.shard_offsets[shard], lin.shard_sizes[shard], a, bt))
+        self.fused = False              # the plan's adapter tables: made again with this one
+
+    def detach_adapter(self, name: str) -> None:
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.lora.pop(name, None)
+        self.fused = False
 
     def load_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy (module name, tensor) pairs, already in this model's names, into the parameters (shards
@@ -139,27 +165,12 @@ class LlamaForCausalLM(CausalLM):
         # The checkpoint's MTP block (models/mtp.py), loaded only when it drafts; otherwise its tensors are skipped.
         self.mtp = MTPBlock(cfg, DecoderLayer(cfg, backend, fast), fast) if mtp else None
 
-    def shard_shapes(self) -> dict[str, list[tuple[int, int]]]:
-        """(out, in) of each shard of the fused projections, for validating adapters."""
-        layer = self.layers[0]
-        mods = {"qkv_proj": layer.self_attn.qkv_proj, "o_proj": layer.self_attn.o_proj,
-                "gate_up_proj": layer.mlp.gate_up_proj, "down_proj": layer.mlp.down_proj}
-        return {k: [(n, m.weight.shape[1]) for n in m.shard_sizes] for k, m in mods.items()}
+    adapter_targets = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")    # lora.TARGETS' modules it has
 
-    def attach_adapter(self, adapter: LoraAdapter, ctx: LoraContext) -> None:
-        """Hang an adapter's A/B pairs on the projections they target (shard offsets of the fused ones)."""
-        for (i, module, shard), (a, bt) in adapter.weights.items():
-            layer = self.layers[i]
-            lin = getattr(layer.mlp if module in ("gate_up_proj", "down_proj") else layer.self_attn, module)
-            lin.lora_ctx = self.lora_ctx = ctx
-            lin.lora.setdefault(adapter.name, []).append((lin.shard_offsets[shard], lin.shard_sizes[shard], a, bt))
-        self.fused = False              # the plan's adapter tables: made again with this one
-
-    def detach_adapter(self, name: str) -> None:
-        for m in self.modules():
-            if isinstance(m, Linear):
-                m.lora.pop(name, None)
-        self.fused = False
+    def projection(self, layer: int, module: str) -> Linear:
+        """Layer `layer`'s projection of that name (lora.TARGETS' fused names)."""
+        block = self.layers[layer]
+        return getattr(block.mlp if module in ("gate_up_proj", "down_proj") else block.self_attn, module)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.load_tensors(self._own_names(weights))

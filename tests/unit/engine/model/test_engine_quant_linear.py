@@ -340,7 +340,7 @@ def test_lora_stays_full_precision_on_a_quantized_projection(quantization):
     base = lin(x)
     a, b = torch.randn(4, 64), torch.randn(48, 4)
     lin.lora_ctx = LoraContext([(2, 5, "ad")])
-    lin.lora["ad"] = [(48, 48, a, b)]                # the second shard of the fused projection
+    lin.lora["ad"] = [(48, 48, a, b.t().contiguous())]     # the second shard; B kept transposed (lora.py)
     got = lin(x)
     delta = torch.zeros_like(base)
     delta[2:5, 48:] = (x[2:5] @ a.t()) @ b.t()
@@ -377,7 +377,7 @@ def test_an_int4_checkpoints_fused_shards_run_as_codes_with_lora_on_top():
     torch.testing.assert_close(base, F.linear(rows_as_int16(x), w), rtol=1e-5, atol=1e-4)
     a, b = torch.randn(4, 128, generator=g), torch.randn(32, 4, generator=g)
     lin.lora_ctx = LoraContext([(1, 3, "ad")])
-    lin.lora["ad"] = [(64, 32, a, b)]
+    lin.lora["ad"] = [(64, 32, a, b.t().contiguous())]     # B kept transposed (lora.py)
     delta = torch.zeros_like(base)
     delta[1:3, 64:96] = (x[1:3] @ a.t()) @ b.t()
     torch.testing.assert_close(lin(x), base + delta, rtol=1e-5, atol=1e-4)
