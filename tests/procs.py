@@ -167,7 +167,7 @@ def start_engine(model_dir: str | Path, log_dir: Path, *extra: str, name: str = 
 
 
 def write_lora_adapter(model_dir: Path, out: Path, rank: int = 4, seed: int = 0) -> Path:
-    """A random PEFT LoRA adapter for a Llama-layout checkpoint (the one `demo://lora` writes)."""
+    """A random PEFT LoRA adapter for a checkpoint, hybrids too (the one `demo://lora` writes)."""
     from consort_engine.demo_model import write_demo_adapter
     return write_demo_adapter(model_dir, out, rank=rank, seed=seed)
 

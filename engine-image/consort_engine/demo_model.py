@@ -11,6 +11,7 @@ import argparse
 import errno
 import json
 import math
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -398,22 +399,31 @@ def mtp_tensors(state: dict[str, torch.Tensor], layout: str, num_hidden_layers: 
     return out
 
 
+# the projections a demo adapter targets, in the order its random draws go (layer by layer)
+ADAPTER_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj", "out_proj", "gate_proj", "up_proj",
+                       "down_proj")
+
+
 def write_demo_adapter(model_dir: str | Path, out: str | Path, rank: int = 4, seed: int = 0) -> Path:
-    """A random PEFT LoRA adapter on every attention/MLP projection of a Llama-layout checkpoint
-    (demos and tests of adapter rollout: `demo://lora?seed=N` sources)."""
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    h, f = cfg["hidden_size"], cfg["intermediate_size"]
-    hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
-    kv = cfg["num_key_value_heads"] * hd
-    shapes = {"self_attn.q_proj": (cfg["num_attention_heads"] * hd, h), "self_attn.k_proj": (kv, h),
-              "self_attn.v_proj": (kv, h), "self_attn.o_proj": (h, cfg["num_attention_heads"] * hd),
-              "mlp.gate_proj": (f, h), "mlp.up_proj": (f, h), "mlp.down_proj": (h, f)}
+    """A random PEFT LoRA adapter on every attention, mixer (a hybrid's in_proj / out_proj) and MLP projection
+    of a checkpoint, their names and shapes read from its safetensors (demos and tests of adapter rollout:
+    `demo://lora?seed=N` sources)."""
+    from safetensors import safe_open
+
+    key = re.compile(r"model\.(layers\.(\d+)\.(?:self_attn|mlp|feed_forward|mamba)\.(\w+_proj))\.weight")
+    found = []
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            for name in st.keys():
+                m = key.fullmatch(name)
+                if m and m.group(3) in ADAPTER_PROJECTIONS:
+                    found.append(((int(m.group(2)), ADAPTER_PROJECTIONS.index(m.group(3))), m.group(1),
+                                  st.get_slice(name).get_shape()))
     g = torch.Generator().manual_seed(seed)
     tensors = {}
-    for i in range(cfg["num_hidden_layers"]):
-        for name, (o, n) in shapes.items():
-            tensors[f"base_model.model.model.layers.{i}.{name}.lora_A.weight"] = torch.randn(rank, n, generator=g) * 0.5
-            tensors[f"base_model.model.model.layers.{i}.{name}.lora_B.weight"] = torch.randn(o, rank, generator=g) * 0.5
+    for _, name, (o, n) in sorted(found):
+        tensors[f"base_model.model.model.{name}.lora_A.weight"] = torch.randn(rank, n, generator=g) * 0.5
+        tensors[f"base_model.model.model.{name}.lora_B.weight"] = torch.randn(o, rank, generator=g) * 0.5
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "adapter_model.safetensors"))

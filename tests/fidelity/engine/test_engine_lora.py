@@ -134,3 +134,30 @@ def test_bad_adapters_are_refused_with_the_reason(tmp_path):
     save_file({"base_model.model.lm_head.lora_A.weight": torch.zeros(4, 64)}, str(head / "adapter_model.safetensors"))
     with pytest.raises(AdapterError, match="unsupported tensor"):
         load_peft_adapter("head", head, [shapes] * 2)
+
+
+def test_demo_adapter_on_a_hybrid_demo_model(tmp_path):
+    """`demo://lora`'s adapter (demo_model.write_demo_adapter) on `consort demo-model --arch bamba`'s model:
+    every projection its layers have (attention, mixers' in/out, MLPs), loaded, and it changes what the
+    model says."""
+    from safetensors.torch import load_file
+
+    from consort_engine.demo_model import write_demo_adapter, write_demo_model
+
+    model_dir = write_demo_model(tmp_path / "bamba", arch="bamba", hidden=64, layers=4, vocab=512, max_pos=256)
+    adapter = write_demo_adapter(model_dir, tmp_path / "lora", rank=4, seed=1)
+    names = set(load_file(str(adapter / "adapter_model.safetensors")))
+    assert "base_model.model.model.layers.0.mamba.in_proj.lora_A.weight" in names
+    assert "base_model.model.model.layers.3.self_attn.q_proj.lora_B.weight" in names
+    assert not any("layers.0.self_attn" in n or "layers.3.mamba" in n for n in names)
+    engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", num_blocks=64,
+                                    adapters={"lora": str(adapter)}))
+    prompt = list(range(5, 25))
+    outs = {}
+    for name in (None, "lora"):
+        seq = Sequence(prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), adapter=name)
+        engine.scheduler.add(seq)
+        while engine.has_unfinished():
+            engine.step()
+        outs[name] = seq.output_token_ids
+    assert outs[None] != outs["lora"]
