@@ -404,24 +404,41 @@ ADAPTER_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj", "out_p
                        "down_proj")
 
 
+def projection_shapes(cfg: dict) -> dict[str, tuple[int, int]]:
+    """(out, in) of each projection ADAPTER_PROJECTIONS names, from config.json (a hybrid's mixer in_proj /
+    out_proj as models/bamba.py sizes them)."""
+    h, f = cfg["hidden_size"], cfg["intermediate_size"]
+    hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    shapes = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q), "gate_proj": (f, h),
+              "up_proj": (f, h), "down_proj": (h, f)}
+    if "mamba_n_heads" in cfg:
+        inner = int(cfg.get("mamba_expand", 2)) * h
+        conv = inner + 2 * int(cfg.get("mamba_n_groups", 1)) * int(cfg.get("mamba_d_state", 256))
+        shapes |= {"in_proj": (inner + conv + int(cfg["mamba_n_heads"]), h), "out_proj": (h, inner)}
+    return shapes
+
+
 def write_demo_adapter(model_dir: str | Path, out: str | Path, rank: int = 4, seed: int = 0) -> Path:
     """A random PEFT LoRA adapter on every attention, mixer (a hybrid's in_proj / out_proj) and MLP projection
-    of a checkpoint, their names and shapes read from its safetensors (demos and tests of adapter rollout:
-    `demo://lora?seed=N` sources)."""
+    of a checkpoint: which layer has which from its safetensors' names (any weight format), their shapes from
+    config.json (demos and tests of adapter rollout: `demo://lora?seed=N` sources)."""
     from safetensors import safe_open
 
-    key = re.compile(r"model\.(layers\.(\d+)\.(?:self_attn|mlp|feed_forward|mamba)\.(\w+_proj))\.weight")
-    found = []
-    for f in sorted(Path(model_dir).glob("*.safetensors")):
+    model_dir = Path(model_dir)
+    shapes = projection_shapes(json.loads((model_dir / "config.json").read_text()))
+    key = re.compile(r"model\.(layers\.(\d+)\.(?:self_attn|mlp|feed_forward|mamba)\.(\w+_proj))\.\w+")
+    found = set()
+    for f in sorted(model_dir.glob("*.safetensors")):
         with safe_open(str(f), "pt") as st:
             for name in st.keys():
                 m = key.fullmatch(name)
-                if m and m.group(3) in ADAPTER_PROJECTIONS:
-                    found.append(((int(m.group(2)), ADAPTER_PROJECTIONS.index(m.group(3))), m.group(1),
-                                  st.get_slice(name).get_shape()))
+                if m and m.group(3) in shapes:
+                    found.add(((int(m.group(2)), ADAPTER_PROJECTIONS.index(m.group(3))), m.group(1), m.group(3)))
     g = torch.Generator().manual_seed(seed)
     tensors = {}
-    for _, name, (o, n) in sorted(found):
+    for _, name, proj in sorted(found):
+        o, n = shapes[proj]
         tensors[f"base_model.model.model.{name}.lora_A.weight"] = torch.randn(rank, n, generator=g) * 0.5
         tensors[f"base_model.model.model.{name}.lora_B.weight"] = torch.randn(o, rank, generator=g) * 0.5
     out = Path(out)
