@@ -1,7 +1,8 @@
 """LoRA's update on CPU (csrc/lora.c through ops.add_lora_): a segment's rows of one projection's shard gain
 (x A^T) Bt rounded to the row type, against the same sum in float64, in fp32 and bf16, on one thread and on
-the team, with strided rows; rows outside the segment and columns outside the shard stay as they were. Several
-updates in one call (lora_jobs) get the bits each gets alone."""
+the team, with strided rows, in every build this CPU runs (tiles of 6 rows with AVX-512, 2 with AVX2); rows
+outside the segment and columns outside the shard stay as they were. Several updates in one call (lora_jobs)
+get the bits each gets alone."""
 from __future__ import annotations
 
 import ctypes
@@ -9,6 +10,7 @@ from ctypes import c_int64, c_void_p
 
 import pytest
 import torch
+from kernel_levels import ON_X86_64, build_levels
 
 from consort_engine.model import cpu_kernels as ck
 from consort_engine.model.models import ops
@@ -35,6 +37,25 @@ def case(rows: int, k: int, r: int, n: int, dtype: torch.dtype, seed: int):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_update_equals_the_sum_in_float64(shape, dtype):
+    check_update(shape, dtype)
+
+
+@pytest.fixture(scope="module")
+def level_libraries(tmp_path_factory):
+    """Each runnable level's build of the LoRA kernel."""
+    return build_levels(tmp_path_factory, "lora", "team")
+
+
+@ON_X86_64
+def test_update_equals_the_sum_in_float64_in_every_build_this_cpu_runs(level_libraries, monkeypatch):
+    for level, so in level_libraries.items():
+        monkeypatch.setattr(ck, "_lib", ck.load_library(so))
+        for dtype in (torch.float32, torch.bfloat16):
+            for shape in SHAPES:
+                check_update(shape, dtype)
+
+
+def check_update(shape: tuple[int, int, int, int], dtype: torch.dtype) -> None:
     x, y, pairs, start, end = case(*shape, dtype, seed=sum(shape))
     before = y.clone()
     ops.add_lora_(y, x, start, end, pairs)
