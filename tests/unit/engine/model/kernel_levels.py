@@ -2,6 +2,7 @@
 module, not a conftest.py: router tests import their own conftest by that name)."""
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,3 +25,10 @@ def build_levels(tmp_path_factory: pytest.TempPathFactory, *stems: str) -> dict[
         out[level] = tmp_path_factory.mktemp("levels") / f"{'-'.join(stems)}-{level}.so"
         ck.compile_sources(out[level], level, sources=sources)
     return out
+
+
+def each_build(libraries: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Each library of build_levels in turn as the engine's kernels (cpu_kernels()); yields its level."""
+    for level, so in libraries.items():
+        monkeypatch.setattr(ck, "_lib", ck.load_library(so))
+        yield level

@@ -11,7 +11,7 @@ import torch
 
 from consort_engine.model import cpu_kernels as ck
 from consort_engine.model.cpu_kernels import cpu_kernels
-from kernel_levels import ON_X86_64, build_levels
+from kernel_levels import ON_X86_64, build_levels, each_build
 from consort_engine.model.models import ops
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="needs a C compiler")
@@ -101,8 +101,7 @@ def level_libraries(tmp_path_factory):
 
 @ON_X86_64
 def test_kernels_equal_the_torch_path_in_every_build_this_cpu_runs(level_libraries, monkeypatch):
-    for level, so in level_libraries.items():
-        monkeypatch.setattr(ck, "_lib", ck.load_library(so))
+    for level in each_build(level_libraries, monkeypatch):
         for dtype in DTYPES:
             for width in WIDTHS:
                 check_kernels(dtype, width, rows=70, seed=width, level=level)

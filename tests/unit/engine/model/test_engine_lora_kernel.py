@@ -10,7 +10,7 @@ from ctypes import c_int64, c_void_p
 
 import pytest
 import torch
-from kernel_levels import ON_X86_64, build_levels
+from kernel_levels import ON_X86_64, build_levels, each_build
 
 from consort_engine.model import cpu_kernels as ck
 from consort_engine.model.models import ops
@@ -40,16 +40,9 @@ def test_update_equals_the_sum_in_float64(shape, dtype):
     check_update(shape, dtype)
 
 
-@pytest.fixture(scope="module")
-def level_libraries(tmp_path_factory):
-    """Each runnable level's build of the LoRA kernel."""
-    return build_levels(tmp_path_factory, "lora", "team")
-
-
 @ON_X86_64
-def test_update_equals_the_sum_in_float64_in_every_build_this_cpu_runs(level_libraries, monkeypatch):
-    for level, so in level_libraries.items():
-        monkeypatch.setattr(ck, "_lib", ck.load_library(so))
+def test_update_equals_the_sum_in_float64_in_every_build_this_cpu_runs(tmp_path_factory, monkeypatch):
+    for _ in each_build(build_levels(tmp_path_factory, "lora", "team"), monkeypatch):
         for dtype in (torch.float32, torch.bfloat16):
             for shape in SHAPES:
                 check_update(shape, dtype)
