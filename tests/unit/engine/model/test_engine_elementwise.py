@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from consort_engine.model import cpu_kernels as ck
 from consort_engine.model.cpu_kernels import cpu_kernels
 from kernel_levels import ON_X86_64, build_levels, each_build
 from consort_engine.model.models import ops
