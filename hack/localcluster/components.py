@@ -78,12 +78,14 @@ def component_argv(name: str, layout: Layout, ports: Ports) -> list[str]:
                 f"--cluster-signing-key-file={pki / 'ca.key'}",
                 "--controllers=*,-cloud-node-lifecycle-controller,-service-lb-controller,-node-route-controller",
                 "--cluster-name=consort", "--kube-api-qps=100", "--kube-api-burst=200",
-                # After an apiserver outage longer than this, the node controller finds no lease
-                # renewal in its cache and marks the (healthy) node's pods NotReady until the kubelet
-                # renews, which takes their endpoints out of every Service for seconds. One
-                # apiserver has no failover, so the period covers the outage the e2e suite
-                # rehearses (60 s); a dead kubelet is still seen within two minutes.
-                "--node-monitor-grace-period=120s",
+                # When the node controller's cache has held no lease renewal for this long, it marks
+                # the (healthy) node's pods NotReady until the kubelet renews, which takes their
+                # endpoints out of every Service for seconds. After an apiserver outage the cache
+                # fills again only on the informers' next retry (backed off to 30 s plus up to 30 s
+                # of jitter), so a 60 s outage (what the e2e suite rehearses; one apiserver has no
+                # failover) leaves it without renewals for up to ~130 s: 120 s failed once.
+                # A dead kubelet is still seen within four minutes.
+                "--node-monitor-grace-period=240s",
             ]
         return argv
     if name == "kwok":

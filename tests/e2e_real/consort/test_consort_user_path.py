@@ -535,9 +535,10 @@ def test_apiserver_down_for_60s_under_load_fails_no_request_and_never_two_leader
            f"Lease transitions {transitions_before} -> {lease['spec'].get('leaseTransitions', 0)}, "
            f"{len(spans)} leadership spans, {logs.count('Traceback')} tracebacks in the operators' logs")
     assert not load.failed, load.failed[:5]
-    # Recovery, not speed (4 s measured here; the figure above reports it). With a node-monitor grace
-    # period shorter than the outage, the node controller marked the node's pods NotReady on the
-    # apiserver's return and requests were refused for seconds: the local cluster's period is 120 s.
+    # Recovery, not speed (4-18 s measured here; the figure above reports it). With a node-monitor
+    # grace period shorter than the outage plus the controller's informer retry, the node controller
+    # marked the node's pods NotReady on the apiserver's return and requests were refused for seconds
+    # (everything Ready only 68 s after it): the local cluster's period is 240 s.
     assert ready_after <= 180, f"everything Ready only {ready_after:.0f}s after the apiserver's return"
     assert spans and not overlaps, f"two operators led at once: {overlaps}"
     assert "Traceback" not in logs, logs[logs.index("Traceback") - 500:][:3000]
