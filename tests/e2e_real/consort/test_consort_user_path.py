@@ -530,11 +530,15 @@ def test_apiserver_down_for_60s_under_load_fails_no_request_and_never_two_leader
     overlaps = [(a, b) for a, b in zip(spans, spans[1:]) if b[0] < a[1]]
     logs = "\n".join(c.kubectl("logs", "-n", OPERATOR_NS, p["metadata"]["name"], *extra, check=False).stdout
                      for p in operator_pods(c) for extra in ((), ("--previous",)))
+    # The node controller's mark (see below) leaves one NodeNotReady event per pod.
+    marked = c.kubectl("get", "events", "-n", NS, "--field-selector", "reason=NodeNotReady", "-o", "name",
+                       check=False).stdout.split()
     figure(f"apiserver stopped {back_at - stopped_at:.0f}s under load: {sent_during} requests during "
            f"({failed_during} failed), {load.summary()} in all; everything Ready {ready_after:.0f}s after its return; "
            f"Lease transitions {transitions_before} -> {lease['spec'].get('leaseTransitions', 0)}, "
-           f"{len(spans)} leadership spans, {logs.count('Traceback')} tracebacks in the operators' logs")
-    assert not load.failed, load.failed[:5]
+           f"{len(spans)} leadership spans, {logs.count('Traceback')} tracebacks in the operators' logs, "
+           f"{len(marked)} pods marked NotReady by the node controller")
+    assert not load.failed, (load.failed[:5], f"{len(marked)} pods marked NotReady by the node controller")
     # Recovery, not speed (4-18 s measured here; the figure above reports it). With a node-monitor
     # grace period shorter than the outage plus the controller's informer retry, the node controller
     # marked the node's pods NotReady on the apiserver's return and requests were refused for seconds
