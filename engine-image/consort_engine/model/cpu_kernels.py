@@ -74,13 +74,14 @@ SIGNATURES = {   # name (per dtype suffix) -> (argtypes, restype)
     "store_kv": ([P, L, P, L, P, P, P, I, I, I, I, L, L, L], None),
     "rms_norm": ([P, L, P, L, P, I, I, I, F32], None),
     "add_rms_norm": ([P, P, P, P, I, I, F32], None),
-    "rope": ([P, L, I, I, I, P, P, P], None),
+    "rope": ([P, L, I, I, I, I, P, P, P], None),
     "silu_mul": ([P, P, I, I], None),
     "gated_rms_norm": ([P, P, L, P, P, I, I, I, F32], None),
     "argmax_rows": ([P, L, I, L, P], None),
     "lora_add": ([P, L, I, I, P, I, P, I, P, L], I),        # lora.c
     "lora_jobs": ([P, I], I),
     "mamba_step": ([P, L, P, L, P, P, P, I, I, P, L, P, L, P, P, P, P, P, L, I, I, I, I, I, I], I),
+    "mamba_time_steps": ([P, L, P, P, L, I, I], None),
     "mamba_scan": ([P, L, P, L, P, P, P, I, P, P, P, I, P, L, P, L, P, P, F32, F32, P, L, I, I, I, I], None),
     "mamba_conv": ([P, L, P, P, P, I, P, P, P, I, P, L, P, L, P, P, P, L, I, I], None),
     "gemm": ([P, L, L, L, P, L, P, L, P], I),             # f32: AVX2 + FMA builds; bf16: AVX-512 BF16 ones

@@ -193,14 +193,14 @@ def test_hybrid_mtp_drafts_equal_the_reference(hybrid_mtp):
     """MTP on a hybrid: the block is one of the model's attention layers (partial rotary; its own KV
     layer after the two attention layers'); its passes touch no mixer state. Drafts, through chunked
     prefill, equal transformers' full recompute (BambaDecoderLayer, demo_model.mtp_reference_drafts)."""
-    from consort_engine.model.models.bamba import BambaAttention
+    from consort_engine.model.models.layers import Attention
     ckpt, prompts, *_ = hybrid_mtp
     eng = LLMEngine(EngineConfig(model=str(ckpt), dtype="float32", block_size=4, speculative="mtp",
                                  num_speculative_tokens=3, max_num_batched_tokens=16, num_blocks=1024,
                                  spec_policy="always"))
     r = eng.runner
     assert r.has_mtp and r.kv_cache.shape[0] == 3 and eng.stats()["speculation"]["state"] == "on"
-    assert isinstance(r.model.mtp.layer.self_attn, BambaAttention) and r.model.mtp.layer.mamba is None
+    assert isinstance(r.model.mtp.layer.self_attn, Attention) and r.model.mtp.layer.mamba is None
     assert_drafts_match_reference(ckpt, eng, prompts[1], 24)
 
 

@@ -1,7 +1,10 @@
 /* A step's decoder layers in one call: the llama family's pre-norm layer (RMSNorm, fused q/k/v projection,
- * optional per-head q/k RMSNorm, RoPE, the K/V store, paged attention, o projection, RMSNorm with the
- * residual add, gate/up projection, SiLU x up, down projection; each projection with the LoRA updates of
- * the step's adapter rows), layer after layer, over this library's kernels. Called once a step instead of
+ * optional per-head q/k RMSNorm, RoPE (of the first `rot` dims of each head), the K/V store, paged attention,
+ * o projection, RMSNorm with the residual add, gate/up projection, SiLU x up, down projection; each projection
+ * with the LoRA updates of the step's adapter rows), layer after layer, over this library's kernels. A hybrid's
+ * (Bamba's) mixer layers take the attention's place in theirs: input projection, time steps, the Mamba2 decode
+ * step over the rows' state slots, gated RMSNorm, output projection (decode rows only: a step with prefill
+ * chunks or verify windows runs its layers as modules). Called once a step instead of
  * ~10 ctypes calls a layer from Python (models/fused_layers.py): each of those cost 2-7 us of argument
  * conversion, tensor allocation and views, ~80 us a layer, against a few hundred us of kernels a layer for a
  * small model at one sequence; a LoRA update through torch ops cost ~5 tensor ops a shard.
@@ -25,7 +28,12 @@ typedef int (*gemm_ordered_fn)(const void *, int64_t, int64_t, int64_t, const vo
                                const void *, int64_t, void *, int64_t, const float *);
 typedef void (*rms_norm_fn)(const void *, int64_t, void *, int64_t, const void *, int, int, int, float);
 typedef void (*add_rms_norm_fn)(void *, const void *, void *, const void *, int, int, float);
-typedef void (*rope_fn)(void *, int64_t, int, int, int, const int64_t *, const void *, const void *);
+typedef void (*rope_fn)(void *, int64_t, int, int, int, int, const int64_t *, const void *, const void *);
+typedef void (*time_steps_fn)(const void *, int64_t, const void *, void *, int64_t, int, int);
+typedef int (*mamba_step_fn)(const void *, int64_t, const void *, int64_t, const int64_t *, const int32_t *,
+                             const int64_t *, int, int, void *, int64_t, float *, int64_t, const void *, const void *,
+                             const float *, const void *, void *, int64_t, int, int, int, int, int, int);
+typedef void (*gated_rms_norm_fn)(const void *, const void *, int64_t, void *, const void *, int, int, int, float);
 typedef void (*silu_mul_fn)(const void *, void *, int, int);
 typedef void (*store_kv_fn)(const void *, int64_t, const void *, int64_t, void *, void *, const int64_t *, int, int,
                             int, int, int64_t, int64_t, int64_t);
@@ -66,19 +74,31 @@ typedef struct {
 
 enum { PROJ_QKV, PROJ_O, PROJ_GATE_UP, PROJ_DOWN };
 
+/* A mixer layer's own parameters (models/bamba.py Mamba2Mixer); its projections are the layer's qkv (in_proj)
+ * and o (out_proj), which is also where an adapter's pairs on them are (PROJ_QKV, PROJ_O). */
+typedef struct {
+    const void *conv_w, *conv_b;           /* [conv_dim][d_conv]; bias or NULL */
+    const void *dt_bias, *D, *norm;        /* [heads], [heads], the gated norm's [inner] */
+    const float *A;                        /* -exp(A_log) [heads] */
+    int64_t index;                         /* its row in the state pools */
+} mixer_t;
+
 typedef struct {
     const void *in_norm, *post_norm, *q_norm, *k_norm;    /* q_norm, k_norm: NULL without per-head norms */
-    void *k_cache, *v_cache;
+    void *k_cache, *v_cache;                              /* NULL in a mixer layer */
     linear_t qkv, o, gate_up, down;
+    const mixer_t *mixer;                                 /* NULL in an attention layer */
 } layer_t;
 
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, inter, block_size, elem;   /* elem: bytes of an activation */
     int64_t blk_stride, tok_stride, head_stride;                          /* the pool's, in elements */
+    int64_t rot;                                                          /* dims of a head RoPE rotates */
+    int64_t inner, conv_dim, m_heads, m_head_dim, groups, d_state, d_conv;  /* the mixers' (hybrids) */
     float eps, scale;
     const void *cos, *sin;
     const void *rms_norm, *add_rms_norm, *rope, *silu_mul, *store_kv, *paged_attention, *prefill_attention;
-    const void *lora_jobs;
+    const void *lora_jobs, *time_steps, *mamba_step, *gated_rms_norm;    /* the last three: hybrids, or NULL */
 } model_t;
 
 typedef struct {
@@ -93,6 +113,14 @@ typedef struct {
     void *x, *qkv, *attn, *gu, *act;       /* scratch, [rows] x hidden, q/k/v, heads x head_dim, 2 inter, inter */
     int64_t n_segments;                    /* the rows that carry an adapter, or 0 */
     const segment_t *segments;
+    /* hybrids: every row is a decode row, row decode_rows[i] in state slot decode_slots[i]; a mixer's conv
+     * state at conv + index * conv_mixer + slot * conv_slot (elements), its SSM state likewise in ssm */
+    int64_t n_decode;
+    const int64_t *decode_rows, *decode_slots;
+    void *conv;
+    int64_t conv_slot, conv_mixer;
+    float *ssm;
+    int64_t ssm_slot, ssm_mixer;
 } step_t;
 
 static int gemm(const linear_t *l, const void *x, int64_t m, void *y) {
@@ -129,7 +157,7 @@ static int linear(const model_t *m, const step_t *s, const linear_t *l, int laye
     return rc;
 }
 
-enum { OP_QKV = 1, OP_O, OP_GATE_UP, OP_DOWN, OP_DECODE_ATTENTION, OP_PREFILL_ATTENTION };
+enum { OP_QKV = 1, OP_O, OP_GATE_UP, OP_DOWN, OP_DECODE_ATTENTION, OP_PREFILL_ATTENTION, OP_MIXER_STEP };
 
 /* The attention block of one layer: x -> s->attn. Returns 0 or the failing op (OP_*). */
 static int attention(const model_t *m, const layer_t *L, int layer, const step_t *s) {
@@ -141,7 +169,7 @@ static int attention(const model_t *m, const layer_t *L, int layer, const step_t
         ((rms_norm_fn)m->rms_norm)(qkv + H * D * m->elem, width, qkv + H * D * m->elem, width, L->k_norm, T, KVH, D,
                                    m->eps);
     }
-    ((rope_fn)m->rope)(qkv, width, T, H + KVH, D, s->positions, m->cos, m->sin);
+    ((rope_fn)m->rope)(qkv, width, T, H + KVH, D, (int)m->rot, s->positions, m->cos, m->sin);
     const char *k = qkv + H * D * m->elem, *v = qkv + (H + KVH) * D * m->elem;
     ((store_kv_fn)m->store_kv)(k, width, v, width, L->k_cache, L->v_cache, s->slots, T, KVH, D, m->block_size,
                                m->blk_stride, m->tok_stride, m->head_stride);
@@ -161,6 +189,26 @@ static int attention(const model_t *m, const layer_t *L, int layer, const step_t
     return 0;
 }
 
+/* The mixer block of one layer, as Mamba2Mixer.forward runs it for decode rows: x -> s->h (the projection's
+ * gate | xbc | dt in s->qkv, the time steps in place of dt, y in s->attn, the gated norm in s->act). Returns 0
+ * or the failing op (OP_*). */
+static int mixer(const model_t *m, const layer_t *L, int layer, const step_t *s) {
+    const mixer_t *X = L->mixer;
+    const int64_t T = s->rows, width = m->inner + m->conv_dim + m->m_heads, e = m->elem;
+    char *proj = s->qkv, *xbc = proj + m->inner * e, *dt = xbc + m->conv_dim * e;
+    if (linear(m, s, &L->qkv, layer, PROJ_QKV, s->x, proj)) return OP_QKV;
+    ((time_steps_fn)m->time_steps)(dt, width, X->dt_bias, dt, width, (int)T, (int)m->m_heads);
+    if (((mamba_step_fn)m->mamba_step)(xbc, width, dt, width, s->decode_rows, NULL, s->decode_slots, (int)s->n_decode,
+                                       1, (char *)s->conv + (X->index * s->conv_mixer) * e, s->conv_slot,
+                                       s->ssm + X->index * s->ssm_mixer, s->ssm_slot, X->conv_w, X->conv_b, X->A, X->D,
+                                       s->attn, m->inner, (int)m->conv_dim, (int)m->d_conv, (int)m->m_heads,
+                                       (int)m->m_head_dim, (int)m->groups, (int)m->d_state))
+        return OP_MIXER_STEP;
+    ((gated_rms_norm_fn)m->gated_rms_norm)(s->attn, proj, width, s->act, X->norm, (int)T, (int)m->inner,
+                                           (int)m->groups, m->eps);
+    return linear(m, s, &L->o, layer, PROJ_O, s->act, s->h) ? OP_O : 0;
+}
+
 /* Every layer over the step's rows. 0, or 16 * layer + the failing op (OP_*): a GEMM out of memory for its
  * buffers, or an attention kernel's error. */
 int decoder_layers(const model_t *m, const layer_t *layers, int n_layers, const step_t *s) {
@@ -171,8 +219,11 @@ int decoder_layers(const model_t *m, const layer_t *layers, int n_layers, const 
             ((rms_norm_fn)m->rms_norm)(s->residual, hidden, s->x, hidden, L->in_norm, T, 1, hidden, m->eps);
         else
             ((add_rms_norm_fn)m->add_rms_norm)(s->residual, s->h, s->x, L->in_norm, T, hidden, m->eps);
-        int op = attention(m, L, i, s);
-        if (!op && linear(m, s, &L->o, i, PROJ_O, s->attn, s->h)) op = OP_O;
+        int op;
+        if (L->mixer)
+            op = mixer(m, L, i, s);
+        else if (!(op = attention(m, L, i, s)) && linear(m, s, &L->o, i, PROJ_O, s->attn, s->h))
+            op = OP_O;
         if (op) return 16 * i + op;
         ((add_rms_norm_fn)m->add_rms_norm)(s->residual, s->h, s->x, L->post_norm, T, hidden, m->eps);
         if (linear(m, s, &L->gate_up, i, PROJ_GATE_UP, s->x, s->gu)) return 16 * i + OP_GATE_UP;

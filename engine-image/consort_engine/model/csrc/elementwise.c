@@ -144,12 +144,13 @@ DEFINE_VEC_PARTS(bf16, bf16_t)
         }                                                                                         \
     }
 
-/* In-place rotate-half RoPE on n_head heads of D per token (token stride x_stride), with
- * cos/sin tables [max_len, D/2] in the model dtype indexed by positions. */
+/* In-place rotate-half RoPE on the first `rot` dims of n_head heads of D per token (token stride x_stride;
+ * rot = D but for partial rotary, as Bamba's), with cos/sin tables [max_len, rot/2] in the model dtype
+ * indexed by positions. */
 #define DEFINE_ROPE(SUFFIX, T)                                                                    \
-    void rope_##SUFFIX(T *x, int64_t x_stride, int n_tok, int n_head, int D,                      \
+    void rope_##SUFFIX(T *x, int64_t x_stride, int n_tok, int n_head, int D, int rot,             \
                        const int64_t *positions, const T *cos_t, const T *sin_t) {                \
-        const int half = D / 2;                                                                   \
+        const int half = rot / 2;                                                                 \
         _Pragma("omp parallel for if (n_tok >= 64) num_threads(NT)")                                              \
         for (int t = 0; t < n_tok; t++) {                                                         \
             const T *c = cos_t + positions[t] * half, *s = sin_t + positions[t] * half;           \

@@ -8,8 +8,9 @@
  * (each conv product, the conv sum, the bias add, SiLU, dt x, the state's output, x D and their sum);
  * the SSM state stays float32.
  *
- * dt: the time steps softplus(dt + dt_bias), computed by the caller for the whole step in one tensor op
- * (torch's vectorised softplus; element by element here it took a quarter of a small model's scan).
+ * dt: the time steps softplus(dt + dt_bias), computed for the whole step before the step or scan
+ * (mamba_time_steps: a vectorised pass; element by element inside the scan it took a quarter of a small
+ * model's scan).
  * Runs: run r is the step rows rows[r] .. rows[r] + len - 1 (len = lengths[r], or 1 without lengths),
  * stepped one after another from slot slots[r] (conv state [conv_dim][d_conv - 1] at conv + slot *
  * conv_stride, SSM state [heads][head_dim][d_state] at ssm + slot * ssm_stride): a decode row is a run of
@@ -176,6 +177,38 @@ int mamba_step_##SUFFIX(const T *xbc, int64_t xbc_stride, const T *dt, int64_t d
 
 DEFINE_MAMBA_STEP(f32, float)
 DEFINE_MAMBA_STEP(bf16, bf16_t)
+
+/* softplus(x) = max(x, 0) + log1p(e^-|x|), log1p(u) = 2 atanh(s), s = u / (2 + u) <= 1/3, by atanh's series
+ * to s^17 (the first term left out is under 1e-10 of the sum): within a few ulp of float32 softplus.
+ * Scalar, written so the compiler vectorises the loop over a row's heads. */
+static inline float softplus(float x) {
+    const float u = exp_nonpos(-fabsf(x)), s = u / (2.f + u), s2 = s * s;
+    float p = 1.f / 17.f;
+    p = p * s2 + 1.f / 15.f;
+    p = p * s2 + 1.f / 13.f;
+    p = p * s2 + 1.f / 11.f;
+    p = p * s2 + 1.f / 9.f;
+    p = p * s2 + 1.f / 7.f;
+    p = p * s2 + 1.f / 5.f;
+    p = p * s2 + 1.f / 3.f;
+    p = p * s2 + 1.f;
+    return (x > 0.f ? x : 0.f) + 2.f * s * p;
+}
+
+/* The time steps every mixer step and scan takes: out[i][h] = softplus(dt[i][h] + bias[h]) for `rows` rows of
+ * H heads (row strides dt_stride, out_stride; out may be dt), each rounded where the model's dtype rounds
+ * (the sum, the softplus), as torch's softplus(dt + dt_bias) in that dtype does. */
+#define DEFINE_MAMBA_TIME_STEPS(SUFFIX, T)                                                              \
+void mamba_time_steps_##SUFFIX(const T *dt, int64_t dt_stride, const T *bias, T *out, int64_t out_stride, \
+                               int rows, int H) {                                                       \
+    for (int i = 0; i < rows; i++)                                                                      \
+        for (int h = 0; h < H; h++)                                                                     \
+            put_##SUFFIX(out + i * out_stride, h,                                                       \
+                         softplus(round_##SUFFIX(get_##SUFFIX(dt + i * dt_stride, h) + get_##SUFFIX(bias, h)))); \
+}
+
+DEFINE_MAMBA_TIME_STEPS(f32, float)
+DEFINE_MAMBA_TIME_STEPS(bf16, bf16_t)
 
 /* The prefill scan: every prefill chunk of a step (span s: rows span_start[s] .. span_end[s] - 1, slot
  * span_slot[s]) through the SSM recurrence token by token, from its slot's state, which ends as the state

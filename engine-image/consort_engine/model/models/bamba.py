@@ -1,7 +1,7 @@
 """Bamba (transformers' BambaForCausalLM): attention layers interleaved with Mamba2 mixer layers.
 
-Attention layers read and write the paged KV pool like Llama's (partial RoPE: the first half of each
-head rotates). Mixer layers hold no KV: their conv and SSM state live in the runner's state slot pool
+Attention layers read and write the paged KV pool like Llama's (partial RoPE: the rotary
+tables span the first `partial_rotary_factor` of each head, the dims that rotate). Mixer layers hold no KV: their conv and SSM state live in the runner's state slot pool
 ([max_num_seqs, mixer layers, ...], see state_pool.py), one slot per running sequence. Per step:
 - every single-token row (decode) of the batch goes through ONE batched recurrence step per layer,
   reading and writing the states of their slots by index;
@@ -28,29 +28,6 @@ from consort_engine.model.models.llama import CausalLM
 from consort_engine.model.models.mtp import MTPBlock, mtp_names
 from consort_engine.model.models.rope import RotaryEmbedding
 from consort_engine.model.hookless import HooklessModule
-
-
-class BambaAttention(Attention):
-    """Llama's attention with partial rotary embedding (the first `rotary_dim` dims of each head)."""
-
-    def __init__(self, cfg: ModelConfig, backend: str, fast: bool, tp: TPGroup = SINGLE):
-        super().__init__(cfg, backend, fast, tp)
-        self.rotary_dim = int(cfg.head_dim * cfg.partial_rotary_factor)
-
-    def qkv(self, x: torch.Tensor, positions: torch.Tensor,
-            rotary: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        t, h, kvh, r = x.shape[0], self.h, self.kvh, self.rotary_dim
-        qkv = self.qkv_proj(x).view(t, h + 2 * kvh, self.d)
-        qk, v = qkv[:, : h + kvh], qkv[:, h + kvh:]
-        rot = _rope(qk[..., :r], positions, rotary.cos, rotary.sin)
-        qk = torch.cat((rot, qk[..., r:]), dim=-1)
-        return qk[:, :h], qk[:, h:], v
-
-
-def _rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
 
 
 class Conv1d(HooklessModule):
@@ -150,9 +127,15 @@ class Mamba2Mixer(HooklessModule):
         self.step(xbc, dt, -torch.exp(self.A_log.float()), y, runs, conv_state, ssm_state)
 
     def time_steps(self, dt: torch.Tensor) -> torch.Tensor:
-        """softplus(dt + dt_bias) for every row of the step in one tensor op, rounded to the model dtype as
-        the torch path rounds it: what the C kernels take as dt."""
-        return F.softplus(dt + self.dt_bias.to(dt.dtype))
+        """softplus(dt + dt_bias) for every row of the step, rounded to the model dtype as the torch path
+        rounds it: what the C kernels take as dt (csrc/mamba.c mamba_time_steps with them, else tensor ops)."""
+        bias = self.dt_bias.to(dt.dtype)
+        if not self.fast:
+            return F.softplus(dt + bias)
+        out = torch.empty(dt.shape, dtype=dt.dtype)
+        kernel("mamba_time_steps", dt.dtype)(dt.data_ptr(), dt.stride(0), bias.data_ptr(), out.data_ptr(),
+                                             out.stride(0), dt.shape[0], dt.shape[1])
+        return out
 
     def _step_kernel(self, xbc: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, y: torch.Tensor,
                      rows: torch.Tensor, lengths: torch.Tensor | None, slots: torch.Tensor, conv_state: torch.Tensor,
@@ -256,7 +239,7 @@ class BambaLayer(HooklessModule):
     def __init__(self, cfg: ModelConfig, attention: bool, mixer_index: int, backend: str, fast: bool):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fast)
-        self.self_attn = BambaAttention(cfg, backend, fast) if attention else None
+        self.self_attn = Attention(cfg, backend, fast) if attention else None
         self.mamba = None if attention else Mamba2Mixer(cfg, mixer_index, fast)
         self.pre_ff_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fast)
         self.feed_forward = MLP(cfg, fast)
@@ -299,7 +282,7 @@ class BambaForCausalLM(CausalLM):
         self.mtp = MTPBlock(cfg, BambaLayer(cfg, True, -1, backend, fast), fast) if mtp else None
 
     @property
-    def attention_modules(self) -> list[BambaAttention]:
+    def attention_modules(self) -> list[Attention]:
         return [layer.self_attn for layer in self.layers if layer.self_attn is not None]
 
     @property

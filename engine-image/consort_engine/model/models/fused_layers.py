@@ -1,8 +1,9 @@
 """A step's decoder layers in one C call (csrc/decoder.c), where every part of them runs on the engine's CPU
 kernels: the C GEMMs (fp32; bf16 up to BF16_KERNEL_ROWS rows; int8 and w8a8 codes), the element-wise
 kernels, decode attention and, for prefill spans, the C prefill kernel; adapter rows' LoRA updates on
-csrc/lora.c. Elsewhere (oneDNN's bf16 rows, SDPA prefills, tensor parallelism, hybrids) the layers run one
-module at a time as before.
+csrc/lora.c; a hybrid's (Bamba's) mixer layers on csrc/mamba.c's decode step, in steps of decode rows only.
+Elsewhere (oneDNN's bf16 rows, SDPA prefills, tensor parallelism, a hybrid's prefill chunks and verify windows)
+the layers run one module at a time as before.
 
 The call does what DecoderLayer.forward does with the same kernels in the same order, so the output and the
 pool are bit for bit the same; it saves the Python between the kernels (~80 us a layer: ctypes argument
@@ -25,8 +26,8 @@ from consort_engine.model.models.layers import MLP, Attention, DecoderLayer
 from consort_engine.model.models.packed import GemmCall, c_address, gemm_call
 from consort_engine.model.models.rope import RotaryEmbedding
 
-OPS = {1: "q/k/v projection", 2: "o projection", 3: "gate/up projection", 4: "down projection",
-       5: "decode attention", 6: "prefill attention"}     # csrc/decoder.c's OP_*
+OPS = {1: "q/k/v (or mixer input) projection", 2: "o (or mixer output) projection", 3: "gate/up projection",
+       4: "down projection", 5: "decode attention", 6: "prefill attention", 7: "mixer step"}  # csrc/decoder.c's OP_*
 ALIGN = 64             # bytes: each scratch buffer starts on a cache line
 
 
@@ -47,18 +48,27 @@ class _Segment(ctypes.Structure):
     _fields_ = [("start", c_int64), ("end", c_int64), ("adapter", c_void_p)]
 
 
+class _Mixer(ctypes.Structure):
+    _fields_ = [(name, c_void_p) for name in ("conv_w", "conv_b", "dt_bias", "D", "norm", "A")] + [("index", c_int64)]
+
+
 class _Layer(ctypes.Structure):
     _fields_ = [("in_norm", c_void_p), ("post_norm", c_void_p), ("q_norm", c_void_p), ("k_norm", c_void_p),
                 ("k_cache", c_void_p), ("v_cache", c_void_p),
-                ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear)]
+                ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear), ("mixer", c_void_p)]
+
+
+MIXER_DIMS = ("inner", "conv_dim", "m_heads", "m_head_dim", "groups", "d_state", "d_conv")
 
 
 class _Model(ctypes.Structure):
     _fields_ = [(name, c_int64) for name in ("hidden", "heads", "kv_heads", "head_dim", "inter", "block_size",
-                                              "elem", "blk_stride", "tok_stride", "head_stride")] + \
+                                              "elem", "blk_stride", "tok_stride", "head_stride", "rot",
+                                              *MIXER_DIMS)] + \
                [("eps", c_float), ("scale", c_float)] + \
                [(name, c_void_p) for name in ("cos", "sin", "rms_norm", "add_rms_norm", "rope", "silu_mul",
-                                              "store_kv", "paged_attention", "prefill_attention", "lora_jobs")]
+                                              "store_kv", "paged_attention", "prefill_attention", "lora_jobs",
+                                              "time_steps", "mamba_step", "gated_rms_norm")]
 
 
 class _Step(ctypes.Structure):
@@ -67,7 +77,9 @@ class _Step(ctypes.Structure):
                 ("batched_seqs", c_int64), ("pbt", c_void_p), ("pctx", c_void_p), ("pcu", c_void_p),
                 ("pbt_width", c_int64), ("prefill_seqs", c_int64)] + \
                [(name, c_void_p) for name in ("residual", "h", "x", "qkv", "attn", "gu", "act")] + \
-               [("n_segments", c_int64), ("segments", c_void_p)]
+               [("n_segments", c_int64), ("segments", c_void_p), ("n_decode", c_int64), ("decode_rows", c_void_p),
+                ("decode_slots", c_void_p), ("conv", c_void_p), ("conv_slot", c_int64), ("conv_mixer", c_int64),
+                ("ssm", c_void_p), ("ssm_slot", c_int64), ("ssm_mixer", c_int64)]
 
 
 def _linear(call: GemmCall) -> _Linear:
@@ -75,9 +87,27 @@ def _linear(call: GemmCall) -> _Linear:
     return _Linear(call.fn, len(call.weights), w[0], w[1], w[2], w[3], call.bias, call.n, call.k)
 
 
-def _projections(layer: DecoderLayer) -> tuple:
-    """A layer's projections in csrc/decoder.c's PROJ_* order."""
-    return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
+def _parts(layer) -> tuple | None:
+    """(input norm, post-attention norm, attention or None, mixer or None, MLP) of a layer the call runs: a
+    DecoderLayer, or a hybrid's attention or mixer layer (BambaLayer); None for any other."""
+    from consort_engine.model.models.bamba import BambaLayer, Mamba2Mixer    # bamba.py imports this module
+    if type(layer) is DecoderLayer:
+        parts = layer.input_layernorm, layer.post_attention_layernorm, layer.self_attn, None, layer.mlp
+    elif type(layer) is BambaLayer:
+        parts = layer.input_layernorm, layer.pre_ff_layernorm, layer.self_attn, layer.mamba, layer.feed_forward
+    else:
+        return None
+    _, _, attn, mixer, mlp = parts
+    if type(mlp) is not MLP or (type(attn) is not Attention if mixer is None else type(mixer) is not Mamba2Mixer):
+        return None
+    return parts
+
+
+def _projections(layer) -> tuple:
+    """A layer's projections in csrc/decoder.c's PROJ_* order (a mixer's in_proj / out_proj for q/k/v / o)."""
+    _, _, attn, mixer, mlp = _parts(layer)
+    first, second = (attn.qkv_proj, attn.o_proj) if mixer is None else (mixer.in_proj, mixer.out_proj)
+    return first, second, mlp.gate_up_proj, mlp.down_proj
 
 
 def _adapters(layers: Sequence) -> dict[str, tuple]:
@@ -100,9 +130,25 @@ def _pointer(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
 
+def _attention(layers: Sequence) -> list[Attention]:
+    return [layer.self_attn for layer in layers if layer.self_attn is not None]
+
+
 def _pools(layers: Sequence) -> tuple[int, int]:
     """Where the layers' pools start and end, which a plan points into."""
-    return layers[0].self_attn.attn.k_cache.data_ptr(), layers[-1].self_attn.attn.v_cache.data_ptr()
+    attn = _attention(layers)
+    return (attn[0].attn.k_cache.data_ptr(), attn[-1].attn.v_cache.data_ptr()) if attn else (0, 0)
+
+
+def _mixer(mixer, dtype: torch.dtype) -> tuple[_Mixer, torch.Tensor] | None:
+    """A mixer's C parameters (csrc/decoder.c mixer_t) and the A tensor they point into; None where its decode
+    step is not on the C kernels."""
+    if not mixer.fast or not all(p.dtype == dtype for p in (mixer.conv1d.weight, mixer.dt_bias, mixer.D,
+                                                            mixer.norm.weight)):
+        return None
+    A = -torch.exp(mixer.A_log.float())
+    return _Mixer(mixer.conv1d.weight.data_ptr(), _pointer(mixer.conv1d.bias), mixer.dt_bias.data_ptr(),
+                  mixer.D.data_ptr(), mixer.norm.weight.data_ptr(), A.data_ptr(), mixer.index), A
 
 
 def _table_shape(block_tables: torch.Tensor | None) -> tuple[int, int]:
@@ -115,61 +161,77 @@ class FusedLayers:
     pointers, built once (plan) and run per step (run) where it applies."""
 
     def __init__(self, model: _Model, layers: ctypes.Array, max_rows: int | None, widths: tuple[int, ...],
-                 dtype: torch.dtype, pools: tuple[int, int], adapters: dict[str, tuple]):
+                 dtype: torch.dtype, pools: tuple[int, int], adapters: dict[str, tuple],
+                 mixers: list[tuple[_Mixer, torch.Tensor]]):
         self.model, self.layers, self.max_rows = model, layers, max_rows
         self.widths, self.dtype, self.pools, self.adapters = widths, dtype, pools, adapters
+        self.mixers = mixers           # what the layers' mixer pointers point at: kept while the plan lives
         lib = cpu_kernels()
         self.fn = lib.decoder_layers
 
     @classmethod
     def plan(cls, layers: Sequence, rotary: RotaryEmbedding, dtype: torch.dtype) -> FusedLayers | None:
-        """The plan for `layers` (DecoderLayers over their pools) with `dtype` activations, or None where some
-        part of them is not on the engine's kernels (or CONSORT_FUSED_LAYERS=0)."""
+        """The plan for `layers` (DecoderLayers, or a hybrid's attention and mixer layers, over their pools) with
+        `dtype` activations, or None where some part of them is not on the engine's kernels (or
+        CONSORT_FUSED_LAYERS=0)."""
         if os.environ.get("CONSORT_FUSED_LAYERS", "1") == "0" or dtype not in (torch.float32, torch.bfloat16) \
                 or cpu_kernels() is None or not hasattr(cpu_kernels(), "decoder_layers") or not layers:
             return None
-        if not all(type(layer) is DecoderLayer and type(layer.self_attn) is Attention and type(layer.mlp) is MLP
-                   for layer in layers):
+        parts = [_parts(layer) for layer in layers]
+        if None in parts or not _attention(layers):
             return None
-        first = layers[0].self_attn
+        first = _attention(layers)[0]
         attn = first.attn
         if attn.backend != "cpu_kernel" or attn.k_cache.dim() != 4:
             return None
-        structs, bounds = [], []
-        for layer in layers:
-            a, linears = layer.self_attn, _projections(layer)
+        structs, bounds, mixers = [], [], []
+        for layer, (in_norm, post_norm, a, mixer, _) in zip(layers, parts):
+            linears = _projections(layer)
             if any(lin.parallel is not None or lin.packed is None for lin in linears):
                 return None
             calls = [gemm_call(lin.packed, dtype) for lin in linears]
             if any(c is None for c in calls):
                 return None
             bounds += [lin.packed.max_rows for lin in linears if hasattr(lin.packed, "max_rows")]
+            if mixer is not None:
+                if (m := _mixer(mixer, dtype)) is None:
+                    return None
+                mixers.append(m)
+                structs.append(_Layer(in_norm.weight.data_ptr(), post_norm.weight.data_ptr(), 0, 0, 0, 0,
+                                      *map(_linear, calls), ctypes.addressof(m[0])))
+                continue
             if a.attn.k_cache.dtype != attn.k_cache.dtype or a.attn.k_cache.stride() != attn.k_cache.stride():
                 return None
-            structs.append(_Layer(layer.input_layernorm.weight.data_ptr(),
-                                  layer.post_attention_layernorm.weight.data_ptr(),
+            structs.append(_Layer(in_norm.weight.data_ptr(), post_norm.weight.data_ptr(),
                                   _pointer(None if a.q_norm is None else a.q_norm.weight),
                                   _pointer(None if a.k_norm is None else a.k_norm.weight),
-                                  a.attn.k_cache.data_ptr(), a.attn.v_cache.data_ptr(), *map(_linear, calls)))
+                                  a.attn.k_cache.data_ptr(), a.attn.v_cache.data_ptr(), *map(_linear, calls), 0))
         kv = attn.k_cache.dtype
         prefill = attn.prefill_kernel(dtype)
         prefill_fn = c_address(prefill[0]) if prefill is not None and prefill[1] == dtype else None
         kernels = [c_address(kernel(name, dtype)) for name in ("rms_norm", "add_rms_norm", "rope", "silu_mul")]
         kernels += [c_address(kernel(name, dtype, kv)) for name in ("store_kv", "paged_attention")]
+        hybrid = [c_address(kernel(name, dtype)) for name in ("mamba_time_steps", "mamba_step", "gated_rms_norm")]
         lora_jobs = c_address(kernel("lora_jobs", dtype))
-        if None in kernels or lora_jobs is None:
+        if None in kernels or lora_jobs is None or (mixers and None in hybrid):
             return None
         h, kvh, d = first.h, first.kvh, first.d
-        inter = layers[0].mlp.gate_up_proj.shard_sizes[0]
+        inter = parts[0][4].gate_up_proj.shard_sizes[0]
         hidden = layers[0].input_layernorm.weight.shape[0]
+        mx = next((p[3] for p in parts if p[3] is not None), None)
+        dims = (0,) * len(MIXER_DIMS) if mx is None else \
+            (mx.inner, mx.conv_dim, mx.heads, mx.head_dim, mx.groups, mx.d_state, mx.d_conv)
         kc = attn.k_cache
         model = _Model(hidden, h, kvh, d, inter, attn.block_size, torch.finfo(dtype).bits // 8,
-                       kc.stride(0), kc.stride(2), kc.stride(1), layers[0].input_layernorm.eps, attn.scale,
-                       rotary.cos.data_ptr(), rotary.sin.data_ptr(), *kernels, prefill_fn or 0, lora_jobs)
-        # scratch per row, in elements: the layer output, the normed rows, q/k/v, attention, gate/up, SiLU x up
-        widths = (hidden, hidden, (h + 2 * kvh) * d, h * d, 2 * inter, inter)
+                       kc.stride(0), kc.stride(2), kc.stride(1), 2 * rotary.cos.shape[1], *dims,
+                       layers[0].input_layernorm.eps, attn.scale, rotary.cos.data_ptr(), rotary.sin.data_ptr(),
+                       *kernels, prefill_fn or 0, lora_jobs, *(hybrid if mixers else (0, 0, 0)))
+        # scratch per row, in elements: the layer output, the normed rows, q/k/v (a mixer's gate | xbc | dt),
+        # attention (its y), gate/up, SiLU x up (its gated norm)
+        inner, proj = (mx.inner, mx.inner + mx.conv_dim + mx.heads) if mx is not None else (0, 0)
+        widths = (hidden, hidden, max((h + 2 * kvh) * d, proj), max(h * d, inner), 2 * inter, max(inter, inner))
         return cls(model, (_Layer * len(structs))(*structs), min(bounds, default=None), widths, dtype,
-                   _pools(layers), _adapters(layers))
+                   _pools(layers), _adapters(layers), mixers)
 
     @classmethod
     def refresh(cls, plan: FusedLayers | None | bool, layers: Sequence, rotary: RotaryEmbedding,
@@ -183,10 +245,14 @@ class FusedLayers:
     def applies(self, h: torch.Tensor, meta: AttentionMetadata,
                 segments: Sequence[tuple[int, int, str]] = ()) -> bool:
         """Whether this step's rows run here: the dtype planned, rows every GEMM takes, prefill spans only with
-        the C prefill kernel, no hybrid state, adapter segments (lora.segments_of) of adapters the plan has."""
-        rows = h.shape[0]
+        the C prefill kernel, a hybrid's rows all decode rows (no prefill chunk, no verify window), adapter
+        segments (lora.segments_of) of adapters the plan has."""
+        rows, st = h.shape[0], meta.state
+        if st is not None and not (self.mixers and st.decode_ids is not None and st.decode_ids[0].shape[0] == rows
+                                   and st.windows is None and not st.chunks and st.conv.dtype == self.dtype):
+            return False
         return (h.dtype == self.dtype and rows > 0 and (self.max_rows is None or rows <= self.max_rows)
-                and meta.state is None and all(name in self.adapters for _, _, name in segments)
+                and all(name in self.adapters for _, _, name in segments)
                 and (not meta.prefills or (self.model.prefill_attention and meta.prefill_block_tables is not None)))
 
     def run(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -207,6 +273,12 @@ class FusedLayers:
         step = _Step(rows, nb, positions.data_ptr(), meta.slot_mapping.data_ptr(), *map(_pointer, batched),
                      *_table_shape(batched[0]), *map(_pointer, prefill), *_table_shape(prefill[0]),
                      h.data_ptr(), out, x, qkv, attn, gu, act, len(segments), ctypes.addressof(segs))
+        if (st := meta.state) is not None:      # a hybrid's decode rows (applies)
+            (dec_rows, dec_slots), conv, ssm = st.decode_ids, st.conv, st.ssm
+            step.n_decode, step.decode_rows, step.decode_slots = dec_rows.shape[0], dec_rows.data_ptr(), \
+                dec_slots.data_ptr()
+            step.conv, step.conv_slot, step.conv_mixer = conv.data_ptr(), conv.stride(0), conv.stride(1)
+            step.ssm, step.ssm_slot, step.ssm_mixer = ssm.data_ptr(), ssm.stride(0), ssm.stride(1)
         rc = self.fn(ctypes.byref(self.model), self.layers, len(self.layers), ctypes.byref(step))
         if rc:
             layer, op = divmod(rc, 16)

@@ -46,15 +46,17 @@ def add_rms_norm(residual: torch.Tensor, x: torch.Tensor, w: torch.Tensor, eps: 
 
 def rope_(qk: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
           fast: bool) -> torch.Tensor:
-    """Rotate-half RoPE of qk [T, heads, D] (strided view). cos/sin: the [max_len, D/2] tables.
+    """Rotate-half RoPE of the first `rot` dims of each head of qk [T, heads, D] (strided view); cos/sin: the
+    [max_len, rot/2] tables (rot = D but for partial rotary).
 
     Fast path rotates in place; the torch path returns a new contiguous tensor."""
+    rot = 2 * cos.shape[1]
     if not fast:
         c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
-        x1, x2 = qk.chunk(2, dim=-1)
-        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+        x1, x2 = qk[..., :rot].chunk(2, dim=-1)
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s, qk[..., rot:]), dim=-1)
     assert qk.stride()[1:] == (qk.shape[2], 1)
-    kernel("rope", qk.dtype)(qk.data_ptr(), qk.stride(0), qk.shape[0], qk.shape[1], qk.shape[2],
+    kernel("rope", qk.dtype)(qk.data_ptr(), qk.stride(0), qk.shape[0], qk.shape[1], qk.shape[2], rot,
                              positions.data_ptr(), cos.data_ptr(), sin.data_ptr())
     return qk
 

@@ -79,6 +79,12 @@ def check_kernels(dtype: torch.dtype, width: int, rows: int, seed: int, level: s
     view = qkv[:, :heads * d].view(rows, heads, d)
     want = ops.rope_(view.clone(), positions, cos, sin, False)
     assert_close(ops.rope_(view, positions, cos, sin, True), want, f"rope_ {what}")
+    # partial rotary (Bamba): the first half of each head rotates, the rest stays as it was
+    rest = view[..., d // 2:].clone()
+    want = ops.rope_(view.clone(), positions, cos[:, :d // 4], sin[:, :d // 4], False)
+    assert_close(ops.rope_(view, positions, cos[:, :d // 4].contiguous(), sin[:, :d // 4].contiguous(), True), want,
+                 f"rope_ partial {what}")
+    assert torch.equal(view[..., d // 2:], rest), "the dims past the rotary ones are left alone"
 
     gu = (3 * torch.randn(rows, 2 * width, generator=g)).to(dtype)
     gu[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])         # the exponential's clamps, and zero

@@ -1,8 +1,9 @@
 """The decoder layers in one C call (models/fused_layers.py, csrc/decoder.c) against the same layers run one
 module at a time: the hidden states and every byte of the K/V pool equal, for decode rows, prefill spans
 over a cached prefix and both in one step; Llama (GQA), Qwen2 (q/k/v biases) and Qwen3 (per-head q/k norms);
-fp32 and bf16 activations, an fp8 pool, int8 and w8a8 weights, rows of two LoRA adapters beside base rows.
-And where it must not run: rows beyond the bf16 kernel's bound (oneDNN's), an adapter the plan lacks."""
+fp32 and bf16 activations, an fp8 pool, int8 and w8a8 weights, rows of two LoRA adapters beside base rows;
+a hybrid's (Bamba's) decode steps, its mixers' state pools equal too. And where it must not run: rows beyond
+the bf16 kernel's bound (oneDNN's), an adapter the plan lacks, a hybrid's prefill chunks."""
 from __future__ import annotations
 
 import pytest
@@ -32,14 +33,18 @@ def checkpoint(arch: str, tmp_path_factory) -> str:
                   rms_norm_eps=1e-6, initializer_range=0.08, bos_token_id=1, eos_token_id=2)
     cls, cfg = {"llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig),
                 "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config),
-                "qwen3": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config)}[arch]
+                "qwen3": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config),
+                "bamba": (transformers.BambaForCausalLM, transformers.BambaConfig)}[arch]
+    if arch == "bamba":            # attention in layer 1 of 4, partial rotary; mixers of 16 heads in 2 groups
+        common.update(num_hidden_layers=4, attn_layer_indices=[1], mamba_n_heads=16, mamba_d_head=32,
+                      mamba_d_state=32, mamba_n_groups=2, mamba_chunk_size=64)
     torch.manual_seed(11)
     model = cls(cfg(**common)).eval()
-    with torch.no_grad():          # biases and norm weights that matter (transformers makes them 0 and 1)
+    with torch.no_grad():          # biases, norm weights, a mixer's D and dt_bias that matter (transformers: 0 and 1)
         for name, p in model.named_parameters():
             if name.endswith(".bias"):
                 p.normal_(0.0, 0.05)
-            elif "norm" in name:
+            elif "norm" in name or name.endswith((".D", ".dt_bias")):
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
     out = tmp_path_factory.mktemp(arch)
     model.save_pretrained(out)
@@ -48,7 +53,7 @@ def checkpoint(arch: str, tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    return {arch: checkpoint(arch, tmp_path_factory) for arch in ("llama", "qwen2", "qwen3")}
+    return {arch: checkpoint(arch, tmp_path_factory) for arch in ("llama", "qwen2", "qwen3", "bamba")}
 
 
 def runner(ckpt: str, dtype: str, **cfg) -> ModelRunner:
@@ -61,11 +66,12 @@ def tokens(n: int, seed: int) -> list[int]:
 
 
 def forward_both_ways(r: ModelRunner, groups: list[RowGroup]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The step through the C plan and through the modules, from the same pool; each one's hidden states,
-    and their pools after it (asserted equal here)."""
+    """The step through the C plan and through the modules, from the same pools (K/V; a hybrid's conv and SSM
+    state); each one's hidden states, and their pools after it (asserted equal here)."""
     inp = r.build_inputs(groups)
     model = r.model
-    before = r.kv_cache.clone()
+    pools = [r.kv_cache] + ([r.conv_state, r.ssm_state] if r.conv_state is not None else [])
+    before = [p.clone() for p in pools]
     r.lora_ctx.segments = inp.lora_segments       # as ModelRunner.execute sets them
     try:
         with torch.inference_mode():
@@ -74,13 +80,16 @@ def forward_both_ways(r: ModelRunner, groups: list[RowGroup]) -> tuple[torch.Ten
             assert isinstance(plan, FusedLayers)
             assert plan.applies(model.embed_tokens(inp.input_ids), inp.meta, inp.lora_segments)
             fused = model(inp.input_ids, inp.positions, inp.meta)
-            pool = r.kv_cache.clone()
-            r.kv_cache.copy_(before)
+            after = [p.clone() for p in pools]
+            for p, b in zip(pools, before):
+                p.copy_(b)
             model.fused = None              # the modules, one at a time
             modules = model(inp.input_ids, inp.positions, inp.meta)
     finally:
         r.lora_ctx.segments = []
-    assert torch.equal(pool.view(torch.uint8), r.kv_cache.view(torch.uint8))
+    for a, p, b in zip(after, pools, before):
+        assert torch.equal(a.view(torch.uint8), p.view(torch.uint8))
+        assert not torch.equal(a.view(torch.uint8), b.view(torch.uint8))       # the step wrote each pool
     model.fused = False
     return fused, modules
 
@@ -100,6 +109,52 @@ def steps(r: ModelRunner, adapters: tuple[str | None, ...] = (None, None, None))
     step((a[:69], 0), (b[:24], 0), (c, 0))
     step((a[69:], 69), (b[24:], 24), ([c[3]], 9))
     step(([a[5]], 70), ([b[7]], 40), ([c[1]], 10))
+
+
+def hybrid_steps(r: ModelRunner, adapters: tuple[str | None, ...] = (None, None, None)) -> None:
+    """A hybrid: prefills of three sequences (the modules run them: prefill chunks), then two decode steps of
+    all three, each the same both ways, the state pools included. adapters: the three sequences'."""
+    seqs = [tokens(37, 1), tokens(20, 2), tokens(9, 3)]
+    blocks = list(range(0, 4)), list(range(4, 8)), list(range(8, 10))
+
+    def groups(rows: list[tuple[list[int], int]]) -> list[RowGroup]:
+        return [RowGroup(t, start, bl, 1, adapter=name, state_slot=slot)
+                for slot, ((t, start), bl, name) in enumerate(zip(rows, blocks, adapters))]
+    r.conv_state.zero_()            # the slots as the runner hands them to a first chunk
+    r.ssm_state.zero_()
+    inp = r.build_inputs(groups([(t[:-2], 0) for t in seqs]))
+    r.lora_ctx.segments = inp.lora_segments
+    try:
+        with torch.inference_mode():
+            assert not r.model.fused_layers().applies(r.model.embed_tokens(inp.input_ids), inp.meta,
+                                                      inp.lora_segments)
+            r.model(inp.input_ids, inp.positions, inp.meta)
+    finally:
+        r.lora_ctx.segments = []
+    for back in (2, 1):
+        fused, modules = forward_both_ways(r, groups([([t[-back]], len(t) - back) for t in seqs]))
+        assert torch.equal(fused, modules)
+        assert fused.abs().sum() > 0 and torch.isfinite(fused).all()
+
+
+@NEEDS_GEMM
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=BF16)])
+def test_fused_layers_equal_the_modules_hybrid(checkpoints, dtype):
+    """Bamba's attention (partial rotary) and mixer layers in the one call: decode steps bit for bit the
+    modules', the KV and both state pools too."""
+    r = runner(checkpoints["bamba"], dtype)
+    assert r.model.fused_layers().mixers
+    hybrid_steps(r)
+
+
+@NEEDS_GEMM
+@pytest.mark.parametrize("dtype,quantization", [("float32", "int8"), pytest.param("bfloat16", "none", marks=BF16)])
+def test_fused_layers_equal_the_modules_hybrid_with_adapter_rows(checkpoints, tmp_path, dtype, quantization):
+    """A hybrid's decode rows of two adapters (a1 on every projection, the mixers' in_proj and out_proj
+    included) beside a base row, over int8 weights and in bf16."""
+    r = runner(checkpoints["bamba"], dtype, quantization=quantization)
+    write_adapters(r, checkpoints["bamba"], tmp_path)
+    hybrid_steps(r, ("a1", None, "a2"))
 
 
 @NEEDS_GEMM
