@@ -7,6 +7,7 @@ models, one or several groups, with and without a conv bias:
   chunked algorithm) and the gated norm (csrc/elementwise.c against GatedRMSNorm's tensor ops): a whole
   mixer forward over a step of prefill chunks and decode rows, checkpoints at a chunk's start, inside it
   and at its end; the layer output, the pools and the checkpoint rows;
+- the time steps (mamba_time_steps: softplus(dt + dt_bias) over strided rows, in place too) against float64;
 - speculative verify windows (the C step over each window's rows, against the tensor-op step position by
   position): the windows' slots stay as they were; HybridState.commit_windows then leaves each in the state
   the step would have left with only its kept tokens."""
@@ -177,3 +178,29 @@ def test_verify_windows_leave_their_slots_until_the_kept_tokens_commit(dtype, gr
         diff = (out_c.float() - out_t.float()).abs()
         assert float(diff.max()) <= 0.02 * float(out_t.float().abs().max()), float(diff.max())
         assert float(diff.mean()) <= 0.002 * float(out_t.float().abs().mean()), float(diff.mean())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_c_time_steps_equal_softplus(dtype):
+    """softplus(round(dt + dt_bias)) per row and head, rounded to the model dtype: float32 within 2e-6 of the
+    float64 value over -30..30 (the exponential's error at large |x|), bf16 at most one rounding step off
+    torch's softplus; rows read and written at their strides, and in place (the decode call's way)."""
+    g = torch.Generator().manual_seed(4)
+    rows, heads = 7, 37                                  # heads off the vector width
+    proj = (torch.rand(rows, heads + 11, generator=g) * 60 - 30).to(dtype)
+    dt, bias = proj[:, 5:5 + heads], (torch.randn(heads, generator=g) * 0.5).to(dtype)
+    want = torch.nn.functional.softplus((dt + bias).double())
+    out = torch.empty(rows, heads, dtype=dtype)
+    fn = ck.kernel("mamba_time_steps", dtype)
+    fn(dt.data_ptr(), dt.stride(0), bias.data_ptr(), out.data_ptr(), out.stride(0), rows, heads)
+    rel = ((out.double() - want) / want).abs().max().item()
+    if dtype == torch.float32:
+        assert rel < 2e-6, rel
+    else:
+        assert rel <= 2 ** -8, rel
+        ref = torch.nn.functional.softplus(dt + bias)
+        assert ((out.float() - ref.float()).abs() <= ref.float().abs() * 2 ** -7).all()
+    before = proj.clone()
+    fn(dt.data_ptr(), dt.stride(0), bias.data_ptr(), dt.data_ptr(), dt.stride(0), rows, heads)
+    assert torch.equal(dt, out)                                          # in place: the same values
+    assert torch.equal(proj[:, :5], before[:, :5]) and torch.equal(proj[:, 5 + heads:], before[:, 5 + heads:])
