@@ -3,8 +3,8 @@
  * o projection, RMSNorm with the residual add, gate/up projection, SiLU x up, down projection; each projection
  * with the LoRA updates of the step's adapter rows), layer after layer, over this library's kernels. A hybrid's
  * (Bamba's) mixer layers take the attention's place in theirs: input projection, time steps, the Mamba2 decode
- * step over the rows' state slots, gated RMSNorm, output projection (decode rows only: a step with prefill
- * chunks or verify windows runs its layers as modules). Called once a step instead of
+ * step over the rows' state slots and the verify windows' step (slots left alone, the projection kept for the
+ * commit), gated RMSNorm, output projection (a step with prefill chunks runs its layers as modules). Called once a step instead of
  * ~10 ctypes calls a layer from Python (models/fused_layers.py): each of those cost 2-7 us of argument
  * conversion, tensor allocation and views, ~80 us a layer, against a few hundred us of kernels a layer for a
  * small model at one sequence; a LoRA update through torch ops cost ~5 tensor ops a shard.
@@ -113,14 +113,21 @@ typedef struct {
     void *x, *qkv, *attn, *gu, *act;       /* scratch, [rows] x hidden, q/k/v, heads x head_dim, 2 inter, inter */
     int64_t n_segments;                    /* the rows that carry an adapter, or 0 */
     const segment_t *segments;
-    /* hybrids: every row is a decode row, row decode_rows[i] in state slot decode_slots[i]; a mixer's conv
-     * state at conv + index * conv_mixer + slot * conv_slot (elements), its SSM state likewise in ssm */
+    /* hybrids: every row is a decode row (row decode_rows[i] in state slot decode_slots[i]) or in a verify
+     * window (rows win_rows[w] .. + win_lengths[w] - 1 from slot win_slots[w]); a mixer's conv state at
+     * conv + index * conv_mixer + slot * conv_slot (elements), its SSM state likewise in ssm. With windows,
+     * mixer i's projection (gate | xbc | time steps) goes to kept + i * rows * its width, for the commit. */
     int64_t n_decode;
     const int64_t *decode_rows, *decode_slots;
     void *conv;
     int64_t conv_slot, conv_mixer;
     float *ssm;
     int64_t ssm_slot, ssm_mixer;
+    int64_t n_windows;
+    const int64_t *win_rows;
+    const int32_t *win_lengths;
+    const int64_t *win_slots;
+    void *kept;
 } step_t;
 
 static int gemm(const linear_t *l, const void *x, int64_t m, void *y) {
@@ -189,20 +196,31 @@ static int attention(const model_t *m, const layer_t *L, int layer, const step_t
     return 0;
 }
 
-/* The mixer block of one layer, as Mamba2Mixer.forward runs it for decode rows: x -> s->h (the projection's
- * gate | xbc | dt in s->qkv, the time steps in place of dt, y in s->attn, the gated norm in s->act). Returns 0
- * or the failing op (OP_*). */
+/* The Mamba2 step of the runs (rows[r] .. + lengths[r] - 1, or one row each without lengths) from their slots,
+ * written back to them with keep = 1, else left as they were (mamba_step); y into s->attn. */
+static int mixer_step(const model_t *m, const mixer_t *X, const step_t *s, const char *xbc, const char *dt,
+                      int64_t width, const int64_t *rows, const int32_t *lengths, const int64_t *slots, int64_t n,
+                      int keep) {
+    return ((mamba_step_fn)m->mamba_step)(xbc, width, dt, width, rows, lengths, slots, (int)n, keep,
+                                          (char *)s->conv + X->index * s->conv_mixer * m->elem, s->conv_slot,
+                                          s->ssm + X->index * s->ssm_mixer, s->ssm_slot, X->conv_w, X->conv_b, X->A,
+                                          X->D, s->attn, m->inner, (int)m->conv_dim, (int)m->d_conv, (int)m->m_heads,
+                                          (int)m->m_head_dim, (int)m->groups, (int)m->d_state);
+}
+
+/* The mixer block of one layer, as Mamba2Mixer.forward runs it for decode rows and verify windows: x -> s->h
+ * (the projection's gate | xbc | dt in s->qkv or s->kept, the time steps in place of dt, y in s->attn, the
+ * gated norm in s->act). Returns 0 or the failing op (OP_*). */
 static int mixer(const model_t *m, const layer_t *L, int layer, const step_t *s) {
     const mixer_t *X = L->mixer;
     const int64_t T = s->rows, width = m->inner + m->conv_dim + m->m_heads, e = m->elem;
-    char *proj = s->qkv, *xbc = proj + m->inner * e, *dt = xbc + m->conv_dim * e;
+    char *proj = s->kept ? (char *)s->kept + X->index * T * width * e : s->qkv;
+    char *xbc = proj + m->inner * e, *dt = xbc + m->conv_dim * e;
     if (linear(m, s, &L->qkv, layer, PROJ_QKV, s->x, proj)) return OP_QKV;
     ((time_steps_fn)m->time_steps)(dt, width, X->dt_bias, dt, width, (int)T, (int)m->m_heads);
-    if (((mamba_step_fn)m->mamba_step)(xbc, width, dt, width, s->decode_rows, NULL, s->decode_slots, (int)s->n_decode,
-                                       1, (char *)s->conv + (X->index * s->conv_mixer) * e, s->conv_slot,
-                                       s->ssm + X->index * s->ssm_mixer, s->ssm_slot, X->conv_w, X->conv_b, X->A, X->D,
-                                       s->attn, m->inner, (int)m->conv_dim, (int)m->d_conv, (int)m->m_heads,
-                                       (int)m->m_head_dim, (int)m->groups, (int)m->d_state))
+    if ((s->n_decode && mixer_step(m, X, s, xbc, dt, width, s->decode_rows, NULL, s->decode_slots, s->n_decode, 1))
+        || (s->n_windows
+            && mixer_step(m, X, s, xbc, dt, width, s->win_rows, s->win_lengths, s->win_slots, s->n_windows, 0)))
         return OP_MIXER_STEP;
     ((gated_rms_norm_fn)m->gated_rms_norm)(s->attn, proj, width, s->act, X->norm, (int)T, (int)m->inner,
                                            (int)m->groups, m->eps);

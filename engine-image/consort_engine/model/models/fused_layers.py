@@ -1,9 +1,9 @@
 """A step's decoder layers in one C call (csrc/decoder.c), where every part of them runs on the engine's CPU
 kernels: the C GEMMs (fp32; bf16 up to BF16_KERNEL_ROWS rows; int8 and w8a8 codes), the element-wise
 kernels, decode attention and, for prefill spans, the C prefill kernel; adapter rows' LoRA updates on
-csrc/lora.c; a hybrid's (Bamba's) mixer layers on csrc/mamba.c's decode step, in steps of decode rows only.
-Elsewhere (oneDNN's bf16 rows, SDPA prefills, tensor parallelism, a hybrid's prefill chunks and verify windows)
-the layers run one module at a time as before.
+csrc/lora.c; a hybrid's (Bamba's) mixer layers on csrc/mamba.c's step, in steps of decode rows and verify
+windows. Elsewhere (oneDNN's bf16 rows, SDPA prefills, tensor parallelism, a hybrid's prefill chunks) the
+layers run one module at a time as before.
 
 The call does what DecoderLayer.forward does with the same kernels in the same order, so the output and the
 pool are bit for bit the same; it saves the Python between the kernels (~80 us a layer: ctypes argument
@@ -79,7 +79,8 @@ class _Step(ctypes.Structure):
                [(name, c_void_p) for name in ("residual", "h", "x", "qkv", "attn", "gu", "act")] + \
                [("n_segments", c_int64), ("segments", c_void_p), ("n_decode", c_int64), ("decode_rows", c_void_p),
                 ("decode_slots", c_void_p), ("conv", c_void_p), ("conv_slot", c_int64), ("conv_mixer", c_int64),
-                ("ssm", c_void_p), ("ssm_slot", c_int64), ("ssm_mixer", c_int64)]
+                ("ssm", c_void_p), ("ssm_slot", c_int64), ("ssm_mixer", c_int64), ("n_windows", c_int64),
+                ("win_rows", c_void_p), ("win_lengths", c_void_p), ("win_slots", c_void_p), ("kept", c_void_p)]
 
 
 def _linear(call: GemmCall) -> _Linear:
@@ -245,12 +246,14 @@ class FusedLayers:
     def applies(self, h: torch.Tensor, meta: AttentionMetadata,
                 segments: Sequence[tuple[int, int, str]] = ()) -> bool:
         """Whether this step's rows run here: the dtype planned, rows every GEMM takes, prefill spans only with
-        the C prefill kernel, a hybrid's rows all decode rows (no prefill chunk, no verify window), adapter
+        the C prefill kernel, a hybrid's rows decode rows and verify windows (no prefill chunk), adapter
         segments (lora.segments_of) of adapters the plan has."""
         rows, st = h.shape[0], meta.state
-        if st is not None and not (self.mixers and st.decode_ids is not None and st.decode_ids[0].shape[0] == rows
-                                   and st.windows is None and not st.chunks and st.conv.dtype == self.dtype):
-            return False
+        if st is not None:
+            decode = 0 if st.decode_ids is None else st.decode_ids[0].shape[0]
+            windows = 0 if st.windows is None else sum(st.windows.runs.lengths)
+            if not self.mixers or st.chunks or decode + windows != rows or st.conv.dtype != self.dtype:
+                return False
         return (h.dtype == self.dtype and rows > 0 and (self.max_rows is None or rows <= self.max_rows)
                 and all(name in self.adapters for _, _, name in segments)
                 and (not meta.prefills or (self.model.prefill_attention and meta.prefill_block_tables is not None)))
@@ -273,17 +276,30 @@ class FusedLayers:
         step = _Step(rows, nb, positions.data_ptr(), meta.slot_mapping.data_ptr(), *map(_pointer, batched),
                      *_table_shape(batched[0]), *map(_pointer, prefill), *_table_shape(prefill[0]),
                      h.data_ptr(), out, x, qkv, attn, gu, act, len(segments), ctypes.addressof(segs))
-        if (st := meta.state) is not None:      # a hybrid's decode rows (applies)
-            (dec_rows, dec_slots), conv, ssm = st.decode_ids, st.conv, st.ssm
-            step.n_decode, step.decode_rows, step.decode_slots = dec_rows.shape[0], dec_rows.data_ptr(), \
-                dec_slots.data_ptr()
+        kept = None
+        if (st := meta.state) is not None:      # a hybrid's decode rows and verify windows (applies)
+            conv, ssm = st.conv, st.ssm
             step.conv, step.conv_slot, step.conv_mixer = conv.data_ptr(), conv.stride(0), conv.stride(1)
             step.ssm, step.ssm_slot, step.ssm_mixer = ssm.data_ptr(), ssm.stride(0), ssm.stride(1)
+            if st.decode_ids is not None:
+                step.n_decode, step.decode_rows, step.decode_slots = st.decode_ids[0].shape[0], \
+                    *(t.data_ptr() for t in st.decode_ids)
+            if st.windows is not None:
+                ids = st.windows.runs.ids
+                step.n_windows, step.win_rows, step.win_lengths, step.win_slots = ids[0].shape[0], \
+                    *(t.data_ptr() for t in ids)
+                m = self.model      # every mixer's projection, kept for commit_windows
+                kept = torch.empty(len(self.mixers), rows, m.inner + m.conv_dim + m.m_heads, dtype=h.dtype)
+                step.kept = kept.data_ptr()
         rc = self.fn(ctypes.byref(self.model), self.layers, len(self.layers), ctypes.byref(step))
+        if kept is not None:     # what each mixer's step took, as Mamba2Mixer.forward keeps it (y: scratch)
+            m, y = self.model, torch.empty(rows, self.model.inner, dtype=h.dtype)
+            st.windows.inputs[:] = [(p[:, m.inner:m.inner + m.conv_dim], p[:, m.inner + m.conv_dim:], y)
+                                    for p in kept]
         if rc:
             layer, op = divmod(rc, 16)
-            if op in (1, 2, 3, 4):
-                raise MemoryError(f"decoder layer {layer}: the {OPS[op]} (GEMM or LoRA update) has no memory for its "
-                                  f"buffers ({rows} rows)")
+            if op in (1, 2, 3, 4, 7):
+                what = OPS[op] + (" kernel" if op == 7 else " (GEMM or LoRA update)")
+                raise MemoryError(f"decoder layer {layer}: the {what} has no memory for its buffers ({rows} rows)")
             raise RuntimeError(f"decoder layer {layer}: {OPS.get(op, op)} kernel failed")
         return scratch[:rows * self.widths[0]].view(rows, -1) + h

@@ -137,14 +137,50 @@ def hybrid_steps(r: ModelRunner, adapters: tuple[str | None, ...] = (None, None,
         assert fused.abs().sum() > 0 and torch.isfinite(fused).all()
 
 
+def hybrid_window_step(r: ModelRunner, adapters: tuple[str | None, ...]) -> None:
+    """After hybrid_steps: a verify step (a window of 4 rows, one of 3, a decode row) and the commit of 2 and 3
+    of the windows' tokens, through the C plan and through the modules from the same pools: the hidden
+    states, and the KV and state pools after the commit."""
+    seqs = [tokens(40, 4), tokens(24, 5), tokens(11, 6)]
+    blocks = list(range(0, 4)), list(range(4, 8)), list(range(8, 10))
+    groups = [RowGroup(t[start:], start, bl, len(t) - start, adapter=name, state_slot=slot)
+              for slot, (t, start, bl, name) in enumerate(zip(seqs, (36, 21, 10), blocks, adapters))]
+    pools = [r.kv_cache, r.conv_state, r.ssm_state]
+    before = [p.clone() for p in pools]
+    outs, after = [], []
+    for fused in (True, False):
+        for p, b in zip(pools, before):
+            p.copy_(b)
+        inp = r.build_inputs(groups)
+        assert inp.meta.state.windows is not None and len(inp.meta.state.windows.runs.lengths) == 2
+        r.lora_ctx.segments = inp.lora_segments
+        try:
+            with torch.inference_mode():
+                r.model.fused = False if fused else None
+                if fused:
+                    assert r.model.fused_layers().applies(r.model.embed_tokens(inp.input_ids), inp.meta,
+                                                          inp.lora_segments)
+                outs.append(r.model(inp.input_ids, inp.positions, inp.meta))
+        finally:
+            r.lora_ctx.segments = []
+        r.commit_windows({0: 2, 1: 3})
+        after.append([p.clone() for p in pools])
+    r.model.fused = False
+    assert torch.equal(outs[0], outs[1]) and torch.isfinite(outs[0]).all()
+    for a, b, start in zip(after[0], after[1], before):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        assert not torch.equal(a.view(torch.uint8), start.view(torch.uint8))
+
+
 @NEEDS_GEMM
 @pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=BF16)])
 def test_fused_layers_equal_the_modules_hybrid(checkpoints, dtype):
-    """Bamba's attention (partial rotary) and mixer layers in the one call: decode steps bit for bit the
-    modules', the KV and both state pools too."""
+    """Bamba's attention (partial rotary) and mixer layers in the one call: decode steps and a verify step
+    bit for bit the modules', the KV and both state pools too (after the windows' commit)."""
     r = runner(checkpoints["bamba"], dtype)
     assert r.model.fused_layers().mixers
     hybrid_steps(r)
+    hybrid_window_step(r, (None, None, None))
 
 
 @NEEDS_GEMM
@@ -155,6 +191,7 @@ def test_fused_layers_equal_the_modules_hybrid_with_adapter_rows(checkpoints, tm
     r = runner(checkpoints["bamba"], dtype, quantization=quantization)
     write_adapters(r, checkpoints["bamba"], tmp_path)
     hybrid_steps(r, ("a1", None, "a2"))
+    hybrid_window_step(r, ("a1", "a2", None))
 
 
 @NEEDS_GEMM
