@@ -4,8 +4,8 @@
  * with the LoRA updates of the step's adapter rows), layer after layer, over this library's kernels. A hybrid's
  * (Bamba's) mixer layers take the attention's place in theirs: input projection, time steps, the Mamba2 decode
  * step over the rows' state slots and the verify windows' step (slots left alone, the projection kept for the
- * commit), gated RMSNorm, output projection (a step with prefill chunks runs its layers as modules). Called once a step instead of
- * ~10 ctypes calls a layer from Python (models/fused_layers.py): each of those cost 2-7 us of argument
+ * commit), gated RMSNorm, output projection (a step with prefill chunks runs its layers as modules). Called
+ * once a step instead of ~10 ctypes calls a layer from Python (models/fused_layers.py): each of those cost 2-7 us of argument
  * conversion, tensor allocation and views, ~80 us a layer, against a few hundred us of kernels a layer for a
  * small model at one sequence; a LoRA update through torch ops cost ~5 tensor ops a shard.
  *

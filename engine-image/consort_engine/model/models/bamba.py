@@ -1,8 +1,9 @@
 """Bamba (transformers' BambaForCausalLM): attention layers interleaved with Mamba2 mixer layers.
 
-Attention layers read and write the paged KV pool like Llama's (partial RoPE: the rotary
-tables span the first `partial_rotary_factor` of each head, the dims that rotate). Mixer layers hold no KV: their conv and SSM state live in the runner's state slot pool
-([max_num_seqs, mixer layers, ...], see state_pool.py), one slot per running sequence. Per step:
+Attention layers read and write the paged KV pool like Llama's (partial RoPE: the rotary tables span
+the first `partial_rotary_factor` of each head, the dims that rotate). Mixer layers hold no KV: their conv
+and SSM state live in the runner's state slot pool ([max_num_seqs, mixer layers, ...], see state_pool.py),
+one slot per running sequence. Per step:
 - every single-token row (decode) of the batch goes through ONE batched recurrence step per layer,
   reading and writing the states of their slots by index;
 - every multi-token row group (a prefill chunk) runs the chunked SSD scan from its slot's state and
