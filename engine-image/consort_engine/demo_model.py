@@ -406,7 +406,7 @@ ADAPTER_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj", "out_p
 
 def projection_shapes(cfg: dict) -> dict[str, tuple[int, int]]:
     """(out, in) of each projection ADAPTER_PROJECTIONS names, from config.json (a hybrid's mixer in_proj /
-    out_proj as models/bamba.py sizes them)."""
+    out_proj as models/mamba2.py sizes them)."""
     h, f = cfg["hidden_size"], cfg["intermediate_size"]
     hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
     q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd

@@ -5,9 +5,10 @@
  * (Bamba's) mixer layers take the attention's place in theirs: input projection, time steps, the Mamba2 decode
  * step over the rows' state slots and the verify windows' step (slots left alone, the projection kept for the
  * commit), gated RMSNorm, output projection (a step with prefill chunks runs its layers as modules). Called
- * once a step instead of ~10 ctypes calls a layer from Python (models/fused_layers.py): each of those cost 2-7 us of argument
- * conversion, tensor allocation and views, ~80 us a layer, against a few hundred us of kernels a layer for a
- * small model at one sequence; a LoRA update through torch ops cost ~5 tensor ops a shard.
+ * once a step instead of ~10 ctypes calls a layer from Python (models/fused_layers.py): each of those cost
+ * 2-7 us of argument conversion, tensor allocation and views, ~80 us a layer, against a few hundred us of
+ * kernels a layer for a small model at one sequence; a LoRA update through torch ops cost ~5 tensor ops a
+ * shard.
  *
  * The kernels come in as function pointers (the ones Python would call for this activation dtype, pool
  * dtype and weight format), so this file has one copy for every dtype and needs none of the per-level
@@ -74,7 +75,7 @@ typedef struct {
 
 enum { PROJ_QKV, PROJ_O, PROJ_GATE_UP, PROJ_DOWN };
 
-/* A mixer layer's own parameters (models/bamba.py Mamba2Mixer); its projections are the layer's qkv (in_proj)
+/* A mixer layer's own parameters (models/mamba2.py Mamba2Mixer); its projections are the layer's qkv (in_proj)
  * and o (out_proj), which is also where an adapter's pairs on them are (PROJ_QKV, PROJ_O). */
 typedef struct {
     const void *conv_w, *conv_b;           /* [conv_dim][d_conv]; bias or NULL */

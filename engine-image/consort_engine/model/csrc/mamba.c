@@ -1,4 +1,4 @@
-/* The Mamba2 mixer on CPU (models/bamba.py): the decode steps, and the prefill chunks' conv and scan, each
+/* The Mamba2 mixer on CPU (models/mamba2.py): the decode steps, and the prefill chunks' conv and scan, each
  * one call per mixer layer for all of a step's rows.
  *
  * The decode step: for each single-token row of a step, the causal depthwise conv over its slot's conv
@@ -272,7 +272,7 @@ DEFINE_MAMBA_SCAN(bf16, bf16_t)
  * state becomes the window's last d_conv - 1 inputs, and cut c (of chunk cut_span[c]) saves the
  * d_conv - 1 inputs before its token cut_off[c] into row cut_row[c] of ckpt. Work items: (chunk, 64
  * channels), vectorised across the channels; d_conv <= 9 (the taps sit in arrays on the stack; Mamba2
- * models use 4, and models/bamba.py takes the tensor ops above MAX_KERNEL_CONV). */
+ * models use 4, and models/mamba2.py takes the tensor ops above MAX_KERNEL_CONV). */
 #define MB_CONV_CHANNELS 64
 #define DEFINE_MAMBA_CONV(SUFFIX, T)                                                                    \
 void mamba_conv_##SUFFIX(const T *xbc, int64_t xbc_stride, const int32_t *span_start, const int32_t *span_end, \

@@ -23,6 +23,7 @@ import torch
 from consort_engine.model.attention import AttentionMetadata
 from consort_engine.model.cpu_kernels import cpu_kernels, kernel
 from consort_engine.model.models.layers import MLP, Attention, DecoderLayer
+from consort_engine.model.models.mamba2 import BambaLayer, Mamba2Mixer
 from consort_engine.model.models.packed import GemmCall, c_address, gemm_call
 from consort_engine.model.models.rope import RotaryEmbedding
 
@@ -91,7 +92,6 @@ def _linear(call: GemmCall) -> _Linear:
 def _parts(layer) -> tuple | None:
     """(input norm, post-attention norm, attention or None, mixer or None, MLP) of a layer the call runs: a
     DecoderLayer, or a hybrid's attention or mixer layer (BambaLayer); None for any other."""
-    from consort_engine.model.models.bamba import BambaLayer, Mamba2Mixer    # bamba.py imports this module
     if type(layer) is DecoderLayer:
         parts = layer.input_layernorm, layer.post_attention_layernorm, layer.self_attn, None, layer.mlp
     elif type(layer) is BambaLayer:

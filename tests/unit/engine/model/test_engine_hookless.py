@@ -7,7 +7,7 @@ from torch import nn
 
 from consort_engine.model.attention import PagedAttention
 from consort_engine.model.hookless import HooklessModule
-from consort_engine.model.models.bamba import BambaLayer, Conv1d, GatedRMSNorm, Mamba2Mixer
+from consort_engine.model.models.mamba2 import BambaLayer, Conv1d, GatedRMSNorm, Mamba2Mixer
 from consort_engine.model.models.layers import MLP, Attention, DecoderLayer, Linear, RMSNorm
 from consort_engine.model.models.mtp import MTPBlock
 

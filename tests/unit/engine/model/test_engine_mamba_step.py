@@ -23,7 +23,7 @@ from consort_engine.kv.state_pool import build_state_metadata
 from consort_engine.model import cpu_kernels as ck
 from consort_engine.model.hybrid_state import HybridState
 from consort_engine.model.loader import ModelConfig
-from consort_engine.model.models.bamba import Mamba2Mixer
+from consort_engine.model.models.mamba2 import Mamba2Mixer
 
 pytestmark = pytest.mark.skipif(ck.cpu_kernels() is None, reason="no C compiler for the CPU kernels")
 
