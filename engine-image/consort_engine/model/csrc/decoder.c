@@ -3,8 +3,9 @@
  * o projection, RMSNorm with the residual add, gate/up projection, SiLU x up, down projection; each projection
  * with the LoRA updates of the step's adapter rows), layer after layer, over this library's kernels. A hybrid's
  * (Bamba's) mixer layers take the attention's place in theirs: input projection, time steps, the Mamba2 decode
- * step over the rows' state slots and the verify windows' step (slots left alone, the projection kept for the
- * commit), gated RMSNorm, output projection (a step with prefill chunks runs its layers as modules). Called
+ * step over the rows' state slots, the verify windows' step (slots left alone, the projection kept for the
+ * commit) and the prefill chunks' conv and scan (state checkpoints saved where they fall), gated RMSNorm,
+ * output projection. Called
  * once a step instead of ~10 ctypes calls a layer from Python (models/fused_layers.py): each of those cost
  * 2-7 us of argument conversion, tensor allocation and views, ~80 us a layer, against a few hundred us of
  * kernels a layer for a small model at one sequence; a LoRA update through torch ops cost ~5 tensor ops a
@@ -35,6 +36,13 @@ typedef int (*mamba_step_fn)(const void *, int64_t, const void *, int64_t, const
                              const int64_t *, int, int, void *, int64_t, float *, int64_t, const void *, const void *,
                              const float *, const void *, void *, int64_t, int, int, int, int, int, int);
 typedef void (*gated_rms_norm_fn)(const void *, const void *, int64_t, void *, const void *, int, int, int, float);
+typedef void (*mamba_conv_fn)(const void *, int64_t, const int32_t *, const int32_t *, const int64_t *, int,
+                              const int32_t *, const int32_t *, const int64_t *, int, void *, int64_t, void *, int64_t,
+                              const void *, const void *, void *, int64_t, int, int);
+typedef void (*mamba_scan_fn)(const void *, int64_t, const void *, int64_t, const int32_t *, const int32_t *,
+                              const int64_t *, int, const int32_t *, const int32_t *, const int64_t *, int, float *,
+                              int64_t, float *, int64_t, const float *, const void *, float, float, void *, int64_t,
+                              int, int, int, int);
 typedef void (*silu_mul_fn)(const void *, void *, int, int);
 typedef void (*store_kv_fn)(const void *, int64_t, const void *, int64_t, void *, void *, const int64_t *, int, int,
                             int, int, int64_t, int64_t, int64_t);
@@ -97,9 +105,11 @@ typedef struct {
     int64_t rot;                                                          /* dims of a head RoPE rotates */
     int64_t inner, conv_dim, m_heads, m_head_dim, groups, d_state, d_conv;  /* the mixers' (hybrids) */
     float eps, scale;
+    float dt_lo, dt_hi;                                                   /* the mixers' time step limits */
     const void *cos, *sin;
     const void *rms_norm, *add_rms_norm, *rope, *silu_mul, *store_kv, *paged_attention, *prefill_attention;
-    const void *lora_jobs, *time_steps, *mamba_step, *gated_rms_norm;    /* the last three: hybrids, or NULL */
+    const void *lora_jobs;
+    const void *time_steps, *mamba_step, *gated_rms_norm, *mamba_conv, *mamba_scan;    /* hybrids, or NULL */
 } model_t;
 
 typedef struct {
@@ -129,6 +139,21 @@ typedef struct {
     const int32_t *win_lengths;
     const int64_t *win_slots;
     void *kept;
+    /* hybrids' prefill chunks (state_pool.StateMetadata.chunk_ids): rows starts[c] .. ends[c] - 1 from slot
+     * chunk_slots[c]; cuts: the conv and SSM state cut_off[i] rows into chunk cut_chunk[i] saved to checkpoint
+     * row cut_row[i] (a mixer's at ckpt_conv + index * ckpt_conv_mixer + row * ckpt_conv_row, ckpt_ssm likewise);
+     * conv_out: scratch, [rows] x conv_dim */
+    int64_t n_chunks;
+    const int32_t *starts, *ends;
+    const int64_t *chunk_slots;
+    int64_t n_cuts;
+    const int32_t *cut_chunk, *cut_off;
+    const int64_t *cut_row;
+    void *ckpt_conv;
+    int64_t ckpt_conv_row, ckpt_conv_mixer;
+    float *ckpt_ssm;
+    int64_t ckpt_ssm_row, ckpt_ssm_mixer;
+    void *conv_out;
 } step_t;
 
 static int gemm(const linear_t *l, const void *x, int64_t m, void *y) {
@@ -209,7 +234,27 @@ static int mixer_step(const model_t *m, const mixer_t *X, const step_t *s, const
                                           (int)m->m_head_dim, (int)m->groups, (int)m->d_state);
 }
 
-/* The mixer block of one layer, as Mamba2Mixer.forward runs it for decode rows and verify windows: x -> s->h
+/* The prefill chunks' causal conv (into s->conv_out) and scan (y into s->attn), from and into their slots,
+ * the state at each cut saved to its checkpoint row (mamba_conv, mamba_scan). */
+static void mixer_chunks(const model_t *m, const mixer_t *X, const step_t *s, const char *xbc, const char *dt,
+                         int64_t width) {
+    const int64_t e = m->elem;
+    char *ckpt_conv = s->ckpt_conv ? (char *)s->ckpt_conv + X->index * s->ckpt_conv_mixer * e : NULL;
+    float *ckpt_ssm = s->ckpt_ssm ? s->ckpt_ssm + X->index * s->ckpt_ssm_mixer : NULL;
+    ((mamba_conv_fn)m->mamba_conv)(xbc, width, s->starts, s->ends, s->chunk_slots, (int)s->n_chunks, s->cut_chunk,
+                                   s->cut_off, s->cut_row, (int)s->n_cuts,
+                                   (char *)s->conv + X->index * s->conv_mixer * e, s->conv_slot, ckpt_conv,
+                                   s->ckpt_conv_row, X->conv_w, X->conv_b, s->conv_out, m->conv_dim,
+                                   (int)m->conv_dim, (int)m->d_conv);
+    ((mamba_scan_fn)m->mamba_scan)(s->conv_out, m->conv_dim, dt, width, s->starts, s->ends, s->chunk_slots,
+                                   (int)s->n_chunks, s->cut_chunk, s->cut_off, s->cut_row, (int)s->n_cuts,
+                                   s->ssm + X->index * s->ssm_mixer, s->ssm_slot, ckpt_ssm, s->ckpt_ssm_row, X->A,
+                                   X->D, m->dt_lo, m->dt_hi, s->attn, m->inner, (int)m->m_heads, (int)m->m_head_dim,
+                                   (int)m->groups, (int)m->d_state);
+}
+
+/* The mixer block of one layer, as Mamba2Mixer.forward runs it for decode rows, verify windows and prefill
+ * chunks: x -> s->h
  * (the projection's gate | xbc | dt in s->qkv or s->kept, the time steps in place of dt, y in s->attn, the
  * gated norm in s->act). Returns 0 or the failing op (OP_*). */
 static int mixer(const model_t *m, const layer_t *L, int layer, const step_t *s) {
@@ -223,6 +268,7 @@ static int mixer(const model_t *m, const layer_t *L, int layer, const step_t *s)
         || (s->n_windows
             && mixer_step(m, X, s, xbc, dt, width, s->win_rows, s->win_lengths, s->win_slots, s->n_windows, 0)))
         return OP_MIXER_STEP;
+    if (s->n_chunks) mixer_chunks(m, X, s, xbc, dt, width);
     ((gated_rms_norm_fn)m->gated_rms_norm)(s->attn, proj, width, s->act, X->norm, (int)T, (int)m->inner,
                                            (int)m->groups, m->eps);
     return linear(m, s, &L->o, layer, PROJ_O, s->act, s->h) ? OP_O : 0;

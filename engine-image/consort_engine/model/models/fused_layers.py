@@ -1,9 +1,9 @@
 """A step's decoder layers in one C call (csrc/decoder.c), where every part of them runs on the engine's CPU
 kernels: the C GEMMs (fp32; bf16 up to BF16_KERNEL_ROWS rows; int8 and w8a8 codes), the element-wise
 kernels, decode attention and, for prefill spans, the C prefill kernel; adapter rows' LoRA updates on
-csrc/lora.c; a hybrid's (Bamba's) mixer layers on csrc/mamba.c's step, in steps of decode rows and verify
-windows. Elsewhere (oneDNN's bf16 rows, SDPA prefills, tensor parallelism, a hybrid's prefill chunks) the
-layers run one module at a time as before.
+csrc/lora.c; a hybrid's (Bamba's) mixer layers on csrc/mamba.c (decode rows, verify windows, prefill
+chunks). Elsewhere (oneDNN's bf16 rows, SDPA prefills, tensor parallelism) the layers run one module at a
+time as before.
 
 The call does what DecoderLayer.forward does with the same kernels in the same order, so the output and the
 pool are bit for bit the same; it saves the Python between the kernels (~80 us a layer: ctypes argument
@@ -23,7 +23,7 @@ import torch
 from consort_engine.model.attention import AttentionMetadata
 from consort_engine.model.cpu_kernels import cpu_kernels, kernel
 from consort_engine.model.models.layers import MLP, Attention, DecoderLayer
-from consort_engine.model.models.mamba2 import BambaLayer, Mamba2Mixer
+from consort_engine.model.models.mamba2 import MAX_KERNEL_CONV, BambaLayer, Mamba2Mixer
 from consort_engine.model.models.packed import GemmCall, c_address, gemm_call
 from consort_engine.model.models.rope import RotaryEmbedding
 
@@ -66,10 +66,11 @@ class _Model(ctypes.Structure):
     _fields_ = [(name, c_int64) for name in ("hidden", "heads", "kv_heads", "head_dim", "inter", "block_size",
                                               "elem", "blk_stride", "tok_stride", "head_stride", "rot",
                                               *MIXER_DIMS)] + \
-               [("eps", c_float), ("scale", c_float)] + \
+               [("eps", c_float), ("scale", c_float), ("dt_lo", c_float), ("dt_hi", c_float)] + \
                [(name, c_void_p) for name in ("cos", "sin", "rms_norm", "add_rms_norm", "rope", "silu_mul",
                                               "store_kv", "paged_attention", "prefill_attention", "lora_jobs",
-                                              "time_steps", "mamba_step", "gated_rms_norm")]
+                                              "time_steps", "mamba_step", "gated_rms_norm", "mamba_conv",
+                                              "mamba_scan")]
 
 
 class _Step(ctypes.Structure):
@@ -81,7 +82,12 @@ class _Step(ctypes.Structure):
                [("n_segments", c_int64), ("segments", c_void_p), ("n_decode", c_int64), ("decode_rows", c_void_p),
                 ("decode_slots", c_void_p), ("conv", c_void_p), ("conv_slot", c_int64), ("conv_mixer", c_int64),
                 ("ssm", c_void_p), ("ssm_slot", c_int64), ("ssm_mixer", c_int64), ("n_windows", c_int64),
-                ("win_rows", c_void_p), ("win_lengths", c_void_p), ("win_slots", c_void_p), ("kept", c_void_p)]
+                ("win_rows", c_void_p), ("win_lengths", c_void_p), ("win_slots", c_void_p), ("kept", c_void_p),
+                ("n_chunks", c_int64), ("starts", c_void_p), ("ends", c_void_p), ("chunk_slots", c_void_p),
+                ("n_cuts", c_int64), ("cut_chunk", c_void_p), ("cut_off", c_void_p), ("cut_row", c_void_p),
+                ("ckpt_conv", c_void_p), ("ckpt_conv_row", c_int64), ("ckpt_conv_mixer", c_int64),
+                ("ckpt_ssm", c_void_p), ("ckpt_ssm_row", c_int64), ("ckpt_ssm_mixer", c_int64),
+                ("conv_out", c_void_p)]
 
 
 def _linear(call: GemmCall) -> _Linear:
@@ -144,8 +150,8 @@ def _pools(layers: Sequence) -> tuple[int, int]:
 def _mixer(mixer, dtype: torch.dtype) -> tuple[_Mixer, torch.Tensor] | None:
     """A mixer's C parameters (csrc/decoder.c mixer_t) and the A tensor they point into; None where its decode
     step is not on the C kernels."""
-    if not mixer.fast or not all(p.dtype == dtype for p in (mixer.conv1d.weight, mixer.dt_bias, mixer.D,
-                                                            mixer.norm.weight)):
+    if not mixer.fast or mixer.d_conv > MAX_KERNEL_CONV or not all(
+            p.dtype == dtype for p in (mixer.conv1d.weight, mixer.dt_bias, mixer.D, mixer.norm.weight)):
         return None
     A = -torch.exp(mixer.A_log.float())
     return _Mixer(mixer.conv1d.weight.data_ptr(), _pointer(mixer.conv1d.bias), mixer.dt_bias.data_ptr(),
@@ -212,7 +218,8 @@ class FusedLayers:
         prefill_fn = c_address(prefill[0]) if prefill is not None and prefill[1] == dtype else None
         kernels = [c_address(kernel(name, dtype)) for name in ("rms_norm", "add_rms_norm", "rope", "silu_mul")]
         kernels += [c_address(kernel(name, dtype, kv)) for name in ("store_kv", "paged_attention")]
-        hybrid = [c_address(kernel(name, dtype)) for name in ("mamba_time_steps", "mamba_step", "gated_rms_norm")]
+        hybrid = [c_address(kernel(name, dtype)) for name in ("mamba_time_steps", "mamba_step", "gated_rms_norm",
+                                                              "mamba_conv", "mamba_scan")]
         lora_jobs = c_address(kernel("lora_jobs", dtype))
         if None in kernels or lora_jobs is None or (mixers and None in hybrid):
             return None
@@ -225,12 +232,13 @@ class FusedLayers:
         kc = attn.k_cache
         model = _Model(hidden, h, kvh, d, inter, attn.block_size, torch.finfo(dtype).bits // 8,
                        kc.stride(0), kc.stride(2), kc.stride(1), 2 * rotary.cos.shape[1], *dims,
-                       layers[0].input_layernorm.eps, attn.scale, rotary.cos.data_ptr(), rotary.sin.data_ptr(),
-                       *kernels, prefill_fn or 0, lora_jobs, *(hybrid if mixers else (0, 0, 0)))
+                       layers[0].input_layernorm.eps, attn.scale, *(mx.dt_limit if mx is not None else (0, 0)),
+                       rotary.cos.data_ptr(), rotary.sin.data_ptr(), *kernels, prefill_fn or 0, lora_jobs,
+                       *(hybrid if mixers else (0,) * len(hybrid)))
         # scratch per row, in elements: the layer output, the normed rows, q/k/v (a mixer's gate | xbc | dt),
-        # attention (its y), gate/up, SiLU x up (its gated norm)
-        inner, proj = (mx.inner, mx.inner + mx.conv_dim + mx.heads) if mx is not None else (0, 0)
-        widths = (hidden, hidden, max((h + 2 * kvh) * d, proj), max(h * d, inner), 2 * inter, max(inter, inner))
+        # attention (its y), gate/up, SiLU x up (its gated norm), a mixer's conv output (prefill chunks)
+        inner, proj, conv = (mx.inner, mx.inner + mx.conv_dim + mx.heads, mx.conv_dim) if mx is not None else (0,) * 3
+        widths = (hidden, hidden, max((h + 2 * kvh) * d, proj), max(h * d, inner), 2 * inter, max(inter, inner), conv)
         return cls(model, (_Layer * len(structs))(*structs), min(bounds, default=None), widths, dtype,
                    _pools(layers), _adapters(layers), mixers)
 
@@ -246,13 +254,15 @@ class FusedLayers:
     def applies(self, h: torch.Tensor, meta: AttentionMetadata,
                 segments: Sequence[tuple[int, int, str]] = ()) -> bool:
         """Whether this step's rows run here: the dtype planned, rows every GEMM takes, prefill spans only with
-        the C prefill kernel, a hybrid's rows decode rows and verify windows (no prefill chunk), adapter
-        segments (lora.segments_of) of adapters the plan has."""
+        the C prefill kernel, a hybrid's rows in decode rows, verify windows and prefill chunks (each on the C
+        kernels), adapter segments (lora.segments_of) of adapters the plan has."""
         rows, st = h.shape[0], meta.state
         if st is not None:
             decode = 0 if st.decode_ids is None else st.decode_ids[0].shape[0]
             windows = 0 if st.windows is None else sum(st.windows.runs.lengths)
-            if not self.mixers or st.chunks or decode + windows != rows or st.conv.dtype != self.dtype:
+            chunks = sum(end - start for start, end, _ in st.chunks)
+            if not self.mixers or decode + windows + chunks != rows or st.conv.dtype != self.dtype \
+                    or (chunks and st.chunk_ids is None):
                 return False
         return (h.dtype == self.dtype and rows > 0 and (self.max_rows is None or rows <= self.max_rows)
                 and all(name in self.adapters for _, _, name in segments)
@@ -266,7 +276,7 @@ class FusedLayers:
         sizes = [-(-rows * w * elem // ALIGN) * ALIGN // elem for w in self.widths]
         scratch = torch.empty(sum(sizes), dtype=h.dtype)
         base = scratch.data_ptr()
-        out, x, qkv, attn, gu, act = (base + start * elem for start in (0, *accumulate(sizes[:-1])))
+        out, x, qkv, attn, gu, act, conv_out = (base + start * elem for start in (0, *accumulate(sizes[:-1])))
         nb, none = meta.num_batched_tokens, (None, None, None)
         batched = (meta.block_tables, meta.context_lens, meta.cu_query_lens) if nb else none
         prefill = (meta.prefill_block_tables, meta.prefill_context_lens,
@@ -291,6 +301,17 @@ class FusedLayers:
                 m = self.model      # every mixer's projection, kept for commit_windows
                 kept = torch.empty(len(self.mixers), rows, m.inner + m.conv_dim + m.m_heads, dtype=h.dtype)
                 step.kept = kept.data_ptr()
+            if st.chunks:
+                (starts, ends, slots), (cut_chunk, cut_off, cut_row) = st.chunk_ids
+                step.n_chunks, step.starts, step.ends, step.chunk_slots = starts.shape[0], starts.data_ptr(), \
+                    ends.data_ptr(), slots.data_ptr()
+                step.n_cuts, step.cut_chunk, step.cut_off, step.cut_row = cut_chunk.shape[0], \
+                    cut_chunk.data_ptr(), cut_off.data_ptr(), cut_row.data_ptr()
+                if st.ckpt_conv is not None:
+                    c, k = st.ckpt_conv, st.ckpt_ssm
+                    step.ckpt_conv, step.ckpt_conv_row, step.ckpt_conv_mixer = c.data_ptr(), c.stride(0), c.stride(1)
+                    step.ckpt_ssm, step.ckpt_ssm_row, step.ckpt_ssm_mixer = k.data_ptr(), k.stride(0), k.stride(1)
+                step.conv_out = conv_out
         rc = self.fn(ctypes.byref(self.model), self.layers, len(self.layers), ctypes.byref(step))
         if kept is not None:     # what each mixer's step took, as Mamba2Mixer.forward keeps it (y: scratch)
             m, y = self.model, torch.empty(rows, self.model.inner, dtype=h.dtype)

@@ -67,10 +67,11 @@ def tokens(n: int, seed: int) -> list[int]:
 
 def forward_both_ways(r: ModelRunner, groups: list[RowGroup]) -> tuple[torch.Tensor, torch.Tensor]:
     """The step through the C plan and through the modules, from the same pools (K/V; a hybrid's conv and SSM
-    state); each one's hidden states, and their pools after it (asserted equal here)."""
+    state and checkpoint rows); each one's hidden states, and their pools after it (asserted equal here)."""
     inp = r.build_inputs(groups)
     model = r.model
-    pools = [r.kv_cache] + ([r.conv_state, r.ssm_state] if r.conv_state is not None else [])
+    hybrid = r.hybrid_state
+    pools = [r.kv_cache] + ([hybrid.conv, hybrid.ssm, hybrid.ckpt_conv, hybrid.ckpt_ssm] if hybrid else [])
     before = [p.clone() for p in pools]
     r.lora_ctx.segments = inp.lora_segments       # as ModelRunner.execute sets them
     try:
@@ -89,7 +90,8 @@ def forward_both_ways(r: ModelRunner, groups: list[RowGroup]) -> tuple[torch.Ten
         r.lora_ctx.segments = []
     for a, p, b in zip(after, pools, before):
         assert torch.equal(a.view(torch.uint8), p.view(torch.uint8))
-        assert not torch.equal(a.view(torch.uint8), b.view(torch.uint8))       # the step wrote each pool
+    for a, b in zip(after[:3], before):       # the step wrote the K/V and state pools
+        assert not torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     model.fused = False
     return fused, modules
 
@@ -112,27 +114,22 @@ def steps(r: ModelRunner, adapters: tuple[str | None, ...] = (None, None, None))
 
 
 def hybrid_steps(r: ModelRunner, adapters: tuple[str | None, ...] = (None, None, None)) -> None:
-    """A hybrid: prefills of three sequences (the modules run them: prefill chunks), then two decode steps of
-    all three, each the same both ways, the state pools included. adapters: the three sequences'."""
+    """A hybrid: prefill chunks of three sequences (the first saving its state 16 rows in, the second at its
+    end, into checkpoint rows), then a step of a decode row beside two chunks that continue from their slots,
+    then a decode step of all three: each the same both ways, the state pools and checkpoint rows included.
+    adapters: the three sequences'."""
     seqs = [tokens(37, 1), tokens(20, 2), tokens(9, 3)]
     blocks = list(range(0, 4)), list(range(4, 8)), list(range(8, 10))
+    cuts = [(16, 0)], [(17, 1)], []
 
-    def groups(rows: list[tuple[list[int], int]]) -> list[RowGroup]:
-        return [RowGroup(t, start, bl, 1, adapter=name, state_slot=slot)
-                for slot, ((t, start), bl, name) in enumerate(zip(rows, blocks, adapters))]
-    r.conv_state.zero_()            # the slots as the runner hands them to a first chunk
-    r.ssm_state.zero_()
-    inp = r.build_inputs(groups([(t[:-2], 0) for t in seqs]))
-    r.lora_ctx.segments = inp.lora_segments
-    try:
-        with torch.inference_mode():
-            assert not r.model.fused_layers().applies(r.model.embed_tokens(inp.input_ids), inp.meta,
-                                                      inp.lora_segments)
-            r.model(inp.input_ids, inp.positions, inp.meta)
-    finally:
-        r.lora_ctx.segments = []
-    for back in (2, 1):
-        fused, modules = forward_both_ways(r, groups([([t[-back]], len(t) - back) for t in seqs]))
+    def groups(rows: list[tuple[list[int], int]], checkpoints=([], [], [])) -> list[RowGroup]:
+        return [RowGroup(t, start, bl, 1, adapter=name, state_slot=slot, checkpoints=list(cut))
+                for slot, ((t, start), bl, name, cut) in enumerate(zip(rows, blocks, adapters, checkpoints))]
+    a, b, c = seqs
+    for rows, checkpoints in (([(a[:17], 0), (b[:17], 0), (c[:7], 0)], cuts),
+                              ([(a[17:35], 17), (b[17:18], 17), (c[7:9], 7)], ([], [], [])),
+                              ([(a[35:36], 35), (b[18:19], 18), (c[:1], 9)], ([], [], []))):
+        fused, modules = forward_both_ways(r, groups(rows, checkpoints))
         assert torch.equal(fused, modules)
         assert fused.abs().sum() > 0 and torch.isfinite(fused).all()
 
@@ -141,10 +138,10 @@ def hybrid_window_step(r: ModelRunner, adapters: tuple[str | None, ...]) -> None
     """After hybrid_steps: a verify step (a window of 4 rows, one of 3, a decode row) and the commit of 2 and 3
     of the windows' tokens, through the C plan and through the modules from the same pools: the hidden
     states, and the KV and state pools after the commit."""
-    seqs = [tokens(40, 4), tokens(24, 5), tokens(11, 6)]
+    rows = [(tokens(4, 4), 36), (tokens(3, 5), 19), (tokens(1, 6), 10)]        # where hybrid_steps left them
     blocks = list(range(0, 4)), list(range(4, 8)), list(range(8, 10))
-    groups = [RowGroup(t[start:], start, bl, len(t) - start, adapter=name, state_slot=slot)
-              for slot, (t, start, bl, name) in enumerate(zip(seqs, (36, 21, 10), blocks, adapters))]
+    groups = [RowGroup(t, start, bl, len(t), adapter=name, state_slot=slot)
+              for slot, ((t, start), bl, name) in enumerate(zip(rows, blocks, adapters))]
     pools = [r.kv_cache, r.conv_state, r.ssm_state]
     before = [p.clone() for p in pools]
     outs, after = [], []
