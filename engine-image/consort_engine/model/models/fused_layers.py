@@ -20,6 +20,7 @@ from ctypes import c_float, c_int64, c_void_p
 
 import torch
 
+from consort_engine.kv.state_pool import StateMetadata
 from consort_engine.model.attention import AttentionMetadata
 from consort_engine.model.cpu_kernels import cpu_kernels, kernel
 from consort_engine.model.models.layers import MLP, Attention, DecoderLayer
@@ -153,7 +154,7 @@ def _mixer(mixer, dtype: torch.dtype) -> tuple[_Mixer, torch.Tensor] | None:
     if not mixer.fast or mixer.d_conv > MAX_KERNEL_CONV or not all(
             p.dtype == dtype for p in (mixer.conv1d.weight, mixer.dt_bias, mixer.D, mixer.norm.weight)):
         return None
-    A = -torch.exp(mixer.A_log.float())
+    A = mixer.decay_rates()
     return _Mixer(mixer.conv1d.weight.data_ptr(), _pointer(mixer.conv1d.bias), mixer.dt_bias.data_ptr(),
                   mixer.D.data_ptr(), mixer.norm.weight.data_ptr(), A.data_ptr(), mixer.index), A
 
@@ -268,6 +269,37 @@ class FusedLayers:
                 and all(name in self.adapters for _, _, name in segments)
                 and (not meta.prefills or (self.model.prefill_attention and meta.prefill_block_tables is not None)))
 
+    def _state(self, step: _Step, st: StateMetadata, rows: int, conv_out: int) -> torch.Tensor | None:
+        """A hybrid step's fields of `step` (csrc/decoder.c step_t): the state pools, the decode rows, verify
+        windows and prefill chunks (with their checkpoints); conv_out: the chunks' conv scratch. Returns the
+        buffer each mixer's projection goes to where the step has windows (commit_windows steps from it)."""
+        kept = None
+        conv, ssm = st.conv, st.ssm
+        step.conv, step.conv_slot, step.conv_mixer = conv.data_ptr(), conv.stride(0), conv.stride(1)
+        step.ssm, step.ssm_slot, step.ssm_mixer = ssm.data_ptr(), ssm.stride(0), ssm.stride(1)
+        if st.decode_ids is not None:
+            step.n_decode, step.decode_rows, step.decode_slots = st.decode_ids[0].shape[0], \
+                *(t.data_ptr() for t in st.decode_ids)
+        if st.windows is not None:
+            ids = st.windows.runs.ids
+            step.n_windows, step.win_rows, step.win_lengths, step.win_slots = ids[0].shape[0], \
+                *(t.data_ptr() for t in ids)
+            m = self.model
+            kept = torch.empty(len(self.mixers), rows, m.inner + m.conv_dim + m.m_heads, dtype=self.dtype)
+            step.kept = kept.data_ptr()
+        if st.chunks:
+            (starts, ends, slots), (cut_chunk, cut_off, cut_row) = st.chunk_ids
+            step.n_chunks, step.starts, step.ends, step.chunk_slots = starts.shape[0], starts.data_ptr(), \
+                ends.data_ptr(), slots.data_ptr()
+            step.n_cuts, step.cut_chunk, step.cut_off, step.cut_row = cut_chunk.shape[0], \
+                cut_chunk.data_ptr(), cut_off.data_ptr(), cut_row.data_ptr()
+            if st.ckpt_conv is not None:
+                c, k = st.ckpt_conv, st.ckpt_ssm
+                step.ckpt_conv, step.ckpt_conv_row, step.ckpt_conv_mixer = c.data_ptr(), c.stride(0), c.stride(1)
+                step.ckpt_ssm, step.ckpt_ssm_row, step.ckpt_ssm_mixer = k.data_ptr(), k.stride(0), k.stride(1)
+            step.conv_out = conv_out
+        return kept
+
     def run(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
             segments: Sequence[tuple[int, int, str]] = ()) -> torch.Tensor:
         """h: the embeddings [T, hidden] (the residual stream, updated in place) -> the last layer's output plus
@@ -286,37 +318,12 @@ class FusedLayers:
         step = _Step(rows, nb, positions.data_ptr(), meta.slot_mapping.data_ptr(), *map(_pointer, batched),
                      *_table_shape(batched[0]), *map(_pointer, prefill), *_table_shape(prefill[0]),
                      h.data_ptr(), out, x, qkv, attn, gu, act, len(segments), ctypes.addressof(segs))
-        kept = None
-        if (st := meta.state) is not None:      # a hybrid's decode rows and verify windows (applies)
-            conv, ssm = st.conv, st.ssm
-            step.conv, step.conv_slot, step.conv_mixer = conv.data_ptr(), conv.stride(0), conv.stride(1)
-            step.ssm, step.ssm_slot, step.ssm_mixer = ssm.data_ptr(), ssm.stride(0), ssm.stride(1)
-            if st.decode_ids is not None:
-                step.n_decode, step.decode_rows, step.decode_slots = st.decode_ids[0].shape[0], \
-                    *(t.data_ptr() for t in st.decode_ids)
-            if st.windows is not None:
-                ids = st.windows.runs.ids
-                step.n_windows, step.win_rows, step.win_lengths, step.win_slots = ids[0].shape[0], \
-                    *(t.data_ptr() for t in ids)
-                m = self.model      # every mixer's projection, kept for commit_windows
-                kept = torch.empty(len(self.mixers), rows, m.inner + m.conv_dim + m.m_heads, dtype=h.dtype)
-                step.kept = kept.data_ptr()
-            if st.chunks:
-                (starts, ends, slots), (cut_chunk, cut_off, cut_row) = st.chunk_ids
-                step.n_chunks, step.starts, step.ends, step.chunk_slots = starts.shape[0], starts.data_ptr(), \
-                    ends.data_ptr(), slots.data_ptr()
-                step.n_cuts, step.cut_chunk, step.cut_off, step.cut_row = cut_chunk.shape[0], \
-                    cut_chunk.data_ptr(), cut_off.data_ptr(), cut_row.data_ptr()
-                if st.ckpt_conv is not None:
-                    c, k = st.ckpt_conv, st.ckpt_ssm
-                    step.ckpt_conv, step.ckpt_conv_row, step.ckpt_conv_mixer = c.data_ptr(), c.stride(0), c.stride(1)
-                    step.ckpt_ssm, step.ckpt_ssm_row, step.ckpt_ssm_mixer = k.data_ptr(), k.stride(0), k.stride(1)
-                step.conv_out = conv_out
+        kept = None if meta.state is None else self._state(step, meta.state, rows, conv_out)
         rc = self.fn(ctypes.byref(self.model), self.layers, len(self.layers), ctypes.byref(step))
         if kept is not None:     # what each mixer's step took, as Mamba2Mixer.forward keeps it (y: scratch)
             m, y = self.model, torch.empty(rows, self.model.inner, dtype=h.dtype)
-            st.windows.inputs[:] = [(p[:, m.inner:m.inner + m.conv_dim], p[:, m.inner + m.conv_dim:], y)
-                                    for p in kept]
+            meta.state.windows.inputs[:] = [(p[:, m.inner:m.inner + m.conv_dim], p[:, m.inner + m.conv_dim:], y)
+                                            for p in kept]
         if rc:
             layer, op = divmod(rc, 16)
             if op in (1, 2, 3, 4, 7):

@@ -119,7 +119,11 @@ class Mamba2Mixer(HooklessModule):
         """Verify windows' kept rows stepped again into their slots, from the inputs this mixer's forward
         kept (xbc, dt as `step` takes it, y as scratch): hybrid_state.commit_windows."""
         xbc, dt, y = inputs
-        self.step(xbc, dt, -torch.exp(self.A_log.float()), y, runs, conv_state, ssm_state)
+        self.step(xbc, dt, self.decay_rates(), y, runs, conv_state, ssm_state)
+
+    def decay_rates(self) -> torch.Tensor:
+        """A = -exp(A_log) per head, float32: what the steps and scans take (the state decays by exp(dt A))."""
+        return -torch.exp(self.A_log.float())
 
     def time_steps(self, dt: torch.Tensor) -> torch.Tensor:
         """softplus(dt + dt_bias) for every row of the step, rounded to the model dtype as the torch path
@@ -181,7 +185,7 @@ class Mamba2Mixer(HooklessModule):
         gate, xbc, dt = proj.split([self.inner, self.conv_dim, self.heads], dim=-1)
         conv_state, ssm_state = st.conv[:, self.index], st.ssm[:, self.index]      # [S, ...] views of the pool
         w = self.conv1d.weight[:, 0]
-        A = -torch.exp(self.A_log.float())
+        A = self.decay_rates()
         y = torch.empty(x.shape[0], self.inner, dtype=x.dtype, device=x.device)
         n, gs = self.inner, self.groups * self.d_state
         steps = self.time_steps(dt) if self.fast else dt      # dt as `step` (and the C scan) take it
