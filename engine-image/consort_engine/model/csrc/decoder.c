@@ -254,9 +254,8 @@ static void mixer_chunks(const model_t *m, const mixer_t *X, const step_t *s, co
 }
 
 /* The mixer block of one layer, as Mamba2Mixer.forward runs it for decode rows, verify windows and prefill
- * chunks: x -> s->h
- * (the projection's gate | xbc | dt in s->qkv or s->kept, the time steps in place of dt, y in s->attn, the
- * gated norm in s->act). Returns 0 or the failing op (OP_*). */
+ * chunks: x -> s->h (the projection's gate | xbc | dt in s->qkv or s->kept, the time steps in place of dt, y in
+ * s->attn, the gated norm in s->act). Returns 0 or the failing op (OP_*). */
 static int mixer(const model_t *m, const layer_t *L, int layer, const step_t *s) {
     const mixer_t *X = L->mixer;
     const int64_t T = s->rows, width = m->inner + m->conv_dim + m->m_heads, e = m->elem;
@@ -274,8 +273,8 @@ static int mixer(const model_t *m, const layer_t *L, int layer, const step_t *s)
     return linear(m, s, &L->o, layer, PROJ_O, s->act, s->h) ? OP_O : 0;
 }
 
-/* Every layer over the step's rows. 0, or 16 * layer + the failing op (OP_*): a GEMM out of memory for its
- * buffers, or an attention kernel's error. */
+/* Every layer over the step's rows. 0, or 16 * layer + the failing op (OP_*): a GEMM or the mixer step out of
+ * memory for its buffers, or an attention kernel's error. */
 int decoder_layers(const model_t *m, const layer_t *layers, int n_layers, const step_t *s) {
     const int T = (int)s->rows, hidden = (int)m->hidden;
     for (int i = 0; i < n_layers; i++) {
