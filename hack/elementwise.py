@@ -56,8 +56,9 @@ def calls(lib: ctypes.CDLL, dtype: torch.dtype, rows: int) -> dict[str, tuple[ob
     return {
         "add + RMSNorm": (lambda: add_rms(resid.data_ptr(), x.data_ptr(), out.data_ptr(), w.data_ptr(), rows,
                                           HIDDEN, 1e-6), 4 * rows * HIDDEN * es),
-        "RoPE (q and k)": (lambda: rope(qkv.data_ptr(), qkv.stride(0), rows, HEADS + KV_HEADS, HEAD, HEAD, pos.data_ptr(),
-                                        cos.data_ptr(), sin.data_ptr()), 2 * rows * (HEADS + KV_HEADS) * HEAD * es),
+        "RoPE (q and k)": (lambda: rope(qkv.data_ptr(), qkv.stride(0), rows, HEADS + KV_HEADS, HEAD, HEAD,
+                                        pos.data_ptr(), cos.data_ptr(), sin.data_ptr()),
+                           2 * rows * (HEADS + KV_HEADS) * HEAD * es),
         "SiLU x up": (lambda: silu(gu.data_ptr(), act.data_ptr(), rows, FFN), 3 * rows * FFN * es),
     }
 
