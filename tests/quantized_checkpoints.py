@@ -1,9 +1,10 @@
 """Writes pre-quantized checkpoints (AWQ GEMM and GPTQ v1/v2 int4, compressed-tensors pack-quantized int4
-and int8, compressed-tensors int-quantized int8) from a float checkpoint, bit by bit as each format's
-spec lays them out, and the fake-quantized float
+and int8, compressed-tensors int-quantized int8 and float-quantized FP8, transformers' block-scaled fp8) from
+a float checkpoint, bit by bit as each format's spec lays them out, and the fake-quantized float
 checkpoint with the same weights for transformers. Independent of the engine's unpacker
 (consort_engine/model/quantized_checkpoint.py): packing here is a loop over nibbles, and the reference
-weight is (code - zero) * scale computed from the integers before they are packed.
+weight is (code - zero) * scale computed from the integers before they are packed (FP8: each block's e4m3
+values times its scale, block by block).
 """
 from __future__ import annotations
 
@@ -59,6 +60,33 @@ def quantize_int(w: torch.Tensor, group_size: int, sym: bool, perm: torch.Tensor
     return IntLinear(codes.clamp(0, top), zeros, scales, g_idx)
 
 
+@dataclass
+class Fp8Linear:
+    values: torch.Tensor     # [out, in] float8_e4m3fn
+    scales: torch.Tensor     # as the format stores them: [1] (tensor), [out, 1] (channel), [ceil(out/b0), ceil(in/b1)]
+    reference: torch.Tensor  # [out, in] float32: each value times its block's scale
+
+
+def quantize_fp8(w: torch.Tensor, strategy: str, block: tuple[int, int], scale_dtype: torch.dtype) -> Fp8Linear:
+    """e4m3 values of w, one scale (absolute maximum / 448, stored in scale_dtype) per tensor, output channel or
+    block of rows x columns (the last blocks cut short), block by block."""
+    out, inp = w.shape
+    b0, b1 = {"tensor": (out, inp), "channel": (1, inp), "block": block}[strategy]
+    nb0, nb1 = -(-out // b0), -(-inp // b1)
+    scales = torch.empty(nb0, nb1, dtype=scale_dtype)
+    values = torch.empty(out, inp, dtype=torch.float8_e4m3fn)
+    reference = torch.empty(out, inp)
+    for i in range(nb0):
+        for j in range(nb1):
+            rows, cols = slice(i * b0, min((i + 1) * b0, out)), slice(j * b1, min((j + 1) * b1, inp))
+            part = w[rows, cols].float()
+            scale = (part.abs().max() / 448.0).clamp(min=1e-8).to(scale_dtype)
+            v = (part / scale.float()).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+            scales[i, j], values[rows, cols] = scale, v
+            reference[rows, cols] = v.float() * scale.float()
+    return Fp8Linear(values, scales.reshape(1) if strategy == "tensor" else scales, reference)
+
+
 def _int32(words: torch.Tensor) -> torch.Tensor:
     """uint32 values held in int64 -> the same bits as int32."""
     return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
@@ -100,7 +128,16 @@ def int_quantized(q: IntLinear) -> dict[str, torch.Tensor]:
 
 
 def quantization_config(method: str, group_size: int, sym: bool, act_order: bool, v1: bool, bits: int = 4,
-                        layout: str = "pack-quantized") -> dict:
+                        layout: str = "pack-quantized", strategy: str = "channel",
+                        block: tuple[int, int] = (32, 48)) -> dict:
+    if method == "fp8":
+        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block)}
+    if layout == "float-quantized":      # static activation scales and a KV cache scheme, as llm-compressor writes
+        weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": strategy}
+        fp8 = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": "tensor"}
+        return {"quant_method": "compressed-tensors", "format": layout, "ignore": ["lm_head"], "kv_cache_scheme": fp8,
+                "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": fp8, "weights": {
+                    **weights, **({"block_structure": list(block)} if strategy == "block" else {})}}}}
     if method == "awq":
         return {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm"}
     if method == "gptq":
@@ -116,11 +153,15 @@ def quantization_config(method: str, group_size: int, sym: bool, act_order: bool
 
 def write_quantized_checkpoint(src: Path, dst: Path, method: str, group_size: int, sym: bool = False,
                                act_order: bool = False, v1: bool = True, fake_dst: Path | None = None,
-                               bits: int = 4, layout: str = "pack-quantized") -> dict[str, torch.Tensor]:
+                               bits: int = 4, layout: str = "pack-quantized", strategy: str = "channel",
+                               block: tuple[int, int] = (32, 48)) -> dict[str, torch.Tensor]:
     """Quantize src's decoder linears into dst in `method`'s layout (everything else copied); `bits` and
-    `layout` (pack-quantized | int-quantized: int8 only) for compressed-tensors; with fake_dst, also write
-    the float checkpoint of the dequantized weights. Returns weight name -> dequantized float32 weight."""
-    assert bits == 4 or method == "compressed-tensors", "AWQ and GPTQ are written as int4"
+    `layout` (pack-quantized | int-quantized: int8 only | float-quantized: FP8 scaled per `strategy`, with
+    static activation and KV cache scales beside) for compressed-tensors; method fp8: transformers' FP8 in
+    blocks of `block`; with fake_dst, also write the float checkpoint of the dequantized weights. Returns
+    weight name -> dequantized float32 weight."""
+    assert bits == 4 or method in ("compressed-tensors", "fp8"), "AWQ and GPTQ are written as int4"
+    fp8 = method == "fp8" or layout == "float-quantized"
     sym = sym or method == "compressed-tensors"
     dst.mkdir(parents=True)
     for f in src.iterdir():
@@ -136,6 +177,19 @@ def write_quantized_checkpoint(src: Path, dst: Path, method: str, group_size: in
         if leaf != "weight" or prefix.rpartition(".")[2] not in LINEARS:
             packed[name] = fake[name] = t
             continue
+        if fp8:
+            q8 = quantize_fp8(t, "block" if method == "fp8" else strategy, block,
+                              torch.float32 if method == "fp8" else torch.bfloat16)
+            packed[f"{prefix}.weight"] = q8.values
+            packed[f"{prefix}.{'weight_scale_inv' if method == 'fp8' else 'weight_scale'}"] = q8.scales
+            if method != "fp8":      # scales the engine reads past
+                packed[f"{prefix}.input_scale"] = torch.tensor([0.02], dtype=torch.bfloat16)
+                if prefix.endswith("k_proj"):
+                    attn = prefix.rpartition(".")[0]
+                    packed[f"{attn}.k_scale"], packed[f"{attn}.v_scale"] = torch.tensor(0.5), torch.tensor(0.25)
+            reference[name] = q8.reference
+            fake[name] = reference[name].to(t.dtype)
+            continue
         # act-order sorts by the input's statistics: projections of one input (q/k/v, gate/up) share it
         key = (prefix.rpartition(".")[0], SAME_INPUT.get(prefix.rpartition(".")[2], prefix))
         perm = perms.setdefault(key, torch.randperm(t.shape[1], generator=g)) if act_order else None
@@ -147,7 +201,8 @@ def write_quantized_checkpoint(src: Path, dst: Path, method: str, group_size: in
         fake[name] = reference[name].to(t.dtype)
     save_file(packed, str(dst / "model.safetensors"))
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = quantization_config(method, group_size, sym, act_order, v1, bits, layout)
+    config["quantization_config"] = quantization_config(method, group_size, sym, act_order, v1, bits, layout,
+                                                        strategy, block)
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     if fake_dst is not None:
         shutil.copytree(src, fake_dst)

@@ -157,7 +157,11 @@ class ModelRunner:
         if self.quantization != "none" or (self.device.type == "cpu"
                                            and os.environ.get("CONSORT_PACK_WEIGHTS", "1") != "0"):
             self.num_packed = self.model.pack_weights(self.quantization)
-        if prequantized is not None:      # which linears a user's checkpoint runs on its codes (act-order, TP cuts)
+        if prequantized is not None and prequantized.float8:
+            log.info("%s checkpoint (fp8 e4m3): its linears decoded at load, running in %s%s", prequantized.method,
+                     self.compute_dtype, ", rounded to e4m3 per row again (--quantization fp8)"
+                     if self.quantization == "fp8" else "")
+        elif prequantized is not None:      # which linears a user's checkpoint runs on its codes (act-order, TP cuts)
             linears = [m for m in self.model.modules() if isinstance(m, Linear)]
             codes = sum(m.runs_codes for m in linears)
             log.info("%s checkpoint (int%d): %d linears multiply their codes on the int8 kernel, the other %d "

@@ -1,5 +1,6 @@
 """Pre-quantized checkpoints: AWQ (GEMM) and GPTQ (v1 and v2) int4, compressed-tensors
-pack-quantized int4/int8 (W4A16, W8A16) and int-quantized int8 (W8A8). config.json's
+pack-quantized int4/int8 (W4A16, W8A16), int-quantized int8 (W8A8) and float-quantized FP8, and the
+block-scaled FP8 of transformers' `fp8` method (Qwen3-FP8, DeepSeek-V3). config.json's
 `quantization_config` names the format; at load every quantized linear (its packed codes, zero points
 and scales) becomes its integers and scales (`GroupCodes`: code - zero as int8, one fp32 scale per
 output channel and group of input columns), exactly.
@@ -14,6 +15,12 @@ tensor-parallel cut inside a group or of act-order's columns) the weight is dequ
 zero) * scale in fp32, and runs as a float checkpoint would. torch's own CPU int4 kernel
 (`aten._weight_int4pack_mm_for_cpu`) was measured and not kept (docs/engine-speed.md).
 
+FP8 weights (e4m3) are decoded at load, w = value * scale in fp32, and run in the model's dtype (no CPU
+kernel multiplies e4m3); `--quantization fp8` then rounds the decoded weights to e4m3 again, one scale per
+output row, for the CUDA fp8 GEMM. The activations' static scales (`input_scale`) and the KV cache's
+(`k_scale`, `v_scale`) are read past, not applied: each GEMM takes its rows as they are, the fp8 KV pool is
+unscaled.
+
 The layouts (w = (q - zero) * scale, groups of `group_size` input columns, one scale per output
 channel and group):
 - AWQ GEMM: `qweight` int32 [in, out/8], eight output columns per word, nibble i holding column
@@ -27,6 +34,11 @@ channel and group):
   [out, groups]; `weight_shape` [out, in]; symmetric (no zero point).
 - compressed-tensors int-quantized (int8 weights and dynamic int8 activations): `weight` int8 [out, in],
   the signed values; `weight_scale` [out, groups]; symmetric.
+- compressed-tensors float-quantized (FP8): `weight` float8_e4m3fn [out, in]; `weight_scale` one for the
+  tensor ([] or [1]), one per output channel ([out, 1]) or one per block of rows x columns (strategy
+  `block`, `block_structure` [b0, b1]: [ceil(out / b0), ceil(in / b1)]).
+- transformers' `fp8` (FineGrainedFP8): `weight` float8_e4m3fn [out, in]; `weight_scale_inv` per block of
+  `weight_block_size` [b0, b1] as above (despite its name, w = value * weight_scale_inv).
 """
 from __future__ import annotations
 
@@ -39,7 +51,10 @@ from consort_engine.model.loader import iter_safetensors
 
 CHECKPOINT_FORMATS = ("awq", "gptq", "compressed-tensors")
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)      # nibble i of an AWQ word holds column AWQ_PACK_ORDER[i]
-PACK_QUANTIZED, INT_QUANTIZED = "pack-quantized", "int-quantized"
+PACK_QUANTIZED, INT_QUANTIZED, FLOAT_QUANTIZED = "pack-quantized", "int-quantized", "float-quantized"
+FP8 = "fp8"                                    # transformers' quant_method for block-scaled FP8 checkpoints
+# FP8 checkpoints' scales the engine does not apply (activations' static scales, the KV cache's), read past
+UNAPPLIED_SCALES = ("input_scale", "k_scale", "v_scale")
 
 
 @dataclass(frozen=True)
@@ -50,23 +65,33 @@ class CheckpointFormat:
     group_size: int              # input columns per scale; -1: the whole row
     zeros_minus_one: bool = False    # GPTQ v1: every stored zero is the zero minus one
     bits: int = 4
-    layout: str = PACK_QUANTIZED     # compressed-tensors: pack-quantized | int-quantized
+    layout: str = PACK_QUANTIZED     # compressed-tensors: pack-quantized | int-quantized | float-quantized
+    block: tuple[int, int] | None = None     # FP8: rows x columns a scale covers (None: per tensor or channel)
+
+    @property
+    def float8(self) -> bool:
+        """e4m3 weights (decoded at load) rather than integer codes."""
+        return self.method == FP8 or self.layout == FLOAT_QUANTIZED
 
     @property
     def parts(self) -> tuple[str, ...]:
         """The tensor names (after the module's prefix) one quantized linear is made of."""
+        if self.method == FP8:
+            return ("weight", "weight_scale_inv")
         if self.method == "awq":
             return ("qweight", "qzeros", "scales")
         if self.method == "gptq":
             return ("qweight", "qzeros", "scales", "g_idx")
-        if self.layout == INT_QUANTIZED:
+        if self.layout in (INT_QUANTIZED, FLOAT_QUANTIZED):
             return ("weight", "weight_scale")
         return ("weight_packed", "weight_scale", "weight_shape")
 
     def is_part(self, leaf: str, tensor: torch.Tensor) -> bool:
-        """Whether a tensor is part of a quantized linear: int-quantized's `weight` is, as int8 only (a
-        float `weight` belongs to a module left unquantized: the embedding, the LM head, the norms)."""
-        return leaf in self.parts and (leaf != "weight" or tensor.dtype == torch.int8)
+        """Whether a tensor is part of a quantized linear: int-quantized's `weight` is, as int8 only, an FP8
+        one's as e4m3 only (a `weight` of the model's dtype belongs to a module left unquantized: the
+        embedding, the LM head, the norms)."""
+        code = torch.float8_e4m3fn if self.float8 else torch.int8
+        return leaf in self.parts and (leaf != "weight" or tensor.dtype == code)
 
 
 def _need(cond: bool, what: str) -> None:
@@ -74,13 +99,43 @@ def _need(cond: bool, what: str) -> None:
         raise ValueError(f"unsupported quantization_config: {what}")
 
 
+def _block(value: Any, what: str) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    _need(isinstance(value, (list, tuple)) and len(value) == 2 and all(isinstance(v, int) and v > 0 for v in value),
+          f"{what} {value!r} (two positive sizes)")
+    return int(value[0]), int(value[1])
+
+
+def _fp8_activations(act: dict[str, Any] | None) -> None:
+    """An FP8 checkpoint's activations: none quantized, or e4m3 (dynamic, or static scales read past)."""
+    _need(act is None or (act.get("type") == "float" and int(act.get("num_bits", 0)) == 8),
+          "compressed-tensors float-quantized with activations other than 8-bit float")
+
+
+def _float_quantized(w: dict[str, Any], act: dict[str, Any] | None) -> CheckpointFormat:
+    bits = int(w.get("num_bits", 0))
+    _need(w.get("type") == "float" and bits == 8,
+          f"compressed-tensors float-quantized weights of {bits} bits, type {w.get('type')!r} (8-bit float: FP8)")
+    _need(bool(w.get("symmetric", True)), "asymmetric compressed-tensors weights")
+    strategy = w.get("strategy", "tensor")
+    _need(strategy in ("tensor", "channel", "block"),
+          f"compressed-tensors float-quantized strategy {strategy!r} (tensor, channel or block)")
+    block = _block(w.get("block_structure"), "block_structure") if strategy == "block" else None
+    _need(strategy != "block" or block is not None, "compressed-tensors strategy block without block_structure")
+    _fp8_activations(act)
+    return CheckpointFormat("compressed-tensors", -1, bits=8, layout=FLOAT_QUANTIZED, block=block)
+
+
 def _compressed_tensors(qc: dict[str, Any]) -> CheckpointFormat:
     layout = qc.get("format")
-    _need(layout in (PACK_QUANTIZED, INT_QUANTIZED),
-          f"compressed-tensors format {layout!r} ({PACK_QUANTIZED} or {INT_QUANTIZED})")
+    _need(layout in (PACK_QUANTIZED, INT_QUANTIZED, FLOAT_QUANTIZED),
+          f"compressed-tensors format {layout!r} ({PACK_QUANTIZED}, {INT_QUANTIZED} or {FLOAT_QUANTIZED})")
     groups = list((qc.get("config_groups") or {}).values())
     _need(len(groups) == 1, "compressed-tensors with other than one config group")
     w, act = groups[0].get("weights") or {}, groups[0].get("input_activations")
+    if layout == FLOAT_QUANTIZED:
+        return _float_quantized(w, act)
     bits = int(w.get("num_bits", 0))
     _need(w.get("type", "int") == "int" and bits in ((4, 8) if layout == PACK_QUANTIZED else (8,)),
           f"compressed-tensors {layout} weights of {bits} bits, type {w.get('type')!r}")
@@ -116,8 +171,13 @@ def checkpoint_format(raw_config: dict[str, Any]) -> CheckpointFormat | None:
         return CheckpointFormat("gptq", int(qc.get("group_size", 128)), zeros_minus_one=fmt == "gptq")
     if method == "compressed-tensors":
         return _compressed_tensors(qc)
+    if method == FP8:
+        _need(str(qc.get("fmt", "e4m3")).lower() == "e4m3", f"fp8 fmt {qc.get('fmt')!r} (only e4m3)")
+        _need(str(qc.get("activation_scheme", "dynamic")).lower() in ("dynamic", "static"),
+              f"fp8 activation_scheme {qc.get('activation_scheme')!r}")
+        return CheckpointFormat(FP8, -1, bits=8, block=_block(qc.get("weight_block_size"), "weight_block_size"))
     raise ValueError(f"unsupported quantization_config: quant_method {method!r}; "
-                     f"readable: awq and gptq (int4), compressed-tensors (int4, int8)")
+                     f"readable: awq and gptq (int4), compressed-tensors (int4, int8, fp8), fp8")
 
 
 def unpack_columns(packed: torch.Tensor, order: tuple[int, ...] | None = None, bits: int = 4) -> torch.Tensor:
@@ -229,7 +289,27 @@ def pack_quantized_codes(weight_packed: torch.Tensor, weight_scale: torch.Tensor
     return GroupCodes(q.to(torch.int8), weight_scale.float().reshape(out, -1).contiguous(), group_size)
 
 
+def fp8_weight(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
+    """e4m3 values [out, in] and their scales -> W [out, in] float32, value * scale: one scale for the tensor,
+    one per output channel ([out, 1] or [out]), or one per block of `block` rows x columns ([ceil(out / b0),
+    ceil(in / b1)], the last blocks cut short)."""
+    out, inp = weight.shape
+    s = scale.float()
+    if block is not None and s.dim() == 2 and s.shape == (-(-out // block[0]), -(-inp // block[1])):
+        s = s.repeat_interleave(block[0], 0)[:out].repeat_interleave(block[1], 1)[:, :inp]
+    elif s.numel() == 1:
+        s = s.reshape(1, 1)
+    elif s.numel() == out and (s.dim() == 1 or s.shape[-1] == 1):
+        s = s.reshape(out, 1)
+    else:
+        raise ValueError(f"fp8 weight {tuple(weight.shape)}: scales of shape {tuple(scale.shape)} fit neither the "
+                         f"tensor, its output channels nor blocks of {block}")
+    return weight.float() * s
+
+
 def _weight(fmt: CheckpointFormat, t: dict[str, torch.Tensor]) -> GroupCodes | torch.Tensor:
+    if fmt.float8:
+        return fp8_weight(t["weight"], t["weight_scale_inv" if fmt.method == FP8 else "weight_scale"], fmt.block)
     if fmt.method == "awq":
         return awq_codes(t["qweight"], t["qzeros"], t["scales"], fmt.group_size)
     if fmt.method == "gptq":
@@ -245,8 +325,8 @@ def _weight(fmt: CheckpointFormat, t: dict[str, torch.Tensor]) -> GroupCodes | t
 def unpacked_tensors(fmt: CheckpointFormat, tensors: Iterable[tuple[str, torch.Tensor]],
                      keep_codes: bool) -> Iterator[tuple[str, GroupCodes | torch.Tensor]]:
     """The checkpoint's tensors with every quantized linear's parts replaced by its `PREFIX.weight`,
-    yielded as soon as its parts are all read: its GroupCodes (keep_codes), else W float32; every other
-    tensor passes through."""
+    yielded as soon as its parts are all read: its GroupCodes (keep_codes), else W float32; an FP8
+    checkpoint's scales the engine does not apply dropped; every other tensor passes through."""
     def weight(parts: dict[str, torch.Tensor]) -> GroupCodes | torch.Tensor:
         w = _weight(fmt, parts)
         return w.dequantize() if isinstance(w, GroupCodes) and not keep_codes else w
@@ -254,6 +334,8 @@ def unpacked_tensors(fmt: CheckpointFormat, tensors: Iterable[tuple[str, torch.T
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in tensors:
         prefix, _, leaf = name.rpartition(".")
+        if fmt.float8 and leaf in UNAPPLIED_SCALES:
+            continue
         if not fmt.is_part(leaf, tensor):
             yield name, tensor
             continue
@@ -282,14 +364,18 @@ def resolve_quantization(requested: str, fmt: CheckpointFormat | None) -> str:
     """--quantization against the checkpoint -> the quantization the model runs: none | int8 | w8a8 | fp8
     (applied at load) for a float checkpoint, the checkpoint's format (awq | gptq | compressed-tensors)
     for a pre-quantized one. A pre-quantized checkpoint takes `none`, `auto` or its own format's name;
-    anything else is a clear error rather than a second rounding of already rounded weights."""
+    anything else is a clear error rather than a second rounding of already rounded weights. An FP8
+    checkpoint's weights run decoded (none), or with `fp8` rounded to e4m3 per row again for the CUDA GEMM."""
     if fmt is None:
         if requested in CHECKPOINT_FORMATS:
             raise ValueError(f"--quantization {requested}: the checkpoint is not {requested}-quantized "
                              "(config.json has no quantization_config)")
         return "none" if requested == "auto" else requested
-    if requested not in ("none", "auto", fmt.method):
+    allowed = ("none", "auto", fmt.method, FP8) if fmt.float8 else ("none", "auto", fmt.method)
+    if requested not in allowed:
         raise ValueError(f"--quantization {requested}: the checkpoint is already quantized "
-                         f"({fmt.method} int{fmt.bits}); "
+                         f"({fmt.method} {'fp8' if fmt.float8 else f'int{fmt.bits}'}); "
                          f"use auto or {fmt.method}")
+    if fmt.float8:
+        return FP8 if requested == FP8 else "none"
     return fmt.method

@@ -55,7 +55,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "per row to 16-bit integers, the LM head too; cpu), w8a8 (int8 weights and activations, cpu), fp8 (e4m3 weights and activations, cuda); per-channel scales. "
                         "A pre-quantized checkpoint (awq or gptq int4, compressed-tensors int4/int8, named by "
                         "config.json's quantization_config) loads with none, auto or its own format's name; on cpu "
-                        "its codes run on the int8 kernel, elsewhere it is dequantized to --dtype")
+                        "its codes run on the int8 kernel, elsewhere it is dequantized to --dtype. An fp8 checkpoint "
+                        "(compressed-tensors float-quantized, transformers' fp8) is decoded to --dtype; fp8 rounds "
+                        "it to e4m3 per row again (cuda)")
     p.add_argument("--kv-cache-dtype", default=EngineConfig.kv_cache_dtype, choices=KV_CACHE_DTYPES,
                    help="the KV pool's element: auto = the weights' dtype; bfloat16 (a float32 model's pool in half "
                         "the memory) or fp8 (float8 e4m3, unscaled: half a bfloat16 pool; decode attention reads "

@@ -69,8 +69,10 @@ class ModelSource(Model):
                      "with `none`, `auto` or its own format's name (`awq`, `gptq`, `compressed-tensors`; the "
                      "engine refuses to start when the checkpoint is another); on CPU its linears multiply "
                      "their codes with one scale per group in the engine's integer kernels (a quarter of the "
-                     "fp32 weight's memory), elsewhere they are dequantized to the dtype. "
-                     "LoRA adapters stay in full precision."))
+                     "fp32 weight's memory), elsewhere they are dequantized to the dtype. An FP8 checkpoint "
+                     "(compressed-tensors float-quantized, or transformers' block-scaled `fp8`) loads with `none`, "
+                     "`auto` or its format's name, its weights decoded to the dtype, or with `fp8` (GPUs) rounded "
+                     "to e4m3 per row again. LoRA adapters stay in full precision."))
 
     _no_parent = field_validator("source", "tokenizer")(no_pvc_parent)
 

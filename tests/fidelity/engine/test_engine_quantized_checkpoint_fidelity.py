@@ -1,25 +1,34 @@
-"""Pre-quantized checkpoints (AWQ and GPTQ int4, compressed-tensors int4, W8A16 and W8A8;
-model/quantized_checkpoint.py) through the whole engine against transformers running the fake-quantized model (the same dequantized weights in a
+"""Pre-quantized checkpoints (AWQ and GPTQ int4, compressed-tensors int4, W8A16, W8A8 and FP8, transformers'
+block-scaled FP8; model/quantized_checkpoint.py) through the whole engine against transformers running the fake-quantized model (the same dequantized weights in a
 float checkpoint): greedy tokens match (near-tie rule of fidelity_helpers), with top-5 logprobs close,
 for tiny Llama and Qwen2 checkpoints written by transformers and packed by tests/quantized_checkpoints.py.
-Where the engine's int8 kernel is built, the decoder's linears run on their codes (act-order's too)."""
+Where the engine's int8 kernel is built, the decoder's integer linears run on their codes (act-order's too); FP8
+ones run decoded."""
 from __future__ import annotations
 
+import json
 import logging
 import random
 
 import pytest
-from fidelity_helpers import assert_greedy_matches, check_logprobs_close, hf_greedy, make_checkpoint, run_engine
+import torch
+from fidelity_helpers import (assert_greedy_matches, check_logprobs_close, hf_greedy, hf_model, make_checkpoint,
+                              run_engine)
 from quantized_checkpoints import runs_on_codes, write_quantized_checkpoint
 
 from consort_engine.kv.sequence import SamplingParams, Sequence
 from consort_engine.model.cpu_kernels import cpu_kernels
 from consort_engine.model.models.layers import Linear
+from consort_engine.model.quantized_checkpoint import checkpoint_format, checkpoint_weights
 
 FORMATS = {"awq": ("awq", {}), "gptq-act-order": ("gptq", dict(sym=True, act_order=True)),
            "gptq-v2-asym": ("gptq", dict(v1=False)), "compressed-tensors": ("compressed-tensors", {}),
            "compressed-tensors-w8a16": ("compressed-tensors", dict(bits=8)),
-           "compressed-tensors-w8a8": ("compressed-tensors", dict(bits=8, layout="int-quantized", group=-1))}
+           "compressed-tensors-w8a8": ("compressed-tensors", dict(bits=8, layout="int-quantized", group=-1)),
+           "compressed-tensors-fp8": ("compressed-tensors", dict(bits=8, layout="float-quantized")),
+           "compressed-tensors-fp8-block": ("compressed-tensors", dict(bits=8, layout="float-quantized",
+                                                                       strategy="block")),
+           "fp8-block": ("fp8", dict(bits=8))}
 GROUP = 32      # the tiny checkpoints' hidden (64) and intermediate (160) sizes are multiples of it
 
 
@@ -45,8 +54,37 @@ def test_quantized_checkpoint_greedy_matches_the_fake_quantized_model(tmp_path, 
     model = engine.runner.model
     on_codes = [runs_on_codes(m) for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head]
     assert len(on_codes) == 2 * 4      # 2 layers: qkv, o, gate_up, down
-    assert set(on_codes) == {hasattr(cpu_kernels(), "gemm_i8w_f32")}
-    # the load says so
-    assert f"{sum(on_codes)} linears multiply their codes on the int8 kernel" in caplog.text
+    if "fp8" in fmt:     # decoded at load, and the load says so
+        assert set(on_codes) == {False}
+        assert "checkpoint (fp8 e4m3): its linears decoded at load, running in torch.float32" in caplog.text
+    else:
+        assert set(on_codes) == {hasattr(cpu_kernels(), "gemm_i8w_f32")}
+        assert f"{sum(on_codes)} linears multiply their codes on the int8 kernel" in caplog.text
     # the fake-quantized model is not the float one: the test would see a wrong unpack
     assert hf_greedy(src, prompts[2:], 12)[0].logits[0].ne(refs[2].logits[0]).any()
+
+
+def test_fp8_checkpoint_decodes_as_transformers_decodes_it(tmp_path):
+    """transformers' own FP8 loader (FineGrainedFP8, which on a CPU decodes the weights) is the reference for
+    the format itself, not only our writer: the engine's decoded weights equal its weights bit for bit, and the
+    engine's greedy tokens match transformers running the FP8 checkpoint (blocks of 32 x 32: transformers needs
+    blocks that divide the weight)."""
+    src = make_checkpoint("qwen2", tmp_path)
+    dst = tmp_path / "fp8"
+    reference = write_quantized_checkpoint(src, dst, "fp8", -1, bits=8, block=(32, 32))
+    hf = hf_model(dst, torch.float32)
+    theirs = hf.state_dict()
+    fmt = checkpoint_format(json.loads((dst / "config.json").read_text()))
+    ours = dict(checkpoint_weights(str(dst), fmt, torch.float32))
+    assert set(reference) <= set(ours) and len(reference) == 2 * 7
+    for name in reference:
+        assert torch.equal(ours[name], theirs[name].float()), name
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (7, 31)]
+    refs = hf_greedy(dst, prompts, 10)
+    seqs = [Sequence(list(p), SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=5))
+            for p in prompts]
+    run_engine(dst, seqs, dtype="float32", quantization="auto")
+    for i, (s, ref) in enumerate(zip(seqs, refs)):
+        check_logprobs_close(ref, s.output_token_ids, [lp["top"] for lp in s.output_logprobs], name=f"fp8 request {i}")
+    assert_greedy_matches(refs, [s.output_token_ids for s in seqs], name="fp8")

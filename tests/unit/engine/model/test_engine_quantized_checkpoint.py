@@ -2,7 +2,8 @@
 (GroupCodes) are the reference's codes minus zeros and its scales, and the weights they make equal the
 reference (code - zero) * scale exactly, for AWQ GEMM, GPTQ (v1/v2; act-order dequantized) and
 compressed-tensors pack-quantized written by tests/quantized_checkpoints.py; a spec-by-hand unpack of single
-words; tensor-parallel cuts of the codes; format detection from config.json and the --quantization
+words; tensor-parallel cuts of the codes; FP8 checkpoints (compressed-tensors float-quantized, transformers'
+fp8) decoded to the reference block by block; format detection from config.json and the --quantization
 agreement rules."""
 from __future__ import annotations
 
@@ -10,12 +11,12 @@ import json
 
 import pytest
 import torch
-from quantized_checkpoints import (AWQ_ORDER, int_quantized, pack_awq, pack_compressed_tensors, pack_gptq, quantize_int,
-                                   write_quantized_checkpoint)
+from quantized_checkpoints import (AWQ_ORDER, int_quantized, pack_awq, pack_compressed_tensors, pack_gptq, quantize_fp8,
+                                   quantize_int, write_quantized_checkpoint)
 from safetensors.torch import save_file
 
 from consort_engine.model.quantized_checkpoint import (GroupCodes, CheckpointFormat, awq_codes, checkpoint_format,
-                                                  checkpoint_weights, gptq_weight, pack_quantized_codes,
+                                                  checkpoint_weights, fp8_weight, gptq_weight, pack_quantized_codes,
                                                   resolve_quantization, unpack_columns, unpacked_tensors)
 from consort_engine.model.models.quant import check_checkpoint_quantization
 
@@ -153,6 +154,16 @@ CONFIGS = {
         "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"},
         "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}}}},
                 CheckpointFormat("compressed-tensors", -1, bits=8, layout="int-quantized")),
+    "ct-fp8-dynamic": ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"g": {
+        "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel"},
+        "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}}}},
+                       CheckpointFormat("compressed-tensors", -1, bits=8, layout="float-quantized")),
+    "ct-fp8-block": ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"g": {
+        "weights": {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128, 128]},
+        "input_activations": None}}}, CheckpointFormat("compressed-tensors", -1, bits=8, layout="float-quantized",
+                                                       block=(128, 128))),
+    "fp8": ({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+            CheckpointFormat("fp8", -1, bits=8, block=(128, 128))),
 }
 
 W8A8_ACTIVATIONS = {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True}
@@ -175,7 +186,13 @@ def test_format_is_read_from_quantization_config(name):
     ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "gemm"),
     ({"quant_method": "gptq", "bits": 8}, "only 4"),
     ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}, "checkpoint_format"),
-    ({"quant_method": "compressed-tensors", "format": "float-quantized"}, "pack-quantized or int-quantized"),
+    ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"}, "int-quantized or float-quantized"),
+    (ct("float-quantized", 8, None, type="float", strategy="group"), "strategy 'group' .tensor, channel or block"),
+    (ct("float-quantized", 4, None, type="float"), "weights of 4 bits, type 'float' .8-bit float"),
+    (ct("float-quantized", 8, W8A8_ACTIVATIONS, type="float"), "activations other than 8-bit float"),
+    (ct("float-quantized", 8, None, type="float", strategy="block"), "block without block_structure"),
+    (ct("float-quantized", 8, None, type="float", strategy="block", block_structure=[128]), "two positive sizes"),
+    ({"quant_method": "fp8", "fmt": "e5m2"}, "only e4m3"),
     (ct("pack-quantized", 2, None), "pack-quantized weights of 2 bits"),
     (ct("int-quantized", 4, W8A8_ACTIVATIONS), "int-quantized weights of 4 bits"),
     (ct("pack-quantized", 8, W8A8_ACTIVATIONS), "pack-quantized with quantized activations"),
@@ -200,21 +217,50 @@ def test_quantization_flag_must_agree_with_the_checkpoint():
     assert resolve_quantization("auto", None) == "none" and resolve_quantization("w8a8", None) == "w8a8"
     with pytest.raises(ValueError, match="not awq-quantized"):
         resolve_quantization("awq", None)
+    # FP8 checkpoints run decoded, or with fp8 rounded to e4m3 per row again (the CUDA GEMM); never int8
+    for fmt in (CONFIGS["fp8"][1], CONFIGS["ct-fp8-block"][1]):
+        for ok in {"none", "auto", fmt.method} - {"fp8"}:     # fp8 is also transformers' name for its format
+            assert resolve_quantization(ok, fmt) == "none"
+        assert resolve_quantization("fp8", fmt) == "fp8"
+        for bad in ("int8", "w8a8", "awq"):
+            with pytest.raises(ValueError, match="already quantized .* fp8"):
+                resolve_quantization(bad, fmt)
+
+
+@pytest.mark.parametrize("strategy", ["tensor", "channel", "block"])
+def test_fp8_weights_decode_to_the_reference_block_by_block(strategy):
+    """Scales per tensor, output channel or block (blocks that do not divide the weight cut short at its
+    edges): value * scale equals the reference, bit for bit; a scale that fits none of them is named."""
+    w = weight(6)
+    q = quantize_fp8(w, strategy, (32, 96), torch.bfloat16)
+    block = (32, 96) if strategy == "block" else None
+    assert q.scales.shape == {"tensor": (1,), "channel": (OUT, 1), "block": (2, 3)}[strategy]
+    assert torch.equal(fp8_weight(q.values, q.scales, block), q.reference)
+    if strategy != "block":     # the other spellings: a 0-d tensor scale, a [out] channel scale
+        assert torch.equal(fp8_weight(q.values, q.scales.reshape(-1) if strategy == "channel"
+                                      else q.scales.reshape(()), None), q.reference)
+    assert (q.reference - w).abs().max() <= w.abs().max() / 16     # e4m3: 3 mantissa bits
+    with pytest.raises(ValueError, match=r"scales of shape \(5, 3\) fit neither"):
+        fp8_weight(q.values, torch.ones(5, 3), (32, 96))
 
 
 @pytest.mark.parametrize("method,kw", [("awq", {}), ("gptq", dict(sym=True, act_order=True)),
                                         ("gptq", dict(v1=False)), ("compressed-tensors", {}),
                                         ("compressed-tensors", dict(bits=8)),
-                                        ("compressed-tensors", dict(bits=8, layout="int-quantized"))])
+                                        ("compressed-tensors", dict(bits=8, layout="int-quantized")),
+                                        ("compressed-tensors", dict(bits=8, layout="float-quantized")),
+                                        ("compressed-tensors", dict(bits=8, layout="float-quantized", strategy="block")),
+                                        ("fp8", dict(bits=8))])
 def test_checkpoint_weights_give_every_linear_as_codes_or_dequantized(tmp_path, method, kw):
     """A whole checkpoint directory: quantized linears come out as PREFIX.weight, their integers (CPU) or
-    dequantized, equal to the reference; every other tensor unchanged, in the dtype asked for; the flag
-    check reads the same config.json."""
+    dequantized (FP8: always decoded), equal to the reference; every other tensor unchanged, in the dtype asked
+    for (an FP8 checkpoint's activation and KV cache scales dropped); the flag check reads the same config.json."""
     src = tmp_path / "src"
     src.mkdir()
     g = torch.Generator().manual_seed(5)
     tensors = {"model.embed_tokens.weight": torch.randn(40, 64, generator=g),
                "model.layers.0.self_attn.q_proj.weight": torch.randn(64, 64, generator=g),
+               "model.layers.0.self_attn.k_proj.weight": torch.randn(32, 64, generator=g),
                "model.layers.0.mlp.down_proj.weight": torch.randn(64, 96, generator=g),
                "model.layers.0.self_attn.q_proj.bias": torch.randn(64, generator=g)}
     save_file(tensors, str(src / "model.safetensors"))
@@ -227,8 +273,12 @@ def test_checkpoint_weights_give_every_linear_as_codes_or_dequantized(tmp_path, 
     for name, t in got.items():
         assert torch.equal(t, reference.get(name, tensors[name])), name
     kept = dict(checkpoint_weights(str(dst), fmt, torch.bfloat16, keep_codes=True))
+    fp8 = fmt.float8
+    assert fp8 == (method == "fp8" or kw.get("layout") == "float-quantized")
     for name, t in kept.items():
-        if name in reference:
+        if fp8:
+            assert torch.equal(t, reference.get(name, tensors[name]).to(torch.bfloat16)), name
+        elif name in reference:
             assert isinstance(t, GroupCodes) and (t.order is not None) == kw.get("act_order", False), name
             assert torch.equal(t.dequantize(), reference[name]), name
         else:
