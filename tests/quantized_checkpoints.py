@@ -1,10 +1,11 @@
 """Writes pre-quantized checkpoints (AWQ GEMM and GPTQ v1/v2 int4, compressed-tensors pack-quantized int4
-and int8, compressed-tensors int-quantized int8 and float-quantized FP8, transformers' block-scaled fp8) from
+and int8, compressed-tensors int-quantized int8, NVFP4 and float-quantized FP8, transformers' block-scaled fp8) from
 a float checkpoint, bit by bit as each format's spec lays them out, and the fake-quantized float
 checkpoint with the same weights for transformers. Independent of the engine's unpacker
 (consort_engine/model/quantized_checkpoint.py): packing here is a loop over nibbles, and the reference
 weight is (code - zero) * scale computed from the integers before they are packed (FP8: each block's e4m3
-values times its scale, block by block).
+values times its scale, block by block; NVFP4: each e2m1 value times its group's e4m3 scale over the global
+scale, group by group).
 """
 from __future__ import annotations
 
@@ -87,6 +88,48 @@ def quantize_fp8(w: torch.Tensor, strategy: str, block: tuple[int, int], scale_d
     return Fp8Linear(values, scales.reshape(1) if strategy == "tensor" else scales, reference)
 
 
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)     # an FP4 code's magnitude by its bits 0-2; bit 3: the sign
+
+
+@dataclass
+class NvFp4Linear:
+    nibbles: torch.Tensor    # [out, in] int64: 4-bit codes, sign in bit 3
+    scales: torch.Tensor     # [out, in / 16] float8_e4m3fn
+    global_scale: torch.Tensor   # [1] float32, a divisor
+    reference: torch.Tensor  # [out, in] float32: E2M1[code] * (scale / global_scale)
+
+
+def quantize_nvfp4(w: torch.Tensor) -> NvFp4Linear:
+    """NVFP4 as llm-compressor makes it: a global scale 448 * 6 / max|w|, per group of 16 columns an e4m3 scale
+    (group max / 6 times the global scale), each value the nearest e2m1 to w / (scale / global), group by group."""
+    out, inp = w.shape
+    global_scale = (448.0 * 6.0 / w.abs().max().float()).reshape(1)
+    nibbles = torch.empty(out, inp, dtype=torch.long)
+    scales = torch.empty(out, inp // 16, dtype=torch.float8_e4m3fn)
+    reference = torch.empty(out, inp)
+    table = torch.tensor(E2M1)
+    for g in range(inp // 16):
+        part = w[:, 16 * g:16 * (g + 1)].float()
+        scale = (part.abs().amax(1) / 6.0 * global_scale).clamp(min=2.0 ** -9).to(torch.float8_e4m3fn)
+        effective = scale.float() / global_scale
+        index = (part.abs()[:, :, None] / effective[:, None, None] - table).abs().argmin(-1)
+        sign = part < 0
+        nibbles[:, 16 * g:16 * (g + 1)] = index + 8 * sign.long()
+        scales[:, g] = scale
+        reference[:, 16 * g:16 * (g + 1)] = torch.where(sign, -table[index], table[index]) * effective[:, None]
+    return NvFp4Linear(nibbles, scales, global_scale, reference)
+
+
+def pack_nvfp4(q: NvFp4Linear) -> dict[str, torch.Tensor]:
+    """Two codes a byte, the even column's in the low nibble."""
+    out, inp = q.nibbles.shape
+    packed = torch.zeros(out, inp // 2, dtype=torch.long)
+    for j in range(inp // 2):
+        packed[:, j] = q.nibbles[:, 2 * j] | (q.nibbles[:, 2 * j + 1] << 4)
+    return {"weight_packed": packed.to(torch.uint8), "weight_scale": q.scales, "weight_global_scale": q.global_scale,
+            "input_global_scale": torch.tensor([4.0])}
+
+
 def _int32(words: torch.Tensor) -> torch.Tensor:
     """uint32 values held in int64 -> the same bits as int32."""
     return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
@@ -132,6 +175,11 @@ def quantization_config(method: str, group_size: int, sym: bool, act_order: bool
                         block: tuple[int, int] = (32, 48)) -> dict:
     if method == "fp8":
         return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block)}
+    if layout == "nvfp4-pack-quantized":     # W4A4, as the NVFP4 recipe writes it: a global activation scale
+        fp4 = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group", "group_size": 16}
+        return {"quant_method": "compressed-tensors", "format": layout, "ignore": ["lm_head"], "config_groups": {
+            "group_0": {"targets": ["Linear"], "weights": {**fp4, "dynamic": False},
+                        "input_activations": {**fp4, "dynamic": "local"}}}}
     if layout == "float-quantized":      # static activation scales and a KV cache scheme, as llm-compressor writes
         weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": strategy}
         fp8 = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": "tensor"}
@@ -156,10 +204,10 @@ def write_quantized_checkpoint(src: Path, dst: Path, method: str, group_size: in
                                bits: int = 4, layout: str = "pack-quantized", strategy: str = "channel",
                                block: tuple[int, int] = (32, 48)) -> dict[str, torch.Tensor]:
     """Quantize src's decoder linears into dst in `method`'s layout (everything else copied); `bits` and
-    `layout` (pack-quantized | int-quantized: int8 only | float-quantized: FP8 scaled per `strategy`, with
-    static activation and KV cache scales beside) for compressed-tensors; method fp8: transformers' FP8 in
-    blocks of `block`; with fake_dst, also write the float checkpoint of the dequantized weights. Returns
-    weight name -> dequantized float32 weight."""
+    `layout` for compressed-tensors (pack-quantized | int-quantized: int8 only | nvfp4-pack-quantized |
+    float-quantized: FP8 scaled per `strategy`, with static activation and KV cache scales beside); method fp8:
+    transformers' FP8 in blocks of `block`; with fake_dst, also write the float checkpoint of the dequantized
+    weights. Returns weight name -> dequantized float32 weight."""
     assert bits == 4 or method in ("compressed-tensors", "fp8"), "AWQ and GPTQ are written as int4"
     fp8 = method == "fp8" or layout == "float-quantized"
     sym = sym or method == "compressed-tensors"
@@ -188,6 +236,12 @@ def write_quantized_checkpoint(src: Path, dst: Path, method: str, group_size: in
                     attn = prefix.rpartition(".")[0]
                     packed[f"{attn}.k_scale"], packed[f"{attn}.v_scale"] = torch.tensor(0.5), torch.tensor(0.25)
             reference[name] = q8.reference
+            fake[name] = reference[name].to(t.dtype)
+            continue
+        if layout == "nvfp4-pack-quantized":
+            q4 = quantize_nvfp4(t)
+            packed.update({f"{prefix}.{k}": v for k, v in pack_nvfp4(q4).items()})
+            reference[name] = q4.reference
             fake[name] = reference[name].to(t.dtype)
             continue
         # act-order sorts by the input's statistics: projections of one input (q/k/v, gate/up) share it

@@ -164,9 +164,9 @@ class ModelRunner:
         elif prequantized is not None:      # which linears a user's checkpoint runs on its codes (act-order, TP cuts)
             linears = [m for m in self.model.modules() if isinstance(m, Linear)]
             codes = sum(m.runs_codes for m in linears)
-            log.info("%s checkpoint (int%d): %d linears multiply their codes on the int8 kernel, the other %d "
+            log.info("%s checkpoint (%s): %d linears multiply their codes on the int8 kernel, the other %d "
                      "hold float weights (dequantized, or not quantized in the checkpoint)", prequantized.method,
-                     prequantized.bits, codes, len(linears) - codes)
+                     prequantized.kind, codes, len(linears) - codes)
         self.lora_ctx = LoraContext()
         self.adapters: dict[str, LoraAdapter] = {}
         for name, path in config.adapters.items():

@@ -1,9 +1,10 @@
 """Pre-quantized checkpoints: AWQ (GEMM) and GPTQ (v1 and v2) int4, compressed-tensors
-pack-quantized int4/int8 (W4A16, W8A16), int-quantized int8 (W8A8) and float-quantized FP8, and the
-block-scaled FP8 of transformers' `fp8` method (Qwen3-FP8, DeepSeek-V3). config.json's
+pack-quantized int4/int8 (W4A16, W8A16), int-quantized int8 (W8A8), nvfp4-pack-quantized (NVFP4) and
+float-quantized FP8, and the block-scaled FP8 of transformers' `fp8` method (Qwen3-FP8, DeepSeek-V3). config.json's
 `quantization_config` names the format; at load every quantized linear (its packed codes, zero points
 and scales) becomes its integers and scales (`GroupCodes`: code - zero as int8, one fp32 scale per
-output channel and group of input columns), exactly.
+output channel and group of input columns), exactly. NVFP4's e2m1 values are integers once doubled (0 to
+12), so they are codes too, each group's scale halved.
 
 On CPU the engine keeps them so: each Linear multiplies them in the engine's int8 kernel with one scale
 per group (csrc/gemm_i8w.c; layers.Linear.pack), in a quarter of the fp32 weight's memory and at the
@@ -17,8 +18,9 @@ zero) * scale in fp32, and runs as a float checkpoint would. torch's own CPU int
 
 FP8 weights (e4m3) are decoded at load, w = value * scale in fp32, and run in the model's dtype (no CPU
 kernel multiplies e4m3); `--quantization fp8` then rounds the decoded weights to e4m3 again, one scale per
-output row, for the CUDA fp8 GEMM. The activations' static scales (`input_scale`) and the KV cache's
-(`k_scale`, `v_scale`) are read past, not applied: each GEMM takes its rows as they are, the fp8 KV pool is
+output row, for the CUDA fp8 GEMM. The activations' static scales (`input_scale`, NVFP4's
+`input_global_scale`) and the KV cache's (`k_scale`, `v_scale`) are read past, not applied: each GEMM takes
+its rows as they are (W4A4 and W8A8-FP8 checkpoints run with unquantized activations), the fp8 KV pool is
 unscaled.
 
 The layouts (w = (q - zero) * scale, groups of `group_size` input columns, one scale per output
@@ -37,6 +39,10 @@ channel and group):
 - compressed-tensors float-quantized (FP8): `weight` float8_e4m3fn [out, in]; `weight_scale` one for the
   tensor ([] or [1]), one per output channel ([out, 1]) or one per block of rows x columns (strategy
   `block`, `block_structure` [b0, b1]: [ceil(out / b0), ceil(in / b1)]).
+- compressed-tensors nvfp4-pack-quantized (NVFP4, W4A16 or W4A4): `weight_packed` uint8 [out, in / 2], two
+  4-bit codes per byte, the even column in the low nibble, each code e2m1 (bit 3 the sign, bits 0-2 the
+  magnitude's index in E2M1); `weight_scale` float8_e4m3fn [out, in / 16]; `weight_global_scale` fp32 [1], a
+  divisor: w = value * (weight_scale / weight_global_scale).
 - transformers' `fp8` (FineGrainedFP8): `weight` float8_e4m3fn [out, in]; `weight_scale_inv` per block of
   `weight_block_size` [b0, b1] as above (despite its name, w = value * weight_scale_inv).
 """
@@ -52,9 +58,12 @@ from consort_engine.model.loader import iter_safetensors
 CHECKPOINT_FORMATS = ("awq", "gptq", "compressed-tensors")
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)      # nibble i of an AWQ word holds column AWQ_PACK_ORDER[i]
 PACK_QUANTIZED, INT_QUANTIZED, FLOAT_QUANTIZED = "pack-quantized", "int-quantized", "float-quantized"
+NVFP4_PACK_QUANTIZED = "nvfp4-pack-quantized"
+NVFP4_GROUP = 16                               # input columns per NVFP4 scale
+E2M1_DOUBLED = (0, 1, 2, 3, 4, 6, 8, 12)       # twice the e2m1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 (index: bits 0-2)
 FP8 = "fp8"                                    # transformers' quant_method for block-scaled FP8 checkpoints
-# FP8 checkpoints' scales the engine does not apply (activations' static scales, the KV cache's), read past
-UNAPPLIED_SCALES = ("input_scale", "k_scale", "v_scale")
+# scales the engine does not apply (activations' static scales, the KV cache's), read past
+UNAPPLIED_SCALES = ("input_scale", "input_global_scale", "k_scale", "v_scale")
 
 
 @dataclass(frozen=True)
@@ -74,6 +83,11 @@ class CheckpointFormat:
         return self.method == FP8 or self.layout == FLOAT_QUANTIZED
 
     @property
+    def kind(self) -> str:
+        """The weights' element, for messages: int4, int8, nvfp4 or fp8."""
+        return "fp8" if self.float8 else "nvfp4" if self.layout == NVFP4_PACK_QUANTIZED else f"int{self.bits}"
+
+    @property
     def parts(self) -> tuple[str, ...]:
         """The tensor names (after the module's prefix) one quantized linear is made of."""
         if self.method == FP8:
@@ -84,6 +98,8 @@ class CheckpointFormat:
             return ("qweight", "qzeros", "scales", "g_idx")
         if self.layout in (INT_QUANTIZED, FLOAT_QUANTIZED):
             return ("weight", "weight_scale")
+        if self.layout == NVFP4_PACK_QUANTIZED:
+            return ("weight_packed", "weight_scale", "weight_global_scale")
         return ("weight_packed", "weight_scale", "weight_shape")
 
     def is_part(self, leaf: str, tensor: torch.Tensor) -> bool:
@@ -127,15 +143,26 @@ def _float_quantized(w: dict[str, Any], act: dict[str, Any] | None) -> Checkpoin
     return CheckpointFormat("compressed-tensors", -1, bits=8, layout=FLOAT_QUANTIZED, block=block)
 
 
+def _nvfp4(w: dict[str, Any], act: dict[str, Any] | None) -> CheckpointFormat:
+    _need(w.get("type") == "float" and int(w.get("num_bits", 0)) == 4
+          and int(w.get("group_size") or 0) == NVFP4_GROUP and bool(w.get("symmetric", True)),
+          f"compressed-tensors {NVFP4_PACK_QUANTIZED} weights other than 4-bit float in groups of {NVFP4_GROUP}")
+    _need(act is None or (act.get("type") == "float" and int(act.get("num_bits", 0)) == 4),
+          f"compressed-tensors {NVFP4_PACK_QUANTIZED} with activations other than none or 4-bit float")
+    return CheckpointFormat("compressed-tensors", NVFP4_GROUP, bits=4, layout=NVFP4_PACK_QUANTIZED)
+
+
 def _compressed_tensors(qc: dict[str, Any]) -> CheckpointFormat:
     layout = qc.get("format")
-    _need(layout in (PACK_QUANTIZED, INT_QUANTIZED, FLOAT_QUANTIZED),
-          f"compressed-tensors format {layout!r} ({PACK_QUANTIZED}, {INT_QUANTIZED} or {FLOAT_QUANTIZED})")
+    formats = (PACK_QUANTIZED, INT_QUANTIZED, NVFP4_PACK_QUANTIZED, FLOAT_QUANTIZED)
+    _need(layout in formats, f"compressed-tensors format {layout!r} ({', '.join(formats)})")
     groups = list((qc.get("config_groups") or {}).values())
     _need(len(groups) == 1, "compressed-tensors with other than one config group")
     w, act = groups[0].get("weights") or {}, groups[0].get("input_activations")
     if layout == FLOAT_QUANTIZED:
         return _float_quantized(w, act)
+    if layout == NVFP4_PACK_QUANTIZED:
+        return _nvfp4(w, act)
     bits = int(w.get("num_bits", 0))
     _need(w.get("type", "int") == "int" and bits in ((4, 8) if layout == PACK_QUANTIZED else (8,)),
           f"compressed-tensors {layout} weights of {bits} bits, type {w.get('type')!r}")
@@ -177,7 +204,7 @@ def checkpoint_format(raw_config: dict[str, Any]) -> CheckpointFormat | None:
               f"fp8 activation_scheme {qc.get('activation_scheme')!r}")
         return CheckpointFormat(FP8, -1, bits=8, block=_block(qc.get("weight_block_size"), "weight_block_size"))
     raise ValueError(f"unsupported quantization_config: quant_method {method!r}; "
-                     f"readable: awq and gptq (int4), compressed-tensors (int4, int8, fp8), fp8")
+                     f"readable: awq and gptq (int4), compressed-tensors (int4, int8, nvfp4, fp8), fp8")
 
 
 def unpack_columns(packed: torch.Tensor, order: tuple[int, ...] | None = None, bits: int = 4) -> torch.Tensor:
@@ -289,6 +316,19 @@ def pack_quantized_codes(weight_packed: torch.Tensor, weight_scale: torch.Tensor
     return GroupCodes(q.to(torch.int8), weight_scale.float().reshape(out, -1).contiguous(), group_size)
 
 
+def nvfp4_codes(weight_packed: torch.Tensor, weight_scale: torch.Tensor,
+                weight_global_scale: torch.Tensor) -> GroupCodes:
+    """NVFP4 tensors -> the linear's integers and scales: each e2m1 value doubled (an integer of -12 to 12)
+    times half its group's weight_scale / weight_global_scale, which is value * (weight_scale /
+    weight_global_scale) exactly (halving and doubling move only the exponent)."""
+    out = weight_packed.shape[0]
+    nibbles = torch.stack((weight_packed & 0x0F, weight_packed >> 4), dim=-1).reshape(out, -1).long()
+    magnitude = torch.tensor(E2M1_DOUBLED, dtype=torch.int8)[nibbles & 7]
+    codes = torch.where(nibbles & 8 != 0, -magnitude, magnitude)
+    scales = weight_scale.float() / weight_global_scale.float().reshape(()) / 2
+    return GroupCodes(codes.contiguous(), scales.reshape(out, -1).contiguous(), NVFP4_GROUP)
+
+
 def fp8_weight(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
     """e4m3 values [out, in] and their scales -> W [out, in] float32, value * scale: one scale for the tensor,
     one per output channel ([out, 1] or [out]), or one per block of `block` rows x columns ([ceil(out / b0),
@@ -315,6 +355,8 @@ def _weight(fmt: CheckpointFormat, t: dict[str, torch.Tensor]) -> GroupCodes | t
     if fmt.method == "gptq":
         return gptq_weight(t["qweight"], t["qzeros"], t["scales"], t.get("g_idx"), fmt.group_size,
                            fmt.zeros_minus_one)
+    if fmt.layout == NVFP4_PACK_QUANTIZED:
+        return nvfp4_codes(t["weight_packed"], t["weight_scale"], t["weight_global_scale"])
     if fmt.layout == INT_QUANTIZED:
         w = t["weight"]
         scales = t["weight_scale"].float().reshape(w.shape[0], -1).contiguous()
@@ -326,7 +368,7 @@ def unpacked_tensors(fmt: CheckpointFormat, tensors: Iterable[tuple[str, torch.T
                      keep_codes: bool) -> Iterator[tuple[str, GroupCodes | torch.Tensor]]:
     """The checkpoint's tensors with every quantized linear's parts replaced by its `PREFIX.weight`,
     yielded as soon as its parts are all read: its GroupCodes (keep_codes), else W float32; an FP8
-    checkpoint's scales the engine does not apply dropped; every other tensor passes through."""
+    the scales the engine does not apply dropped; every other tensor passes through."""
     def weight(parts: dict[str, torch.Tensor]) -> GroupCodes | torch.Tensor:
         w = _weight(fmt, parts)
         return w.dequantize() if isinstance(w, GroupCodes) and not keep_codes else w
@@ -334,7 +376,7 @@ def unpacked_tensors(fmt: CheckpointFormat, tensors: Iterable[tuple[str, torch.T
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in tensors:
         prefix, _, leaf = name.rpartition(".")
-        if fmt.float8 and leaf in UNAPPLIED_SCALES:
+        if leaf in UNAPPLIED_SCALES:
             continue
         if not fmt.is_part(leaf, tensor):
             yield name, tensor
@@ -374,7 +416,7 @@ def resolve_quantization(requested: str, fmt: CheckpointFormat | None) -> str:
     allowed = ("none", "auto", fmt.method, FP8) if fmt.float8 else ("none", "auto", fmt.method)
     if requested not in allowed:
         raise ValueError(f"--quantization {requested}: the checkpoint is already quantized "
-                         f"({fmt.method} {'fp8' if fmt.float8 else f'int{fmt.bits}'}); "
+                         f"({fmt.method} {fmt.kind}); "
                          f"use auto or {fmt.method}")
     if fmt.float8:
         return FP8 if requested == FP8 else "none"

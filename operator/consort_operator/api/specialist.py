@@ -65,7 +65,7 @@ class ModelSource(Model):
                      "per row to 16-bit integers, CPU; the LM head too), `w8a8` (int8 weights and 8-bit "
                      "activations, CPU), `fp8` (e4m3 weights and activations, GPUs "
                      "of compute capability 8.9 or newer). A pre-quantized checkpoint (AWQ or GPTQ int4, "
-                     "compressed-tensors W4A16, W8A16 or W8A8, named by its config.json's quantization_config) loads "
+                     "compressed-tensors W4A16, W8A16, W8A8 or NVFP4, named by its config.json's quantization_config) loads "
                      "with `none`, `auto` or its own format's name (`awq`, `gptq`, `compressed-tensors`; the "
                      "engine refuses to start when the checkpoint is another); on CPU its linears multiply "
                      "their codes with one scale per group in the engine's integer kernels (a quarter of the "

@@ -1,9 +1,10 @@
-"""Pre-quantized checkpoints (AWQ and GPTQ int4, compressed-tensors int4, W8A16, W8A8 and FP8, transformers'
-block-scaled FP8; model/quantized_checkpoint.py) through the whole engine against transformers running the fake-quantized model (the same dequantized weights in a
-float checkpoint): greedy tokens match (near-tie rule of fidelity_helpers), with top-5 logprobs close,
-for tiny Llama and Qwen2 checkpoints written by transformers and packed by tests/quantized_checkpoints.py.
-Where the engine's int8 kernel is built, the decoder's integer linears run on their codes (act-order's too); FP8
-ones run decoded."""
+"""Pre-quantized checkpoints (AWQ and GPTQ int4, compressed-tensors int4, W8A16, W8A8, NVFP4 and FP8,
+transformers' block-scaled FP8; model/quantized_checkpoint.py) through the whole engine against transformers
+running the fake-quantized model (the same dequantized weights in a float checkpoint): greedy tokens match
+(near-tie rule of fidelity_helpers), with top-5 logprobs close, for tiny Llama and Qwen2 checkpoints written by
+transformers and packed by tests/quantized_checkpoints.py. Where the engine's int8 kernel is built, the
+decoder's integer (and NVFP4) linears run on their codes (act-order's too); FP8 ones run decoded. transformers'
+own readers of the FP8 and compressed-tensors formats decode the same weights."""
 from __future__ import annotations
 
 import json
@@ -12,9 +13,10 @@ import random
 
 import pytest
 import torch
-from fidelity_helpers import (assert_greedy_matches, check_logprobs_close, hf_greedy, hf_model, make_checkpoint,
-                              run_engine)
+from fidelity_helpers import assert_greedy_matches, check_logprobs_close, hf_greedy, make_checkpoint, run_engine
 from quantized_checkpoints import runs_on_codes, write_quantized_checkpoint
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
 from consort_engine.kv.sequence import SamplingParams, Sequence
 from consort_engine.model.cpu_kernels import cpu_kernels
@@ -28,6 +30,7 @@ FORMATS = {"awq": ("awq", {}), "gptq-act-order": ("gptq", dict(sym=True, act_ord
            "compressed-tensors-fp8": ("compressed-tensors", dict(bits=8, layout="float-quantized")),
            "compressed-tensors-fp8-block": ("compressed-tensors", dict(bits=8, layout="float-quantized",
                                                                        strategy="block")),
+           "compressed-tensors-nvfp4": ("compressed-tensors", dict(layout="nvfp4-pack-quantized")),
            "fp8-block": ("fp8", dict(bits=8))}
 GROUP = 32      # the tiny checkpoints' hidden (64) and intermediate (160) sizes are multiples of it
 
@@ -64,21 +67,48 @@ def test_quantized_checkpoint_greedy_matches_the_fake_quantized_model(tmp_path, 
     assert hf_greedy(src, prompts[2:], 12)[0].logits[0].ne(refs[2].logits[0]).any()
 
 
-def test_fp8_checkpoint_decodes_as_transformers_decodes_it(tmp_path):
-    """transformers' own FP8 loader (FineGrainedFP8, which on a CPU decodes the weights) is the reference for
-    the format itself, not only our writer: the engine's decoded weights equal its weights bit for bit, and the
-    engine's greedy tokens match transformers running the FP8 checkpoint (blocks of 32 x 32: transformers needs
-    blocks that divide the weight)."""
+
+# (method, writer options, whether transformers' reader rounds the weights through bf16 as it decodes them)
+READERS = {"fp8-block": ("fp8", dict(bits=8, block=(32, 32)), False),
+           "compressed-tensors-nvfp4": ("compressed-tensors", dict(layout="nvfp4-pack-quantized"), True),
+           "compressed-tensors-fp8": ("compressed-tensors", dict(bits=8, layout="float-quantized"), True),
+           "compressed-tensors-fp8-block": ("compressed-tensors", dict(bits=8, layout="float-quantized",
+                                                                       strategy="block", block=(32, 32)), True)}
+
+
+@pytest.mark.parametrize("fmt", list(READERS))
+def test_checkpoint_decodes_as_transformers_reads_it(tmp_path, fmt):
+    """transformers' own readers, not only our writer, are the reference for the formats themselves: its
+    FineGrainedFP8 (which decodes FP8 on a CPU; blocks that divide the weight) and compressed-tensors'
+    decompression (`run_compressed=False`; it decodes through bf16, so ours is compared rounded to bf16) give the
+    weights the engine decodes, bit for bit."""
+    from transformers import CompressedTensorsConfig
+
+    method, kw, through_bf16 = READERS[fmt]
+    src = make_checkpoint("qwen2", tmp_path)
+    dst = tmp_path / fmt
+    reference = write_quantized_checkpoint(src, dst, method, -1, **kw)
+    qc = {} if method == "fp8" else {"quantization_config": CompressedTensorsConfig(run_compressed=False)}
+    theirs = AutoModelForCausalLM.from_pretrained(dst, dtype=torch.float32, **qc).state_dict()
+    fmt_ = checkpoint_format(json.loads((dst / "config.json").read_text()))
+    ours = dict(checkpoint_weights(str(dst), fmt_, torch.float32))
+    assert len(reference) == 2 * 7
+    for name in reference:
+        want = ours[name].to(torch.bfloat16).float() if through_bf16 else ours[name]
+        assert torch.equal(want, theirs[name].float()), name
+        assert not torch.equal(ours[name], src_weight(src, name)), name     # quantized: not the float weight
+
+
+def src_weight(src, name: str) -> torch.Tensor:
+    return load_file(str(next(src.glob("*.safetensors"))))[name].float()
+
+
+def test_fp8_checkpoint_greedy_matches_transformers_running_it(tmp_path):
+    """The engine's greedy tokens match transformers running transformers' FP8 checkpoint itself (decoded on a
+    CPU), blocks of 32 x 32."""
     src = make_checkpoint("qwen2", tmp_path)
     dst = tmp_path / "fp8"
-    reference = write_quantized_checkpoint(src, dst, "fp8", -1, bits=8, block=(32, 32))
-    hf = hf_model(dst, torch.float32)
-    theirs = hf.state_dict()
-    fmt = checkpoint_format(json.loads((dst / "config.json").read_text()))
-    ours = dict(checkpoint_weights(str(dst), fmt, torch.float32))
-    assert set(reference) <= set(ours) and len(reference) == 2 * 7
-    for name in reference:
-        assert torch.equal(ours[name], theirs[name].float()), name
+    write_quantized_checkpoint(src, dst, "fp8", -1, bits=8, block=(32, 32))
     rng = random.Random(4)
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (7, 31)]
     refs = hf_greedy(dst, prompts, 10)

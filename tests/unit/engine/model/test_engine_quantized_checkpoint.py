@@ -3,20 +3,21 @@
 reference (code - zero) * scale exactly, for AWQ GEMM, GPTQ (v1/v2; act-order dequantized) and
 compressed-tensors pack-quantized written by tests/quantized_checkpoints.py; a spec-by-hand unpack of single
 words; tensor-parallel cuts of the codes; FP8 checkpoints (compressed-tensors float-quantized, transformers'
-fp8) decoded to the reference block by block; format detection from config.json and the --quantization
-agreement rules."""
+fp8) decoded to the reference block by block, NVFP4 unpacked to integers exactly; format detection from
+config.json and the --quantization agreement rules."""
 from __future__ import annotations
 
 import json
 
 import pytest
 import torch
-from quantized_checkpoints import (AWQ_ORDER, int_quantized, pack_awq, pack_compressed_tensors, pack_gptq, quantize_fp8,
-                                   quantize_int, write_quantized_checkpoint)
+from quantized_checkpoints import (AWQ_ORDER, int_quantized, pack_awq, pack_compressed_tensors, pack_gptq, pack_nvfp4,
+                                   quantize_fp8, quantize_int, quantize_nvfp4, write_quantized_checkpoint)
 from safetensors.torch import save_file
 
 from consort_engine.model.quantized_checkpoint import (GroupCodes, CheckpointFormat, awq_codes, checkpoint_format,
-                                                  checkpoint_weights, fp8_weight, gptq_weight, pack_quantized_codes,
+                                                  checkpoint_weights, fp8_weight, gptq_weight, nvfp4_codes,
+                                                  pack_quantized_codes,
                                                   resolve_quantization, unpack_columns, unpacked_tensors)
 from consort_engine.model.models.quant import check_checkpoint_quantization
 
@@ -162,6 +163,11 @@ CONFIGS = {
         "weights": {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128, 128]},
         "input_activations": None}}}, CheckpointFormat("compressed-tensors", -1, bits=8, layout="float-quantized",
                                                        block=(128, 128))),
+    "ct-nvfp4": ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "config_groups": {"g": {
+        "weights": {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16},
+        "input_activations": {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16,
+                              "dynamic": "local"}}}},
+                 CheckpointFormat("compressed-tensors", 16, bits=4, layout="nvfp4-pack-quantized")),
     "fp8": ({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
             CheckpointFormat("fp8", -1, bits=8, block=(128, 128))),
 }
@@ -186,7 +192,9 @@ def test_format_is_read_from_quantization_config(name):
     ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "gemm"),
     ({"quant_method": "gptq", "bits": 8}, "only 4"),
     ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}, "checkpoint_format"),
-    ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"}, "int-quantized or float-quantized"),
+    ({"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized"}, "nvfp4-pack-quantized, float-quantized"),
+    (ct("nvfp4-pack-quantized", 4, None, type="float", group_size=32), "4-bit float in groups of 16"),
+    (ct("nvfp4-pack-quantized", 4, W8A8_ACTIVATIONS, type="float", group_size=16), "none or 4-bit float"),
     (ct("float-quantized", 8, None, type="float", strategy="group"), "strategy 'group' .tensor, channel or block"),
     (ct("float-quantized", 4, None, type="float"), "weights of 4 bits, type 'float' .8-bit float"),
     (ct("float-quantized", 8, W8A8_ACTIVATIONS, type="float"), "activations other than 8-bit float"),
@@ -227,6 +235,22 @@ def test_quantization_flag_must_agree_with_the_checkpoint():
                 resolve_quantization(bad, fmt)
 
 
+def test_nvfp4_unpacks_to_integers_and_the_reference_exactly():
+    """Every e2m1 code doubled is an integer, each group's scale halved: the weight equals the reference
+    value * (scale / global) bit for bit; one byte by hand: the even column in the low nibble, bit 3 the sign."""
+    w = weight(7)
+    q = quantize_nvfp4(w)
+    t = pack_nvfp4(q)
+    codes = nvfp4_codes(t["weight_packed"], t["weight_scale"], t["weight_global_scale"])
+    assert codes.codes.dtype == torch.int8 and codes.group_size == 16 and codes.scales.shape == (OUT, IN // 16)
+    assert set(codes.codes.unique().abs().tolist()) <= {0, 1, 2, 3, 4, 6, 8, 12}
+    assert torch.equal(codes.dequantize(), q.reference)
+    assert (q.reference - w).abs().max() <= w.abs().max() / 4        # e2m1: 1 mantissa bit
+    byte = nvfp4_codes(torch.tensor([[0x9A]], dtype=torch.uint8), torch.tensor([[2.0]]).to(torch.float8_e4m3fn),
+                       torch.tensor([0.5]))
+    assert byte.codes.tolist() == [[-2, -1]] and byte.dequantize().tolist() == [[-4.0, -2.0]]   # -1.0, -0.5 times 4
+
+
 @pytest.mark.parametrize("strategy", ["tensor", "channel", "block"])
 def test_fp8_weights_decode_to_the_reference_block_by_block(strategy):
     """Scales per tensor, output channel or block (blocks that do not divide the weight cut short at its
@@ -249,7 +273,9 @@ def test_fp8_weights_decode_to_the_reference_block_by_block(strategy):
                                         ("compressed-tensors", dict(bits=8)),
                                         ("compressed-tensors", dict(bits=8, layout="int-quantized")),
                                         ("compressed-tensors", dict(bits=8, layout="float-quantized")),
-                                        ("compressed-tensors", dict(bits=8, layout="float-quantized", strategy="block")),
+                                        ("compressed-tensors",
+                                         dict(bits=8, layout="float-quantized", strategy="block")),
+                                        ("compressed-tensors", dict(layout="nvfp4-pack-quantized")),
                                         ("fp8", dict(bits=8))])
 def test_checkpoint_weights_give_every_linear_as_codes_or_dequantized(tmp_path, method, kw):
     """A whole checkpoint directory: quantized linears come out as PREFIX.weight, their integers (CPU) or
