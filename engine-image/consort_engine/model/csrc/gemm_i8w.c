@@ -87,17 +87,22 @@ void gemm_pack_i8w_f32(const int8_t *w, int64_t N, int64_t K, int8_t *packed) {
 #endif
 
 /* R rows x P panels (P * I8W_VPP accumulator vectors per row); x is the tile's rows as pairs of int16,
- * row after row ([R][Q] int32, `i8w_pack_tile`: R sequential streams). The sums go through out: each
- * block's sums, converted, times their group's column scales, are added there (one FMA), then out is
- * scaled by the rows' scales. A block ends at I8W_KBLK pairs and at every scale group's end. */
-#define I8W_TILE(R, P)                                                                                    \
-static void i8w_tile_##R##x##P(const void *restrict xv, const void *restrict panels, int64_t K,           \
-                               float *restrict out, int64_t ldo, const float *restrict row_scales,        \
-                               const float *restrict col_scales, int64_t scale_k, int64_t scale_ld) {     \
+ * row after row ([R][Q] int32, `i8w_pack_tile`: R sequential streams). A block of sums ends at I8W_KBLK
+ * pairs and at every scale group's end; converted, times their group's column scales, they are added to the
+ * tile's fp32 sums (one FMA), which are then scaled by the rows' scales. I8W_TILE keeps those fp32 sums in
+ * out (GEMM_INT_BLOCK_OUT: a load and a store a vector a block), which leaves every register to the int32
+ * accumulators of the tallest tiles; I8W_TILE_REG keeps them in registers, for tiles of at most 12
+ * accumulators: where groups are small (NVFP4's 16 k end a block every 8 pairs) the trip through out cost
+ * a quarter of the kernel's time. The two give the same bits (the same FMAs in the same order). */
+#define I8W_TILE_DEF(NAME, R, P, SUMS_DECL, BLOCK_OUT, SUMS_OUT)                                          \
+static void NAME(const void *restrict xv, const void *restrict panels, int64_t K, float *restrict out,    \
+                 int64_t ldo, const float *restrict row_scales, const float *restrict col_scales,         \
+                 int64_t scale_k, int64_t scale_ld) {                                                     \
     enum { V = P * I8W_VPP };                                                                             \
     const int32_t *restrict x = (const int32_t *)xv;                                                      \
     const int8_t *restrict pw = (const int8_t *)panels;                                                   \
     const int64_t Q = i8w_pairs(K), ps = i8w_panel_bytes(K), gq = scale_k / 2;                            \
+    SUMS_DECL;                                                                                            \
     for (int64_t q0 = 0, q1; q0 < Q; q0 = q1) {                                                           \
         const int64_t g = q0 / gq, gend = (g + 1) * gq;                                                   \
         q1 = q0 + I8W_KBLK < gend ? q0 + I8W_KBLK : gend;                                                 \
@@ -118,10 +123,31 @@ static void i8w_tile_##R##x##P(const void *restrict xv, const void *restrict pan
                 _Pragma("GCC unroll 16") for (int v = 0; v < V; v++) I8W_MADD(acc[r][v], w[v], b);        \
             }                                                                                             \
         }                                                                                                 \
-        GEMM_INT_BLOCK_OUT(R, V, I8W_SUMS, cs, out, ldo, q0)                                              \
+        BLOCK_OUT                                                                                         \
     }                                                                                                     \
+    SUMS_OUT                                                                                              \
     GEMM_INT_ROW_SCALE(R, V, out, ldo, row_scales)                                                        \
 }
+#define I8W_TILE(R, P) I8W_TILE_DEF(i8w_tile_##R##x##P, R, P, (void)0,                                     \
+                                    GEMM_INT_BLOCK_OUT(R, V, I8W_SUMS, cs, out, ldo, q0), )
+/* the block's sums into the register sums fs (as GEMM_INT_BLOCK_OUT adds them into out), stored at the end */
+#define I8W_BLOCK_REG(R)                                                                                  \
+    _Pragma("GCC unroll 16") for (int v = 0; v < V; v++) {                                                \
+        const VEC c = VEC_LOADU(cs + v * VLEN);                                                           \
+        _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {                                            \
+            const VEC f = VEC_FROM_I32(acc[r][v]);                                                        \
+            fs[r][v] = q0 ? VEC_FMA(f, c, fs[r][v]) : VEC_MUL(f, c);                                      \
+        }                                                                                                 \
+    }
+#define I8W_STORE_REG(R)                                                                                  \
+    _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)                                                  \
+        _Pragma("GCC unroll 16") for (int v = 0; v < V; v++) VEC_STOREU(out + r * ldo + v * VLEN, fs[r][v]);
+#define I8W_SUMS_REG(R)                                                                                   \
+    VEC fs[R][V];                                                                                         \
+    _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)                                                  \
+        _Pragma("GCC unroll 16") for (int v = 0; v < V; v++) fs[r][v] = VEC_ZERO()
+#define I8W_TILE_REG(R, P) I8W_TILE_DEF(i8w_reg_tile_##R##x##P, R, P, I8W_SUMS_REG(R), I8W_BLOCK_REG(R),   \
+                                        I8W_STORE_REG(R))
 
 #if defined(__AVX512F__)
 /* The fp32 AVX-512 tiles' set (gemm.h): up to 24 zmm accumulators + 2 codes + a broadcast. */
@@ -129,6 +155,12 @@ GEMM_TILE_SET_12(I8W_TILE)
 static const gemm_tile_fn I8W_TILES[13] = GEMM_TILES_12(i8w);
 static const int I8W_TILE_PANELS[13] = GEMM_TILE_PANELS_12;
 #define I8W_TILE_ROWS gemm_tile_rows_12
+/* Small groups: 6, 4, 2 and 1 rows of 12, 8, 8 and 4 accumulators, their fp32 sums in as many registers. */
+#define I8W_SMALL_GROUP_PAIRS 32       /* groups of up to 64 k take these tiles */
+I8W_TILE_REG(6, 2) I8W_TILE_REG(4, 2) I8W_TILE_REG(2, 4) I8W_TILE_REG(1, 4)
+static const gemm_tile_fn I8W_REG_TILES[7] = {NULL, i8w_reg_tile_1x4, i8w_reg_tile_2x4, NULL, i8w_reg_tile_4x2,
+                                              NULL, i8w_reg_tile_6x2};
+static const int I8W_REG_TILE_PANELS[7] = {0, 4, 4, 0, 2, 0, 2};
 #else
 /* 6 and 4 rows: one panel (12 and 8 ymm accumulators: 6 x 2 + 2 codes + a broadcast + a product is
  * every ymm register); 2 rows and 1: two panels. */
@@ -195,10 +227,22 @@ static const gemm_kernel GEMM_I8W = {I8W_TILES, I8W_TILE_PANELS, I8W_TILE_ROWS, 
 static const gemm_kernel GEMM_I8W_BF16 = {I8W_TILES, I8W_TILE_PANELS, I8W_TILE_ROWS, i8w_pack_tile_bf16,
                                           i8w_row_bytes, i8w_panel_bytes, sizeof(bf16_t), 1, gemm_store_bf16};
 
+#if defined(__AVX512F__)
+static const gemm_kernel GEMM_I8W_SMALL = {I8W_REG_TILES, I8W_REG_TILE_PANELS, gemm_tile_rows_6421, i8w_pack_tile,
+                                           i8w_row_bytes, i8w_panel_bytes, sizeof(float), 0, NULL};
+static const gemm_kernel GEMM_I8W_SMALL_BF16 = {I8W_REG_TILES, I8W_REG_TILE_PANELS, gemm_tile_rows_6421,
+                                                i8w_pack_tile_bf16, i8w_row_bytes, i8w_panel_bytes, sizeof(bf16_t), 1,
+                                                gemm_store_bf16};
+#endif
+
 static int i8w_run(const gemm_kernel *kern, const void *x, int64_t ldx, int64_t M, int64_t K, const int8_t *codes,
                    const float *scales, int64_t group, const int32_t *order, int64_t N, void *y, int64_t ldy,
                    const float *bias) {
     if (group <= 0 || group % 2) return -1;
+#if defined(__AVX512F__)
+    if (group / 2 <= I8W_SMALL_GROUP_PAIRS && group < K)
+        kern = kern == &GEMM_I8W ? &GEMM_I8W_SMALL : &GEMM_I8W_SMALL_BF16;
+#endif
     const gemm_weight w = {(const char *)codes, scales, group, gemm_packed_bytes_i8w_f32(N, K) / (2 * i8w_pairs(K)),
                            order};
     return gemm_run(kern, x, ldx, M, K, &w, N, y, ldy, bias);

@@ -168,12 +168,13 @@ def int4_codes(out: int, inp: int, group: int, seed: int) -> GroupCodes:
 @needs_int8_kernel
 @pytest.mark.parametrize("rows", [1, 5, 13, 241])
 @pytest.mark.parametrize("out,inp,group", [(96, 256, 32), (130, 300, 64), (40, 1100, 128), (64, 1100, -1),
-                                           (48, 2048, 1024)])
+                                           (48, 2048, 1024), (72, 160, 16), (40, 90, 16)])
 def test_engine_int8_kernel_takes_group_scales(rows, out, inp, group):
     """An int4 checkpoint's codes with one scale per column and group of k: the kernel's int32 blocks end
     at each group's end and each block is scaled by its group. The product of the dequantized weight and
-    the rows rounded to int16, for groups of 32-1,024 k (a partial last group: 300 = 4 x 64 + 44; a group
-    of 512 pairs cut in two int32 blocks), per-channel scales over a K of several blocks."""
+    the rows rounded to int16, for groups of 16-1,024 k (NVFP4's 16 and up to 64 on the tiles whose fp32 sums
+    stay in registers; a partial last group: 300 = 4 x 64 + 44, 90 = 5 x 16 + 10; a group of 512 pairs cut in
+    two int32 blocks), per-channel scales over a K of several blocks."""
     c = int4_codes(out, inp, group, seed=rows)
     b = torch.randn(out, generator=torch.Generator().manual_seed(3))
     x = torch.randn(rows, inp, generator=torch.Generator().manual_seed(2))
@@ -246,7 +247,7 @@ def test_engine_int8_kernel_gives_the_same_bits_in_every_build_this_cpu_runs(tmp
         q, scale = quantize_int8(torch.randn(out, inp, generator=g) * 0.05)
         b = torch.randn(out, generator=g)
         cases += [(q, scale, b, torch.randn(rows, inp, generator=g)) for rows in (1, 2, 3, 5, 8, 13, 23, 40, 241)]
-    for out, inp, group in ((96, 256, 32), (130, 300, 64)):       # an int4 checkpoint's groups
+    for out, inp, group in ((96, 256, 32), (130, 300, 64), (72, 160, 16)):    # int4 and NVFP4 checkpoints' groups
         c = int4_codes(out, inp, group, seed=out)
         cases += [(c.codes, c.scales, None, torch.randn(rows, inp, generator=g), group) for rows in (1, 7, 13, 40)]
     cases = [case if len(case) == 5 else (*case, -1) for case in cases]
