@@ -1,11 +1,12 @@
 """Writes pre-quantized checkpoints (AWQ GEMM and GPTQ v1/v2 int4, compressed-tensors pack-quantized int4
-and int8, compressed-tensors int-quantized int8, NVFP4 and float-quantized FP8, transformers' block-scaled fp8) from
+and int8, compressed-tensors int-quantized int8, NVFP4 and float-quantized FP8, ModelOpt NVFP4 and FP8,
+transformers' block-scaled fp8) from
 a float checkpoint, bit by bit as each format's spec lays them out, and the fake-quantized float
 checkpoint with the same weights for transformers. Independent of the engine's unpacker
 (consort_engine/model/quantized_checkpoint.py): packing here is a loop over nibbles, and the reference
 weight is (code - zero) * scale computed from the integers before they are packed (FP8: each block's e4m3
 values times its scale, block by block; NVFP4: each e2m1 value times its group's e4m3 scale over the global
-scale, group by group).
+scale, group by group, or times its scale and ModelOpt's multiplier).
 """
 from __future__ import annotations
 
@@ -95,15 +96,17 @@ E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)     # an FP4 code's magnitude by
 class NvFp4Linear:
     nibbles: torch.Tensor    # [out, in] int64: 4-bit codes, sign in bit 3
     scales: torch.Tensor     # [out, in / 16] float8_e4m3fn
-    global_scale: torch.Tensor   # [1] float32, a divisor
-    reference: torch.Tensor  # [out, in] float32: E2M1[code] * (scale / global_scale)
+    global_scale: torch.Tensor   # [1] float32: compressed-tensors' divisor, or ModelOpt's multiplier (its inverse)
+    reference: torch.Tensor  # [out, in] float32: E2M1[code] * (scale / global_scale), or * (scale * multiplier)
 
 
-def quantize_nvfp4(w: torch.Tensor) -> NvFp4Linear:
+def quantize_nvfp4(w: torch.Tensor, modelopt: bool = False) -> NvFp4Linear:
     """NVFP4 as llm-compressor makes it: a global scale 448 * 6 / max|w|, per group of 16 columns an e4m3 scale
-    (group max / 6 times the global scale), each value the nearest e2m1 to w / (scale / global), group by group."""
+    (group max / 6 times the global scale), each value the nearest e2m1 to w / (scale / global), group by group;
+    ModelOpt keeps the global scale's inverse, a multiplier (w / (scale * multiplier))."""
     out, inp = w.shape
     global_scale = (448.0 * 6.0 / w.abs().max().float()).reshape(1)
+    multiplier = (1.0 / global_scale).float()
     nibbles = torch.empty(out, inp, dtype=torch.long)
     scales = torch.empty(out, inp // 16, dtype=torch.float8_e4m3fn)
     reference = torch.empty(out, inp)
@@ -111,21 +114,24 @@ def quantize_nvfp4(w: torch.Tensor) -> NvFp4Linear:
     for g in range(inp // 16):
         part = w[:, 16 * g:16 * (g + 1)].float()
         scale = (part.abs().amax(1) / 6.0 * global_scale).clamp(min=2.0 ** -9).to(torch.float8_e4m3fn)
-        effective = scale.float() / global_scale
+        effective = scale.float() * multiplier if modelopt else scale.float() / global_scale
         index = (part.abs()[:, :, None] / effective[:, None, None] - table).abs().argmin(-1)
         sign = part < 0
         nibbles[:, 16 * g:16 * (g + 1)] = index + 8 * sign.long()
         scales[:, g] = scale
         reference[:, 16 * g:16 * (g + 1)] = torch.where(sign, -table[index], table[index]) * effective[:, None]
-    return NvFp4Linear(nibbles, scales, global_scale, reference)
+    return NvFp4Linear(nibbles, scales, multiplier if modelopt else global_scale, reference)
 
 
-def pack_nvfp4(q: NvFp4Linear) -> dict[str, torch.Tensor]:
-    """Two codes a byte, the even column's in the low nibble."""
+def pack_nvfp4(q: NvFp4Linear, modelopt: bool = False) -> dict[str, torch.Tensor]:
+    """Two codes a byte, the even column's in the low nibble; compressed-tensors' names, or ModelOpt's."""
     out, inp = q.nibbles.shape
     packed = torch.zeros(out, inp // 2, dtype=torch.long)
     for j in range(inp // 2):
         packed[:, j] = q.nibbles[:, 2 * j] | (q.nibbles[:, 2 * j + 1] << 4)
+    if modelopt:
+        return {"weight": packed.to(torch.uint8), "weight_scale": q.scales, "weight_scale_2": q.global_scale.reshape(()),
+                "input_scale": torch.tensor(0.25)}
     return {"weight_packed": packed.to(torch.uint8), "weight_scale": q.scales, "weight_global_scale": q.global_scale,
             "input_global_scale": torch.tensor([4.0])}
 
@@ -173,6 +179,10 @@ def int_quantized(q: IntLinear) -> dict[str, torch.Tensor]:
 def quantization_config(method: str, group_size: int, sym: bool, act_order: bool, v1: bool, bits: int = 4,
                         layout: str = "pack-quantized", strategy: str = "channel",
                         block: tuple[int, int] = (32, 48)) -> dict:
+    if method == "modelopt":
+        algo = "NVFP4" if layout == "nvfp4-pack-quantized" else "FP8"
+        return {"quant_method": "modelopt", "quant_algo": algo, "kv_cache_quant_algo": "FP8", "exclude_modules": ["lm_head"],
+                **({"group_size": 16} if algo == "NVFP4" else {})}
     if method == "fp8":
         return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block)}
     if layout == "nvfp4-pack-quantized":     # W4A4, as the NVFP4 recipe writes it: a global activation scale
@@ -208,8 +218,9 @@ def write_quantized_checkpoint(src: Path, dst: Path, method: str, group_size: in
     float-quantized: FP8 scaled per `strategy`, with static activation and KV cache scales beside); method fp8:
     transformers' FP8 in blocks of `block`; with fake_dst, also write the float checkpoint of the dequantized
     weights. Returns weight name -> dequantized float32 weight."""
-    assert bits == 4 or method in ("compressed-tensors", "fp8"), "AWQ and GPTQ are written as int4"
+    assert bits == 4 or method in ("compressed-tensors", "fp8", "modelopt"), "AWQ and GPTQ are written as int4"
     fp8 = method == "fp8" or layout == "float-quantized"
+    modelopt = method == "modelopt"
     sym = sym or method == "compressed-tensors"
     dst.mkdir(parents=True)
     for f in src.iterdir():
@@ -226,21 +237,23 @@ def write_quantized_checkpoint(src: Path, dst: Path, method: str, group_size: in
             packed[name] = fake[name] = t
             continue
         if fp8:
-            q8 = quantize_fp8(t, "block" if method == "fp8" else strategy, block,
-                              torch.float32 if method == "fp8" else torch.bfloat16)
+            q8 = quantize_fp8(t, "block" if method == "fp8" else "tensor" if modelopt else strategy, block,
+                              torch.bfloat16 if method == "compressed-tensors" else torch.float32)
             packed[f"{prefix}.weight"] = q8.values
-            packed[f"{prefix}.{'weight_scale_inv' if method == 'fp8' else 'weight_scale'}"] = q8.scales
+            packed[f"{prefix}.{'weight_scale_inv' if method == 'fp8' else 'weight_scale'}"] = (
+                q8.scales.reshape(()) if modelopt else q8.scales)
             if method != "fp8":      # scales the engine reads past
                 packed[f"{prefix}.input_scale"] = torch.tensor([0.02], dtype=torch.bfloat16)
-                if prefix.endswith("k_proj"):
-                    attn = prefix.rpartition(".")[0]
-                    packed[f"{attn}.k_scale"], packed[f"{attn}.v_scale"] = torch.tensor(0.5), torch.tensor(0.25)
+                if prefix.endswith("k_proj"):      # ModelOpt keeps them on the projections, compressed-tensors above
+                    at = prefix if modelopt else prefix.rpartition(".")[0]
+                    packed[f"{at}.k_scale"] = torch.tensor(0.5)
+                    packed[f"{prefix[:-6] + 'v_proj' if modelopt else at}.v_scale"] = torch.tensor(0.25)
             reference[name] = q8.reference
             fake[name] = reference[name].to(t.dtype)
             continue
         if layout == "nvfp4-pack-quantized":
-            q4 = quantize_nvfp4(t)
-            packed.update({f"{prefix}.{k}": v for k, v in pack_nvfp4(q4).items()})
+            q4 = quantize_nvfp4(t, modelopt)
+            packed.update({f"{prefix}.{k}": v for k, v in pack_nvfp4(q4, modelopt).items()})
             reference[name] = q4.reference
             fake[name] = reference[name].to(t.dtype)
             continue

@@ -38,7 +38,8 @@ def pool_blocks(model_dir: Path, dtype: str, kv: str, block_size: int, memory: i
 DEFAULT_ARMS = {"cpu": "float32:none,float32:int8,float32:w8a8,bfloat16:none",
                 "cuda": "bfloat16:none,bfloat16:fp8"}
 QUANTIZATIONS = ("none", "int8", "w8a8", "fp8", "awq", "gptq", "compressed-tensors")
-PREQUANTIZED = ("awq", "gptq", "compressed-tensors")     # arms that load --quantized-model, a pre-quantized checkpoint
+# arms that load --quantized-model, a pre-quantized checkpoint
+PREQUANTIZED = ("awq", "gptq", "compressed-tensors", "modelopt")
 DTYPES = ("float32", "bfloat16")
 
 

@@ -1,6 +1,7 @@
 """Pre-quantized checkpoints: AWQ (GEMM) and GPTQ (v1 and v2) int4, compressed-tensors
 pack-quantized int4/int8 (W4A16, W8A16), int-quantized int8 (W8A8), nvfp4-pack-quantized (NVFP4) and
-float-quantized FP8, and the block-scaled FP8 of transformers' `fp8` method (Qwen3-FP8, DeepSeek-V3). config.json's
+float-quantized FP8, the block-scaled FP8 of transformers' `fp8` method (Qwen3-FP8, DeepSeek-V3), and NVIDIA
+ModelOpt's NVFP4 and FP8 (`quant_method: modelopt`). config.json's
 `quantization_config` names the format; at load every quantized linear (its packed codes, zero points
 and scales) becomes its integers and scales (`GroupCodes`: code - zero as int8, one fp32 scale per
 output channel and group of input columns), exactly. NVFP4's e2m1 values are integers once doubled (0 to
@@ -43,6 +44,9 @@ channel and group):
   4-bit codes per byte, the even column in the low nibble, each code e2m1 (bit 3 the sign, bits 0-2 the
   magnitude's index in E2M1); `weight_scale` float8_e4m3fn [out, in / 16]; `weight_global_scale` fp32 [1], a
   divisor: w = value * (weight_scale / weight_global_scale).
+- ModelOpt NVFP4 (`quant_algo: NVFP4`): `weight` uint8 [out, in / 2] packed as above; `weight_scale`
+  float8_e4m3fn [out, in / 16]; `weight_scale_2` fp32 [] or [1], a multiplier: w = value * (weight_scale *
+  weight_scale_2). ModelOpt FP8 (`quant_algo: FP8`): `weight` float8_e4m3fn, `weight_scale` fp32 [] (per tensor).
 - transformers' `fp8` (FineGrainedFP8): `weight` float8_e4m3fn [out, in]; `weight_scale_inv` per block of
   `weight_block_size` [b0, b1] as above (despite its name, w = value * weight_scale_inv).
 """
@@ -55,7 +59,8 @@ import torch
 
 from consort_engine.model.loader import iter_safetensors
 
-CHECKPOINT_FORMATS = ("awq", "gptq", "compressed-tensors")
+CHECKPOINT_FORMATS = ("awq", "gptq", "compressed-tensors", "modelopt")
+MODELOPT = "modelopt"
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)      # nibble i of an AWQ word holds column AWQ_PACK_ORDER[i]
 PACK_QUANTIZED, INT_QUANTIZED, FLOAT_QUANTIZED = "pack-quantized", "int-quantized", "float-quantized"
 NVFP4_PACK_QUANTIZED = "nvfp4-pack-quantized"
@@ -83,13 +88,19 @@ class CheckpointFormat:
         return self.method == FP8 or self.layout == FLOAT_QUANTIZED
 
     @property
+    def nvfp4(self) -> bool:
+        return self.layout == NVFP4_PACK_QUANTIZED
+
+    @property
     def kind(self) -> str:
         """The weights' element, for messages: int4, int8, nvfp4 or fp8."""
-        return "fp8" if self.float8 else "nvfp4" if self.layout == NVFP4_PACK_QUANTIZED else f"int{self.bits}"
+        return "fp8" if self.float8 else "nvfp4" if self.nvfp4 else f"int{self.bits}"
 
     @property
     def parts(self) -> tuple[str, ...]:
         """The tensor names (after the module's prefix) one quantized linear is made of."""
+        if self.method == MODELOPT:
+            return ("weight", "weight_scale", "weight_scale_2") if self.nvfp4 else ("weight", "weight_scale")
         if self.method == FP8:
             return ("weight", "weight_scale_inv")
         if self.method == "awq":
@@ -106,7 +117,7 @@ class CheckpointFormat:
         """Whether a tensor is part of a quantized linear: int-quantized's `weight` is, as int8 only, an FP8
         one's as e4m3 only (a `weight` of the model's dtype belongs to a module left unquantized: the
         embedding, the LM head, the norms)."""
-        code = torch.float8_e4m3fn if self.float8 else torch.int8
+        code = torch.float8_e4m3fn if self.float8 else torch.uint8 if self.nvfp4 else torch.int8
         return leaf in self.parts and (leaf != "weight" or tensor.dtype == code)
 
 
@@ -198,13 +209,22 @@ def checkpoint_format(raw_config: dict[str, Any]) -> CheckpointFormat | None:
         return CheckpointFormat("gptq", int(qc.get("group_size", 128)), zeros_minus_one=fmt == "gptq")
     if method == "compressed-tensors":
         return _compressed_tensors(qc)
+    if method == MODELOPT:
+        algo = str(qc.get("quant_algo", "")).upper()
+        _need(algo in ("NVFP4", "FP8"), f"modelopt quant_algo {qc.get('quant_algo')!r} (NVFP4 or FP8)")
+        if algo == "FP8":
+            return CheckpointFormat(MODELOPT, -1, bits=8, layout=FLOAT_QUANTIZED)
+        _need(int(qc.get("group_size", NVFP4_GROUP)) == NVFP4_GROUP,
+              f"modelopt NVFP4 group_size {qc.get('group_size')}")
+        return CheckpointFormat(MODELOPT, NVFP4_GROUP, bits=4, layout=NVFP4_PACK_QUANTIZED)
     if method == FP8:
         _need(str(qc.get("fmt", "e4m3")).lower() == "e4m3", f"fp8 fmt {qc.get('fmt')!r} (only e4m3)")
         _need(str(qc.get("activation_scheme", "dynamic")).lower() in ("dynamic", "static"),
               f"fp8 activation_scheme {qc.get('activation_scheme')!r}")
         return CheckpointFormat(FP8, -1, bits=8, block=_block(qc.get("weight_block_size"), "weight_block_size"))
     raise ValueError(f"unsupported quantization_config: quant_method {method!r}; "
-                     f"readable: awq and gptq (int4), compressed-tensors (int4, int8, nvfp4, fp8), fp8")
+                     f"readable: awq and gptq (int4), compressed-tensors (int4, int8, nvfp4, fp8), modelopt (nvfp4, fp8), "
+                     f"fp8")
 
 
 def unpack_columns(packed: torch.Tensor, order: tuple[int, ...] | None = None, bits: int = 4) -> torch.Tensor:
@@ -316,17 +336,20 @@ def pack_quantized_codes(weight_packed: torch.Tensor, weight_scale: torch.Tensor
     return GroupCodes(q.to(torch.int8), weight_scale.float().reshape(out, -1).contiguous(), group_size)
 
 
-def nvfp4_codes(weight_packed: torch.Tensor, weight_scale: torch.Tensor,
-                weight_global_scale: torch.Tensor) -> GroupCodes:
-    """NVFP4 tensors -> the linear's integers and scales: each e2m1 value doubled (an integer of -12 to 12)
-    times half its group's weight_scale / weight_global_scale, which is value * (weight_scale /
-    weight_global_scale) exactly (halving and doubling move only the exponent)."""
-    out = weight_packed.shape[0]
-    nibbles = torch.stack((weight_packed & 0x0F, weight_packed >> 4), dim=-1).reshape(out, -1).long()
+def nvfp4_codes(packed: torch.Tensor, group_scales: torch.Tensor) -> GroupCodes:
+    """NVFP4 codes and each group's scale (fp32) -> the linear's integers and scales: each e2m1 value doubled
+    (an integer of -12 to 12) times half its group's scale, which is value * scale exactly (halving and
+    doubling move only the exponent)."""
+    out = packed.shape[0]
+    nibbles = torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(out, -1).long()
     magnitude = torch.tensor(E2M1_DOUBLED, dtype=torch.int8)[nibbles & 7]
     codes = torch.where(nibbles & 8 != 0, -magnitude, magnitude)
-    scales = weight_scale.float() / weight_global_scale.float().reshape(()) / 2
-    return GroupCodes(codes.contiguous(), scales.reshape(out, -1).contiguous(), NVFP4_GROUP)
+    return GroupCodes(codes.contiguous(), (group_scales / 2).reshape(out, -1).contiguous(), NVFP4_GROUP)
+
+
+def _e4m3(scale: torch.Tensor) -> torch.Tensor:
+    """An e4m3 scale tensor as fp32 (some writers store its bytes as uint8)."""
+    return (scale.view(torch.float8_e4m3fn) if scale.dtype == torch.uint8 else scale).float()
 
 
 def fp8_weight(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
@@ -355,8 +378,10 @@ def _weight(fmt: CheckpointFormat, t: dict[str, torch.Tensor]) -> GroupCodes | t
     if fmt.method == "gptq":
         return gptq_weight(t["qweight"], t["qzeros"], t["scales"], t.get("g_idx"), fmt.group_size,
                            fmt.zeros_minus_one)
-    if fmt.layout == NVFP4_PACK_QUANTIZED:
-        return nvfp4_codes(t["weight_packed"], t["weight_scale"], t["weight_global_scale"])
+    if fmt.nvfp4 and fmt.method == MODELOPT:          # a multiplier
+        return nvfp4_codes(t["weight"], _e4m3(t["weight_scale"]) * t["weight_scale_2"].float().reshape(()))
+    if fmt.nvfp4:                                      # compressed-tensors: a divisor
+        return nvfp4_codes(t["weight_packed"], _e4m3(t["weight_scale"]) / t["weight_global_scale"].float().reshape(()))
     if fmt.layout == INT_QUANTIZED:
         w = t["weight"]
         scales = t["weight_scale"].float().reshape(w.shape[0], -1).contiguous()

@@ -1,5 +1,5 @@
-"""Pre-quantized checkpoints (AWQ and GPTQ int4, compressed-tensors int4, W8A16, W8A8, NVFP4 and FP8,
-transformers' block-scaled FP8; model/quantized_checkpoint.py) through the whole engine against transformers
+"""Pre-quantized checkpoints (AWQ and GPTQ int4, compressed-tensors int4, W8A16, W8A8, NVFP4 and FP8, ModelOpt
+NVFP4 and FP8, transformers' block-scaled FP8; model/quantized_checkpoint.py) through the whole engine against transformers
 running the fake-quantized model (the same dequantized weights in a float checkpoint): greedy tokens match
 (near-tie rule of fidelity_helpers), with top-5 logprobs close, for tiny Llama and Qwen2 checkpoints written by
 transformers and packed by tests/quantized_checkpoints.py. Where the engine's int8 kernel is built, the
@@ -31,6 +31,8 @@ FORMATS = {"awq": ("awq", {}), "gptq-act-order": ("gptq", dict(sym=True, act_ord
            "compressed-tensors-fp8-block": ("compressed-tensors", dict(bits=8, layout="float-quantized",
                                                                        strategy="block")),
            "compressed-tensors-nvfp4": ("compressed-tensors", dict(layout="nvfp4-pack-quantized")),
+           "modelopt-nvfp4": ("modelopt", dict(layout="nvfp4-pack-quantized")),
+           "modelopt-fp8": ("modelopt", dict(bits=8, layout="float-quantized")),
            "fp8-block": ("fp8", dict(bits=8))}
 GROUP = 32      # the tiny checkpoints' hidden (64) and intermediate (160) sizes are multiples of it
 

@@ -168,6 +168,11 @@ CONFIGS = {
         "input_activations": {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16,
                               "dynamic": "local"}}}},
                  CheckpointFormat("compressed-tensors", 16, bits=4, layout="nvfp4-pack-quantized")),
+    "modelopt-nvfp4": ({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16,
+                        "kv_cache_quant_algo": "FP8", "exclude_modules": ["lm_head"]},
+                       CheckpointFormat("modelopt", 16, bits=4, layout="nvfp4-pack-quantized")),
+    "modelopt-fp8": ({"quant_method": "modelopt", "quant_algo": "FP8"},
+                     CheckpointFormat("modelopt", -1, bits=8, layout="float-quantized")),
     "fp8": ({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
             CheckpointFormat("fp8", -1, bits=8, block=(128, 128))),
 }
@@ -201,6 +206,8 @@ def test_format_is_read_from_quantization_config(name):
     (ct("float-quantized", 8, None, type="float", strategy="block"), "block without block_structure"),
     (ct("float-quantized", 8, None, type="float", strategy="block", block_structure=[128]), "two positive sizes"),
     ({"quant_method": "fp8", "fmt": "e5m2"}, "only e4m3"),
+    ({"quant_method": "modelopt", "quant_algo": "W4A8_AWQ"}, "modelopt quant_algo 'W4A8_AWQ' .NVFP4 or FP8"),
+    ({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 32}, "modelopt NVFP4 group_size 32"),
     (ct("pack-quantized", 2, None), "pack-quantized weights of 2 bits"),
     (ct("int-quantized", 4, W8A8_ACTIVATIONS), "int-quantized weights of 4 bits"),
     (ct("pack-quantized", 8, W8A8_ACTIVATIONS), "pack-quantized with quantized activations"),
@@ -241,13 +248,12 @@ def test_nvfp4_unpacks_to_integers_and_the_reference_exactly():
     w = weight(7)
     q = quantize_nvfp4(w)
     t = pack_nvfp4(q)
-    codes = nvfp4_codes(t["weight_packed"], t["weight_scale"], t["weight_global_scale"])
+    codes = nvfp4_codes(t["weight_packed"], t["weight_scale"].float() / t["weight_global_scale"])
     assert codes.codes.dtype == torch.int8 and codes.group_size == 16 and codes.scales.shape == (OUT, IN // 16)
     assert set(codes.codes.unique().abs().tolist()) <= {0, 1, 2, 3, 4, 6, 8, 12}
     assert torch.equal(codes.dequantize(), q.reference)
     assert (q.reference - w).abs().max() <= w.abs().max() / 4        # e2m1: 1 mantissa bit
-    byte = nvfp4_codes(torch.tensor([[0x9A]], dtype=torch.uint8), torch.tensor([[2.0]]).to(torch.float8_e4m3fn),
-                       torch.tensor([0.5]))
+    byte = nvfp4_codes(torch.tensor([[0x9A]], dtype=torch.uint8), torch.tensor([[4.0]]))
     assert byte.codes.tolist() == [[-2, -1]] and byte.dequantize().tolist() == [[-4.0, -2.0]]   # -1.0, -0.5 times 4
 
 
@@ -276,6 +282,8 @@ def test_fp8_weights_decode_to_the_reference_block_by_block(strategy):
                                         ("compressed-tensors",
                                          dict(bits=8, layout="float-quantized", strategy="block")),
                                         ("compressed-tensors", dict(layout="nvfp4-pack-quantized")),
+                                        ("modelopt", dict(layout="nvfp4-pack-quantized")),
+                                        ("modelopt", dict(bits=8, layout="float-quantized")),
                                         ("fp8", dict(bits=8))])
 def test_checkpoint_weights_give_every_linear_as_codes_or_dequantized(tmp_path, method, kw):
     """A whole checkpoint directory: quantized linears come out as PREFIX.weight, their integers (CPU) or
@@ -301,6 +309,7 @@ def test_checkpoint_weights_give_every_linear_as_codes_or_dequantized(tmp_path, 
     kept = dict(checkpoint_weights(str(dst), fmt, torch.bfloat16, keep_codes=True))
     fp8 = fmt.float8
     assert fp8 == (method == "fp8" or kw.get("layout") == "float-quantized")
+    assert fmt.method == method
     for name, t in kept.items():
         if fp8:
             assert torch.equal(t, reference.get(name, tensors[name]).to(torch.bfloat16)), name

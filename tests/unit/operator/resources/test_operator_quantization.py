@@ -41,7 +41,7 @@ def test_quantization_the_device_cannot_run_is_refused(quantization, gpus):
 def test_crd_carries_the_field_its_description_and_the_rule():
     schema = specialist_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
     field = schema["properties"]["model"]["properties"]["quantization"]
-    assert field["enum"] == ["none", "auto", "int8", "w8a8", "fp8", "awq", "gptq", "compressed-tensors"]
+    assert field["enum"] == ["none", "auto", "int8", "w8a8", "fp8", "awq", "gptq", "compressed-tensors", "modelopt"]
     assert field["default"] == "none"
     assert "per output channel" in field["description"]           # what `kubectl explain` prints
     assert any(r["rule"] == QUANTIZATION_RULE for r in schema["x-kubernetes-validations"])
