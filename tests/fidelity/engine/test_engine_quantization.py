@@ -66,3 +66,25 @@ def test_int4_checkpoint_on_the_int8_kernel_is_as_close_as_dequantized(case, tmp
     dequantized = engine_prompt_logprobs(tmp_path / "awq", case.prompts, dtype="float32", quantization="auto")
     plain = assert_quant_fidelity(case, dequantized, "awq", name="dequantized ", bounds=INT4_BOUNDS)
     assert abs(codes[0] - plain[0]) <= 0.01 and abs(codes[1] - plain[1]) <= 0.01 and abs(codes[2] - plain[2]) <= 1e-3
+
+
+# NVFP4 and FP8 checkpoints of the held-out case's model (tests/quantized_checkpoints.py): (top-1, max logprob
+# error, perplexity delta) bounds with a margin over what each measures (machine 9: NVFP4 0.612 / 0.633 /
+# -0.004%, FP8 per channel 0.887 / 0.237 / +0.25%, in blocks of 32 x 32 0.866 / 0.206 / -0.52%)
+CHECKPOINT_BOUNDS = {"nvfp4": (0.52, 0.9, 0.02), "fp8-channel": (0.78, 0.4, 0.012), "fp8-block": (0.78, 0.4, 0.012)}
+CHECKPOINTS = {"nvfp4": ("compressed-tensors", dict(layout="nvfp4-pack-quantized")),
+               "fp8-channel": ("compressed-tensors", dict(bits=8, layout="float-quantized")),
+               "fp8-block": ("fp8", dict(bits=8, block=(32, 32)))}
+
+
+@pytest.mark.parametrize("fmt", list(CHECKPOINTS))
+def test_nvfp4_and_fp8_checkpoints_stay_close_to_the_unquantized_model(case, tmp_path, fmt):
+    """The same model as an NVFP4 checkpoint (on the int8 kernel's groups of 16) and as FP8 ones (per channel,
+    in blocks; decoded at load), against the unquantized model: the rounding of their weights costs what
+    CHECKPOINT_BOUNDS allow (NVFP4: 8 levels a sign, a scale per 16 weights; e4m3: 3 mantissa bits)."""
+    from quantized_checkpoints import write_quantized_checkpoint
+
+    method, kw = CHECKPOINTS[fmt]
+    write_quantized_checkpoint(case.checkpoint, tmp_path / fmt, method, -1, **kw)
+    plps = engine_prompt_logprobs(tmp_path / fmt, case.prompts, dtype="float32", quantization="auto")
+    assert_quant_fidelity(case, plps, fmt, bounds=CHECKPOINT_BOUNDS[fmt])
