@@ -212,12 +212,13 @@ def quantization_config(method: str, group_size: int, sym: bool, act_order: bool
 def write_quantized_checkpoint(src: Path, dst: Path, method: str, group_size: int, sym: bool = False,
                                act_order: bool = False, v1: bool = True, fake_dst: Path | None = None,
                                bits: int = 4, layout: str = "pack-quantized", strategy: str = "channel",
-                               block: tuple[int, int] = (32, 48)) -> dict[str, torch.Tensor]:
+                               block: tuple[int, int] = (32, 48), hf_quant_config: bool = False) -> dict[str, torch.Tensor]:
     """Quantize src's decoder linears into dst in `method`'s layout (everything else copied); `bits` and
     `layout` for compressed-tensors (pack-quantized | int-quantized: int8 only | nvfp4-pack-quantized |
     float-quantized: FP8 scaled per `strategy`, with static activation and KV cache scales beside); method fp8:
     transformers' FP8 in blocks of `block`; with fake_dst, also write the float checkpoint of the dequantized
-    weights. Returns weight name -> dequantized float32 weight."""
+    weights; hf_quant_config (modelopt): the quantization in ModelOpt's own hf_quant_config.json, config.json
+    left without one. Returns weight name -> dequantized float32 weight."""
     assert bits == 4 or method in ("compressed-tensors", "fp8", "modelopt"), "AWQ and GPTQ are written as int4"
     fp8 = method == "fp8" or layout == "float-quantized"
     modelopt = method == "modelopt"
@@ -268,8 +269,12 @@ def write_quantized_checkpoint(src: Path, dst: Path, method: str, group_size: in
         fake[name] = reference[name].to(t.dtype)
     save_file(packed, str(dst / "model.safetensors"))
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = quantization_config(method, group_size, sym, act_order, v1, bits, layout,
-                                                        strategy, block)
+    qc = quantization_config(method, group_size, sym, act_order, v1, bits, layout, strategy, block)
+    if hf_quant_config:
+        assert qc.pop("quant_method") == "modelopt", "hf_quant_config.json is ModelOpt's"
+        (dst / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt"}, "quantization": qc}))
+    else:
+        config["quantization_config"] = qc
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     if fake_dst is not None:
         shutil.copytree(src, fake_dst)

@@ -110,7 +110,7 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.hf_config = cfg = load_model_config(config.model)
         self.dtype = resolve_dtype(config.dtype, config.device, cfg.torch_dtype, has_bf16_dot())  # weights, KV
-        prequantized = checkpoint_format(cfg.raw)         # model/quantized_checkpoint.py
+        prequantized = checkpoint_format(cfg.raw, config.model)         # model/quantized_checkpoint.py
         self.quantization = resolve_quantization(config.quantization, prequantized)
         self.compute_dtype = compute_dtype(self.dtype, self.device)   # activations, GEMMs
         log.info("weights in %s, activations in %s (--dtype %s; the checkpoint is %s)",

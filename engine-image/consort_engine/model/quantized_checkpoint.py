@@ -52,7 +52,9 @@ channel and group):
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -190,10 +192,14 @@ def _compressed_tensors(qc: dict[str, Any]) -> CheckpointFormat:
                             bits=bits, layout=layout)
 
 
-def checkpoint_format(raw_config: dict[str, Any]) -> CheckpointFormat | None:
-    """config.json -> the format its weights are quantized in, None for a float checkpoint; a clear
-    ValueError for a quantized checkpoint this engine cannot read."""
+def checkpoint_format(raw_config: dict[str, Any], model_dir: str | Path | None = None) -> CheckpointFormat | None:
+    """config.json (and, where it names no quantization, model_dir's hf_quant_config.json: ModelOpt's own
+    file, which older exports keep beside an unannotated config.json) -> the format the weights are quantized
+    in, None for a float checkpoint; a clear ValueError for a quantized checkpoint this engine cannot read."""
     qc = raw_config.get("quantization_config")
+    modelopt = Path(model_dir) / "hf_quant_config.json" if model_dir is not None else None
+    if not qc and modelopt is not None and modelopt.is_file():
+        qc = {"quant_method": MODELOPT, **(json.loads(modelopt.read_text()).get("quantization") or {})}
     if not qc:
         return None
     method = str(qc.get("quant_method", "")).lower()

@@ -33,6 +33,7 @@ FORMATS = {"awq": ("awq", {}), "gptq-act-order": ("gptq", dict(sym=True, act_ord
            "compressed-tensors-nvfp4": ("compressed-tensors", dict(layout="nvfp4-pack-quantized")),
            "modelopt-nvfp4": ("modelopt", dict(layout="nvfp4-pack-quantized")),
            "modelopt-fp8": ("modelopt", dict(bits=8, layout="float-quantized")),
+           "modelopt-nvfp4-hf-quant-config": ("modelopt", dict(layout="nvfp4-pack-quantized", hf_quant_config=True)),
            "fp8-block": ("fp8", dict(bits=8))}
 GROUP = 32      # the tiny checkpoints' hidden (64) and intermediate (160) sizes are multiples of it
 

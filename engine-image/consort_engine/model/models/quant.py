@@ -59,7 +59,7 @@ def check_checkpoint_quantization(quantization: str, model_dir: str) -> None:
     quantization_config), before any weight loads; a missing config.json is the loader's error."""
     config = Path(model_dir) / "config.json"
     if config.is_file():
-        resolve_quantization(quantization, checkpoint_format(json.loads(config.read_text())))
+        resolve_quantization(quantization, checkpoint_format(json.loads(config.read_text()), model_dir))
 
 
 def channel_scales(w: torch.Tensor, qmax: float) -> torch.Tensor:

@@ -284,6 +284,7 @@ def test_fp8_weights_decode_to_the_reference_block_by_block(strategy):
                                         ("compressed-tensors", dict(layout="nvfp4-pack-quantized")),
                                         ("modelopt", dict(layout="nvfp4-pack-quantized")),
                                         ("modelopt", dict(bits=8, layout="float-quantized")),
+                                        ("modelopt", dict(layout="nvfp4-pack-quantized", hf_quant_config=True)),
                                         ("fp8", dict(bits=8))])
 def test_checkpoint_weights_give_every_linear_as_codes_or_dequantized(tmp_path, method, kw):
     """A whole checkpoint directory: quantized linears come out as PREFIX.weight, their integers (CPU) or
@@ -301,7 +302,9 @@ def test_checkpoint_weights_give_every_linear_as_codes_or_dequantized(tmp_path, 
     (src / "config.json").write_text(json.dumps({"model_type": "llama"}))
     dst = tmp_path / "q"
     reference = write_quantized_checkpoint(src, dst, method, 32, **kw)
-    fmt = checkpoint_format(json.loads((dst / "config.json").read_text()))
+    raw = json.loads((dst / "config.json").read_text())
+    fmt = checkpoint_format(raw, dst)
+    assert ("quantization_config" in raw) != kw.get("hf_quant_config", False)     # ModelOpt's own file read
     got = dict(checkpoint_weights(str(dst), fmt, torch.float32))
     assert set(got) == set(tensors)
     for name, t in got.items():
