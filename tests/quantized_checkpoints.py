@@ -212,7 +212,8 @@ def quantization_config(method: str, group_size: int, sym: bool, act_order: bool
 def write_quantized_checkpoint(src: Path, dst: Path, method: str, group_size: int, sym: bool = False,
                                act_order: bool = False, v1: bool = True, fake_dst: Path | None = None,
                                bits: int = 4, layout: str = "pack-quantized", strategy: str = "channel",
-                               block: tuple[int, int] = (32, 48), hf_quant_config: bool = False) -> dict[str, torch.Tensor]:
+                               block: tuple[int, int] = (32, 48),
+                               hf_quant_config: bool = False) -> dict[str, torch.Tensor]:
     """Quantize src's decoder linears into dst in `method`'s layout (everything else copied); `bits` and
     `layout` for compressed-tensors (pack-quantized | int-quantized: int8 only | nvfp4-pack-quantized |
     float-quantized: FP8 scaled per `strategy`, with static activation and KV cache scales beside); method fp8:
