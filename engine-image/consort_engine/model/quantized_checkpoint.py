@@ -228,9 +228,8 @@ def checkpoint_format(raw_config: dict[str, Any], model_dir: str | Path | None =
         _need(str(qc.get("activation_scheme", "dynamic")).lower() in ("dynamic", "static"),
               f"fp8 activation_scheme {qc.get('activation_scheme')!r}")
         return CheckpointFormat(FP8, -1, bits=8, block=_block(qc.get("weight_block_size"), "weight_block_size"))
-    raise ValueError(f"unsupported quantization_config: quant_method {method!r}; "
-                     f"readable: awq and gptq (int4), compressed-tensors (int4, int8, nvfp4, fp8), modelopt (nvfp4, fp8), "
-                     f"fp8")
+    raise ValueError(f"unsupported quantization_config: quant_method {method!r}; readable: awq and gptq "
+                     "(int4), compressed-tensors (int4, int8, nvfp4, fp8), modelopt (nvfp4, fp8), fp8 (block-scaled)")
 
 
 def unpack_columns(packed: torch.Tensor, order: tuple[int, ...] | None = None, bits: int = 4) -> torch.Tensor:
@@ -398,8 +397,8 @@ def _weight(fmt: CheckpointFormat, t: dict[str, torch.Tensor]) -> GroupCodes | t
 def unpacked_tensors(fmt: CheckpointFormat, tensors: Iterable[tuple[str, torch.Tensor]],
                      keep_codes: bool) -> Iterator[tuple[str, GroupCodes | torch.Tensor]]:
     """The checkpoint's tensors with every quantized linear's parts replaced by its `PREFIX.weight`,
-    yielded as soon as its parts are all read: its GroupCodes (keep_codes), else W float32; an FP8
-    the scales the engine does not apply dropped; every other tensor passes through."""
+    yielded as soon as its parts are all read: its GroupCodes (keep_codes), else W float32; the scales the
+    engine does not apply (UNAPPLIED_SCALES) dropped; every other tensor passes through."""
     def weight(parts: dict[str, torch.Tensor]) -> GroupCodes | torch.Tensor:
         w = _weight(fmt, parts)
         return w.dequantize() if isinstance(w, GroupCodes) and not keep_codes else w
