@@ -29,6 +29,7 @@ from it.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -91,9 +92,11 @@ class RowRuns:
 @dataclass
 class VerifyWindows:
     """A step's verify windows (one run each) and, per mixer, the inputs its step took (whatever that
-    mixer needs to step a window's rows again)."""
+    mixer needs to step a window's rows again); commit: where the step ran its layers in one C call, the
+    same steps of every mixer in one call (kept runs -> None), else None (mixer by mixer)."""
     runs: RowRuns
     inputs: list = field(default_factory=list)
+    commit: Callable[[RowRuns], None] | None = None
 
     def kept_runs(self, kept: dict[int, int]) -> RowRuns | None:
         """kept: slot -> tokens of its window whose state stands (1..length). The runs of those tokens,

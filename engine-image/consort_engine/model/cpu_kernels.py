@@ -190,7 +190,8 @@ def load_library(so: Path) -> ctypes.CDLL:
     lib.set_num_threads.argtypes, lib.set_num_threads.restype = [I], None
     lib.team_size.argtypes, lib.team_size.restype = [], I
     if hasattr(lib, "decoder_layers"):         # models/fused_layers.py (a library of some kernels lacks it)
-        lib.decoder_layers.argtypes, lib.decoder_layers.restype = [P, P, I, P], I
+        for fn in (lib.decoder_layers, lib.commit_windows):
+            fn.argtypes, fn.restype = [P, P, I, P], I
     lib.set_num_threads(torch.get_num_threads())
     return lib
 

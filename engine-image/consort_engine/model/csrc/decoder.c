@@ -273,6 +273,23 @@ static int mixer(const model_t *m, const layer_t *L, int layer, const step_t *s)
     return linear(m, s, &L->o, layer, PROJ_O, s->act, s->h) ? OP_O : 0;
 }
 
+/* After a verify step: every mixer steps the kept rows of the windows (s->win_rows, s->win_lengths: the kept
+ * runs; s->win_slots) again into their slots, from the projection the verify step kept for it (s->kept, s->rows
+ * rows a mixer, the time steps in place), y into s->attn: HybridState.commit_windows in one call instead of a
+ * kernel call from Python a mixer. 0, or 16 * layer + OP_MIXER_STEP (out of memory). */
+int commit_windows(const model_t *m, const layer_t *layers, int n_layers, const step_t *s) {
+    const int64_t width = m->inner + m->conv_dim + m->m_heads, e = m->elem;
+    for (int i = 0; i < n_layers; i++) {
+        const mixer_t *X = layers[i].mixer;
+        if (!X) continue;
+        const char *xbc = (const char *)s->kept + (X->index * s->rows * width + m->inner) * e;
+        if (mixer_step(m, X, s, xbc, xbc + m->conv_dim * e, width, s->win_rows, s->win_lengths, s->win_slots,
+                       s->n_windows, 1))
+            return 16 * i + OP_MIXER_STEP;
+    }
+    return 0;
+}
+
 /* Every layer over the step's rows. 0, or 16 * layer + the failing op (OP_*): a GEMM or the mixer step out of
  * memory for its buffers, or an attention kernel's error. */
 int decoder_layers(const model_t *m, const layer_t *layers, int n_layers, const step_t *s) {

@@ -15,12 +15,13 @@ from __future__ import annotations
 import ctypes
 import os
 from collections.abc import Sequence
+from functools import partial
 from itertools import accumulate
 from ctypes import c_float, c_int64, c_void_p
 
 import torch
 
-from consort_engine.kv.state_pool import StateMetadata
+from consort_engine.kv.state_pool import RowRuns, StateMetadata
 from consort_engine.model.attention import AttentionMetadata
 from consort_engine.model.cpu_kernels import cpu_kernels, kernel
 from consort_engine.model.models.layers import MLP, Attention, DecoderLayer
@@ -175,7 +176,7 @@ class FusedLayers:
         self.widths, self.dtype, self.pools, self.adapters = widths, dtype, pools, adapters
         self.mixers = mixers           # what the layers' mixer pointers point at: kept while the plan lives
         lib = cpu_kernels()
-        self.fn = lib.decoder_layers
+        self.fn, self.commit_fn = lib.decoder_layers, lib.commit_windows
 
     @classmethod
     def plan(cls, layers: Sequence, rotary: RotaryEmbedding, dtype: torch.dtype) -> FusedLayers | None:
@@ -300,6 +301,21 @@ class FusedLayers:
             step.conv_out = conv_out
         return kept
 
+    def _commit(self, st: StateMetadata, kept: torch.Tensor, y: torch.Tensor, runs: RowRuns) -> None:
+        """The kept runs of the verify windows stepped again into their slots by every mixer in one C call
+        (csrc/decoder.c commit_windows), from the projections `kept` the verify step left (y: scratch), as
+        HybridState.commit_windows steps them mixer by mixer."""
+        step = _Step(rows=kept.shape[1], attn=y.data_ptr(), kept=kept.data_ptr())
+        conv, ssm = st.conv, st.ssm
+        step.conv, step.conv_slot, step.conv_mixer = conv.data_ptr(), conv.stride(0), conv.stride(1)
+        step.ssm, step.ssm_slot, step.ssm_mixer = ssm.data_ptr(), ssm.stride(0), ssm.stride(1)
+        ids = runs.ids
+        step.n_windows, step.win_rows, step.win_lengths, step.win_slots = ids[0].shape[0], \
+            *(t.data_ptr() for t in ids)
+        rc = self.commit_fn(ctypes.byref(self.model), self.layers, len(self.layers), ctypes.byref(step))
+        if rc:
+            raise MemoryError(f"decoder layer {rc // 16}: the mixer step kernel has no memory for its buffers")
+
     def run(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
             segments: Sequence[tuple[int, int, str]] = ()) -> torch.Tensor:
         """h: the embeddings [T, hidden] (the residual stream, updated in place) -> the last layer's output plus
@@ -322,8 +338,9 @@ class FusedLayers:
         rc = self.fn(ctypes.byref(self.model), self.layers, len(self.layers), ctypes.byref(step))
         if kept is not None:     # what each mixer's step took, as Mamba2Mixer.forward keeps it (y: scratch)
             m, y = self.model, torch.empty(rows, self.model.inner, dtype=h.dtype)
-            meta.state.windows.inputs[:] = [(p[:, m.inner:m.inner + m.conv_dim], p[:, m.inner + m.conv_dim:], y)
-                                            for p in kept]
+            win = meta.state.windows
+            win.inputs[:] = [(p[:, m.inner:m.inner + m.conv_dim], p[:, m.inner + m.conv_dim:], y) for p in kept]
+            win.commit = partial(self._commit, meta.state, kept, y)
         if rc:
             layer, op = divmod(rc, 16)
             if op in (1, 2, 3, 4, 7):

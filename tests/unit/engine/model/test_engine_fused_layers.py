@@ -136,8 +136,8 @@ def hybrid_steps(r: ModelRunner, adapters: tuple[str | None, ...] = (None, None,
 
 def hybrid_window_step(r: ModelRunner, adapters: tuple[str | None, ...]) -> None:
     """After hybrid_steps: a verify step (a window of 4 rows, one of 3, a decode row) and the commit of 2 and 3
-    of the windows' tokens, through the C plan and through the modules from the same pools: the hidden
-    states, and the KV and state pools after the commit."""
+    of the windows' tokens, through the C plan (the commit in its one call) and through the modules (the
+    commit mixer by mixer) from the same pools: the hidden states, and the KV and state pools after it."""
     rows = [(tokens(4, 4), 36), (tokens(3, 5), 19), (tokens(1, 6), 10)]        # where hybrid_steps left them
     blocks = list(range(0, 4)), list(range(4, 8)), list(range(8, 10))
     groups = [RowGroup(t, start, bl, len(t), adapter=name, state_slot=slot)
@@ -160,6 +160,7 @@ def hybrid_window_step(r: ModelRunner, adapters: tuple[str | None, ...]) -> None
                 outs.append(r.model(inp.input_ids, inp.positions, inp.meta))
         finally:
             r.lora_ctx.segments = []
+        assert (inp.meta.state.windows.commit is not None) == fused      # the commit in one C call, or mixer by mixer
         r.commit_windows({0: 2, 1: 3})
         after.append([p.clone() for p in pools])
     r.model.fused = False
