@@ -130,8 +130,8 @@ def pack_nvfp4(q: NvFp4Linear, modelopt: bool = False) -> dict[str, torch.Tensor
     for j in range(inp // 2):
         packed[:, j] = q.nibbles[:, 2 * j] | (q.nibbles[:, 2 * j + 1] << 4)
     if modelopt:
-        return {"weight": packed.to(torch.uint8), "weight_scale": q.scales, "weight_scale_2": q.global_scale.reshape(()),
-                "input_scale": torch.tensor(0.25)}
+        return {"weight": packed.to(torch.uint8), "weight_scale": q.scales,
+                "weight_scale_2": q.global_scale.reshape(()), "input_scale": torch.tensor(0.25)}
     return {"weight_packed": packed.to(torch.uint8), "weight_scale": q.scales, "weight_global_scale": q.global_scale,
             "input_global_scale": torch.tensor([4.0])}
 
@@ -181,8 +181,8 @@ def quantization_config(method: str, group_size: int, sym: bool, act_order: bool
                         block: tuple[int, int] = (32, 48)) -> dict:
     if method == "modelopt":
         algo = "NVFP4" if layout == "nvfp4-pack-quantized" else "FP8"
-        return {"quant_method": "modelopt", "quant_algo": algo, "kv_cache_quant_algo": "FP8", "exclude_modules": ["lm_head"],
-                **({"group_size": 16} if algo == "NVFP4" else {})}
+        return {"quant_method": "modelopt", "quant_algo": algo, "kv_cache_quant_algo": "FP8",
+                "exclude_modules": ["lm_head"], **({"group_size": 16} if algo == "NVFP4" else {})}
     if method == "fp8":
         return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block)}
     if layout == "nvfp4-pack-quantized":     # W4A4, as the NVFP4 recipe writes it: a global activation scale

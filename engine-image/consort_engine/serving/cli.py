@@ -53,11 +53,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--quantization", default="none", choices=list(QUANTIZATIONS),
                    help="quantize the decoder's linear weights at load: int8 (int8 weights, each layer's input rounded "
                         "per row to 16-bit integers, the LM head too; cpu), w8a8 (int8 weights and activations, cpu), fp8 (e4m3 weights and activations, cuda); per-channel scales. "
-                        "A pre-quantized checkpoint (awq or gptq int4, compressed-tensors int4/int8/nvfp4, modelopt nvfp4, named by "
-                        "config.json's quantization_config) loads with none, auto or its own format's name; on cpu "
-                        "its codes run on the int8 kernel, elsewhere it is dequantized to --dtype. An fp8 checkpoint "
-                        "(compressed-tensors float-quantized, modelopt fp8, transformers' fp8) is decoded to --dtype; "
-                        "fp8 rounds "
+                        "A pre-quantized checkpoint (awq or gptq int4, compressed-tensors int4/int8/nvfp4, "
+                        "modelopt nvfp4, named by config.json's quantization_config) loads with none, auto or its own "
+                        "format's name; on cpu its codes run on the int8 kernel, elsewhere it is dequantized to "
+                        "--dtype. An fp8 checkpoint (compressed-tensors float-quantized, modelopt fp8, transformers' "
+                        "fp8) is decoded to --dtype; fp8 rounds "
                         "it to e4m3 per row again (cuda)")
     p.add_argument("--kv-cache-dtype", default=EngineConfig.kv_cache_dtype, choices=KV_CACHE_DTYPES,
                    help="the KV pool's element: auto = the weights' dtype; bfloat16 (a float32 model's pool in half "

@@ -58,7 +58,8 @@ class ModelSource(Model):
     tokenizer: str | None = Field(
         default=None, pattern=MODEL_SOURCE, max_length=512,
         description="Tokenizer location (same URL forms as source); defaults to the checkpoint directory itself.")
-    quantization: Literal["none", "auto", "int8", "w8a8", "fp8", "awq", "gptq", "compressed-tensors", "modelopt"] = Field(
+    quantization: Literal["none", "auto", "int8", "w8a8", "fp8", "awq", "gptq", "compressed-tensors",
+                          "modelopt"] = Field(
         default="none",
         description=("Quantize the decoder's linear weights when the engine loads the checkpoint (bf16/fp32 "
                      "on disk), one scale per output channel: `int8` (int8 weights, each layer's input rounded "
@@ -66,13 +67,14 @@ class ModelSource(Model):
                      "activations, CPU), `fp8` (e4m3 weights and activations, GPUs "
                      "of compute capability 8.9 or newer). A pre-quantized checkpoint (AWQ or GPTQ int4, "
                      "compressed-tensors W4A16, W8A16, W8A8 or NVFP4, ModelOpt NVFP4, named by its config.json's "
-                     "quantization_config) loads "
-                     "with `none`, `auto` or its own format's name (`awq`, `gptq`, `compressed-tensors`, `modelopt`; the "
-                     "engine refuses to start when the checkpoint is another); on CPU its linears multiply "
+                     "quantization_config) loads with `none`, `auto` or its own format's name (`awq`, `gptq`, "
+                     "`compressed-tensors`, `modelopt`; the engine refuses to start when the checkpoint is "
+                     "another); on CPU its linears multiply "
                      "their codes with one scale per group in the engine's integer kernels (a quarter of the "
                      "fp32 weight's memory), elsewhere they are dequantized to the dtype. An FP8 checkpoint "
-                     "(compressed-tensors float-quantized, ModelOpt FP8, or transformers' block-scaled `fp8`) loads with `none`, "
-                     "`auto` or its format's name, its weights decoded to the dtype, or with `fp8` (GPUs) rounded "
+                     "(compressed-tensors float-quantized, ModelOpt FP8, or transformers' block-scaled `fp8`) "
+                     "loads with `none`, `auto` or its format's name, its weights decoded to the dtype, or with "
+                     "`fp8` (GPUs) rounded "
                      "to e4m3 per row again. LoRA adapters stay in full precision."))
 
     _no_parent = field_validator("source", "tokenizer")(no_pvc_parent)

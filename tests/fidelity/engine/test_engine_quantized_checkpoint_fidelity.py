@@ -1,10 +1,10 @@
-"""Pre-quantized checkpoints (AWQ and GPTQ int4, compressed-tensors int4, W8A16, W8A8, NVFP4 and FP8, ModelOpt
-NVFP4 and FP8, transformers' block-scaled FP8; model/quantized_checkpoint.py) through the whole engine against transformers
-running the fake-quantized model (the same dequantized weights in a float checkpoint): greedy tokens match
-(near-tie rule of fidelity_helpers), with top-5 logprobs close, for tiny Llama and Qwen2 checkpoints written by
-transformers and packed by tests/quantized_checkpoints.py. Where the engine's int8 kernel is built, the
-decoder's integer (and NVFP4) linears run on their codes (act-order's too); FP8 ones run decoded. transformers'
-own readers of the FP8 and compressed-tensors formats decode the same weights."""
+"""Pre-quantized checkpoints (AWQ and GPTQ int4, compressed-tensors int4, W8A16, W8A8, NVFP4 and FP8, ModelOpt NVFP4
+and FP8, transformers' block-scaled FP8; model/quantized_checkpoint.py) through the whole engine against
+transformers running the fake-quantized model (the same dequantized weights in a float checkpoint): greedy tokens
+match (near-tie rule of fidelity_helpers), with top-5 logprobs close, for tiny Llama and Qwen2 checkpoints
+written by transformers and packed by tests/quantized_checkpoints.py. Where the engine's int8 kernel is built,
+the decoder's integer (and NVFP4) linears run on their codes (act-order's too); FP8 ones run decoded.
+transformers' own readers of the FP8 and compressed-tensors formats decode the same weights."""
 from __future__ import annotations
 
 import json
