@@ -165,6 +165,18 @@ def _table_shape(block_tables: torch.Tensor | None) -> tuple[int, int]:
     return (0, 0) if block_tables is None else (block_tables.shape[1], block_tables.shape[0])
 
 
+def _state_pools(step: _Step, st: StateMetadata) -> None:
+    """A hybrid step's conv and SSM slot pools, with their slot and mixer strides (csrc/decoder.c step_t)."""
+    step.conv, step.conv_slot, step.conv_mixer = st.conv.data_ptr(), st.conv.stride(0), st.conv.stride(1)
+    step.ssm, step.ssm_slot, step.ssm_mixer = st.ssm.data_ptr(), st.ssm.stride(0), st.ssm.stride(1)
+
+
+def _windows(step: _Step, runs: RowRuns) -> None:
+    """Runs of rows each stepped from its slot (a verify step's windows, or their kept rows at the commit)."""
+    ids = runs.ids
+    step.n_windows, step.win_rows, step.win_lengths, step.win_slots = ids[0].shape[0], *(t.data_ptr() for t in ids)
+
+
 class FusedLayers:
     """The C plan of a model's decoder layers for one activation dtype: every layer's weights and pools as
     pointers, built once (plan) and run per step (run) where it applies."""
@@ -275,16 +287,12 @@ class FusedLayers:
         windows and prefill chunks (with their checkpoints); conv_out: the chunks' conv scratch. Returns the
         buffer each mixer's projection goes to where the step has windows (commit_windows steps from it)."""
         kept = None
-        conv, ssm = st.conv, st.ssm
-        step.conv, step.conv_slot, step.conv_mixer = conv.data_ptr(), conv.stride(0), conv.stride(1)
-        step.ssm, step.ssm_slot, step.ssm_mixer = ssm.data_ptr(), ssm.stride(0), ssm.stride(1)
+        _state_pools(step, st)
         if st.decode_ids is not None:
             step.n_decode, step.decode_rows, step.decode_slots = st.decode_ids[0].shape[0], \
                 *(t.data_ptr() for t in st.decode_ids)
         if st.windows is not None:
-            ids = st.windows.runs.ids
-            step.n_windows, step.win_rows, step.win_lengths, step.win_slots = ids[0].shape[0], \
-                *(t.data_ptr() for t in ids)
+            _windows(step, st.windows.runs)
             m = self.model
             kept = torch.empty(len(self.mixers), rows, m.inner + m.conv_dim + m.m_heads, dtype=self.dtype)
             step.kept = kept.data_ptr()
@@ -306,12 +314,8 @@ class FusedLayers:
         (csrc/decoder.c commit_windows), from the projections `kept` the verify step left (y: scratch), as
         HybridState.commit_windows steps them mixer by mixer."""
         step = _Step(rows=kept.shape[1], attn=y.data_ptr(), kept=kept.data_ptr())
-        conv, ssm = st.conv, st.ssm
-        step.conv, step.conv_slot, step.conv_mixer = conv.data_ptr(), conv.stride(0), conv.stride(1)
-        step.ssm, step.ssm_slot, step.ssm_mixer = ssm.data_ptr(), ssm.stride(0), ssm.stride(1)
-        ids = runs.ids
-        step.n_windows, step.win_rows, step.win_lengths, step.win_slots = ids[0].shape[0], \
-            *(t.data_ptr() for t in ids)
+        _state_pools(step, st)
+        _windows(step, runs)
         rc = self.commit_fn(ctypes.byref(self.model), self.layers, len(self.layers), ctypes.byref(step))
         if rc:
             raise MemoryError(f"decoder layer {rc // 16}: the mixer step kernel has no memory for its buffers")

@@ -32,6 +32,11 @@ class RMSNorm(HooklessModule):
             return ops.rms_norm(x, self.weight, self.eps, self.fast)
         return ops.add_rms_norm(residual, x, self.weight, self.eps, self.fast)
 
+    def layer_input(self, h: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decoder layer's input norm: (norm(h), h) in the first layer, where the residual stream starts as h;
+        else the previous layer's output added into the stream, fused with the norm."""
+        return (self(h), h) if residual is None else self(h, residual)
+
 
 class Linear(HooklessModule):
     """y = x W^T + b, with W assembled from one or more checkpoint shards (fused projections).
@@ -191,10 +196,7 @@ class DecoderLayer(HooklessModule):
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 rotary: RotaryEmbedding, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """(layer output, residual stream before it): the residual add is fused into the next norm."""
-        if residual is None:
-            x, residual = self.input_layernorm(h), h
-        else:
-            x, residual = self.input_layernorm(h, residual)
+        x, residual = self.input_layernorm.layer_input(h, residual)
         h = self.self_attn(x, positions, rotary, meta)
         x, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(x), residual

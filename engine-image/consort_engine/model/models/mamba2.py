@@ -245,10 +245,7 @@ class BambaLayer(HooklessModule):
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 rotary: RotaryEmbedding, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            x, residual = self.input_layernorm(h), h
-        else:
-            x, residual = self.input_layernorm(h, residual)
+        x, residual = self.input_layernorm.layer_input(h, residual)
         h = self.self_attn(x, positions, rotary, meta) if self.mamba is None else self.mamba(x, meta.state)
         x, residual = self.pre_ff_layernorm(h, residual)
         return self.feed_forward(x), residual
